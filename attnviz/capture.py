@@ -1,0 +1,205 @@
+"""``capture(loaded, text, arch)`` → a :class:`Capture`: the one object metrics, figures and pages read.
+
+A capture holds the tokens, the architecture and each layer's mask name, the recorded
+probabilities (fp16 by default, softmax done in fp32), the allow-set of every recorded layer, the
+next-token distribution, optional hidden states, timing and metadata. It saves to a single
+``.npz`` (arrays plus a JSON metadata string; no pickle) and loads back.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import arch as arch_mod
+from . import engine, metrics
+from .errors import AttnvizError, InputError
+from .models import LoadedModel
+
+FORMAT = "attnviz-capture/1"
+
+
+@dataclass
+class Capture:
+    text: str
+    tokens: list[str]
+    token_ids: list[int]
+    arch: str
+    layer_masks: list[str]
+    layers: list[int]
+    kv_groups: list[int]
+    allowed: dict[int, np.ndarray]
+    probs: dict[int, np.ndarray] = field(default_factory=dict)
+    stats: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+    next_logprobs: np.ndarray | None = None
+    hidden: np.ndarray | None = None
+    timing: dict[str, float] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.kv_groups)
+
+    @property
+    def reduced(self) -> bool:
+        return not self.probs and bool(self.stats)
+
+    def layer_probs(self, layer: int) -> np.ndarray:
+        """(H, n, n) float32 probabilities of a recorded layer."""
+        if layer not in self.probs:
+            why = "this capture kept only statistics" if self.reduced else f"layer {layer} was not recorded"
+            raise AttnvizError(f"no attention map for layer {layer}: {why} (recorded: {self.layers})")
+        return self.probs[layer].astype(np.float32)
+
+    def stat(self, layer: int, name: str) -> np.ndarray:
+        """A per-layer statistic of :func:`metrics.summarise`, from stored stats or full maps."""
+        if layer in self.stats:
+            return self.stats[layer][name]
+        return metrics.summarise(self.layer_probs(layer), self.allowed[layer])[name]
+
+    # --- persistence -------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        if path.suffix != ".npz":
+            path = path.with_suffix(path.suffix + ".npz") if path.suffix else path.with_suffix(".npz")
+        arrays: dict[str, np.ndarray] = {"token_ids": np.asarray(self.token_ids, dtype=np.int64)}
+        for layer in self.layers:
+            arrays[f"allowed_{layer}"] = self.allowed[layer]
+            if layer in self.probs:
+                arrays[f"probs_{layer}"] = self.probs[layer]
+            for name, value in self.stats.get(layer, {}).items():
+                arrays[f"stat_{name}_{layer}"] = value
+        if self.next_logprobs is not None:
+            arrays["next_logprobs"] = self.next_logprobs
+        if self.hidden is not None:
+            arrays["hidden"] = self.hidden
+        header = {
+            "format": FORMAT, "text": self.text, "tokens": self.tokens, "arch": self.arch,
+            "layer_masks": self.layer_masks, "layers": self.layers, "kv_groups": self.kv_groups,
+            "timing": self.timing, "meta": self.meta,
+        }
+        arrays["header"] = np.array(json.dumps(header))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(path, **arrays)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Capture":
+        try:
+            data = np.load(Path(path), allow_pickle=False)
+            header = json.loads(str(data["header"]))
+        except (OSError, KeyError, ValueError) as err:
+            raise AttnvizError(f"'{path}' is not an attnviz capture file ({err})") from None
+        if header.get("format") != FORMAT:
+            raise AttnvizError(f"'{path}' has format {header.get('format')!r}, expected {FORMAT}")
+        layers = [int(x) for x in header["layers"]]
+        stats: dict[int, dict[str, np.ndarray]] = {}
+        for key in data.files:
+            if key.startswith("stat_"):
+                name, layer = key[5:].rsplit("_", 1)
+                stats.setdefault(int(layer), {})[name] = data[key]
+        return cls(
+            text=header["text"], tokens=header["tokens"], token_ids=data["token_ids"].tolist(),
+            arch=header["arch"], layer_masks=header["layer_masks"], layers=layers,
+            kv_groups=header["kv_groups"], allowed={l: data[f"allowed_{l}"] for l in layers},
+            probs={l: data[f"probs_{l}"] for l in layers if f"probs_{l}" in data.files}, stats=stats,
+            next_logprobs=data["next_logprobs"] if "next_logprobs" in data.files else None,
+            hidden=data["hidden"] if "hidden" in data.files else None,
+            timing=header["timing"], meta=header["meta"],
+        )
+
+
+def parse_layers(layers, n_layers: int) -> list[int]:
+    """``None``/"all" → every layer; "0,5,-1" or a list → those layers (negative counts from the top)."""
+    if layers is None or (isinstance(layers, str) and layers.strip().lower() in ("", "all")):
+        return list(range(n_layers))
+    items = layers.split(",") if isinstance(layers, str) else list(layers)
+    chosen = []
+    for item in items:
+        try:
+            index = int(str(item).strip())
+        except ValueError:
+            raise InputError(f"layer '{item}' is not a whole number") from None
+        if not -n_layers <= index < n_layers:
+            raise InputError(f"layer {index} does not exist: the model has layers 0..{n_layers - 1}")
+        chosen.append(index % n_layers)
+    return sorted(set(chosen))
+
+
+def tokenize(loaded: LoadedModel, text: str) -> tuple[list[int], list[str]]:
+    if not isinstance(text, str) or not text.strip():
+        raise InputError("the text is empty: type or pick a text to capture")
+    ids = loaded.tokenizer(text, add_special_tokens=True)["input_ids"]
+    if len(ids) > loaded.max_tokens:
+        raise InputError(
+            f"the text is {len(ids)} tokens long but {loaded.model_id} takes at most {loaded.max_tokens}: shorten it"
+        )
+    if len(ids) < 1:
+        raise InputError("the text produced no tokens")
+    return ids, [loaded.tokenizer.decode([i]) for i in ids]
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    from . import __version__
+
+    return {"attnviz": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "numpy": np.__version__, "python": platform.python_version()}
+
+
+def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = "fwd", layers=None,
+            reduce: bool = False, storage_dtype: torch.dtype = torch.float16,
+            hidden_states: bool = False) -> Capture:
+    """Run ``text`` through the model under ``arch`` and record attention.
+
+    ``layers`` picks the recorded layers (the others run through SDPA); ``reduce=True`` keeps only
+    the per-layer statistics of :func:`metrics.summarise` instead of full maps.
+    """
+    started = time.perf_counter()
+    architecture = arch if isinstance(arch, arch_mod.Architecture) else arch_mod.parse(arch, loaded.n_layers)
+    if architecture.n_layers != loaded.n_layers:
+        raise arch_mod.ArchitectureError(
+            f"architecture has {architecture.n_layers} layers but the model has {loaded.n_layers}"
+        )
+    record = parse_layers(layers, loaded.n_layers)
+    ids, tokens = tokenize(loaded, text)
+    input_ids = torch.tensor([ids])
+
+    reducer = None
+    if reduce:
+        def reducer(layer, probs, allow):
+            return metrics.summarise(probs[0].float().cpu().numpy(), allow[0, 0].cpu().numpy())
+
+    t0 = time.perf_counter()
+    output, run = engine.forward(loaded.model, input_ids, list(architecture.layers), set(record),
+                                 storage_dtype=storage_dtype, reducer=reducer,
+                                 output_hidden_states=hidden_states)
+    forward_s = time.perf_counter() - t0
+    logits = output.logits[0, -1].float()
+    model_dtype = next(loaded.model.parameters()).dtype
+    return Capture(
+        text=text, tokens=tokens, token_ids=list(ids), arch=architecture.spec,
+        layer_masks=architecture.layer_names, layers=record, kv_groups=loaded.kv_groups,
+        allowed={l: run.allowed[l][0, 0].cpu().numpy() for l in record},
+        probs={l: run.probs[l][0].numpy() for l in run.probs},
+        stats={l: run.reduced[l] for l in run.reduced},
+        next_logprobs=torch.log_softmax(logits, -1).cpu().numpy(),
+        hidden=(torch.stack([h[0] for h in output.hidden_states]).to(torch.float16).cpu().numpy()
+                if hidden_states else None),
+        timing={"forward_s": forward_s, "total_s": time.perf_counter() - started},
+        meta={"model": loaded.model_id, "model_file": loaded.model_file, "dtype": str(model_dtype).replace("torch.", ""),
+              "storage_dtype": str(storage_dtype).replace("torch.", ""), "device": str(loaded.model.device),
+              "n_layers": loaded.n_layers, "n_heads": loaded.n_heads, "n_kv_heads": loaded.n_kv_heads,
+              "versions": _versions()},
+    )

