@@ -112,7 +112,8 @@ class Mask:
                     f"custom mask '{self.name}' is {self.size}x{self.size} but the text has {top} tokens"
                 )
         zero = torch.zeros((), dtype=torch.long, device=q_pos.device)
-        return self.predicate(zero, zero, q_pos, kv_pos)
+        allow = self.predicate(zero, zero, q_pos, kv_pos)
+        return allow.expand(torch.broadcast_shapes(allow.shape, q_pos.shape, kv_pos.shape))
 
     def matrix(self, n: int) -> np.ndarray:
         """The ``n x n`` boolean matrix, rows = queries, with the keep-self rule applied."""

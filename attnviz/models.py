@@ -142,7 +142,7 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from .engine import prepare
+    from .engine import KEY, prepare
 
     progress = progress or (lambda message: None)
     started = time.perf_counter()
@@ -188,7 +188,7 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
         kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True,
-                      attn_implementation="sdpa")
+                      attn_implementation=KEY)
         if device_map:
             kwargs["device_map"] = device_map
         lm = AutoModelForCausalLM.from_pretrained(source, **kwargs)

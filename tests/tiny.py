@@ -1,0 +1,65 @@
+"""Tiny random-init decoders built from configs: no weights are downloaded."""
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from attnviz.models import LoadedModel
+
+VOCAB = 96
+
+
+def _configs():
+    from transformers import (Gemma2Config, GPT2Config, GptOssConfig, LlamaConfig, MistralConfig,
+                              Phi3Config, Qwen2Config)
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=4, max_position_embeddings=64)
+    return {
+        "llama": LlamaConfig(num_key_value_heads=2, **common),
+        "qwen2": Qwen2Config(num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
+                             max_window_layers=1, **common),
+        "mistral": MistralConfig(num_key_value_heads=1, sliding_window=5, **common),
+        "gemma2": Gemma2Config(num_key_value_heads=2, head_dim=8, sliding_window=4,
+                               attn_logit_softcapping=5.0, final_logit_softcapping=30.0, **common),
+        "phi3": Phi3Config(num_key_value_heads=4, pad_token_id=0, **common),
+        "gpt2": GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=64),
+        "gpt_oss": GptOssConfig(num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                sliding_window=4, **common),
+    }
+
+
+ARCHS = tuple(_configs())
+
+
+def build(kind: str, attn: str = "eager", seed: int = 0):
+    torch.manual_seed(seed)
+    config = _configs()[kind]
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    model.eval()
+    if kind == "gpt_oss":  # random sinks far from 0 so the learned sink visibly takes mass
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+    return model
+
+
+def pair(kind: str, seed: int = 0):
+    """The same weights twice: stock eager, and a copy attnviz will switch over."""
+    stock = build(kind, "eager", seed)
+    ours = build(kind, "eager", seed)
+    ours.load_state_dict(stock.state_dict())
+    return stock, ours
+
+
+class CharTokenizer:
+    """One token per character (ids 3..), enough for capture() on tiny models."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [3 + (ord(c) % (VOCAB - 3)) for c in text]}
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def loaded(kind: str = "llama", seed: int = 0) -> LoadedModel:
+    return LoadedModel(build(kind, "eager", seed), CharTokenizer(), f"tiny-{kind}", None, 0.0)
