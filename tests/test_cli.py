@@ -1,0 +1,95 @@
+"""The CLI contract: JSON shapes, exit codes, one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ENGLISH
+
+
+def run(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "attnviz", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=600)
+
+
+def test_masks_json():
+    out = run("masks", "--arch", "mask0&bidir(k=2, k0=1)", "--layers", "4", "--n", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["arch"] == "mask0&bidir(k=2, k0=1)"
+    assert [l["mask"] for l in doc["layers"]] == ["fwd", "fwd", "bidir", "nosink-bidir"]
+    assert doc["layers"][0]["allow"] == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert doc["layers"][3]["allow"] == [[1, 1, 1], [0, 1, 1], [0, 1, 1]]
+    assert [l["layer"] for l in doc["layers"]] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["masks", "--arch", "mask0-bidir(k=40)", "--layers", "30", "--n", "4"], "k=40 but the model has 30 layers"),
+    (["masks", "--arch", "fwd*2 + bidr*2", "--layers", "4", "--n", "4"], "unknown mask type 'bidr'"),
+    (["masks", "--arch", "fwd", "--layers", "0", "--n", "4"], "positive integer"),
+    (["masks", "--arch", "fwd", "--layers", "2", "--n", "0"], "--n must be at least 1"),
+    (["masks", "--arch", "fwd", "--layers", "two", "--n", "3"], "invalid int value"),
+    (["sinks", "--text", "   "], "the text is empty"),
+    (["sinks", "--text-file", "/no/such/file.txt"], "cannot read --text-file"),
+    (["sinks", "--text", "hi", "--eps", "2"], "--eps must be between 0 and 1"),
+    (["sinks", "--model", "no-such-org/no-such-model", "--text", "hi"], "cannot find model"),
+    (["capture", "--text", "hi"], "required: --out"),
+])
+def test_bad_input_is_one_line_without_traceback(args, message, model_cache):
+    out = run(*args)
+    assert out.returncode != 0
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("attnviz: error:")
+
+
+def test_sinks_json(default_model, tmp_path):
+    text_file = tmp_path / "text.txt"
+    text_file.write_text(ENGLISH)
+    out = run("sinks", "--model", "default", "--arch", "nosink-fwd", "--text-file", str(text_file),
+              "--eps", "0.3", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["arch"] == "nosink-fwd" and doc["model"].startswith("SmolLM2")
+    assert doc["n_tokens"] == len(doc["tokens"]) and "".join(doc["tokens"]) == ENGLISH
+    assert len(doc["layers"]) == 30
+    top = doc["layers"][29]
+    assert {layer["mask"] for layer in doc["layers"]} == {"nosink-fwd"}
+    assert set(top["sink_rate"]) == {"0", "1"}
+    assert top["sink_rate"]["0"] == 0.0 and top["sink_rate"]["1"] > 0.5
+    head = top["heads"][4]
+    assert set(head) == {"head", "kv_group", "sink_key", "alpha", "discarded_mass"}
+    assert head["head"] == 4 and head["kv_group"] == 1 and head["sink_key"] == 1
+    assert len(head["alpha"]) == 8 and head["alpha"][0] is None and head["alpha"][1] > 0.3
+    assert abs(head["discarded_mass"]) < 1e-3
+
+
+def test_capture_writes_a_loadable_file(default_model, tmp_path):
+    from attnviz import Capture
+
+    out = run("capture", "--model", "default", "--arch", "stablemask(gamma=0.5)", "--text", "Hello there, world.",
+              "--out", str(tmp_path / "c.npz"), "--layers", "0,5,29")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    cap = Capture.load(doc["out"])
+    assert cap.layers == [0, 5, 29] and cap.arch == "stablemask(gamma=0.5)"
+    assert cap.probs[29].shape == (9, cap.n_tokens, cap.n_tokens)
+    sums = cap.probs[29].astype(np.float32).sum(-1)
+    assert sums[:, -1] == pytest.approx(1, abs=2e-3) and (sums[:, 0] < 0.999).all()  # discarded mass shows
+
+
+def test_capture_bad_layer(default_model, tmp_path):
+    out = run("capture", "--text", "hi", "--out", str(tmp_path / "x.npz"), "--layers", "0,31")
+    assert out.returncode == 2 and "layer 31 does not exist" in out.stderr
+
+
+def test_sinks_fwd_has_the_sink_at_key_0(default_model):
+    out = run("sinks", "--arch", "fwd", "--text", ENGLISH)
+    assert out.returncode == 0, out.stderr
+    layer = json.loads(out.stdout)["layers"][24]
+    assert layer["mask"] == "fwd" and layer["sink_rate"]["0"] > 0.5 and layer["sink_rate"]["1"] == 0.0
+    assert all(h["sink_key"] == 0 for h in layer["heads"])

