@@ -115,7 +115,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         pseudo = pseudo.permute(1, 0, 2)[:, :, None, :]  # (B, H, 1, n_kv)
         scores = torch.where(allow, scores, torch.where(future, pseudo, float("-inf")))
     else:
-        scores = scores.masked_fill(~allow, float("-inf"))
+        scores.masked_fill_(~allow, float("-inf"))
     if s_aux is not None:  # gpt-oss learned sink logit per head: an extra column, dropped after softmax
         sink = s_aux.float().reshape(1, -1, 1, 1).expand(batch, n_heads, n_q, 1)
         scores = torch.cat([scores, sink], dim=-1)

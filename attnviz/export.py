@@ -1,0 +1,161 @@
+"""Paper export: figures to PNG / SVG / PDF with embedded metadata, captures to .npz, metrics to CSV.
+
+Static images go through kaleido, which drives a Chromium-based browser; ``scripts/setup.sh``
+installs Debian's ``chromium`` for that. Without a browser, :func:`figure_bytes` raises
+:class:`ExportError` saying so, and interactive HTML (:func:`html_bytes`) still works.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import plotly.io as pio
+
+from . import metrics
+from .capture import Capture
+from .errors import AttnvizError
+from .figures.style import PRESETS
+
+FORMATS = ("png", "svg", "pdf")
+
+
+class ExportError(AttnvizError):
+    """A static export that cannot be made here."""
+
+
+def describe(cap: Capture, layer: int | None = None, head: int | None = None, **extra) -> dict:
+    """The metadata every exported file carries."""
+    meta = {"tool": "attnviz", "model": cap.meta.get("model"), "text": cap.text, "arch": cap.arch,
+            "dtype": cap.meta.get("dtype"), "storage_dtype": cap.meta.get("storage_dtype"),
+            "n_tokens": cap.n_tokens}
+    if layer is not None:
+        meta["layer"] = layer
+        meta["mask"] = cap.layer_masks[layer]
+    if layer is not None or head is not None:
+        meta["head"] = "mean" if head is None else head
+    meta.update(extra)
+    return meta
+
+
+def filename(meta: dict, ext: str) -> str:
+    """e.g. ``attnviz_SmolLM2-135M_mask0-bidir-k-8_L29_h3.pdf``: safe on every file system."""
+    parts = ["attnviz", str(meta.get("model", "model")).split(" ")[0], meta.get("arch", "")]
+    if "layer" in meta:
+        parts.append(f"L{meta['layer']}")
+    if "head" in meta:
+        parts.append(f"h{meta['head']}")
+    if meta.get("figure"):
+        parts.append(meta["figure"])
+    slug = "_".join(re.sub(r"[^A-Za-z0-9.]+", "-", str(p)).strip("-") for p in parts if p != "")
+    return f"{slug[:150]}.{ext}"
+
+
+def styled(fig: go.Figure, preset: str = "paper-single", colorbar: bool = True) -> go.Figure:
+    """A copy of the figure sized and lettered for a paper column (or the page width)."""
+    if preset not in PRESETS:
+        raise ExportError(f"unknown preset '{preset}'; choose one of {', '.join(PRESETS)}")
+    spec = PRESETS[preset]
+    out = go.Figure(fig)
+    if spec["width"]:
+        out.update_layout(width=spec["width"], height=spec["height"], font=dict(size=spec["font"]),
+                          title=dict(font=dict(size=spec["font"] + 1)), margin=dict(l=45, r=10, t=35, b=35))
+    if not colorbar:
+        out.update_traces(showscale=False, selector=lambda t: hasattr(t, "showscale"))
+    return out
+
+
+def figure_bytes(fig: go.Figure, fmt: str, meta: dict, preset: str = "paper-single", colorbar: bool = True,
+                 scale: float = 3.0) -> bytes:
+    """Render to PNG (``scale``× pixels), SVG or PDF and embed ``meta``."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown format '{fmt}'; choose png, svg or pdf")
+    fig = styled(fig, preset, colorbar)
+    try:
+        data = pio.to_image(fig, format=fmt, scale=scale if fmt == "png" else 1)
+    except Exception as err:  # kaleido reports a missing browser in several ways
+        raise ExportError(
+            "static export needs a Chromium browser for kaleido; run `bash scripts/setup.sh` (installs "
+            f"Debian's chromium) or `apt-get install chromium`, or download HTML instead ({type(err).__name__})"
+        ) from err
+    return embed_metadata(data, fmt, meta)
+
+
+def embed_metadata(data: bytes, fmt: str, meta: dict) -> bytes:
+    text = json.dumps(meta, ensure_ascii=False)
+    if fmt == "png":
+        from PIL import Image, PngImagePlugin
+
+        info = PngImagePlugin.PngInfo()
+        info.add_itxt("attnviz", text)
+        info.add_itxt("Description", f"{meta.get('model')} · {meta.get('arch')}")
+        out = io.BytesIO()
+        Image.open(io.BytesIO(data)).save(out, format="PNG", pnginfo=info)
+        return out.getvalue()
+    if fmt == "svg":
+        svg = data.decode("utf-8")
+        escaped = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        svg = re.sub(r"(<svg[^>]*>)", lambda m: m.group(1) + f'<metadata id="attnviz">{escaped}</metadata>', svg,
+                     count=1)
+        return svg.encode("utf-8")
+    from pypdf import PdfReader, PdfWriter
+
+    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(data)))
+    writer.add_metadata({"/Title": f"attnviz: {meta.get('arch')}", "/Subject": str(meta.get("text", ""))[:200],
+                         "/Creator": "attnviz", "/Keywords": text})
+    out = io.BytesIO()
+    writer.write(out)
+    return out.getvalue()
+
+
+def read_metadata(data: bytes, fmt: str) -> dict:
+    """The metadata :func:`embed_metadata` wrote (for checks and for users)."""
+    if fmt == "png":
+        from PIL import Image
+
+        return json.loads(Image.open(io.BytesIO(data)).text["attnviz"])
+    if fmt == "svg":
+        import html
+
+        found = re.search(r'<metadata id="attnviz">(.*?)</metadata>', data.decode("utf-8"), re.S)
+        return json.loads(html.unescape(found.group(1)))
+    from pypdf import PdfReader
+
+    return json.loads(PdfReader(io.BytesIO(data)).metadata["/Keywords"])
+
+
+def html_bytes(fig: go.Figure) -> bytes:
+    return pio.to_html(fig, include_plotlyjs="cdn", full_html=True).encode("utf-8")
+
+
+def capture_bytes(cap: Capture) -> bytes:
+    with tempfile.TemporaryDirectory() as tmp:
+        return cap.save(Path(tmp) / "capture.npz").read_bytes()
+
+
+def metrics_frame(cap: Capture, eps: float = metrics.SINK_EPS) -> pd.DataFrame:
+    """One row per (layer, head): mask, KV group, alpha_0/1, sink flag, sink key, entropy, discarded mass."""
+    rows = []
+    for layer in cap.layers:
+        alphas = cap.stat(layer, "alpha")
+        keys = cap.stat(layer, "column_mean").argmax(-1)
+        ent = cap.stat(layer, "entropy").mean(-1)
+        disc = cap.stat(layer, "discarded").mean(-1)
+        for head in range(cap.n_heads):
+            a0 = alphas[head, 0]
+            a1 = alphas[head, 1] if cap.n_tokens > 1 else np.nan
+            rows.append({"layer": layer, "mask": cap.layer_masks[layer], "head": head,
+                         "kv_group": cap.kv_groups[head], "alpha_0": a0, "alpha_1": a1,
+                         "sink_0": bool(np.nan_to_num(a0, nan=-1) > eps), "sink_key": int(keys[head]),
+                         "entropy_norm": float(ent[head]), "discarded_mass": float(disc[head])})
+    return pd.DataFrame(rows)
+
+
+def csv_bytes(frame: pd.DataFrame) -> bytes:
+    return frame.to_csv(index=False).encode("utf-8")

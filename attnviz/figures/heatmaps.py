@@ -1,0 +1,105 @@
+"""Attention heatmaps: one head or the head mean, side-by-side panels, and the layer × head overview."""
+
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from ..capture import Capture
+from .style import colour_range, layout, matrix_traces, max_pool, scaled, token_axis
+
+
+def head_label(cap: Capture, head: int | None) -> str:
+    if head is None:
+        return "mean over heads"
+    group = cap.kv_groups[head]
+    return f"head {head} (KV group {group})" if cap.n_heads != len(set(cap.kv_groups)) else f"head {head}"
+
+
+def layer_matrix(cap: Capture, layer: int, head: int | None = None, row_normalise: bool = False) -> np.ndarray:
+    """(n, n) probabilities of one head (or the head mean) with NaN where the mask forbids the cell."""
+    probs = cap.layer_probs(layer)
+    values = probs.mean(0) if head is None else probs[head]
+    values = np.where(cap.allowed[layer], values, np.nan)
+    if row_normalise:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            values = values / np.nanmax(values, axis=1, keepdims=True)
+    return values
+
+
+def heatmap(cap: Capture, layer: int, head: int | None = None, log: bool = False, row_normalise: bool = False,
+            zrange: tuple[float, float] | None = None, title: str | None = None) -> go.Figure:
+    """One attention map, queries down, keys across; grey cells are masked, white ones got ~0."""
+    values = layer_matrix(cap, layer, head, row_normalise)
+    zmin, zmax = zrange or colour_range([values], log)
+    traces, _ = matrix_traces(values, None, None, zmin, zmax, log,
+                              colorbar_title="row-normalised" if row_normalise else "attention")
+    fig = go.Figure(traces)
+    title = title or f"layer {layer} · {cap.layer_masks[layer]} · {head_label(cap, head)}"
+    layout(fig, title, height=560)
+    fig.update_xaxes(title_text="key", side="bottom", **token_axis(cap.tokens), constrain="domain")
+    fig.update_yaxes(title_text="query", autorange="reversed", scaleanchor="x", **token_axis(cap.tokens))
+    if cap.n_tokens <= 96:
+        labels = np.array(cap.tokens, dtype=object)
+        fig.data[0].update(
+            text=[[f"{labels[i]!r} → {labels[j]!r}" for j in range(cap.n_tokens)] for i in range(cap.n_tokens)],
+            hovertemplate="%{text}<br>query %{y}, key %{x}<br>p = %{customdata:.4f}<extra></extra>")
+    return fig
+
+
+def panels(caps: list[Capture], titles: list[str], layer: int, head: int | None = None, log: bool = False,
+           row_normalise: bool = False) -> go.Figure:
+    """Several maps side by side with one shared colour scale."""
+    values = [layer_matrix(c, layer, head, row_normalise) for c in caps]
+    zmin, zmax = colour_range(values, log)
+    fig = make_subplots(rows=1, cols=len(caps), subplot_titles=titles, horizontal_spacing=0.04)
+    for col, v in enumerate(values, start=1):
+        traces, _ = matrix_traces(v, None, None, zmin, zmax, log, show_scale=col == len(caps))
+        for t in traces:
+            fig.add_trace(t, row=1, col=col)
+        fig.update_yaxes(autorange="reversed", scaleanchor=f"x{col if col > 1 else ''}", row=1, col=col)
+    return layout(fig, height=380)
+
+
+def overview_tiles(cap: Capture, tile: int = 12, log: bool = False) -> np.ndarray:
+    """Mosaic of every recorded (layer, head) map max-pooled to ``tile`` a side: (L*tile, H*tile)."""
+    rows = []
+    for layer in cap.layers:
+        probs = cap.layer_probs(layer)
+        row = []
+        for head in range(cap.n_heads):
+            v = scaled(np.where(cap.allowed[layer], probs[head], np.nan), log)
+            pooled = max_pool(v, tile)
+            full = np.full((tile, tile), np.nan)
+            full[: pooled.shape[0], : pooled.shape[1]] = pooled
+            row.append(full)
+        rows.append(np.concatenate(row, axis=1))
+    return np.concatenate(rows, axis=0)
+
+
+def overview(cap: Capture, tile: int = 12, log: bool = False) -> go.Figure:
+    """Small multiples: one tile per layer (rows) and head (columns). Click a tile to open it."""
+    mosaic = overview_tiles(cap, tile, log)
+    zmin, zmax = colour_range([mosaic], False)
+    layer_of = np.repeat(cap.layers, tile)
+    head_of = np.repeat(np.arange(cap.n_heads), tile)
+    custom = np.stack(np.broadcast_arrays(layer_of[:, None], head_of[None, :]), axis=-1)
+    fig = go.Figure(go.Heatmap(z=mosaic, customdata=custom, colorscale="Blues", zmin=zmin, zmax=zmax,
+                               hovertemplate="layer %{customdata[0]}, head %{customdata[1]}<extra></extra>",
+                               colorbar=dict(title="log10 p" if log else "p", len=0.6), hoverongaps=False))
+    for k in range(1, cap.n_heads):
+        fig.add_vline(x=k * tile - 0.5, line=dict(color="white", width=2))
+    for k in range(1, len(cap.layers)):
+        fig.add_hline(y=k * tile - 0.5, line=dict(color="white", width=1))
+    layout(fig, "every layer × head (click a tile)", height=max(400, 22 * len(cap.layers)))
+    fig.update_xaxes(tickmode="array", tickvals=[h * tile + tile / 2 for h in range(cap.n_heads)],
+                     ticktext=[f"h{h}·g{cap.kv_groups[h]}" for h in range(cap.n_heads)], title="head · KV group")
+    fig.update_yaxes(tickmode="array", tickvals=[i * tile + tile / 2 for i in range(len(cap.layers))],
+                     ticktext=[str(l) for l in cap.layers], autorange="reversed", title="layer")
+    return fig
+
+
+def tile_at(cap: Capture, x: float, y: float, tile: int = 12) -> tuple[int, int]:
+    """The (layer, head) under a click on :func:`overview`."""
+    return cap.layers[min(int(y) // tile, len(cap.layers) - 1)], min(int(x) // tile, cap.n_heads - 1)

@@ -1,0 +1,105 @@
+"""Shared look of every figure: paper presets, the colour scale, pooling and the matrix renderer.
+
+A matrix of n tokens is drawn as a ``go.Heatmap`` with hover labels while n is small, and above
+``HOVER_MAX`` as one PNG image (``px.imshow(binary_string=True)``), max-pooled down to at most
+``MAX_PX`` pixels a side so that sinks stay visible: the browser never gets n² numbers as JSON.
+Cells the mask forbids are drawn in ``MASKED`` grey, distinct from zero attention (white).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import plotly.express as px
+import plotly.graph_objects as go
+from plotly.colors import sample_colorscale
+
+COLORSCALE = "Blues"
+MASKED = "#c9c9c9"
+HOVER_MAX = 96
+MAX_PX = 512
+LOG_FLOOR = 1e-4
+FONT = "Arial, Helvetica, sans-serif"
+
+#: Paper presets: width in px at 96 dpi-equivalent; kaleido scales them for PNG.
+PRESETS = {
+    "screen": {"width": None, "height": None, "font": 13},
+    "paper-single": {"width": 340, "height": 300, "font": 9},   # ~3.5 in column
+    "paper-double": {"width": 700, "height": 420, "font": 10},  # ~7 in page width
+}
+
+
+def layout(fig: go.Figure, title: str | None = None, height: int | None = None) -> go.Figure:
+    fig.update_layout(template="simple_white", font=dict(family=FONT, size=13),
+                      margin=dict(l=60, r=20, t=50 if title else 20, b=50), title=title)
+    if height:
+        fig.update_layout(height=height)
+    return fig
+
+
+def max_pool(values: np.ndarray, size: int) -> np.ndarray:
+    """Max-pool a square matrix to at most ``size`` a side (NaN-aware: a block is NaN only if all are)."""
+    n = values.shape[0]
+    factor = int(np.ceil(n / size))
+    if factor <= 1:
+        return values
+    pad = factor * int(np.ceil(n / factor)) - n
+    padded = np.pad(values, ((0, pad), (0, pad)), constant_values=np.nan)
+    blocks = padded.reshape(padded.shape[0] // factor, factor, padded.shape[1] // factor, factor)
+    with np.errstate(all="ignore"):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return np.nanmax(blocks, axis=(1, 3))
+
+
+def scaled(values: np.ndarray, log: bool) -> np.ndarray:
+    return np.log10(np.clip(values, LOG_FLOOR, None)) if log else values
+
+
+def colour_range(arrays, log: bool) -> tuple[float, float]:
+    """One shared range for several panels."""
+    finite = [scaled(np.asarray(a, dtype=np.float64), log) for a in arrays]
+    top = max(float(np.nanmax(a)) if np.isfinite(a).any() else 1.0 for a in finite)
+    return (np.log10(LOG_FLOOR), max(top, np.log10(LOG_FLOOR) + 1e-6)) if log else (0.0, max(top, 1e-6))
+
+
+def _rgb(values: np.ndarray, zmin: float, zmax: float) -> np.ndarray:
+    lut = np.array([[int(c) for c in s[4:-1].split(",")] for s in
+                    sample_colorscale(COLORSCALE, list(np.linspace(0, 1, 256)))], dtype=np.uint8)
+    norm = np.clip((values - zmin) / max(zmax - zmin, 1e-12), 0, 1)
+    index = np.nan_to_num(norm * 255, nan=0).astype(np.int64)
+    rgb = lut[index]
+    grey = np.array([int(MASKED[i:i + 2], 16) for i in (1, 3, 5)], dtype=np.uint8)
+    rgb[np.isnan(values)] = grey
+    return rgb
+
+
+def matrix_traces(values: np.ndarray, x_labels, y_labels, zmin: float, zmax: float, log: bool,
+                  colorbar_title: str = "attention", show_scale: bool = True, hover_name: str = "p"):
+    """Traces for one (n, n) matrix with NaN = masked; returns (traces, is_image)."""
+    z = scaled(values, log)
+    tick = dict(title=("log10 " if log else "") + colorbar_title, len=0.8)
+    if values.shape[0] <= HOVER_MAX and values.shape[1] <= HOVER_MAX:
+        hover = (f"query %{{y}}<br>key %{{x}}<br>{hover_name} = %{{customdata:.4f}}<extra></extra>")
+        return [go.Heatmap(z=z, x=list(range(values.shape[1])), y=list(range(values.shape[0])),
+                           customdata=values, colorscale=COLORSCALE, zmin=zmin, zmax=zmax,
+                           hovertemplate=hover, showscale=show_scale, colorbar=tick, hoverongaps=False,
+                           xgap=0, ygap=0)], False
+    pooled = max_pool(z, MAX_PX)
+    image = px.imshow(_rgb(pooled, zmin, zmax), binary_string=True).data[0]
+    factor = values.shape[0] / pooled.shape[0]
+    image.update(x0=0, dx=factor, y0=0, dy=factor, hoverinfo="skip")
+    # an invisible point carries the colour bar, which images do not have
+    bar = go.Scatter(x=[None], y=[None], mode="markers", showlegend=False, hoverinfo="skip",
+                     marker=dict(colorscale=COLORSCALE, cmin=zmin, cmax=zmax, color=[zmin],
+                                 showscale=show_scale, colorbar=tick))
+    return [image, bar], True
+
+
+def token_axis(tokens: list[str], limit: int = 64) -> dict:
+    """Tick labels with the tokens when they fit, else plain positions."""
+    if len(tokens) > limit:
+        return dict(title=None)
+    labels = [f"{t!r}"[1:-1] or "∅" for t in tokens]
+    return dict(tickmode="array", tickvals=list(range(len(tokens))), ticktext=labels, tickfont=dict(size=9))

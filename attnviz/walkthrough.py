@@ -1,0 +1,60 @@
+"""The attention computation of seeds 001 and 004, step by step, on a small editable example."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import masks as M
+from .errors import InputError
+
+#: The lecture's practice matrices (seed 004).
+Q = [[1, 2], [3, 4], [5, 6]]
+K = [[6, 5], [4, 3], [2, 1]]
+V = [[2, 4], [6, 8], [10, 12]]
+
+MASKS = {
+    "FWD": lambda: M.fwd(), "BACK": lambda: M.back(), "BIDIR": lambda: M.bidir(),
+    "NoSink-FWD": lambda: M.nosink(M.fwd()), "StableMask (gamma=0.5)": lambda: M.stablemask(0.5),
+}
+
+
+def parse_matrix(text: str, name: str) -> np.ndarray:
+    """Rows separated by newlines or ';', numbers by commas or spaces."""
+    rows = [r for r in text.replace(";", "\n").splitlines() if r.strip()]
+    try:
+        matrix = np.array([[float(x) for x in r.replace(",", " ").split()] for r in rows], dtype=float)
+    except ValueError:
+        raise InputError(f"{name}: every entry must be a number") from None
+    if matrix.ndim != 2 or matrix.size == 0:
+        raise InputError(f"{name}: every row must have the same number of entries")
+    return matrix
+
+
+def steps(q, k, v, mask_name: str = "FWD") -> dict[str, np.ndarray]:
+    """Every intermediate matrix: scores, masked scores, weights, output (and StableMask's discarded mass)."""
+    q, k, v = (np.asarray(x, dtype=float) for x in (q, k, v))
+    if q.shape[1] != k.shape[1]:
+        raise InputError(f"Q has {q.shape[1]} columns but K has {k.shape[1]}: they must match (d_k)")
+    if k.shape[0] != v.shape[0]:
+        raise InputError(f"K has {k.shape[0]} rows but V has {v.shape[0]}: one value per key")
+    if q.shape[0] != k.shape[0] and mask_name != "BIDIR":
+        raise InputError("with a mask, Q and K need the same number of rows (one token each)")
+    mask = MASKS[mask_name]()
+    n = k.shape[0]
+    scores = q @ k.T / np.sqrt(k.shape[1])
+    allowed = mask.matrix(n)[: q.shape[0]] if q.shape[0] == n else np.ones((q.shape[0], n), bool)
+    if mask.stable is not None:
+        pseudo = -float(mask.stable) * np.arange(n)[None, :]
+        logits = np.where(allowed, scores, pseudo)
+        weights = _softmax(logits) * allowed
+        masked = np.where(allowed, scores, pseudo)
+    else:
+        masked = np.where(allowed, scores, -np.inf)
+        weights = _softmax(masked)
+    return {"scores": scores, "masked": masked, "allowed": allowed, "weights": weights, "output": weights @ v,
+            "discarded": 1 - weights.sum(-1)}
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
