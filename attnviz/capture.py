@@ -136,7 +136,8 @@ def parse_layers(layers, n_layers: int) -> list[int]:
     return sorted(set(chosen))
 
 
-def tokenize(loaded: LoadedModel, text: str) -> tuple[list[int], list[str]]:
+def tokenize(loaded: LoadedModel, text: str, max_tokens: int | None = None) -> tuple[list[int], list[str]]:
+    """Token ids and their display strings; refuses empty text and text over the limit."""
     if not isinstance(text, str) or not text.strip():
         raise InputError("the text is empty: type or pick a text to capture")
     ids = loaded.tokenizer(text, add_special_tokens=True)["input_ids"]
@@ -144,6 +145,8 @@ def tokenize(loaded: LoadedModel, text: str) -> tuple[list[int], list[str]]:
         raise InputError(
             f"the text is {len(ids)} tokens long but {loaded.model_id} takes at most {loaded.max_tokens}: shorten it"
         )
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise InputError(f"the text is {len(ids)} tokens long; this view captures at most {max_tokens}: shorten it")
     if len(ids) < 1:
         raise InputError("the text produced no tokens")
     return ids, [loaded.tokenizer.decode([i]) for i in ids]
@@ -160,11 +163,12 @@ def _versions() -> dict[str, str]:
 
 def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = "fwd", layers=None,
             reduce: bool = False, storage_dtype: torch.dtype = torch.float16,
-            hidden_states: bool = False) -> Capture:
+            hidden_states: bool = False, max_tokens: int | None = None, on_layer=None) -> Capture:
     """Run ``text`` through the model under ``arch`` and record attention.
 
     ``layers`` picks the recorded layers (the others run through SDPA); ``reduce=True`` keeps only
-    the per-layer statistics of :func:`metrics.summarise` instead of full maps.
+    the per-layer statistics of :func:`metrics.summarise` instead of full maps. ``on_layer(i)`` is
+    called after each layer (progress); ``max_tokens`` caps the text below the model's own limit.
     """
     started = time.perf_counter()
     architecture = arch if isinstance(arch, arch_mod.Architecture) else arch_mod.parse(arch, loaded.n_layers)
@@ -173,7 +177,7 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
             f"architecture has {architecture.n_layers} layers but the model has {loaded.n_layers}"
         )
     record = parse_layers(layers, loaded.n_layers)
-    ids, tokens = tokenize(loaded, text)
+    ids, tokens = tokenize(loaded, text, max_tokens)
     input_ids = torch.tensor([ids])
 
     reducer = None
@@ -184,7 +188,7 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
     t0 = time.perf_counter()
     output, run = engine.forward(loaded.model, input_ids, list(architecture.layers), set(record),
                                  storage_dtype=storage_dtype, reducer=reducer,
-                                 output_hidden_states=hidden_states)
+                                 output_hidden_states=hidden_states, on_layer=on_layer)
     forward_s = time.perf_counter() - t0
     logits = output.logits[0, -1].float()
     model_dtype = next(loaded.model.parameters()).dtype

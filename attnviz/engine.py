@@ -42,6 +42,7 @@ class Run:
     valid: torch.Tensor  # (B, n_kv) bool
     storage_dtype: torch.dtype = torch.float16
     reducer: Callable[[int, torch.Tensor, torch.Tensor], object] | None = None
+    on_layer: Callable[[int], None] | None = None  # progress: called after each layer's attention
     probs: dict[int, torch.Tensor] = field(default_factory=dict)
     allowed: dict[int, torch.Tensor] = field(default_factory=dict)
     reduced: dict[int, object] = field(default_factory=dict)
@@ -99,6 +100,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     if not explicit:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=allow, scale=scaling,
                                              enable_gqa=group > 1)
+        if run.on_layer:
+            run.on_layer(layer)
         return out.transpose(1, 2).contiguous(), None
 
     # GQA without repeating keys: fold each KV group's query heads into the query axis.
@@ -136,6 +139,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
 
     out = torch.matmul(probs.to(value.dtype).view(batch, n_kv_heads, group * n_q, n_kv), value)
     out = out.view(batch, n_heads, n_q, -1).transpose(1, 2).contiguous()
+    if run.on_layer:
+        run.on_layer(layer)
     return out, None
 
 
@@ -174,7 +179,7 @@ def n_layers(model) -> int:
 @torch.inference_mode()
 def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] | None = None,
             attention_mask: torch.Tensor | None = None, storage_dtype=torch.float16,
-            reducer=None, output_hidden_states: bool = False):
+            reducer=None, output_hidden_states: bool = False, on_layer=None):
     """One forward pass under per-layer ``masks``; returns ``(model_output, run)``.
 
     ``record`` is the set of layers whose probabilities are kept (default: all). With ``reducer``,
@@ -190,7 +195,7 @@ def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] 
     valid = attention_mask.bool()
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
     run = Run(list(masks), frozenset(range(total) if record is None else record), positions, valid,
-              storage_dtype=storage_dtype, reducer=reducer)
+              storage_dtype=storage_dtype, reducer=reducer, on_layer=on_layer)
     token = _RUN.set(run)
     try:
         output = model(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),

@@ -1,0 +1,43 @@
+"""Compare A vs B: the same layer and head under two architectures, and the effect on the output."""
+
+import pandas as pd
+import streamlit as st
+
+from attnviz import compare, export
+from attnviz.figures import cosine_figure, difference, panels, sink_mass_change
+from attnviz.figures.heatmaps import head_label
+from ui.export import figure_downloads
+from ui.state import get_capture
+
+settings, loaded = st.session_state["settings"], st.session_state["loaded"]
+st.title("Compare A vs B")
+if loaded is not None and settings.text.strip():
+    c1, c2 = st.columns(2)
+    spec_a = c1.text_input("Architecture A", settings.arch, key="cmp_a")
+    spec_b = c2.text_input("Architecture B", f"mask0-bidir(k={min(8, loaded.n_layers)})", key="cmp_b")
+    a, b = get_capture(loaded, settings.text, spec_a), get_capture(loaded, settings.text, spec_b)
+    if a is not None and b is not None:
+        c1, c2 = st.columns([3, 2])
+        layer = c1.slider("Layer", 0, loaded.n_layers - 1, loaded.n_layers - 1, key="cmp_layer")
+        head = c2.selectbox("Head", ["mean"] + list(range(a.n_heads)), key="cmp_head",
+                            format_func=lambda h: "mean over heads" if h == "mean" else head_label(a, h))
+        head = None if head == "mean" else int(head)
+        fig = panels([a, b], [f"A: {a.arch}", f"B: {b.arch}"], layer, head)
+        st.plotly_chart(fig, width="stretch", key="cmp_panels")
+        figure_downloads(fig, export.describe(a, layer, head, arch=f"{a.arch} vs {b.arch}", figure="ab"), key="cmp_x")
+        left, right = st.columns(2)
+        left.plotly_chart(difference(a, b, layer, head), width="stretch", key="cmp_diff")
+        right.plotly_chart(sink_mass_change(a, b, layer), width="stretch", key="cmp_sink")
+
+        st.subheader("Effect on the output")
+        kl = compare.kl_divergence(a, b)
+        st.metric("KL(A ‖ B) of the next-token distribution", f"{kl:.4f} nats")
+        decode = loaded.tokenizer.decode
+        top_a, top_b = compare.top_tokens(a, 5), compare.top_tokens(b, 5)
+        st.dataframe(pd.DataFrame({
+            "A token": [repr(decode([i])) for i, _ in top_a], "A p": [p for _, p in top_a],
+            "B token": [repr(decode([i])) for i, _ in top_b], "B p": [p for _, p in top_b],
+        }), hide_index=True)
+        st.plotly_chart(cosine_figure(a, b), width="stretch", key="cmp_cos")
+else:
+    st.warning("Load a model and give a text in the sidebar.")

@@ -1,0 +1,42 @@
+"""Heatmaps: one layer and head (or the head mean), and every layer × head at a glance."""
+
+import streamlit as st
+
+from attnviz import export
+from attnviz.figures import heatmap, overview, tile_at
+from attnviz.figures.heatmaps import head_label
+from ui.export import data_downloads, figure_downloads
+from ui.state import current_capture
+
+settings, loaded = st.session_state["settings"], st.session_state["loaded"]
+st.title("Attention heatmaps")
+cap = current_capture(settings, loaded)
+if cap is not None:
+    st.caption(f"{cap.meta['model']} · `{cap.arch}` · {cap.n_tokens} tokens · forward {cap.timing['forward_s']:.2f} s")
+    # a click on the overview moves the sliders (applied before they are drawn)
+    if "hm_jump" in st.session_state:
+        st.session_state["hm_layer"], st.session_state["hm_head"] = st.session_state.pop("hm_jump")
+    c1, c2, c3, c4 = st.columns([3, 2, 1, 1])
+    layer = c1.slider("Layer", 0, loaded.n_layers - 1, min(st.session_state.get("hm_layer", loaded.n_layers - 1),
+                                                            loaded.n_layers - 1), key="hm_layer")
+    heads = ["mean"] + list(range(cap.n_heads))
+    head = c2.selectbox("Head", heads, format_func=lambda h: "mean over heads" if h == "mean" else head_label(cap, h),
+                        key="hm_head")
+    log = c3.toggle("Log scale", key="hm_log")
+    row_norm = c4.toggle("Row-normalise", key="hm_rownorm")
+    head = None if head == "mean" else int(head)
+    fig = heatmap(cap, layer, head, log=log, row_normalise=row_norm)
+    st.plotly_chart(fig, width="stretch", key="hm_chart")
+    st.caption("Grey cells are masked by the architecture; white cells were allowed but got ~0 attention.")
+    figure_downloads(fig, export.describe(cap, layer, head), key="hm")
+
+    st.subheader("Every layer × head")
+    over = overview(cap, log=log)
+    event = st.plotly_chart(over, width="stretch", key="hm_overview", on_select="rerun", selection_mode="points")
+    points = (event or {}).get("selection", {}).get("points", []) if event else []
+    if points:
+        target = tile_at(cap, points[0]["x"], points[0]["y"])
+        if target != (layer, head):
+            st.session_state["hm_jump"] = target
+            st.rerun()
+    data_downloads(cap, key="hm_data")

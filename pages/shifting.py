@@ -1,0 +1,37 @@
+"""Sink shifting (seed 000): hide the first key(s) and watch the sink move to the next one."""
+
+import re
+
+import streamlit as st
+
+from attnviz import export
+from attnviz.figures import shift_panels, shift_rate_figure, sink_key_grids
+from ui.export import figure_downloads
+from ui.state import get_capture
+
+settings, loaded = st.session_state["settings"], st.session_state["loaded"]
+st.title("Sink shifting")
+st.markdown("Masking the first key in **every** layer does not remove the sink: it moves to the next key "
+            "(masking keys 0..m-1 moves it to key m). MASK0-BIDIR in the top layers removes it.")
+if loaded is not None and settings.text.strip():
+    k = min(8, loaded.n_layers)
+    defaults = ["fwd", "nosink-fwd", "nosink-fwd(m=2)", f"mask0-bidir(k={k})"]
+    text = st.text_input("Architectures, 2 to 4, separated by ';'", "; ".join(defaults), key="sh_archs")
+    specs = [s.strip() for s in text.split(";") if s.strip()]
+    if not 2 <= len(specs) <= 4:
+        st.error(f"Give 2 to 4 architectures separated by ';' (got {len(specs)}).")
+    else:
+        caps = [get_capture(loaded, settings.text, s) for s in specs]
+        if all(c is not None for c in caps):
+            layer = st.slider("Layer", 0, loaded.n_layers - 1, loaded.n_layers - 1, key="sh_layer")
+            titles = [c.arch for c in caps]
+            fig = shift_panels(caps, titles, layer)
+            st.plotly_chart(fig, width="stretch", key="sh_panels")
+            figure_downloads(fig, export.describe(caps[0], layer, None, arch=" vs ".join(titles),
+                                                  figure="shift"), key="sh_panels_x")
+            st.plotly_chart(sink_key_grids(caps, titles), width="stretch", key="sh_keys")
+            # m of each NoSink architecture (its top layer's mask), for "sink moved from key 0 to key m"
+            ms = [int(found[1]) if (found := re.search(r"m=(\d+)", c.layer_masks[-1])) else 1 for c in caps[1:]]
+            st.plotly_chart(shift_rate_figure(caps[0], caps[1:], titles[1:], ms), width="stretch", key="sh_rate")
+else:
+    st.warning("Load a model and give a text in the sidebar.")

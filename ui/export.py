@@ -1,0 +1,42 @@
+"""Download widgets: figures as PNG / SVG / PDF (paper presets, embedded metadata), data as .npz / CSV."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from attnviz import export
+from attnviz.figures.style import PRESETS
+
+
+def figure_downloads(fig, meta: dict, key: str) -> None:
+    with st.expander("Export this figure"):
+        cols = st.columns(4)
+        fmt = cols[0].selectbox("Format", export.FORMATS, index=2, key=f"{key}_fmt")
+        preset = cols[1].selectbox("Size", list(PRESETS), index=1, key=f"{key}_preset",
+                                   help="paper-single ≈ 3.5 in column, paper-double ≈ 7 in page width")
+        colorbar = cols[2].checkbox("Colour bar", True, key=f"{key}_cbar")
+        if cols[3].button("Prepare file", key=f"{key}_make"):
+            try:
+                with st.spinner(f"Rendering {fmt.upper()} …"):
+                    data = export.figure_bytes(fig, fmt, meta, preset=preset, colorbar=colorbar)
+                st.session_state[f"{key}_file"] = (data, export.filename(meta, fmt), fmt)
+            except export.ExportError as err:
+                st.error(str(err))
+        ready = st.session_state.get(f"{key}_file")
+        if ready:
+            data, name, fmt = ready
+            st.download_button(f"Download {name}", data, file_name=name, key=f"{key}_dl",
+                               mime={"png": "image/png", "svg": "image/svg+xml", "pdf": "application/pdf"}[fmt])
+        st.download_button("Download interactive HTML", lambda: export.html_bytes(fig),
+                           file_name=export.filename(meta, "html"), key=f"{key}_html", mime="text/html")
+
+
+def data_downloads(cap, key: str) -> None:
+    with st.expander("Export data"):
+        meta = export.describe(cap)
+        c1, c2 = st.columns(2)
+        c1.download_button("Capture (.npz)", lambda: export.capture_bytes(cap), file_name=export.filename(meta, "npz"),
+                           key=f"{key}_npz", mime="application/octet-stream")
+        c2.download_button("Metrics (.csv)", lambda: export.csv_bytes(export.metrics_frame(cap)),
+                           file_name=export.filename({**meta, "figure": "metrics"}, "csv"), key=f"{key}_csv",
+                           mime="text/csv")

@@ -1,0 +1,171 @@
+"""Sidebar controls (kept in session state across pages) and the cached model and captures."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import streamlit as st
+
+from attnviz import arch as arch_mod
+from attnviz.capture import Capture, capture
+from attnviz.errors import AttnvizError
+from attnviz.models import DEFAULT, LoadedModel, load
+
+EXAMPLES = {
+    "Lighthouse (English, 48 tokens)": (
+        "The old lighthouse keeper climbed the narrow stairs every evening to light the lamp. "
+        "Ships passing the rocky coast relied on its steady beam, and in fifty years he had never "
+        "missed a single night, not even during the great storm of the winter."),
+    "Causal mask (seed 001)": (
+        "The causal mask stops each token from looking at the tokens after it, so the model cannot "
+        "cheat by reading the word it is supposed to predict."),
+    "Code": "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",
+    "Short": "The cat sat on the mat.",
+}
+DEFAULT_EXAMPLE = "Lighthouse (English, 48 tokens)"
+MAX_TOKENS = int(os.environ.get("ATTNVIZ_MAX_TOKENS", "2048"))
+PICKS = ["FWD", "BACK", "BIDIR", "NoSink-FWD", "NoSink-BIDIR", "INPLACE-BIDIR", "INPLACE-BACK", "MASK0-FWD",
+         "MASK0-BIDIR", "MASK0-ALL", "MASK0&BIDIR", "StableMask", "Sliding window", "Dilated window",
+         "Global + sliding", "Advanced (string)"]
+_lock = threading.Lock()
+
+
+@dataclass
+class Settings:
+    model: str
+    text: str
+    arch: str
+
+
+@st.cache_resource(show_spinner=False)
+def _models() -> dict:
+    return {}
+
+
+@st.cache_resource(show_spinner=False)
+def _captures() -> OrderedDict:
+    return OrderedDict()
+
+
+def get_model(name: str, trust_remote_code: bool = False) -> LoadedModel | None:
+    """The loaded model, shared by all sessions; shows progress on first load and errors in the page."""
+    key = (name, trust_remote_code)
+    store = _models()
+    if key in store:
+        return store[key]
+    try:
+        with st.status(f"Loading model {name} …", expanded=False) as status:
+            start = time.perf_counter()
+            loaded = load(name, trust_remote_code=trust_remote_code, progress=status.write)
+            status.update(label=f"Loaded {loaded.model_id} in {time.perf_counter() - start:.1f} s", state="complete")
+    except AttnvizError as err:
+        st.error(f"Model: {err}")
+        return None
+    with _lock:
+        store[key] = loaded
+    return loaded
+
+
+def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True) -> Capture | None:
+    """Cached by (model, text, architecture): moving a layer or head slider never re-runs the model."""
+    try:
+        architecture = arch_mod.parse(spec, loaded.n_layers)
+    except AttnvizError as err:
+        st.error(f"Architecture: {err}")
+        return None
+    key = (loaded.model_id, text, architecture.spec, hidden)
+    store = _captures()
+    with _lock:
+        if key in store:
+            store.move_to_end(key)
+            return store[key]
+    bar = st.progress(0.0, text=f"Capturing {architecture.spec} …")
+    start = time.perf_counter()
+
+    def on_layer(layer: int) -> None:
+        bar.progress((layer + 1) / loaded.n_layers,
+                     text=f"Capturing {architecture.spec}: layer {layer + 1}/{loaded.n_layers} "
+                          f"({time.perf_counter() - start:.1f} s)")
+
+    try:
+        result = capture(loaded, text, architecture, hidden_states=hidden, max_tokens=MAX_TOKENS, on_layer=on_layer)
+    except AttnvizError as err:
+        bar.empty()
+        st.error(f"Capture: {err}")
+        return None
+    bar.empty()
+    with _lock:
+        store[key] = result
+        while len(store) > 12:
+            store.popitem(last=False)
+    return result
+
+
+def _arch_controls(n_layers: int) -> str:
+    pick = st.selectbox("Architecture", PICKS, key="arch_pick",
+                        help="Mask types and the per-layer architectures of 'Look Both Ways and No Sink'")
+    top = min(8, n_layers)
+    if pick in ("INPLACE-BIDIR", "INPLACE-BACK", "MASK0-FWD", "MASK0-BIDIR", "MASK0-ALL", "MASK0&BIDIR"):
+        k = st.slider("k: converted top layers", 0, n_layers, min(st.session_state.get("arch_k", top), n_layers),
+                      key="arch_k")
+        if pick == "MASK0&BIDIR":
+            k0 = st.slider("k0: top layers with NoSink-BIDIR", 0, k, min(st.session_state.get("arch_k0", k // 2), k),
+                           key="arch_k0")
+            return f"mask0&bidir(k={k}, k0={k0})"
+        return f"{pick.lower()}(k={k})"
+    if pick in ("NoSink-FWD", "NoSink-BIDIR"):
+        m = st.slider("m: hidden first keys", 1, 8, 1, key="arch_m")
+        return pick.lower() + (f"(m={m})" if m > 1 else "")
+    if pick == "StableMask":
+        if st.toggle("per-head ALiBi slopes", key="arch_alibi"):
+            return "stablemask(slopes=alibi)"
+        gamma = st.slider("gamma", 0.05, 2.0, 0.5, 0.05, key="arch_gamma")
+        return f"stablemask(gamma={gamma:g})"
+    if pick == "Sliding window":
+        w = st.number_input("w: window", 1, 8192, 16, key="arch_w")
+        return f"sliding(w={w})"
+    if pick == "Dilated window":
+        w = st.number_input("w: keys per window", 1, 8192, 8, key="arch_dw")
+        d = st.number_input("d: dilation", 1, 64, 2, key="arch_d")
+        return f"dilated(w={w}, d={d})"
+    if pick == "Global + sliding":
+        w = st.number_input("w: window", 1, 8192, 16, key="arch_gw")
+        g = st.number_input("g: global tokens", 0, 64, 1, key="arch_g")
+        return f"global(w={w}, g={g})"
+    if pick == "Advanced (string)":
+        return st.text_input("Architecture string (SPEC §7)", "fwd*22 + bidir*4 + nosink-bidir*4", key="arch_text",
+                             help="e.g. mask0&bidir(k=8, k0=4) or fwd*26 + nosink-bidir*4")
+    return pick.lower()
+
+
+def sidebar() -> tuple[Settings, LoadedModel | None]:
+    """Model, text and architecture controls shared by every page."""
+    with st.sidebar:
+        st.markdown("### attnviz")
+        model = st.text_input("Model", DEFAULT, key="model",
+                              help="'default' (SmolLM2-135M-Instruct, offline), a Hugging Face id or a local path")
+        trust = st.toggle("trust remote code", False, key="trust_remote_code",
+                          help="Only for models you trust: runs the model repository's own Python code")
+        example = st.selectbox("Example text", list(EXAMPLES), key="example")
+        if st.session_state.get("_example_shown") != example:
+            st.session_state["text"] = EXAMPLES[example]
+            st.session_state["_example_shown"] = example
+        text = st.text_area("Text", key="text", height=150)
+        loaded = get_model(model.strip() or DEFAULT, trust)
+        n_layers = loaded.n_layers if loaded else 30
+        spec = _arch_controls(n_layers)
+        st.caption(f"architecture: `{spec}`")
+    return Settings(model=model, text=text, arch=spec), loaded
+
+
+def current_capture(settings: Settings, loaded: LoadedModel | None, spec: str | None = None) -> Capture | None:
+    if loaded is None:
+        return None
+    if not settings.text.strip():
+        st.warning("The text is empty: type something in the sidebar or pick an example.")
+        return None
+    return get_capture(loaded, settings.text, spec or settings.arch)
