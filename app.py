@@ -1,18 +1,22 @@
 """attnviz web app: `streamlit run app.py` (listens on localhost unless configured otherwise)."""
 
+
+from pathlib import Path
+
 import streamlit as st
 
 from ui.state import sidebar
 
-st.set_page_config(page_title="attnviz", page_icon="assets/icon.png", layout="wide")
+st.set_page_config(page_title="attnviz", page_icon=":material/blur_on:", layout="wide")
 
+PAGES_DIR = Path(__file__).resolve().parent / "pages"  # absolute: AppTest reruns need it
 PAGES = [
-    st.Page("pages/heatmaps.py", title="Heatmaps", icon=":material/grid_on:", default=True),
-    st.Page("pages/sinks.py", title="Attention sinks", icon=":material/water_drop:"),
-    st.Page("pages/shifting.py", title="Sink shifting", icon=":material/swap_horiz:"),
-    st.Page("pages/compare.py", title="Compare A vs B", icon=":material/compare:"),
-    st.Page("pages/designer.py", title="Mask designer", icon=":material/architecture:"),
-    st.Page("pages/walkthrough.py", title="Walkthrough", icon=":material/school:"),
+    st.Page(str(PAGES_DIR / "heatmaps.py"), title="Heatmaps", icon=":material/grid_on:", default=True),
+    st.Page(str(PAGES_DIR / "sinks.py"), title="Attention sinks", icon=":material/water_drop:"),
+    st.Page(str(PAGES_DIR / "shifting.py"), title="Sink shifting", icon=":material/swap_horiz:"),
+    st.Page(str(PAGES_DIR / "compare.py"), title="Compare A vs B", icon=":material/compare:"),
+    st.Page(str(PAGES_DIR / "designer.py"), title="Mask designer", icon=":material/architecture:"),
+    st.Page(str(PAGES_DIR / "walkthrough.py"), title="Walkthrough", icon=":material/school:"),
 ]
 
 page = st.navigation(PAGES)

@@ -22,12 +22,12 @@ def parse_matrix(text: str, name: str) -> np.ndarray:
     """Rows separated by newlines or ';', numbers by commas or spaces."""
     rows = [r for r in text.replace(";", "\n").splitlines() if r.strip()]
     try:
-        matrix = np.array([[float(x) for x in r.replace(",", " ").split()] for r in rows], dtype=float)
+        values = [[float(x) for x in r.replace(",", " ").split()] for r in rows]
     except ValueError:
         raise InputError(f"{name}: every entry must be a number") from None
-    if matrix.ndim != 2 or matrix.size == 0:
+    if not values or len({len(r) for r in values}) != 1 or not values[0]:
         raise InputError(f"{name}: every row must have the same number of entries")
-    return matrix
+    return np.array(values, dtype=float)
 
 
 def steps(q, k, v, mask_name: str = "FWD") -> dict[str, np.ndarray]:

@@ -31,8 +31,7 @@ if architecture is not None:
         preview = arch_mod.parse(edited, n_layers)
         st.success(f"valid: {preview.spec}")
         if st.button("Use this architecture", key="md_apply"):
-            st.session_state["arch_pick"] = "Advanced (string)"
-            st.session_state["arch_text"] = preview.spec
+            st.session_state["arch_apply"] = preview.spec  # the sidebar picks it up before drawing its widgets
             st.rerun()
     except AttnvizError as err:
         st.error(str(err))

@@ -106,6 +106,9 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True) 
 
 
 def _arch_controls(n_layers: int) -> str:
+    if "arch_apply" in st.session_state:  # set by the mask designer's "Use this architecture"
+        st.session_state["arch_pick"] = "Advanced (string)"
+        st.session_state["arch_text"] = st.session_state.pop("arch_apply")
     pick = st.selectbox("Architecture", PICKS, key="arch_pick",
                         help="Mask types and the per-layer architectures of 'Look Both Ways and No Sink'")
     top = min(8, n_layers)

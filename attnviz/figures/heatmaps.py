@@ -37,7 +37,7 @@ def heatmap(cap: Capture, layer: int, head: int | None = None, log: bool = False
                               colorbar_title="row-normalised" if row_normalise else "attention")
     fig = go.Figure(traces)
     title = title or f"layer {layer} · {cap.layer_masks[layer]} · {head_label(cap, head)}"
-    layout(fig, title, height=560)
+    layout(fig, title, height=560, masked_bg=True)
     fig.update_xaxes(title_text="key", side="bottom", **token_axis(cap.tokens), constrain="domain")
     fig.update_yaxes(title_text="query", autorange="reversed", scaleanchor="x", **token_axis(cap.tokens))
     if cap.n_tokens <= 96:
@@ -59,7 +59,7 @@ def panels(caps: list[Capture], titles: list[str], layer: int, head: int | None 
         for t in traces:
             fig.add_trace(t, row=1, col=col)
         fig.update_yaxes(autorange="reversed", scaleanchor=f"x{col if col > 1 else ''}", row=1, col=col)
-    return layout(fig, height=380)
+    return layout(fig, height=380, masked_bg=True)
 
 
 def overview_tiles(cap: Capture, tile: int = 12, log: bool = False) -> np.ndarray:
@@ -92,7 +92,7 @@ def overview(cap: Capture, tile: int = 12, log: bool = False) -> go.Figure:
         fig.add_vline(x=k * tile - 0.5, line=dict(color="white", width=2))
     for k in range(1, len(cap.layers)):
         fig.add_hline(y=k * tile - 0.5, line=dict(color="white", width=1))
-    layout(fig, "every layer × head (click a tile)", height=max(400, 22 * len(cap.layers)))
+    layout(fig, "every layer × head (click a tile)", height=max(400, 22 * len(cap.layers)), masked_bg=True)
     fig.update_xaxes(tickmode="array", tickvals=[h * tile + tile / 2 for h in range(cap.n_heads)],
                      ticktext=[f"h{h}·g{cap.kv_groups[h]}" for h in range(cap.n_heads)], title="head · KV group")
     fig.update_yaxes(tickmode="array", tickvals=[i * tile + tile / 2 for i in range(len(cap.layers))],

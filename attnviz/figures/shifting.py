@@ -9,7 +9,7 @@ from plotly.subplots import make_subplots
 from .. import compare
 from ..capture import Capture
 from .heatmaps import layer_matrix
-from .style import colour_range, layout, matrix_traces
+from .style import colour_range, grey_under, layout, matrix_traces
 
 
 def shift_panels(caps: list[Capture], titles: list[str], layer: int, log: bool = False,
@@ -24,6 +24,7 @@ def shift_panels(caps: list[Capture], titles: list[str], layer: int, log: bool =
         traces, _ = matrix_traces(v, None, None, zmin, zmax, log, show_scale=col == len(caps))
         for t in traces:
             fig.add_trace(t, row=1, col=col)
+        grey_under(fig, 1, col)
         fig.update_yaxes(autorange="reversed", row=1, col=col)
         mass = cap.stat(layer, "column_mean").mean(0)[:max_keys]
         top = max(top, float(mass.max()))
@@ -74,7 +75,7 @@ def difference(a: Capture, b: Capture, layer: int, head: int | None = None) -> g
     bound = float(np.nanmax(np.abs(diff))) if np.isfinite(diff).any() else 1.0
     fig = go.Figure(go.Heatmap(z=diff, colorscale="RdBu_r", zmid=0, zmin=-bound, zmax=bound, hoverongaps=False,
                                colorbar=dict(title="B − A")))
-    layout(fig, f"difference B − A at layer {layer}", height=460)
+    layout(fig, f"difference B − A at layer {layer}", height=460, masked_bg=True)
     fig.update_yaxes(autorange="reversed", title="query")
     fig.update_xaxes(title="key")
     if diff.shape[0] > 96:  # keep the payload small: send a pooled image instead

@@ -28,12 +28,21 @@ PRESETS = {
 }
 
 
-def layout(fig: go.Figure, title: str | None = None, height: int | None = None) -> go.Figure:
+def layout(fig: go.Figure, title: str | None = None, height: int | None = None, masked_bg: bool = False) -> go.Figure:
+    """The house style; ``masked_bg`` paints the plot area grey so NaN (masked) cells show as grey."""
     fig.update_layout(template="simple_white", font=dict(family=FONT, size=13),
                       margin=dict(l=60, r=20, t=50 if title else 20, b=50), title=title)
     if height:
         fig.update_layout(height=height)
+    if masked_bg:
+        fig.update_layout(plot_bgcolor=MASKED)
     return fig
+
+
+def grey_under(fig: go.Figure, row: int, col: int) -> None:
+    """Grey behind one subplot's heatmap, so its masked (NaN) cells read as masked."""
+    fig.add_shape(type="rect", xref="x domain", yref="y domain", x0=0, x1=1, y0=0, y1=1, fillcolor=MASKED,
+                  line_width=0, layer="below", row=row, col=col)
 
 
 def max_pool(values: np.ndarray, size: int) -> np.ndarray:

@@ -1,0 +1,23 @@
+"""Screenshots of the main pages for the README: `.venv/bin/python scripts/screenshots.py`."""
+
+from pathlib import Path
+
+from appserver import ROOT, browser_page, running_app, wait_for_app
+
+PAGES = {"heatmaps": "", "sinks": "sinks", "shifting": "shifting", "compare": "compare", "designer": "designer",
+         "walkthrough": "walkthrough"}
+
+
+def main() -> None:
+    out = ROOT / "assets" / "screenshots"
+    out.mkdir(parents=True, exist_ok=True)
+    with running_app() as url, browser_page() as page:
+        for name, path in PAGES.items():
+            page.goto(f"{url}/{path}")
+            wait_for_app(page)
+            page.screenshot(path=str(out / f"{name}.png"), full_page=False)
+            print(f"wrote {out / (name + '.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Every page through Streamlit's AppTest, on the real default model."""
+
+import base64
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from attnviz import walkthrough as W
+
+TIMEOUT = 300
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def app_test(tmp_path) -> AppTest:
+    """AppTest of app.py, run through a link in an empty folder.
+
+    AppTest treats a ``pages/`` folder beside the entry script as old-style multipage pages and then
+    reruns the page alone, skipping app.py (and its sidebar). A real `streamlit run` with
+    ``st.navigation`` does not; running the same file from a folder without ``pages/`` avoids it.
+    """
+    link = tmp_path / "app.py"
+    link.symlink_to(ROOT / "app.py")
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return AppTest.from_file(str(link), default_timeout=TIMEOUT)
+
+
+@pytest.fixture
+def app(model_cache, tmp_path):
+    at = app_test(tmp_path)
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def on_page(at, page):
+    at.switch_page(str(ROOT / page)).run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def charts(at):
+    return [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+
+
+def arr(value) -> np.ndarray:
+    """A Plotly JSON array: a list, or plotly's typed array {dtype, bdata, shape}."""
+    if isinstance(value, dict) and "bdata" in value:
+        data = np.frombuffer(base64.b64decode(value["bdata"]), dtype=np.dtype(value["dtype"]))
+        shape = [int(x) for x in str(value.get("shape", len(data))).split(",")]
+        return data.reshape(shape).astype(float)
+    return np.array(value, dtype=float)
+
+
+def title(spec):
+    t = spec["layout"].get("title")
+    return t.get("text") if isinstance(t, dict) else t
+
+
+def texts(elements):
+    return " | ".join(str(e.value) for e in elements)
+
+
+def test_heatmaps_default_shows_a_sink_and_sliders_move_it(app):
+    first = charts(app)[0]
+    assert title(first) == "layer 29 · fwd · mean over heads"
+    z = arr(first["data"][0]["customdata"])
+    assert np.nanmean(z[1:, 0]) > 0.3  # the first key takes a large share in the last layer
+    app.slider(key="hm_layer").set_value(3).run()
+    assert title(charts(app)[0]) == "layer 3 · fwd · mean over heads"
+    app.selectbox(key="hm_head").set_value(4).run()
+    assert title(charts(app)[0]) == "layer 3 · fwd · head 4 (KV group 1)"
+    app.toggle(key="hm_log").set_value(True).run()
+    assert "log10" in charts(app)[0]["data"][0]["colorbar"]["title"]["text"]
+
+
+def test_architecture_controls_change_the_capture(app):
+    app.sidebar.selectbox(key="arch_pick").set_value("MASK0-BIDIR").run()
+    app.sidebar.slider(key="arch_k").set_value(4).run()
+    assert title(charts(app)[0]) == "layer 29 · nosink-bidir · mean over heads"
+    z = arr(charts(app)[0]["data"][0]["customdata"])
+    assert np.isnan(z[1:, 0]).all()  # key 0 hidden from later queries: drawn as masked, not as zero
+
+
+@pytest.mark.parametrize("setup,message", [
+    (lambda at: at.sidebar.text_area(key="text").input("   "), "text is empty"),
+    (lambda at: at.sidebar.text_area(key="text").input("word " * 2100), "captures at most 2048"),
+    (lambda at: (at.sidebar.selectbox(key="arch_pick").set_value("Advanced (string)").run(),
+                 at.sidebar.text_input(key="arch_text").input("fwd*20 + bidr*10")), "unknown mask type 'bidr'"),
+    (lambda at: (at.sidebar.selectbox(key="arch_pick").set_value("Advanced (string)").run(),
+                 at.sidebar.text_input(key="arch_text").input("mask0-bidir(k=40)")), "k=40 but the model has 30 layers"),
+    (lambda at: at.sidebar.text_input(key="model").input("no-such-org/no-such-model"), "cannot find model"),
+])
+def test_bad_input_shows_a_message(app, setup, message):
+    setup(app)
+    app.run()
+    assert not app.exception
+    assert message in texts(app.error) + texts(app.warning)
+
+
+def test_sinks_page(app):
+    on_page(app, "pages/sinks.py")
+    metric = app.metric[0]
+    assert "key 0" in metric.label and int(metric.value.rstrip("%")) > 50
+    assert {title(c) for c in charts(app)} >= {"where each layer's attention goes"}
+    before = app.metric[0].value
+    app.slider(key="sk_eps").set_value(0.9).run()
+    assert int(app.metric[0].value.rstrip("%")) < int(before.rstrip("%"))
+    app.number_input(key="sk_key").set_value(1).run()
+    assert "key 1" in app.metric[0].label
+
+
+def test_sink_shifting_page_moves_the_sink(app):
+    on_page(app, "pages/shifting.py")
+    panel = charts(app)[0]
+    bars = [t for t in panel["data"] if t["type"] == "bar"]
+    sinks = [int(np.argmax(arr(b["y"]))) for b in bars]
+    assert sinks[:3] == [0, 1, 2]  # fwd, nosink-fwd, nosink-fwd(m=2)
+    assert arr(bars[3]["y"]).max() < 0.2  # mask0-bidir: no sink left in the top layer
+    app.text_input(key="sh_archs").input("fwd").run()
+    assert "2 to 4" in texts(app.error)
+
+
+def test_compare_page(app):
+    on_page(app, "pages/compare.py")
+    kl = float(app.metric[0].value.split()[0])
+    assert kl > 0
+    app.text_input(key="cmp_b").input("fwd").run()
+    assert float(app.metric[0].value.split()[0]) == pytest.approx(0, abs=1e-6)
+    app.text_input(key="cmp_b").input("fwd*3").run()
+    assert "covers 3 layers but the model has 30" in texts(app.error)
+
+
+def test_mask_designer(app):
+    app.sidebar.selectbox(key="arch_pick").set_value("MASK0&BIDIR").run()
+    on_page(app, "pages/designer.py")
+    masks = charts(app)[0]
+    assert len([t for t in masks["data"] if t["type"] == "heatmap"]) == 30
+    top = arr(masks["data"][29]["z"])
+    assert top[:, 0].tolist() == [1] + [0] * (len(top) - 1)  # NoSink-BIDIR in the top layer
+    app.text_area(key="md_edit").input("fwd*10 + bidir*10").run()
+    assert "covers 20 layers" in texts(app.error)
+    app.text_area(key="md_edit").input("fwd*28 + nosink-fwd*2").run()
+    app.button(key="md_apply").click().run()
+    assert app.session_state["arch_text"] == "fwd*28 + nosink-fwd*2"
+
+
+def test_walkthrough(model_cache, tmp_path):
+    at = app_test(tmp_path)
+    at.run()
+    on_page(at, "pages/walkthrough.py")
+    weights = [c for c in charts(at) if title(c).startswith("3.")][0]
+    expected = W.steps(W.Q, W.K, W.V, "FWD")["weights"]
+    np.testing.assert_allclose(arr(weights["data"][0]["z"]), expected, atol=1e-9)
+    assert np.triu(expected, 1).max() == 0
+    at.selectbox(key="wt_mask").set_value("BIDIR").run()
+    bidir = [c for c in charts(at) if title(c).startswith("3.")][0]
+    assert arr(bidir["data"][0]["z"])[np.triu_indices(3, 1)].min() > 0  # future keys now get weight: the leak
+    at.text_area(key="wt_q").input("1, 2\n3, x").run()
+    assert "Q: every entry must be a number" in texts(at.error)
