@@ -20,6 +20,6 @@ PAGES = [
 ]
 
 page = st.navigation(PAGES)
-if page.title != "Walkthrough":  # the walkthrough needs no model
-    st.session_state["settings"], st.session_state["loaded"] = sidebar()
+# Drawn on every page, the walkthrough too: widgets Streamlit does not draw in a run lose their state.
+st.session_state["settings"], st.session_state["loaded"] = sidebar()
 page.run()

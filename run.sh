@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Set up, then capture the default model's attention on a sample text and print its sink report.
+# Set up (first time: packages, the offline default model, Debian's chromium for figure export),
+# then start the app on http://localhost:8501 with the default model and a ready example.
 set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/setup.sh
-.venv/bin/attnviz capture --text "${ATTNVIZ_TEXT:-The quick brown fox jumps over the lazy dog, and the dog sleeps on.}" \
-  --arch "${ATTNVIZ_ARCH:-fwd}" --out captures/example.npz
+exec .venv/bin/python -m streamlit run app.py "$@"

@@ -164,3 +164,10 @@ def test_walkthrough(model_cache, tmp_path):
     assert arr(bidir["data"][0]["z"])[np.triu_indices(3, 1)].min() > 0  # future keys now get weight: the leak
     at.text_area(key="wt_q").input("1, 2\n3, x").run()
     assert "Q: every entry must be a number" in texts(at.error)
+
+
+def test_text_survives_a_visit_to_the_walkthrough(app):
+    on_page(app, "pages/walkthrough.py")
+    on_page(app, "pages/heatmaps.py")
+    assert "text is empty" not in texts(app.warning)
+    assert title(charts(app)[0]).startswith("layer 29")

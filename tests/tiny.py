@@ -13,7 +13,7 @@ def _configs():
                               Phi3Config, Qwen2Config)
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                  num_attention_heads=4, max_position_embeddings=64)
+                  num_attention_heads=4, max_position_embeddings=512)
     return {
         "llama": LlamaConfig(num_key_value_heads=2, **common),
         "qwen2": Qwen2Config(num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
@@ -22,7 +22,7 @@ def _configs():
         "gemma2": Gemma2Config(num_key_value_heads=2, head_dim=8, sliding_window=4,
                                attn_logit_softcapping=5.0, final_logit_softcapping=30.0, **common),
         "phi3": Phi3Config(num_key_value_heads=4, pad_token_id=0, **common),
-        "gpt2": GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=64),
+        "gpt2": GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=512),
         "gpt_oss": GptOssConfig(num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                                 sliding_window=4, **common),
     }

@@ -26,8 +26,8 @@ def key_profile(cap: Capture, key: int = 0, layers: list[int] | None = None) -> 
             profile = cap.stat(layer, "key0")
         else:
             continue
-        with np.errstate(all="ignore"):
-            y = np.nanmean(profile, 0) if np.isfinite(profile).any() else np.full(profile.shape[1], np.nan)
+        seen = np.isfinite(profile).sum(0)  # queries the mask hides from the key stay gaps, not zeros
+        y = np.where(seen > 0, np.nansum(profile, 0) / np.maximum(seen, 1), np.nan)
         fig.add_trace(go.Scatter(x=np.arange(len(y)), y=y, mode="lines", name=f"L{layer}",
                                  line=dict(color=colour, width=1.5),
                                  hovertemplate=f"layer {layer}<br>query %{{x}}<br>p = %{{y:.3f}}<extra></extra>"))

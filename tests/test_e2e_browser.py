@@ -1,0 +1,68 @@
+"""The app end to end: `streamlit run app.py` on localhost, driven in Debian's headless Chromium."""
+
+import io
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from appserver import browser_page, running_app, wait_for_app  # noqa: E402
+
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not shutil.which("chromium") and not os.environ.get("ATTNVIZ_REQUIRE_BROWSER"), reason="needs chromium (bash scripts/setup.sh dev)")]
+
+PAGES = {"Attention sinks": "Attention sinks", "Sink shifting": "Sink shifting", "Compare A vs B": "Compare A vs B",
+         "Mask designer": "Mask designer", "Walkthrough": "Walkthrough: attention", "Heatmaps": "Attention heatmaps"}
+
+
+def chart_title(page) -> str:
+    return page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"] .gtitle').first.text_content()
+
+
+def no_exception(page) -> None:
+    assert page.locator('[data-testid="stException"]').count() == 0
+    assert "Traceback" not in page.locator('[data-testid="stMain"]').inner_text()
+
+
+def test_app_in_a_real_browser(model_cache, tmp_path):
+    with running_app() as url, browser_page() as page:
+        page.goto(url)
+        wait_for_app(page)
+        no_exception(page)
+        assert chart_title(page) == "layer 29 · fwd · mean over heads"
+
+        # move the layer slider with the keyboard: the heatmap follows, the model does not re-run
+        slider = page.locator('[data-testid="stMain"]').get_by_role("slider", name="Layer").first
+        slider.focus()
+        slider.press("Home")
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('[data-testid=\"stMain\"] .gtitle')]"
+            ".some(e => e.textContent.startsWith('layer 0 '))", timeout=60_000)
+        assert chart_title(page) == "layer 0 · fwd · mean over heads"
+
+        # export the heatmap as a PDF and check the file
+        page.get_by_text("Export this figure").first.click()
+        page.get_by_role("button", name="Prepare file").first.click()
+        download_button = page.get_by_role("button", name="Download attnviz").first
+        download_button.wait_for(timeout=120_000)
+        with page.expect_download(timeout=60_000) as info:
+            download_button.click()
+        target = tmp_path / info.value.suggested_filename
+        info.value.save_as(target)
+        data = target.read_bytes()
+        assert target.suffix == ".pdf" and data.startswith(b"%PDF")
+        from pypdf import PdfReader
+
+        reader = PdfReader(io.BytesIO(data))
+        assert len(reader.pages) == 1 and '"arch": "fwd"' in reader.metadata["/Keywords"]
+
+        # every page opens without an exception
+        for name, heading in PAGES.items():
+            page.locator('[data-testid="stSidebarNav"]').get_by_text(name, exact=True).click()
+            page.locator('[data-testid="stMain"] h1').filter(has_text=heading).first.wait_for(timeout=120_000)
+            page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"]').first.wait_for(timeout=120_000)
+            wait_for_app(page)
+            no_exception(page)

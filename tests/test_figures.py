@@ -1,0 +1,126 @@
+"""Figures are pure functions of capture data: checked on a tiny model's captures, no Streamlit."""
+
+import numpy as np
+import plotly.graph_objects as go
+import pytest
+
+from attnviz import compare, export
+from attnviz.arch import parse
+from attnviz.capture import capture
+from attnviz.figures import (allocation_bars, architecture_masks, heatmap, key_profile, overview, panels,
+                             shift_panels, sink_grid, stablemask_pseudo, tile_at)
+from attnviz.figures.style import HOVER_MAX, MASKED, max_pool
+
+from tiny import loaded
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return loaded("llama")
+
+
+def test_heatmap_marks_masked_cells_apart_from_zero(lm):
+    cap = capture(lm, "a short text", "nosink-fwd")
+    fig = heatmap(cap, 2, head=1)
+    z = np.asarray(fig.data[0].customdata, dtype=float)
+    assert np.isnan(z[0, 1]) and np.isnan(z[5, 0])  # future key, hidden first key: masked (NaN)
+    assert z[0, 0] == pytest.approx(1.0)  # query 0 keeps itself
+    assert fig.layout.plot_bgcolor == MASKED  # NaN cells show the grey background
+    assert "head 1 (KV group 0)" in fig.layout.title.text
+    mean = heatmap(cap, 2)
+    np.testing.assert_allclose(np.nan_to_num(np.asarray(mean.data[0].customdata, dtype=float)),
+                               np.where(cap.allowed[2], cap.layer_probs(2).mean(0), 0), atol=1e-6)
+
+
+def test_large_heatmaps_ship_an_image_not_numbers(lm):
+    cap = capture(lm, "x" * 300, "fwd", layers=[1])
+    fig = heatmap(cap, 1)
+    assert isinstance(fig.data[0], go.Image) and fig.data[0].source.startswith("data:image/png;base64,")
+    assert fig.data[0].z is None
+    assert len(fig.to_json()) < 300 * 300  # far below n² numbers
+
+
+def test_max_pool_keeps_sinks_visible():
+    values = np.zeros((8, 8))
+    values[5, 0] = 0.9
+    values[0, 7] = np.nan
+    pooled = max_pool(values, 4)
+    assert pooled.shape == (4, 4) and pooled[2, 0] == 0.9
+    all_nan = np.full((4, 4), np.nan)
+    assert np.isnan(max_pool(all_nan, 2)).all()
+
+
+def test_log_and_row_normalisation(lm):
+    cap = capture(lm, "some tokens here", "fwd")
+    fig = heatmap(cap, 0, head=0, row_normalise=True)
+    z = np.asarray(fig.data[0].z, dtype=float)
+    np.testing.assert_allclose(np.nanmax(z, 1), 1.0)
+    log = heatmap(cap, 0, head=0, log=True)
+    assert np.nanmax(np.asarray(log.data[0].z, dtype=float)) <= 0  # log10 of probabilities
+
+
+def test_shared_scale_across_panels(lm):
+    a, b = capture(lm, "shared scale", "fwd"), capture(lm, "shared scale", "bidir")
+    fig = panels([a, b], ["A", "B"], 1)
+    heat = [t for t in fig.data if isinstance(t, go.Heatmap)]
+    assert len({(t.zmin, t.zmax) for t in heat}) == 1
+
+
+def test_overview_click_maps_to_layer_and_head(lm):
+    cap = capture(lm, "overview tiles", "fwd")
+    fig = overview(cap, tile=12)
+    assert np.asarray(fig.data[0].z).shape == (3 * 12, 4 * 12)
+    assert tile_at(cap, x=3 * 12 + 1, y=2 * 12 + 5, tile=12) == (2, 3)
+
+
+def test_sink_figures(lm):
+    cap = capture(lm, "sinks, everywhere.", "fwd")
+    profile = key_profile(cap, 0)
+    assert len(profile.data) == 3
+    np.testing.assert_allclose(profile.data[0].y, cap.layer_probs(0)[:, :, 0].mean(0), atol=1e-6)
+    bars = allocation_bars(cap)
+    total = sum(np.asarray(t.y) for t in bars.data)
+    np.testing.assert_allclose(total, 1, atol=1e-3)
+    grid = sink_grid(cap, 0, eps=0.0)
+    assert np.asarray(grid.data[0].z).all()  # every head has alpha_0 > 0
+
+
+def test_shift_panels_and_rates(lm):
+    a, b = capture(lm, "shift the sink", "fwd"), capture(lm, "shift the sink", "nosink-fwd")
+    fig = shift_panels([a, b], ["fwd", "nosink-fwd"], 2)
+    bars = [t for t in fig.data if isinstance(t, go.Bar)]
+    assert len(bars) == 2 and bars[1].y[0] == pytest.approx(cap0 := b.stat(2, "column_mean").mean(0)[0])
+    assert cap0 < 0.2  # key 0 is only seen by query 0 under NoSink
+    rates = compare.shift_rates(a, b, 1)
+    assert rates.shape == (3,) and ((rates >= 0) & (rates <= 1)).all()
+
+
+def test_compare_metrics(lm):
+    a = capture(lm, "compare me", "fwd", hidden_states=True)
+    same = capture(lm, "compare me", "fwd", hidden_states=True)
+    b = capture(lm, "compare me", "bidir", hidden_states=True)
+    assert compare.kl_divergence(a, same) == pytest.approx(0, abs=1e-9)
+    assert compare.kl_divergence(a, b) > 0
+    cos = compare.hidden_cosine(a, b)
+    assert cos[0] == pytest.approx(1, abs=1e-3) and cos[-1] < 0.999
+    top = compare.top_tokens(a, 3)
+    assert len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1]
+
+
+def test_mask_pictures():
+    fig = architecture_masks(parse("mask0&bidir(k=2, k0=1)", 4), n=5)
+    assert len(fig.data) == 4
+    np.testing.assert_array_equal(np.asarray(fig.data[3].z)[:, 0], [1, 0, 0, 0, 0])
+    pseudo = stablemask_pseudo(4, 0.5)
+    z = np.asarray(pseudo.data[0].z, dtype=float)
+    assert z[0, 3] == pytest.approx(-1.5) and np.isnan(z[3, 0])
+
+
+def test_metrics_table_and_filenames(lm):
+    cap = capture(lm, "table rows", "fwd")
+    frame = export.metrics_frame(cap)
+    assert len(frame) == 3 * 4 and {"alpha_0", "sink_key", "kv_group", "discarded_mass"} <= set(frame.columns)
+    name = export.filename(export.describe(cap, 2, None), "pdf")
+    assert name == "attnviz_tiny-llama_fwd_L2_hmean.pdf"
+    assert export.filename({"model": "a/b c", "arch": "mask0&bidir(k=8, k0=4)"}, "png") == \
+        "attnviz_a-b_mask0-bidir-k-8-k0-4.png"
