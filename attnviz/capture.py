@@ -41,6 +41,7 @@ class Capture:
     hidden: np.ndarray | None = None
     timing: dict[str, float] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    _summaries: dict[int, dict[str, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def n_tokens(self) -> int:
@@ -65,7 +66,9 @@ class Capture:
         """A per-layer statistic of :func:`metrics.summarise`, from stored stats or full maps."""
         if layer in self.stats:
             return self.stats[layer][name]
-        return metrics.summarise(self.layer_probs(layer), self.allowed[layer])[name]
+        if layer not in self._summaries:  # computed once per layer: pages ask for several statistics
+            self._summaries[layer] = metrics.summarise(self.layer_probs(layer), self.allowed[layer])
+        return self._summaries[layer][name]
 
     # --- persistence -------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:

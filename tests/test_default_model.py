@@ -97,3 +97,28 @@ def test_bad_input(default_model, tmp_path):
         (tmp_path / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
         with pytest.raises(ModelLoadError, match=f"is a {model_type} model, not a decoder language model"):
             load(str(tmp_path))
+
+
+def test_any_local_model_directory(default_model, tmp_path):
+    """A local directory of safetensors weights loads through the Auto classes; .bin-only is refused."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=len(default_model.tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
+    default_model.tokenizer.save_pretrained(tmp_path / "tiny")
+    lm = load(str(tmp_path / "tiny"))
+    assert lm.model_id == str(tmp_path / "tiny") and lm.n_layers == 2 and lm.kv_groups == [0, 0, 1, 1]
+    cap = capture(lm, "A local model.", "mask0-bidir(k=1)")
+    assert cap.layer_masks == ["fwd", "nosink-bidir"]
+
+    pickled = tmp_path / "pickled"
+    LlamaForCausalLM(config).save_pretrained(pickled)
+    weights = LlamaForCausalLM.from_pretrained(pickled).state_dict()
+    (pickled / "model.safetensors").unlink()
+    torch.save(weights, pickled / "pytorch_model.bin")  # pickle: never loaded by attnviz
+    default_model.tokenizer.save_pretrained(pickled)
+    with pytest.raises(ModelLoadError, match="only safetensors or GGUF"):
+        load(str(pickled))
