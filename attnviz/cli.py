@@ -118,26 +118,23 @@ def build_parser() -> argparse.ArgumentParser:
     masks.add_argument("--n", type=int, required=True, help="sequence length")
     masks.add_argument("--json", action="store_true", help="JSON output (the default)")
 
-    def model_args(p):
+    def model_args(p):  # shared by the commands that run a model
         p.add_argument("--model", default="default", help="'default', a Hugging Face id or a local directory")
         p.add_argument("--arch", default="fwd", help="architecture string (SPEC §7)")
         p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU)")
         p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
         p.add_argument("--trust-remote-code", action="store_true", help="allow a model's own Python code")
+        text = p.add_mutually_exclusive_group(required=True)
+        text.add_argument("--text", help="the text to capture")
+        text.add_argument("--text-file", help="read the text from this file (UTF-8)")
 
     sinks = sub.add_parser("sinks", help="attention-sink metrics of every layer and head")
     model_args(sinks)
-    text = sinks.add_mutually_exclusive_group(required=True)
-    text.add_argument("--text")
-    text.add_argument("--text-file")
     sinks.add_argument("--eps", type=float, default=0.3, help="sink threshold on alpha (default 0.3)")
     sinks.add_argument("--json", action="store_true", help="JSON output (the default)")
 
     cap = sub.add_parser("capture", help="capture attention maps and save them (.npz)")
     model_args(cap)
-    text = cap.add_mutually_exclusive_group(required=True)
-    text.add_argument("--text")
-    text.add_argument("--text-file")
     cap.add_argument("--out", required=True, help="output file (.npz)")
     cap.add_argument("--layers", default=None, help="comma-separated layers to record (default: all)")
     cap.add_argument("--hidden", action="store_true", help="also keep hidden states")

@@ -4,7 +4,6 @@ import streamlit as st
 
 from attnviz import export
 from attnviz.figures import heatmap, overview, tile_at
-from attnviz.figures.heatmaps import head_label
 from ui.export import data_downloads, figure_downloads
 from ui.state import current_capture
 
@@ -20,8 +19,8 @@ if cap is not None:
     layer = c1.slider("Layer", 0, loaded.n_layers - 1, min(st.session_state.get("hm_layer", loaded.n_layers - 1),
                                                             loaded.n_layers - 1), key="hm_layer")
     heads = ["mean"] + list(range(cap.n_heads))
-    head = c2.selectbox("Head", heads, format_func=lambda h: "mean over heads" if h == "mean" else head_label(cap, h),
-                        key="hm_head")
+    head = c2.select_slider("Head", heads, key="hm_head",
+                            format_func=lambda h: "mean" if h == "mean" else f"{h} (g{cap.kv_groups[h]})")
     log = c3.toggle("Log scale", key="hm_log")
     row_norm = c4.toggle("Row-normalise", key="hm_rownorm")
     head = None if head == "mean" else int(head)

@@ -26,7 +26,4 @@ def model_cache(tmp_path_factory):
 def default_model(model_cache):
     from attnviz import load
 
-    messages = []
-    loaded = load("default", progress=messages.append)
-    loaded.progress_messages = messages
-    return loaded
+    return load("default")

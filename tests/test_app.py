@@ -74,7 +74,7 @@ def test_heatmaps_default_shows_a_sink_and_sliders_move_it(app):
     assert np.nanmean(z[1:, 0]) > 0.3  # the first key takes a large share in the last layer
     app.slider(key="hm_layer").set_value(3).run()
     assert title(charts(app)[0]) == "layer 3 · fwd · mean over heads"
-    app.selectbox(key="hm_head").set_value(4).run()
+    app.select_slider(key="hm_head").set_value(4).run()
     assert title(charts(app)[0]) == "layer 3 · fwd · head 4 (KV group 1)"
     app.toggle(key="hm_log").set_value(True).run()
     assert "log10" in charts(app)[0]["data"][0]["colorbar"]["title"]["text"]

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 from attnviz import capture, load, metrics
 from attnviz.errors import InputError, ModelLoadError
@@ -17,18 +18,25 @@ def captures(default_model):
     return {a: capture(default_model, ENGLISH, a) for a in ("fwd", "nosink-fwd", "mask0-bidir(k=8)")}
 
 
-def test_loads_offline_from_the_installed_wheel(default_model, model_cache):
+def test_loads_offline_from_the_installed_wheel(default_model):
     assert default_gguf().name == DEFAULT_GGUF
     assert default_model.n_layers == 30 and default_model.n_heads == 9 and default_model.n_kv_heads == 3
     assert default_model.model.config._attn_implementation == "attnviz"
-    converted = list(model_cache.glob("smollm2-*/model.safetensors"))
-    assert len(converted) == 1
-    assert any("Converting" in m for m in default_model.progress_messages)
-    again = load("default")  # from the safetensors cache this time: no conversion message
+    assert default_model.model_file == str(default_gguf())
+
+
+def test_first_load_converts_once_then_reads_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNVIZ_CACHE", str(tmp_path))
     messages = []
-    load("default", progress=messages.append)
+    first = load("default", progress=messages.append)
+    assert any("Converting" in m for m in messages)  # the ~25 s step says so
+    assert len(list(tmp_path.glob("smollm2-*/model.safetensors"))) == 1
+    messages.clear()
+    again = load("default", progress=messages.append)
     assert not any("Converting" in m for m in messages)
-    assert again.n_layers == 30
+    ids = torch.tensor([first.tokenizer("Same weights?")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(first.model(ids).logits, again.model(ids).logits)
 
 
 def test_fwd_shows_the_sink_at_key_0(captures):
