@@ -42,6 +42,7 @@ class Capture:
     timing: dict[str, float] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     _summaries: dict[int, dict[str, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def n_tokens(self) -> int:
@@ -67,8 +68,14 @@ class Capture:
         if layer in self.stats:
             return self.stats[layer][name]
         if layer not in self._summaries:  # computed once per layer: pages ask for several statistics
-            self._summaries[layer] = metrics.summarise(self.layer_probs(layer), self.allowed[layer])
+            self._summaries[layer] = metrics.summarise(self.layer_probs(layer), self.allowed[layer], self.tokens)
         return self._summaries[layer][name]
+
+    def memo(self, key, compute):
+        """``compute()`` once per capture and key: figures reuse heavy per-capture numbers across reruns."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     # --- persistence -------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
@@ -186,7 +193,7 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
     reducer = None
     if reduce:
         def reducer(layer, probs, allow):
-            return metrics.summarise(probs[0].float().cpu().numpy(), allow[0, 0].cpu().numpy())
+            return metrics.summarise(probs[0].float().cpu().numpy(), allow[0, 0].cpu().numpy(), tokens)
 
     t0 = time.perf_counter()
     output, run = engine.forward(loaded.model, input_ids, list(architecture.layers), set(record),

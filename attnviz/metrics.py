@@ -93,23 +93,28 @@ def allocation(probs, tokens: list[str]) -> np.ndarray:
 
     Each key is counted once, in this order of precedence: the first token, then the query's own
     key (diagonal), then delimiters, then the rest; with the discarded mass the five sum to 1.
+    Computed with one matrix-vector product per head instead of n x n masks (pages call it on
+    every layer at N = 1024).
     """
     probs = _f32(probs)
     n = probs.shape[-1]
-    first = np.zeros((n, n), dtype=bool)
-    first[:, 0] = True
-    diagonal = np.eye(n, dtype=bool) & ~first
-    delim_keys = np.array([is_delimiter(t) for t in tokens], dtype=bool)
-    delimiter = delim_keys[None, :] & ~first & ~diagonal
-    other = ~(first | diagonal | delimiter)
-    parts = [(probs * part[None]).sum(-1) for part in (first, delimiter, diagonal, other)]
-    parts.append(discarded_mass(probs))
-    return np.stack(parts, axis=-1)
+    delim = np.array([is_delimiter(t) for t in tokens], dtype=np.float32)
+    delim[0] = 0.0  # the first token counts as first
+    rowsum = probs.sum(-1)
+    first = probs[..., 0]
+    diagonal = np.diagonal(probs, axis1=-2, axis2=-1).copy()
+    diagonal[..., 0] = 0.0  # query 0's own key is the first token
+    delimiter = probs @ delim - diagonal * delim[None, :n]
+    other = rowsum - first - diagonal - delimiter
+    return np.stack([first, delimiter, diagonal, other, np.clip(1.0 - rowsum, 0.0, None)], axis=-1)
 
 
-def summarise(probs, allowed) -> dict[str, np.ndarray]:
-    """Per-layer statistics kept instead of full maps when a capture is reduced (O(H·n) memory)."""
-    return {
+def summarise(probs, allowed, tokens: list[str] | None = None) -> dict[str, np.ndarray]:
+    """Per-layer statistics, O(H·n) memory: kept instead of full maps when a capture is reduced, and
+    computed in one pass over a layer (one fp16 → fp32 conversion) when figures need several."""
+    probs = _f32(probs)
+    extra = {"allocation": allocation(probs, tokens)} if tokens is not None else {}
+    return {**extra,
         "alpha": alpha(probs, allowed),
         "column_mean": column_mean(probs),
         "key0": key_profile(probs, allowed, 0),

@@ -40,11 +40,12 @@ def main() -> None:
     print(f"capture                N={cap.n_tokens} time_s={t_capture:.3f}")
     t_heat, fig = timed(lambda: heatmap(cap, 29, 3), args.repeat)
     print(f"heatmap                time_s={t_heat:.3f} json_kb={len(fig.to_json()) / 1024:.0f}")
-    t_over, fig = timed(lambda: overview(cap), args.repeat)
+    t_over, fig = timed(lambda: (cap._memo.clear(), overview(cap))[1], args.repeat)
     print(f"overview               time_s={t_over:.3f} json_kb={len(fig.to_json()) / 1024:.0f}")
 
     def sinks_page():
         cap._summaries.clear()  # the first visit pays for the per-layer statistics
+        cap._memo.clear()
         return [key_profile(cap, 0), alpha_grid(cap, 0), sink_grid(cap, 0), allocation_bars(cap)]
 
     t_sinks, figs = timed(sinks_page, args.repeat)

@@ -80,7 +80,7 @@ def overview_tiles(cap: Capture, tile: int = 12, log: bool = False) -> np.ndarra
 
 def overview(cap: Capture, tile: int = 12, log: bool = False) -> go.Figure:
     """Small multiples: one tile per layer (rows) and head (columns). Click a tile to open it."""
-    mosaic = overview_tiles(cap, tile, log)
+    mosaic = cap.memo(("overview", tile, log), lambda: overview_tiles(cap, tile, log))
     zmin, zmax = colour_range([mosaic], False)
     layer_of = np.repeat(cap.layers, tile)
     head_of = np.repeat(np.arange(cap.n_heads), tile)

@@ -20,10 +20,10 @@ def key_profile(cap: Capture, key: int = 0, layers: list[int] | None = None) -> 
     colours = sample_colorscale("Viridis", list(np.linspace(0, 1, max(len(layers), 2))))
     fig = go.Figure()
     for colour, layer in zip(colours, layers):
-        if cap.probs:
-            profile = metrics.key_profile(cap.layer_probs(layer), cap.allowed[layer], key)
-        elif key == 0:
+        if key == 0:
             profile = cap.stat(layer, "key0")
+        elif cap.probs:
+            profile = metrics.key_profile(cap.layer_probs(layer), cap.allowed[layer], key)
         else:
             continue
         seen = np.isfinite(profile).sum(0)  # queries the mask hides from the key stay gaps, not zeros
@@ -73,7 +73,7 @@ def sink_grid(cap: Capture, key: int = 0, eps: float = metrics.SINK_EPS) -> go.F
 
 def allocation_shares(cap: Capture) -> np.ndarray:
     """(layers, 5) mean share of each allocation part, over heads and queries."""
-    return np.stack([metrics.allocation(cap.layer_probs(l), cap.tokens).mean((0, 1)) for l in cap.layers])
+    return np.stack([cap.stat(l, "allocation").mean((0, 1)) for l in cap.layers])
 
 
 def allocation_bars(cap: Capture) -> go.Figure:
