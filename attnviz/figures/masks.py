@@ -51,6 +51,6 @@ def labelled_matrix(values, title: str, row_labels=None, col_labels=None, masked
     fig = go.Figure(go.Heatmap(z=shown, text=text, texttemplate="%{text}", colorscale=colorscale, showscale=False,
                                x=col_labels, y=row_labels, hoverongaps=False, xgap=2, ygap=2))
     layout(fig, title, height=90 + 46 * values.shape[0])
-    fig.update_layout(plot_bgcolor="#c9c9c9", margin=dict(l=70, r=10, t=40, b=30))
+    fig.update_layout(plot_bgcolor="#c9c9c9", margin=dict(l=70, r=10, t=40, b=40))
     fig.update_yaxes(autorange="reversed", type="category")
-    return fig.update_xaxes(type="category", side="top")
+    return fig.update_xaxes(type="category", side="bottom")
