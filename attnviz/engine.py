@@ -48,6 +48,9 @@ class Run:
     reduced: dict[int, object] = field(default_factory=dict)
     _allow_cache: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        self.unpadded = bool(self.valid.all())
+
     def allow(self, layer: int, n_q: int, n_kv: int, window: int | None, device) -> torch.Tensor:
         """(B, 1, n_q, n_kv) boolean allow-set for a layer, shared by layers with the same mask.
 
@@ -94,9 +97,14 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     n_kv_heads, n_kv = key.shape[1], key.shape[2]
     group = n_heads // n_kv_heads
     scaling = dim ** -0.5 if scaling is None else scaling
-    allow = run.allow(layer, n_q, n_kv, sliding_window, query.device)
-
     explicit = layer in run.record or mask.stable is not None or softcap is not None or s_aux is not None
+    if not explicit and mask.name == "fwd" and not sliding_window and n_q == n_kv and run.unpadded:
+        # plain causal: let SDPA pick its fused causal kernel instead of reading an n x n mask
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
+        if run.on_layer:
+            run.on_layer(layer)
+        return out.transpose(1, 2).contiguous(), None
+    allow = run.allow(layer, n_q, n_kv, sliding_window, query.device)
     if not explicit:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=allow, scale=scaling,
                                              enable_gqa=group > 1)
