@@ -113,9 +113,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         return out.transpose(1, 2).contiguous(), None
 
     # GQA without repeating keys: fold each KV group's query heads into the query axis.
-    q = query.reshape(batch, n_kv_heads, group * n_q, dim)
-    scores = torch.matmul(q, key.transpose(-1, -2)).float().mul_(scaling)
-    scores = scores.view(batch, n_heads, n_q, n_kv)
+    # Scaling q (n x d) instead of the scores (n x n) saves a full pass over the largest tensor.
+    q = (query * scaling).reshape(batch, n_kv_heads, group * n_q, dim)
+    scores = torch.matmul(q, key.transpose(-1, -2)).float().view(batch, n_heads, n_q, n_kv)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask.stable is not None:
@@ -132,10 +132,11 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         scores = torch.cat([scores, sink], dim=-1)
         scores = scores - scores.amax(-1, keepdim=True)
         probs = torch.softmax(scores, dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1)
+    else:  # softmax in place: one n x n fp32 buffer per layer instead of two (peak memory)
+        probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+        probs = probs.div_(probs.sum(-1, keepdim=True))
     if mask.stable is not None:
-        probs = probs * allow
+        probs = probs.mul_(allow)
     del scores
 
     if layer in run.record:
