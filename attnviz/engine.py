@@ -66,8 +66,14 @@ class Run:
             if window:
                 allow = allow & ((q_pos[:, None, :, None] - kv_pos[:, None, None, :]).abs() < window)
             allow = allow & self.valid[:, -n_kv:].to(device)[:, None, None, :]
-            self._allow_cache[key] = (keep_self_if_empty(allow), mask, kv_pos)
-        return self._allow_cache[key][0]
+            self._allow_cache[key] = keep_self_if_empty(allow)
+        return self._allow_cache[key]
+
+    def finish(self, layer: int, out: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """Report progress and return the attention output in the layout the models expect."""
+        if self.on_layer:
+            self.on_layer(layer)
+        return out.transpose(1, 2).contiguous(), None
 
 
 def _stock_eager(module) -> Callable:
@@ -101,16 +107,12 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     if not explicit and mask.name == "fwd" and not sliding_window and n_q == n_kv and run.unpadded:
         # plain causal: let SDPA pick its fused causal kernel instead of reading an n x n mask
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
-        if run.on_layer:
-            run.on_layer(layer)
-        return out.transpose(1, 2).contiguous(), None
+        return run.finish(layer, out)
     allow = run.allow(layer, n_q, n_kv, sliding_window, query.device)
     if not explicit:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=allow, scale=scaling,
                                              enable_gqa=group > 1)
-        if run.on_layer:
-            run.on_layer(layer)
-        return out.transpose(1, 2).contiguous(), None
+        return run.finish(layer, out)
 
     # GQA without repeating keys: fold each KV group's query heads into the query axis.
     # Scaling q (n x d) instead of the scores (n x n) saves a full pass over the largest tensor.
@@ -119,7 +121,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask.stable is not None:
-        kv_pos = run._allow_cache[(id(mask), n_q, n_kv, sliding_window)][2]
+        kv_pos = run.positions[:, -n_kv:].to(query.device)
         q_pos = kv_pos[:, -n_q:]
         future = (kv_pos[:, None, None, :] > q_pos[:, None, :, None]) & run.valid[:, -n_kv:].to(query.device)[:, None, None, :]
         pseudo = mask.pseudo_logits(kv_pos[:, None, :], n_heads).to(query.device)  # (H, B, n_kv)
@@ -147,10 +149,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         run.allowed[layer] = allow
 
     out = torch.matmul(probs.to(value.dtype).view(batch, n_kv_heads, group * n_q, n_kv), value)
-    out = out.view(batch, n_heads, n_q, -1).transpose(1, 2).contiguous()
-    if run.on_layer:
-        run.on_layer(layer)
-    return out, None
+    return run.finish(layer, out.view(batch, n_heads, n_q, -1))
 
 
 def mask_builder(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
