@@ -54,8 +54,9 @@ class Run:
     def allow(self, layer: int, n_q: int, n_kv: int, window: int | None, device) -> torch.Tensor:
         """(B, 1, n_q, n_kv) boolean allow-set for a layer, shared by layers with the same mask.
 
-        The model's own sliding window (Mistral, Qwen2, Gemma2 ...) is kept on top of the chosen
-        mask, symmetrically (``|i - j| < w``) so that it also bounds BACK and BIDIR layers.
+        The model's own sliding window (Mistral, Qwen2, Gemma2 ...) bounds causal-type layers only,
+        as in the stock model (``i - j < w``); BIDIR/BACK-type layers see the whole sequence, as in
+        seed 000's reference code (SPEC §2).
         """
         mask = self.masks[layer]
         key = (id(mask), n_q, n_kv, window)
@@ -63,8 +64,8 @@ class Run:
             kv_pos = self.positions[:, -n_kv:].to(device)
             q_pos = kv_pos[:, -n_q:]
             allow = mask.allow(q_pos[:, None, :, None], kv_pos[:, None, None, :])
-            if window:
-                allow = allow & ((q_pos[:, None, :, None] - kv_pos[:, None, None, :]).abs() < window)
+            if window and mask.causal_type:
+                allow = allow & ((q_pos[:, None, :, None] - kv_pos[:, None, None, :]) < window)
             allow = allow & self.valid[:, -n_kv:].to(device)[:, None, None, :]
             self._allow_cache[key] = keep_self_if_empty(allow)
         return self._allow_cache[key]

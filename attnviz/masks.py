@@ -115,6 +115,12 @@ class Mask:
         allow = self.predicate(zero, zero, q_pos, kv_pos)
         return allow.expand(torch.broadcast_shapes(allow.shape, q_pos.shape, kv_pos.shape))
 
+    @property
+    def causal_type(self) -> bool:
+        """No allowed later key (FWD, NoSink-FWD, causal windows, StableMask): the layers a model's
+        own sliding window bounds (SPEC §2)."""
+        return self.causal_compatible or self.stable is not None
+
     def matrix(self, n: int) -> np.ndarray:
         """The ``n x n`` boolean matrix, rows = queries, with the keep-self rule applied."""
         pos = torch.arange(n)
@@ -141,10 +147,25 @@ def keep_self_if_empty(allow: torch.Tensor) -> torch.Tensor:
     return allow | (empty & diagonal)
 
 
+def alibi_slopes(n_heads: int) -> list[float]:
+    """The standard ALiBi slopes (Press et al.; StableMask's ``get_slopes``), SPEC §3.
+
+    For H a power of two, 2^(-8(h+1)/H); otherwise the slopes of the largest power of two p < H
+    followed by every other slope of the 2p-head set until there are H.
+    """
+    def power_of_two(h: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / h) for i in range(h)]
+
+    p = 1 << (n_heads.bit_length() - 1)
+    if p == n_heads:
+        return power_of_two(n_heads)
+    return power_of_two(p) + power_of_two(2 * p)[0::2][: n_heads - p]
+
+
 def stable_gammas(stable: float | str | None, n_heads: int) -> torch.Tensor:
-    """Per-head gamma: a scalar for every head, or ALiBi slopes 2^(-8(h+1)/H)."""
+    """Per-head gamma: a scalar for every head, or the ALiBi slopes."""
     if stable == "alibi":
-        return torch.tensor([2.0 ** (-8.0 * (h + 1) / n_heads) for h in range(n_heads)])
+        return torch.tensor(alibi_slopes(n_heads))
     return torch.full((n_heads,), float(stable))
 
 

@@ -20,22 +20,25 @@ def _f32(probs) -> np.ndarray:
 
 
 def alpha(probs, allowed) -> np.ndarray:
-    """alpha_k for every key k: mean of A[i, k] over queries i != k allowed to see k; NaN if none.
+    """alpha_k for every key k: mean of A[i, k] over ALL queries i allowed to see k, i = k included.
 
-    Returns (H, n). Excluding i = k follows SPEC §6 (Gu et al. also include it).
+    Returns (H, n). Under FWD this is Gu et al.'s ``sum_{i>=k} A[i, k] / (n - k)`` exactly (their
+    ``eval_sink_open_source.py``); other masks change only the divisor. NaN where no query other
+    than k itself sees k (SPEC §6): a key that only its own query sees says nothing about sinks.
     """
-    probs, allowed = _f32(probs), np.asarray(allowed, dtype=bool).copy()
-    np.fill_diagonal(allowed, False)
+    probs, allowed = _f32(probs), np.asarray(allowed, dtype=bool)
     counts = allowed.sum(0)
-    sums = (probs * allowed[None]).sum(1)
+    others = counts - np.diagonal(allowed)
+    sums = np.einsum("hij,ij->hj", probs, allowed.astype(np.float32))
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+        return np.where(others > 0, sums / np.maximum(counts, 1), np.nan)
 
 
 def sink_rate(alphas, eps: float = SINK_EPS) -> float:
-    """Fraction of heads with alpha > eps (undefined alpha counts as no sink)."""
+    """Fraction of heads with alpha > eps, over the heads where alpha is defined; NaN if none is."""
     alphas = np.asarray(alphas, dtype=np.float64)
-    return float(np.mean(np.nan_to_num(alphas, nan=-np.inf) > eps)) if alphas.size else float("nan")
+    defined = np.isfinite(alphas)
+    return float(np.mean(alphas[defined] > eps)) if defined.any() else float("nan")
 
 
 def key_profile(probs, allowed, key: int = 0) -> np.ndarray:

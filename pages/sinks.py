@@ -3,7 +3,7 @@
 import numpy as np
 import streamlit as st
 
-from attnviz import export
+from attnviz import export, metrics
 from attnviz.figures import allocation_bars, alpha_grid, discarded_figure, key_profile, sink_grid
 from ui.export import data_downloads, figure_downloads
 from ui.state import current_capture
@@ -16,9 +16,10 @@ if cap is not None:
     key = c1.number_input("Key", 0, cap.n_tokens - 1, 0, key="sk_key",
                           help="0 is the first token; under NoSink-m look at key m")
     eps = c2.slider("Sink threshold eps (alpha > eps)", 0.05, 0.95, 0.3, 0.05, key="sk_eps")
-    alphas = np.stack([cap.stat(l, "alpha")[:, key] for l in cap.layers])
-    rate = float(np.mean(np.nan_to_num(alphas, nan=-1) > eps))
-    st.metric(f"Sink rate at key {key} ({cap.tokens[key]!r}), all layers and heads", f"{rate:.0%}")
+    rate = metrics.sink_rate(np.stack([cap.stat(l, "alpha")[:, key] for l in cap.layers]), eps)
+    st.metric(f"Sink rate at key {key} ({cap.tokens[key]!r}), all layers and heads",
+              "undefined" if np.isnan(rate) else f"{rate:.0%}",
+              help="share of heads with alpha > eps, over the heads where alpha is defined (SPEC §6)")
     fig = key_profile(cap, key)
     st.plotly_chart(fig, width="stretch", key="sk_profile")
     figure_downloads(fig, export.describe(cap, figure=f"key{key}-profile"), key="sk_profile_x")

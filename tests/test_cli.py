@@ -60,7 +60,7 @@ def test_sinks_json(default_model, tmp_path):
     top = doc["layers"][29]
     assert {layer["mask"] for layer in doc["layers"]} == {"nosink-fwd"}
     assert set(top["sink_rate"]) == {"0", "1"}
-    assert top["sink_rate"]["0"] == 0.0 and top["sink_rate"]["1"] > 0.5
+    assert top["sink_rate"]["0"] is None and top["sink_rate"]["1"] > 0.5  # alpha_0 undefined: only query 0 sees key 0
     head = top["heads"][4]
     assert set(head) == {"head", "kv_group", "sink_key", "alpha", "discarded_mass"}
     assert head["head"] == 4 and head["kv_group"] == 1 and head["sink_key"] == 1

@@ -130,3 +130,25 @@ def test_any_local_model_directory(default_model, tmp_path):
     default_model.tokenizer.save_pretrained(pickled)
     with pytest.raises(ModelLoadError, match="only safetensors or GGUF"):
         load(str(pickled))
+
+
+def test_sink_rate_equals_gu_et_al_on_stock_eager_attentions(default_model):
+    """Gu et al.'s protocol computed from stock transformers' eager ``output_attentions``, independently
+    of attnviz's engine: alpha_0 = sum_i A[i, 0] / n, sink rate = share of heads with alpha_0 > 0.3."""
+    model = default_model.model
+    texts = [ENGLISH, "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n" * 3,
+             "Attention sinks appear in almost every language model that has been trained long enough."]
+    for text in texts:
+        ids = default_model.tokenizer(text)["input_ids"][:64]
+        model.set_attn_implementation("eager")
+        try:
+            with torch.no_grad():
+                attentions = model(torch.tensor([ids]), output_attentions=True).attentions
+        finally:
+            model.set_attn_implementation("attnviz")
+        gu = np.array([[float(a[0, h, :, 0].sum() / len(ids)) for h in range(a.shape[1])] for a in attentions])
+        cap = capture(default_model, default_model.tokenizer.decode(ids), "fwd", reduce=True)
+        assert cap.token_ids == ids
+        ours = np.stack([cap.stat(l, "alpha")[:, 0] for l in cap.layers])
+        np.testing.assert_allclose(ours, gu, atol=2e-3)  # fp16-free reducer; fp32 softmax on both sides
+        assert metrics.sink_rate(ours.ravel()) == pytest.approx(float(np.mean(gu > 0.3)), abs=5e-4)

@@ -52,6 +52,22 @@ def test_model_sliding_window_is_kept(kind):
         assert (run.probs[layer][0][:, ~allowed] == 0).all()
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+def test_model_window_bounds_only_causal_type_layers(kind):
+    """SPEC §2: BIDIR/BACK layers see the whole sequence; causal-type layers keep the model's window."""
+    _, ours = pair(kind)
+    window = {"qwen2": 4, "mistral": 5}[kind]
+    layer = 2  # a sliding layer in both (qwen2 slides from max_window_layers=1 up)
+    i, j = np.indices((N, N))
+    expected = {"bidir": np.ones((N, N), bool), "back": j >= i,
+                "nosink-fwd": (j <= i) & (i - j < window) & ~((j < 1) & (i > j)),
+                "stablemask(gamma=0.5)": (j <= i) & (i - j < window)}
+    for spec, allowed in expected.items():
+        masks = [M.fwd()] * 2 + [parse(spec, 3).layers[0]]
+        _, run = engine.forward(ours, _ids(), masks, record={layer}, storage_dtype=torch.float32)
+        np.testing.assert_array_equal(run.allowed[layer][0, 0].numpy(), allowed, err_msg=spec)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
 def test_changing_one_layer_changes_only_that_layer_and_above(kind):
     _, ours = pair(kind)

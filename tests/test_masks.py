@@ -107,3 +107,13 @@ def test_causal_compatibility():
     assert M.fwd().causal_compatible and M.nosink(M.fwd()).causal_compatible and M.sliding(3).causal_compatible
     assert not M.bidir().causal_compatible and not M.back().causal_compatible
     assert not M.stablemask(0.5).causal_compatible and not M.nosink(M.bidir()).causal_compatible
+
+
+@pytest.mark.parametrize("heads,expected", [
+    (8, [2.0 ** -e for e in range(1, 9)]),
+    # not a power of two: the 8-head slopes, then every other slope of the 16-head set
+    (9, [2.0 ** -e for e in range(1, 9)] + [2.0 ** -0.5]),
+    (12, [2.0 ** -e for e in range(1, 9)] + [2.0 ** -0.5, 2.0 ** -1.5, 2.0 ** -2.5, 2.0 ** -3.5]),
+])
+def test_alibi_slopes_match_the_standard_table(heads, expected):
+    np.testing.assert_allclose(M.stable_gammas("alibi", heads).numpy(), expected, rtol=1e-6)

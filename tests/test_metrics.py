@@ -11,18 +11,37 @@ FWD3 = fwd().matrix(3)
 A = np.array([[[1.0, 0, 0], [0.8, 0.2, 0], [0.6, 0.1, 0.3]]])
 
 
-def test_alpha_excludes_the_diagonal_and_is_null_where_no_query_sees_the_key():
+def gu_alpha(probs):
+    """Gu et al.'s eval_sink_open_source.py, written out: sum_{i>=k} A[i, k] / (n - k) under FWD."""
+    n = probs.shape[-1]
+    return np.stack([[probs[h, k:, k].sum() / (n - k) for k in range(n)] for h in range(probs.shape[0])])
+
+
+def test_alpha_includes_the_query_k_and_is_null_where_only_k_sees_the_key():
     got = metrics.alpha(A, FWD3)
-    np.testing.assert_allclose(got[0, :2], [(0.8 + 0.6) / 2, 0.1])
+    np.testing.assert_allclose(got[0, :2], [(1.0 + 0.8 + 0.6) / 3, (0.2 + 0.1) / 2])
+    np.testing.assert_allclose(got[0, :2], gu_alpha(A)[0, :2])
     assert np.isnan(got[0, 2])  # key 2 is only seen by query 2 itself
     hidden = nosink(fwd()).matrix(3)
-    assert np.isnan(metrics.alpha(A, hidden)[0, 0])  # NoSink: no later query sees key 0
+    assert np.isnan(metrics.alpha(A, hidden)[0, 0])  # NoSink: only query 0 itself sees key 0
+    # BIDIR: every query sees every key, so the divisor is n for every key
+    uniform = np.full((1, 3, 3), 1 / 3)
+    np.testing.assert_allclose(metrics.alpha(uniform, np.ones((3, 3), bool))[0], [1 / 3] * 3)
 
 
-def test_sink_rate():
+def test_alpha_equals_gu_on_random_causal_maps():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 9, 9)) + np.where(FWD9 := fwd().matrix(9), 0, -np.inf)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    np.testing.assert_allclose(metrics.alpha(probs, FWD9)[:, :-1], gu_alpha(probs)[:, :-1], rtol=1e-6)
+
+
+def test_sink_rate_counts_only_heads_where_alpha_is_defined():
     alphas = np.array([0.9, 0.31, 0.3, 0.1, np.nan])
-    assert metrics.sink_rate(alphas) == pytest.approx(2 / 5)
-    assert metrics.sink_rate(alphas, eps=0.05) == pytest.approx(4 / 5)
+    assert metrics.sink_rate(alphas) == pytest.approx(2 / 4)
+    assert metrics.sink_rate(alphas, eps=0.05) == pytest.approx(4 / 4)
+    assert np.isnan(metrics.sink_rate(np.array([np.nan, np.nan])))
 
 
 def test_key_profile_and_sink_key():

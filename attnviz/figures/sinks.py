@@ -61,12 +61,12 @@ def alpha_grid(cap: Capture, key: int = 0) -> go.Figure:
 def sink_grid(cap: Capture, key: int = 0, eps: float = metrics.SINK_EPS) -> go.Figure:
     """Which heads are sinks (alpha > eps), with the per-layer sink rate in the row labels."""
     alphas = alpha_matrix(cap, key)
-    is_sink = (np.nan_to_num(alphas, nan=-1) > eps).astype(float)
+    is_sink = np.where(np.isnan(alphas), np.nan, alphas > eps)  # undefined alpha stays a gap
     fig = layer_head_grid(is_sink, cap, f"sink heads at key {key} (alpha > {eps:g}); rate = share per layer",
                           "sink", text_fmt=".0f")
-    rates = is_sink.mean(1)
+    rates = [metrics.sink_rate(row, eps) for row in alphas]
     fig.update_yaxes(tickmode="array", tickvals=[str(l) for l in cap.layers],
-                     ticktext=[f"{l} ({r:.0%})" for l, r in zip(cap.layers, rates)])
+                     ticktext=[f"{l} ({'–' if np.isnan(r) else f'{r:.0%}'})" for l, r in zip(cap.layers, rates)])
     fig.data[0].update(showscale=False)
     return fig
 
