@@ -55,6 +55,22 @@ class Architecture:
     def causal_compatible(self) -> bool:
         return all(m.causal_compatible for m in self.layers)
 
+    def require_causal(self, purpose: str) -> "Architecture":
+        """Refuse an architecture in which some query sees a later key, naming the first such layer.
+
+        Perplexity, streaming and generation all predict a token from its prefix: under BACK/BIDIR
+        a query reads the token it predicts, and a cached query would miss keys (or StableMask
+        pseudo-slots) its full-sequence softmax had, so any number would mean something else.
+        """
+        for layer, mask in enumerate(self.layers):
+            if not mask.causal_compatible:
+                raise ArchitectureError(
+                    f"cannot {purpose} with '{self.spec}': layer {layer} uses {mask.name}, which lets a query "
+                    "see later keys (or, for StableMask, future pseudo-slots) and so read the token it predicts; "
+                    "use a causal-compatible mask in every layer (fwd, nosink-fwd, sliding, dilated, global)"
+                )
+        return self
+
     def as_list(self) -> str:
         """The same architecture written as a per-layer list (``fwd*22 + bidir*8``)."""
         runs: list[list] = []
@@ -185,6 +201,28 @@ def parse(spec: str, n_layers: int) -> Architecture:
         )
     arch = Architecture("", tuple(layers))
     return Architecture(arch.as_list(), arch.layers)
+
+
+def resolve(arch: "str | Architecture", n_layers: int) -> Architecture:
+    """An architecture string or object, checked against the model's layer count."""
+    architecture = arch if isinstance(arch, Architecture) else parse(arch, n_layers)
+    if architecture.n_layers != n_layers:
+        raise ArchitectureError(f"architecture has {architecture.n_layers} layers but the model has {n_layers}")
+    return architecture
+
+
+def with_k(template: str, k: int, n_layers: int) -> Architecture:
+    """A named architecture at depth k: ``mask0-bidir`` or ``mask0&bidir(k0=2)`` with ``k=`` filled in.
+
+    The k-sweep of seed 000 (SPEC §8) runs one template for k = 0..L.
+    """
+    match = _ITEM.match(re.sub(r"\s+", "", template.lower()))
+    if not match or match["name"] not in _NAMED or match["count"]:
+        raise ArchitectureError(
+            f"a k-sweep needs a named architecture ({', '.join(_NAMED)}), got '{template.strip()}'"
+        )
+    params = [p for p in (match["params"] or "").split(",") if p and not p.startswith("k=")]
+    return parse(f"{match['name']}({', '.join([f'k={k}'] + params)})", n_layers)
 
 
 def named(name: str, n_layers: int, k: int | None = None, k0: int | None = None) -> Architecture:

@@ -181,11 +181,7 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
     called after each layer (progress); ``max_tokens`` caps the text below the model's own limit.
     """
     started = time.perf_counter()
-    architecture = arch if isinstance(arch, arch_mod.Architecture) else arch_mod.parse(arch, loaded.n_layers)
-    if architecture.n_layers != loaded.n_layers:
-        raise arch_mod.ArchitectureError(
-            f"architecture has {architecture.n_layers} layers but the model has {loaded.n_layers}"
-        )
+    architecture = arch_mod.resolve(arch, loaded.n_layers)
     record = parse_layers(layers, loaded.n_layers)
     ids, tokens = tokenize(loaded, text, max_tokens)
     input_ids = torch.tensor([ids])

@@ -1,4 +1,4 @@
-"""Command line: ``attnviz masks | sinks | capture`` (also ``python -m attnviz``).
+"""Command line: ``attnviz masks | sinks | capture | eval | embed | stream | generate`` (also ``python -m attnviz``).
 
 The JSON shapes printed here are a contract other tools rely on (issue 2 §5); bad input exits
 non-zero with one line on stderr, never a traceback (``ATTNVIZ_DEBUG=1`` shows it).
@@ -48,16 +48,36 @@ def _text(args) -> str:
     return text
 
 
-def _load(args):
+def _corpus(args):
+    from . import corpus
+
+    return corpus.load(getattr(args, "corpus", None), args.text_file)
+
+
+def _progress(description: str):
+    """A tqdm bar on stderr and the ``(done, total)`` callback the library reports progress with."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(desc=description, file=sys.stderr, unit="", leave=False, disable=not sys.stderr.isatty())
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    return bar, update
+
+
+def _load(args, check_input=None):
     from huggingface_hub.utils import logging as hub_logging
 
     from .models import load
 
     hub_logging.set_verbosity_error()  # the one-line error below says it; no retry chatter
-    _text(args)  # bad text fails before a model is loaded
+    (check_input or _text)(args)  # bad input fails before a model is loaded
 
     return load(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
-                progress=lambda message: print(message, file=sys.stderr))
+                progress=lambda message: print(message, file=sys.stderr) if sys.stderr.isatty() else None)
 
 
 def _null(x: float):
@@ -108,6 +128,74 @@ def _capture(args) -> dict:
             "forward_s": round(result.timing["forward_s"], 4)}
 
 
+def _eval(args) -> dict:
+    from .evaluate import evaluate, token_ids
+
+    loaded = _load(args, _corpus)
+    arch_mod.resolve(args.arch, loaded.n_layers).require_causal("compute a perplexity")
+    ids = token_ids(loaded, _corpus(args).text, args.max_tokens)
+    bar, update = _progress(f"eval {args.arch}")
+    with bar:
+        result = evaluate(loaded, ids, args.arch, window=args.window or min(512, len(ids)), stride=args.stride,
+                          on_window=update)
+    return result.as_json()
+
+
+def _embed(args) -> dict | None:
+    """One JSON document, or with ``--sweep k`` one JSON line per k, printed as each finishes."""
+    from . import embedding
+
+    if args.max_docs is not None and args.max_docs < 2:
+        raise AttnvizError(f"--max-docs must be at least 2 (the probe ranks targets), got {args.max_docs}")
+    if args.sweep is None and args.ks is not None:
+        raise AttnvizError("--ks needs --sweep k")
+    documents = _corpus(args).documents
+    loaded = _load(args, _corpus)
+    bar, update = _progress(f"embed {args.arch}")
+    with bar:
+        if args.sweep is None:
+            return embedding.probe(loaded, documents, args.arch, m=args.m, max_docs=args.max_docs,
+                                   on_progress=update).as_json()
+        embedding.sweep(loaded, documents, args.arch, args.ks, m=args.m, max_docs=args.max_docs,
+                        on_row=lambda row: print(json.dumps(row.as_json()), flush=True), on_progress=update)
+    return None
+
+
+def _stream(args) -> dict:
+    from .evaluate import token_ids
+    from .streaming import parse_policy, stream
+
+    policies = [parse_policy(p) for p in (args.policy or ["dense"])]
+    if len(policies) > 1 and not args.compare:
+        raise AttnvizError("several --policy values need --compare")
+    loaded = _load(args, _corpus)
+    arch_mod.resolve(args.arch, loaded.n_layers).require_causal("decode with a KV cache")
+    ids = token_ids(loaded, _corpus(args).text, args.max_tokens)
+    for policy in policies:  # every policy is checked before the first one runs
+        policy.check(loaded, len(ids))
+    results = []
+    for policy in policies:
+        bar, update = _progress(f"stream {policy.spec}")
+        with bar:
+            results.append(stream(loaded, ids, policy, args.arch, on_step=update))
+    if not args.compare:
+        return results[0].as_json()
+    return {"model": loaded.model_id, "arch": results[0].arch, "tokens": results[0].tokens,
+            "policies": [r.as_json(curve=True) for r in results]}
+
+
+def _generate(args) -> dict:
+    from .generate import generate
+
+    loaded = _load(args)
+    bar, update = _progress("generate")
+    with bar:
+        result = generate(loaded, _text(args), args.arch, args.policy, args.max_new_tokens, record=set(),
+                          on_step=update)
+    return {"model": loaded.model_id, "arch": result.arch, "policy": result.policy, "text": result.text,
+            "new_ids": result.new_ids, "prompt_tokens": len(result.prompt_ids)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="attnviz", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -118,32 +206,66 @@ def build_parser() -> argparse.ArgumentParser:
     masks.add_argument("--n", type=int, required=True, help="sequence length")
     masks.add_argument("--json", action="store_true", help="JSON output (the default)")
 
-    def model_args(p):  # shared by the commands that run a model
+    def model_args(p, text: bool = True):  # shared by the commands that run a model
         p.add_argument("--model", default="default", help="'default', a Hugging Face id or a local directory")
         p.add_argument("--arch", default="fwd", help="architecture string (SPEC §7)")
         p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU)")
         p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
         p.add_argument("--trust-remote-code", action="store_true", help="allow a model's own Python code")
-        text = p.add_mutually_exclusive_group(required=True)
-        text.add_argument("--text", help="the text to capture")
-        text.add_argument("--text-file", help="read the text from this file (UTF-8)")
+        p.add_argument("--json", action="store_true", help="JSON output (the default)")
+        source = p.add_mutually_exclusive_group(required=text)
+        if text:
+            source.add_argument("--text", help="the text to capture")
+        else:
+            source.add_argument("--corpus", default="stdlib",
+                                help="'stdlib' (Python's reference docs, offline; the default) or 'stdlib:TOPIC'")
+        source.add_argument("--text-file", help="read the text from this file (UTF-8)")
 
     sinks = sub.add_parser("sinks", help="attention-sink metrics of every layer and head")
     model_args(sinks)
     sinks.add_argument("--eps", type=float, default=0.3, help="sink threshold on alpha (default 0.3)")
-    sinks.add_argument("--json", action="store_true", help="JSON output (the default)")
 
     cap = sub.add_parser("capture", help="capture attention maps and save them (.npz)")
     model_args(cap)
     cap.add_argument("--out", required=True, help="output file (.npz)")
     cap.add_argument("--layers", default=None, help="comma-separated layers to record (default: all)")
     cap.add_argument("--hidden", action="store_true", help="also keep hidden states")
+
+    ev = sub.add_parser("eval", help="perplexity and next-token accuracy (causal-compatible architectures)")
+    model_args(ev, text=False)
+    ev.add_argument("--window", type=int, default=None, help="window W in tokens (default 512, or the text if shorter)")
+    ev.add_argument("--stride", type=int, default=None, help="stride S <= W (default W)")
+    ev.add_argument("--max-tokens", type=int, default=4096, help="evaluate at most this many tokens (default 4096)")
+
+    em = sub.add_parser("embed", help="embedding probe: recall@1 and MRR of query/target halves of documents")
+    model_args(em, text=False)
+    em.add_argument("--m", type=int, default=64, help="tokens per query and per target (default 64)")
+    em.add_argument("--max-docs", type=int, default=None, help="use at most this many documents")
+    em.add_argument("--sweep", choices=["k"], default=None,
+                    help="run the named --arch (e.g. mask0-bidir) for every k; prints one JSON line per k")
+    em.add_argument("--ks", default=None, help="with --sweep k: the k values, e.g. 0,4,8 (default 0..L)")
+
+    st = sub.add_parser("stream", help="streaming perplexity with a KV cache under a cache policy (StreamingLLM)")
+    model_args(st, text=False)
+    st.add_argument("--policy", action="append", help="dense | window(w=W) | sink(s=S, w=W); repeat with --compare")
+    st.add_argument("--compare", action="store_true", help="run every --policy and print each running-perplexity curve")
+    st.add_argument("--max-tokens", type=int, default=1000, help="stream at most this many tokens (default 1000)")
+
+    gen = sub.add_parser("generate", help="greedy generation with the KV cache under an architecture and a policy")
+    model_args(gen)
+    gen.add_argument("--policy", default="dense", help="dense | window(w=W) | sink(s=S, w=W)")
+    gen.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate (1..128, default 20)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"masks": _masks, "sinks": _sinks, "capture": _capture}[args.command]
+    if not sys.stderr.isatty():  # progress is for people at a terminal; scripts get one line per error
+        from transformers.utils import logging as tf_logging
+
+        tf_logging.disable_progress_bar()
+    handler = {"masks": _masks, "sinks": _sinks, "capture": _capture, "eval": _eval, "embed": _embed,
+               "stream": _stream, "generate": _generate}[args.command]
     try:
         result = handler(args)
     except AttnvizError as err:
@@ -154,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"attnviz: internal error: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
-    print(json.dumps(result))
+    if result is not None:  # None: the command printed its rows itself (JSON lines)
+        print(json.dumps(result))
     return 0
 
 

@@ -188,28 +188,46 @@ def n_layers(model) -> int:
 @torch.inference_mode()
 def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] | None = None,
             attention_mask: torch.Tensor | None = None, storage_dtype=torch.float16,
-            reducer=None, output_hidden_states: bool = False, on_layer=None):
+            reducer=None, output_hidden_states: bool = False, on_layer=None,
+            past_key_values=None, kv_positions: torch.Tensor | None = None, lm_head: bool = True):
     """One forward pass under per-layer ``masks``; returns ``(model_output, run)``.
 
     ``record`` is the set of layers whose probabilities are kept (default: all). With ``reducer``,
     ``reducer(layer, probs, allow)`` runs on each recorded layer's fp32 probabilities and only its
     result is kept (e.g. column means instead of full maps).
+
+    With ``past_key_values`` (a transformers ``Cache``) the inputs are new tokens appended to that
+    cache, and ``kv_positions`` (B, n_cached + n_new) gives the position every cache entry was
+    encoded at, the new tokens' last: masks then follow positions, not cache slots, so a cache
+    that dropped entries (StreamingLLM) keeps every mask exact. ``lm_head=False`` runs only the
+    base model (``last_hidden_state``, after the final norm) and skips the vocabulary projection.
     """
     prepare(model)
     total = n_layers(model)
     if len(masks) != total:
         raise ValueError(f"{len(masks)} masks for a model with {total} layers")
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    valid = attention_mask.bool()
-    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    cached = past_key_values is not None
+    if cached:
+        if kv_positions is None or attention_mask is not None:
+            raise ValueError("a cached forward takes kv_positions and no attention_mask")
+        positions = kv_positions.long()
+        valid = torch.ones_like(positions, dtype=torch.bool)
+        new_positions = positions[:, -input_ids.shape[1]:]
+    else:
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        valid = attention_mask.bool()
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        new_positions = positions
     run = Run(list(masks), frozenset(range(total) if record is None else record), positions, valid,
               storage_dtype=storage_dtype, reducer=reducer, on_layer=on_layer)
     token = _RUN.set(run)
     try:
-        output = model(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
-                       position_ids=positions.to(model.device), use_cache=False,
-                       output_hidden_states=output_hidden_states)
+        target = model if lm_head else model.base_model
+        output = target(input_ids=input_ids.to(model.device), position_ids=new_positions.to(model.device),
+                        attention_mask=None if cached else attention_mask.to(model.device),
+                        past_key_values=past_key_values, use_cache=cached,
+                        output_hidden_states=output_hidden_states)
     finally:
         _RUN.reset(token)
     return output, run

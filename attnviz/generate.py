@@ -1,52 +1,79 @@
-"""Greedy generation under an architecture, for showing what a mask does to the output.
+"""Greedy generation with the KV cache under a causal-compatible architecture and a cache policy.
 
-Only causal-compatible architectures (no query ever sees a later key: FWD, NoSink-FWD, causal
-windows) are allowed: under BIDIR, BACK or StableMask a token's representation depends on tokens
-that do not exist yet while generating, so "generation" would silently mean something else. Each
-step re-runs the whole prefix through :func:`engine.forward` (no KV cache), which keeps every mask
-exact and is fast enough for the short continuations a demo needs.
+Every step goes through :class:`~attnviz.streaming.CachedDecoder`: one new token against
+transformers' ``DynamicCache``, never a re-run of the prefix. Only causal-compatible architectures
+are allowed (FWD, NoSink-FWD, causal windows): under BIDIR, BACK or StableMask a token's
+representation depends on tokens that do not exist yet while generating, so "generation" would
+silently mean something else. Each step records the new token's attention over the cache, so the
+sink can be seen staying, or being evicted, as the text grows.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
 
 from . import arch as arch_mod
-from . import engine
 from .capture import tokenize
-from .errors import ArchitectureError, InputError
+from .errors import InputError
 from .models import LoadedModel
+from .streaming import CachedDecoder, Policy, Step
 
 MAX_NEW_TOKENS = 128
 
 
-def check_generation(architecture: arch_mod.Architecture) -> None:
-    for layer, mask in enumerate(architecture.layers):
-        if not mask.causal_compatible:
-            raise ArchitectureError(
-                f"cannot generate with '{architecture.spec}': layer {layer} uses {mask.name}, which lets a query "
-                "see later keys (or, for StableMask, future pseudo-slots); generation needs a causal-compatible "
-                "mask in every layer (fwd, nosink-fwd, sliding, dilated, global)"
-            )
+@dataclass
+class Generation:
+    """Cached greedy generation: the prompt and new tokens, and every step's attention row."""
+
+    prompt_ids: list[int]
+    new_ids: list[int]
+    text: str
+    steps: list[Step] = field(repr=False)
+    policy: str = "dense"
+    arch: str = "fwd"
+
+    def attention_rows(self, layer: int, head: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(values, evicted): (steps, positions) matrices. ``values`` holds each step's attention
+        (mean over heads when ``head`` is None) at the positions in its cache, NaN elsewhere;
+        ``evicted`` marks positions that existed but had left the cache."""
+        n = self.steps[-1].position + 1
+        values = np.full((len(self.steps), n), np.nan)
+        evicted = np.zeros((len(self.steps), n), dtype=bool)
+        for row, step in enumerate(self.steps):
+            probs = step.maps[layer]
+            values[row, step.kv_positions] = probs.mean(0) if head is None else probs[head]
+            evicted[row, :step.position + 1] = True
+            evicted[row, step.kv_positions] = False
+        return values, evicted
 
 
 def generate(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = "fwd",
-             max_new_tokens: int = 20) -> tuple[list[int], str]:
-    """Greedy continuation of ``text``: (new token ids, decoded text)."""
-    architecture = arch if isinstance(arch, arch_mod.Architecture) else arch_mod.parse(arch, loaded.n_layers)
-    check_generation(architecture)
+             policy: Policy | str = "dense", max_new_tokens: int = 20, record: set[int] | None = None,
+             on_step: Callable[[int, int], None] | None = None) -> Generation:
+    """Greedy continuation with the KV cache: the prompt is fed token by token under the policy too,
+    so every row of the attention view (prompt and new tokens) is what the cache really held."""
     if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
         raise InputError(f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS}, got {max_new_tokens}")
     ids, _ = tokenize(loaded, text, loaded.max_tokens - max_new_tokens)
-    sequence = torch.tensor([ids])
-    new: list[int] = []
+    decoder = CachedDecoder(loaded, arch, policy, record=set(range(loaded.n_layers)) if record is None else record)
     eos = getattr(loaded.model.generation_config, "eos_token_id", None)
     eos = set(eos if isinstance(eos, list) else [eos]) - {None}
-    for _ in range(max_new_tokens):
-        output, _ = engine.forward(loaded.model, sequence, list(architecture.layers), record=set())
-        token = int(output.logits[0, -1].argmax())
+    steps, new = [], []
+    total = len(ids) + max_new_tokens - 1
+    for token in ids:
+        steps.append(decoder.step(token))
+        if on_step:
+            on_step(len(steps), total)
+    while True:
+        token = int(steps[-1].logprobs.argmax())
         new.append(token)
-        sequence = torch.cat([sequence, torch.tensor([[token]])], dim=1)
-        if token in eos:
+        if len(new) == max_new_tokens or token in eos:
             break
-    return new, loaded.tokenizer.decode(new)
+        steps.append(decoder.step(token))
+        if on_step:
+            on_step(len(steps), total)
+    return Generation(list(ids), new, loaded.tokenizer.decode(new), steps, decoder.policy.spec,
+                      decoder.architecture.spec)

@@ -171,3 +171,86 @@ def test_text_survives_a_visit_to_the_walkthrough(app):
     on_page(app, "pages/heatmaps.py")
     assert "text is empty" not in texts(app.warning)
     assert title(charts(app)[0]).startswith("layer 29")
+
+
+def test_effects_perplexity_compares_architectures(app, default_model):
+    from attnviz.evaluate import evaluate
+
+    on_page(app, "pages/effects.py")
+    app.selectbox(key="fx_ppl_source").set_value("The sidebar text").run()
+    app.button(key="fx_ppl_run").click().run()
+    assert not app.exception
+    bars = charts(app)[0]["data"][0]
+    assert list(bars["x"]) == ["fwd", "nosink-fwd"]
+    ids = default_model.tokenizer(app.session_state["text"])["input_ids"]
+    expected = [evaluate(default_model, ids, a, window=len(ids)).perplexity for a in ("fwd", "nosink-fwd")]
+    np.testing.assert_allclose(arr(bars["y"]), expected, rtol=1e-4)
+    app.text_input(key="fx_ppl_archs").input("fwd; sliding(w=8)").run()
+    app.button(key="fx_ppl_run").click().run()
+    assert list(charts(app)[0]["data"][0]["x"]) == ["fwd", "sliding(w=8)"]
+    app.text_input(key="fx_ppl_archs").input("fwd; bidir").run()
+    assert "read the token it predicts" in texts(app.error)
+    app.number_input(key="fx_ppl_window").set_value(1).run()  # below the widget's minimum: clamped, no traceback
+    assert not app.exception
+
+
+def test_effects_streaming_curves_and_bad_policies(app, default_model):
+    from attnviz.evaluate import evaluate
+
+    on_page(app, "pages/effects.py")
+    app.radio(key="fx_section").set_value("Streaming (KV cache)").run()
+    app.selectbox(key="fx_st_source").set_value("The sidebar text").run()
+    app.text_input(key="fx_st_policies").input("dense; window(w=8); sink(s=4, w=4)").run()
+    app.button(key="fx_st_run").click().run()
+    assert not app.exception
+    curves = [t for t in charts(app)[0]["data"] if t["type"] == "scatter"]
+    assert [c["name"] for c in curves] == ["dense", "window(w=8)", "sink(s=4, w=4)"]
+    ids = default_model.tokenizer(app.session_state["text"])["input_ids"]
+    dense = evaluate(default_model, ids, "fwd", window=len(ids)).perplexity
+    assert arr(curves[0]["y"])[-1] == pytest.approx(dense, rel=1e-3)  # dense streaming = the plain forward
+    assert arr(curves[1]["y"])[-1] > arr(curves[2]["y"])[-1]  # losing the first tokens costs more than keeping 4
+    app.text_input(key="fx_st_policies").input("dense; window(w=0)").run()
+    assert "must be positive" in texts(app.error)
+    app.text_input(key="fx_st_policies").input("window(w=500)").run()
+    assert "would never evict" in texts(app.error)
+    app.text_input(key="fx_st_policies").input("dense").run()
+    app.text_input(key="fx_st_arch").input("inplace-bidir(k=2)").run()
+    assert "cannot decode" in texts(app.error)
+
+
+def test_effects_k_sweep(app):
+    on_page(app, "pages/effects.py")
+    app.radio(key="fx_section").set_value("Embedding k-sweep").run()
+    app.text_input(key="fx_sw_ks").input("0, 30").run()
+    app.number_input(key="fx_sw_m").set_value(8).run()
+    app.number_input(key="fx_sw_docs").set_value(6).run()
+    app.button(key="fx_sw_run").click().run()
+    assert not app.exception
+    lines = charts(app)[0]["data"]
+    assert [t["name"] for t in lines] == ["mask0-bidir", "inplace-bidir"]
+    assert list(lines[0]["x"]) == [0, 30]
+    assert arr(lines[0]["y"])[0] == arr(lines[1]["y"])[0]  # k = 0 is plain FWD for both
+    assert "recall@1" in title(charts(app)[0])
+    app.radio(key="fx_sw_metric").set_value("mrr").run()
+    assert "MRR" in title(charts(app)[0])  # the score control changes the figure without a re-run
+    app.text_input(key="fx_sw_archs").input("fwd").run()
+    assert "needs a named architecture" in texts(app.error)
+
+
+def test_effects_generation_view(app):
+    on_page(app, "pages/effects.py")
+    app.radio(key="fx_section").set_value("Generation").run()
+    app.text_input(key="fx_gen_policy").input("sink(s=2, w=16)").run()
+    app.number_input(key="fx_gen_new").set_value(3).run()
+    app.button(key="fx_gen_run").click().run()
+    assert not app.exception
+    fig = charts(app)[0]
+    evicted, attention = fig["data"][0], fig["data"][1]
+    z = arr(evicted["z"])
+    assert np.nansum(z[-1]) == z.shape[1] - 2 - 16 - 1  # last step: all but the 2 sinks, the last 16 and itself
+    assert np.isnan(z[-1, :2]).all()  # the sink tokens stay in the cache
+    assert "layer 29" in title(fig)
+    app.slider(key="fx_gen_layer").set_value(0).run()
+    assert "layer 0" in title(charts(app)[0])
+    app.text_input(key="fx_gen_arch").input("bidir").run()
+    assert "cannot generate" in texts(app.error)

@@ -1,0 +1,75 @@
+"""Offline text for evaluation: Python's own reference documentation, or a user's file.
+
+No data set can be downloaded here, and every CPython ships ``pydoc_data.topics`` (~465k characters
+in ~79 topics), so it is the default corpus, read at run time and never copied into the project.
+``stdlib`` is every topic in key order; ``stdlib:NAME`` is one topic (SPEC §9 measures
+``stdlib:specialnames``). A user's text file is split into documents at blank lines, the natural
+unit of a plain-text file; the whole file, documents joined by blank lines, is the running text.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InputError
+
+STDLIB = "stdlib"
+
+
+@dataclass(frozen=True)
+class Corpus:
+    name: str
+    documents: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        """The running text (documents joined by a blank line), for perplexity and streaming."""
+        return "\n\n".join(self.documents)
+
+
+def stdlib_topics() -> dict[str, str]:
+    from pydoc_data.topics import topics
+
+    return dict(topics)
+
+
+def stdlib(topic: str | None = None) -> Corpus:
+    topics = stdlib_topics()
+    if topic is None:
+        return Corpus(STDLIB, tuple(topics[name].strip() for name in sorted(topics)))
+    if topic not in topics:
+        close = [name for name in sorted(topics) if topic.lower() in name.lower()][:5]
+        hint = f"; did you mean {', '.join(close)}?" if close else f"; e.g. {', '.join(sorted(topics)[:4])}"
+        raise InputError(f"pydoc_data has no topic '{topic}'{hint}")
+    return Corpus(f"{STDLIB}:{topic}", (topics[topic].strip(),))
+
+
+def from_file(path: str | Path) -> Corpus:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise InputError(f"cannot read text file '{path}': {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"text file '{path}' is not UTF-8 text") from None
+    return from_text(text, Path(path).name)
+
+
+def from_text(text: str, name: str = "text") -> Corpus:
+    documents = tuple(d.strip() for d in re.split(r"\n\s*\n", text or "") if d.strip())
+    if not documents:
+        raise InputError(f"'{name}' is empty: give a text with some words")
+    return Corpus(name, documents)
+
+
+def load(corpus: str | None = None, text_file: str | Path | None = None) -> Corpus:
+    """``corpus`` is ``stdlib`` or ``stdlib:TOPIC``; ``text_file`` a UTF-8 file; the file wins if both."""
+    if text_file:
+        return from_file(text_file)
+    spec = (corpus or STDLIB).strip()
+    if spec == STDLIB:
+        return stdlib()
+    if spec.startswith(STDLIB + ":"):
+        return stdlib(spec.split(":", 1)[1])
+    raise InputError(f"unknown corpus '{spec}': use 'stdlib', 'stdlib:TOPIC' or a text file")

@@ -1,0 +1,101 @@
+"""Figures of what a mask does to the model: perplexity per architecture, streaming curves,
+embedding k-sweeps and the cached-generation attention view. Pure functions of results."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from ..embedding import ProbeResult
+from ..evaluate import Evaluation
+from ..generate import Generation
+from ..streaming import StreamResult
+from .style import COLORSCALE, layout
+
+PALETTE = ["#1f4e9c", "#e15759", "#59a14f", "#f28e2b", "#76b7b2", "#b07aa1", "#9c755f", "#bab0ac"]
+EVICTED = "#f4c7c3"
+
+
+def perplexity_bars(results: Sequence[Evaluation]) -> go.Figure:
+    """Perplexity and next-token accuracy of one text under each architecture, side by side."""
+    names = [r.arch for r in results]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("perplexity (lower is better)", "next-token accuracy"),
+                        horizontal_spacing=0.12)
+    colours = PALETTE[: len(results)] * (1 + len(results) // len(PALETTE))
+    fig.add_trace(go.Bar(x=names, y=[r.perplexity for r in results], marker_color=colours,
+                         text=[f"{r.perplexity:.2f}" for r in results], textposition="outside", cliponaxis=False,
+                         hovertemplate="%{x}<br>perplexity %{y:.3f}<extra></extra>", showlegend=False), 1, 1)
+    fig.add_trace(go.Bar(x=names, y=[r.accuracy for r in results], marker_color=colours,
+                         text=[f"{r.accuracy:.1%}" for r in results], textposition="outside", cliponaxis=False,
+                         hovertemplate="%{x}<br>accuracy %{y:.2%}<extra></extra>", showlegend=False), 1, 2)
+    tokens = results[0].tokens if results else 0
+    layout(fig, f"perplexity and accuracy per architecture ({tokens} predicted tokens)", height=380)
+    fig.update_yaxes(title="perplexity", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title="accuracy", tickformat=".0%", rangemode="tozero", row=1, col=2)
+    return fig
+
+
+def streaming_curves(results: Sequence[StreamResult]) -> go.Figure:
+    """Running perplexity against token position, one line per cache policy (StreamingLLM Fig. 3).
+
+    A dotted line marks where each evicting policy's cache fills: from there on the window policy
+    has dropped the first tokens, and its curve breaks away while sink + window stays with dense.
+    """
+    fig = go.Figure()
+    for colour, result in zip(PALETTE, results):
+        x = np.arange(1, result.tokens + 1)
+        fig.add_trace(go.Scatter(x=x, y=result.running_perplexity(), mode="lines", name=result.policy,
+                                 line=dict(color=colour, width=2),
+                                 hovertemplate=f"{result.policy}<br>token %{{x}}<br>running ppl %{{y:.2f}}<extra></extra>"))
+        if result.cache_size:
+            fig.add_vline(x=result.cache_size + 1, line=dict(color=colour, dash="dot", width=1))
+    arch = results[0].arch if results else ""
+    layout(fig, f"streaming perplexity by position · {arch}", height=420)
+    fig.update_xaxes(title="token position")
+    fig.update_yaxes(title="perplexity (running mean NLL)", type="log")
+    fig.update_layout(legend=dict(orientation="h", y=1.02, yanchor="bottom", x=0))
+    return fig
+
+
+def k_sweep(rows_by_arch: dict[str, Sequence[ProbeResult]], metric: str = "recall_at_1") -> go.Figure:
+    """Probe score against k, one line per named architecture (seed 000's sweeps)."""
+    label = {"recall_at_1": "recall@1", "mrr": "MRR"}[metric]
+    fig = go.Figure()
+    for colour, (name, rows) in zip(PALETTE, rows_by_arch.items()):
+        fig.add_trace(go.Scatter(x=[r.k for r in rows], y=[getattr(r, metric) for r in rows], mode="lines+markers",
+                                 name=name, line=dict(color=colour, width=2), marker=dict(size=6),
+                                 hovertemplate=f"{name}<br>k = %{{x}}<br>{label} %{{y:.3f}}<extra></extra>"))
+    n_docs = next(iter(rows_by_arch.values()))[0].n_docs if rows_by_arch else 0
+    layout(fig, f"embedding probe: {label} against converted top layers k ({n_docs} documents)", height=420)
+    fig.update_xaxes(title="k (converted top layers)")
+    fig.update_yaxes(title=label, range=[0, 1.02])
+    fig.update_layout(legend=dict(orientation="h", y=1.02, yanchor="bottom", x=0))
+    return fig
+
+
+def generation_view(gen: Generation, layer: int, head: int | None, tokens: Sequence[str]) -> go.Figure:
+    """Each decoding step's attention over the cache, one row per step as the text grows; positions
+    that left the cache are shaded, so the sink can be seen staying or being evicted."""
+    values, evicted = gen.attention_rows(layer, head)
+    n_rows, n = values.shape
+    labels = [f"{p}: {t!r}"[:24] for p, t in enumerate(tokens[:n])]
+    fig = go.Figure()
+    fig.add_trace(go.Heatmap(z=np.where(evicted, 1.0, np.nan), colorscale=[[0, EVICTED], [1, EVICTED]], showscale=False,
+                             hoverinfo="skip", x=list(range(n)), y=list(range(n_rows))))
+    fig.add_trace(go.Heatmap(z=values, colorscale=COLORSCALE, zmin=0, zmax=float(np.nanmax(values)) or 1.0,
+                             x=list(range(n)), y=list(range(n_rows)), hoverongaps=False,
+                             colorbar=dict(title="attention"),
+                             customdata=np.array(labels, dtype=object)[None, :].repeat(n_rows, 0),
+                             hovertemplate="step %{y}<br>key %{customdata}<br>p = %{z:.4f}<extra></extra>"))
+    prompt = len(gen.prompt_ids)
+    if prompt < n_rows:
+        fig.add_hline(y=prompt - 0.5, line=dict(color="#333", dash="dash", width=1))
+    head_name = "mean over heads" if head is None else f"head {head}"
+    layout(fig, f"generation with the KV cache · {gen.arch} · {gen.policy} · layer {layer} · {head_name}",
+           height=max(380, min(900, 8 * n_rows + 120)))
+    fig.update_yaxes(title="decoding step (query position)", autorange="reversed")
+    fig.update_xaxes(title="key position (shaded: evicted from the cache)")
+    return fig

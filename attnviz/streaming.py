@@ -1,0 +1,190 @@
+"""Token-by-token decoding with a real KV cache and StreamingLLM's cache policies (SPEC §9).
+
+The cache is transformers' own ``DynamicCache``; a policy only drops entries from it. After each
+step the cache is cut back to the policy's size, as StreamingLLM's ``eval_long_ppl.py`` does with
+its ``StartRecentKVCache``: the next token then attends to at most ``cache_size`` kept entries plus
+itself. Kept entries keep the positions they were encoded with (keys are cached after RoPE), and the
+new token gets its true position, so texts shorter than the model's context need no re-indexing.
+Masks follow those positions (``engine.forward(kv_positions=...)``), so a causal-compatible
+architecture such as NoSink-FWD stays exact under eviction.
+
+The next token's log-probability is read before it enters the cache.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from . import arch as arch_mod
+from . import engine
+from .errors import InputError
+from .models import LoadedModel
+
+_POLICY = re.compile(r"^(?P<kind>dense|window|sink)(?:\((?P<params>[^()]*)\))?$")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """``dense`` (keep all), ``window(w=W)`` (the last W), ``sink(s=S, w=W)`` (the first S and the last W)."""
+
+    kind: str
+    s: int = 0
+    w: int = 0
+
+    @property
+    def spec(self) -> str:
+        return {"dense": "dense", "window": f"window(w={self.w})", "sink": f"sink(s={self.s}, w={self.w})"}[self.kind]
+
+    @property
+    def cache_size(self) -> int | None:
+        return None if self.kind == "dense" else self.s + self.w
+
+    def keep(self, n: int) -> list[int] | None:
+        """Indices of the cache entries to keep out of ``n``, or None to keep all."""
+        size = self.cache_size
+        if size is None or n <= size:
+            return None
+        return list(range(self.s)) + list(range(n - self.w, n))
+
+    def check(self, loaded: LoadedModel, n_tokens: int | None = None) -> "Policy":
+        """Refuse a cache larger than the model's context, or (given ``n_tokens``) than the text."""
+        if self.kind == "dense":
+            return self
+        if self.cache_size > loaded.max_tokens:
+            raise InputError(f"{self.spec} keeps {self.cache_size} entries, more than {loaded.model_id}'s context "
+                             f"({loaded.max_tokens})")
+        if n_tokens is not None and self.cache_size > n_tokens:
+            raise InputError(f"{self.spec} keeps {self.cache_size} entries but the text has only {n_tokens} tokens: "
+                             "the policy would never evict anything; use a smaller size")
+        return self
+
+
+def parse_policy(text: str) -> Policy:
+    """``dense``, ``window(w=128)`` or ``sink(s=4, w=124)``; ``sink(s=0, w=W)`` is ``window(w=W)``."""
+    match = _POLICY.match(re.sub(r"\s+", "", (text or "").lower()))
+    if not match:
+        raise InputError(f"cannot read cache policy '{text}'; expected dense, window(w=W) or sink(s=S, w=W)")
+    kind, params = match["kind"], {}
+    allowed = {"dense": (), "window": ("w",), "sink": ("s", "w")}[kind]
+    for part in filter(None, (match["params"] or "").split(",")):
+        key, _, raw = part.partition("=")
+        if key not in allowed:
+            raise InputError(f"in '{text}': unknown parameter '{key}' (expected {', '.join(allowed) or 'none'})")
+        if not raw.lstrip("-").isdigit():
+            raise InputError(f"in '{text}': {key}={raw} must be a whole number")
+        params[key] = int(raw)
+    missing = [k for k in allowed if k not in params]
+    if missing:
+        raise InputError(f"in '{text}': {kind} needs {', '.join(k + '=' for k in missing)}")
+    if params.get("w", 1) <= 0:
+        raise InputError(f"in '{text}': the window w must be positive, got {params['w']}")
+    if params.get("s", 0) < 0:
+        raise InputError(f"in '{text}': the sink size s must be >= 0, got {params['s']}")
+    return Policy(kind, params.get("s", 0), params.get("w", 0))
+
+
+def as_policy(policy: "Policy | str") -> Policy:
+    return parse_policy(policy) if isinstance(policy, str) else policy
+
+
+@dataclass
+class Step:
+    """One decoding step: the token fed, its position, the next-token log-probabilities, and for
+    each recorded layer the new token's attention (H, n_kv) over ``kv_positions``."""
+
+    token: int
+    position: int
+    logprobs: torch.Tensor
+    kv_positions: list[int]
+    maps: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+class CachedDecoder:
+    """Feeds tokens one at a time through a ``DynamicCache`` under an architecture and a policy."""
+
+    def __init__(self, loaded: LoadedModel, arch: str | arch_mod.Architecture = "fwd",
+                 policy: Policy | str = "dense", record: set[int] | frozenset[int] = frozenset()):
+        self.loaded = loaded
+        self.architecture = arch_mod.resolve(arch, loaded.n_layers).require_causal("decode with a KV cache")
+        self.policy = as_policy(policy).check(loaded)
+        self.record = set(record)
+        self.cache = DynamicCache()
+        self.positions: list[int] = []  # the position each cache entry was encoded at
+        self.next_position = 0
+
+    def step(self, token: int) -> Step:
+        position = self.next_position
+        kv = torch.tensor([self.positions + [position]])
+        output, run = engine.forward(self.loaded.model, torch.tensor([[token]]), list(self.architecture.layers),
+                                     record=self.record, storage_dtype=torch.float32,
+                                     past_key_values=self.cache, kv_positions=kv)
+        seen = kv[0].tolist()
+        step = Step(token, position, torch.log_softmax(output.logits[0, -1].float(), -1), seen,
+                    {layer: probs[0, :, 0].numpy() for layer, probs in run.probs.items()})
+        self.positions, self.next_position = seen, position + 1
+        self._evict()
+        return step
+
+    def _evict(self) -> None:
+        keep = self.policy.keep(len(self.positions))
+        if keep is None:
+            return
+        index = torch.tensor(keep)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(-2, index.to(layer.keys.device))
+            layer.values = layer.values.index_select(-2, index.to(layer.values.device))
+        self.positions = [self.positions[i] for i in keep]
+
+
+@dataclass
+class StreamResult:
+    policy: str
+    arch: str
+    token_nll: np.ndarray = field(repr=False)  # NLL of token t+1 given the cache after step t
+    cache_size: int | None
+
+    @property
+    def tokens(self) -> int:
+        return int(self.token_nll.size)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(float(self.token_nll.mean()))
+
+    def running_perplexity(self) -> np.ndarray:
+        """exp(running mean NLL) against the predicted token's position (1 .. n-1)."""
+        return np.exp(np.cumsum(self.token_nll) / np.arange(1, self.tokens + 1))
+
+    def as_json(self, curve: bool = False) -> dict:
+        doc = {"policy": self.policy, "arch": self.arch, "perplexity": round(self.perplexity, 6),
+               "tokens": self.tokens, "cache_size": self.cache_size}
+        if curve:
+            doc["running_perplexity"] = [round(float(x), 4) for x in self.running_perplexity()]
+        return doc
+
+
+def stream(loaded: LoadedModel, ids: list[int], policy: Policy | str = "dense",
+           arch: str | arch_mod.Architecture = "fwd",
+           on_step: Callable[[int, int], None] | None = None) -> StreamResult:
+    """Streaming perplexity of ``ids`` under a cache policy (StreamingLLM's protocol, SPEC §9)."""
+    if len(ids) < 2:
+        raise InputError(f"the text has {len(ids)} token(s); at least 2 are needed to predict one")
+    policy = as_policy(policy).check(loaded, len(ids))
+    if policy.kind == "dense" and len(ids) > loaded.max_tokens:
+        raise InputError(f"the text is {len(ids)} tokens, longer than {loaded.model_id}'s context "
+                         f"({loaded.max_tokens}): use a window or sink policy, or --max-tokens")
+    decoder = CachedDecoder(loaded, arch, policy)
+    nll = np.empty(len(ids) - 1)
+    for t in range(len(ids) - 1):
+        step = decoder.step(ids[t])
+        nll[t] = -float(step.logprobs[ids[t + 1]])
+        if on_step:
+            on_step(t + 1, len(ids) - 1)
+    return StreamResult(policy.spec, decoder.architecture.spec, nll, policy.cache_size)

@@ -1,0 +1,211 @@
+"""Effects: what a mask does to the model — perplexity, streaming with a KV cache, the embedding
+k-sweep and cached generation (SPEC §8, §9)."""
+
+import streamlit as st
+
+from attnviz import corpus, embedding, streaming
+from attnviz.arch import parse, with_k
+from attnviz.errors import AttnvizError
+from attnviz.evaluate import evaluate, token_ids
+from attnviz.figures import generation_view, k_sweep, perplexity_bars, streaming_curves
+from attnviz.generate import generate
+from ui import jobs
+from ui.export import figure_downloads
+
+settings, loaded = st.session_state["settings"], st.session_state["loaded"]
+st.title("Effects: what a mask does to the model")
+SECTIONS = ["Perplexity", "Streaming (KV cache)", "Embedding k-sweep", "Generation"]
+SOURCES = {"Python reference docs (all topics)": "stdlib", "Python docs: special method names": "stdlib:specialnames",
+           "The sidebar text": None}
+
+
+def split(text: str) -> list[str]:
+    return [s.strip() for s in text.split(";") if s.strip()]
+
+
+def source(key: str) -> tuple[str, corpus.Corpus] | None:
+    choice = st.selectbox("Text", list(SOURCES), key=key,
+                          help="Offline: Python's own reference documentation (pydoc_data), read at run time")
+    try:
+        if SOURCES[choice] is None:
+            return "sidebar", corpus.from_text(settings.text, "the sidebar text")
+        return SOURCES[choice], corpus.load(SOURCES[choice])
+    except AttnvizError as err:
+        st.error(str(err))
+        return None
+
+
+def meta(**extra) -> dict:
+    return {"tool": "attnviz", "model": loaded.model_id, **extra}
+
+
+def checked(specs: list[str], causal: str | None = None) -> list[str] | None:
+    """Canonical architecture strings, or None after showing what is wrong with one."""
+    try:
+        out = []
+        for spec in specs:
+            architecture = parse(spec, loaded.n_layers)
+            out.append((architecture.require_causal(causal) if causal else architecture).spec)
+        return out
+    except AttnvizError as err:
+        st.error(str(err))
+        return None
+
+
+def perplexity_section() -> None:
+    st.markdown("Perplexity and next-token accuracy under each architecture (SPEC §8, the windows of "
+                "transformers' perplexity guide). Only causal-compatible architectures have one: under BACK or "
+                "BIDIR a query reads the token it predicts.")
+    c1, c2, c3 = st.columns([3, 1, 1])
+    specs = split(c1.text_input("Architectures, separated by ';'", "fwd; nosink-fwd", key="fx_ppl_archs"))
+    window = int(c2.number_input("Window W", 2, loaded.max_tokens, 512, key="fx_ppl_window"))
+    max_tokens = int(c3.number_input("Max tokens", 2, 100_000, 2048, step=256, key="fx_ppl_tokens"))
+    picked = source("fx_ppl_source")
+    if not specs:
+        st.error("Give at least one architecture.")
+        return
+    archs = checked(specs, "compute a perplexity")
+    if not archs or picked is None:
+        return
+    name, text = picked[0], picked[1].text
+    keys = [("eval", loaded.model_id, name, text if name == "sidebar" else "", a, window, max_tokens) for a in archs]
+    if not all(jobs.cached(k) for k in keys) and not st.button("Compute perplexity", key="fx_ppl_run", type="primary"):
+        st.caption(f"{len(archs)} architecture(s) × up to {max_tokens} tokens; about 4 ms a token on a 2-core CPU.")
+        return
+    try:
+        ids = token_ids(loaded, text, max_tokens)
+    except AttnvizError as err:
+        st.error(str(err))
+        return
+    results = [jobs.run(key, f"Perplexity under {a}", lambda progress, a=a: evaluate(
+        loaded, ids, a, window=min(window, len(ids)), on_window=progress)) for key, a in zip(keys, archs)]
+    if all(results):
+        fig = perplexity_bars(results)
+        st.plotly_chart(fig, width="stretch", key="fx_ppl_chart")
+        st.dataframe([r.as_json() for r in results], hide_index=True)
+        figure_downloads(fig, meta(arch=" vs ".join(archs), figure="perplexity", corpus=name,
+                                   window=window, tokens=len(ids)), key="fx_ppl_x")
+
+
+def streaming_section() -> None:
+    st.markdown("Token-by-token decoding with a real KV cache (StreamingLLM, SPEC §9). **window** keeps the last W "
+                "entries, **sink** also keeps the first S: once the first tokens leave the cache the window policy "
+                "breaks, while keeping a few sink tokens holds the model close to the dense cache.")
+    c1, c2, c3 = st.columns([3, 1, 1])
+    policies_text = c1.text_input("Cache policies, separated by ';'", "dense; window(w=64); sink(s=4, w=60)",
+                                  key="fx_st_policies")
+    tokens = int(c2.number_input("Tokens", 16, loaded.max_tokens, 400, step=100, key="fx_st_tokens"))
+    arch = c3.text_input("Architecture", "fwd", key="fx_st_arch", help="causal-compatible: fwd, nosink-fwd, ...")
+    picked = source("fx_st_source")
+    archs = checked([arch], "decode with a KV cache")
+    try:
+        policies = [streaming.parse_policy(p) for p in split(policies_text)]
+        if not policies:
+            raise AttnvizError("give at least one cache policy: dense, window(w=W) or sink(s=S, w=W)")
+        ids = token_ids(loaded, picked[1].text, tokens) if picked else None
+        for policy in policies if ids else []:
+            policy.check(loaded, len(ids))
+    except AttnvizError as err:
+        st.error(str(err))
+        return
+    if not archs or ids is None:
+        return
+    keys = [("stream", loaded.model_id, picked[0], tuple(ids), archs[0], p.spec) for p in policies]
+    if not all(jobs.cached(k) for k in keys) and not st.button("Stream", key="fx_st_run", type="primary"):
+        st.caption(f"{len(policies)} policies × {len(ids)} tokens, one token at a time: about "
+                   f"{len(policies) * len(ids) * 0.08:.0f} s on a 2-core CPU.")
+        return
+    results = [jobs.run(key, f"Streaming {p.spec}", lambda progress, p=p: streaming.stream(
+        loaded, ids, p, archs[0], on_step=progress)) for key, p in zip(keys, policies)]
+    if all(results):
+        fig = streaming_curves(results)
+        st.plotly_chart(fig, width="stretch", key="fx_st_chart")
+        st.dataframe([r.as_json() for r in results], hide_index=True)
+        figure_downloads(fig, meta(arch=archs[0], figure="streaming", corpus=picked[0], tokens=len(ids),
+                                   policies=[p.spec for p in policies]), key="fx_st_x")
+
+
+def sweep_section() -> None:
+    st.markdown("Is the converted model a better text encoder (seed 000)? Each document's first M tokens must find "
+                "its next M tokens among all documents' by the cosine of mean-pooled last hidden states (SPEC §8). "
+                "k counts the converted top layers.")
+    c1, c2 = st.columns([3, 2])
+    specs = split(c1.text_input("Named architectures, separated by ';'", "mask0-bidir; inplace-bidir",
+                                key="fx_sw_archs"))
+    L = loaded.n_layers
+    default_ks = sorted({0, 2, 4, 8, 12, 16, (3 * L) // 4, L} & set(range(L + 1)))
+    ks_text = c2.text_input("k values (or 'all')", ", ".join(map(str, default_ks)), key="fx_sw_ks")
+    c3, c4, c5 = st.columns(3)
+    m = int(c3.number_input("M tokens per half", 4, 256, 32, key="fx_sw_m"))
+    docs = int(c4.number_input("Documents", 2, 500, 24, key="fx_sw_docs"))
+    metric = c5.radio("Score", ["recall_at_1", "mrr"], horizontal=True, key="fx_sw_metric",
+                      format_func={"recall_at_1": "recall@1", "mrr": "MRR"}.get)
+    picked = source("fx_sw_source")
+    try:
+        ks = embedding.parse_ks(ks_text, L)
+        templates = [with_k(s, L, L) and s.lower().replace(" ", "") for s in specs]  # checks each template
+        if not templates:
+            raise AttnvizError("give at least one named architecture, e.g. mask0-bidir")
+    except AttnvizError as err:
+        st.error(str(err))
+        return
+    if picked is None:
+        return
+    keys = [("sweep", loaded.model_id, picked[0], picked[1].documents if picked[0] == "sidebar" else (), t,
+             tuple(ks), m, docs) for t in templates]
+    if not all(jobs.cached(k) for k in keys) and not st.button("Run the sweep", key="fx_sw_run", type="primary"):
+        st.caption(f"{len(templates)} architecture(s) × {len(ks)} values of k × {2 * docs} sequences of {m} tokens.")
+        return
+    rows = {t: jobs.run(key, f"k-sweep of {t}", lambda progress, t=t: embedding.sweep(
+        loaded, picked[1].documents, t, ks, m=m, max_docs=docs, on_progress=progress))
+        for key, t in zip(keys, templates)}
+    if all(rows.values()):
+        fig = k_sweep(rows, metric)
+        st.plotly_chart(fig, width="stretch", key="fx_sw_chart")
+        figure_downloads(fig, meta(arch=" vs ".join(templates), figure=f"k-sweep-{metric}", corpus=picked[0], m=m,
+                                   docs=docs), key="fx_sw_x")
+
+
+def generation_section() -> None:
+    st.markdown("Greedy generation with the KV cache, from the sidebar text. Each row is one step: the new token's "
+                "attention over what the cache holds; shaded positions were evicted by the policy.")
+    c1, c2, c3 = st.columns([2, 2, 1])
+    default_arch = settings.arch if parse(settings.arch, loaded.n_layers).causal_compatible else "fwd"
+    arch = c1.text_input("Architecture", default_arch, key="fx_gen_arch")
+    policy_text = c2.text_input("Cache policy", "window(w=32)", key="fx_gen_policy")
+    new = int(c3.number_input("New tokens", 1, 128, 24, key="fx_gen_new"))
+    archs = checked([arch], "generate")
+    try:
+        policy = streaming.parse_policy(policy_text).check(loaded)
+    except AttnvizError as err:
+        st.error(str(err))
+        return
+    if not archs or not settings.text.strip():
+        if not settings.text.strip():
+            st.warning("The text is empty: type something in the sidebar.")
+        return
+    key = ("generate", loaded.model_id, settings.text, archs[0], policy.spec, new)
+    if not jobs.cached(key) and not st.button("Generate", key="fx_gen_run", type="primary"):
+        return
+    gen = jobs.run(key, "Generating", lambda progress: generate(loaded, settings.text, archs[0], policy, new,
+                                                                  on_step=progress))
+    if gen is None:
+        return
+    st.markdown(f"**Continuation:** {gen.text!r}")
+    c1, c2 = st.columns([3, 2])
+    layer = c1.slider("Layer", 0, loaded.n_layers - 1, loaded.n_layers - 1, key="fx_gen_layer")
+    heads = ["mean"] + list(range(loaded.n_heads))
+    head = c2.select_slider("Head", heads, key="fx_gen_head")
+    tokens = [loaded.tokenizer.decode([i]) for i in gen.prompt_ids + gen.new_ids]
+    fig = generation_view(gen, layer, None if head == "mean" else int(head), tokens)
+    st.plotly_chart(fig, width="stretch", key="fx_gen_chart")
+    figure_downloads(fig, meta(arch=gen.arch, figure="generation", policy=gen.policy, layer=layer, head=head,
+                               text=settings.text), key="fx_gen_x")
+
+
+if loaded is None:
+    st.warning("Load a model in the sidebar.")
+else:
+    section = st.radio("Show", SECTIONS, horizontal=True, key="fx_section", label_visibility="collapsed")
+    {"Perplexity": perplexity_section, "Streaming (KV cache)": streaming_section,
+     "Embedding k-sweep": sweep_section, "Generation": generation_section}[section]()

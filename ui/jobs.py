@@ -1,0 +1,49 @@
+"""Slow computations for pages (evaluation, streaming, probes, generation): run once with a progress
+bar, kept for every session in a byte-budgeted LRU, errors shown as one message."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Hashable, TypeVar
+
+import streamlit as st
+
+from attnviz.errors import AttnvizError
+from attnviz.lru import ByteLRU
+
+T = TypeVar("T")
+BUDGET_MB = int(os.environ.get("ATTNVIZ_RESULTS_MB", "64"))  # results are curves and scores: small
+
+
+@st.cache_resource(show_spinner=False)
+def _results() -> ByteLRU:
+    return ByteLRU(BUDGET_MB * 2**20)
+
+
+def cached(key: Hashable):
+    """The stored result for ``key``, or None."""
+    return _results().get(key)
+
+
+def run(key: Hashable, label: str, compute: Callable[[Callable[[int, int], None]], T]) -> T | None:
+    """``compute(progress)`` once per key; ``progress(done, total)`` moves a bar with elapsed time."""
+    found = cached(key)
+    if found is not None:
+        return found
+    bar = st.progress(0.0, text=label)
+    start = time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        bar.progress(min(done / max(total, 1), 1.0),
+                     text=f"{label}: {done}/{total} ({time.perf_counter() - start:.0f} s)")
+
+    try:
+        result = compute(progress)
+    except AttnvizError as err:
+        st.error(f"{label}: {err}")
+        return None
+    finally:
+        bar.empty()
+    _results().put(key, result)
+    return result
