@@ -136,8 +136,8 @@ def _eval(args) -> dict:
     ids = token_ids(loaded, _corpus(args).text, args.max_tokens)
     bar, update = _progress(f"eval {args.arch}")
     with bar:
-        result = evaluate(loaded, ids, args.arch, window=args.window or min(512, len(ids)), stride=args.stride,
-                          on_window=update)
+        window = min(512, len(ids)) if args.window is None else args.window
+        result = evaluate(loaded, ids, args.arch, window=window, stride=args.stride, on_window=update)
     return result.as_json()
 
 

@@ -63,17 +63,18 @@ def generate(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture =
     eos = set(eos if isinstance(eos, list) else [eos]) - {None}
     steps, new = [], []
     total = len(ids) + max_new_tokens - 1
+
+    def feed(token: int) -> None:
+        steps.append(decoder.step(token))
+        if on_step:
+            on_step(len(steps), total)
+
     for token in ids:
-        steps.append(decoder.step(token))
-        if on_step:
-            on_step(len(steps), total)
+        feed(token)
     while True:
-        token = int(steps[-1].logprobs.argmax())
-        new.append(token)
-        if len(new) == max_new_tokens or token in eos:
+        new.append(int(steps[-1].logprobs.argmax()))
+        if len(new) == max_new_tokens or new[-1] in eos:
             break
-        steps.append(decoder.step(token))
-        if on_step:
-            on_step(len(steps), total)
+        feed(new[-1])
     return Generation(list(ids), new, loaded.tokenizer.decode(new), steps, decoder.policy.spec,
                       decoder.architecture.spec)

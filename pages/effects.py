@@ -192,12 +192,14 @@ def generation_section() -> None:
     if gen is None:
         return
     st.markdown(f"**Continuation:** {gen.text!r}")
-    c1, c2 = st.columns([3, 2])
+    c1, c2, c3 = st.columns([3, 2, 2])
     layer = c1.slider("Layer", 0, loaded.n_layers - 1, loaded.n_layers - 1, key="fx_gen_layer")
     heads = ["mean"] + list(range(loaded.n_heads))
     head = c2.select_slider("Head", heads, key="fx_gen_head")
+    shown = c3.slider("Steps shown", 1, len(gen.steps), len(gen.steps), key="fx_gen_steps",
+                      help="replay the cache: rows are added one decoding step at a time")
     tokens = [loaded.tokenizer.decode([i]) for i in gen.prompt_ids + gen.new_ids]
-    fig = generation_view(gen, layer, None if head == "mean" else int(head), tokens)
+    fig = generation_view(gen, layer, None if head == "mean" else int(head), tokens, steps=shown)
     st.plotly_chart(fig, width="stretch", key="fx_gen_chart")
     figure_downloads(fig, meta(arch=gen.arch, figure="generation", policy=gen.policy, layer=layer, head=head,
                                text=settings.text), key="fx_gen_x")

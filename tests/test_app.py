@@ -254,3 +254,15 @@ def test_effects_generation_view(app):
     assert "layer 0" in title(charts(app)[0])
     app.text_input(key="fx_gen_arch").input("bidir").run()
     assert "cannot generate" in texts(app.error)
+
+
+def test_effects_generation_replays_steps(app):
+    on_page(app, "pages/effects.py")
+    app.radio(key="fx_section").set_value("Generation").run()
+    app.number_input(key="fx_gen_new").set_value(2).run()
+    app.button(key="fx_gen_run").click().run()
+    full = arr(charts(app)[0]["data"][1]["z"])
+    app.slider(key="fx_gen_steps").set_value(5).run()
+    part = arr(charts(app)[0]["data"][1]["z"])
+    np.testing.assert_array_equal(part[:5], full[:5])
+    assert np.isnan(part[5:]).all() and np.isfinite(full[5:]).any()

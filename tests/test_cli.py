@@ -93,3 +93,77 @@ def test_sinks_fwd_has_the_sink_at_key_0(default_model):
     layer = json.loads(out.stdout)["layers"][24]
     assert layer["mask"] == "fwd" and layer["sink_rate"]["0"] > 0.5 and layer["sink_rate"]["1"] == 0.0
     assert all(h["sink_key"] == 0 for h in layer["heads"])
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text(ENGLISH + "\n\n" + ENGLISH.upper())
+    return path
+
+
+def test_eval_json_matches_the_library(default_model, text_file):
+    from attnviz.evaluate import evaluate, token_ids
+
+    out = run("eval", "--arch", "nosink-fwd", "--text-file", str(text_file), "--window", "64", "--stride", "32", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert set(doc) == {"model", "arch", "perplexity", "accuracy", "nll", "tokens", "windows"}
+    ids = token_ids(default_model, text_file.read_text().strip().replace("\n\n", "\n\n"))
+    expected = evaluate(default_model, ids, "nosink-fwd", window=64, stride=32)
+    assert doc["tokens"] == expected.tokens and doc["windows"] == expected.windows
+    assert doc["perplexity"] == pytest.approx(expected.perplexity, rel=1e-5)
+    assert doc["nll"] == pytest.approx(np.log(doc["perplexity"]), rel=1e-5)
+
+
+def test_stream_compare_and_embed_sweep(default_model, text_file):
+    out = run("stream", "--text-file", str(text_file), "--policy", "dense", "--policy", "sink(s=2, w=16)",
+              "--max-tokens", "60", "--compare")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["tokens"] == 59 and [p["policy"] for p in doc["policies"]] == ["dense", "sink(s=2, w=16)"]
+    assert [p["cache_size"] for p in doc["policies"]] == [None, 18]
+    assert len(doc["policies"][1]["running_perplexity"]) == 59
+    assert doc["policies"][0]["running_perplexity"][-1] == pytest.approx(doc["policies"][0]["perplexity"], rel=1e-3)
+    single = json.loads(run("stream", "--text-file", str(text_file), "--policy", "window(w=8)",
+                            "--max-tokens", "30").stdout)
+    assert set(single) == {"policy", "arch", "perplexity", "tokens", "cache_size"}
+
+    out = run("embed", "--arch", "inplace-back", "--sweep", "k", "--ks", "0,2", "--m", "8", "--max-docs", "5")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["k"] for r in rows] == [0, 2] and rows[1]["arch"] == "inplace-back(k=2)"
+    assert all(set(r) == {"k", "arch", "recall_at_1", "mrr", "n_docs"} and r["n_docs"] == 5 for r in rows)
+
+
+def test_generate_json(default_model):
+    out = run("generate", "--text", "The capital of France is", "--policy", "sink(s=1, w=4)", "--max-new-tokens", "3")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["policy"] == "sink(s=1, w=4)" and len(doc["new_ids"]) <= 3 and doc["prompt_tokens"] == 5
+
+
+@pytest.mark.parametrize("args,message", [
+    (["eval", "--arch", "mask0-bidir(k=4)"], "cannot compute a perplexity with 'mask0-bidir(k=4)'"),
+    (["eval", "--arch", "back", "--corpus", "stdlib:specialnames"], "read the token it predicts"),
+    (["eval", "--window", "0", "--max-tokens", "50"], "window must be positive"),
+    (["eval", "--window", "100", "--max-tokens", "50"], "longer than the text (50 tokens)"),
+    (["eval", "--corpus", "stdlib:nope"], "no topic 'nope'"),
+    (["stream", "--policy", "sink(s=4, w=9000)", "--max-tokens", "50"], "keeps 9004 entries, more than"),
+    (["stream", "--policy", "window(w=200)", "--max-tokens", "50"], "would never evict"),
+    (["stream", "--policy", "window(w=-1)"], "must be positive"),
+    (["stream", "--policy", "dense", "--arch", "bidir"], "cannot decode with a KV cache"),
+    (["embed", "--m", "64", "--text-file", "ONE_DOC"], "too small for the probe"),
+    (["embed", "--ks", "0,1"], "--ks needs --sweep k"),
+    (["embed", "--arch", "fwd", "--sweep", "k"], "needs a named architecture"),
+    (["generate", "--text", "hi", "--arch", "stablemask(gamma=0.5)"], "cannot decode"),
+    (["eval", "--text-file", "EMPTY"], "is empty"),
+])
+def test_effects_bad_input_is_one_line(args, message, default_model, tmp_path):
+    (tmp_path / "one.txt").write_text("A single short document.")
+    (tmp_path / "empty.txt").write_text("\n \n")
+    args = [{"ONE_DOC": str(tmp_path / "one.txt"), "EMPTY": str(tmp_path / "empty.txt")}.get(a, a) for a in args]
+    out = run(*args)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith("attnviz: error:")

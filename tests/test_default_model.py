@@ -152,3 +152,29 @@ def test_sink_rate_equals_gu_et_al_on_stock_eager_attentions(default_model):
         ours = np.stack([cap.stat(l, "alpha")[:, 0] for l in cap.layers])
         np.testing.assert_allclose(ours, gu, atol=2e-3)  # fp16-free reducer; fp32 softmax on both sides
         assert metrics.sink_rate(ours.ravel()) == pytest.approx(float(np.mean(gu > 0.3)), abs=5e-4)
+
+
+def test_eval_and_dense_streaming_match_stock_transformers(default_model):
+    """SPEC §8 windows against HF's own loss (labels = -100 outside new targets), and dense streaming
+    against the plain forward, on the real model; outside an attnviz run the model is stock SDPA."""
+    from attnviz import corpus
+    from attnviz.evaluate import evaluate, token_ids, windows
+    from attnviz.streaming import stream
+
+    ids = token_ids(default_model, corpus.stdlib("specialnames").text, 300)
+    nll_sum, count = 0.0, 0
+    for start, end, first in windows(len(ids), 128, 64):
+        labels = torch.tensor([ids[start:end]])
+        labels[0, : first - start] = -100
+        with torch.no_grad():
+            nll_sum += float(default_model.model(torch.tensor([ids[start:end]]), labels=labels).loss) * (end - first)
+        count += end - first
+    ours = evaluate(default_model, ids, "fwd", window=128, stride=64)
+    assert ours.tokens == count == 299
+    assert ours.nll == pytest.approx(nll_sum / count, rel=5e-3)
+
+    short = ids[:40]
+    with torch.no_grad():
+        logp = torch.log_softmax(default_model.model(torch.tensor([short])).logits[0].float(), -1)
+    plain = -logp[torch.arange(39), torch.tensor(short[1:])].numpy()
+    np.testing.assert_allclose(stream(default_model, short, "dense").token_nll, plain, atol=1e-4)

@@ -22,8 +22,8 @@ EVICTED = "#f4c7c3"
 def perplexity_bars(results: Sequence[Evaluation]) -> go.Figure:
     """Perplexity and next-token accuracy of one text under each architecture, side by side."""
     names = [r.arch for r in results]
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("perplexity (lower is better)", "next-token accuracy"),
-                        horizontal_spacing=0.12)
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.14)  # axis titles, no subplot titles: they
+    # would collide with the figure title at the paper presets
     colours = PALETTE[: len(results)] * (1 + len(results) // len(PALETTE))
     fig.add_trace(go.Bar(x=names, y=[r.perplexity for r in results], marker_color=colours,
                          text=[f"{r.perplexity:.2f}" for r in results], textposition="outside", cliponaxis=False,
@@ -33,8 +33,8 @@ def perplexity_bars(results: Sequence[Evaluation]) -> go.Figure:
                          hovertemplate="%{x}<br>accuracy %{y:.2%}<extra></extra>", showlegend=False), 1, 2)
     tokens = results[0].tokens if results else 0
     layout(fig, f"perplexity and accuracy per architecture ({tokens} predicted tokens)", height=380)
-    fig.update_yaxes(title="perplexity", rangemode="tozero", row=1, col=1)
-    fig.update_yaxes(title="accuracy", tickformat=".0%", rangemode="tozero", row=1, col=2)
+    fig.update_yaxes(title="perplexity (lower is better)", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title="next-token accuracy", tickformat=".0%", rangemode="tozero", row=1, col=2)
     return fig
 
 
@@ -76,10 +76,14 @@ def k_sweep(rows_by_arch: dict[str, Sequence[ProbeResult]], metric: str = "recal
     return fig
 
 
-def generation_view(gen: Generation, layer: int, head: int | None, tokens: Sequence[str]) -> go.Figure:
+def generation_view(gen: Generation, layer: int, head: int | None, tokens: Sequence[str],
+                    steps: int | None = None) -> go.Figure:
     """Each decoding step's attention over the cache, one row per step as the text grows; positions
-    that left the cache are shaded, so the sink can be seen staying or being evicted."""
+    that left the cache are shaded, so the sink can be seen staying or being evicted. ``steps``
+    shows only the first rows (replaying the cache step by step); the axes keep their full size."""
     values, evicted = gen.attention_rows(layer, head)
+    if steps is not None:
+        values[steps:], evicted[steps:] = np.nan, False
     n_rows, n = values.shape
     labels = [f"{p}: {t!r}"[:24] for p, t in enumerate(tokens[:n])]
     fig = go.Figure()
