@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +23,28 @@ from .errors import AttnvizError, InputError
 from .models import LoadedModel
 
 FORMAT = "attnviz-capture/1"
+TOP_ACTIVATIONS = 8
+
+
+@dataclass
+class Activations:
+    """Residual-stream magnitudes (Sun et al. 2024, "Massive activations"): per layer boundary
+    (embeddings first, then each layer's output) the L2 norm of every token's hidden state, and
+    the largest absolute activations with the token and dimension where each sits."""
+
+    norms: np.ndarray  # (L + 1, n) float32
+    top_values: np.ndarray  # (L + 1, K) float32, descending
+    top_tokens: np.ndarray  # (L + 1, K) int
+    top_dims: np.ndarray  # (L + 1, K) int
+
+    @classmethod
+    def from_hidden(cls, hidden_states, k: int = TOP_ACTIVATIONS) -> "Activations":
+        stacked = torch.stack([h[0].float() for h in hidden_states])  # (L + 1, n, d)
+        flat = stacked.abs().flatten(1)
+        top = flat.topk(min(k, flat.shape[1]), dim=1)
+        d = stacked.shape[-1]
+        return cls(stacked.norm(dim=-1).cpu().numpy(), top.values.cpu().numpy(),
+                   (top.indices // d).cpu().numpy(), (top.indices % d).cpu().numpy())
 
 
 @dataclass
@@ -39,6 +61,9 @@ class Capture:
     stats: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     next_logprobs: np.ndarray | None = None
     hidden: np.ndarray | None = None
+    scores: dict[int, np.ndarray] = field(default_factory=dict)  # pre-softmax QK^T/sqrt(d), (H, n, n)
+    value_norm: dict[int, np.ndarray] = field(default_factory=dict)  # ||W_O^h v_j^h||, (H, n)
+    activations: Activations | None = None
     timing: dict[str, float] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     _summaries: dict[int, dict[str, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
@@ -62,6 +87,23 @@ class Capture:
             why = "this capture kept only statistics" if self.reduced else f"layer {layer} was not recorded"
             raise AttnvizError(f"no attention map for layer {layer}: {why} (recorded: {self.layers})")
         return self.probs[layer].astype(np.float32)
+
+    def _recorded(self, store: dict, layer: int, what: str, flag: str) -> np.ndarray:
+        if layer not in store:
+            raise AttnvizError(f"no {what} for layer {layer}: capture with {flag}=True (recorded layers: {self.layers})")
+        return store[layer].astype(np.float32)
+
+    def layer_scores(self, layer: int) -> np.ndarray:
+        """(H, n, n) pre-softmax scores QK^T/sqrt(d) (after a model's softcap); masked cells included."""
+        return self._recorded(self.scores, layer, "pre-softmax scores", "scores")
+
+    def layer_value_norms(self, layer: int) -> np.ndarray:
+        """(H, n) ||W_O^h v_j^h||: how much key j can move the output through head h."""
+        return self._recorded(self.value_norm, layer, "value norms", "value_norms")
+
+    def value_weighted(self, layer: int) -> np.ndarray:
+        """(H, n, n) ||A[i, j] W_O^h v_j^h|| (Kobayashi et al. 2020), next to A[i, j] itself."""
+        return metrics.value_weighted(self.layer_probs(layer), self.layer_value_norms(layer))
 
     def stat(self, layer: int, name: str) -> np.ndarray:
         """A per-layer statistic of :func:`metrics.summarise`, from stored stats or full maps."""
@@ -93,6 +135,13 @@ class Capture:
             arrays["next_logprobs"] = self.next_logprobs
         if self.hidden is not None:
             arrays["hidden"] = self.hidden
+        for layer, value in self.scores.items():
+            arrays[f"scores_{layer}"] = value
+        for layer, value in self.value_norm.items():
+            arrays[f"valuenorm_{layer}"] = value
+        if self.activations is not None:
+            for name, value in vars(self.activations).items():
+                arrays[f"act_{name}"] = value
         header = {
             "format": FORMAT, "text": self.text, "tokens": self.tokens, "arch": self.arch,
             "layer_masks": self.layer_masks, "layers": self.layers, "kv_groups": self.kv_groups,
@@ -125,6 +174,10 @@ class Capture:
             probs={l: data[f"probs_{l}"] for l in layers if f"probs_{l}" in data.files}, stats=stats,
             next_logprobs=data["next_logprobs"] if "next_logprobs" in data.files else None,
             hidden=data["hidden"] if "hidden" in data.files else None,
+            scores={l: data[f"scores_{l}"] for l in layers if f"scores_{l}" in data.files},
+            value_norm={l: data[f"valuenorm_{l}"] for l in layers if f"valuenorm_{l}" in data.files},
+            activations=(Activations(**{f.name: data[f"act_{f.name}"] for f in fields(Activations)})
+                         if "act_norms" in data.files else None),
             timing=header["timing"], meta=header["meta"],
         )
 
@@ -173,12 +226,15 @@ def _versions() -> dict[str, str]:
 
 def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = "fwd", layers=None,
             reduce: bool = False, storage_dtype: torch.dtype = torch.float16,
-            hidden_states: bool = False, max_tokens: int | None = None, on_layer=None) -> Capture:
+            hidden_states: bool = False, max_tokens: int | None = None, on_layer=None,
+            scores: bool = False, value_norms: bool = False, activations: bool = False) -> Capture:
     """Run ``text`` through the model under ``arch`` and record attention.
 
     ``layers`` picks the recorded layers (the others run through SDPA); ``reduce=True`` keeps only
     the per-layer statistics of :func:`metrics.summarise` instead of full maps. ``on_layer(i)`` is
     called after each layer (progress); ``max_tokens`` caps the text below the model's own limit.
+    Asked for, the same pass also keeps the recorded layers' pre-softmax ``scores`` and
+    ``value_norms`` (||W_O^h v_j||), and the residual stream's ``activations`` (norms, top values).
     """
     started = time.perf_counter()
     architecture = arch_mod.resolve(arch, loaded.n_layers)
@@ -192,9 +248,13 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
             return metrics.summarise(probs[0].float().cpu().numpy(), allow[0, 0].cpu().numpy(), tokens)
 
     t0 = time.perf_counter()
+    if value_norms:  # refuse before running: the model's output projection must be readable
+        for module in engine.attention_modules(loaded.model)[:1]:
+            engine.output_projection(module)
     output, run = engine.forward(loaded.model, input_ids, list(architecture.layers), set(record),
                                  storage_dtype=storage_dtype, reducer=reducer,
-                                 output_hidden_states=hidden_states, on_layer=on_layer)
+                                 output_hidden_states=hidden_states or activations, on_layer=on_layer,
+                                 record_scores=scores, record_value_norms=value_norms)
     forward_s = time.perf_counter() - t0
     logits = output.logits[0, -1].float()
     model_dtype = next(loaded.model.parameters()).dtype
@@ -207,6 +267,9 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
         next_logprobs=torch.log_softmax(logits, -1).cpu().numpy(),
         hidden=(torch.stack([h[0] for h in output.hidden_states]).to(torch.float16).cpu().numpy()
                 if hidden_states else None),
+        scores={l: run.scores[l][0].numpy() for l in run.scores},
+        value_norm={l: run.value_norms[l][0].numpy() for l in run.value_norms},
+        activations=Activations.from_hidden(output.hidden_states) if activations else None,
         timing={"forward_s": forward_s, "total_s": time.perf_counter() - started},
         meta={"model": loaded.model_id, "model_file": loaded.model_file, "dtype": str(model_dtype).replace("torch.", ""),
               "storage_dtype": str(storage_dtype).replace("torch.", ""), "device": str(loaded.model.device),

@@ -51,6 +51,8 @@ def _text(args) -> str:
 def _corpus(args):
     from . import corpus
 
+    if getattr(args, "text", None) is not None:
+        return corpus.from_text(args.text, "--text")
     return corpus.load(getattr(args, "corpus", None), args.text_file)
 
 
@@ -113,8 +115,27 @@ def _sinks(args) -> dict:
 
     if not 0 <= args.eps <= 1:
         raise AttnvizError(f"--eps must be between 0 and 1, got {args.eps}")
+    if args.corpus or args.per_doc or args.per_line:
+        return _dataset_sinks(args)
     loaded = _load(args)
     return sinks_report(capture(loaded, _text(args), args.arch, reduce=True), args.eps)
+
+
+def _dataset_sinks(args) -> dict:
+    """Gu et al.'s protocol over many samples (SPEC §6): per-layer rates with 95% intervals."""
+    from . import dataset
+
+    if args.samples <= 0:
+        raise AttnvizError(f"--samples must be positive, got {args.samples}")
+    if args.max_len < 2:
+        raise AttnvizError(f"--max-len must be at least 2, got {args.max_len}")
+    documents = _corpus(args).documents
+    loaded = _load(args, _corpus)
+    bar, update = _progress(f"sinks {args.arch}")
+    with bar:
+        result = dataset.sinks(loaded, documents, args.arch, "line" if args.per_line else "doc", args.max_len,
+                               args.samples, on_progress=update)
+    return result.as_json(eps=args.eps)
 
 
 def _capture(args) -> dict:
@@ -206,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     masks.add_argument("--n", type=int, required=True, help="sequence length")
     masks.add_argument("--json", action="store_true", help="JSON output (the default)")
 
-    def model_args(p, text: bool = True):  # shared by the commands that run a model
+    def model_args(p, text: bool = True, corpus: bool = False):  # shared by the commands that run a model
         p.add_argument("--model", default="default", help="'default', a Hugging Face id or a local directory")
         p.add_argument("--arch", default="fwd", help="architecture string (SPEC §7)")
         p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU)")
@@ -216,14 +237,19 @@ def build_parser() -> argparse.ArgumentParser:
         source = p.add_mutually_exclusive_group(required=text)
         if text:
             source.add_argument("--text", help="the text to capture")
-        else:
-            source.add_argument("--corpus", default="stdlib",
-                                help="'stdlib' (Python's reference docs, offline; the default) or 'stdlib:TOPIC'")
+        if corpus or not text:
+            source.add_argument("--corpus", default=None if text else "stdlib",
+                                help="'stdlib' (Python's reference docs, offline) or 'stdlib:TOPIC'")
         source.add_argument("--text-file", help="read the text from this file (UTF-8)")
 
-    sinks = sub.add_parser("sinks", help="attention-sink metrics of every layer and head")
-    model_args(sinks)
+    sinks = sub.add_parser("sinks", help="attention-sink metrics of every layer and head, of a text or a dataset")
+    model_args(sinks, corpus=True)
     sinks.add_argument("--eps", type=float, default=0.3, help="sink threshold on alpha (default 0.3)")
+    unit = sinks.add_mutually_exclusive_group()
+    unit.add_argument("--per-doc", action="store_true", help="dataset mode: one sample per document (default)")
+    unit.add_argument("--per-line", action="store_true", help="dataset mode: one sample per non-empty line")
+    sinks.add_argument("--max-len", type=int, default=64, help="dataset mode: first N tokens of each sample (64)")
+    sinks.add_argument("--samples", type=int, default=100, help="dataset mode: at most N samples (100)")
 
     cap = sub.add_parser("capture", help="capture attention maps and save them (.npz)")
     model_args(cap)

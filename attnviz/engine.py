@@ -43,7 +43,11 @@ class Run:
     storage_dtype: torch.dtype = torch.float16
     reducer: Callable[[int, torch.Tensor, torch.Tensor], object] | None = None
     on_layer: Callable[[int], None] | None = None  # progress: called after each layer's attention
+    record_scores: bool = False  # keep pre-softmax QK^T/sqrt(d) of recorded layers
+    record_value_norms: bool = False  # keep ||W_O^h v_j^h|| of recorded layers (Kobayashi et al.)
     probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    scores: dict[int, torch.Tensor] = field(default_factory=dict)
+    value_norms: dict[int, torch.Tensor] = field(default_factory=dict)
     allowed: dict[int, torch.Tensor] = field(default_factory=dict)
     reduced: dict[int, object] = field(default_factory=dict)
     _allow_cache: dict = field(default_factory=dict)
@@ -121,6 +125,10 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     scores = torch.matmul(q, key.transpose(-1, -2)).float().view(batch, n_heads, n_q, n_kv)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
+    if run.record_scores and layer in run.record:
+        run.scores[layer] = scores.to(run.storage_dtype, copy=True).cpu()  # copy: softmax below is in place
+    if run.record_value_norms and layer in run.record:
+        run.value_norms[layer] = value_norms(module, value, n_heads).cpu()
     if mask.stable is not None:
         kv_pos = run.positions[:, -n_kv:].to(query.device)
         q_pos = kv_pos[:, -n_q:]
@@ -151,6 +159,33 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
 
     out = torch.matmul(probs.to(value.dtype).view(batch, n_kv_heads, group * n_q, n_kv), value)
     return run.finish(layer, out.view(batch, n_heads, n_q, -1))
+
+
+def output_projection(module) -> torch.Tensor:
+    """The attention's output projection W_O as (hidden, heads * head_dim), or a clear refusal."""
+    for name in ("o_proj", "out_proj", "dense"):
+        proj = getattr(module, name, None)
+        if isinstance(proj, torch.nn.Linear):
+            return proj.weight
+    raise ModelLoadError(
+        f"cannot read the output projection of {type(module).__name__} (no o_proj/out_proj/dense Linear), so the "
+        "value-weighted view is not available for this model"
+    )
+
+
+def attention_modules(model) -> list:
+    """The model's self-attention modules, bottom layer first (``self_attn`` or GPT-2's ``attn``)."""
+    return [m for name, m in model.named_modules() if name.endswith(("self_attn", ".attn"))]
+
+
+def value_norms(module, value: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(B, H, n_kv) norms ||W_O^h v_j^h||: what each key can add to the output through head h
+    (Kobayashi et al. 2020, "Attention is not only a weight"; the shared bias is left out)."""
+    weight = output_projection(module).float()
+    batch, n_kv_heads, n_kv, dim = value.shape
+    per_head = weight.view(weight.shape[0], n_heads, dim)  # (hidden, H, d)
+    v = value.float().repeat_interleave(n_heads // n_kv_heads, dim=1)  # (B, H, n, d)
+    return torch.einsum("bhnd,ohd->bhno", v, per_head).norm(dim=-1)
 
 
 def mask_builder(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
@@ -189,7 +224,8 @@ def n_layers(model) -> int:
 def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] | None = None,
             attention_mask: torch.Tensor | None = None, storage_dtype=torch.float16,
             reducer=None, output_hidden_states: bool = False, on_layer=None,
-            past_key_values=None, kv_positions: torch.Tensor | None = None, lm_head: bool = True):
+            past_key_values=None, kv_positions: torch.Tensor | None = None, lm_head: bool = True,
+            record_scores: bool = False, record_value_norms: bool = False):
     """One forward pass under per-layer ``masks``; returns ``(model_output, run)``.
 
     ``record`` is the set of layers whose probabilities are kept (default: all). With ``reducer``,
@@ -201,6 +237,8 @@ def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] 
     encoded at, the new tokens' last: masks then follow positions, not cache slots, so a cache
     that dropped entries (StreamingLLM) keeps every mask exact. ``lm_head=False`` runs only the
     base model (``last_hidden_state``, after the final norm) and skips the vocabulary projection.
+    ``record_scores`` / ``record_value_norms`` also keep, for recorded layers, the pre-softmax scores
+    and the value-output norms (only when asked: they cost memory the default capture does not pay).
     """
     prepare(model)
     total = n_layers(model)
@@ -220,7 +258,8 @@ def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] 
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
         new_positions = positions
     run = Run(list(masks), frozenset(range(total) if record is None else record), positions, valid,
-              storage_dtype=storage_dtype, reducer=reducer, on_layer=on_layer)
+              storage_dtype=storage_dtype, reducer=reducer, on_layer=on_layer, record_scores=record_scores,
+              record_value_norms=record_value_norms)
     token = _RUN.set(run)
     try:
         target = model if lm_head else model.base_model

@@ -112,6 +112,43 @@ def allocation(probs, tokens: list[str]) -> np.ndarray:
     return np.stack([first, delimiter, diagonal, other, np.clip(1.0 - rowsum, 0.0, None)], axis=-1)
 
 
+def value_weighted(probs, norms) -> np.ndarray:
+    """||A[i, j] f(v_j)|| = A[i, j] * ||W_O^h v_j^h||: (H, n, n) from probabilities and (H, n) value norms."""
+    return _f32(probs) * np.asarray(norms, dtype=np.float32)[:, None, :]
+
+
+def key_share(matrix, allowed, key: int = 0) -> np.ndarray:
+    """Per head, key's share of each row (row-normalised), averaged over the queries that may see it.
+
+    On attention this is the key's share of attention; on :func:`value_weighted` maps, its share
+    of the output norm: a sink takes much of the first and little of the second. (H,), NaN where no
+    query sees the key.
+    """
+    matrix = _f32(matrix)
+    seen = np.asarray(allowed, dtype=bool)[:, key]
+    if not seen.any():
+        return np.full(matrix.shape[0], np.nan)
+    rows = matrix[:, seen]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.nanmean(rows[:, :, key] / rows.sum(-1), axis=1)
+
+
+def rollout(maps) -> np.ndarray:
+    """Attention rollout (Abnar & Zuidema 2020) over layers, bottom first: each (n, n) head-mean map
+    gets the residual identity, 0.5 A + 0.5 I, rows renormalised (rows of StableMask or learned-sink
+    maps sum below 1), and the layers are multiplied: R = Ã_L ... Ã_1. R[i, j] is how much of
+    position i's top representation traces back to input token j, under the assumption that
+    attention and the residual mix linearly; under a non-causal mask, R mixes in later tokens too.
+    """
+    result = None
+    for a in maps:
+        a = _f32(a)
+        mixed = 0.5 * a + 0.5 * np.eye(a.shape[0], dtype=np.float32)
+        mixed /= mixed.sum(-1, keepdims=True)
+        result = mixed if result is None else mixed @ result
+    return result
+
+
 def summarise(probs, allowed, tokens: list[str] | None = None) -> dict[str, np.ndarray]:
     """Per-layer statistics, O(H·n) memory: kept instead of full maps when a capture is reduced, and
     computed in one pass over a layer (one fp16 → fp32 conversion) when figures need several."""

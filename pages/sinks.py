@@ -1,21 +1,34 @@
-"""Attention sinks: attention to a key by query position, alpha and sink rate per head, allocation."""
+"""Attention sinks: of one text (attention to a key by query position, alpha and sink rate per head,
+allocation, and why: value norms and massive activations) or of a dataset (Gu et al.'s protocol)."""
 
 import numpy as np
+import pandas as pd
 import streamlit as st
 
-from attnviz import export, metrics
-from attnviz.figures import allocation_bars, alpha_grid, discarded_figure, key_profile, sink_grid
+from attnviz import corpus, dataset, export, metrics
+from attnviz.arch import parse
+from attnviz.errors import AttnvizError
+from attnviz.figures import (allocation_bars, alpha_by_key, alpha_grid, averaged_map, discarded_figure, key_profile,
+                             massive_activations, rate_bars, sink_grid, sink_shares, top_activation_rows)
+from ui import jobs
 from ui.export import data_downloads, figure_downloads
 from ui.state import current_capture
 
 settings, loaded = st.session_state["settings"], st.session_state["loaded"]
 st.title("Attention sinks")
-cap = current_capture(settings, loaded)
-if cap is not None:
-    c1, c2 = st.columns(2)
-    key = c1.number_input("Key", 0, cap.n_tokens - 1, 0, key="sk_key",
+
+
+def gu_preset() -> None:
+    st.session_state["sk_maxlen"] = dataset.GU_PRESET["max_len"]
+    st.session_state["sk_eps"] = dataset.GU_PRESET["eps"]
+
+
+def one_text(eps: float) -> None:
+    cap = current_capture(settings, loaded)
+    if cap is None:
+        return
+    key = st.number_input("Key", 0, cap.n_tokens - 1, 0, key="sk_key",
                           help="0 is the first token; under NoSink-m look at key m")
-    eps = c2.slider("Sink threshold eps (alpha > eps)", 0.05, 0.95, 0.3, 0.05, key="sk_eps")
     rate = metrics.sink_rate(np.stack([cap.stat(l, "alpha")[:, key] for l in cap.layers]), eps)
     st.metric(f"Sink rate at key {key} ({cap.tokens[key]!r}), all layers and heads",
               "undefined" if np.isnan(rate) else f"{rate:.0%}",
@@ -41,3 +54,90 @@ if cap is not None:
     else:
         st.caption("Rows sum to 1 in every layer: no discarded mass (StableMask or learned sinks would show here).")
     data_downloads(cap, key="sk_data")
+
+    st.subheader("Why is it a sink?")
+    if not st.toggle("Value norms and massive activations (one more pass that records them)", key="sk_why"):
+        return
+    why = current_capture(settings, loaded, extras=("activations", "value_norms"))
+    if why is None:
+        return
+    fig_v = sink_shares(why, key)
+    st.plotly_chart(fig_v, width="stretch", key="sk_shares")
+    st.caption("Kobayashi et al. 2020: a head's output is Σ_j A[i,j]·W_O v_j. The sink takes a large share of the "
+               "weights A but its value vector is small, so its share of the output norm ‖A[i,j]·W_O v_j‖ is much "
+               "lower: attention parks there without moving the output much.")
+    figure_downloads(fig_v, export.describe(why, figure=f"value-share{key}"), key="sk_shares_x")
+    fig_m = massive_activations(why)
+    st.plotly_chart(fig_m, width="stretch", key="sk_massive")
+    st.caption("Sun et al. 2024: a few hidden-state dimensions take values orders of magnitude above the rest, on "
+               "the same tokens that become sinks; the markers are each layer's sink key.")
+    figure_downloads(fig_m, export.describe(why, figure="massive-activations"), key="sk_massive_x")
+    st.dataframe(pd.DataFrame(top_activation_rows(why)), hide_index=True, height=240)
+
+
+def over_a_dataset(eps: float) -> None:
+    c1, c2, c3, c4 = st.columns([2, 1, 1, 1])
+    sources = {"Python reference docs (stdlib)": "stdlib", "Lines of the sidebar text": "sidebar"}
+    source = sources[c1.selectbox("Samples from", list(sources), key="sk_ds_source")]
+    unit = c2.radio("One sample per", ["doc", "line"], horizontal=True, key="sk_ds_unit",
+                    index=1 if source == "sidebar" else 0)
+    max_len = int(c3.number_input("Tokens T", 2, 512, 64, key="sk_maxlen", help="the first T tokens of each sample"))
+    n_samples = int(c4.number_input("Samples", 1, 2000, 40, key="sk_samples"))
+    c5, c6, c7 = st.columns([2, 1, 1])
+    spec = c5.text_input("Architecture", settings.arch, key="sk_ds_arch")
+    c6.button("Gu et al. preset", on_click=gu_preset, key="sk_gu",
+              help="T = 64 tokens and eps = 0.3, as in Gu et al. (ICLR 2025) Table 1")
+    key_pos = int(c7.number_input("Key", 0, max_len - 1, 0, key="sk_ds_key"))
+    try:
+        architecture = parse(spec, loaded.n_layers)
+        docs = corpus.stdlib().documents if source == "stdlib" else corpus.from_text(settings.text, "the sidebar text").documents
+    except AttnvizError as err:
+        st.error(str(err))
+        return
+    job = ("dataset", loaded.model_id, source, docs if source == "sidebar" else (), unit, max_len, n_samples,
+           architecture.spec)
+    if not jobs.cached(job) and not st.button("Run over the dataset", key="sk_ds_run", type="primary"):
+        st.caption(f"Up to {n_samples} samples of {max_len} tokens under `{architecture.spec}`, in batches.")
+        return
+    result = jobs.run(job, f"Sinks over {n_samples} samples", lambda progress: dataset.sinks(
+        loaded, docs, architecture, unit, max_len, n_samples, on_progress=progress))
+    if result is None:
+        return
+    doc = result.as_json(key_pos, eps)
+    if "note" in doc:
+        st.info(doc["note"].capitalize() + ".")
+    overall = doc["model_rate"]
+    st.metric(f"Sink rate at key {key_pos}, whole model, {result.n_samples} samples",
+              "undefined" if overall["mean"] is None else f"{overall['mean']:.1%}",
+              None if overall["mean"] is None else
+              f"95% interval {overall['ci95'][0]:.1%} – {overall['ci95'][1]:.1%}", delta_color="off")
+    meta = {"tool": "attnviz", "model": loaded.model_id, "arch": result.arch, "samples": result.n_samples,
+            "max_len": max_len, "unit": unit, "source": source, "eps": eps}
+    fig = rate_bars(result, key_pos, eps)
+    st.plotly_chart(fig, width="stretch", key="sk_ds_rates")
+    figure_downloads(fig, {**meta, "figure": f"dataset-sink-rate{key_pos}"}, key="sk_ds_rates_x")
+    fig_k = alpha_by_key(result)
+    st.plotly_chart(fig_k, width="stretch", key="sk_ds_alpha")
+    figure_downloads(fig_k, {**meta, "figure": "dataset-alpha-by-key"}, key="sk_ds_alpha_x")
+    if result.n_full:
+        c1, c2, c3 = st.columns([3, 2, 1])
+        layer = c1.slider("Layer", 0, loaded.n_layers - 1, loaded.n_layers - 1, key="sk_ds_layer")
+        head = c2.select_slider("Head", ["mean"] + list(range(loaded.n_heads)), key="sk_ds_head")
+        spread = c3.toggle("Std over samples", key="sk_ds_spread")
+        fig_m = averaged_map(result, layer, None if head == "mean" else int(head), spread)
+        st.plotly_chart(fig_m, width="stretch", key="sk_ds_map")
+        figure_downloads(fig_m, {**meta, "figure": "dataset-map", "layer": layer, "head": head}, key="sk_ds_map_x")
+    rows = pd.DataFrame([{"layer": r["layer"], "mask": r["mask"], "sink_rate": r["sink_rate"]["mean"],
+                          "ci95_low": (r["sink_rate"]["ci95"] or [None])[0],
+                          "ci95_high": (r["sink_rate"]["ci95"] or [None, None])[1]} for r in doc["layers"]])
+    st.download_button("Per-layer rates (.csv)", export.csv_bytes(rows), key="sk_ds_csv", mime="text/csv",
+                       file_name=export.filename({**meta, "figure": "dataset-rates"}, "csv"))
+
+
+if loaded is None:
+    st.warning("Load a model in the sidebar.")
+else:
+    c1, c2 = st.columns([2, 3])
+    view = c1.radio("Sinks of", ["one text", "a dataset"], horizontal=True, key="sk_view")
+    eps = c2.slider("Sink threshold eps (alpha > eps)", 0.05, 0.95, 0.3, 0.05, key="sk_eps")
+    (one_text if view == "one text" else over_a_dataset)(eps)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from streamlit.testing.v1 import AppTest
 
 from attnviz import walkthrough as W
@@ -266,3 +267,65 @@ def test_effects_generation_replays_steps(app):
     part = arr(charts(app)[0]["data"][1]["z"])
     np.testing.assert_array_equal(part[:5], full[:5])
     assert np.isnan(part[5:]).all() and np.isfinite(full[5:]).any()
+
+
+def test_heatmap_modes_value_logits_rollout(app, default_model):
+    from attnviz import capture, metrics
+
+    weight = arr(charts(app)[0]["data"][0]["customdata"])
+    app.radio(key="hm_mode").set_value("value").run()
+    assert not app.exception
+    first = charts(app)[0]
+    assert "value-weighted" in title(first) and "||A·f(v)||" in first["data"][0]["colorbar"]["title"]["text"]
+    cap = capture(default_model, app.session_state["text"], "fwd", value_norms=True, storage_dtype=torch.float32)
+    expected = np.where(cap.allowed[29], cap.value_weighted(29).mean(0), np.nan)
+    np.testing.assert_allclose(arr(first["data"][0]["customdata"]), expected, rtol=2e-3, atol=1e-4)
+    app.radio(key="hm_mode").set_value("logits").run()
+    logits = arr(charts(app)[0]["data"][0]["customdata"])
+    assert np.nanmin(logits) < 0 and np.isnan(logits[0, 1:]).all()  # signed scores; the future stays masked
+    app.radio(key="hm_mode").set_value("rollout").run()
+    roll = arr(charts(app)[0]["data"][0]["customdata"])
+    np.testing.assert_allclose(roll.sum(1), 1, atol=1e-3)
+    assert "rollout of layers 0–29" in title(charts(app)[0])
+    assert any("linearly" in str(c.value) for c in app.caption)
+    assert not np.allclose(weight, roll, equal_nan=True)
+    ref = metrics.rollout([cap.layer_probs(l).mean(0) for l in range(30)])
+    np.testing.assert_allclose(roll, ref, atol=2e-3)
+
+
+def test_sinks_dataset_mode_with_gu_preset(app, default_model):
+    from attnviz import corpus, dataset
+
+    on_page(app, "pages/sinks.py")
+    app.radio(key="sk_view").set_value("a dataset").run()
+    app.number_input(key="sk_maxlen").set_value(16).run()
+    app.slider(key="sk_eps").set_value(0.5).run()
+    app.button(key="sk_gu").click().run()
+    assert app.number_input(key="sk_maxlen").value == 64 and app.slider(key="sk_eps").value == 0.3
+    app.number_input(key="sk_maxlen").set_value(16).run()
+    app.number_input(key="sk_samples").set_value(5).run()
+    app.button(key="sk_ds_run").click().run()
+    assert not app.exception
+    rates = charts(app)[0]["data"][0]
+    direct = dataset.sinks(default_model, corpus.stdlib().documents, "fwd", "doc", 16, 5)
+    expected = [np.nanmean(direct.rates()[:, l]) for l in range(30)]
+    np.testing.assert_allclose(arr(rates["y"]), expected, atol=1e-6)
+    assert "error_y" in rates and "95%" in app.metric[0].delta
+    assert len(charts(app)) == 3  # rates, alpha by key, averaged map
+    before = arr(charts(app)[2]["data"][0]["customdata"])
+    app.toggle(key="sk_ds_spread").set_value(True).run()
+    assert not np.allclose(arr(charts(app)[2]["data"][0]["customdata"]), before, equal_nan=True)
+    app.text_input(key="sk_ds_arch").input("fwd*3").run()
+    assert "covers 3 layers" in texts(app.error)
+
+
+def test_sinks_why_section(app):
+    on_page(app, "pages/sinks.py")
+    app.toggle(key="sk_why").set_value(True).run()
+    assert not app.exception
+    titles = [title(c) for c in charts(app)]
+    shares = [c for c in charts(app) if "much attention, little value" in title(c)][0]
+    attention, output = arr(shares["data"][0]["z"]), arr(shares["data"][1]["z"])
+    assert np.nanmean(attention[15:]) > np.nanmean(output[15:])  # the sink's value is small
+    assert any(t.startswith("massive activations") for t in titles)
+    assert len(app.dataframe) >= 1

@@ -167,3 +167,33 @@ def test_effects_bad_input_is_one_line(args, message, default_model, tmp_path):
     assert out.returncode == 2, out.stderr
     assert message in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith("attnviz: error:")
+
+
+def test_sinks_over_a_dataset(default_model, tmp_path):
+    from attnviz import corpus, dataset
+
+    out = run("sinks", "--corpus", "stdlib", "--per-doc", "--max-len", "16", "--samples", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["samples"] == 4 and doc["max_len"] == 16 and doc["unit"] == "doc" and len(doc["layers"]) == 30
+    direct = dataset.sinks(default_model, corpus.stdlib().documents, "fwd", "doc", 16, 4)
+    rates = direct.rates()
+    top = doc["layers"][29]["sink_rate"]
+    assert top["mean"] == pytest.approx(rates[:, 29].mean(), abs=1e-6) and top["n"] == 4
+    assert top["ci95"][0] <= top["mean"] <= top["ci95"][1]
+    assert doc["model_rate"]["mean"] == pytest.approx(direct.model_rates().mean(), abs=1e-6)
+    lines = tmp_path / "lines.txt"
+    lines.write_text("The first line is a sample.\nThe second line is one too.\n\nShort.\n")
+    doc = json.loads(run("sinks", "--text-file", str(lines), "--per-line", "--max-len", "8").stdout)
+    assert doc["samples"] == 3 and doc["short_samples"] == 1 and "shorter than 8 tokens" in doc["note"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["sinks", "--corpus", "stdlib", "--samples", "0"], "--samples must be positive"),
+    (["sinks", "--corpus", "stdlib", "--max-len", "1"], "--max-len must be at least 2"),
+    (["sinks", "--text-file", "EMPTY", "--per-doc"], "is empty"),
+])
+def test_dataset_sinks_bad_input(args, message, tmp_path, model_cache):
+    (tmp_path / "empty.txt").write_text("")
+    out = run(*[str(tmp_path / "empty.txt") if a == "EMPTY" else a for a in args])
+    assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1

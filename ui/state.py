@@ -70,14 +70,20 @@ def get_model(name: str, trust_remote_code: bool = False) -> LoadedModel | None:
     return loaded
 
 
-def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True) -> Capture | None:
-    """Cached by (model, text, architecture): moving a layer or head slider never re-runs the model."""
+def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
+                extras: tuple[str, ...] = ()) -> Capture | None:
+    """Cached by (model, text, architecture): moving a layer or head slider never re-runs the model.
+
+    ``extras`` names what else the pass records, only for the views that ask: "scores" (pre-softmax),
+    "value_norms", "activations"; the default capture stays as cheap as it was.
+    """
     try:
         architecture = arch_mod.parse(spec, loaded.n_layers)
     except AttnvizError as err:
         st.error(f"Architecture: {err}")
         return None
-    key = (loaded.model_id, text, architecture.spec, hidden)
+    extras = tuple(sorted(extras))
+    key = (loaded.model_id, text, architecture.spec, hidden, extras)
     store = _captures()
     with _lock:
         if key in store:
@@ -92,7 +98,8 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True) 
                           f"({time.perf_counter() - start:.1f} s)")
 
     try:
-        result = capture(loaded, text, architecture, hidden_states=hidden, max_tokens=MAX_TOKENS, on_layer=on_layer)
+        result = capture(loaded, text, architecture, hidden_states=hidden, max_tokens=MAX_TOKENS, on_layer=on_layer,
+                         **{name: True for name in extras})
     except AttnvizError as err:
         bar.empty()
         st.error(f"Capture: {err}")
@@ -165,10 +172,11 @@ def sidebar() -> tuple[Settings, LoadedModel | None]:
     return Settings(model=model, text=text, arch=spec), loaded
 
 
-def current_capture(settings: Settings, loaded: LoadedModel | None, spec: str | None = None) -> Capture | None:
+def current_capture(settings: Settings, loaded: LoadedModel | None, spec: str | None = None,
+                    extras: tuple[str, ...] = ()) -> Capture | None:
     if loaded is None:
         return None
     if not settings.text.strip():
         st.warning("The text is empty: type something in the sidebar or pick an example.")
         return None
-    return get_capture(loaded, settings.text, spec or settings.arch)
+    return get_capture(loaded, settings.text, spec or settings.arch, extras=extras)

@@ -17,6 +17,8 @@ from .style import COLORSCALE, layout
 
 PALETTE = ["#1f4e9c", "#e15759", "#59a14f", "#f28e2b", "#76b7b2", "#b07aa1", "#9c755f", "#bab0ac"]
 EVICTED = "#f4c7c3"
+#: Legend inside the plot's top-right corner: above the plot it collides with the title at paper sizes.
+INSIDE_LEGEND = dict(x=0.99, xanchor="right", y=0.99, yanchor="top", bgcolor="rgba(255,255,255,0.8)")
 
 
 def perplexity_bars(results: Sequence[Evaluation]) -> go.Figure:
@@ -45,18 +47,25 @@ def streaming_curves(results: Sequence[StreamResult]) -> go.Figure:
     has dropped the first tokens, and its curve breaks away while sink + window stays with dense.
     """
     fig = go.Figure()
+    shown = []
     for colour, result in zip(PALETTE, results):
-        x = np.arange(1, result.tokens + 1)
-        fig.add_trace(go.Scatter(x=x, y=result.running_perplexity(), mode="lines", name=result.policy,
+        curve = result.running_perplexity()
+        warm = min(32, max(result.tokens // 10, 1))  # the first tokens' running mean spans decades: not in range
+        shown.append(curve[warm:] if curve.size > warm else curve)
+        fig.add_trace(go.Scatter(x=np.arange(1, result.tokens + 1), y=curve, mode="lines", name=result.policy,
                                  line=dict(color=colour, width=2),
                                  hovertemplate=f"{result.policy}<br>token %{{x}}<br>running ppl %{{y:.2f}}<extra></extra>"))
-        if result.cache_size:
-            fig.add_vline(x=result.cache_size + 1, line=dict(color=colour, dash="dot", width=1))
+    for size in sorted({r.cache_size for r in results if r.cache_size}):
+        fig.add_vline(x=size + 1, line=dict(color="#777", dash="dot", width=1),
+                      annotation=dict(text=f"cache full ({size})", font_size=11), annotation_position="top right")
     arch = results[0].arch if results else ""
     layout(fig, f"streaming perplexity by position · {arch}", height=420)
     fig.update_xaxes(title="token position")
+    if shown:
+        low, high = min(float(c.min()) for c in shown), max(float(c.max()) for c in shown)
+        fig.update_yaxes(range=[np.log10(low / 1.15), np.log10(high * 1.15)])
     fig.update_yaxes(title="perplexity (running mean NLL)", type="log")
-    fig.update_layout(legend=dict(orientation="h", y=1.02, yanchor="bottom", x=0))
+    fig.update_layout(legend=INSIDE_LEGEND)
     return fig
 
 
@@ -72,7 +81,7 @@ def k_sweep(rows_by_arch: dict[str, Sequence[ProbeResult]], metric: str = "recal
     layout(fig, f"embedding probe: {label} against converted top layers k ({n_docs} documents)", height=420)
     fig.update_xaxes(title="k (converted top layers)")
     fig.update_yaxes(title=label, range=[0, 1.02])
-    fig.update_layout(legend=dict(orientation="h", y=1.02, yanchor="bottom", x=0))
+    fig.update_layout(legend=INSIDE_LEGEND)
     return fig
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from .. import metrics
 from ..capture import Capture
 from .style import colour_range, layout, matrix_traces, max_pool, scaled, token_axis
 
@@ -17,11 +18,36 @@ def head_label(cap: Capture, head: int | None) -> str:
     return f"head {head} (KV group {group})" if cap.n_heads != len(set(cap.kv_groups)) else f"head {head}"
 
 
-def layer_matrix(cap: Capture, layer: int, head: int | None = None, row_normalise: bool = False) -> np.ndarray:
-    """(n, n) probabilities of one head (or the head mean) with NaN where the mask forbids the cell."""
-    probs = cap.layer_probs(layer)
-    values = probs.mean(0) if head is None else probs[head]
-    values = np.where(cap.allowed[layer], values, np.nan)
+#: What a heatmap can show (the page's "Show" selector): name -> colour-bar label.
+MODES = {"weight": "attention", "value": "||A·f(v)||", "logits": "QKᵀ/√d", "rollout": "rollout"}
+HOVER = {"weight": "p", "value": "norm", "logits": "score", "rollout": "r"}
+
+
+def mode_values(cap: Capture, layer: int, mode: str = "weight") -> tuple[np.ndarray, np.ndarray]:
+    """((H, n, n) or (1, n, n) values, (n, n) cells to show) of a heatmap mode.
+
+    weight: post-softmax A; value: ||A[i, j] W_O v_j|| (Kobayashi et al.); logits: pre-softmax
+    scores (masked cells apart); rollout: attention rollout of layers 0..layer (head means, with
+    the residual identity), all cells shown since it composes layers whose masks differ.
+    """
+    if mode == "weight":
+        return cap.layer_probs(layer), cap.allowed[layer]
+    if mode == "value":
+        return cap.value_weighted(layer), cap.allowed[layer]
+    if mode == "logits":
+        return cap.layer_scores(layer), cap.allowed[layer]
+    if mode == "rollout":
+        maps = [cap.layer_probs(l).mean(0) for l in range(layer + 1)]
+        return metrics.rollout(maps)[None], np.ones((cap.n_tokens, cap.n_tokens), dtype=bool)
+    raise ValueError(f"unknown heatmap mode {mode!r}; expected one of {', '.join(MODES)}")
+
+
+def layer_matrix(cap: Capture, layer: int, head: int | None = None, row_normalise: bool = False,
+                 mode: str = "weight") -> np.ndarray:
+    """(n, n) values of one head (or the head mean) with NaN where the mask forbids the cell."""
+    probs, allowed = mode_values(cap, layer, mode)
+    values = probs.mean(0) if head is None or len(probs) == 1 else probs[head]
+    values = np.where(allowed, values, np.nan)
     if row_normalise:
         with np.errstate(invalid="ignore", divide="ignore"):
             values = values / np.nanmax(values, axis=1, keepdims=True)
@@ -29,14 +55,23 @@ def layer_matrix(cap: Capture, layer: int, head: int | None = None, row_normalis
 
 
 def heatmap(cap: Capture, layer: int, head: int | None = None, log: bool = False, row_normalise: bool = False,
-            zrange: tuple[float, float] | None = None, title: str | None = None) -> go.Figure:
-    """One attention map, queries down, keys across; grey cells are masked, white ones got ~0."""
-    values = layer_matrix(cap, layer, head, row_normalise)
+            zrange: tuple[float, float] | None = None, title: str | None = None, mode: str = "weight") -> go.Figure:
+    """One attention map, queries down, keys across; grey cells are masked, white ones got ~0.
+
+    Logits can be negative: they get their own range and a linear scale (no log, no row norm).
+    """
+    values = layer_matrix(cap, layer, head, row_normalise and mode != "logits", mode)
+    if mode == "logits":
+        log, finite = False, values[np.isfinite(values)]
+        zrange = zrange or ((float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0))
     zmin, zmax = zrange or colour_range([values], log)
-    traces, _ = matrix_traces(values, None, None, zmin, zmax, log,
-                              colorbar_title="row-normalised" if row_normalise else "attention")
+    label = "row-normalised" if row_normalise and mode != "logits" else MODES[mode]
+    traces, _ = matrix_traces(values, None, None, zmin, zmax, log, colorbar_title=label,
+                              hover_name=HOVER[mode])
     fig = go.Figure(traces)
-    title = title or f"layer {layer} · {cap.layer_masks[layer]} · {head_label(cap, head)}"
+    shown = "rollout of layers 0–" + str(layer) if mode == "rollout" else head_label(cap, head)
+    suffix = {"weight": "", "value": " · value-weighted", "logits": " · pre-softmax", "rollout": ""}[mode]
+    title = title or f"layer {layer} · {cap.layer_masks[layer]} · {shown}{suffix}"
     layout(fig, title, height=560, masked_bg=True)
     fig.update_xaxes(title_text="key", side="bottom", **token_axis(cap.tokens), constrain="domain")
     fig.update_yaxes(title_text="query", autorange="reversed", scaleanchor="x", **token_axis(cap.tokens))
@@ -44,7 +79,8 @@ def heatmap(cap: Capture, layer: int, head: int | None = None, log: bool = False
         labels = np.array(cap.tokens, dtype=object)
         fig.data[0].update(
             text=[[f"{labels[i]!r} → {labels[j]!r}" for j in range(cap.n_tokens)] for i in range(cap.n_tokens)],
-            hovertemplate="%{text}<br>query %{y}, key %{x}<br>p = %{customdata:.4f}<extra></extra>")
+            hovertemplate="%{text}<br>query %{y}, key %{x}<br>"
+                          + HOVER[mode] + " = %{customdata:.4f}<extra></extra>")
     return fig
 
 
