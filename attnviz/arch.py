@@ -27,7 +27,7 @@ _MASK_TYPES = {
     "sliding": (("w", "dir"), lambda p: M.sliding(p["w"], p.get("dir", "fwd"))),
     "dilated": (("w", "d"), lambda p: M.dilated(p["w"], p["d"])),
     "global": (("w", "g", "dir"), lambda p: M.global_sliding(p["w"], p.get("g", 1), p.get("dir", "fwd"))),
-    "stablemask": (("gamma", "slopes"), lambda p: M.stablemask(p.get("gamma"), p.get("slopes"))),
+    "stablemask": (("gamma", "slopes", "t"), lambda p: M.stablemask(p.get("gamma"), p.get("slopes"), p.get("t"))),
 }
 _REQUIRED = {"sliding": ("w",), "dilated": ("w", "d"), "global": ("w",)}
 
@@ -67,7 +67,8 @@ class Architecture:
                 raise ArchitectureError(
                     f"cannot {purpose} with '{self.spec}': layer {layer} uses {mask.name}, which lets a query "
                     "see later keys (or, for StableMask, future pseudo-slots) and so read the token it predicts; "
-                    "use a causal-compatible mask in every layer (fwd, nosink-fwd, sliding, dilated, global)"
+                    "use a causal-compatible mask in every layer (fwd, nosink-fwd, sliding, dilated, global, "
+                    "or StableMask's inference form stablemask(..., T=...))"
                 )
         return self
 

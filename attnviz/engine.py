@@ -22,7 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .masks import Mask, keep_self_if_empty
-from .errors import ModelLoadError
+from .errors import InputError, ModelLoadError
 
 KEY = "attnviz"
 _RUN: contextvars.ContextVar["Run | None"] = contextvars.ContextVar("attnviz_run", default=None)
@@ -129,24 +129,28 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         run.scores[layer] = scores.to(run.storage_dtype, copy=True).cpu()  # copy: softmax below is in place
     if run.record_value_norms and layer in run.record:
         run.value_norms[layer] = value_norms(module, value, n_heads).cpu()
-    if mask.stable is not None:
-        kv_pos = run.positions[:, -n_kv:].to(query.device)
-        q_pos = kv_pos[:, -n_q:]
+    extra = []  # logits that take part in the softmax and are dropped after it
+    kv_pos = run.positions[:, -n_kv:].to(query.device)
+    q_pos = kv_pos[:, -n_q:]
+    if mask.stable is not None and mask.horizon is None:  # StableMask: pseudo-logits on the future slots
         future = (kv_pos[:, None, None, :] > q_pos[:, None, :, None]) & run.valid[:, -n_kv:].to(query.device)[:, None, None, :]
         pseudo = mask.pseudo_logits(kv_pos[:, None, :], n_heads).to(query.device)  # (H, B, n_kv)
         pseudo = pseudo.permute(1, 0, 2)[:, :, None, :]  # (B, H, 1, n_kv)
         scores = torch.where(allow, scores, torch.where(future, pseudo, float("-inf")))
     else:
         scores.masked_fill_(~allow, float("-inf"))
+        if mask.stable is not None:  # SM-I: the future slots up to T folded into one logit per row
+            extra.append(mask.inference_logits(q_pos, n_heads).to(query.device))
     if s_aux is not None:  # gpt-oss learned sink logit per head: an extra column, dropped after softmax
-        sink = s_aux.float().reshape(1, -1, 1, 1).expand(batch, n_heads, n_q, 1)
-        scores = torch.cat([scores, sink], dim=-1)
+        extra.append(s_aux.float().reshape(1, -1, 1, 1).expand(batch, n_heads, n_q, 1))
+    if extra:
+        scores = torch.cat([scores, *extra], dim=-1)
         scores = scores - scores.amax(-1, keepdim=True)
-        probs = torch.softmax(scores, dim=-1)[..., :-1]
+        probs = torch.softmax(scores, dim=-1)[..., :n_kv]
     else:  # softmax in place: one n x n fp32 buffer per layer instead of two (peak memory)
         probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
         probs = probs.div_(probs.sum(-1, keepdim=True))
-    if mask.stable is not None:
+    if mask.stable is not None and mask.horizon is None:
         probs = probs.mul_(allow)
     del scores
 
@@ -257,6 +261,10 @@ def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] 
         valid = attention_mask.bool()
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
         new_positions = positions
+    for mask in {id(m): m for m in masks}.values():
+        if mask.horizon is not None and int(positions.max()) + 1 > mask.horizon:
+            raise InputError(f"{mask.name} was set for at most T={mask.horizon} tokens but the text reaches "
+                             f"{int(positions.max()) + 1}: raise T or shorten the text")
     run = Run(list(masks), frozenset(range(total) if record is None else record), positions, valid,
               storage_dtype=storage_dtype, reducer=reducer, on_layer=on_layer, record_scores=record_scores,
               record_value_norms=record_value_norms)

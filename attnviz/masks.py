@@ -102,6 +102,7 @@ class Mask:
     causal_compatible: bool = False
     stable: float | str | None = None
     size: int | None = None  # custom matrices only: the n they were written for
+    horizon: int | None = None  # SM-I: the maximum training length T
 
     def allow(self, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
         """Boolean allow tensor for broadcast position tensors (no keep-self repair)."""
@@ -130,6 +131,15 @@ class Mask:
     def pseudo_logits(self, kv_pos: torch.Tensor, n_heads: int) -> torch.Tensor:
         """StableMask's P for future keys, per head: ``-gamma_h * j`` (SPEC §3), shape (H, 1, n)."""
         return -stable_gammas(self.stable, n_heads)[:, None, None] * kv_pos.float()
+
+    def inference_logits(self, q_pos: torch.Tensor, n_heads: int) -> torch.Tensor:
+        """SM-I's one extra logit per row (SPEC §3): tau_i = logsumexp_{j=i+1..T-1} (-gamma_h j), in
+        closed form (a geometric sum), -inf where i >= T - 1. (B, H, n_q, 1) for (B, n_q) positions."""
+        g = stable_gammas(self.stable, n_heads).double()[None, :, None]  # (1, H, 1)
+        i = q_pos.double()[:, None, :]  # (B, 1, n_q)
+        count = self.horizon - 1 - i  # future slots j = i+1 .. T-1
+        tau = -g * (i + 1) + torch.log(-torch.expm1(-g * count.clamp(min=1))) - torch.log(-torch.expm1(-g))
+        return torch.where(count > 0, tau, torch.full_like(tau, float("-inf"))).float()[..., None]
 
 
 def keep_self_if_empty(allow: torch.Tensor) -> torch.Tensor:
@@ -197,7 +207,8 @@ def nosink(base: Mask, m: int = 1) -> Mask:
     """NoSink-X: X with the first m keys hidden from later queries (SPEC §1)."""
     m = _positive_int(m, "m")
     name = f"nosink-{base.name}" + (f"(m={m})" if m != 1 else "")
-    return Mask(name, and_masks(base.predicate, hide_first_keys(m)), base.causal_compatible, base.stable)
+    return Mask(name, and_masks(base.predicate, hide_first_keys(m)), base.causal_compatible, base.stable,
+                horizon=base.horizon)
 
 
 def sliding(w: int, direction: str = "fwd") -> Mask:
@@ -223,23 +234,26 @@ def global_sliding(w: int, g: int = 1, direction: str = "fwd") -> Mask:
     return Mask(f"global(w={w}, g={g})", pred, causal_compatible=True)
 
 
-def stablemask(gamma: float | None = None, slopes: str | None = None) -> Mask:
+def stablemask(gamma: float | None = None, slopes: str | None = None, T: int | None = None) -> Mask:
     """StableMask (SPEC §3): causal allow-set plus pseudo-attention ``-gamma*j`` on future keys.
 
     The pseudo-slots take part in the softmax and are zeroed after it, without renormalising, so
     rows sum to less than one. Not causal-compatible: a cached query would not see the future slots
-    its full-sequence softmax had.
+    its full-sequence softmax had. With ``T`` it is SM-I, the inference variant: the future slots up
+    to the training length T become one extra logit per row that does not depend on the current
+    length, so it works with a KV cache (causal-compatible) and equals StableMask at n = T.
     """
+    suffix = "" if T is None else f", T={_positive_int(T, 'T', minimum=2)}"
     if slopes is not None:
         if slopes != "alibi":
             raise MaskError(f"stablemask slopes must be 'alibi', got {slopes!r}")
         if gamma is not None:
             raise MaskError("stablemask takes gamma or slopes=alibi, not both")
-        return Mask("stablemask(slopes=alibi)", causal, stable="alibi")
+        return Mask(f"stablemask(slopes=alibi{suffix})", causal, T is not None, stable="alibi", horizon=T)
     gamma = 0.5 if gamma is None else float(gamma)
     if not gamma > 0:
         raise MaskError(f"stablemask gamma must be > 0, got {gamma}")
-    return Mask(f"stablemask(gamma={gamma:g})", causal, stable=gamma)
+    return Mask(f"stablemask(gamma={gamma:g}{suffix})", causal, T is not None, stable=gamma, horizon=T)
 
 
 def custom(allow: np.ndarray | torch.Tensor | Predicate, name: str = "custom") -> Mask:

@@ -187,3 +187,36 @@ def test_gqa_heads_are_not_repeated_and_groups_recorded():
     cap = capture(lm, "grouped query attention", "fwd")
     assert cap.kv_groups == [0, 0, 1, 1]
     assert cap.probs[0].shape == (4, len("grouped query attention"), len("grouped query attention"))
+
+
+@pytest.mark.parametrize("spec", ["stablemask(gamma=0.5)", "stablemask(slopes=alibi)"])
+def test_sm_i_at_n_equal_t_is_stablemask(spec):
+    """SPEC §3: SM-I's one logit per row carries exactly the pseudo-slots StableMask has at n = T."""
+    _, ours = pair("llama")
+    ids = _ids()
+    full_arch = list(parse(spec, 3).layers)
+    sm_i = list(parse(spec[:-1] + f", T={N})", 3).layers)
+    full, run_full = engine.forward(ours, ids, full_arch, storage_dtype=torch.float32)
+    inf, run_inf = engine.forward(ours, ids, sm_i, storage_dtype=torch.float32)
+    for layer in range(3):
+        torch.testing.assert_close(run_inf.probs[layer], run_full.probs[layer], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(inf.logits, full.logits, atol=1e-5, rtol=1e-5)
+    shorter, _ = engine.forward(ours, ids[:, :8], sm_i, storage_dtype=torch.float32)
+    longer_t = list(parse(spec[:-1] + f", T={N + 4})", 3).layers)
+    other, _ = engine.forward(ours, ids, longer_t, storage_dtype=torch.float32)
+    assert (other.logits - full.logits).abs().max() > 1e-4  # T matters; n does not
+    torch.testing.assert_close(shorter.logits[0, :8], inf.logits[0, :8], atol=1e-5, rtol=1e-5)
+
+
+def test_sm_i_streams_with_a_kv_cache_and_refuses_text_past_t():
+    from attnviz.errors import InputError
+    from attnviz.evaluate import evaluate
+    from attnviz.streaming import stream
+
+    lm = loaded("llama")
+    ids = _ids(16)[0].tolist()
+    spec = "stablemask(gamma=0.3, T=20)"
+    np.testing.assert_allclose(stream(lm, ids, "dense", spec).token_nll, evaluate(lm, ids, spec, window=16).token_nll,
+                               atol=1e-4)
+    with pytest.raises(InputError, match="at most T=20 tokens but the text reaches 24"):
+        evaluate(lm, _ids(24)[0].tolist(), spec, window=24)

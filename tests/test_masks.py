@@ -117,3 +117,19 @@ def test_causal_compatibility():
 ])
 def test_alibi_slopes_match_the_standard_table(heads, expected):
     np.testing.assert_allclose(M.stable_gammas("alibi", heads).numpy(), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("stable", [0.5, "alibi"])
+def test_sm_i_extra_logit_closed_form(stable):
+    T, heads = 12, 9
+    mask = M.stablemask(gamma=None if stable == "alibi" else stable, slopes="alibi" if stable == "alibi" else None, T=T)
+    tau = mask.inference_logits(torch.arange(T)[None], heads)[0, :, :, 0]  # (H, T)
+    gammas = M.stable_gammas(stable, heads).double()
+    for i in range(T):
+        if i == T - 1:
+            assert torch.isinf(tau[:, i]).all() and (tau[:, i] < 0).all()  # no future slot left
+            continue
+        j = torch.arange(i + 1, T).double()
+        expected = torch.logsumexp(-gammas[:, None] * j[None], dim=-1)
+        torch.testing.assert_close(tau[:, i].double(), expected, rtol=1e-5, atol=1e-5)
+    assert mask.causal_compatible and mask.name.endswith(", T=12)")

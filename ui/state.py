@@ -131,10 +131,14 @@ def _arch_controls(n_layers: int) -> str:
         m = st.slider("m: hidden first keys", 1, 8, 1, key="arch_m")
         return pick.lower() + (f"(m={m})" if m > 1 else "")
     if pick == "StableMask":
+        horizon = st.number_input("SM-I: training length T (0: full StableMask)", 0, 1 << 20, 0, key="arch_T",
+                                  help="SM-I folds the future slots up to T into one logit per row: it works with "
+                                       "a KV cache and equals StableMask at n = T")
+        suffix = f", T={horizon}" if horizon else ""
         if st.toggle("per-head ALiBi slopes", key="arch_alibi"):
-            return "stablemask(slopes=alibi)"
+            return f"stablemask(slopes=alibi{suffix})"
         gamma = st.slider("gamma", 0.05, 2.0, 0.5, 0.05, key="arch_gamma")
-        return f"stablemask(gamma={gamma:g})"
+        return f"stablemask(gamma={gamma:g}{suffix})"
     if pick == "Sliding window":
         w = st.number_input("w: window", 1, 8192, 16, key="arch_w")
         return f"sliding(w={w})"
