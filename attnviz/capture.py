@@ -27,6 +27,16 @@ TOP_ACTIVATIONS = 8
 
 
 @dataclass
+class QKV:
+    """One layer's queries (H, n, d), keys and values (H_kv, n, d) after RoPE, and the score scaling."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    scaling: float
+
+
+@dataclass
 class Activations:
     """Residual-stream magnitudes (Sun et al. 2024, "Massive activations"): per layer boundary
     (embeddings first, then each layer's output) the L2 norm of every token's hidden state, and
@@ -64,6 +74,7 @@ class Capture:
     scores: dict[int, np.ndarray] = field(default_factory=dict)  # pre-softmax QK^T/sqrt(d), (H, n, n)
     value_norm: dict[int, np.ndarray] = field(default_factory=dict)  # ||W_O^h v_j^h||, (H, n)
     activations: Activations | None = None
+    qkv: dict[int, QKV] = field(default_factory=dict)  # kept in memory only (not saved: they are large)
     timing: dict[str, float] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     _summaries: dict[int, dict[str, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
@@ -100,6 +111,11 @@ class Capture:
     def layer_value_norms(self, layer: int) -> np.ndarray:
         """(H, n) ||W_O^h v_j^h||: how much key j can move the output through head h."""
         return self._recorded(self.value_norm, layer, "value norms", "value_norms")
+
+    def layer_qkv(self, layer: int) -> QKV:
+        if layer not in self.qkv:
+            raise AttnvizError(f"no queries/keys/values for layer {layer}: capture with qkv=True")
+        return self.qkv[layer]
 
     def value_weighted(self, layer: int) -> np.ndarray:
         """(H, n, n) ||A[i, j] W_O^h v_j^h|| (Kobayashi et al. 2020), next to A[i, j] itself."""
@@ -227,7 +243,8 @@ def _versions() -> dict[str, str]:
 def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = "fwd", layers=None,
             reduce: bool = False, storage_dtype: torch.dtype = torch.float16,
             hidden_states: bool = False, max_tokens: int | None = None, on_layer=None,
-            scores: bool = False, value_norms: bool = False, activations: bool = False) -> Capture:
+            scores: bool = False, value_norms: bool = False, activations: bool = False,
+            qkv: bool = False) -> Capture:
     """Run ``text`` through the model under ``arch`` and record attention.
 
     ``layers`` picks the recorded layers (the others run through SDPA); ``reduce=True`` keeps only
@@ -254,7 +271,7 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
     output, run = engine.forward(loaded.model, input_ids, list(architecture.layers), set(record),
                                  storage_dtype=storage_dtype, reducer=reducer,
                                  output_hidden_states=hidden_states or activations, on_layer=on_layer,
-                                 record_scores=scores, record_value_norms=value_norms)
+                                 record_scores=scores, record_value_norms=value_norms, record_qkv=qkv)
     forward_s = time.perf_counter() - t0
     logits = output.logits[0, -1].float()
     model_dtype = next(loaded.model.parameters()).dtype
@@ -270,6 +287,7 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
         scores={l: run.scores[l][0].numpy() for l in run.scores},
         value_norm={l: run.value_norms[l][0].numpy() for l in run.value_norms},
         activations=Activations.from_hidden(output.hidden_states) if activations else None,
+        qkv={l: QKV(q[0].numpy(), k[0].numpy(), v[0].numpy(), float(scale)) for l, (q, k, v, scale) in run.qkv.items()},
         timing={"forward_s": forward_s, "total_s": time.perf_counter() - started},
         meta={"model": loaded.model_id, "model_file": loaded.model_file, "dtype": str(model_dtype).replace("torch.", ""),
               "storage_dtype": str(storage_dtype).replace("torch.", ""), "device": str(loaded.model.device),

@@ -217,6 +217,26 @@ def _generate(args) -> dict:
             "new_ids": result.new_ids, "prompt_tokens": len(result.prompt_ids)}
 
 
+def _linformer(args) -> dict:
+    """Linformer what-if on one layer of a real capture (SPEC §10)."""
+    from . import linformer
+    from .capture import capture, parse_layers
+
+    try:
+        ks = [int(x) for x in args.ks.split(",") if x.strip()]
+    except ValueError:
+        raise AttnvizError(f"--ks must be whole numbers separated by commas, got '{args.ks}'") from None
+    loaded = _load(args)
+    layer = parse_layers(str(args.layer), loaded.n_layers)[0]
+    cap = capture(loaded, _text(args), args.arch, layers=[layer], qkv=True)
+    results = linformer.error_curve(cap.layer_qkv(layer), cap.allowed[layer],
+                                    [linformer.check_k(k, cap.n_tokens) for k in ks], args.projection)
+    return {"model": loaded.model_id, "arch": cap.arch, "layer": layer, "n_tokens": cap.n_tokens,
+            "projection": args.projection,
+            "rows": [{"k": r.k, "error_full": round(r.error_full, 6), "error_masked": round(r.error_masked, 6)}
+                     for r in results]}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="attnviz", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -277,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--compare", action="store_true", help="run every --policy and print each running-perplexity curve")
     st.add_argument("--max-tokens", type=int, default=1000, help="stream at most this many tokens (default 1000)")
 
+    lin = sub.add_parser("linformer", help="Linformer what-if on one layer: relative error of the output against k")
+    model_args(lin)
+    lin.add_argument("--layer", default="-1", help="the layer (default: the top one; negative counts from the top)")
+    lin.add_argument("--ks", default="2,4,8,16", help="comma-separated k values, each 1 <= k < n (default 2,4,8,16)")
+    lin.add_argument("--projection", choices=["segment", "gaussian"], default="segment")
+
     gen = sub.add_parser("generate", help="greedy generation with the KV cache under an architecture and a policy")
     model_args(gen)
     gen.add_argument("--policy", default="dense", help="dense | window(w=W) | sink(s=S, w=W)")
@@ -291,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
 
         tf_logging.disable_progress_bar()
     handler = {"masks": _masks, "sinks": _sinks, "capture": _capture, "eval": _eval, "embed": _embed,
-               "stream": _stream, "generate": _generate}[args.command]
+               "stream": _stream, "generate": _generate, "linformer": _linformer}[args.command]
     try:
         result = handler(args)
     except AttnvizError as err:

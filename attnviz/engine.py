@@ -45,9 +45,11 @@ class Run:
     on_layer: Callable[[int], None] | None = None  # progress: called after each layer's attention
     record_scores: bool = False  # keep pre-softmax QK^T/sqrt(d) of recorded layers
     record_value_norms: bool = False  # keep ||W_O^h v_j^h|| of recorded layers (Kobayashi et al.)
+    record_qkv: bool = False  # keep the recorded layers' queries, keys and values (Linformer what-if)
     probs: dict[int, torch.Tensor] = field(default_factory=dict)
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     value_norms: dict[int, torch.Tensor] = field(default_factory=dict)
+    qkv: dict[int, tuple] = field(default_factory=dict)
     allowed: dict[int, torch.Tensor] = field(default_factory=dict)
     reduced: dict[int, object] = field(default_factory=dict)
     _allow_cache: dict = field(default_factory=dict)
@@ -129,6 +131,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         run.scores[layer] = scores.to(run.storage_dtype, copy=True).cpu()  # copy: softmax below is in place
     if run.record_value_norms and layer in run.record:
         run.value_norms[layer] = value_norms(module, value, n_heads).cpu()
+    if run.record_qkv and layer in run.record:
+        run.qkv[layer] = (query.float().cpu(), key.float().cpu(), value.float().cpu(), scaling)
     extra = []  # logits that take part in the softmax and are dropped after it
     kv_pos = run.positions[:, -n_kv:].to(query.device)
     q_pos = kv_pos[:, -n_q:]
@@ -229,7 +233,7 @@ def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] 
             attention_mask: torch.Tensor | None = None, storage_dtype=torch.float16,
             reducer=None, output_hidden_states: bool = False, on_layer=None,
             past_key_values=None, kv_positions: torch.Tensor | None = None, lm_head: bool = True,
-            record_scores: bool = False, record_value_norms: bool = False):
+            record_scores: bool = False, record_value_norms: bool = False, record_qkv: bool = False):
     """One forward pass under per-layer ``masks``; returns ``(model_output, run)``.
 
     ``record`` is the set of layers whose probabilities are kept (default: all). With ``reducer``,
@@ -267,7 +271,7 @@ def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] 
                              f"{int(positions.max()) + 1}: raise T or shorten the text")
     run = Run(list(masks), frozenset(range(total) if record is None else record), positions, valid,
               storage_dtype=storage_dtype, reducer=reducer, on_layer=on_layer, record_scores=record_scores,
-              record_value_norms=record_value_norms)
+              record_value_norms=record_value_norms, record_qkv=record_qkv)
     token = _RUN.set(run)
     try:
         target = model if lm_head else model.base_model

@@ -27,7 +27,10 @@ def parse_matrix(text: str, name: str) -> np.ndarray:
         raise InputError(f"{name}: every entry must be a number") from None
     if not values or len({len(r) for r in values}) != 1 or not values[0]:
         raise InputError(f"{name}: every row must have the same number of entries")
-    return np.array(values, dtype=float)
+    matrix = np.array(values, dtype=float)
+    if not np.isfinite(matrix).all():
+        raise InputError(f"{name}: every entry must be a finite number (no nan or inf)")
+    return matrix
 
 
 def steps(q, k, v, mask_name: str = "FWD") -> dict[str, np.ndarray]:
@@ -58,3 +61,19 @@ def steps(q, k, v, mask_name: str = "FWD") -> dict[str, np.ndarray]:
 def _softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
+
+
+def linformer_steps(q, k, v, slots: int, kind: str = "segment", seed: int = 0) -> dict[str, np.ndarray]:
+    """Linformer on the small example (SPEC §10): E, F, K' = E K, V' = F V, P = softmax(Q K'ᵀ/√d), P V',
+    and the relative error against full softmax attention (its mask-free reference)."""
+    from . import linformer
+
+    q, k, v = (np.asarray(x, dtype=float) for x in (q, k, v))
+    n = k.shape[0]
+    if not 0 < slots <= n:
+        raise InputError(f"k must be between 1 and the number of keys ({n}), got {slots}")
+    e, f = linformer.projection(n, slots, kind, seed), linformer.projection(n, slots, kind, seed + 1)
+    probs, out = linformer.attend(q[None], k[None], v[None], e, f)
+    full = linformer.exact(q[None], k[None], v[None])
+    return {"E": e, "F": f, "K'": e @ k, "V'": f @ v, "weights": probs[0], "output": out[0],
+            "error": linformer.relative_error(out, full)}

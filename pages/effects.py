@@ -3,18 +3,20 @@ k-sweep and cached generation (SPEC §8, §9)."""
 
 import streamlit as st
 
-from attnviz import corpus, embedding, streaming
+from attnviz import corpus, embedding, linformer, streaming
 from attnviz.arch import parse, with_k
+from attnviz.capture import capture
 from attnviz.errors import AttnvizError
 from attnviz.evaluate import evaluate, token_ids
-from attnviz.figures import generation_view, k_sweep, perplexity_bars, streaming_curves
+from attnviz.figures import (generation_view, k_sweep, linformer_errors, linformer_map, perplexity_bars,
+                             streaming_curves)
 from attnviz.generate import generate
 from ui import jobs
 from ui.export import figure_downloads
 
 settings, loaded = st.session_state["settings"], st.session_state["loaded"]
 st.title("Effects: what a mask does to the model")
-SECTIONS = ["Perplexity", "Streaming (KV cache)", "Embedding k-sweep", "Generation"]
+SECTIONS = ["Perplexity", "Streaming (KV cache)", "Embedding k-sweep", "Generation", "Linformer what-if"]
 SOURCES = {"Python reference docs (all topics)": "stdlib", "Python docs: special method names": "stdlib:specialnames",
            "The sidebar text": None}
 
@@ -205,9 +207,53 @@ def generation_section() -> None:
                                text=settings.text), key="fx_gen_x")
 
 
+def linformer_section() -> None:
+    st.markdown("What if this layer were a Linformer (SPEC §10)? K and V of the sidebar text are projected to k "
+                "slots (segment means or a seeded Gaussian); the map is n × k, and the error of the output is measured "
+                "against full softmax attention and against the layer's real, masked output.")
+    c1, c2, c3 = st.columns([2, 2, 1])
+    layer = c1.slider("Layer", 0, loaded.n_layers - 1, loaded.n_layers - 1, key="fx_lin_layer")
+    ks_text = c2.text_input("k values", "2, 4, 8, 16, 32", key="fx_lin_ks")
+    kind = c3.radio("Projection", list(linformer.PROJECTIONS), key="fx_lin_kind")
+    if not settings.text.strip():
+        st.warning("The text is empty: type something in the sidebar.")
+        return
+    try:
+        n = len(loaded.tokenizer(settings.text)["input_ids"])
+        ks = sorted({linformer.check_k(int(x), n) for x in ks_text.replace(",", " ").split()})
+        if not ks:
+            raise AttnvizError("give at least one k")
+    except ValueError:
+        st.error(f"k values must be whole numbers, got '{ks_text}'")
+        return
+    except AttnvizError as err:
+        st.error(str(err))
+        return
+    job = ("linformer", loaded.model_id, settings.text, settings.arch, layer, tuple(ks), kind)
+
+    def compute(progress):
+        cap = capture(loaded, settings.text, settings.arch, layers=[layer], qkv=True, reduce=False)
+        progress(1, 2)
+        return linformer.error_curve(cap.layer_qkv(layer), cap.allowed[layer], ks, kind), cap.tokens
+
+    found = jobs.run(job, f"Linformer on layer {layer}", compute)
+    if found is None:
+        return
+    results, tokens = found
+    chosen = st.select_slider("Map at k", ks, value=ks[len(ks) // 2], key="fx_lin_show")
+    fig_map = linformer_map(next(r for r in results if r.k == chosen))
+    fig_err = linformer_errors(results)
+    left, right = st.columns(2)
+    left.plotly_chart(fig_map, width="stretch", key="fx_lin_map")
+    right.plotly_chart(fig_err, width="stretch", key="fx_lin_err")
+    meta_lin = meta(arch=settings.arch, layer=layer, projection=kind, text=settings.text)
+    figure_downloads(fig_err, {**meta_lin, "figure": "linformer-error"}, key="fx_lin_x")
+
+
 if loaded is None:
     st.warning("Load a model in the sidebar.")
 else:
     section = st.radio("Show", SECTIONS, horizontal=True, key="fx_section", label_visibility="collapsed")
     {"Perplexity": perplexity_section, "Streaming (KV cache)": streaming_section,
-     "Embedding k-sweep": sweep_section, "Generation": generation_section}[section]()
+     "Embedding k-sweep": sweep_section, "Generation": generation_section,
+     "Linformer what-if": linformer_section}[section]()

@@ -53,3 +53,26 @@ st.markdown(
     "−∞ before the softmax: their weights become exactly 0, and the output of each row mixes only the values of "
     "tokens at or before it. Switch the mask to BIDIR above and watch the upper triangle of step 3 fill in: that "
     "is the leak.")
+
+st.subheader("Linformer: project the sequence to k slots")
+st.markdown("Linformer (seed 004) multiplies K and V by k × n matrices E and F, so each query scores k slots "
+            "instead of n keys: linear in n. Every slot mixes early and late positions, so there is no causal "
+            "Linformer; it approximates full (unmasked) attention. At k = n segment means are the identity.")
+l1, l2 = st.columns(2)
+slots = l1.slider("k slots", 1, k.shape[0], max(1, k.shape[0] - 1), key="wt_lin_k")
+kind = l2.radio("Projection", ["segment", "gaussian"], horizontal=True, key="wt_lin_kind",
+                help="segment: slot s averages positions s·n/k .. (s+1)·n/k − 1; gaussian: seeded N(0, 1/k)")
+try:
+    lin = W.linformer_steps(q, k, v, slots, kind)
+except InputError as err:
+    st.error(str(err))
+    st.stop()
+slot_names = [f"s{s}" for s in range(slots)]
+m1, m2 = st.columns(2)
+m1.plotly_chart(labelled_matrix(lin["E"], "E (k × n)", slot_names, cols, fmt=".2f"), key="wt_lin_e")
+m2.plotly_chart(labelled_matrix(lin["F"], "F (k × n)", slot_names, cols, fmt=".2f"), key="wt_lin_f")
+m3, m4 = st.columns(2)
+m3.plotly_chart(labelled_matrix(lin["weights"], "softmax(Q (EK)ᵀ/√d)", rows, slot_names, fmt=".3f"), key="wt_lin_p")
+m4.plotly_chart(labelled_matrix(lin["output"], "output = P · FV", rows, [f"v{j}" for j in range(v.shape[1])]),
+                key="wt_lin_out")
+st.metric("Relative error against full softmax attention", f"{lin['error']:.2%}")

@@ -329,3 +329,29 @@ def test_sinks_why_section(app):
     assert np.nanmean(attention[15:]) > np.nanmean(output[15:])  # the sink's value is small
     assert any(t.startswith("massive activations") for t in titles)
     assert len(app.dataframe) >= 1
+
+
+def test_effects_linformer_section(app):
+    on_page(app, "pages/effects.py")
+    app.radio(key="fx_section").set_value("Linformer what-if").run()
+    app.text_input(key="fx_lin_ks").input("2, 8, 16").run()
+    assert not app.exception
+    fig_map, fig_err = charts(app)[0], charts(app)[1]
+    assert "k = 8" in title(fig_map) and len(fig_map["data"][0]["x"]) == 8
+    errors = arr(fig_err["data"][0]["y"])
+    assert list(fig_err["data"][0]["x"]) == [2, 8, 16] and errors[0] > errors[-1]
+    app.select_slider(key="fx_lin_show").set_value(16).run()
+    assert "k = 16" in title(charts(app)[0])
+    app.text_input(key="fx_lin_ks").input("4, 500").run()
+    assert "Linformer k must be between 1 and n - 1" in texts(app.error)
+
+
+def test_walkthrough_linformer_and_nan(model_cache, tmp_path):
+    at = app_test(tmp_path)
+    at.run()
+    on_page(at, "pages/walkthrough.py")
+    assert any(title(c).startswith("E (k × n)") for c in charts(at))
+    at.slider(key="wt_lin_k").set_value(3).run()
+    assert at.metric[0].value == "0.00%"
+    at.text_area(key="wt_v").input("1, 2\n3, inf\n5, 6").run()
+    assert "finite number" in texts(at.error)

@@ -197,3 +197,13 @@ def test_dataset_sinks_bad_input(args, message, tmp_path, model_cache):
     (tmp_path / "empty.txt").write_text("")
     out = run(*[str(tmp_path / "empty.txt") if a == "EMPTY" else a for a in args])
     assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_linformer_cli(default_model):
+    out = run("linformer", "--text", ENGLISH, "--layer", "-1", "--ks", "4,16")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["layer"] == 29 and [r["k"] for r in doc["rows"]] == [4, 16]
+    assert doc["rows"][0]["error_full"] > doc["rows"][1]["error_full"] > 0
+    bad = run("linformer", "--text", "two words", "--ks", "5")
+    assert bad.returncode == 2 and "Linformer k must be between" in bad.stderr

@@ -157,3 +157,51 @@ def test_dataset_keeps_the_allow_set_of_full_samples():
     i, j = np.indices((10, 10))
     np.testing.assert_array_equal(result.allowed[0], j <= i)
     np.testing.assert_array_equal(result.allowed[2], (j > 0) | (i == 0))  # NoSink-BIDIR: key 0 hidden
+
+
+# --- Linformer what-if (SPEC §10) ----------------------------------------------------------------
+
+def test_linformer_error_is_zero_at_k_equal_n_with_identity_projections():
+    from attnviz import linformer
+
+    cap = capture(loaded("llama"), "linformer what-if", "fwd", layers=[1], qkv=True)
+    qkv, n = cap.layer_qkv(1), cap.n_tokens
+    np.testing.assert_array_equal(linformer.projection(n, n, "segment"), np.eye(n))  # segments of one: identity
+    exact = linformer.whatif(qkv, cap.allowed[1], n, "segment", layer=1)
+    assert exact.error_full < 1e-6 and exact.error_masked > 0.01  # full attention exactly; not the causal output
+    curve = linformer.error_curve(qkv, cap.allowed[1], [1, 4, n], "segment")
+    assert curve[0].error_full > curve[-1].error_full
+    np.testing.assert_allclose(curve[1].probs.sum(-1), 1, atol=1e-9)  # (H, n, k) rows sum to 1
+    assert curve[1].probs.shape == (4, n, 4)
+    # the captured layer's real output: probs @ v (GQA), against the what-if's masked reference
+    v = np.repeat(qkv.v, 2, axis=0)
+    np.testing.assert_allclose(linformer.exact(qkv.q, np.repeat(qkv.k, 2, axis=0), v, cap.allowed[1], qkv.scaling),
+                               cap.layer_probs(1) @ v, atol=2e-3)
+
+
+def test_linformer_projections_and_limits():
+    from attnviz import linformer
+
+    seg = linformer.projection(10, 4)
+    np.testing.assert_allclose(seg.sum(1), 1)
+    assert (seg > 0).sum(1).tolist() == [2, 3, 2, 3]  # floor(s * 10 / 4) edges: 0, 2, 5, 7, 10
+    g1, g2 = linformer.projection(10, 4, "gaussian", seed=3), linformer.projection(10, 4, "gaussian", seed=3)
+    np.testing.assert_array_equal(g1, g2)
+    with pytest.raises(InputError, match="between 1 and n - 1 = 9"):
+        linformer.check_k(10, 10)
+    with pytest.raises(InputError, match="got 0"):
+        linformer.check_k(0, 10)
+
+
+def test_walkthrough_linformer_step_and_finite_entries():
+    from attnviz import walkthrough as W
+
+    steps = W.linformer_steps(W.Q, W.K, W.V, 2)
+    np.testing.assert_allclose(steps["K'"], steps["E"] @ np.array(W.K, float))
+    np.testing.assert_allclose(steps["weights"].sum(1), 1)
+    assert steps["weights"].shape == (3, 2) and steps["output"].shape == (3, 2)
+    assert W.linformer_steps(W.Q, W.K, W.V, 3)["error"] < 1e-12  # k = n: the identity
+    with pytest.raises(InputError, match="finite number"):
+        W.parse_matrix("1, nan\n2, 3", "Q")
+    with pytest.raises(InputError, match="finite number"):
+        W.parse_matrix("1, inf", "K")

@@ -112,3 +112,33 @@ def generation_view(gen: Generation, layer: int, head: int | None, tokens: Seque
     fig.update_yaxes(title="decoding step (query position)", autorange="reversed")
     fig.update_xaxes(title="key position (shaded: evicted from the cache)")
     return fig
+
+
+def linformer_map(result, head: int | None = None, tokens: Sequence[str] | None = None) -> go.Figure:
+    """The n x k Linformer map of one layer: each query's weights over the k projected slots."""
+    values = result.probs.mean(0) if head is None else result.probs[head]
+    fig = go.Figure(go.Heatmap(z=values, colorscale=COLORSCALE, zmin=0, zmax=float(values.max()) or 1.0,
+                               x=[f"slot {s}" for s in range(values.shape[1])], colorbar=dict(title="attention"),
+                               hovertemplate="query %{y}, %{x}<br>p = %{z:.4f}<extra></extra>"))
+    layout(fig, f"Linformer what-if · layer {result.layer} · k = {result.k} {result.kind} slots · "
+                f"{'mean over heads' if head is None else f'head {head}'}", height=480)
+    fig.update_yaxes(title="query", autorange="reversed")
+    fig.update_xaxes(title="projected key slot")
+    return fig
+
+
+def linformer_errors(results) -> go.Figure:
+    """Relative error of the Linformer output as k varies, against full and against masked attention."""
+    ks = [r.k for r in results]
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=ks, y=[r.error_full for r in results], mode="lines+markers", name="vs full softmax",
+                             line=dict(color=PALETTE[0], width=2)))
+    fig.add_trace(go.Scatter(x=ks, y=[r.error_masked for r in results], mode="lines+markers",
+                             name="vs the layer's masked output", line=dict(color=PALETTE[1], width=2, dash="dash")))
+    layer = results[0].layer if results else ""
+    layout(fig, f"Linformer relative error against k · layer {layer} · {results[0].kind if results else ''}",
+           height=400)
+    fig.update_xaxes(title="k (projected slots)")
+    fig.update_yaxes(title="‖O_lin − O‖ / ‖O‖", rangemode="tozero")
+    fig.update_layout(legend=INSIDE_LEGEND)
+    return fig
