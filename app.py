@@ -20,7 +20,9 @@ PAGES = [
     st.Page(str(PAGES_DIR / "walkthrough.py"), title="Walkthrough", icon=":material/school:"),
 ]
 
+NO_MODEL = {"designer", "walkthrough"}  # url paths of pages that work without a model: they never wait for one
+
 page = st.navigation(PAGES)
 # Drawn on every page, the walkthrough too: widgets Streamlit does not draw in a run lose their state.
-st.session_state["settings"], st.session_state["loaded"] = sidebar()
+st.session_state["settings"], st.session_state["loaded"] = sidebar(needs_model=page.url_path not in NO_MODEL)
 page.run()

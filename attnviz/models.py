@@ -119,6 +119,28 @@ def _converted_default(progress: Progress) -> Path:
     return target
 
 
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """Whether the Hub's endpoint answers a TCP connection within ``timeout`` seconds.
+
+    Without this, an unknown name costs transformers' retries (~24 s here, where the Hub cannot be
+    reached) before it fails. Offline mode (``HF_HUB_OFFLINE=1``) means no: transformers then looks
+    only in the local cache, which is quick.
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return True  # transformers checks the local cache only: fast, and it says so itself
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout):
+            return True
+    except OSError:
+        return False
+
+
 def _resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -164,6 +186,11 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
         source = str(local)
 
     progress(f"Loading {name}")
+    if source == name and not hub_reachable():
+        raise ModelLoadError(
+            f"cannot find model '{name}': it is not a local model directory, and the Hugging Face Hub cannot be "
+            "reached from this machine — use 'default' or a local path"
+        )
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except OSError as err:

@@ -7,9 +7,9 @@ from attnviz import compare, export
 from attnviz.figures import cosine_figure, difference, panels, sink_mass_change
 from attnviz.figures.heatmaps import head_label
 from ui.export import figure_downloads
-from ui.state import get_capture
+from ui.state import get_capture, page_context
 
-settings, loaded = st.session_state["settings"], st.session_state["loaded"]
+settings, loaded = page_context()
 st.title("Compare A vs B")
 if loaded is not None and settings.text.strip():
     c1, c2 = st.columns(2)

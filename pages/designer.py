@@ -6,8 +6,9 @@ from attnviz import arch as arch_mod
 from attnviz.errors import AttnvizError
 from attnviz.figures import architecture_masks, stablemask_pseudo
 from ui.export import figure_downloads
+from ui.state import page_context
 
-settings, loaded = st.session_state["settings"], st.session_state["loaded"]
+settings, loaded = page_context()
 n_layers = loaded.n_layers if loaded is not None else 30
 st.title("Mask designer")
 c1, c2 = st.columns([3, 1])

@@ -13,8 +13,9 @@ from attnviz.figures import (generation_view, k_sweep, linformer_errors, linform
 from attnviz.generate import generate
 from ui import jobs
 from ui.export import figure_downloads
+from ui.state import page_context
 
-settings, loaded = st.session_state["settings"], st.session_state["loaded"]
+settings, loaded = page_context()
 st.title("Effects: what a mask does to the model")
 SECTIONS = ["Perplexity", "Streaming (KV cache)", "Embedding k-sweep", "Generation", "Linformer what-if"]
 SOURCES = {"Python reference docs (all topics)": "stdlib", "Python docs: special method names": "stdlib:specialnames",

@@ -6,9 +6,9 @@ from attnviz import export
 from attnviz.errors import AttnvizError
 from attnviz.figures import heatmap, overview, tile_at
 from ui.export import data_downloads, figure_downloads
-from ui.state import current_capture
+from ui.state import current_capture, page_context
 
-settings, loaded = st.session_state["settings"], st.session_state["loaded"]
+settings, loaded = page_context()
 st.title("Attention heatmaps")
 SHOW = {"weight": "attention weight A", "value": "value-weighted norm ‖A·W_O v‖", "logits": "pre-softmax QKᵀ/√d",
         "rollout": "attention rollout"}

@@ -7,9 +7,9 @@ import streamlit as st
 from attnviz import export
 from attnviz.figures import shift_panels, shift_rate_figure, sink_key_grids
 from ui.export import figure_downloads
-from ui.state import get_capture
+from ui.state import get_capture, page_context
 
-settings, loaded = st.session_state["settings"], st.session_state["loaded"]
+settings, loaded = page_context()
 st.title("Sink shifting")
 st.markdown("Masking the first key in **every** layer does not remove the sink: it moves to the next key "
             "(masking keys 0..m-1 moves it to key m). MASK0-BIDIR in the top layers removes it.")

@@ -6,6 +6,9 @@ import streamlit as st
 from attnviz import walkthrough as W
 from attnviz.errors import InputError
 from attnviz.figures import labelled_matrix
+from ui.state import page_context
+
+page_context()  # a fresh server's first request may come here directly: route it through app.py
 
 st.title("Walkthrough: attention with a mask, step by step")
 st.markdown("Edit **Q**, **K**, **V** (rows are tokens; defaults: the lecture's practice matrices) and pick "

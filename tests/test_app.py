@@ -355,3 +355,27 @@ def test_walkthrough_linformer_and_nan(model_cache, tmp_path):
     assert at.metric[0].value == "0.00%"
     at.text_area(key="wt_v").input("1, 2\n3, inf\n5, 6").run()
     assert "finite number" in texts(at.error)
+
+
+def test_a_failed_model_is_remembered_with_a_retry_button(app):
+    app.sidebar.text_input(key="model").input("no-such-org/no-such-model").run()
+    assert "cannot find model" in texts(app.error)
+    retry = app.sidebar.button(key="model_retry")
+    from ui.state import _failed_models
+
+    assert ("no-such-org/no-such-model", False) in _failed_models()  # not looked up again on the next rerun
+    retry.click().run()
+    assert "cannot find model" in texts(app.error)  # looked up once more, failed again, remembered again
+    app.sidebar.text_input(key="model").input("default").run()
+    assert "cannot find model" not in texts(app.error) and charts(app)
+
+
+def test_pages_without_a_model_never_load_one(app):
+    on_page(app, "pages/walkthrough.py")
+    app.sidebar.text_input(key="model").input("some-org/never-loaded").run()
+    assert not app.error and charts(app)  # no lookup, no error: the walkthrough needs no model
+    from ui.state import _failed_models
+
+    assert ("some-org/never-loaded", False) not in _failed_models()
+    on_page(app, "pages/designer.py")
+    assert len([t for t in charts(app)[0]["data"] if t["type"] == "heatmap"]) == 30  # a 30-layer default

@@ -69,3 +69,20 @@ def test_app_in_a_real_browser(model_cache, tmp_path):
             page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"]').first.wait_for(timeout=120_000)
             wait_for_app(page)
             no_exception(page)
+
+
+@pytest.mark.parametrize("path,heading", [("compare", "Compare A vs B"), ("sinks", "Attention sinks"),
+                                          ("walkthrough", "Walkthrough: attention"), ("effects", "Effects")])
+def test_a_page_url_works_as_the_first_request_of_a_fresh_server(model_cache, path, heading):
+    """streamlit#9624: with a pages/ folder, the first request used to run the page without app.py."""
+    with running_app() as url, browser_page() as page:
+        page.goto(f"{url}/{path}")
+        page.locator('[data-testid="stMain"] h1').filter(has_text=heading).first.wait_for(timeout=180_000)
+        if path == "effects":  # computes on request: its button is the sign that the page ran to the end
+            page.get_by_role("button", name="Compute perplexity").wait_for(timeout=180_000)
+        else:
+            wait_for_app(page)
+        no_exception(page)
+        nav = page.locator('[data-testid="stSidebarNav"]').inner_text()
+        assert "Heatmaps" in nav and "Mask designer" in nav  # the app's navigation, not a bare file list
+        assert page.locator('[data-testid="stSidebar"] textarea').count() >= 1  # the shared sidebar is there

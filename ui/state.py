@@ -51,18 +51,37 @@ def _captures() -> OrderedDict:
     return OrderedDict()
 
 
-def get_model(name: str, trust_remote_code: bool = False) -> LoadedModel | None:
-    """The loaded model, shared by all sessions; shows progress on first load and errors in the page."""
+@st.cache_resource(show_spinner=False)
+def _failed_models() -> dict:
+    return {}
+
+
+def get_model(name: str, trust_remote_code: bool = False, wait: bool = True) -> LoadedModel | None:
+    """The loaded model, shared by all sessions; shows progress on first load and errors in the page.
+
+    A failed load is remembered for that name (every rerun would otherwise look it up again, ~24 s
+    each where the Hub cannot be reached) until the user presses Retry. ``wait=False`` returns the
+    model only if it is already loaded: pages that need none never wait for one.
+    """
     key = (name, trust_remote_code)
-    store = _models()
+    store, failed = _models(), _failed_models()
     if key in store:
         return store[key]
+    if key in failed:
+        st.error(f"Model: {failed[key]}")
+        if st.button("Retry loading the model", key="model_retry"):
+            failed.pop(key, None)
+            st.rerun()
+        return None
+    if not wait:
+        return None
     try:
         with st.status(f"Loading model {name} …", expanded=False) as status:
             start = time.perf_counter()
             loaded = load(name, trust_remote_code=trust_remote_code, progress=status.write)
             status.update(label=f"Loaded {loaded.model_id} in {time.perf_counter() - start:.1f} s", state="complete")
     except AttnvizError as err:
+        failed[key] = str(err)
         st.error(f"Model: {err}")
         return None
     with _lock:
@@ -156,8 +175,9 @@ def _arch_controls(n_layers: int) -> str:
     return pick.lower()
 
 
-def sidebar() -> tuple[Settings, LoadedModel | None]:
-    """Model, text and architecture controls shared by every page."""
+def sidebar(needs_model: bool = True) -> tuple[Settings, LoadedModel | None]:
+    """Model, text and architecture controls shared by every page; ``needs_model=False`` (walkthrough,
+    mask designer) uses the model only if it is already loaded."""
     with st.sidebar:
         st.markdown("### attnviz")
         model = st.text_input("Model", DEFAULT, key="model",
@@ -169,11 +189,28 @@ def sidebar() -> tuple[Settings, LoadedModel | None]:
             st.session_state["text"] = EXAMPLES[example]
             st.session_state["_example_shown"] = example
         text = st.text_area("Text", key="text", height=150)
-        loaded = get_model(model.strip() or DEFAULT, trust)
+        loaded = get_model(model.strip() or DEFAULT, trust, wait=needs_model)
         n_layers = loaded.n_layers if loaded else 30
         spec = _arch_controls(n_layers)
         st.caption(f"architecture: `{spec}`")
     return Settings(model=model, text=text, arch=spec), loaded
+
+
+def page_context() -> tuple[Settings, LoadedModel | None]:
+    """The settings and model that app.py's shared sidebar put in session state.
+
+    On a fresh server a page URL (``/compare``, a bookmark) can be the very first request. Until
+    ``st.navigation`` has run once, Streamlit treats the ``pages/`` folder as old-style pages and
+    runs the page without app.py (streamlit#9624), so there is no sidebar and no settings. Then we
+    switch that mode off, as ``st.navigation`` itself does, and rerun: the same URL now goes
+    through app.py.
+    """
+    if "settings" not in st.session_state:
+        from streamlit.runtime.pages_manager import PagesManager
+
+        PagesManager.uses_pages_directory = False
+        st.rerun()
+    return st.session_state["settings"], st.session_state["loaded"]
 
 
 def current_capture(settings: Settings, loaded: LoadedModel | None, spec: str | None = None,
