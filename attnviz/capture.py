@@ -244,7 +244,7 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
             reduce: bool = False, storage_dtype: torch.dtype = torch.float16,
             hidden_states: bool = False, max_tokens: int | None = None, on_layer=None,
             scores: bool = False, value_norms: bool = False, activations: bool = False,
-            qkv: bool = False) -> Capture:
+            qkv: bool = False, residual: str | None = None) -> Capture:
     """Run ``text`` through the model under ``arch`` and record attention.
 
     ``layers`` picks the recorded layers (the others run through SDPA); ``reduce=True`` keeps only
@@ -252,7 +252,14 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
     called after each layer (progress); ``max_tokens`` caps the text below the model's own limit.
     Asked for, the same pass also keeps the recorded layers' pre-softmax ``scores`` and
     ``value_norms`` (||W_O^h v_j||), and the residual stream's ``activations`` (norms, top values).
+    ``residual`` runs a seed-003 variant (a fine-tuned directory's own variant when none is named);
+    its layer loop has no hidden-state outputs, so ``hidden_states``/``activations`` are refused with it.
     """
+    from . import residual as residual_mod
+
+    variant = residual_mod.resolve(loaded, residual)
+    if variant is not None and (hidden_states or activations):
+        raise InputError(f"hidden states are not recorded under the residual variant {variant.name}")
     started = time.perf_counter()
     architecture = arch_mod.resolve(arch, loaded.n_layers)
     record = parse_layers(layers, loaded.n_layers)
@@ -268,10 +275,18 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
     if value_norms:  # refuse before running: the model's output projection must be readable
         for module in engine.attention_modules(loaded.model)[:1]:
             engine.output_projection(module)
-    output, run = engine.forward(loaded.model, input_ids, list(architecture.layers), set(record),
-                                 storage_dtype=storage_dtype, reducer=reducer,
-                                 output_hidden_states=hidden_states or activations, on_layer=on_layer,
-                                 record_scores=scores, record_value_norms=value_norms, record_qkv=qkv)
+    options = dict(storage_dtype=storage_dtype, reducer=reducer, on_layer=on_layer, record_scores=scores,
+                   record_value_norms=value_norms, record_qkv=qkv)
+    if variant is not None:
+        from types import SimpleNamespace
+
+        with torch.no_grad():
+            logits, run = residual_mod.forward(loaded.model, variant, input_ids, list(architecture.layers),
+                                               set(record), **options)
+        output = SimpleNamespace(logits=logits, hidden_states=None)
+    else:
+        output, run = engine.forward(loaded.model, input_ids, list(architecture.layers), set(record),
+                                     output_hidden_states=hidden_states or activations, **options)
     forward_s = time.perf_counter() - t0
     logits = output.logits[0, -1].float()
     model_dtype = next(loaded.model.parameters()).dtype
@@ -292,5 +307,6 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
         meta={"model": loaded.model_id, "model_file": loaded.model_file, "dtype": str(model_dtype).replace("torch.", ""),
               "storage_dtype": str(storage_dtype).replace("torch.", ""), "device": str(loaded.model.device),
               "n_layers": loaded.n_layers, "n_heads": loaded.n_heads, "n_kv_heads": loaded.n_kv_heads,
+              **({"residual": variant.name} if variant is not None else {}),
               "versions": _versions()},
     )

@@ -107,6 +107,7 @@ def sinks_report(capture, eps: float) -> dict:
             } for h in range(capture.n_heads)],
         })
     return {"model": capture.meta["model"], "arch": capture.arch, "n_tokens": capture.n_tokens,
+            **({"residual": capture.meta["residual"]} if capture.meta.get("residual") else {}),
             "tokens": capture.tokens, "layers": layers}
 
 
@@ -118,7 +119,7 @@ def _sinks(args) -> dict:
     if args.corpus or args.per_doc or args.per_line:
         return _dataset_sinks(args)
     loaded = _load(args)
-    return sinks_report(capture(loaded, _text(args), args.arch, reduce=True), args.eps)
+    return sinks_report(capture(loaded, _text(args), args.arch, reduce=True, residual=args.residual), args.eps)
 
 
 def _dataset_sinks(args) -> dict:
@@ -142,7 +143,8 @@ def _capture(args) -> dict:
     from .capture import capture
 
     loaded = _load(args)
-    result = capture(loaded, _text(args), args.arch, layers=args.layers, hidden_states=args.hidden)
+    result = capture(loaded, _text(args), args.arch, layers=args.layers, hidden_states=args.hidden,
+                     residual=args.residual)
     path = result.save(args.out)
     return {"out": str(path), "model": result.meta["model"], "arch": result.arch,
             "n_tokens": result.n_tokens, "layers": result.layers,
@@ -158,7 +160,8 @@ def _eval(args) -> dict:
     bar, update = _progress(f"eval {args.arch}")
     with bar:
         window = min(512, len(ids)) if args.window is None else args.window
-        result = evaluate(loaded, ids, args.arch, window=window, stride=args.stride, on_window=update)
+        result = evaluate(loaded, ids, args.arch, window=window, stride=args.stride, on_window=update,
+                          residual=args.residual)
     return result.as_json()
 
 
@@ -237,6 +240,29 @@ def _linformer(args) -> dict:
                      for r in results]}
 
 
+def _finetune(args) -> dict:
+    """Fine-tune with a residual variant (seed 003) and report the seed's eval metrics."""
+    from .evaluate import token_ids
+    from .finetune import check_out, finetune
+
+    if args.steps <= 0:
+        raise AttnvizError(f"--steps must be positive, got {args.steps}")
+    check_out(args.out)
+    loaded = _load(args, _corpus)
+    ids = token_ids(loaded, _corpus(args).text, args.max_tokens)
+    bar, update = _progress(f"finetune {args.residual or 'baseline'}")
+    with bar:
+        result = finetune(loaded, ids, args.out, args.residual, args.arch, args.steps, args.seq_len, args.batch,
+                          args.lr, args.seed, on_step=lambda step, total, loss: (update(step, total),
+                                                                                 bar.set_postfix(loss=f"{loss:.3f}")))
+    if result.interrupted:
+        raise AttnvizError(f"interrupted after {result.steps} steps; the last complete checkpoint is in {result.out}")
+    keep = ("residual", "arch", "steps", "seed", "eval_loss", "eval_perplexity", "eval_accuracy", "eval_runtime",
+            "eval_samples", "before")
+    return {"out": result.out, **{k: result.metrics[k] for k in keep}, "train_loss_first": result.losses[0],
+            "train_loss_last": result.losses[-1]}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="attnviz", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -265,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     sinks = sub.add_parser("sinks", help="attention-sink metrics of every layer and head, of a text or a dataset")
     model_args(sinks, corpus=True)
     sinks.add_argument("--eps", type=float, default=0.3, help="sink threshold on alpha (default 0.3)")
+    sinks.add_argument("--residual", default=None, help="a seed-003 residual variant (method1 ... method4.2)")
     unit = sinks.add_mutually_exclusive_group()
     unit.add_argument("--per-doc", action="store_true", help="dataset mode: one sample per document (default)")
     unit.add_argument("--per-line", action="store_true", help="dataset mode: one sample per non-empty line")
@@ -276,12 +303,27 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--out", required=True, help="output file (.npz)")
     cap.add_argument("--layers", default=None, help="comma-separated layers to record (default: all)")
     cap.add_argument("--hidden", action="store_true", help="also keep hidden states")
+    cap.add_argument("--residual", default=None, help="a seed-003 residual variant (method1 ... method4.2)")
 
     ev = sub.add_parser("eval", help="perplexity and next-token accuracy (causal-compatible architectures)")
     model_args(ev, text=False)
     ev.add_argument("--window", type=int, default=None, help="window W in tokens (default 512, or the text if shorter)")
     ev.add_argument("--stride", type=int, default=None, help="stride S <= W (default W)")
     ev.add_argument("--max-tokens", type=int, default=4096, help="evaluate at most this many tokens (default 4096)")
+    ev.add_argument("--residual", default=None, help="a seed-003 residual variant: method1, method2, method3.1, "
+                                                    "method3.2, method4.1, method4.2 (Llama-family models)")
+
+    ft = sub.add_parser("finetune", help="fine-tune with a residual variant (seed 003) and evaluate on held-out text")
+    model_args(ft, text=False)
+    ft.add_argument("--residual", default=None, help="method1 | method2 | method3.1 | method3.2 | method4.1 | "
+                                                    "method4.2 (default: the baseline, no variant)")
+    ft.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
+    ft.add_argument("--out", required=True, help="directory to write; `--model DIR` loads it back")
+    ft.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence (default 128)")
+    ft.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    ft.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (default 5e-5)")
+    ft.add_argument("--seed", type=int, default=0, help="seed for the batches and the initialisation (default 0)")
+    ft.add_argument("--max-tokens", type=int, default=60_000, help="corpus tokens to use (default 60000)")
 
     em = sub.add_parser("embed", help="embedding probe: recall@1 and MRR of query/target halves of documents")
     model_args(em, text=False)
@@ -317,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
 
         tf_logging.disable_progress_bar()
     handler = {"masks": _masks, "sinks": _sinks, "capture": _capture, "eval": _eval, "embed": _embed,
-               "stream": _stream, "generate": _generate, "linformer": _linformer}[args.command]
+               "stream": _stream, "generate": _generate, "linformer": _linformer,
+               "finetune": _finetune}[args.command]
     try:
         result = handler(args)
     except AttnvizError as err:

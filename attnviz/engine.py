@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -46,10 +47,12 @@ class Run:
     record_scores: bool = False  # keep pre-softmax QK^T/sqrt(d) of recorded layers
     record_value_norms: bool = False  # keep ||W_O^h v_j^h|| of recorded layers (Kobayashi et al.)
     record_qkv: bool = False  # keep the recorded layers' queries, keys and values (Linformer what-if)
+    keep_graph: bool = False  # keep every layer's fp32 probabilities, autograd graph and all (residual variants)
     probs: dict[int, torch.Tensor] = field(default_factory=dict)
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     value_norms: dict[int, torch.Tensor] = field(default_factory=dict)
     qkv: dict[int, tuple] = field(default_factory=dict)
+    live: dict[int, torch.Tensor] = field(default_factory=dict)  # keep_graph: (B, H, n_q, n_kv) on the device
     allowed: dict[int, torch.Tensor] = field(default_factory=dict)
     reduced: dict[int, object] = field(default_factory=dict)
     _allow_cache: dict = field(default_factory=dict)
@@ -110,7 +113,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     n_kv_heads, n_kv = key.shape[1], key.shape[2]
     group = n_heads // n_kv_heads
     scaling = dim ** -0.5 if scaling is None else scaling
-    explicit = layer in run.record or mask.stable is not None or softcap is not None or s_aux is not None
+    explicit = (layer in run.record or run.keep_graph or mask.stable is not None or softcap is not None
+                or s_aux is not None)
     if not explicit and mask.name == "fwd" and not sliding_window and n_q == n_kv and run.unpadded:
         # plain causal: let SDPA pick its fused causal kernel instead of reading an n x n mask
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
@@ -151,6 +155,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         scores = torch.cat([scores, *extra], dim=-1)
         scores = scores - scores.amax(-1, keepdim=True)
         probs = torch.softmax(scores, dim=-1)[..., :n_kv]
+    elif torch.is_grad_enabled() and scores.requires_grad:  # training: autograd needs the out-of-place softmax
+        probs = torch.softmax(scores, dim=-1)
     else:  # softmax in place: one n x n fp32 buffer per layer instead of two (peak memory)
         probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
         probs = probs.div_(probs.sum(-1, keepdim=True))
@@ -158,6 +164,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         probs = probs.mul_(allow)
     del scores
 
+    if run.keep_graph:
+        run.live[layer] = probs
     if layer in run.record:
         if run.reducer is not None:
             run.reduced[layer] = run.reducer(layer, probs, allow)
@@ -248,37 +256,53 @@ def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] 
     ``record_scores`` / ``record_value_norms`` also keep, for recorded layers, the pre-softmax scores
     and the value-output norms (only when asked: they cost memory the default capture does not pay).
     """
+    run = make_run(model, input_ids, masks, record, attention_mask, kv_positions, storage_dtype=storage_dtype,
+                   reducer=reducer, on_layer=on_layer, record_scores=record_scores,
+                   record_value_norms=record_value_norms, record_qkv=record_qkv)
+    cached = past_key_values is not None
+    if cached != (kv_positions is not None):
+        raise ValueError("a cached forward takes past_key_values and kv_positions together")
+    new_positions = run.positions[:, -input_ids.shape[1]:] if cached else run.positions
+    with active(run):
+        target = model if lm_head else model.base_model
+        output = target(input_ids=input_ids.to(model.device), position_ids=new_positions.to(model.device),
+                        attention_mask=None if cached else run.valid.long().to(model.device),
+                        past_key_values=past_key_values, use_cache=cached,
+                        output_hidden_states=output_hidden_states)
+    return output, run
+
+
+def make_run(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] | None = None,
+             attention_mask: torch.Tensor | None = None, kv_positions: torch.Tensor | None = None,
+             **options) -> Run:
+    """The per-call state of :func:`forward` (positions, masks, what to record), checked.
+
+    Code that runs the layers itself (residual variants) makes one and enters :func:`active`.
+    """
     prepare(model)
     total = n_layers(model)
     if len(masks) != total:
         raise ValueError(f"{len(masks)} masks for a model with {total} layers")
-    cached = past_key_values is not None
-    if cached:
-        if kv_positions is None or attention_mask is not None:
+    if kv_positions is not None:
+        if attention_mask is not None:
             raise ValueError("a cached forward takes kv_positions and no attention_mask")
         positions = kv_positions.long()
         valid = torch.ones_like(positions, dtype=torch.bool)
-        new_positions = positions[:, -input_ids.shape[1]:]
     else:
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        valid = attention_mask.bool()
+        valid = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).bool()
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        new_positions = positions
     for mask in {id(m): m for m in masks}.values():
         if mask.horizon is not None and int(positions.max()) + 1 > mask.horizon:
             raise InputError(f"{mask.name} was set for at most T={mask.horizon} tokens but the text reaches "
                              f"{int(positions.max()) + 1}: raise T or shorten the text")
-    run = Run(list(masks), frozenset(range(total) if record is None else record), positions, valid,
-              storage_dtype=storage_dtype, reducer=reducer, on_layer=on_layer, record_scores=record_scores,
-              record_value_norms=record_value_norms, record_qkv=record_qkv)
+    return Run(list(masks), frozenset(range(total) if record is None else record), positions, valid, **options)
+
+
+@contextmanager
+def active(run: Run):
+    """Make ``run`` the attnviz run of this thread/context while the block runs."""
     token = _RUN.set(run)
     try:
-        target = model if lm_head else model.base_model
-        output = target(input_ids=input_ids.to(model.device), position_ids=new_positions.to(model.device),
-                        attention_mask=None if cached else attention_mask.to(model.device),
-                        past_key_values=past_key_values, use_cache=cached,
-                        output_hidden_states=output_hidden_states)
+        yield run
     finally:
         _RUN.reset(token)
-    return output, run

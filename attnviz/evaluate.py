@@ -35,6 +35,7 @@ class Evaluation:
     windows: int
     token_nll: np.ndarray = field(repr=False)  # per predicted token, in text order
     positions: np.ndarray = field(repr=False)  # the position each of them predicts
+    residual: str | None = None  # the seed-003 variant, if any
 
     @property
     def perplexity(self) -> float:
@@ -43,7 +44,7 @@ class Evaluation:
     def as_json(self) -> dict:
         return {"model": self.model, "arch": self.arch, "perplexity": round(self.perplexity, 6),
                 "accuracy": round(self.accuracy, 6), "nll": round(self.nll, 6), "tokens": self.tokens,
-                "windows": self.windows}
+                "windows": self.windows} | ({"residual": self.residual} if self.residual else {})
 
 
 def token_ids(loaded: LoadedModel, text: str, max_tokens: int | None = None) -> list[int]:
@@ -85,11 +86,15 @@ def check_window(window: int, stride: int, n: int, loaded: LoadedModel) -> None:
 
 def evaluate(loaded: LoadedModel, text_or_ids: str | list[int], arch: str | arch_mod.Architecture = "fwd",
              window: int = DEFAULT_WINDOW, stride: int | None = None, max_tokens: int | None = DEFAULT_MAX_TOKENS,
-             on_window: Callable[[int, int], None] | None = None) -> Evaluation:
+             on_window: Callable[[int, int], None] | None = None, residual: str | None = None) -> Evaluation:
     """Perplexity, accuracy and mean NLL of a text (or token ids) under ``arch``.
 
-    ``on_window(done, total)`` reports progress after each window.
+    ``on_window(done, total)`` reports progress after each window. ``residual`` names a seed-003
+    variant (a fine-tuned directory's own variant is used when none is named).
     """
+    from . import residual as residual_mod
+
+    variant = residual_mod.resolve(loaded, residual)
     architecture = arch_mod.resolve(arch, loaded.n_layers).require_causal("compute a perplexity")
     ids = text_or_ids if isinstance(text_or_ids, list) else token_ids(loaded, text_or_ids, max_tokens)
     if len(ids) < 2:
@@ -100,8 +105,12 @@ def evaluate(loaded: LoadedModel, text_or_ids: str | list[int], arch: str | arch
     all_ids = torch.tensor([ids])
     nlls, hits, positions = [], [], []
     for done, (start, end, first) in enumerate(spans, 1):
-        output, _ = engine.forward(loaded.model, all_ids[:, start:end], list(architecture.layers), record=set())
-        logprobs = torch.log_softmax(output.logits[0, first - 1 - start:end - 1 - start].float(), -1)
+        if variant is not None:
+            with torch.no_grad():
+                logits = residual_mod.forward(loaded.model, variant, all_ids[:, start:end], list(architecture.layers))[0]
+        else:
+            logits = engine.forward(loaded.model, all_ids[:, start:end], list(architecture.layers), record=set())[0].logits
+        logprobs = torch.log_softmax(logits[0, first - 1 - start:end - 1 - start].float(), -1)
         targets = all_ids[0, first:end].to(logprobs.device)
         nlls.append(-logprobs.gather(-1, targets[:, None])[:, 0].cpu())
         hits.append((logprobs.argmax(-1) == targets).cpu())
@@ -109,6 +118,6 @@ def evaluate(loaded: LoadedModel, text_or_ids: str | list[int], arch: str | arch
         if on_window:
             on_window(done, len(spans))
     token_nll = torch.cat(nlls).double().numpy()
-    return Evaluation(model=loaded.model_id, arch=architecture.spec, nll=float(token_nll.mean()),
+    return Evaluation(model=loaded.model_id, arch=architecture.spec, residual=variant.name if variant else None, nll=float(token_nll.mean()),
                       accuracy=float(torch.cat(hits).float().mean()), tokens=int(token_nll.size),
                       windows=len(spans), token_nll=token_nll, positions=torch.cat(positions).numpy())

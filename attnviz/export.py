@@ -35,6 +35,8 @@ def describe(cap: Capture, layer: int | None = None, head: int | None = None, **
     meta = {"tool": "attnviz", "model": cap.meta.get("model"), "text": cap.text, "arch": cap.arch,
             "dtype": cap.meta.get("dtype"), "storage_dtype": cap.meta.get("storage_dtype"),
             "n_tokens": cap.n_tokens}
+    if cap.meta.get("residual"):
+        meta["residual"] = cap.meta["residual"]
     if layer is not None:
         meta["layer"] = layer
         meta["mask"] = cap.layer_masks[layer]
@@ -46,7 +48,7 @@ def describe(cap: Capture, layer: int | None = None, head: int | None = None, **
 
 def filename(meta: dict, ext: str) -> str:
     """e.g. ``attnviz_SmolLM2-135M_mask0-bidir-k-8_L29_h3.pdf``: safe on every file system."""
-    parts = ["attnviz", str(meta.get("model", "model")).split(" ")[0], meta.get("arch", "")]
+    parts = ["attnviz", str(meta.get("model", "model")).split(" ")[0], meta.get("arch", ""), meta.get("residual", "")]
     if "layer" in meta:
         parts.append(f"L{meta['layer']}")
     if "head" in meta:

@@ -40,6 +40,7 @@ class LoadedModel:
     model_id: str
     model_file: str | None
     load_seconds: float
+    residual: object = None  # a residual.Variant, for directories written by `attnviz finetune --residual`
 
     @property
     def config(self):
@@ -227,5 +228,12 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
         lm = lm.to(device)
     lm.eval()
     prepare(lm)
+    variant = None
+    if Path(source).is_dir():
+        from .residual import Variant
+
+        variant = Variant.load(Path(source))
+        if variant is not None:
+            variant = variant.to(lm.device)
     return LoadedModel(lm, tokenizer, DEFAULT_NAME if name == DEFAULT else name, model_file,
-                       time.perf_counter() - started)
+                       time.perf_counter() - started, residual=variant)

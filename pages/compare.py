@@ -15,7 +15,7 @@ if loaded is not None and settings.text.strip():
     c1, c2 = st.columns(2)
     spec_a = c1.text_input("Architecture A", settings.arch, key="cmp_a")
     spec_b = c2.text_input("Architecture B", f"mask0-bidir(k={min(8, loaded.n_layers)})", key="cmp_b")
-    a, b = get_capture(loaded, settings.text, spec_a), get_capture(loaded, settings.text, spec_b)
+    a, b = (get_capture(loaded, settings.text, spec, residual=settings.residual) for spec in (spec_a, spec_b))
     if a is not None and b is not None:
         c1, c2 = st.columns([3, 2])
         layer = c1.slider("Layer", 0, loaded.n_layers - 1, loaded.n_layers - 1, key="cmp_layer")
@@ -38,6 +38,9 @@ if loaded is not None and settings.text.strip():
             "A token": [repr(decode([i])) for i, _ in top_a], "A p": [p for _, p in top_a],
             "B token": [repr(decode([i])) for i, _ in top_b], "B p": [p for _, p in top_b],
         }), hide_index=True)
-        st.plotly_chart(cosine_figure(a, b), width="stretch", key="cmp_cos")
+        if a.hidden is not None and b.hidden is not None:
+            st.plotly_chart(cosine_figure(a, b), width="stretch", key="cmp_cos")
+        else:
+            st.caption("Hidden states are not recorded under a residual variant: no cosine similarity per layer.")
 else:
     st.warning("Load a model and give a text in the sidebar.")

@@ -1,23 +1,26 @@
 """Effects: what a mask does to the model — perplexity, streaming with a KV cache, the embedding
 k-sweep and cached generation (SPEC §8, §9)."""
 
+import pandas as pd
 import streamlit as st
 
-from attnviz import corpus, embedding, linformer, streaming
+from attnviz import corpus, embedding, export, linformer, residual, streaming
 from attnviz.arch import parse, with_k
 from attnviz.capture import capture
 from attnviz.errors import AttnvizError
 from attnviz.evaluate import evaluate, token_ids
 from attnviz.figures import (generation_view, k_sweep, linformer_errors, linformer_map, perplexity_bars,
-                             streaming_curves)
+                             residual_table_figure, streaming_curves)
 from attnviz.generate import generate
+from attnviz.models import cache_dir
 from ui import jobs
 from ui.export import figure_downloads
 from ui.state import page_context
 
 settings, loaded = page_context()
 st.title("Effects: what a mask does to the model")
-SECTIONS = ["Perplexity", "Streaming (KV cache)", "Embedding k-sweep", "Generation", "Linformer what-if"]
+SECTIONS = ["Perplexity", "Streaming (KV cache)", "Embedding k-sweep", "Generation", "Linformer what-if",
+            "Residual methods"]
 SOURCES = {"Python reference docs (all topics)": "stdlib", "Python docs: special method names": "stdlib:specialnames",
            "The sidebar text": None}
 
@@ -71,7 +74,8 @@ def perplexity_section() -> None:
     if not archs or picked is None:
         return
     name, text = picked[0], picked[1].text
-    keys = [("eval", loaded.model_id, name, text if name == "sidebar" else "", a, window, max_tokens) for a in archs]
+    keys = [("eval", loaded.model_id, name, text if name == "sidebar" else "", a, window, max_tokens,
+             settings.residual) for a in archs]
     if not all(jobs.cached(k) for k in keys) and not st.button("Compute perplexity", key="fx_ppl_run", type="primary"):
         st.caption(f"{len(archs)} architecture(s) × up to {max_tokens} tokens; about 4 ms a token on a 2-core CPU.")
         return
@@ -81,7 +85,8 @@ def perplexity_section() -> None:
         st.error(str(err))
         return
     results = [jobs.run(key, f"Perplexity under {a}", lambda progress, a=a: evaluate(
-        loaded, ids, a, window=min(window, len(ids)), on_window=progress)) for key, a in zip(keys, archs)]
+        loaded, ids, a, window=min(window, len(ids)), on_window=progress, residual=settings.residual))
+        for key, a in zip(keys, archs)]
     if all(results):
         fig = perplexity_bars(results)
         st.plotly_chart(fig, width="stretch", key="fx_ppl_chart")
@@ -208,6 +213,24 @@ def generation_section() -> None:
                                text=settings.text), key="fx_gen_x")
 
 
+def residual_section() -> None:
+    st.markdown("Seed 003 replaces a residual of every layer by the sum of earlier layers recomputed on the token "
+                "embeddings (SPEC §5), then fine-tunes. Fine-tune each method with the same command and settings, "
+                "e.g. `attnviz finetune --residual method1 --steps 200 --out ~/.cache/attnviz/finetune/method1` "
+                "(and `--out .../baseline` without `--residual`); their held-out metrics appear here beside the "
+                "seed's reported numbers.")
+    folder = st.text_input("Folder of fine-tuned directories", str(cache_dir() / "finetune"), key="fx_res_dir")
+    rows = residual.results_table(folder)
+    st.dataframe(rows, hide_index=True)
+    if not any(r["ours ppl"] is not None for r in rows):
+        st.info(f"No fine-tuned directory with metrics.json under {folder} yet: the table shows the seed's numbers.")
+    fig = residual_table_figure(rows)
+    st.plotly_chart(fig, width="stretch", key="fx_res_chart")
+    figure_downloads(fig, meta(figure="residual-methods", folder=folder), key="fx_res_x")
+    st.download_button("Table (.csv)", export.csv_bytes(pd.DataFrame(rows)), key="fx_res_csv", mime="text/csv",
+                       file_name=export.filename(meta(figure="residual-methods"), "csv"))
+
+
 def linformer_section() -> None:
     st.markdown("What if this layer were a Linformer (SPEC §10)? K and V of the sidebar text are projected to k "
                 "slots (segment means or a seeded Gaussian); the map is n × k, and the error of the output is measured "
@@ -257,4 +280,4 @@ else:
     section = st.radio("Show", SECTIONS, horizontal=True, key="fx_section", label_visibility="collapsed")
     {"Perplexity": perplexity_section, "Streaming (KV cache)": streaming_section,
      "Embedding k-sweep": sweep_section, "Generation": generation_section,
-     "Linformer what-if": linformer_section}[section]()
+     "Linformer what-if": linformer_section, "Residual methods": residual_section}[section]()

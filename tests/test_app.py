@@ -379,3 +379,35 @@ def test_pages_without_a_model_never_load_one(app):
     assert ("some-org/never-loaded", False) not in _failed_models()
     on_page(app, "pages/designer.py")
     assert len([t for t in charts(app)[0]["data"] if t["type"] == "heatmap"]) == 30  # a 30-layer default
+
+
+def test_residual_variant_in_the_sidebar_changes_the_capture(app):
+    top = arr(charts(app)[0]["data"][0]["customdata"])
+    app.slider(key="hm_layer").set_value(0).run()
+    bottom = arr(charts(app)[0]["data"][0]["customdata"])
+    app.sidebar.selectbox(key="residual").set_value("method1").run()
+    assert not app.exception
+    # layer 0 reads h_{-1} = X under every method: the same map
+    np.testing.assert_allclose(arr(charts(app)[0]["data"][0]["customdata"]), bottom, atol=2e-3, equal_nan=True)
+    app.slider(key="hm_layer").set_value(29).run()
+    assert not np.allclose(arr(charts(app)[0]["data"][0]["customdata"]), top, atol=1e-2, equal_nan=True)
+    on_page(app, "pages/compare.py")
+    assert "not recorded under a residual variant" in " ".join(str(c.value) for c in app.caption)
+
+
+def test_effects_residual_table(app, tmp_path):
+    from attnviz.residual import SEED_TABLE
+
+    (tmp_path / "m1").mkdir()
+    (tmp_path / "m1" / "metrics.json").write_text(json.dumps(
+        {"residual": "method1", "eval_perplexity": 20.5, "eval_accuracy": 0.4, "steps": 3,
+         "before": {"eval_perplexity": 30.0}}))
+    on_page(app, "pages/effects.py")
+    app.radio(key="fx_section").set_value("Residual methods").run()
+    app.text_input(key="fx_res_dir").input(str(tmp_path)).run()
+    assert not app.exception
+    bars = charts(app)[0]["data"]
+    assert list(bars[0]["x"])[:3] == ["baseline", "method1", "method2"]
+    assert arr(bars[0]["y"])[1] == SEED_TABLE["method1"][0]
+    ours = bars[1]["y"]
+    assert ours[1] == 20.5 and ours[0] is None

@@ -184,8 +184,8 @@ def test_sinks_over_a_dataset(default_model, tmp_path):
     assert doc["model_rate"]["mean"] == pytest.approx(direct.model_rates().mean(), abs=1e-6)
     lines = tmp_path / "lines.txt"
     lines.write_text("The first line is a sample.\nThe second line is one too.\n\nShort.\n")
-    doc = json.loads(run("sinks", "--text-file", str(lines), "--per-line", "--max-len", "8").stdout)
-    assert doc["samples"] == 3 and doc["short_samples"] == 1 and "shorter than 8 tokens" in doc["note"]
+    doc = json.loads(run("sinks", "--text-file", str(lines), "--per-line", "--max-len", "6").stdout)
+    assert doc["samples"] == 3 and doc["short_samples"] == 1 and "shorter than 6 tokens" in doc["note"]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -207,3 +207,30 @@ def test_linformer_cli(default_model):
     assert doc["rows"][0]["error_full"] > doc["rows"][1]["error_full"] > 0
     bad = run("linformer", "--text", "two words", "--ks", "5")
     assert bad.returncode == 2 and "Linformer k must be between" in bad.stderr
+
+
+def test_finetune_writes_a_directory_that_loads_back_with_its_variant(default_model, tmp_path):
+    out = tmp_path / "ft"
+    done = run("finetune", "--residual", "method3.2", "--corpus", "stdlib:specialnames", "--steps", "2",
+               "--seq-len", "32", "--batch", "2", "--max-tokens", "640", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["residual"] == "method3.2" and doc["steps"] == 2 and doc["eval_samples"] == 2
+    assert {"eval_loss", "eval_perplexity", "eval_accuracy", "eval_runtime"} <= set(doc)
+    assert (out / "model.safetensors").is_file() and (out / "attnviz_residual.safetensors").is_file()
+    again = run("eval", "--model", str(out), "--corpus", "stdlib:specialnames", "--max-tokens", "200")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["residual"] == "method3.2"  # the directory brings its variant
+
+
+@pytest.mark.parametrize("args,message", [
+    (["finetune", "--steps", "0", "--out", "OUT"], "--steps must be positive"),
+    (["finetune", "--steps", "1", "--out", "/proc/attnviz-cannot/out"], "cannot write --out"),
+    (["finetune", "--steps", "1", "--out", "OUT", "--residual", "method9"], "unknown residual variant"),
+    (["finetune", "--steps", "1", "--out", "OUT", "--arch", "bidir"], "cannot fine-tune"),
+    (["eval", "--residual", "method1", "--arch", "inplace-bidir(k=2)"], "cannot compute a perplexity"),
+])
+def test_finetune_bad_input(args, message, tmp_path, model_cache):
+    out = run(*[str(tmp_path / "out") if a == "OUT" else a for a in args])
+    assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

@@ -14,6 +14,7 @@ from attnviz import arch as arch_mod
 from attnviz.capture import Capture, capture
 from attnviz.errors import AttnvizError
 from attnviz.models import DEFAULT, LoadedModel, load
+from attnviz.residual import METHODS
 
 EXAMPLES = {
     "Lighthouse (English, 48 tokens)": (
@@ -39,6 +40,7 @@ class Settings:
     model: str
     text: str
     arch: str
+    residual: str | None = None  # a seed-003 variant (SPEC §5), or None
 
 
 @st.cache_resource(show_spinner=False)
@@ -90,7 +92,7 @@ def get_model(name: str, trust_remote_code: bool = False, wait: bool = True) -> 
 
 
 def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
-                extras: tuple[str, ...] = ()) -> Capture | None:
+                extras: tuple[str, ...] = (), residual: str | None = None) -> Capture | None:
     """Cached by (model, text, architecture): moving a layer or head slider never re-runs the model.
 
     ``extras`` names what else the pass records, only for the views that ask: "scores" (pre-softmax),
@@ -102,7 +104,8 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
         st.error(f"Architecture: {err}")
         return None
     extras = tuple(sorted(extras))
-    key = (loaded.model_id, text, architecture.spec, hidden, extras)
+    hidden = hidden and not residual  # a variant's own layer loop records no hidden states
+    key = (loaded.model_id, text, architecture.spec, hidden, extras, residual)
     store = _captures()
     with _lock:
         if key in store:
@@ -118,7 +121,7 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
 
     try:
         result = capture(loaded, text, architecture, hidden_states=hidden, max_tokens=MAX_TOKENS, on_layer=on_layer,
-                         **{name: True for name in extras})
+                         residual=residual, **{name: True for name in extras})
     except AttnvizError as err:
         bar.empty()
         st.error(f"Capture: {err}")
@@ -192,8 +195,11 @@ def sidebar(needs_model: bool = True) -> tuple[Settings, LoadedModel | None]:
         loaded = get_model(model.strip() or DEFAULT, trust, wait=needs_model)
         n_layers = loaded.n_layers if loaded else 30
         spec = _arch_controls(n_layers)
-        st.caption(f"architecture: `{spec}`")
-    return Settings(model=model, text=text, arch=spec), loaded
+        variant = st.selectbox("Residual variant (seed 003)", ["none", *METHODS], key="residual",
+                               help="Methods 1–4 of seed 003 (Llama-family models): the MLP or attention residual "
+                                    "becomes the sum of earlier layers recomputed on the embeddings")
+        st.caption(f"architecture: `{spec}`" + ("" if variant == "none" else f" · residual `{variant}`"))
+    return Settings(model=model, text=text, arch=spec, residual=None if variant == "none" else variant), loaded
 
 
 def page_context() -> tuple[Settings, LoadedModel | None]:
@@ -220,4 +226,4 @@ def current_capture(settings: Settings, loaded: LoadedModel | None, spec: str | 
     if not settings.text.strip():
         st.warning("The text is empty: type something in the sidebar or pick an example.")
         return None
-    return get_capture(loaded, settings.text, spec or settings.arch, extras=extras)
+    return get_capture(loaded, settings.text, spec or settings.arch, extras=extras, residual=settings.residual)

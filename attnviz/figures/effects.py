@@ -142,3 +142,18 @@ def linformer_errors(results) -> go.Figure:
     fig.update_yaxes(title="‖O_lin − O‖ / ‖O‖", rangemode="tozero")
     fig.update_layout(legend=INSIDE_LEGEND)
     return fig
+
+
+def residual_table_figure(rows: Sequence[dict]) -> go.Figure:
+    """Perplexity per method: seed 003's reported numbers beside ours (same evaluation on our corpus)."""
+    names = [r["method"] for r in rows]
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.14)
+    for col, (key, label) in enumerate((("seed ppl", "seed 003 (reported)"), ("ours ppl", "attnviz (measured)")), 1):
+        values = [r[key] for r in rows]
+        fig.add_trace(go.Bar(x=names, y=values, name=label, marker_color=PALETTE[col - 1],
+                             text=["–" if v is None else f"{v:.2f}" for v in values], textposition="outside",
+                             cliponaxis=False), 1, col)
+        fig.update_yaxes(title=f"perplexity · {label}", rangemode="tozero", row=1, col=col)
+    layout(fig, "residual methods after fine-tuning: perplexity, seed 003 against ours", height=400)
+    fig.update_layout(showlegend=False)
+    return fig
