@@ -160,8 +160,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     else:  # softmax in place: one n x n fp32 buffer per layer instead of two (peak memory)
         probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
         probs = probs.div_(probs.sum(-1, keepdim=True))
-    if mask.stable is not None and mask.horizon is None:
-        probs = probs.mul_(allow)
+    if mask.stable is not None and mask.horizon is None:  # zeroed after the softmax, not renormalised
+        probs = probs * allow if probs.requires_grad else probs.mul_(allow)
     del scores
 
     if run.keep_graph:
