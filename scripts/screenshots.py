@@ -4,8 +4,8 @@ from pathlib import Path
 
 from appserver import ROOT, browser_page, running_app, wait_for_app
 
-PAGES = {"heatmaps": "", "sinks": "sinks", "shifting": "shifting", "compare": "compare", "designer": "designer",
-         "walkthrough": "walkthrough"}
+PAGES = {"heatmaps": "", "sinks": "sinks", "shifting": "shifting", "compare": "compare", "effects": "effects",
+         "designer": "designer", "walkthrough": "walkthrough"}
 
 
 def main() -> None:
@@ -14,6 +14,8 @@ def main() -> None:
     with running_app() as url, browser_page() as page:
         for name, path in PAGES.items():
             page.goto(f"{url}/{path}")
+            if name == "effects":  # computes on request: show the default perplexity comparison
+                page.get_by_role("button", name="Compute perplexity").click(timeout=180_000)
             wait_for_app(page)
             page.screenshot(path=str(out / f"{name}.png"), full_page=False)
             print(f"wrote {out / (name + '.png')}")
