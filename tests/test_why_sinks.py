@@ -205,3 +205,34 @@ def test_walkthrough_linformer_step_and_finite_entries():
         W.parse_matrix("1, nan\n2, 3", "Q")
     with pytest.raises(InputError, match="finite number"):
         W.parse_matrix("1, inf", "K")
+
+
+def test_byte_lru_evicts_by_bytes_not_count():
+    from attnviz.lru import ByteLRU, nbytes
+
+    cache = ByteLRU(budget=1000)
+    cache.put("a", np.zeros(50, dtype=np.float64))  # 400 bytes
+    cache.put("b", np.zeros(50, dtype=np.float64))
+    assert cache.get("a") is not None  # "a" is now the most recently used
+    cache.put("c", np.zeros(50, dtype=np.float64))  # 1200 > 1000: the least recently used ("b") leaves
+    assert "b" not in cache and "a" in cache and "c" in cache and cache.used == 800
+    assert not cache.put("huge", np.zeros(200, dtype=np.float64))  # over the whole budget: not kept
+    assert "huge" not in cache and len(cache) == 2
+    cap = capture(loaded("llama"), "how heavy is a capture?", "fwd")
+    arrays = sum(a.nbytes for a in cap.probs.values()) + sum(a.nbytes for a in cap.allowed.values())
+    assert arrays <= nbytes(cap) <= arrays + 64 * 1024 + cap.next_logprobs.nbytes
+
+
+def test_capture_cache_budget_from_the_environment(monkeypatch):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from ui.state import capture_budget
+
+    monkeypatch.setenv("ATTNVIZ_MEMORY_MB", "512")
+    assert capture_budget() == 512 * 2**20
+    monkeypatch.delenv("ATTNVIZ_MEMORY_MB")
+    import os
+
+    assert capture_budget() == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4

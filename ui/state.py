@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import streamlit as st
@@ -13,6 +12,7 @@ import streamlit as st
 from attnviz import arch as arch_mod
 from attnviz.capture import Capture, capture
 from attnviz.errors import AttnvizError
+from attnviz.lru import ByteLRU
 from attnviz.models import DEFAULT, LoadedModel, load
 from attnviz.residual import METHODS
 
@@ -48,9 +48,18 @@ def _models() -> dict:
     return {}
 
 
+def capture_budget() -> int:
+    """Bytes the shared capture cache may hold: ``ATTNVIZ_MEMORY_MB``, else a quarter of the
+    machine's memory. Bounded by bytes, not count: one 2,048-token capture weighs ~2.3 GB."""
+    mb = int(os.environ.get("ATTNVIZ_MEMORY_MB", "0") or 0)
+    if mb > 0:
+        return mb * 2**20
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+
+
 @st.cache_resource(show_spinner=False)
-def _captures() -> OrderedDict:
-    return OrderedDict()
+def _captures() -> ByteLRU:
+    return ByteLRU(capture_budget())
 
 
 @st.cache_resource(show_spinner=False)
@@ -107,10 +116,9 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
     hidden = hidden and not residual  # a variant's own layer loop records no hidden states
     key = (loaded.model_id, text, architecture.spec, hidden, extras, residual)
     store = _captures()
-    with _lock:
-        if key in store:
-            store.move_to_end(key)
-            return store[key]
+    found = store.get(key)
+    if found is not None:
+        return found
     bar = st.progress(0.0, text=f"Capturing {architecture.spec} …")
     start = time.perf_counter()
 
@@ -127,10 +135,7 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
         st.error(f"Capture: {err}")
         return None
     bar.empty()
-    with _lock:
-        store[key] = result
-        while len(store) > 12:
-            store.popitem(last=False)
+    store.put(key, result)  # least recently used captures leave first; one over the whole budget is not kept
     return result
 
 
