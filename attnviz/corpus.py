@@ -16,6 +16,7 @@ from pathlib import Path
 from .errors import InputError
 
 STDLIB = "stdlib"
+CHARS_PER_TOKEN_BOUND = 16  # no tokenizer we know packs more: tokenize only the prefix we need
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,17 @@ def from_text(text: str, name: str = "text") -> Corpus:
     if not documents:
         raise InputError(f"'{name}' is empty: give a text with some words")
     return Corpus(name, documents)
+
+
+def head_ids(tokenizer, text: str, n: int | None = None) -> list[int]:
+    """The ids of the first ``n`` tokens of ``text`` (all with ``n`` None), tokenizer defaults.
+
+    Only a prefix that surely holds n tokens is tokenized: the stdlib docs are ~465k characters and
+    evaluation, the probe and the dataset protocol each want a small head of them.
+    """
+    head = text[: n * CHARS_PER_TOKEN_BOUND] if n else text
+    ids = tokenizer(head, add_special_tokens=True, verbose=False)["input_ids"]
+    return list(ids[:n] if n else ids)
 
 
 def load(corpus: str | None = None, text_file: str | Path | None = None) -> Corpus:

@@ -24,13 +24,13 @@ import torch
 
 from . import arch as arch_mod
 from . import engine
+from .corpus import head_ids
 from .errors import InputError
 from .metrics import SINK_EPS
 from .models import LoadedModel
 
 UNITS = ("doc", "line")
 BATCH = 16
-CHARS_PER_TOKEN_BOUND = 16
 GU_PRESET = {"max_len": 64, "eps": 0.3}
 
 
@@ -46,11 +46,11 @@ def samples(loaded: LoadedModel, documents: Sequence[str], unit: str = "doc", ma
     texts = documents if unit == "doc" else [line.strip() for d in documents for line in d.splitlines() if line.strip()]
     out, skipped = [], 0
     for text in texts:
-        ids = loaded.tokenizer(text[: max_len * CHARS_PER_TOKEN_BOUND], add_special_tokens=True)["input_ids"][:max_len]
+        ids = head_ids(loaded.tokenizer, text, max_len)
         if len(ids) < 2:
             skipped += 1
             continue
-        out.append(list(ids))
+        out.append(ids)
         if n_samples and len(out) >= n_samples:
             break
     if not out:

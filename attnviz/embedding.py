@@ -19,12 +19,12 @@ import torch
 
 from . import arch as arch_mod
 from . import engine
+from .corpus import head_ids
 from .errors import InputError
 from .models import LoadedModel
 
 DEFAULT_M = 64
 BATCH = 32
-CHARS_PER_TOKEN_BOUND = 16
 
 Progress = Callable[[int, int], None]
 
@@ -51,7 +51,7 @@ def pairs(loaded: LoadedModel, documents: Sequence[str], m: int = DEFAULT_M,
         raise InputError(f"m must be at least 1, got {m}")
     queries, targets = [], []
     for doc in documents:
-        ids = loaded.tokenizer(doc[: 2 * m * CHARS_PER_TOKEN_BOUND], add_special_tokens=True)["input_ids"]
+        ids = head_ids(loaded.tokenizer, doc, 2 * m)
         if len(ids) >= 2 * m:
             queries.append(ids[:m])
             targets.append(ids[m:2 * m])

@@ -17,12 +17,12 @@ import torch
 
 from . import arch as arch_mod
 from . import engine
+from .corpus import head_ids
 from .errors import InputError
 from .models import LoadedModel
 
 DEFAULT_WINDOW = 512
 DEFAULT_MAX_TOKENS = 4096
-CHARS_PER_TOKEN_BOUND = 16  # no tokenizer we know packs more: tokenize only the prefix we need
 
 
 @dataclass
@@ -53,12 +53,10 @@ def token_ids(loaded: LoadedModel, text: str, max_tokens: int | None = None) -> 
         raise InputError("the text is empty: give a text or corpus with some words")
     if max_tokens is not None and max_tokens < 2:
         raise InputError(f"--max-tokens must be at least 2, got {max_tokens}")
-    head = text[: max_tokens * CHARS_PER_TOKEN_BOUND] if max_tokens else text
-    ids = loaded.tokenizer(head, add_special_tokens=True, verbose=False)["input_ids"]
-    ids = ids[:max_tokens] if max_tokens else ids
+    ids = head_ids(loaded.tokenizer, text, max_tokens)
     if len(ids) < 2:
         raise InputError(f"the text has {len(ids)} token(s); at least 2 are needed to predict one")
-    return list(ids)
+    return ids
 
 
 def windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:

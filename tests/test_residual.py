@@ -120,7 +120,7 @@ def test_finetune_changes_the_loss_saves_and_loads_back(tmp_path):
 
 
 class _SavingTokenizer:
-    def __call__(self, text, add_special_tokens=True):
+    def __call__(self, text, add_special_tokens=True, **kwargs):  # HF tokenizers take verbose= etc.
         return {"input_ids": [3 + (ord(c) % (VOCAB - 3)) for c in text]}
 
     def save_pretrained(self, directory):

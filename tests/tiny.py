@@ -54,7 +54,7 @@ def pair(kind: str, seed: int = 0):
 class CharTokenizer:
     """One token per character (ids 3..), enough for capture() on tiny models."""
 
-    def __call__(self, text, add_special_tokens=True):
+    def __call__(self, text, add_special_tokens=True, **kwargs):  # HF tokenizers take verbose= etc.
         return {"input_ids": [3 + (ord(c) % (VOCAB - 3)) for c in text]}
 
     def decode(self, ids):
