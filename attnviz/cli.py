@@ -70,13 +70,13 @@ def _progress(description: str):
     return bar, update
 
 
-def _load(args, check_input=None):
+def _load(args):
+    """The model; every handler reads its input first, so bad input fails before a model is loaded."""
     from huggingface_hub.utils import logging as hub_logging
 
     from .models import load
 
     hub_logging.set_verbosity_error()  # the one-line error below says it; no retry chatter
-    (check_input or _text)(args)  # bad input fails before a model is loaded
 
     return load(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
                 progress=lambda message: print(message, file=sys.stderr) if sys.stderr.isatty() else None)
@@ -118,8 +118,9 @@ def _sinks(args) -> dict:
         raise AttnvizError(f"--eps must be between 0 and 1, got {args.eps}")
     if args.corpus or args.per_doc or args.per_line:
         return _dataset_sinks(args)
+    text = _text(args)
     loaded = _load(args)
-    return sinks_report(capture(loaded, _text(args), args.arch, reduce=True, residual=args.residual), args.eps)
+    return sinks_report(capture(loaded, text, args.arch, reduce=True, residual=args.residual), args.eps)
 
 
 def _dataset_sinks(args) -> dict:
@@ -131,7 +132,7 @@ def _dataset_sinks(args) -> dict:
     if args.max_len < 2:
         raise AttnvizError(f"--max-len must be at least 2, got {args.max_len}")
     documents = _corpus(args).documents
-    loaded = _load(args, _corpus)
+    loaded = _load(args)
     bar, update = _progress(f"sinks {args.arch}")
     with bar:
         result = dataset.sinks(loaded, documents, args.arch, "line" if args.per_line else "doc", args.max_len,
@@ -142,9 +143,9 @@ def _dataset_sinks(args) -> dict:
 def _capture(args) -> dict:
     from .capture import capture
 
+    text = _text(args)
     loaded = _load(args)
-    result = capture(loaded, _text(args), args.arch, layers=args.layers, hidden_states=args.hidden,
-                     residual=args.residual)
+    result = capture(loaded, text, args.arch, layers=args.layers, hidden_states=args.hidden, residual=args.residual)
     path = result.save(args.out)
     return {"out": str(path), "model": result.meta["model"], "arch": result.arch,
             "n_tokens": result.n_tokens, "layers": result.layers,
@@ -154,9 +155,9 @@ def _capture(args) -> dict:
 def _eval(args) -> dict:
     from .evaluate import evaluate, token_ids
 
-    loaded = _load(args, _corpus)
-    arch_mod.resolve(args.arch, loaded.n_layers).require_causal("compute a perplexity")
-    ids = token_ids(loaded, _corpus(args).text, args.max_tokens)
+    text = _corpus(args).text
+    loaded = _load(args)
+    ids = token_ids(loaded, text, args.max_tokens)
     bar, update = _progress(f"eval {args.arch}")
     with bar:
         window = min(512, len(ids)) if args.window is None else args.window
@@ -174,7 +175,7 @@ def _embed(args) -> dict | None:
     if args.sweep is None and args.ks is not None:
         raise AttnvizError("--ks needs --sweep k")
     documents = _corpus(args).documents
-    loaded = _load(args, _corpus)
+    loaded = _load(args)
     bar, update = _progress(f"embed {args.arch}")
     with bar:
         if args.sweep is None:
@@ -192,9 +193,9 @@ def _stream(args) -> dict:
     policies = [parse_policy(p) for p in (args.policy or ["dense"])]
     if len(policies) > 1 and not args.compare:
         raise AttnvizError("several --policy values need --compare")
-    loaded = _load(args, _corpus)
-    arch_mod.resolve(args.arch, loaded.n_layers).require_causal("decode with a KV cache")
-    ids = token_ids(loaded, _corpus(args).text, args.max_tokens)
+    text = _corpus(args).text
+    loaded = _load(args)
+    ids = token_ids(loaded, text, args.max_tokens)
     for policy in policies:  # every policy is checked before the first one runs
         policy.check(loaded, len(ids))
     results = []
@@ -211,10 +212,11 @@ def _stream(args) -> dict:
 def _generate(args) -> dict:
     from .generate import generate
 
+    text = _text(args)
     loaded = _load(args)
     bar, update = _progress("generate")
     with bar:
-        result = generate(loaded, _text(args), args.arch, args.policy, args.max_new_tokens, record=set(),
+        result = generate(loaded, text, args.arch, args.policy, args.max_new_tokens, record=set(),
                           on_step=update)
     return {"model": loaded.model_id, "arch": result.arch, "policy": result.policy, "text": result.text,
             "new_ids": result.new_ids, "prompt_tokens": len(result.prompt_ids)}
@@ -229,9 +231,10 @@ def _linformer(args) -> dict:
         ks = [int(x) for x in args.ks.split(",") if x.strip()]
     except ValueError:
         raise AttnvizError(f"--ks must be whole numbers separated by commas, got '{args.ks}'") from None
+    text = _text(args)
     loaded = _load(args)
     layer = parse_layers(str(args.layer), loaded.n_layers)[0]
-    cap = capture(loaded, _text(args), args.arch, layers=[layer], qkv=True)
+    cap = capture(loaded, text, args.arch, layers=[layer], qkv=True)
     results = linformer.error_curve(cap.layer_qkv(layer), cap.allowed[layer],
                                     [linformer.check_k(k, cap.n_tokens) for k in ks], args.projection)
     return {"model": loaded.model_id, "arch": cap.arch, "layer": layer, "n_tokens": cap.n_tokens,
@@ -248,8 +251,9 @@ def _finetune(args) -> dict:
     if args.steps <= 0:
         raise AttnvizError(f"--steps must be positive, got {args.steps}")
     check_out(args.out)
-    loaded = _load(args, _corpus)
-    ids = token_ids(loaded, _corpus(args).text, args.max_tokens)
+    text = _corpus(args).text
+    loaded = _load(args)
+    ids = token_ids(loaded, text, args.max_tokens)
     bar, update = _progress(f"finetune {args.residual or 'baseline'}")
     with bar:
         result = finetune(loaded, ids, args.out, args.residual, args.arch, args.steps, args.seq_len, args.batch,
