@@ -277,18 +277,17 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
             engine.output_projection(module)
     options = dict(storage_dtype=storage_dtype, reducer=reducer, on_layer=on_layer, record_scores=scores,
                    record_value_norms=value_norms, record_qkv=qkv)
-    if variant is not None:
-        from types import SimpleNamespace
-
+    if variant is not None:  # its own layer loop: logits only, no hidden-state outputs
         with torch.no_grad():
             logits, run = residual_mod.forward(loaded.model, variant, input_ids, list(architecture.layers),
                                                set(record), **options)
-        output = SimpleNamespace(logits=logits, hidden_states=None)
+        layer_states = None
     else:
         output, run = engine.forward(loaded.model, input_ids, list(architecture.layers), set(record),
                                      output_hidden_states=hidden_states or activations, **options)
+        logits, layer_states = output.logits, output.hidden_states
     forward_s = time.perf_counter() - t0
-    logits = output.logits[0, -1].float()
+    logits = logits[0, -1].float()
     model_dtype = next(loaded.model.parameters()).dtype
     return Capture(
         text=text, tokens=tokens, token_ids=list(ids), arch=architecture.spec,
@@ -297,11 +296,11 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
         probs={l: run.probs[l][0].numpy() for l in run.probs},
         stats={l: run.reduced[l] for l in run.reduced},
         next_logprobs=torch.log_softmax(logits, -1).cpu().numpy(),
-        hidden=(torch.stack([h[0] for h in output.hidden_states]).to(torch.float16).cpu().numpy()
+        hidden=(torch.stack([h[0] for h in layer_states]).to(torch.float16).cpu().numpy()
                 if hidden_states else None),
         scores={l: run.scores[l][0].numpy() for l in run.scores},
         value_norm={l: run.value_norms[l][0].numpy() for l in run.value_norms},
-        activations=Activations.from_hidden(output.hidden_states) if activations else None,
+        activations=Activations.from_hidden(layer_states) if activations else None,
         qkv={l: QKV(q[0].numpy(), k[0].numpy(), v[0].numpy(), float(scale)) for l, (q, k, v, scale) in run.qkv.items()},
         timing={"forward_s": forward_s, "total_s": time.perf_counter() - started},
         meta={"model": loaded.model_id, "model_file": loaded.model_file, "dtype": str(model_dtype).replace("torch.", ""),
