@@ -1,5 +1,5 @@
-"""Slow computations for pages (evaluation, streaming, probes, generation): run once with a progress
-bar, kept for every session in a byte-budgeted LRU, errors shown as one message."""
+"""Slow computations for pages (captures, evaluation, streaming, probes, generation): run once with a
+progress bar, kept for every session in a byte-budgeted LRU, errors shown as one message."""
 
 from __future__ import annotations
 
@@ -22,13 +22,18 @@ def _results() -> ByteLRU:
 
 
 def cached(key: Hashable):
-    """The stored result for ``key``, or None."""
+    """The stored result for ``key`` in the pages' results cache, or None."""
     return _results().get(key)
 
 
-def run(key: Hashable, label: str, compute: Callable[[Callable[[int, int], None]], T]) -> T | None:
-    """``compute(progress)`` once per key; ``progress(done, total)`` moves a bar with elapsed time."""
-    found = cached(key)
+def run(key: Hashable, label: str, compute: Callable[[Callable[[int, int], None]], T],
+        store: ByteLRU | None = None) -> T | None:
+    """``compute(progress)`` once per key; ``progress(done, total)`` moves a bar with elapsed time.
+
+    ``store`` is the LRU to keep results in (default: the pages' results cache).
+    """
+    store = _results() if store is None else store  # not `or`: an empty ByteLRU is falsy
+    found = store.get(key)
     if found is not None:
         return found
     bar = st.progress(0.0, text=label)
@@ -45,5 +50,5 @@ def run(key: Hashable, label: str, compute: Callable[[Callable[[int, int], None]
         return None
     finally:
         bar.empty()
-    _results().put(key, result)
+    store.put(key, result)  # least recently used results leave first; one over the whole budget is not kept
     return result

@@ -15,6 +15,7 @@ from attnviz.errors import AttnvizError
 from attnviz.lru import ByteLRU
 from attnviz.models import DEFAULT, LoadedModel, load
 from attnviz.residual import METHODS
+from ui import jobs
 
 EXAMPLES = {
     "Lighthouse (English, 48 tokens)": (
@@ -115,28 +116,10 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
     extras = tuple(sorted(extras))
     hidden = hidden and not residual  # a variant's own layer loop records no hidden states
     key = (loaded.model_id, text, architecture.spec, hidden, extras, residual)
-    store = _captures()
-    found = store.get(key)
-    if found is not None:
-        return found
-    bar = st.progress(0.0, text=f"Capturing {architecture.spec} …")
-    start = time.perf_counter()
-
-    def on_layer(layer: int) -> None:
-        bar.progress((layer + 1) / loaded.n_layers,
-                     text=f"Capturing {architecture.spec}: layer {layer + 1}/{loaded.n_layers} "
-                          f"({time.perf_counter() - start:.1f} s)")
-
-    try:
-        result = capture(loaded, text, architecture, hidden_states=hidden, max_tokens=MAX_TOKENS, on_layer=on_layer,
-                         residual=residual, **{name: True for name in extras})
-    except AttnvizError as err:
-        bar.empty()
-        st.error(f"Capture: {err}")
-        return None
-    bar.empty()
-    store.put(key, result)  # least recently used captures leave first; one over the whole budget is not kept
-    return result
+    return jobs.run(key, f"Capturing {architecture.spec}", lambda progress: capture(
+        loaded, text, architecture, hidden_states=hidden, max_tokens=MAX_TOKENS, residual=residual,
+        on_layer=lambda layer: progress(layer + 1, loaded.n_layers), **{name: True for name in extras}),
+        store=_captures())
 
 
 def _arch_controls(n_layers: int) -> str:
