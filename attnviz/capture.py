@@ -75,6 +75,7 @@ class Capture:
     value_norm: dict[int, np.ndarray] = field(default_factory=dict)  # ||W_O^h v_j^h||, (H, n)
     activations: Activations | None = None
     qkv: dict[int, QKV] = field(default_factory=dict)  # kept in memory only (not saved: they are large)
+    query_tokens: list[str] | None = None  # row labels where queries are not the keys (cross-attention)
     timing: dict[str, float] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     _summaries: dict[int, dict[str, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
@@ -83,6 +84,11 @@ class Capture:
     @property
     def n_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def row_tokens(self) -> list[str]:
+        """The tokens down the rows of every map: the queries (the keys themselves in self-attention)."""
+        return self.tokens if self.query_tokens is None else self.query_tokens
 
     @property
     def n_heads(self) -> int:
@@ -162,6 +168,7 @@ class Capture:
             "format": FORMAT, "text": self.text, "tokens": self.tokens, "arch": self.arch,
             "layer_masks": self.layer_masks, "layers": self.layers, "kv_groups": self.kv_groups,
             "timing": self.timing, "meta": self.meta,
+            **({"query_tokens": self.query_tokens} if self.query_tokens is not None else {}),
         }
         arrays["header"] = np.array(json.dumps(header))
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -194,7 +201,7 @@ class Capture:
             value_norm={l: data[f"valuenorm_{l}"] for l in layers if f"valuenorm_{l}" in data.files},
             activations=(Activations(**{f.name: data[f"act_{f.name}"] for f in fields(Activations)})
                          if "act_norms" in data.files else None),
-            timing=header["timing"], meta=header["meta"],
+            timing=header["timing"], meta=header["meta"], query_tokens=header.get("query_tokens"),
         )
 
 

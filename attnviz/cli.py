@@ -145,11 +145,34 @@ def _capture(args) -> dict:
 
     text = _text(args)
     loaded = _load(args)
-    result = capture(loaded, text, args.arch, layers=args.layers, hidden_states=args.hidden, residual=args.residual)
+    if loaded.is_encoder_decoder or args.attention not in (None, "self"):
+        return _capture_seq2seq(args, loaded, text)
+    result = capture(loaded, text, args.arch or "fwd", layers=args.layers, hidden_states=args.hidden,
+                     residual=args.residual)
     path = result.save(args.out)
     return {"out": str(path), "model": result.meta["model"], "arch": result.arch,
             "n_tokens": result.n_tokens, "layers": result.layers,
             "forward_s": round(result.timing["forward_s"], 4)}
+
+
+def _capture_seq2seq(args, loaded, text) -> dict:
+    """Encoder-decoders: the three kinds (or the one asked for), one .npz each."""
+    from . import seq2seq
+
+    seq2seq.require(loaded)
+    if args.attention == "self":
+        raise AttnvizError("--attention self is for decoder-only models; choose encoder, decoder, cross or all")
+    bar, update = _progress("capture")
+    with bar:
+        result = seq2seq.capture_seq2seq(loaded, text, args.target, args.arch or seq2seq.STOCK_ENCODER,
+                                         on_layer=update)
+    kinds = list(seq2seq.KINDS) if args.attention in (None, "all") else [args.attention]
+    out = Path(args.out)
+    paths = {k: str(result.view(k).save(out if len(kinds) == 1 else out.with_name(f"{out.name.removesuffix('.npz')}.{k}.npz")))
+             for k in kinds}
+    return {"out": paths, "model": loaded.model_id, "encoder_arch": result.encoder.arch, "target": result.target,
+            "generated": result.generated, "n_source_tokens": result.encoder.n_tokens,
+            "n_target_tokens": result.decoder.n_tokens, "forward_s": round(result.encoder.timing["forward_s"], 4)}
 
 
 def _eval(args) -> dict:
@@ -308,6 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--layers", default=None, help="comma-separated layers to record (default: all)")
     cap.add_argument("--hidden", action="store_true", help="also keep hidden states")
     cap.add_argument("--residual", default=None, help="a seed-003 residual variant (method1 ... method4.2)")
+    cap.add_argument("--attention", choices=["self", "encoder", "decoder", "cross", "all"], default=None,
+                     help="encoder-decoder models: which attention to save (default all, one .npz each)")
+    cap.add_argument("--target", default=None,
+                     help="encoder-decoder models: the target text (default: the model's own greedy output)")
+    cap.set_defaults(arch=None)  # fwd for decoders; the stock bidir encoder for encoder-decoders
 
     ev = sub.add_parser("eval", help="perplexity and next-token accuracy (causal-compatible architectures)")
     model_args(ev, text=False)

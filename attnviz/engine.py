@@ -48,6 +48,7 @@ class Run:
     record_value_norms: bool = False  # keep ||W_O^h v_j^h|| of recorded layers (Kobayashi et al.)
     record_qkv: bool = False  # keep the recorded layers' queries, keys and values (Linformer what-if)
     keep_graph: bool = False  # keep every layer's fp32 probabilities, autograd graph and all (residual variants)
+    q_positions: torch.Tensor | None = None  # (B, n_q): query positions when queries are not the keys (cross-attention)
     probs: dict[int, torch.Tensor] = field(default_factory=dict)
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     value_norms: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -71,7 +72,7 @@ class Run:
         key = (id(mask), n_q, n_kv, window)
         if key not in self._allow_cache:
             kv_pos = self.positions[:, -n_kv:].to(device)
-            q_pos = kv_pos[:, -n_q:]
+            q_pos = self.query_positions(n_q, device)
             allow = mask.allow(q_pos[:, None, :, None], kv_pos[:, None, None, :])
             if window and mask.causal_type:
                 allow = allow & ((q_pos[:, None, :, None] - kv_pos[:, None, None, :]) < window)
@@ -79,11 +80,37 @@ class Run:
             self._allow_cache[key] = keep_self_if_empty(allow)
         return self._allow_cache[key]
 
+    def query_positions(self, n_q: int, device) -> torch.Tensor:
+        source = self.positions if self.q_positions is None else self.q_positions
+        return source[:, -n_q:].to(device)
+
+    def route(self, module) -> tuple["Run", int]:
+        """The run and layer index an attention module belongs to (see :class:`Stacks`)."""
+        return self, module.layer_idx
+
     def finish(self, layer: int, out: torch.Tensor) -> tuple[torch.Tensor, None]:
         """Report progress and return the attention output in the layout the models expect."""
         if self.on_layer:
             self.on_layer(layer)
         return out.transpose(1, 2).contiguous(), None
+
+
+@dataclass
+class Stacks:
+    """The runs of an encoder-decoder forward: one per attention kind ("encoder", "decoder",
+    "cross"), each attention module routed to its run and layer by identity, since T5 and BART
+    number the layers of every stack from 0."""
+
+    runs: dict[str, Run]
+    routes: dict[int, tuple[str, int]]  # id(module) -> (kind, layer)
+
+    def route(self, module) -> tuple[Run, int]:
+        try:
+            kind, layer = self.routes[id(module)]
+        except KeyError:
+            raise ModelLoadError(f"{type(module).__name__} is an attention module attnviz did not find when it "
+                                 "mapped this model's encoder and decoder") from None
+        return self.runs[kind], layer
 
 
 def _stock_eager(module) -> Callable:
@@ -107,21 +134,23 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
 
-    layer = module.layer_idx
+    run, layer = run.route(module)
     mask = run.masks[layer]
+    bias = kwargs.get("position_bias")  # T5's relative position bias: added to the scores
     batch, n_heads, n_q, dim = query.shape
     n_kv_heads, n_kv = key.shape[1], key.shape[2]
     group = n_heads // n_kv_heads
     scaling = dim ** -0.5 if scaling is None else scaling
     explicit = (layer in run.record or run.keep_graph or mask.stable is not None or softcap is not None
                 or s_aux is not None)
-    if not explicit and mask.name == "fwd" and not sliding_window and n_q == n_kv and run.unpadded:
+    if not explicit and mask.name == "fwd" and not sliding_window and n_q == n_kv and run.unpadded and bias is None:
         # plain causal: let SDPA pick its fused causal kernel instead of reading an n x n mask
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
         return run.finish(layer, out)
     allow = run.allow(layer, n_q, n_kv, sliding_window, query.device)
     if not explicit:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=allow, scale=scaling,
+        attn_mask = allow if bias is None else bias.to(query.dtype).masked_fill(~allow, float("-inf"))
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scaling,
                                              enable_gqa=group > 1)
         return run.finish(layer, out)
 
@@ -131,6 +160,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     scores = torch.matmul(q, key.transpose(-1, -2)).float().view(batch, n_heads, n_q, n_kv)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias.float()
     if run.record_scores and layer in run.record:
         run.scores[layer] = scores.to(run.storage_dtype, copy=True).cpu()  # copy: softmax below is in place
     if run.record_value_norms and layer in run.record:
@@ -139,7 +170,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         run.qkv[layer] = (query.float().cpu(), key.float().cpu(), value.float().cpu(), scaling)
     extra = []  # logits that take part in the softmax and are dropped after it
     kv_pos = run.positions[:, -n_kv:].to(query.device)
-    q_pos = kv_pos[:, -n_q:]
+    q_pos = run.query_positions(n_q, query.device)
     if mask.stable is not None and mask.horizon is None:  # StableMask: pseudo-logits on the future slots
         future = (kv_pos[:, None, None, :] > q_pos[:, None, :, None]) & run.valid[:, -n_kv:].to(query.device)[:, None, None, :]
         pseudo = mask.pseudo_logits(kv_pos[:, None, :], n_heads).to(query.device)  # (H, B, n_kv)
@@ -179,12 +210,12 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
 
 def output_projection(module) -> torch.Tensor:
     """The attention's output projection W_O as (hidden, heads * head_dim), or a clear refusal."""
-    for name in ("o_proj", "out_proj", "dense"):
+    for name in ("o_proj", "out_proj", "dense", "o"):
         proj = getattr(module, name, None)
         if isinstance(proj, torch.nn.Linear):
             return proj.weight
     raise ModelLoadError(
-        f"cannot read the output projection of {type(module).__name__} (no o_proj/out_proj/dense Linear), so the "
+        f"cannot read the output projection of {type(module).__name__} (no o_proj/out_proj/dense/o Linear), so the "
         "value-weighted view is not available for this model"
     )
 
@@ -219,16 +250,28 @@ AttentionMaskInterface.register(KEY, mask_builder)
 
 
 def prepare(model) -> None:
-    """Switch a model to the attnviz attention, refusing models whose attention bypasses it."""
+    """Switch a model to the attnviz attention, refusing models whose attention bypasses it.
+
+    Decoders must declare ``_supports_attention_backend``. T5, BART and Marian do not, but their
+    attention calls ``ALL_ATTENTION_FUNCTIONS.get_interface``, which transformers itself detects
+    (``_can_set_attn_implementation``); :mod:`attnviz.seq2seq` also checks that every attention
+    module was routed.
+    """
     if getattr(model.config, "_attn_implementation", None) == KEY:
+        return
+    if getattr(model.config, "is_encoder_decoder", False):
+        if not type(model)._can_set_attn_implementation():
+            raise ModelLoadError(
+                f"{type(model).__name__} ({model.config.model_type}) computes attention in its own code, not "
+                "through transformers' AttentionInterface, so attnviz cannot change or record its masks"
+            )
+        model.set_attn_implementation(KEY)
         return
     if not getattr(type(model), "_supports_attention_backend", False):
         raise ModelLoadError(
             f"{type(model).__name__} ({model.config.model_type}) computes attention in its own code, not "
             "through transformers' AttentionInterface, so attnviz cannot change or record its masks"
         )
-    if getattr(model.config, "is_encoder_decoder", False):
-        raise ModelLoadError("encoder-decoder models are not supported; choose a decoder-only LM")
     model.set_attn_implementation(KEY)
 
 
@@ -279,6 +322,9 @@ def make_run(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int]
 
     Code that runs the layers itself (residual variants) makes one and enters :func:`active`.
     """
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise InputError(f"{type(model).__name__} is an encoder-decoder model: this view takes decoder-only models "
+                         "(encoder-decoders are captured on the heatmaps page or with `attnviz capture`)")
     prepare(model)
     total = n_layers(model)
     if len(masks) != total:

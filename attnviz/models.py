@@ -51,6 +51,11 @@ class LoadedModel:
         return int(self.config.num_hidden_layers)
 
     @property
+    def is_encoder_decoder(self) -> bool:
+        """T5, BART, Marian ...: see :mod:`attnviz.seq2seq`; ``n_layers`` then counts encoder layers."""
+        return bool(getattr(self.model.config, "is_encoder_decoder", False))
+
+    @property
     def n_heads(self) -> int:
         return int(self.config.num_attention_heads)
 
@@ -162,8 +167,9 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
     Device defaults to CUDA when present; ``device_map="auto"`` is passed through for models that
     need more than one device. ``trust_remote_code`` stays off unless asked for.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
 
     from .engine import KEY, prepare
 
@@ -203,12 +209,15 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
         ) from err
     except ValueError as err:
         raise ModelLoadError(f"cannot load '{name}': {str(err).splitlines()[0]}") from err
-    if getattr(config, "is_encoder_decoder", False) or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ModelLoadError(
-            f"'{name}' is a {config.model_type} model, not a decoder language model (causal LM)"
-        )
-    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None) if not trust_remote_code else None
-    if model_class is not None and not getattr(model_class, "_supports_attention_backend", False):
+    seq2seq = bool(getattr(config, "is_encoder_decoder", False))
+    known = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES if seq2seq else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if config.model_type not in known:
+        kind = "an encoder-decoder without a generation head" if seq2seq else "not a decoder language model (causal LM)"
+        raise ModelLoadError(f"'{name}' is a {config.model_type} model, {kind}")
+    auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+    model_class = auto._model_mapping.get(type(config), None) if not trust_remote_code else None
+    if model_class is not None and not (model_class._can_set_attn_implementation() if seq2seq
+                                        else getattr(model_class, "_supports_attention_backend", False)):
         raise ModelLoadError(
             f"{model_class.__name__} ({config.model_type}) computes attention in its own code, not through "
             "transformers' AttentionInterface, so attnviz cannot change or record its masks"
@@ -219,7 +228,7 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
                       attn_implementation=KEY)
         if device_map:
             kwargs["device_map"] = device_map
-        lm = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        lm = auto.from_pretrained(source, **kwargs)
     except OSError as err:
         raise ModelLoadError(
             f"cannot load weights of '{name}': {str(err).splitlines()[0]} (attnviz loads only safetensors or GGUF)"
@@ -229,7 +238,7 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
     lm.eval()
     prepare(lm)
     variant = None
-    if Path(source).is_dir():
+    if Path(source).is_dir() and not seq2seq:
         from .residual import Variant
 
         variant = Variant.load(Path(source))

@@ -63,3 +63,51 @@ class CharTokenizer:
 
 def loaded(kind: str = "llama", seed: int = 0) -> LoadedModel:
     return LoadedModel(build(kind, "eager", seed), CharTokenizer(), f"tiny-{kind}", None, 0.0)
+
+
+# --- encoder-decoders (attnviz.seq2seq) ---------------------------------------------------------
+S2S_VOCAB = 128
+
+
+def char_tokenizer():
+    """A real fast tokenizer (one token per printable character, ``</s>`` appended) that saves with
+    ``save_pretrained`` and loads back with ``AutoTokenizer``, like a Hub one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{chr(c): c - 29 for c in range(32, 127)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+def seq2seq_config(kind: str):
+    from transformers import BartConfig, T5Config
+
+    if kind == "t5":
+        return T5Config(vocab_size=S2S_VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                        num_heads=4, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return BartConfig(vocab_size=S2S_VOCAB, d_model=32, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+                      decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128,
+                      pad_token_id=0, eos_token_id=1, bos_token_id=1, decoder_start_token_id=1,
+                      forced_eos_token_id=None)
+
+
+S2S = ("t5", "bart")
+
+
+def seq2seq_pair(kind: str, seed: int = 0):
+    """The same random encoder-decoder twice: stock eager, and a copy attnviz will switch over."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    models = []
+    for _ in range(2):
+        torch.manual_seed(seed)
+        models.append(AutoModelForSeq2SeqLM.from_config(seq2seq_config(kind), attn_implementation="eager").eval())
+    models[1].load_state_dict(models[0].state_dict())
+    return models
+
+
+def seq2seq_loaded(kind: str = "t5", seed: int = 0) -> LoadedModel:
+    return LoadedModel(seq2seq_pair(kind, seed)[1], char_tokenizer(), f"tiny-{kind}", None, 0.0)

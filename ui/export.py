@@ -37,6 +37,7 @@ def data_downloads(cap, key: str) -> None:
         c1, c2 = st.columns(2)
         c1.download_button("Capture (.npz)", lambda: export.capture_bytes(cap), file_name=export.filename(meta, "npz"),
                            key=f"{key}_npz", mime="application/octet-stream")
-        c2.download_button("Metrics (.csv)", lambda: export.csv_bytes(export.metrics_frame(cap)),
-                           file_name=export.filename({**meta, "figure": "metrics"}, "csv"), key=f"{key}_csv",
-                           mime="text/csv")
+        if cap.query_tokens is None:  # sink metrics are defined for self-attention maps
+            c2.download_button("Metrics (.csv)", lambda: export.csv_bytes(export.metrics_frame(cap)),
+                               file_name=export.filename({**meta, "figure": "metrics"}, "csv"), key=f"{key}_csv",
+                               mime="text/csv")

@@ -122,6 +122,23 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
         store=_captures())
 
 
+def get_seq2seq_capture(loaded: LoadedModel, source: str, target: str, spec: str):
+    """An encoder-decoder's three kinds of attention (attnviz.seq2seq), cached like captures."""
+    from attnviz import seq2seq
+
+    n_enc = len(seq2seq.attention_stacks(loaded.model)["encoder"])
+    try:
+        architecture = arch_mod.parse(spec, n_enc)
+    except AttnvizError as err:
+        st.error(f"Encoder architecture: {err}")
+        return None
+    key = ("seq2seq", loaded.model_id, source, target.strip(), architecture.spec)
+    return jobs.run(key, f"Capturing encoder ({architecture.spec}), decoder and cross-attention",
+                    lambda progress: seq2seq.capture_seq2seq(loaded, source, target, architecture,
+                                                             max_tokens=MAX_TOKENS, on_layer=progress),
+                    store=_captures())
+
+
 def _arch_controls(n_layers: int) -> str:
     if "arch_apply" in st.session_state:  # set by the mask designer's "Use this architecture"
         st.session_state["arch_pick"] = "Advanced (string)"
@@ -213,5 +230,9 @@ def current_capture(settings: Settings, loaded: LoadedModel | None, spec: str | 
         return None
     if not settings.text.strip():
         st.warning("The text is empty: type something in the sidebar or pick an example.")
+        return None
+    if loaded.is_encoder_decoder:
+        st.error(f"{loaded.model_id} is an encoder-decoder model: this page takes decoder-only models. Its encoder, "
+                 "decoder and cross-attention are on the Heatmaps page.")
         return None
     return get_capture(loaded, settings.text, spec or settings.arch, extras=extras, residual=settings.residual)

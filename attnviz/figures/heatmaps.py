@@ -73,12 +73,16 @@ def heatmap(cap: Capture, layer: int, head: int | None = None, log: bool = False
     suffix = {"weight": "", "value": " · value-weighted", "logits": " · pre-softmax", "rollout": ""}[mode]
     title = title or f"layer {layer} · {cap.layer_masks[layer]} · {shown}{suffix}"
     layout(fig, title, height=560, masked_bg=True)
-    fig.update_xaxes(title_text="key", side="bottom", **token_axis(cap.tokens), constrain="domain")
-    fig.update_yaxes(title_text="query", autorange="reversed", scaleanchor="x", **token_axis(cap.tokens))
-    if cap.n_tokens <= 96:
-        labels = np.array(cap.tokens, dtype=object)
+    cross = cap.query_tokens is not None  # cross-attention: target tokens down, source tokens across
+    fig.update_xaxes(title_text="source (key)" if cross else "key", side="bottom", **token_axis(cap.tokens),
+                     constrain="domain")
+    fig.update_yaxes(title_text="target (query)" if cross else "query", autorange="reversed", scaleanchor="x",
+                     **token_axis(cap.row_tokens))
+    rows = cap.row_tokens
+    if max(len(rows), cap.n_tokens) <= 96:
+        cols = cap.tokens
         fig.data[0].update(
-            text=[[f"{labels[i]!r} → {labels[j]!r}" for j in range(cap.n_tokens)] for i in range(cap.n_tokens)],
+            text=[[f"{rows[i]!r} → {cols[j]!r}" for j in range(len(cols))] for i in range(len(rows))],
             hovertemplate="%{text}<br>query %{y}, key %{x}<br>"
                           + HOVER[mode] + " = %{customdata:.4f}<extra></extra>")
     return fig

@@ -46,13 +46,13 @@ def grey_under(fig: go.Figure, row: int, col: int) -> None:
 
 
 def max_pool(values: np.ndarray, size: int) -> np.ndarray:
-    """Max-pool a square matrix to at most ``size`` a side (NaN-aware: a block is NaN only if all are)."""
-    n = values.shape[0]
-    factor = int(np.ceil(n / size))
+    """Max-pool a matrix to at most ``size`` a side, one factor for both axes so cells stay square
+    (NaN-aware: a block is NaN only if all are). Max, not mean: a sink column survives pooling."""
+    factor = int(np.ceil(max(values.shape) / size))
     if factor <= 1:
         return values
-    pad = factor * int(np.ceil(n / factor)) - n
-    padded = np.pad(values, ((0, pad), (0, pad)), constant_values=np.nan)
+    pads = [factor * int(np.ceil(n / factor)) - n for n in values.shape]
+    padded = np.pad(values, ((0, pads[0]), (0, pads[1])), constant_values=np.nan)
     blocks = padded.reshape(padded.shape[0] // factor, factor, padded.shape[1] // factor, factor)
     with np.errstate(all="ignore"):
         import warnings
