@@ -21,6 +21,7 @@ from . import arch as arch_mod
 from . import engine, metrics
 from .errors import AttnvizError, InputError
 from .models import LoadedModel
+from .reduce import Summaries
 
 FORMAT = "attnviz-capture/1"
 TOP_ACTIVATIONS = 8
@@ -251,7 +252,7 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
             reduce: bool = False, storage_dtype: torch.dtype = torch.float16,
             hidden_states: bool = False, max_tokens: int | None = None, on_layer=None,
             scores: bool = False, value_norms: bool = False, activations: bool = False,
-            qkv: bool = False, residual: str | None = None) -> Capture:
+            qkv: bool = False, residual: str | None = None, block_bytes: int | None = None) -> Capture:
     """Run ``text`` through the model under ``arch`` and record attention.
 
     ``layers`` picks the recorded layers (the others run through SDPA); ``reduce=True`` keeps only
@@ -273,16 +274,14 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
     ids, tokens = tokenize(loaded, text, max_tokens)
     input_ids = torch.tensor([ids])
 
-    reducer = None
-    if reduce:
-        def reducer(layer, probs, allow):
-            return metrics.summarise(probs[0].float().cpu().numpy(), allow[0, 0].cpu().numpy(), tokens)
+    reducer = Summaries(tokens) if reduce else None  # statistics block by block, never a full map
 
     t0 = time.perf_counter()
     if value_norms:  # refuse before running: the model's output projection must be readable
         for module in engine.attention_modules(loaded.model)[:1]:
             engine.output_projection(module)
     options = dict(storage_dtype=storage_dtype, reducer=reducer, on_layer=on_layer, record_scores=scores,
+                   **({} if block_bytes is None else {"block_bytes": block_bytes}),
                    record_value_norms=value_norms, record_qkv=qkv)
     if variant is not None:  # its own layer loop: logits only, no hidden-state outputs
         with torch.no_grad():
@@ -291,7 +290,8 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
         layer_states = None
     else:
         output, run = engine.forward(loaded.model, input_ids, list(architecture.layers), set(record),
-                                     output_hidden_states=hidden_states or activations, **options)
+                                     output_hidden_states=hidden_states or activations, last_logits_only=True,
+                                     **options)
         logits, layer_states = output.logits, output.hidden_states
     forward_s = time.perf_counter() - t0
     logits = logits[0, -1].float()

@@ -11,6 +11,7 @@ as stock (SDPA, or the model's own eager function where SDPA cannot express it).
 from __future__ import annotations
 
 import contextvars
+import inspect
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ class Run:
     live: dict[int, torch.Tensor] = field(default_factory=dict)  # keep_graph: (B, H, n_q, n_kv) on the device
     allowed: dict[int, torch.Tensor] = field(default_factory=dict)
     reduced: dict[int, object] = field(default_factory=dict)
+    block_bytes: int = 64 * 2**20  # fp32 scores of one query block of a recorded layer (issue 8: O(block x n))
     _allow_cache: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -79,6 +81,10 @@ class Run:
             allow = allow & self.valid[:, -n_kv:].to(device)[:, None, None, :]
             self._allow_cache[key] = keep_self_if_empty(allow)
         return self._allow_cache[key]
+
+    def block_rows(self, row_elements: int) -> int:
+        """Query rows per block so that a block's fp32 scores stay within ``block_bytes``."""
+        return max(1, self.block_bytes // (4 * max(row_elements, 1)))
 
     def query_positions(self, n_q: int, device) -> torch.Tensor:
         source = self.positions if self.q_positions is None else self.q_positions
@@ -154,8 +160,65 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                                              enable_gqa=group > 1)
         return run.finish(layer, out)
 
+    if run.record_value_norms and layer in run.record:
+        run.value_norms[layer] = value_norms(module, value, n_heads).cpu()
+    if run.record_qkv and layer in run.record:
+        run.qkv[layer] = (query.float().cpu(), key.float().cpu(), value.float().cpu(), scaling)
+    kv_pos = run.positions[:, -n_kv:].to(query.device)
+    q_pos = run.query_positions(n_q, query.device)
+    recorded = layer in run.record
+    streamed = recorded and hasattr(run.reducer, "add")  # a block reducer: statistics without full maps
+    rows = n_q if run.keep_graph or torch.is_grad_enabled() or (recorded and run.reducer is not None and not streamed) \
+        else run.block_rows(batch * n_heads * n_kv)
+    if recorded and run.reducer is None:  # full maps, filled block by block
+        run.probs[layer] = torch.zeros(batch, n_heads, n_q, n_kv, dtype=run.storage_dtype)
+        if run.record_scores:
+            run.scores[layer] = torch.empty(batch, n_heads, n_q, n_kv, dtype=run.storage_dtype)
+    # Each block computes only the keys some of its rows may see (half the work under a causal mask).
+    # Not under StableMask (its pseudo-slots sit on forbidden keys) nor when scores are kept whole.
+    narrow = mask.stable is None and not run.record_scores and not run.keep_graph and (streamed or run.reducer is None)
+    outs = []
+    for q0 in range(0, n_q, rows):
+        q1 = min(q0 + rows, n_q)
+        block_allow = allow[:, :, q0:q1]
+        k0, k1 = _key_range(block_allow) if narrow else (0, n_kv)
+        block_allow = block_allow[..., k0:k1]
+        probs = _block_probs(run, layer, mask, query[:, :, q0:q1], key[:, :, k0:k1], scaling, block_allow,
+                             None if bias is None else bias[:, :, q0:q1, k0:k1], softcap, s_aux, q_pos[:, q0:q1],
+                             kv_pos[:, k0:k1], q0)
+        if run.keep_graph:
+            run.live[layer] = probs
+        if streamed:
+            run.reducer.add(layer, q0, probs, block_allow, n_q=n_q, k0=k0, n_kv=n_kv)
+        elif recorded and run.reducer is not None:
+            run.reduced[layer] = run.reducer(layer, probs, allow)
+        elif recorded:
+            run.probs[layer][:, :, q0:q1, k0:k1] = probs.cpu()
+        b = q1 - q0
+        out = torch.matmul(probs.to(value.dtype).view(batch, n_kv_heads, group * b, k1 - k0), value[:, :, k0:k1])
+        outs.append(out.view(batch, n_heads, b, -1))
+        del probs
+    if streamed:
+        run.reduced[layer] = run.reducer.finish(layer)
+    if recorded:
+        run.allowed[layer] = allow
+    return run.finish(layer, outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))
+
+
+def _key_range(allow: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) of the keys any row of a (B, 1, b, n_kv) allow block may see."""
+    cols = allow.any(dim=2).any(dim=0)[0].nonzero()
+    return (int(cols[0]), int(cols[-1]) + 1) if len(cols) else (0, allow.shape[-1])
+
+
+def _block_probs(run: Run, layer: int, mask: Mask, query, key, scaling, allow, bias, softcap, s_aux, q_pos, kv_pos,
+                 q0: int) -> torch.Tensor:
+    """(B, H, b, n_kv) fp32 probabilities of one block of b query rows (every row sees every key)."""
+    batch, n_heads, n_q, dim = query.shape
+    n_kv_heads, n_kv = key.shape[1], key.shape[2]
+    group = n_heads // n_kv_heads
     # GQA without repeating keys: fold each KV group's query heads into the query axis.
-    # Scaling q (n x d) instead of the scores (n x n) saves a full pass over the largest tensor.
+    # Scaling q (b x d) instead of the scores (b x n) saves a full pass over the largest tensor.
     q = (query * scaling).reshape(batch, n_kv_heads, group * n_q, dim)
     scores = torch.matmul(q, key.transpose(-1, -2)).float().view(batch, n_heads, n_q, n_kv)
     if softcap is not None:
@@ -163,14 +226,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     if bias is not None:
         scores = scores + bias.float()
     if run.record_scores and layer in run.record:
-        run.scores[layer] = scores.to(run.storage_dtype, copy=True).cpu()  # copy: softmax below is in place
-    if run.record_value_norms and layer in run.record:
-        run.value_norms[layer] = value_norms(module, value, n_heads).cpu()
-    if run.record_qkv and layer in run.record:
-        run.qkv[layer] = (query.float().cpu(), key.float().cpu(), value.float().cpu(), scaling)
+        run.scores[layer][:, :, q0:q0 + n_q] = scores.to(run.storage_dtype).cpu()
     extra = []  # logits that take part in the softmax and are dropped after it
-    kv_pos = run.positions[:, -n_kv:].to(query.device)
-    q_pos = run.query_positions(n_q, query.device)
     if mask.stable is not None and mask.horizon is None:  # StableMask: pseudo-logits on the future slots
         future = (kv_pos[:, None, None, :] > q_pos[:, None, :, None]) & run.valid[:, -n_kv:].to(query.device)[:, None, None, :]
         pseudo = mask.pseudo_logits(kv_pos[:, None, :], n_heads).to(query.device)  # (H, B, n_kv)
@@ -188,24 +245,12 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         probs = torch.softmax(scores, dim=-1)[..., :n_kv]
     elif torch.is_grad_enabled() and scores.requires_grad:  # training: autograd needs the out-of-place softmax
         probs = torch.softmax(scores, dim=-1)
-    else:  # softmax in place: one n x n fp32 buffer per layer instead of two (peak memory)
+    else:  # softmax in place: one b x n fp32 buffer instead of two (peak memory)
         probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
         probs = probs.div_(probs.sum(-1, keepdim=True))
     if mask.stable is not None and mask.horizon is None:  # zeroed after the softmax, not renormalised
         probs = probs * allow if probs.requires_grad else probs.mul_(allow)
-    del scores
-
-    if run.keep_graph:
-        run.live[layer] = probs
-    if layer in run.record:
-        if run.reducer is not None:
-            run.reduced[layer] = run.reducer(layer, probs, allow)
-        else:
-            run.probs[layer] = probs.to(run.storage_dtype).cpu()
-        run.allowed[layer] = allow
-
-    out = torch.matmul(probs.to(value.dtype).view(batch, n_kv_heads, group * n_q, n_kv), value)
-    return run.finish(layer, out.view(batch, n_heads, n_q, -1))
+    return probs
 
 
 def output_projection(module) -> torch.Tensor:
@@ -284,7 +329,8 @@ def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] 
             attention_mask: torch.Tensor | None = None, storage_dtype=torch.float16,
             reducer=None, output_hidden_states: bool = False, on_layer=None,
             past_key_values=None, kv_positions: torch.Tensor | None = None, lm_head: bool = True,
-            record_scores: bool = False, record_value_norms: bool = False, record_qkv: bool = False):
+            record_scores: bool = False, record_value_norms: bool = False, record_qkv: bool = False,
+            block_bytes: int | None = None, last_logits_only: bool = False):
     """One forward pass under per-layer ``masks``; returns ``(model_output, run)``.
 
     ``record`` is the set of layers whose probabilities are kept (default: all). With ``reducer``,
@@ -298,20 +344,27 @@ def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] 
     base model (``last_hidden_state``, after the final norm) and skips the vocabulary projection.
     ``record_scores`` / ``record_value_norms`` also keep, for recorded layers, the pre-softmax scores
     and the value-output norms (only when asked: they cost memory the default capture does not pay).
+    Recorded layers compute their softmax in blocks of query rows whose fp32 scores take at most
+    ``block_bytes`` (default 64 MB); a reducer with ``add``/``finish`` (:mod:`attnviz.reduce`) is fed
+    block by block, so no layer's full map ever exists. ``last_logits_only`` projects only the last
+    position onto the vocabulary (``logits_to_keep=1``: 800 MB less at 4,096 tokens on a 49k vocabulary).
     """
+    extra = {} if block_bytes is None else {"block_bytes": block_bytes}
     run = make_run(model, input_ids, masks, record, attention_mask, kv_positions, storage_dtype=storage_dtype,
                    reducer=reducer, on_layer=on_layer, record_scores=record_scores,
-                   record_value_norms=record_value_norms, record_qkv=record_qkv)
+                   record_value_norms=record_value_norms, record_qkv=record_qkv, **extra)
     cached = past_key_values is not None
     if cached != (kv_positions is not None):
         raise ValueError("a cached forward takes past_key_values and kv_positions together")
     new_positions = run.positions[:, -input_ids.shape[1]:] if cached else run.positions
+    target = model if lm_head else model.base_model
+    keep = {"logits_to_keep": 1} if last_logits_only and lm_head and "logits_to_keep" in inspect.signature(
+        model.forward).parameters else {}
     with active(run):
-        target = model if lm_head else model.base_model
         output = target(input_ids=input_ids.to(model.device), position_ids=new_positions.to(model.device),
                         attention_mask=None if cached else run.valid.long().to(model.device),
                         past_key_values=past_key_values, use_cache=cached,
-                        output_hidden_states=output_hidden_states)
+                        output_hidden_states=output_hidden_states, **keep)
     return output, run
 
 

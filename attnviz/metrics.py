@@ -151,13 +151,13 @@ def rollout(maps) -> np.ndarray:
 
 def summarise(probs, allowed, tokens: list[str] | None = None) -> dict[str, np.ndarray]:
     """Per-layer statistics, O(H·n) memory: kept instead of full maps when a capture is reduced, and
-    computed in one pass over a layer (one fp16 → fp32 conversion) when figures need several."""
-    probs = _f32(probs)
-    extra = {"allocation": allocation(probs, tokens)} if tokens is not None else {}
-    return {**extra,
-        "alpha": alpha(probs, allowed),
-        "column_mean": column_mean(probs),
-        "key0": key_profile(probs, allowed, 0),
-        "discarded": discarded_mass(probs),
-        "entropy": entropy(probs, allowed, normalised=True),
-    }
+    computed in one pass over a layer when figures need several. The engine streams the same
+    accumulator block by block (:mod:`attnviz.reduce`); here it gets the whole layer as one block."""
+    import torch
+
+    from .reduce import LayerSummary
+
+    probs = torch.from_numpy(_f32(probs))
+    summary = LayerSummary(probs.shape[0], probs.shape[1], probs.shape[2], tokens)
+    summary.add(0, probs, torch.from_numpy(np.asarray(allowed, dtype=bool)))
+    return summary.result()

@@ -1,6 +1,6 @@
 """Fine-tune the baseline and every residual method with the same settings, then print the table.
 
-    .venv/bin/python scripts/residual_runs.py [--steps 25] [--out ~/.cache/attnviz/finetune]
+    .venv/bin/python scripts/residual_runs.py [--steps 25] [--out ~/.cache/attnviz/finetune] [--only method3.1,...]
 
 Each run starts from the default model, uses the same seed, batches, schedule and held-out split
 (SPEC §5; `attnviz finetune`), and writes OUT/NAME with its metrics.json, which the Effects page's
@@ -29,8 +29,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--max-tokens", type=int, default=12_000)
     parser.add_argument("--out", default=str(cache_dir() / "finetune"))
+    parser.add_argument("--only", default=None, help="comma-separated runs, e.g. baseline,method3.1 (default: all)")
     args = parser.parse_args()
-    for name in (None, *METHODS):
+    names = [None, *METHODS]
+    if args.only:
+        names = [None if n == "baseline" else n for n in args.only.split(",")]
+    for name in names:
         lm = load("default")  # a fresh copy of the pretrained weights for every run
         ids = token_ids(lm, corpus.stdlib().text, args.max_tokens)
         result = finetune(lm, ids, Path(args.out) / (name or "baseline"), name, steps=args.steps,

@@ -1,0 +1,102 @@
+"""Per-layer statistics accumulated one block of query rows at a time (issue 8 §1).
+
+Every statistic of :func:`metrics.summarise` is a sum over query rows (column sums → alpha, column
+mean) or a value per row (key-0 profile, entropy, discarded mass, allocation), so the engine can
+hand a layer over in blocks of rows and never hold the (H, n, n) fp32 map: the working set is
+O(H · block · n). :func:`metrics.summarise` itself is this accumulator fed with one block, so the
+streamed and the whole-matrix statistics are one implementation; the tests check it against the
+plain numpy definitions in :mod:`attnviz.metrics`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import metrics
+
+
+class LayerSummary:
+    """Accumulates one layer's statistics from ``add(q0, probs, allow)`` calls covering every query row."""
+
+    def __init__(self, n_heads: int, n_q: int, n_kv: int, tokens: list[str] | None = None):
+        self.n_q, self.n_kv = n_q, n_kv
+        self.masked_sum = torch.zeros(n_heads, n_kv, dtype=torch.float64)  # sum_i allowed[i,k] A[i,k]
+        self.plain_sum = torch.zeros(n_heads, n_kv, dtype=torch.float64)  # sum_i A[i,k]
+        self.counts = torch.zeros(n_kv, dtype=torch.float64)  # queries allowed to see k
+        self.self_seen = torch.zeros(n_kv, dtype=torch.float64)  # 1 where k's own query sees k
+        self.key0 = torch.full((n_heads, n_q), float("nan"))
+        self.discarded = torch.zeros(n_heads, n_q)
+        self.entropy = torch.zeros(n_heads, n_q)
+        self.delim = None
+        if tokens is not None:
+            delim = torch.tensor([metrics.is_delimiter(t) for t in tokens], dtype=torch.float32)
+            delim[0] = 0.0  # the first token counts as first
+            self.delim = delim
+            self.allocation = torch.zeros(n_heads, n_q, len(metrics.ALLOCATION_PARTS))
+
+    def add(self, q0: int, probs: torch.Tensor, allow: torch.Tensor, k0: int = 0, zero_outside: bool = False) -> None:
+        """``probs`` (H, b, w) fp32 and ``allow`` (b, w) bool for queries q0 .. q0 + b - 1 and keys
+        k0 .. k0 + w - 1; keys outside that range are forbidden to these rows and get nothing.
+        ``zero_outside``: probs are exactly 0 wherever ``allow`` is False (as the engine's are), so
+        the allowed-only column sum is the plain one and costs no extra pass."""
+        probs = probs.float().cpu()
+        allow = allow.cpu()
+        b, w = probs.shape[1], probs.shape[2]
+        rows, cols = slice(q0, q0 + b), slice(k0, k0 + w)
+        column = probs.sum(1).double()
+        self.plain_sum[:, cols] += column
+        self.masked_sum[:, cols] += column if zero_outside else (probs * allow).sum(1).double()
+        self.counts[cols] += allow.sum(0).double()
+        index = torch.arange(b)
+        on_diag = (q0 + index >= k0) & (q0 + index < k0 + w)
+        diag_cols = (q0 + index)[on_diag] - k0  # within the block's key range
+        self.self_seen[diag_cols + k0] = allow[index[on_diag], diag_cols].double()
+        if k0 == 0:
+            self.key0[:, rows] = torch.where(allow[:, 0][None, :], probs[:, :, 0], float("nan"))
+        rowsum = probs.sum(-1)
+        self.discarded[:, rows] = (1.0 - rowsum).clamp(min=0.0)
+        h = -torch.special.xlogy(probs, probs).sum(-1)
+        norm = torch.log(allow.sum(-1).clamp(min=1).float())[None, :]
+        self.entropy[:, rows] = torch.where(norm > 0, h / torch.where(norm > 0, norm, 1.0), 0.0)
+        if self.delim is not None:
+            diagonal = torch.zeros(probs.shape[0], b)
+            diagonal[:, on_diag] = probs[:, index[on_diag], diag_cols]
+            if q0 == 0:
+                diagonal[:, 0] = 0.0  # query 0's own key is the first token
+            first = probs[:, :, 0] if k0 == 0 else torch.zeros(probs.shape[0], b)
+            delim_q = torch.zeros(b)
+            delim_q[on_diag] = self.delim[diag_cols + k0]
+            delimiter = probs @ self.delim[cols] - diagonal * delim_q[None, :]
+            other = rowsum - first - diagonal - delimiter
+            self.allocation[:, rows] = torch.stack([first, delimiter, diagonal, other, (1.0 - rowsum).clamp(min=0.0)],
+                                                   dim=-1)
+
+    def result(self) -> dict[str, np.ndarray]:
+        others = self.counts - self.self_seen
+        alpha = torch.where(others > 0, self.masked_sum / self.counts.clamp(min=1), float("nan"))
+        out = {"alpha": alpha.float().numpy(), "column_mean": (self.plain_sum / self.n_q).float().numpy(),
+               "key0": self.key0.numpy(), "discarded": self.discarded.numpy(), "entropy": self.entropy.numpy()}
+        if self.delim is not None:
+            out = {"allocation": self.allocation.numpy(), **out}
+        return out
+
+
+class Summaries:
+    """The engine's block reducer for ``capture(reduce=True)``: one :class:`LayerSummary` per layer
+    (batch of one), started on a layer's first block and finished after its last."""
+
+    def __init__(self, tokens: list[str] | None = None):
+        self.tokens = tokens
+        self.layers: dict[int, LayerSummary] = {}
+
+    def add(self, layer: int, q0: int, probs: torch.Tensor, allow: torch.Tensor, n_q: int, k0: int = 0,
+            n_kv: int | None = None) -> None:
+        """``probs`` (B, H, b, w) and ``allow`` (B, 1, b, w) of queries q0 .. q0 + b - 1 (of n_q) and keys
+        k0 .. k0 + w - 1 (of n_kv); batch row 0."""
+        if layer not in self.layers:
+            self.layers[layer] = LayerSummary(probs.shape[1], n_q, n_kv or probs.shape[-1], self.tokens)
+        self.layers[layer].add(q0, probs[0], allow[0, 0], k0, zero_outside=True)
+
+    def finish(self, layer: int) -> dict[str, np.ndarray]:
+        return self.layers.pop(layer).result()
