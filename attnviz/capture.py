@@ -106,6 +106,23 @@ class Capture:
             raise AttnvizError(f"no attention map for layer {layer}: {why} (recorded: {self.layers})")
         return self.probs[layer].astype(np.float32)
 
+    def pool_factor(self, layer: int) -> int:
+        """1 for full maps; f for a long capture's max-pooled maps (one cell per f × f tokens)."""
+        if layer in self.probs or "pool_factor" not in self.stats.get(layer, {}):
+            return 1
+        return int(self.stats[layer]["pool_factor"])
+
+    def layer_view(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """((H, m, m') values, (m, m') allowed) of a layer: the full maps, or a long capture's
+        max-pooled ones (``capture(pool=...)``), whichever this capture kept."""
+        if layer in self.probs:
+            return self.layer_probs(layer), self.allowed[layer]
+        pooled = self.stats.get(layer, {}).get("pooled")
+        if pooled is None:
+            self.layer_probs(layer)  # raises the reason
+        pooled = pooled.astype(np.float32)
+        return pooled, ~np.isnan(pooled[0])
+
     def _recorded(self, store: dict, layer: int, what: str, flag: str) -> np.ndarray:
         if layer not in store:
             raise AttnvizError(f"no {what} for layer {layer}: capture with {flag}=True (recorded layers: {self.layers})")
@@ -239,6 +256,25 @@ def tokenize(loaded: LoadedModel, text: str, max_tokens: int | None = None) -> t
     return ids, [loaded.tokenizer.decode([i]) for i in ids]
 
 
+def estimate_bytes(loaded: LoadedModel, n_tokens: int, layers: int | None = None, reduce: bool = False,
+                   pool: int | None = None, hidden_states: bool = False) -> int:
+    """What a capture of ``n_tokens`` will hold (as :func:`attnviz.lru.nbytes` counts it), before it runs.
+
+    Full maps: fp16 (H, n, n) per recorded layer plus one n × n allow-set per mask; statistics only
+    (``reduce``): about 12 floats per head and token per layer, plus the pooled maps.
+    """
+    n, heads = int(n_tokens), loaded.n_heads
+    count = loaded.n_layers if layers is None else int(layers)
+    masks = min(count, 4) * n * n  # allow-sets: one per distinct mask, rarely more than a few
+    if reduce:
+        side = min(n, pool) if pool else 0
+        per_layer = heads * n * 4 * 12 + heads * side * side * 2
+    else:
+        per_layer = heads * n * n * 2
+    hidden = (loaded.n_layers + 1) * n * int(getattr(loaded.config, "hidden_size", 0) or 0) * 2 if hidden_states else 0
+    return count * per_layer + masks + hidden + 4 * loaded.config.vocab_size
+
+
 def _versions() -> dict[str, str]:
     import transformers
 
@@ -252,7 +288,8 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
             reduce: bool = False, storage_dtype: torch.dtype = torch.float16,
             hidden_states: bool = False, max_tokens: int | None = None, on_layer=None,
             scores: bool = False, value_norms: bool = False, activations: bool = False,
-            qkv: bool = False, residual: str | None = None, block_bytes: int | None = None) -> Capture:
+            qkv: bool = False, residual: str | None = None, block_bytes: int | None = None,
+            pool: int | None = None) -> Capture:
     """Run ``text`` through the model under ``arch`` and record attention.
 
     ``layers`` picks the recorded layers (the others run through SDPA); ``reduce=True`` keeps only
@@ -260,6 +297,8 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
     called after each layer (progress); ``max_tokens`` caps the text below the model's own limit.
     Asked for, the same pass also keeps the recorded layers' pre-softmax ``scores`` and
     ``value_norms`` (||W_O^h v_j||), and the residual stream's ``activations`` (norms, top values).
+    ``pool`` (with ``reduce``) also keeps each layer's maps max-pooled to at most ``pool`` cells a side:
+    what a long text's heatmaps show (:meth:`Capture.layer_view`).
     ``residual`` runs a seed-003 variant (a fine-tuned directory's own variant when none is named);
     its layer loop has no hidden-state outputs, so ``hidden_states``/``activations`` are refused with it.
     """
@@ -274,7 +313,7 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
     ids, tokens = tokenize(loaded, text, max_tokens)
     input_ids = torch.tensor([ids])
 
-    reducer = Summaries(tokens) if reduce else None  # statistics block by block, never a full map
+    reducer = Summaries(tokens, pool) if reduce else None  # statistics block by block, never a full map
 
     t0 = time.perf_counter()
     if value_norms:  # refuse before running: the model's output projection must be readable

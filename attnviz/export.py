@@ -21,7 +21,7 @@ import plotly.io as pio
 from . import metrics
 from .capture import Capture
 from .errors import AttnvizError
-from .figures.style import PRESETS
+from .figures.style import FONT, PRESETS
 
 FORMATS = ("png", "svg", "pdf")
 
@@ -63,26 +63,87 @@ def filename(meta: dict, ext: str) -> str:
     return f"{slug[:150]}.{ext}"
 
 
-def styled(fig: go.Figure, preset: str = "paper-single", colorbar: bool = True) -> go.Figure:
-    """A copy of the figure sized and lettered for a paper column (or the page width)."""
+FONTS = {"sans": FONT, "serif": "Times New Roman, Times, Liberation Serif, serif"}  # serif: to match LaTeX
+COLORBAR_PX = 70  # what a colour bar and its label take beside the plot
+
+
+def _thin_ticks(axis, length_px: float, font: int, across: bool) -> None:
+    """Keep every k-th token label so neighbours never overlap; labels across an axis (x) are
+    turned upright-reading at -90° first, so each needs only its line height."""
+    vals, text = axis.tickvals, axis.ticktext
+    if axis.tickmode != "array" or not vals or not text:
+        return
+    spacing = length_px / max(len(vals), 1)
+    need = 1.25 * font
+    stride = max(1, int(np.ceil(need / max(spacing, 1e-6))))
+    axis.update(tickvals=list(vals)[::stride], ticktext=list(text)[::stride], tickfont=dict(size=font))
+    if across:
+        axis.update(tickangle=-90)
+
+
+def _label_px(axis, font: int) -> float:
+    text = axis.ticktext or [str(v) for v in (axis.tickvals or [0, 1000])]
+    return max(len(str(t)) for t in text) * 0.6 * font if text else 4 * 0.6 * font
+
+
+def _square_size(fig: go.Figure, spec: dict, size: int, colorbar: bool, title: bool) -> tuple[int, int]:
+    """(width, height) of a figure whose one matrix is square, so the matrix fills the figure: the
+    largest square the preset allows, plus the labels left and below and the colour bar right."""
+    tick = max(size - 2, 6)
+    top = (size + 16) if title and fig.layout.title.text else 8
+    bottom = _label_px(fig.layout.xaxis, tick) + 2.5 * size + 12
+    left = _label_px(fig.layout.yaxis, tick) + 2.5 * size + 12
+    right = (COLORBAR_PX if colorbar else 0) + 16
+    side = min(spec["height"] - top - bottom, spec["width"] - left - right)
+    return int(left + side + right), int(top + side + bottom)
+
+
+def styled(fig: go.Figure, preset: str = "paper-single", colorbar: bool = True, title: bool = True,
+           font: str = "sans") -> go.Figure:
+    """A copy of the figure sized and lettered for a paper column (or the page width).
+
+    Paper presets: one font family and size everywhere (``font="serif"`` to match LaTeX), the title
+    optional (papers use captions), margins that fit the labels and no more, and token labels
+    thinned so that none overlap (checked by tests/test_paper_figures.py on the rendered files).
+    """
     if preset not in PRESETS:
         raise ExportError(f"unknown preset '{preset}'; choose one of {', '.join(PRESETS)}")
+    if font not in FONTS:
+        raise ExportError(f"unknown font '{font}'; choose one of {', '.join(FONTS)}")
     spec = PRESETS[preset]
     out = go.Figure(fig)
+    size = spec["font"] or 13
+    out.update_layout(font=dict(family=FONTS[font], size=size))
+    out.update_annotations(font=dict(family=FONTS[font], size=size))
+    if not title:
+        out.update_layout(title=None)
     if spec["width"]:
-        out.update_layout(width=spec["width"], height=spec["height"], font=dict(size=spec["font"]),
-                          title=dict(font=dict(size=spec["font"] + 1)), margin=dict(l=45, r=10, t=35, b=35))
+        out.update_layout(width=spec["width"], height=spec["height"], title=dict(font=dict(size=size + 1)),
+                          margin=dict(l=8, r=8, t=(size + 16) if title and out.layout.title.text else 8, b=8))
+        out.update_xaxes(automargin=True, title_standoff=4)
+        out.update_yaxes(automargin=True, title_standoff=4)
+        n_cols = max(1, len([k for k in out.layout if k.startswith("xaxis")]))
+        if n_cols == 1 and out.layout.yaxis.scaleanchor == "x":  # one square matrix: as wide as it needs
+            width, height = _square_size(out, spec, size, colorbar, title)
+            out.update_layout(width=width, height=height)
+        width = (spec["width"] - 60 - (COLORBAR_PX if colorbar else 0)) / n_cols
+        height = spec["height"] - 60 - ((size + 16) if title else 0)
+        for name in out.layout:
+            if name.startswith(("xaxis", "yaxis")):
+                across = name.startswith("xaxis")
+                _thin_ticks(out.layout[name], min(width, height), max(size - 2, 6), across)
     if not colorbar:
         out.update_traces(showscale=False, selector=lambda t: hasattr(t, "showscale"))
+        out.update_traces(marker_showscale=False, selector=dict(type="scatter"))
     return out
 
 
 def figure_bytes(fig: go.Figure, fmt: str, meta: dict, preset: str = "paper-single", colorbar: bool = True,
-                 scale: float = 3.0) -> bytes:
+                 scale: float = 3.0, title: bool = True, font: str = "sans") -> bytes:
     """Render to PNG (``scale``× pixels), SVG or PDF and embed ``meta``."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format '{fmt}'; choose png, svg or pdf")
-    fig = styled(fig, preset, colorbar)
+    fig = styled(fig, preset, colorbar, title, font)
     try:
         data = pio.to_image(fig, format=fmt, scale=scale if fmt == "png" else 1)
     except Exception as err:  # kaleido reports a missing browser in several ways

@@ -13,21 +13,26 @@ import numpy as np
 import torch
 
 
-def nbytes(obj: Any, _depth: int = 0) -> int:
-    """Approximate resident size: arrays and tensors by their buffers, containers and dataclasses
-    by their parts (to a small depth), anything else by ``sys.getsizeof``."""
-    if isinstance(obj, np.ndarray):
-        return int(obj.nbytes)
-    if isinstance(obj, torch.Tensor):
-        return int(obj.numel() * obj.element_size())
+def nbytes(obj: Any, _depth: int = 0, _seen: set | None = None) -> int:
+    """Approximate resident size: arrays and tensors by their buffers (a buffer shared by several
+    arrays, e.g. the allow-set of every layer with the same mask, counts once), containers and
+    dataclasses by their parts (to a small depth), anything else by ``sys.getsizeof``."""
+    seen = set() if _seen is None else _seen
+    if isinstance(obj, (np.ndarray, torch.Tensor)):
+        size = int(obj.nbytes) if isinstance(obj, np.ndarray) else int(obj.numel() * obj.element_size())
+        pointer = obj.__array_interface__["data"][0] if isinstance(obj, np.ndarray) else obj.data_ptr()
+        if (pointer, size) in seen:
+            return 0
+        seen.add((pointer, size))
+        return size
     if _depth > 4:
         return sys.getsizeof(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return sum(nbytes(getattr(obj, f.name), _depth + 1) for f in dataclasses.fields(obj)) + 64
+        return sum(nbytes(getattr(obj, f.name), _depth + 1, seen) for f in dataclasses.fields(obj)) + 64
     if isinstance(obj, dict):
-        return sum(nbytes(k, _depth + 1) + nbytes(v, _depth + 1) for k, v in obj.items()) + 64
+        return sum(nbytes(k, _depth + 1, seen) + nbytes(v, _depth + 1, seen) for k, v in obj.items()) + 64
     if isinstance(obj, (list, tuple, set, frozenset)):
-        return sum(nbytes(x, _depth + 1) for x in obj) + 56
+        return sum(nbytes(x, _depth + 1, seen) for x in obj) + 56
     return sys.getsizeof(obj)
 
 
@@ -56,6 +61,18 @@ class ByteLRU:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def reserve(self, size: int) -> bool:
+        """Evict least recently used entries until ``size`` more bytes fit; False if they never can.
+
+        Called before a computation, so the old entries leave before the new one is built: the
+        resident size stays near the budget instead of budget + the new entry."""
+        with self._lock:
+            if size > self.budget:
+                return False
+            while self._items and self.used + size > self.budget:
+                self.used -= self._items.popitem(last=False)[1][1]
+            return True
 
     def put(self, key: Hashable, value: Any, size: int | None = None) -> bool:
         """Store ``value``; evict the least recently used entries until it fits. True if kept."""

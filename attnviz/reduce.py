@@ -86,9 +86,11 @@ class Summaries:
     """The engine's block reducer for ``capture(reduce=True)``: one :class:`LayerSummary` per layer
     (batch of one), started on a layer's first block and finished after its last."""
 
-    def __init__(self, tokens: list[str] | None = None):
+    def __init__(self, tokens: list[str] | None = None, pool: int | None = None):
         self.tokens = tokens
+        self.pool = pool  # also keep max-pooled maps of at most pool cells a side (stats "pooled", "pool_factor")
         self.layers: dict[int, LayerSummary] = {}
+        self.pooled: dict[int, PooledMap] = {}
 
     def add(self, layer: int, q0: int, probs: torch.Tensor, allow: torch.Tensor, n_q: int, k0: int = 0,
             n_kv: int | None = None) -> None:
@@ -96,7 +98,50 @@ class Summaries:
         k0 .. k0 + w - 1 (of n_kv); batch row 0."""
         if layer not in self.layers:
             self.layers[layer] = LayerSummary(probs.shape[1], n_q, n_kv or probs.shape[-1], self.tokens)
+            if self.pool:
+                self.pooled[layer] = PooledMap(probs.shape[1], n_q, n_kv or probs.shape[-1], self.pool)
         self.layers[layer].add(q0, probs[0], allow[0, 0], k0, zero_outside=True)
+        if self.pool:
+            self.pooled[layer].add(q0, probs[0], allow[0, 0], k0)
 
     def finish(self, layer: int) -> dict[str, np.ndarray]:
-        return self.layers.pop(layer).result()
+        out = self.layers.pop(layer).result()
+        if self.pool:
+            pooled = self.pooled.pop(layer)
+            out.update(pooled=pooled.result(), pool_factor=np.array(pooled.factor))
+        return out
+
+
+class PooledMap:
+    """Every head's map max-pooled to at most ``size`` cells a side, one factor f for both axes,
+    accumulated block by block: the overview a long text can afford (H × size² instead of H × n²).
+
+    Max, not mean, so a sink column survives any pooling; a pooled cell is NaN when the mask forbids
+    every cell under it (probabilities are 0 where forbidden, so the max over the block is the max
+    over its allowed cells).
+    """
+
+    def __init__(self, n_heads: int, n_q: int, n_kv: int, size: int):
+        self.factor = f = max(1, -(-max(n_q, n_kv) // size))
+        self.values = torch.full((n_heads, -(-n_q // f), -(-n_kv // f)), float("-inf"))
+        self.seen = torch.zeros(self.values.shape[1:], dtype=torch.bool)
+
+    def _pool(self, x: torch.Tensor, q0: int, k0: int, fill):
+        """(.., b, w) → (.., rows, cols) block maxima on the global grid of f × f cells, and its corner."""
+        f = self.factor
+        top, left = q0 % f, k0 % f
+        b, w = x.shape[-2:]
+        rows, cols = -(-(top + b) // f), -(-(left + w) // f)
+        x = torch.nn.functional.pad(x, (left, cols * f - w - left, top, rows * f - b - top), value=fill)
+        x = x.reshape(*x.shape[:-2], rows, f, cols, f)
+        return x.amax(dim=(-3, -1)), q0 // f, k0 // f
+
+    def add(self, q0: int, probs: torch.Tensor, allow: torch.Tensor, k0: int = 0) -> None:
+        pooled, r, c = self._pool(probs.float(), q0, k0, float("-inf"))
+        region = self.values[:, r:r + pooled.shape[1], c:c + pooled.shape[2]]
+        torch.maximum(region, pooled, out=region)
+        seen, _, _ = self._pool(allow.to(torch.uint8)[None], q0, k0, 0)
+        self.seen[r:r + seen.shape[1], c:c + seen.shape[2]] |= seen[0].bool()
+
+    def result(self) -> np.ndarray:
+        return torch.where(self.seen, self.values, float("nan")).to(torch.float16).numpy()

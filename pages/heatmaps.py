@@ -5,11 +5,17 @@ Encoder-decoder models (T5, BART ...) show encoder, decoder or cross-attention (
 
 import streamlit as st
 
-from attnviz import export
+from attnviz import export, zoom
 from attnviz.errors import AttnvizError
-from attnviz.figures import heatmap, overview, tile_at
+from attnviz.figures import heatmap, overview, region_heatmap, tile_at
+from ui import jobs
 from ui.export import data_downloads, figure_downloads
 from ui.state import current_capture, get_seq2seq_capture, page_context
+
+# Above this many tokens the colour scale starts logarithmic: a linear scale spends the whole range on
+# the sink column (p ~ 0.5-0.9), so the ~1/n attention everywhere else is white and the map reads as a
+# white square with a hairline; log10 (floor 1e-4) shows the sink and the local structure together.
+LOG_DEFAULT_TOKENS = 256
 
 settings, loaded = page_context()
 st.title("Attention heatmaps")
@@ -24,8 +30,12 @@ kind = st.radio("Attention", list(KINDS), format_func=KINDS.get, horizontal=True
 seq2seq = loaded is not None and loaded.is_encoder_decoder
 
 
+@st.fragment
 def show(cap, mode: str) -> None:
-    """The layer/head sliders, the map, its export and the overview of one capture."""
+    """The layer/head sliders, the map, its export and the overview of one capture.
+
+    A fragment: moving a slider reruns only this function, not the sidebar, the model lookup and
+    the capture cache of the whole page (issue 8 §2: repaint within 300 ms)."""
     # a click on the overview moves the sliders (applied before they are drawn)
     if "hm_jump" in st.session_state:
         st.session_state["hm_layer"], st.session_state["hm_head"] = st.session_state.pop("hm_jump")
@@ -37,7 +47,9 @@ def show(cap, mode: str) -> None:
         st.session_state["hm_head"] = "mean"
     head = c2.select_slider("Head", heads, key="hm_head",
                             format_func=lambda h: "mean" if h == "mean" else f"{h} (g{cap.kv_groups[h]})")
-    log = c3.toggle("Log scale", key="hm_log")
+    if not st.session_state.get("hm_log_chosen"):  # follows the text's length until the user sets it
+        st.session_state["hm_log"] = cap.n_tokens > LOG_DEFAULT_TOKENS
+    log = c3.toggle("Log scale", key="hm_log", on_change=lambda: st.session_state.update(hm_log_chosen=True))
     row_norm = c4.toggle("Row-normalise", key="hm_rownorm")
     head = None if head == "mean" else int(head)
     try:
@@ -45,9 +57,14 @@ def show(cap, mode: str) -> None:
     except AttnvizError as err:
         st.error(str(err))
         st.stop()
-    st.plotly_chart(fig, width="stretch", key="hm_chart")
-    st.caption("Grey cells are masked by the architecture; white cells were allowed but got ~0 attention.")
+    box = st.plotly_chart(fig, width="stretch", key="hm_chart", on_select="rerun", selection_mode="box")
+    pooled = cap.pool_factor(layer)
+    st.caption("Grey cells are masked by the architecture; white cells were allowed but got ~0 attention."
+               + (f" Long text: each pixel is the maximum of {pooled} × {pooled} tokens (sinks stay visible); "
+                  "drag a box or pick a region below to see it at full resolution." if pooled > 1 else
+                  " Drag a box to zoom into a region with token labels."))
     figure_downloads(fig, export.describe(cap, layer, head), key="hm")
+    zoom_section(cap, layer, head, log, box)
 
     st.subheader("Every layer × head")
     over = overview(cap, log=log)
@@ -59,6 +76,41 @@ def show(cap, mode: str) -> None:
             st.session_state["hm_jump"] = target
             st.rerun()
     data_downloads(cap, key="hm_data")
+
+
+def zoom_section(cap, layer: int, head, log: bool, event) -> None:
+    """A region (queries × keys) at full resolution: cut from full maps, or recomputed for a long text
+    (the forward stops after this layer)."""
+    n, n_q, side = cap.n_tokens, len(cap.row_tokens), zoom.MAX_SIDE
+    boxes = ((event or {}).get("selection", {}) or {}).get("box", []) if event else []
+    if boxes and boxes[0].get("x") and boxes[0].get("y"):  # a box dragged on the map sets the ranges
+        (x0, x1), (y0, y1) = sorted(boxes[0]["x"]), sorted(boxes[0]["y"])
+        k0, q0 = max(0, int(x0 + 0.5)), max(0, int(y0 + 0.5))
+        st.session_state["hm_zk"] = (k0, min(n, max(k0 + 1, int(x1 + 0.5)), k0 + side))
+        st.session_state["hm_zq"] = (q0, min(n_q, max(q0 + 1, int(y1 + 0.5)), q0 + side))
+    with st.expander("Zoom: a region at full resolution", expanded=bool(boxes) or cap.pool_factor(layer) > 1):
+        c1, c2 = st.columns(2)
+        queries = c1.slider("Queries", 0, n_q, (max(0, n_q - min(side, 48)), n_q), key="hm_zq")
+        keys = c2.slider("Keys", 0, n, (0, min(n, 48)), key="hm_zk")
+        if queries[1] - queries[0] > side or keys[1] - keys[0] > side:
+            st.warning(f"A region shows at most {side} × {side} tokens; narrow the ranges.")
+            return
+        if queries[0] == queries[1] or keys[0] == keys[1]:
+            st.warning("Pick a range of at least one query and one key.")
+            return
+        try:
+            if layer in cap.probs:
+                region = zoom.from_capture(cap, layer, queries, keys)
+            else:
+                region = jobs.run(("region", cap.meta.get("model"), cap.text, cap.arch, layer, queries, keys),
+                                  f"Layer {layer}, queries {queries[0]}–{queries[1] - 1} × keys {keys[0]}–{keys[1] - 1}",
+                                  lambda progress: zoom.region(loaded, cap.text, cap.arch, layer, queries, keys,
+                                                               on_layer=progress))
+        except AttnvizError as err:
+            st.error(str(err))
+            return
+        if region is not None:
+            st.plotly_chart(region_heatmap(region, head, log=log), width="stretch", key="hm_region")
 
 
 if seq2seq:

@@ -91,7 +91,7 @@ def test_architecture_controls_change_the_capture(app):
 
 @pytest.mark.parametrize("setup,message", [
     (lambda at: at.sidebar.text_area(key="text").input("   "), "text is empty"),
-    (lambda at: at.sidebar.text_area(key="text").input("word " * 2100), "captures at most 2048"),
+    (lambda at: at.sidebar.text_area(key="text").input("word " * 9000), "takes at most 8192"),
     (lambda at: (at.sidebar.selectbox(key="arch_pick").set_value("Advanced (string)").run(),
                  at.sidebar.text_input(key="arch_text").input("fwd*20 + bidr*10")), "unknown mask type 'bidr'"),
     (lambda at: (at.sidebar.selectbox(key="arch_pick").set_value("Advanced (string)").run(),

@@ -25,7 +25,9 @@ def test_heatmap_marks_masked_cells_apart_from_zero(lm):
     z = np.asarray(fig.data[0].customdata, dtype=float)
     assert np.isnan(z[0, 1]) and np.isnan(z[5, 0])  # future key, hidden first key: masked (NaN)
     assert z[0, 0] == pytest.approx(1.0)  # query 0 keeps itself
-    assert fig.layout.plot_bgcolor == MASKED  # NaN cells show the grey background
+    grey = [s for s in fig.layout.shapes if s.fillcolor == MASKED]  # NaN cells show grey, exactly under the cells
+    assert len(grey) == 1 and (grey[0].x0, grey[0].x1, grey[0].y0, grey[0].y1) == (-0.5, len(z) - 0.5, -0.5, len(z) - 0.5)
+    assert fig.layout.plot_bgcolor != MASKED  # and nowhere else
     assert "head 1 (KV group 0)" in fig.layout.title.text
     mean = heatmap(cap, 2)
     np.testing.assert_allclose(np.nan_to_num(np.asarray(mean.data[0].customdata, dtype=float)),

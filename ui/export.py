@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import streamlit as st
 
 from attnviz import export
@@ -10,15 +12,18 @@ from attnviz.figures.style import PRESETS
 
 def figure_downloads(fig, meta: dict, key: str) -> None:
     with st.expander("Export this figure"):
-        cols = st.columns(4)
+        cols = st.columns([2, 2, 1, 1, 1, 2])
         fmt = cols[0].selectbox("Format", export.FORMATS, index=2, key=f"{key}_fmt")
         preset = cols[1].selectbox("Size", list(PRESETS), index=1, key=f"{key}_preset",
                                    help="paper-single ≈ 3.5 in column, paper-double ≈ 7 in page width")
         colorbar = cols[2].checkbox("Colour bar", True, key=f"{key}_cbar")
-        if cols[3].button("Prepare file", key=f"{key}_make"):
+        title = cols[3].checkbox("Title", False, key=f"{key}_title", help="Papers usually put it in the caption")
+        serif = cols[4].checkbox("Serif", False, key=f"{key}_serif", help="Times-like letters, to match LaTeX text")
+        if cols[5].button("Prepare file", key=f"{key}_make"):
             try:
                 with st.spinner(f"Rendering {fmt.upper()} …"):
-                    data = export.figure_bytes(fig, fmt, meta, preset=preset, colorbar=colorbar)
+                    data = export.figure_bytes(fig, fmt, meta, preset=preset, colorbar=colorbar, title=title,
+                                               font="serif" if serif else "sans")
                 st.session_state[f"{key}_file"] = (data, export.filename(meta, fmt), fmt)
             except export.ExportError as err:
                 st.error(str(err))
@@ -31,13 +36,28 @@ def figure_downloads(fig, meta: dict, key: str) -> None:
                            file_name=export.filename(meta, "html"), key=f"{key}_html", mime="text/html")
 
 
+def _held_weakly(cap, make):
+    """The file's bytes, made at click time from ``cap`` if it is still alive. Streamlit keeps a
+    deferred download's callable for the session; a closure over the capture itself would keep
+    every capture a session has seen alive past the cache's eviction (and the memory budget)."""
+    ref = weakref.ref(cap)
+
+    def data() -> bytes:
+        held = ref()
+        if held is None:
+            return b"This capture has left the server's memory since the page was drawn: reload the page.\n"
+        return make(held)
+
+    return data
+
+
 def data_downloads(cap, key: str) -> None:
     with st.expander("Export data"):
         meta = export.describe(cap)
         c1, c2 = st.columns(2)
-        c1.download_button("Capture (.npz)", lambda: export.capture_bytes(cap), file_name=export.filename(meta, "npz"),
+        c1.download_button("Capture (.npz)", _held_weakly(cap, export.capture_bytes), file_name=export.filename(meta, "npz"),
                            key=f"{key}_npz", mime="application/octet-stream")
         if cap.query_tokens is None:  # sink metrics are defined for self-attention maps
-            c2.download_button("Metrics (.csv)", lambda: export.csv_bytes(export.metrics_frame(cap)),
+            c2.download_button("Metrics (.csv)", _held_weakly(cap, lambda c: export.csv_bytes(export.metrics_frame(c))),
                                file_name=export.filename({**meta, "figure": "metrics"}, "csv"), key=f"{key}_csv",
                                mime="text/csv")

@@ -4,7 +4,9 @@ progress bar, kept for every session in a byte-budgeted LRU, errors shown as one
 from __future__ import annotations
 
 import os
+import threading
 import time
+from contextlib import contextmanager
 from typing import Callable, Hashable, TypeVar
 
 import streamlit as st
@@ -21,6 +23,27 @@ def _results() -> ByteLRU:
     return ByteLRU(BUDGET_MB * 2**20)
 
 
+_guard = threading.Lock()
+_running: dict = {}  # key -> [lock, waiters]: one computation per key at a time, across sessions
+
+
+@contextmanager
+def _one_at_a_time(key: Hashable):
+    """Two sessions asking for the same result at once: the second waits for the first and then
+    finds it stored, instead of computing it again."""
+    with _guard:
+        entry = _running.setdefault(key, [threading.Lock(), 0])
+        entry[1] += 1
+    try:
+        with entry[0]:
+            yield
+    finally:
+        with _guard:
+            entry[1] -= 1
+            if not entry[1]:
+                _running.pop(key, None)
+
+
 def cached(key: Hashable):
     """The stored result for ``key`` in the pages' results cache, or None."""
     return _results().get(key)
@@ -30,25 +53,32 @@ def run(key: Hashable, label: str, compute: Callable[[Callable[[int, int], None]
         store: ByteLRU | None = None) -> T | None:
     """``compute(progress)`` once per key; ``progress(done, total)`` moves a bar with elapsed time.
 
-    ``store`` is the LRU to keep results in (default: the pages' results cache).
+    ``store`` is the LRU to keep results in (default: the pages' results cache). A run the user
+    abandons (new input, another page) stops at its next progress report, i.e. after the current
+    layer: once a rerun is requested, Streamlit interrupts the script at its next ``st`` call, here
+    ``bar.progress``; nothing half-done is stored.
     """
     store = _results() if store is None else store  # not `or`: an empty ByteLRU is falsy
     found = store.get(key)
     if found is not None:
         return found
-    bar = st.progress(0.0, text=label)
-    start = time.perf_counter()
+    with _one_at_a_time(key):
+        found = store.get(key)  # computed by another session while this one waited
+        if found is not None:
+            return found
+        bar = st.progress(0.0, text=label)
+        start = time.perf_counter()
 
-    def progress(done: int, total: int) -> None:
-        bar.progress(min(done / max(total, 1), 1.0),
-                     text=f"{label}: {done}/{total} ({time.perf_counter() - start:.0f} s)")
+        def progress(done: int, total: int) -> None:
+            bar.progress(min(done / max(total, 1), 1.0),
+                         text=f"{label}: {done}/{total} ({time.perf_counter() - start:.0f} s)")
 
-    try:
-        result = compute(progress)
-    except AttnvizError as err:
-        st.error(f"{label}: {err}")
-        return None
-    finally:
-        bar.empty()
-    store.put(key, result)  # least recently used results leave first; one over the whole budget is not kept
-    return result
+        try:
+            result = compute(progress)
+        except AttnvizError as err:
+            st.error(f"{label}: {err}")
+            return None
+        finally:
+            bar.empty()
+        store.put(key, result)  # least recently used results leave first; one over the whole budget is not kept
+        return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import streamlit as st
 
 from attnviz import arch as arch_mod
-from attnviz.capture import Capture, capture
+from attnviz.capture import Capture, capture, estimate_bytes, tokenize
 from attnviz.errors import AttnvizError
 from attnviz.lru import ByteLRU
 from attnviz.models import DEFAULT, LoadedModel, load
@@ -29,7 +30,15 @@ EXAMPLES = {
     "Short": "The cat sat on the mat.",
 }
 DEFAULT_EXAMPLE = "Lighthouse (English, 48 tokens)"
-MAX_TOKENS = int(os.environ.get("ATTNVIZ_MAX_TOKENS", "2048"))
+MAX_TOKENS = int(os.environ.get("ATTNVIZ_MAX_TOKENS", "0")) or None  # None: the model's own context
+def full_maps_limit() -> int:
+    """Above this estimated size (``ATTNVIZ_FULL_MAPS_MB``, default 1 GB: ~1,400 tokens on the default
+    model) a capture keeps statistics and 512-px max-pooled maps of every layer instead of full maps;
+    regions zoom back to full resolution."""
+    return int(os.environ.get("ATTNVIZ_FULL_MAPS_MB", "1024")) * 2**20
+
+
+POOL = 512  # cells a side of a long capture's pooled maps: what a heatmap image shows anyway
 PICKS = ["FWD", "BACK", "BIDIR", "NoSink-FWD", "NoSink-BIDIR", "INPLACE-BIDIR", "INPLACE-BACK", "MASK0-FWD",
          "MASK0-BIDIR", "MASK0-ALL", "MASK0&BIDIR", "StableMask", "Sliding window", "Dilated window",
          "Global + sliding", "Advanced (string)"]
@@ -101,25 +110,87 @@ def get_model(name: str, trust_remote_code: bool = False, wait: bool = True) -> 
     return loaded
 
 
+def models_bytes() -> int:
+    """What the loaded models' weights take: they count against the memory budget."""
+    return sum(sum(p.numel() * p.element_size() for p in m.model.parameters()) for m in list(_models().values()))
+
+
+def captures_left() -> int:
+    """Bytes the capture cache may use: the budget less the model weights (evicting older captures)."""
+    store = _captures()
+    store.budget = max(0, capture_budget() - models_bytes())
+    return store.budget
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.0f} MB"
+
+
+def plan_capture(loaded: LoadedModel, n_tokens: int, hidden: bool, extras: tuple, residual) -> dict | None:
+    """Full maps, or statistics + pooled maps for long texts, or a refusal (None, with the reason
+    shown) when not even statistics fit in what the memory budget leaves: decided before running."""
+    left = captures_left()
+    full = estimate_bytes(loaded, n_tokens, hidden_states=hidden)
+    if full <= min(left, full_maps_limit()):
+        return {}
+    stats = estimate_bytes(loaded, n_tokens, reduce=True, pool=POOL)
+    if extras or residual:
+        what = "a residual variant" if residual else "this view"
+        fit = next((n for n in range(n_tokens, 0, -64) if estimate_bytes(loaded, n, hidden_states=hidden)
+                    <= min(left, full_maps_limit())), 0)
+        st.error(f"{what.capitalize()} needs the full maps of every layer: ~{_mb(full)} for {n_tokens} tokens, more "
+                 f"than the {_mb(min(left, full_maps_limit()))} allowed per capture. What would fit: a text of at "
+                 f"most ~{fit} tokens, or the plain attention weights (statistics and pooled maps, any length).")
+        return None
+    if stats > left:
+        fit = next((n for n in range(n_tokens, 0, -256) if estimate_bytes(loaded, n, reduce=True, pool=POOL) <= left), 0)
+        st.error(f"This capture would take ~{_mb(stats)} even as statistics only, more than the {_mb(left)} the "
+                 f"server has left for captures (ATTNVIZ_MEMORY_MB {_mb(capture_budget())}, of which the model "
+                 f"weights take {_mb(models_bytes())}). What would fit: a text of at most ~{fit} tokens.")
+        return None
+    return {"reduce": True, "pool": POOL, "hidden_states": False}
+
+
 def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
                 extras: tuple[str, ...] = (), residual: str | None = None) -> Capture | None:
     """Cached by (model, text, architecture): moving a layer or head slider never re-runs the model.
 
     ``extras`` names what else the pass records, only for the views that ask: "scores" (pre-softmax),
-    "value_norms", "activations"; the default capture stays as cheap as it was.
+    "value_norms", "activations"; the default capture stays as cheap as it was. Long texts get
+    statistics and pooled maps (:func:`plan_capture`); older captures leave the cache before a new
+    one is computed, so the server's resident size stays near its budget.
     """
     try:
         architecture = arch_mod.parse(spec, loaded.n_layers)
     except AttnvizError as err:
         st.error(f"Architecture: {err}")
         return None
+    try:
+        n_tokens = len(tokenize(loaded, text, MAX_TOKENS)[0])
+    except AttnvizError as err:
+        st.error(f"Capturing {architecture.spec}: {err}")
+        return None
     extras = tuple(sorted(extras))
     hidden = hidden and not residual  # a variant's own layer loop records no hidden states
-    key = (loaded.model_id, text, architecture.spec, hidden, extras, residual)
-    return jobs.run(key, f"Capturing {architecture.spec}", lambda progress: capture(
-        loaded, text, architecture, hidden_states=hidden, max_tokens=MAX_TOKENS, residual=residual,
-        on_layer=lambda layer: progress(layer + 1, loaded.n_layers), **{name: True for name in extras}),
-        store=_captures())
+    plan = plan_capture(loaded, n_tokens, hidden, extras, residual)
+    if plan is None:
+        return None
+    options = {"hidden_states": hidden, **plan, **{name: True for name in extras}}
+    key = (loaded.model_id, text, architecture.spec, tuple(sorted(options.items())), residual)
+    store = _captures()
+    if key not in store:
+        estimate = estimate_bytes(loaded, n_tokens, reduce=bool(plan), pool=plan.get("pool"),
+                                  hidden_states=options["hidden_states"])
+        store.reserve(estimate)
+        # Evicted captures can sit in reference cycles (Streamlit's script frames and callbacks) that
+        # only the cycle collector frees, and their large buffers never trigger it: collect now, so
+        # their memory is back before the new capture is built (measured: +4 GB after five captures
+        # without this, +90 MB with it).
+        gc.collect()
+    label = f"Capturing {architecture.spec}" + (" (long text: statistics and pooled maps)" if plan else "")
+    return jobs.run(key, label, lambda progress: capture(
+        loaded, text, architecture, max_tokens=MAX_TOKENS, residual=residual,
+        on_layer=lambda layer: progress(layer + 1, loaded.n_layers), **options), store=store)
 
 
 def get_seq2seq_capture(loaded: LoadedModel, source: str, target: str, spec: str):

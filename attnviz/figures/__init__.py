@@ -1,6 +1,6 @@
 """Figures: pure functions from capture data to Plotly figures (no Streamlit, no model)."""
 
-from .heatmaps import heatmap, overview, panels, tile_at  # noqa: F401
+from .heatmaps import heatmap, overview, panels, region_heatmap, tile_at  # noqa: F401
 from .masks import architecture_masks, labelled_matrix, stablemask_pseudo  # noqa: F401
 from .shifting import (cosine_figure, difference, shift_panels, shift_rate_figure, sink_key_grids,  # noqa: F401
                        sink_mass_change)

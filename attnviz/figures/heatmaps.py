@@ -31,7 +31,7 @@ def mode_values(cap: Capture, layer: int, mode: str = "weight") -> tuple[np.ndar
     the residual identity), all cells shown since it composes layers whose masks differ.
     """
     if mode == "weight":
-        return cap.layer_probs(layer), cap.allowed[layer]
+        return cap.layer_view(layer)  # a long capture's pooled maps where it kept no full ones
     if mode == "value":
         return cap.value_weighted(layer), cap.allowed[layer]
     if mode == "logits":
@@ -67,7 +67,7 @@ def heatmap(cap: Capture, layer: int, head: int | None = None, log: bool = False
     zmin, zmax = zrange or colour_range([values], log)
     label = "row-normalised" if row_normalise and mode != "logits" else MODES[mode]
     traces, _ = matrix_traces(values, None, None, zmin, zmax, log, colorbar_title=label,
-                              hover_name=HOVER[mode])
+                              hover_name=HOVER[mode], scale=cap.pool_factor(layer))
     fig = go.Figure(traces)
     shown = "rollout of layers 0–" + str(layer) if mode == "rollout" else head_label(cap, head)
     suffix = {"weight": "", "value": " · value-weighted", "logits": " · pre-softmax", "rollout": ""}[mode]
@@ -77,6 +77,7 @@ def heatmap(cap: Capture, layer: int, head: int | None = None, log: bool = False
     fig.update_xaxes(title_text="source (key)" if cross else "key", side="bottom", **token_axis(cap.tokens),
                      constrain="domain")
     fig.update_yaxes(title_text="target (query)" if cross else "query", autorange="reversed", scaleanchor="x",
+                     constrain="domain",
                      **token_axis(cap.row_tokens))
     rows = cap.row_tokens
     if max(len(rows), cap.n_tokens) <= 96:
@@ -88,14 +89,36 @@ def heatmap(cap: Capture, layer: int, head: int | None = None, log: bool = False
     return fig
 
 
+def region_heatmap(region, head: int | None = None, log: bool = False, title: str | None = None) -> go.Figure:
+    """A zoomed region (:func:`attnviz.zoom.region`) at full resolution: token labels, hover values,
+    axes in the text's token positions."""
+    values = region.values.mean(0) if head is None else region.values[head]
+    values = np.where(region.allowed, values, np.nan)
+    zmin, zmax = colour_range([values], log)
+    (q0, q1), (k0, k1) = region.queries, region.keys
+    traces, _ = matrix_traces(values, None, None, zmin, zmax, log, origin=(q0, k0))
+    fig = go.Figure(traces)
+    shown = "mean over heads" if head is None else f"head {head}"
+    layout(fig, title or f"layer {region.layer} · {region.mask} · {shown} · queries {q0}–{q1 - 1} × keys {k0}–{k1 - 1}",
+           height=560, masked_bg=True)
+    fig.update_xaxes(title_text="key", side="bottom", constrain="domain", **token_axis(region.col_tokens, start=k0))
+    fig.update_yaxes(title_text="query", autorange="reversed", scaleanchor="x", constrain="domain",
+                     **token_axis(region.row_tokens, start=q0))
+    rows, cols = region.row_tokens, region.col_tokens
+    fig.data[0].update(text=[[f"{rows[i]!r} → {cols[j]!r}" for j in range(len(cols))] for i in range(len(rows))],
+                       hovertemplate="%{text}<br>query %{y}, key %{x}<br>p = %{customdata:.4g}<extra></extra>")
+    return fig
+
+
 def panels(caps: list[Capture], titles: list[str], layer: int, head: int | None = None, log: bool = False,
            row_normalise: bool = False) -> go.Figure:
     """Several maps side by side with one shared colour scale."""
     values = [layer_matrix(c, layer, head, row_normalise) for c in caps]
     zmin, zmax = colour_range(values, log)
     fig = make_subplots(rows=1, cols=len(caps), subplot_titles=titles, horizontal_spacing=0.04)
-    for col, v in enumerate(values, start=1):
-        traces, _ = matrix_traces(v, None, None, zmin, zmax, log, show_scale=col == len(caps))
+    for col, (v, cap) in enumerate(zip(values, caps), start=1):
+        traces, _ = matrix_traces(v, None, None, zmin, zmax, log, show_scale=col == len(caps),
+                                  scale=cap.pool_factor(layer))
         for t in traces:
             fig.add_trace(t, row=1, col=col)
         fig.update_yaxes(autorange="reversed", scaleanchor=f"x{col if col > 1 else ''}", row=1, col=col)
@@ -106,10 +129,10 @@ def overview_tiles(cap: Capture, tile: int = 12, log: bool = False) -> np.ndarra
     """Mosaic of every recorded (layer, head) map max-pooled to ``tile`` a side: (L*tile, H*tile)."""
     rows = []
     for layer in cap.layers:
-        probs = cap.layer_probs(layer)
+        probs, allowed = cap.layer_view(layer)
         row = []
         for head in range(cap.n_heads):
-            v = scaled(np.where(cap.allowed[layer], probs[head], np.nan), log)
+            v = scaled(np.where(allowed, probs[head], np.nan), log)
             pooled = max_pool(v, tile)
             full = np.full((tile, tile), np.nan)
             full[: pooled.shape[0], : pooled.shape[1]] = pooled

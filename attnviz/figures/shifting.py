@@ -21,7 +21,8 @@ def shift_panels(caps: list[Capture], titles: list[str], layer: int, log: bool =
                         vertical_spacing=0.08, horizontal_spacing=0.05)
     top = 0.0
     for col, (cap, v) in enumerate(zip(caps, values), start=1):
-        traces, _ = matrix_traces(v, None, None, zmin, zmax, log, show_scale=col == len(caps))
+        traces, _ = matrix_traces(v, None, None, zmin, zmax, log, show_scale=col == len(caps),
+                                  scale=cap.pool_factor(layer))
         for t in traces:
             fig.add_trace(t, row=1, col=col)
         grey_under(fig, 1, col)

@@ -29,20 +29,42 @@ PRESETS = {
 
 
 def layout(fig: go.Figure, title: str | None = None, height: int | None = None, masked_bg: bool = False) -> go.Figure:
-    """The house style; ``masked_bg`` paints the plot area grey so NaN (masked) cells show as grey."""
+    """The house style; ``masked_bg`` puts grey exactly behind each heatmap's cells, so NaN (masked)
+    cells read as masked and nothing outside the matrix turns grey (paper exports, issue 8 §4)."""
     fig.update_layout(template="simple_white", font=dict(family=FONT, size=13),
                       margin=dict(l=60, r=20, t=50 if title else 20, b=50), title=title)
     if height:
         fig.update_layout(height=height)
     if masked_bg:
-        fig.update_layout(plot_bgcolor=MASKED)
+        grey_behind_data(fig)
     return fig
+
+
+def _extent(coords, count: int) -> tuple[float, float]:
+    """[first cell's lower edge, last cell's upper edge] of a heatmap axis (centres ``coords``)."""
+    if coords is None or len(coords) == 0:
+        return -0.5, count - 0.5
+    values = np.asarray(coords, dtype=float)
+    step = float(values[1] - values[0]) if len(values) > 1 else 1.0
+    return float(values[0]) - step / 2, float(values[-1]) + step / 2
+
+
+def grey_behind_data(fig: go.Figure) -> None:
+    """A grey rectangle under each heatmap trace's cells (transparent NaN cells show it), on its axes."""
+    for trace in fig.data:
+        if trace.type != "heatmap" or trace.z is None:
+            continue
+        z = np.asarray(trace.z, dtype=object)
+        x0, x1 = _extent(trace.x, z.shape[1])
+        y0, y1 = _extent(trace.y, z.shape[0])
+        fig.add_shape(type="rect", xref=trace.xaxis or "x", yref=trace.yaxis or "y", x0=x0, x1=x1, y0=y0, y1=y1,
+                      fillcolor=MASKED, opacity=1, line_width=0, layer="below")
 
 
 def grey_under(fig: go.Figure, row: int, col: int) -> None:
     """Grey behind one subplot's heatmap, so its masked (NaN) cells read as masked."""
     fig.add_shape(type="rect", xref="x domain", yref="y domain", x0=0, x1=1, y0=0, y1=1, fillcolor=MASKED,
-                  line_width=0, layer="below", row=row, col=col)
+                  opacity=1, line_width=0, layer="below", row=row, col=col)
 
 
 def max_pool(values: np.ndarray, size: int) -> np.ndarray:
@@ -85,20 +107,27 @@ def _rgb(values: np.ndarray, zmin: float, zmax: float) -> np.ndarray:
 
 
 def matrix_traces(values: np.ndarray, x_labels, y_labels, zmin: float, zmax: float, log: bool,
-                  colorbar_title: str = "attention", show_scale: bool = True, hover_name: str = "p"):
-    """Traces for one (n, n) matrix with NaN = masked; returns (traces, is_image)."""
+                  colorbar_title: str = "attention", show_scale: bool = True, hover_name: str = "p",
+                  scale: int = 1, origin: tuple[int, int] = (0, 0)):
+    """Traces for one matrix with NaN = masked; returns (traces, is_image).
+
+    ``scale``: tokens per cell (a long capture's pooled maps); ``origin``: the (query, key) of the
+    top-left cell (a zoomed region), so axes always read in token positions.
+    """
     z = scaled(values, log)
     tick = dict(title=("log10 " if log else "") + colorbar_title, len=0.8)
+    q0, k0 = origin
     if values.shape[0] <= HOVER_MAX and values.shape[1] <= HOVER_MAX:
         hover = (f"query %{{y}}<br>key %{{x}}<br>{hover_name} = %{{customdata:.4f}}<extra></extra>")
-        return [go.Heatmap(z=z, x=list(range(values.shape[1])), y=list(range(values.shape[0])),
+        return [go.Heatmap(z=z, x=list(k0 + scale * np.arange(values.shape[1])),
+                           y=list(q0 + scale * np.arange(values.shape[0])),
                            customdata=values, colorscale=COLORSCALE, zmin=zmin, zmax=zmax,
                            hovertemplate=hover, showscale=show_scale, colorbar=tick, hoverongaps=False,
                            xgap=0, ygap=0)], False
     pooled = max_pool(z, MAX_PX)
     image = px.imshow(_rgb(pooled, zmin, zmax), binary_string=True).data[0]
-    factor = values.shape[0] / pooled.shape[0]
-    image.update(x0=0, dx=factor, y0=0, dy=factor, hoverinfo="skip")
+    factor = scale * max(values.shape) / max(pooled.shape)
+    image.update(x0=k0, dx=factor, y0=q0, dy=factor, hoverinfo="skip")
     # an invisible point carries the colour bar, which images do not have
     bar = go.Scatter(x=[None], y=[None], mode="markers", showlegend=False, hoverinfo="skip",
                      marker=dict(colorscale=COLORSCALE, cmin=zmin, cmax=zmax, color=[zmin],
@@ -106,9 +135,10 @@ def matrix_traces(values: np.ndarray, x_labels, y_labels, zmin: float, zmax: flo
     return [image, bar], True
 
 
-def token_axis(tokens: list[str], limit: int = 64) -> dict:
-    """Tick labels with the tokens when they fit, else plain positions."""
+def token_axis(tokens: list[str], limit: int = 64, start: int = 0) -> dict:
+    """Tick labels with the tokens when they fit, else plain positions; ``start``: the first token's position."""
     if len(tokens) > limit:
         return dict(title=None)
     labels = [f"{t!r}"[1:-1] or "∅" for t in tokens]
-    return dict(tickmode="array", tickvals=list(range(len(tokens))), ticktext=labels, tickfont=dict(size=9))
+    return dict(tickmode="array", tickvals=list(range(start, start + len(tokens))), ticktext=labels,
+                tickfont=dict(size=9))

@@ -1,0 +1,107 @@
+"""A region of one layer's map at full resolution (issue 8 §1): what a long text's max-pooled
+heatmap zooms into, with every cell and token label.
+
+The region is cut out of the layer's query blocks as they are computed (a block reducer), so the
+layer's full map never exists; the forward stops after that layer, since later layers cannot
+change it: a region of layer 3 costs 4 layers, not 30.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import arch as arch_mod
+from . import engine
+from .capture import tokenize
+from .errors import InputError
+from .models import LoadedModel
+
+MAX_SIDE = 96  # cells a side: every cell of a zoomed region gets a hover value (figures.style.HOVER_MAX)
+
+
+@dataclass
+class Region:
+    layer: int
+    queries: tuple[int, int]  # [start, stop) token positions
+    keys: tuple[int, int]
+    values: np.ndarray  # (H, stop - start, stop - start) float32 probabilities
+    allowed: np.ndarray  # (queries, keys) bool
+    row_tokens: list[str]
+    col_tokens: list[str]
+    mask: str
+    arch: str
+    model: str
+
+
+class _Crop:
+    """Engine block reducer keeping one rectangle of one layer's map."""
+
+    def __init__(self, queries: tuple[int, int], keys: tuple[int, int]):
+        self.queries, self.keys = queries, keys
+        self.values = self.allowed = None
+
+    def add(self, layer, q0, probs, allow, n_q, k0=0, n_kv=None):
+        (r0, r1), (c0, c1) = self.queries, self.keys
+        if self.values is None:
+            self.values = np.zeros((probs.shape[1], r1 - r0, c1 - c0), dtype=np.float32)
+            self.allowed = np.zeros((r1 - r0, c1 - c0), dtype=bool)
+        a, b = max(q0, r0), min(q0 + probs.shape[2], r1)
+        c, d = max(k0, c0), min(k0 + probs.shape[3], c1)
+        if a < b and c < d:
+            self.values[:, a - r0:b - r0, c - c0:d - c0] = probs[0, :, a - q0:b - q0, c - k0:d - k0].float().cpu().numpy()
+            self.allowed[a - r0:b - r0, c - c0:d - c0] = allow[0, 0, a - q0:b - q0, c - k0:d - k0].cpu().numpy()
+
+    def finish(self, layer):
+        return self.values, self.allowed
+
+
+class _Done(Exception):
+    """Raised after the region's layer: the rest of the forward is not needed."""
+
+
+def check_range(name: str, span: tuple[int, int], n: int) -> tuple[int, int]:
+    start, stop = int(span[0]), int(span[1])
+    if not 0 <= start < stop <= n:
+        raise InputError(f"the {name} range {start}..{stop} is not inside the text's 0..{n} tokens")
+    if stop - start > MAX_SIDE:
+        raise InputError(f"the {name} range spans {stop - start} tokens; a zoomed region shows at most {MAX_SIDE}")
+    return start, stop
+
+
+def region(loaded: LoadedModel, text: str, arch, layer: int, queries: tuple[int, int], keys: tuple[int, int],
+           on_layer=None, block_bytes: int | None = None) -> Region:
+    """Layer ``layer``'s probabilities for ``queries`` × ``keys`` (half-open token ranges) at full
+    resolution; ``on_layer(done, total)`` reports progress up to that layer."""
+    architecture = arch_mod.resolve(arch, loaded.n_layers)
+    if not 0 <= layer < loaded.n_layers:
+        raise InputError(f"layer {layer} does not exist: the model has layers 0..{loaded.n_layers - 1}")
+    ids, tokens = tokenize(loaded, text)
+    queries, keys = check_range("query", queries, len(ids)), check_range("key", keys, len(ids))
+    crop = _Crop(queries, keys)
+
+    def step(done: int) -> None:
+        if on_layer:
+            on_layer(done + 1, layer + 1)
+        if done == layer:
+            raise _Done
+
+    try:
+        engine.forward(loaded.model, torch.tensor([ids]), list(architecture.layers), {layer}, reducer=crop,
+                       on_layer=step, last_logits_only=True, block_bytes=block_bytes)
+    except _Done:
+        pass
+    values, allowed = crop.finish(layer)
+    return Region(layer, queries, keys, values, allowed, tokens[queries[0]:queries[1]], tokens[keys[0]:keys[1]],
+                  architecture.layer_names[layer], architecture.spec, loaded.model_id)
+
+
+def from_capture(cap, layer: int, queries: tuple[int, int], keys: tuple[int, int]) -> Region:
+    """The same region cut from a capture that kept full maps (no forward needed)."""
+    queries = check_range("query", queries, len(cap.row_tokens))
+    keys = check_range("key", keys, cap.n_tokens)
+    (a, b), (c, d) = queries, keys
+    return Region(layer, queries, keys, cap.layer_probs(layer)[:, a:b, c:d], cap.allowed[layer][a:b, c:d],
+                  cap.row_tokens[a:b], cap.tokens[c:d], cap.layer_masks[layer], cap.arch, cap.meta.get("model", ""))

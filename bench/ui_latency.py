@@ -1,0 +1,78 @@
+"""Interaction latency of the real app in headless Chromium (issue 8 §2).
+
+    python bench/ui_latency.py [--n 2048] [--moves 9]
+
+Starts ``streamlit run app.py`` on a free localhost port, opens the Heatmaps page in Debian's
+Chromium (Playwright), pastes a text of about ``--n`` tokens into the sidebar and measures
+- first paint: from applying the text to the heatmap of that text drawn (the capture included);
+- slider repaint: from a key press on the Layer slider to the heatmap of the new layer drawn,
+  ``--moves`` times; the median is reported.
+Ends with ``ui_latency N=<N> slider_repaint_median_s=<x> first_paint_s=<y>`` (goal: repaint <= 0.3 s
+at 2,048 tokens). Times are wall clock as a user sees them: server, network and browser rendering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+from appserver import browser_page, running_app, wait_for_app  # noqa: E402
+
+SENTENCE = ("The old lighthouse keeper climbed the narrow stairs every evening to light the lamp, and the "
+            "ships passing the rocky coast relied on its steady beam. ")  # ~32 tokens
+
+TITLE = "[...document.querySelectorAll('[data-testid=\"stMain\"] .gtitle')].map(e => e.textContent)"
+
+
+def heatmap_title(page) -> str:
+    titles = page.evaluate(f"() => {TITLE}")
+    return next((t for t in titles if t.startswith("layer ")), "")
+
+
+def wait_title(page, prefix: str, timeout_ms: int = 600_000) -> None:
+    page.wait_for_function(f"() => {TITLE}.some(t => t.startsWith({prefix!r}))", timeout=timeout_ms, polling=20)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=2048)
+    parser.add_argument("--moves", type=int, default=9)
+    args = parser.parse_args()
+    text = SENTENCE * max(1, round(args.n / 32))
+    with running_app() as url, browser_page() as page:
+        page.goto(url)
+        wait_for_app(page)
+        area = page.locator('[data-testid="stSidebar"] textarea').first
+        area.fill(text)
+        start = time.perf_counter()
+        area.press("Control+Enter")  # apply the text
+        page.wait_for_function("() => [...document.querySelectorAll('[data-testid=\"stCaptionContainer\"]')]"
+                               f".some(e => / {{0,1}}· \\d+ tokens/.test(e.textContent) && "
+                               f"!e.textContent.includes('· 48 tokens'))", timeout=900_000, polling=50)
+        wait_title(page, "layer 29 ")
+        page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=900_000)
+        first_paint = time.perf_counter() - start
+        caption = page.locator('[data-testid="stCaptionContainer"]').filter(has_text="tokens").first.inner_text()
+        n = int(re.search(r"(\d+) tokens", caption).group(1))
+        slider = page.locator('[data-testid="stMain"]').get_by_role("slider", name="Layer").first
+        slider.focus()
+        times = []
+        for move in range(args.moves):
+            layer = 28 - move
+            start = time.perf_counter()
+            slider.press("ArrowLeft")
+            wait_title(page, f"layer {layer} ")
+            times.append(time.perf_counter() - start)
+            page.wait_for_timeout(300)  # let the app settle, as a person would between moves
+            print(f"move to layer {layer}: {times[-1]:.3f} s", flush=True)
+        print(f"ui_latency N={n} slider_repaint_median_s={statistics.median(times):.3f} first_paint_s={first_paint:.2f}")
+
+
+if __name__ == "__main__":
+    main()

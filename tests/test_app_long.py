@@ -1,0 +1,109 @@
+"""The app with long texts and a memory budget (issue 8), through AppTest on the default model."""
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import ENGLISH
+from test_app import app_test, arr, charts, on_page, texts
+
+LONG = " ".join([ENGLISH] * 14)  # ~600 tokens
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.fixture
+def env(monkeypatch):
+    return monkeypatch.setenv
+
+
+def test_a_long_text_gets_pooled_maps_and_full_resolution_regions(model_cache, default_model, tmp_path, env):
+    from attnviz.capture import capture
+
+    env("ATTNVIZ_FULL_MAPS_MB", "8")  # ~600 tokens would take ~200 MB of full maps: statistics + pooled maps
+    at = app_test(tmp_path)
+    at.run()
+    at.sidebar.text_area(key="text").input(LONG).run()
+    assert not at.exception and not at.error, texts(at.error)
+    assert "maximum of 2 × 2 tokens" in texts(at.caption)
+    assert at.toggle(key="hm_log").value  # log scale by default above 256 tokens
+    n = default_model.tokenizer(LONG, add_special_tokens=True)["input_ids"].__len__()
+    at.slider(key="hm_zq").set_value((n - 30, n)).run()
+    at.slider(key="hm_zk").set_value((0, 20)).run()
+    assert not at.exception and not at.error, texts(at.error)
+    region = [c for c in charts(at) if "queries" in str(c["layout"].get("title", ""))][0]
+    values = arr(region["data"][0]["customdata"])
+    full = capture(default_model, LONG, "fwd", layers=[29]).layer_probs(29).mean(0)
+    np.testing.assert_allclose(values, np.where(np.tril(np.ones((n, n), bool))[n - 30:, :20],
+                                                full[n - 30:, :20], np.nan), atol=2e-3, equal_nan=True)
+    on_page(at, "pages/sinks.py")  # statistics pages work on the same long capture
+    assert not at.error, texts(at.error)
+    assert len(charts(at)) >= 3
+
+
+def test_a_capture_that_cannot_fit_is_refused_before_it_runs(model_cache, tmp_path, env):
+    env("ATTNVIZ_MEMORY_MB", "600")  # the model's weights take ~540 MB of it
+    at = app_test(tmp_path)
+    at.run()
+    assert not at.error, texts(at.error)  # a short text fits
+    at.sidebar.text_area(key="text").input(" ".join([ENGLISH] * 45)).run()
+    assert not at.exception
+    message = texts(at.error)
+    assert "more than the" in message and "What would fit: a text of at most" in message
+
+
+def test_resident_size_stays_within_the_budget(model_cache, default_model, tmp_path, env):
+    """Captures under different architectures, one after another, each ~670 MB of full maps under an
+    800 MB budget: the cache evicts before it computes, so the process holds the budget plus the
+    capture being built and its working set (the stated margin, 1 GB), not every capture it made
+    (five would be +3.3 GB)."""
+    weights = sum(p.numel() * p.element_size() for p in default_model.model.parameters()) / 2**20
+    budget_mb, margin_mb = 800, 1000
+    env("ATTNVIZ_MEMORY_MB", str(int(weights + budget_mb)))
+    at = app_test(tmp_path)
+    at.run()
+    text = " ".join([ENGLISH] * 23)  # ~1,000 tokens
+    at.sidebar.text_area(key="text").input(text).run()
+    base = _rss_mb()
+    peak = base
+    for spec in ("nosink-fwd*30", "bidir*30", "fwd*20 + back*10", "nosink-bidir*30", "back*30"):
+        at.sidebar.selectbox(key="arch_pick").set_value("Advanced (string)").run()
+        at.sidebar.text_input(key="arch_text").input(spec).run()
+        assert not at.exception and not at.error, texts(at.error)
+        peak = max(peak, _rss_mb())
+    assert peak - base <= budget_mb + margin_mb, f"resident size grew by {peak - base:.0f} MB"
+
+
+def test_two_sessions_asking_for_the_same_capture_compute_it_once(model_cache, tmp_path, monkeypatch):
+    import ui.state
+
+    calls = []
+    original = ui.state.capture
+
+    def counted(*args, **kwargs):
+        calls.append(args[1])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ui.state, "capture", counted)
+    text = "Two sessions, one capture: " + ENGLISH
+    sessions = []
+    for i in range(2):
+        (tmp_path / str(i)).mkdir()
+        at = app_test(tmp_path / str(i))
+        at.run()
+        at.sidebar.text_area(key="text").input(text)
+        sessions.append(at)
+    threads = [threading.Thread(target=at.run) for at in sessions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for at in sessions:
+        assert not at.exception and not at.error, texts(at.error)
+        assert charts(at)
+    assert calls.count(text) == 1

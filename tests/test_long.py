@@ -1,0 +1,75 @@
+"""Long texts (issue 8): pooled maps, zoomed regions, size estimates and the memory budget."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from attnviz import zoom
+from attnviz.capture import capture, estimate_bytes
+from attnviz.errors import InputError
+from attnviz.figures.style import max_pool
+from attnviz.lru import ByteLRU, nbytes
+
+from tiny import loaded
+
+TEXT = "The quick brown fox jumps over the lazy dog, again. " * 4  # 208 tokens, one per character
+SPECS = ["fwd", "nosink-fwd*2 + bidir", "back*3", "stablemask(gamma=0.5)", "sliding(w=9)*3"]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_pooled_maps_are_the_max_pool_of_the_full_maps(spec):
+    lm = loaded("llama")
+    full = capture(lm, TEXT, spec, storage_dtype=torch.float32)
+    long = capture(lm, TEXT, spec, reduce=True, pool=24, block_bytes=4 * 4 * len(TEXT) * 7)  # 7-row blocks
+    assert not long.probs and long.pool_factor(0) == 9  # ceil(208 / 24)
+    for layer in range(3):
+        values, allowed = long.layer_view(layer)
+        probs = full.layer_probs(layer)
+        expected = np.stack([max_pool(np.where(full.allowed[layer], p, np.nan), 24) for p in probs])
+        np.testing.assert_allclose(values, expected, atol=2e-3, rtol=2e-3, equal_nan=True)
+        np.testing.assert_array_equal(allowed, ~np.isnan(expected[0]))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_region_equals_the_slice_of_the_full_map(spec):
+    lm = loaded("llama")
+    full = capture(lm, TEXT, spec, storage_dtype=torch.float32)
+    steps = []
+    region = zoom.region(lm, TEXT, spec, 1, (150, 208), (3, 70), on_layer=lambda d, t: steps.append((d, t)),
+                         block_bytes=4 * 4 * len(TEXT) * 11)  # 11-row blocks: the region crosses several
+    np.testing.assert_allclose(region.values, full.layer_probs(1)[:, 150:208, 3:70], atol=1e-6)
+    np.testing.assert_array_equal(region.allowed, full.allowed[1][150:208, 3:70])
+    assert region.row_tokens == full.tokens[150:208] and region.col_tokens == full.tokens[3:70]
+    assert steps == [(1, 2), (2, 2)]  # the forward stopped after layer 1
+    cut = zoom.from_capture(full, 1, (150, 208), (3, 70))
+    np.testing.assert_array_equal(cut.values, full.layer_probs(1)[:, 150:208, 3:70])
+
+
+@pytest.mark.parametrize("queries,keys,message", [
+    ((10, 5), (0, 4), "query range 10..5"), ((0, 4), (0, 500), "not inside the text's 0..208"),
+    ((0, 200), (0, 4), "at most 96"),
+])
+def test_bad_regions_are_refused(queries, keys, message):
+    with pytest.raises(InputError, match=message):
+        zoom.region(loaded("llama"), TEXT, "fwd", 0, queries, keys)
+
+
+@pytest.mark.parametrize("options", [{}, {"reduce": True, "pool": 32}, {"hidden_states": True},
+                                     {"reduce": True}])
+def test_size_estimates_bound_what_a_capture_holds(options):
+    lm = loaded("llama")
+    cap = capture(lm, TEXT, "fwd*2 + bidir", **options)
+    estimate = estimate_bytes(lm, cap.n_tokens, **options)
+    assert nbytes(cap) <= estimate <= 1.6 * nbytes(cap) + 64 * 1024
+
+
+def test_shared_buffers_count_once_and_reserve_evicts_first():
+    a = np.zeros((100, 100), dtype=np.float32)
+    assert nbytes({"x": a, "y": a, "z": a[None]}) < 2 * a.nbytes
+    store = ByteLRU(1000)
+    store.put("old", b"", size=600)
+    store.put("new", b"", size=300)
+    assert store.reserve(500) and "old" not in store and "new" in store and store.used == 300
+    assert not store.reserve(2000)
