@@ -119,7 +119,8 @@ def styled(fig: go.Figure, preset: str = "paper-single", colorbar: bool = True, 
         out.update_layout(title=None)
     if spec["width"]:
         out.update_layout(width=spec["width"], height=spec["height"], title=dict(font=dict(size=size + 1)),
-                          margin=dict(l=8, r=8, t=(size + 16) if title and out.layout.title.text else 8, b=8))
+                          margin=dict(l=8, r=8, b=8, t=(size + 16) if (title and out.layout.title.text)
+                                      or out.layout.annotations else 8))  # subplot titles need the room
         out.update_xaxes(automargin=True, title_standoff=4)
         out.update_yaxes(automargin=True, title_standoff=4)
         n_cols = max(1, len([k for k in out.layout if k.startswith("xaxis")]))

@@ -41,6 +41,7 @@ if loaded is not None and settings.text.strip():
         if a.hidden is not None and b.hidden is not None:
             st.plotly_chart(cosine_figure(a, b), width="stretch", key="cmp_cos")
         else:
-            st.caption("Hidden states are not recorded under a residual variant: no cosine similarity per layer.")
+            st.caption("No cosine similarity per layer: hidden states are not recorded under a residual variant, "
+                       "nor for a long text (its captures keep statistics and pooled maps).")
 else:
     st.warning("Load a model and give a text in the sidebar.")

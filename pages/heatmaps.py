@@ -16,6 +16,7 @@ from ui.state import current_capture, get_seq2seq_capture, page_context
 # the sink column (p ~ 0.5-0.9), so the ~1/n attention everywhere else is white and the map reads as a
 # white square with a hairline; log10 (floor 1e-4) shows the sink and the local structure together.
 LOG_DEFAULT_TOKENS = 256
+FIGURES_KEPT = 32  # heatmap figures kept per capture (each an image of at most 512² pixels)
 
 settings, loaded = page_context()
 st.title("Attention heatmaps")
@@ -52,11 +53,17 @@ def show(cap, mode: str) -> None:
     log = c3.toggle("Log scale", key="hm_log", on_change=lambda: st.session_state.update(hm_log_chosen=True))
     row_norm = c4.toggle("Row-normalise", key="hm_rownorm")
     head = None if head == "mean" else int(head)
-    try:
-        fig = heatmap(cap, layer, head, log=log, row_normalise=row_norm, mode=mode)
-    except AttnvizError as err:
-        st.error(str(err))
-        st.stop()
+    figures = cap.memo("heatmap_figures", dict)  # kept with the capture: a slider back is instant
+    shown = (layer, head, log, row_norm, mode)
+    if shown not in figures:
+        try:
+            figures[shown] = heatmap(cap, layer, head, log=log, row_normalise=row_norm, mode=mode)
+        except AttnvizError as err:
+            st.error(str(err))
+            st.stop()
+        if len(figures) > FIGURES_KEPT:
+            figures.pop(next(iter(figures)))
+    fig = figures[shown]
     box = st.plotly_chart(fig, width="stretch", key="hm_chart", on_select="rerun", selection_mode="box")
     pooled = cap.pool_factor(layer)
     st.caption("Grey cells are masked by the architecture; white cells were allowed but got ~0 attention."
@@ -98,6 +105,15 @@ def zoom_section(cap, layer: int, head, log: bool, event) -> None:
         if queries[0] == queries[1] or keys[0] == keys[1]:
             st.warning("Pick a range of at least one query and one key.")
             return
+        wanted = (layer, queries, keys)
+        if layer not in cap.probs:  # a long text: the region costs a forward up to this layer, so on request
+            if boxes or c1.button("Show this region at full resolution", key="hm_zoom_go",
+                                  help=f"Re-runs layers 0–{layer} on the text, keeping only this region"):
+                st.session_state["hm_zoom_for"] = (cap.text, cap.arch, *wanted)
+            asked = st.session_state.get("hm_zoom_for")
+            if not asked or asked[:2] != (cap.text, cap.arch):
+                return
+            layer, queries, keys = asked[2:]
         try:
             if layer in cap.probs:
                 region = zoom.from_capture(cap, layer, queries, keys)

@@ -35,6 +35,8 @@ def test_a_long_text_gets_pooled_maps_and_full_resolution_regions(model_cache, d
     n = default_model.tokenizer(LONG, add_special_tokens=True)["input_ids"].__len__()
     at.slider(key="hm_zq").set_value((n - 30, n)).run()
     at.slider(key="hm_zk").set_value((0, 20)).run()
+    assert not [c for c in charts(at) if "queries" in str(c["layout"].get("title", ""))]  # a forward: on request
+    at.button(key="hm_zoom_go").click().run()
     assert not at.exception and not at.error, texts(at.error)
     region = [c for c in charts(at) if "queries" in str(c["layout"].get("title", ""))][0]
     values = arr(region["data"][0]["customdata"])

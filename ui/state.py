@@ -43,6 +43,7 @@ PICKS = ["FWD", "BACK", "BIDIR", "NoSink-FWD", "NoSink-BIDIR", "INPLACE-BIDIR", 
          "MASK0-BIDIR", "MASK0-ALL", "MASK0&BIDIR", "StableMask", "Sliding window", "Dilated window",
          "Global + sliding", "Advanced (string)"]
 _lock = threading.Lock()
+_load_lock = threading.Lock()
 
 
 @dataclass
@@ -96,17 +97,26 @@ def get_model(name: str, trust_remote_code: bool = False, wait: bool = True) -> 
         return None
     if not wait:
         return None
-    try:
-        with st.status(f"Loading model {name} …", expanded=False) as status:
-            start = time.perf_counter()
-            loaded = load(name, trust_remote_code=trust_remote_code, progress=status.write)
-            status.update(label=f"Loaded {loaded.model_id} in {time.perf_counter() - start:.1f} s", state="complete")
-    except AttnvizError as err:
-        failed[key] = str(err)
-        st.error(f"Model: {err}")
-        return None
-    with _lock:
-        store[key] = loaded
+    # One load at a time, for every session: sessions opened together would otherwise each load the
+    # model, and transformers' loading is not thread-safe (concurrent loads fail on meta tensors).
+    with _load_lock:
+        if key in store:  # loaded by another session while this one waited
+            return store[key]
+        if key in failed:
+            st.error(f"Model: {failed[key]}")
+            return None
+        try:
+            with st.status(f"Loading model {name} …", expanded=False) as status:
+                start = time.perf_counter()
+                loaded = load(name, trust_remote_code=trust_remote_code, progress=status.write)
+                status.update(label=f"Loaded {loaded.model_id} in {time.perf_counter() - start:.1f} s",
+                              state="complete")
+        except AttnvizError as err:
+            failed[key] = str(err)
+            st.error(f"Model: {err}")
+            return None
+        with _lock:
+            store[key] = loaded
     return loaded
 
 

@@ -121,7 +121,9 @@ def panels(caps: list[Capture], titles: list[str], layer: int, head: int | None 
                                   scale=cap.pool_factor(layer))
         for t in traces:
             fig.add_trace(t, row=1, col=col)
-        fig.update_yaxes(autorange="reversed", scaleanchor=f"x{col if col > 1 else ''}", row=1, col=col)
+        fig.update_yaxes(autorange="reversed", scaleanchor=f"x{col if col > 1 else ''}", constrain="domain",
+                         row=1, col=col)
+        fig.update_xaxes(constrain="domain", row=1, col=col)
     return layout(fig, height=380, masked_bg=True)
 
 
@@ -142,8 +144,15 @@ def overview_tiles(cap: Capture, tile: int = 12, log: bool = False) -> np.ndarra
 
 
 def overview(cap: Capture, tile: int = 12, log: bool = False) -> go.Figure:
-    """Small multiples: one tile per layer (rows) and head (columns). Click a tile to open it."""
-    mosaic = cap.memo(("overview", tile, log), lambda: overview_tiles(cap, tile, log))
+    """Small multiples: one tile per layer (rows) and head (columns). Click a tile to open it.
+
+    Kept whole with the capture (a slider move redraws it unchanged); the tile borders are one
+    list of shapes, since ``add_vline`` costs ~30 ms a line."""
+    return cap.memo(("overview_figure", tile, log), lambda: _overview(cap, tile, log))
+
+
+def _overview(cap: Capture, tile: int, log: bool) -> go.Figure:
+    mosaic = overview_tiles(cap, tile, log)
     zmin, zmax = colour_range([mosaic], False)
     layer_of = np.repeat(cap.layers, tile)
     head_of = np.repeat(np.arange(cap.n_heads), tile)
@@ -151,11 +160,13 @@ def overview(cap: Capture, tile: int = 12, log: bool = False) -> go.Figure:
     fig = go.Figure(go.Heatmap(z=mosaic, customdata=custom, colorscale="Blues", zmin=zmin, zmax=zmax,
                                hovertemplate="layer %{customdata[0]}, head %{customdata[1]}<extra></extra>",
                                colorbar=dict(title="log10 p" if log else "p", len=0.6), hoverongaps=False))
-    for k in range(1, cap.n_heads):
-        fig.add_vline(x=k * tile - 0.5, line=dict(color="white", width=2))
-    for k in range(1, len(cap.layers)):
-        fig.add_hline(y=k * tile - 0.5, line=dict(color="white", width=1))
+    rows, cols = len(cap.layers) * tile, cap.n_heads * tile
+    borders = [dict(type="line", x0=k * tile - 0.5, x1=k * tile - 0.5, y0=-0.5, y1=rows - 0.5,
+                    line=dict(color="white", width=2)) for k in range(1, cap.n_heads)]
+    borders += [dict(type="line", y0=k * tile - 0.5, y1=k * tile - 0.5, x0=-0.5, x1=cols - 0.5,
+                     line=dict(color="white", width=1)) for k in range(1, len(cap.layers))]
     layout(fig, "every layer × head (click a tile)", height=max(400, 22 * len(cap.layers)), masked_bg=True)
+    fig.update_layout(shapes=list(fig.layout.shapes) + borders)
     fig.update_xaxes(tickmode="array", tickvals=[h * tile + tile / 2 for h in range(cap.n_heads)],
                      ticktext=[f"h{h}·g{cap.kv_groups[h]}" for h in range(cap.n_heads)], title="head · KV group")
     fig.update_yaxes(tickmode="array", tickvals=[i * tile + tile / 2 for i in range(len(cap.layers))],

@@ -26,7 +26,7 @@ def shift_panels(caps: list[Capture], titles: list[str], layer: int, log: bool =
         for t in traces:
             fig.add_trace(t, row=1, col=col)
         grey_under(fig, 1, col)
-        fig.update_yaxes(autorange="reversed", row=1, col=col)
+        fig.update_yaxes(autorange="reversed", constrain="domain", row=1, col=col)
         mass = cap.stat(layer, "column_mean").mean(0)[:max_keys]
         top = max(top, float(mass.max()))
         sink = int(np.argmax(mass))

@@ -1,7 +1,7 @@
 """Shared look of every figure: paper presets, the colour scale, pooling and the matrix renderer.
 
 A matrix of n tokens is drawn as a ``go.Heatmap`` with hover labels while n is small, and above
-``HOVER_MAX`` as one PNG image (``px.imshow(binary_string=True)``), max-pooled down to at most
+``HOVER_MAX`` as one PNG image (a data URI, as ``px.imshow(binary_string=True)`` makes), max-pooled down to at most
 ``MAX_PX`` pixels a side so that sinks stay visible: the browser never gets n² numbers as JSON.
 Cells the mask forbids are drawn in ``MASKED`` grey, distinct from zero attention (white).
 """
@@ -9,7 +9,6 @@ Cells the mask forbids are drawn in ``MASKED`` grey, distinct from zero attentio
 from __future__ import annotations
 
 import numpy as np
-import plotly.express as px
 import plotly.graph_objects as go
 from plotly.colors import sample_colorscale
 
@@ -106,6 +105,19 @@ def _rgb(values: np.ndarray, zmin: float, zmax: float) -> np.ndarray:
     return rgb
 
 
+def png_data_uri(rgb: np.ndarray) -> str:
+    """An (h, w, 3) uint8 image as a PNG data URI, what ``px.imshow(binary_string=True)`` sends, made
+    directly: fast compression and no Plotly Express figure, since a slider move waits for it."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(rgb).save(out, format="PNG", compress_level=1)
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
 def matrix_traces(values: np.ndarray, x_labels, y_labels, zmin: float, zmax: float, log: bool,
                   colorbar_title: str = "attention", show_scale: bool = True, hover_name: str = "p",
                   scale: int = 1, origin: tuple[int, int] = (0, 0)):
@@ -125,7 +137,7 @@ def matrix_traces(values: np.ndarray, x_labels, y_labels, zmin: float, zmax: flo
                            hovertemplate=hover, showscale=show_scale, colorbar=tick, hoverongaps=False,
                            xgap=0, ygap=0)], False
     pooled = max_pool(z, MAX_PX)
-    image = px.imshow(_rgb(pooled, zmin, zmax), binary_string=True).data[0]
+    image = go.Image(source=png_data_uri(_rgb(pooled, zmin, zmax)))
     factor = scale * max(values.shape) / max(pooled.shape)
     image.update(x0=k0, dx=factor, y0=q0, dy=factor, hoverinfo="skip")
     # an invisible point carries the colour bar, which images do not have
