@@ -168,8 +168,8 @@ def _capture_seq2seq(args, loaded, text) -> dict:
                                          on_layer=update)
     kinds = list(seq2seq.KINDS) if args.attention in (None, "all") else [args.attention]
     out = Path(args.out)
-    paths = {k: str(result.view(k).save(out if len(kinds) == 1 else out.with_name(f"{out.name.removesuffix('.npz')}.{k}.npz")))
-             for k in kinds}
+    stem = out.name.removesuffix(".npz")
+    paths = {k: str(result.view(k).save(out if len(kinds) == 1 else out.with_name(f"{stem}.{k}.npz"))) for k in kinds}
     return {"out": paths, "model": loaded.model_id, "encoder_arch": result.encoder.arch, "target": result.target,
             "generated": result.generated, "n_source_tokens": result.encoder.n_tokens,
             "n_target_tokens": result.decoder.n_tokens, "forward_s": round(result.encoder.timing["forward_s"], 4)}

@@ -70,7 +70,7 @@ def attention_stacks(model) -> dict[str, list]:
 
 
 def _runs(model, src_ids: torch.Tensor, tgt_len: int, encoder_masks: list, storage_dtype, on_layer,
-          kinds=tuple(KINDS)) -> engine.Stacks:
+          kinds=tuple(KINDS), record: bool = True) -> engine.Stacks:
     stacks = attention_stacks(model)
     if len(encoder_masks) != len(stacks["encoder"]):
         raise ValueError(f"{len(encoder_masks)} masks for an encoder with {len(stacks['encoder'])} layers")
@@ -92,7 +92,7 @@ def _runs(model, src_ids: torch.Tensor, tgt_len: int, encoder_masks: list, stora
         q_pos = tgt_pos if kind != "encoder" else None
         positions, valid = (tgt_pos, torch.ones_like(tgt_pos, dtype=torch.bool)) if kind == "decoder" \
             else (src_pos, src_valid)
-        runs[kind] = engine.Run(masks[kind], frozenset(range(len(masks[kind]))), positions, valid,
+        runs[kind] = engine.Run(masks[kind], frozenset(range(len(masks[kind])) if record else ()), positions, valid,
                                 storage_dtype=storage_dtype, on_layer=step, q_positions=q_pos)
     routes = {id(m): (kind, i) for kind in kinds for i, m in enumerate(stacks[kind])}
     return engine.Stacks(runs, routes)
@@ -123,8 +123,8 @@ def generate(model, input_ids: torch.Tensor, encoder_masks: list, max_new_tokens
     """Greedy output with the encoder under ``encoder_masks`` (the decoder is stock): what the
     masked model itself says, decoder start token first."""
     engine.prepare(model)
-    stacks = _runs(model, input_ids, 1, encoder_masks, torch.float16, None, kinds=("encoder",))
-    stacks.runs["encoder"].record = frozenset()  # nothing to keep: SDPA under the masks
+    stacks = _runs(model, input_ids, 1, encoder_masks, torch.float16, None, kinds=("encoder",),
+                   record=False)  # nothing to keep: SDPA under the masks
     with engine.active(stacks):
         encoded = model.get_encoder()(input_ids=input_ids.to(model.device))
     ids = model.generate(encoder_outputs=encoded, attention_mask=torch.ones_like(input_ids).to(model.device),

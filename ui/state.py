@@ -31,6 +31,8 @@ EXAMPLES = {
 }
 DEFAULT_EXAMPLE = "Lighthouse (English, 48 tokens)"
 MAX_TOKENS = int(os.environ.get("ATTNVIZ_MAX_TOKENS", "0")) or None  # None: the model's own context
+
+
 def full_maps_limit() -> int:
     """Above this estimated size (``ATTNVIZ_FULL_MAPS_MB``, default 1 GB: ~1,400 tokens on the default
     model) a capture keeps statistics and 512-px max-pooled maps of every layer instead of full maps;
@@ -136,21 +138,23 @@ def _mb(n: int) -> str:
     return f"{n / 2**20:,.0f} MB"
 
 
-def plan_capture(loaded: LoadedModel, n_tokens: int, hidden: bool, extras: tuple, residual) -> dict | None:
-    """Full maps, or statistics + pooled maps for long texts, or a refusal (None, with the reason
-    shown) when not even statistics fit in what the memory budget leaves: decided before running."""
+def plan_capture(loaded: LoadedModel, n_tokens: int, hidden: bool, extras: tuple,
+                 residual) -> tuple[dict, int] | None:
+    """(capture options, estimated bytes): full maps, or statistics + pooled maps for long texts; or
+    a refusal (None, with the reason shown) when not even statistics fit in what the memory budget
+    leaves. Decided before running."""
     left = captures_left()
+    limit = min(left, full_maps_limit())
     full = estimate_bytes(loaded, n_tokens, hidden_states=hidden)
-    if full <= min(left, full_maps_limit()):
-        return {}
+    if full <= limit:
+        return {}, full
     stats = estimate_bytes(loaded, n_tokens, reduce=True, pool=POOL)
     if extras or residual:
         what = "a residual variant" if residual else "this view"
-        fit = next((n for n in range(n_tokens, 0, -64) if estimate_bytes(loaded, n, hidden_states=hidden)
-                    <= min(left, full_maps_limit())), 0)
+        fit = next((n for n in range(n_tokens, 0, -64) if estimate_bytes(loaded, n, hidden_states=hidden) <= limit), 0)
         st.error(f"{what.capitalize()} needs the full maps of every layer: ~{_mb(full)} for {n_tokens} tokens, more "
-                 f"than the {_mb(min(left, full_maps_limit()))} allowed per capture. What would fit: a text of at "
-                 f"most ~{fit} tokens, or the plain attention weights (statistics and pooled maps, any length).")
+                 f"than the {_mb(limit)} allowed per capture. What would fit: a text of at most ~{fit} tokens, or "
+                 "the plain attention weights (statistics and pooled maps, any length).")
         return None
     if stats > left:
         fit = next((n for n in range(n_tokens, 0, -256) if estimate_bytes(loaded, n, reduce=True, pool=POOL) <= left), 0)
@@ -158,7 +162,7 @@ def plan_capture(loaded: LoadedModel, n_tokens: int, hidden: bool, extras: tuple
                  f"server has left for captures (ATTNVIZ_MEMORY_MB {_mb(capture_budget())}, of which the model "
                  f"weights take {_mb(models_bytes())}). What would fit: a text of at most ~{fit} tokens.")
         return None
-    return {"reduce": True, "pool": POOL, "hidden_states": False}
+    return {"reduce": True, "pool": POOL, "hidden_states": False}, stats
 
 
 def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
@@ -182,15 +186,14 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
         return None
     extras = tuple(sorted(extras))
     hidden = hidden and not residual  # a variant's own layer loop records no hidden states
-    plan = plan_capture(loaded, n_tokens, hidden, extras, residual)
-    if plan is None:
+    planned = plan_capture(loaded, n_tokens, hidden, extras, residual)
+    if planned is None:
         return None
+    plan, estimate = planned
     options = {"hidden_states": hidden, **plan, **{name: True for name in extras}}
     key = (loaded.model_id, text, architecture.spec, tuple(sorted(options.items())), residual)
     store = _captures()
     if key not in store:
-        estimate = estimate_bytes(loaded, n_tokens, reduce=bool(plan), pool=plan.get("pool"),
-                                  hidden_states=options["hidden_states"])
         store.reserve(estimate)
         # Evicted captures can sit in reference cycles (Streamlit's script frames and callbacks) that
         # only the cycle collector frees, and their large buffers never trigger it: collect now, so
