@@ -50,7 +50,10 @@ def show(cap, mode: str) -> None:
                             format_func=lambda h: "mean" if h == "mean" else f"{h} (g{cap.kv_groups[h]})")
     if not st.session_state.get("hm_log_chosen"):  # follows the text's length until the user sets it
         st.session_state["hm_log"] = cap.n_tokens > LOG_DEFAULT_TOKENS
-    log = c3.toggle("Log scale", key="hm_log", on_change=lambda: st.session_state.update(hm_log_chosen=True))
+    log = c3.toggle("Log scale", key="hm_log",
+                    on_change=lambda: st.session_state.update(hm_log_chosen=True, hm_log_changed=True))
+    if st.session_state.pop("hm_log_changed", False):
+        st.rerun()  # the whole page: the overview below this fragment follows the scale too
     row_norm = c4.toggle("Row-normalise", key="hm_rownorm")
     head = None if head == "mean" else int(head)
     figures = cap.memo("heatmap_figures", dict)  # kept with the capture: a slider back is instant
@@ -73,15 +76,20 @@ def show(cap, mode: str) -> None:
     figure_downloads(fig, export.describe(cap, layer, head), key="hm")
     zoom_section(cap, layer, head, log, box)
 
+
+def show_overview(cap) -> None:
+    """Every layer × head, outside the slider fragment: a slider move does not resend it (~0.3 MB
+    the browser would parse again). A click on a tile moves the sliders."""
     st.subheader("Every layer × head")
-    over = overview(cap, log=log)
+    over = overview(cap, log=st.session_state.get("hm_log", False))
     event = st.plotly_chart(over, width="stretch", key="hm_overview", on_select="rerun", selection_mode="points")
     points = (event or {}).get("selection", {}).get("points", []) if event else []
-    if points:
-        target = tile_at(cap, points[0]["x"], points[0]["y"])
-        if target != (layer, head):
-            st.session_state["hm_jump"] = target
-            st.rerun()
+    clicked = (points[0]["x"], points[0]["y"]) if points else None
+    # the selection stays on the chart: act on a new click only, or a later rerun would undo slider moves
+    if clicked and clicked != st.session_state.get("hm_overview_seen"):
+        st.session_state["hm_overview_seen"] = clicked
+        st.session_state["hm_jump"] = tile_at(cap, *clicked)
+        st.rerun()
     data_downloads(cap, key="hm_data")
 
 
@@ -149,6 +157,7 @@ if seq2seq:
         if pair.generated:
             st.markdown(f"**Model output:** {pair.target}")
         show(cap, "weight")
+        show_overview(cap)
 elif kind != "decoder" and loaded is not None:
     st.error(f"{loaded.model_id} is a decoder-only model: it has no encoder and no cross-attention. Load an "
              "encoder-decoder (T5, BART, Marian: a Hugging Face id or a local directory) to see them.")
@@ -166,3 +175,4 @@ else:
         st.caption(f"{cap.meta['model']} · `{cap.arch}` · {cap.n_tokens} tokens · "
                    f"forward {cap.timing['forward_s']:.2f} s")
         show(cap, mode)
+        show_overview(cap)

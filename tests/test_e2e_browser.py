@@ -23,6 +23,11 @@ def chart_title(page) -> str:
     return page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"] .gtitle').first.text_content()
 
 
+def wait_title(page, prefix: str) -> None:
+    page.wait_for_function("() => [...document.querySelectorAll('[data-testid=\"stMain\"] .gtitle')]"
+                           f".some(e => e.textContent.startsWith({prefix!r}))", timeout=60_000)
+
+
 def no_exception(page) -> None:
     assert page.locator('[data-testid="stException"]').count() == 0
     assert "Traceback" not in page.locator('[data-testid="stMain"]').inner_text()
@@ -39,10 +44,24 @@ def test_app_in_a_real_browser(model_cache, tmp_path):
         slider = page.locator('[data-testid="stMain"]').get_by_role("slider", name="Layer").first
         slider.focus()
         slider.press("Home")
-        page.wait_for_function(
-            "() => [...document.querySelectorAll('[data-testid=\"stMain\"] .gtitle')]"
-            ".some(e => e.textContent.startsWith('layer 0 '))", timeout=60_000)
+        wait_title(page, "layer 0 ")
         assert chart_title(page) == "layer 0 · fwd · mean over heads"
+
+        # a click on the overview's tile (layer 5, head 2) opens it; a slider move after it is not undone
+        overview = page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"]').filter(
+            has_text="every layer × head").first
+        overview.scroll_into_view_if_needed()
+        area = overview.locator(".nsewdrag").first.bounding_box()
+        page.mouse.click(area["x"] + area["width"] * (2 * 12 + 6) / (9 * 12),
+                         area["y"] + area["height"] * (5 * 12 + 6) / (30 * 12))
+        wait_title(page, "layer 5 ")
+        assert chart_title(page) == "layer 5 · fwd · head 2 (KV group 0)"
+        slider.focus()
+        slider.press("ArrowRight")
+        wait_title(page, "layer 6 ")
+        page.wait_for_timeout(1500)
+        wait_for_app(page)
+        assert chart_title(page) == "layer 6 · fwd · head 2 (KV group 0)"
 
         # export the heatmap as a PDF and check the file
         page.get_by_text("Export this figure").first.click()

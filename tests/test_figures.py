@@ -9,7 +9,7 @@ from attnviz.arch import parse
 from attnviz.capture import capture
 from attnviz.figures import (allocation_bars, architecture_masks, heatmap, key_profile, overview, panels,
                              shift_panels, sink_grid, stablemask_pseudo, tile_at)
-from attnviz.figures.style import HOVER_MAX, MASKED, max_pool
+from attnviz.figures.style import HOVER_MAX, LOG_FLOOR, MASKED, max_pool
 
 from tiny import loaded
 
@@ -73,6 +73,34 @@ def test_overview_click_maps_to_layer_and_head(lm):
     fig = overview(cap, tile=12)
     assert np.asarray(fig.data[0].z).shape == (3 * 12, 4 * 12)
     assert tile_at(cap, x=3 * 12 + 1, y=2 * 12 + 5, tile=12) == (2, 3)
+
+
+def test_log_overview_spans_its_colour_scale(lm):
+    """The log mosaic holds log10 p (<= 0): its range is [log10 floor, max], not the linear [0, ...]
+    that painted every tile the lowest colour."""
+    cap = capture(lm, "overview tiles in log colours", "fwd")
+    trace = overview(cap, tile=4, log=True).data[0]
+    z = np.asarray(trace.z, dtype=float)
+    assert trace.zmin == np.log10(LOG_FLOOR) and trace.zmax == np.nanmax(z) <= 0
+    assert np.nanmin(z) >= trace.zmin and np.nanmax(z) > trace.zmin
+
+
+def test_heatmap_image_colours_are_the_colour_scale_and_masked_grey(lm):
+    import base64
+    import io
+
+    from PIL import Image
+
+    cap = capture(lm, "x" * 300, "fwd", layers=[1])
+    fig = heatmap(cap, 1, head=0)
+    rgb = np.asarray(Image.open(io.BytesIO(base64.b64decode(fig.data[0].source.split(",")[1]))).convert("RGB"))
+    values = max_pool(np.where(cap.allowed[1], cap.layer_probs(1)[0], np.nan), 512)
+    grey = tuple(int(MASKED[i:i + 2], 16) for i in (1, 3, 5))
+    assert rgb.shape[:2] == values.shape
+    assert (rgb[np.isnan(values)] == grey).all()  # masked cells (above the diagonal) are grey
+    top = np.unravel_index(np.nanargmax(values), values.shape)  # the largest weight: the darkest blue
+    low = np.unravel_index(np.nanargmin(values), values.shape)
+    assert tuple(rgb[top]) == (8, 48, 107) and rgb[low].sum() > rgb[top].sum()
 
 
 def test_sink_figures(lm):

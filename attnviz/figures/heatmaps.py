@@ -8,7 +8,7 @@ from plotly.subplots import make_subplots
 
 from .. import metrics
 from ..capture import Capture
-from .style import colour_range, layout, matrix_traces, max_pool, scaled, token_axis
+from .style import LOG_FLOOR, colour_range, layout, matrix_traces, max_pool, scaled, token_axis
 
 
 def head_label(cap: Capture, head: int | None) -> str:
@@ -133,14 +133,13 @@ def overview_tiles(cap: Capture, tile: int = 12, log: bool = False) -> np.ndarra
     for layer in cap.layers:
         probs, allowed = cap.layer_view(layer)
         row = []
-        for head in range(cap.n_heads):
-            v = scaled(np.where(allowed, probs[head], np.nan), log)
-            pooled = max_pool(v, tile)
+        for head in range(cap.n_heads):  # pooled, then scaled: the same (log is increasing), on 1/size² the cells
+            pooled = scaled(max_pool(np.where(allowed, probs[head], np.nan), tile), log)
             full = np.full((tile, tile), np.nan)
             full[: pooled.shape[0], : pooled.shape[1]] = pooled
             row.append(full)
         rows.append(np.concatenate(row, axis=1))
-    return np.concatenate(rows, axis=0)
+    return np.concatenate(rows, axis=0).astype(np.float32)  # half the bytes the browser parses
 
 
 def overview(cap: Capture, tile: int = 12, log: bool = False) -> go.Figure:
@@ -153,13 +152,22 @@ def overview(cap: Capture, tile: int = 12, log: bool = False) -> go.Figure:
 
 def _overview(cap: Capture, tile: int, log: bool) -> go.Figure:
     mosaic = overview_tiles(cap, tile, log)
-    zmin, zmax = colour_range([mosaic], False)
-    layer_of = np.repeat(cap.layers, tile)
-    head_of = np.repeat(np.arange(cap.n_heads), tile)
-    custom = np.stack(np.broadcast_arrays(layer_of[:, None], head_of[None, :]), axis=-1)
-    fig = go.Figure(go.Heatmap(z=mosaic, customdata=custom, colorscale="Blues", zmin=zmin, zmax=zmax,
-                               hovertemplate="layer %{customdata[0]}, head %{customdata[1]}<extra></extra>",
-                               colorbar=dict(title="log10 p" if log else "p", len=0.6), hoverongaps=False))
+    if log:  # the mosaic is already log10 p
+        zmin = float(np.log10(LOG_FLOOR))
+        zmax = max(float(np.nanmax(mosaic)) if np.isfinite(mosaic).any() else 0.0, zmin + 1e-6)
+    else:
+        zmin, zmax = colour_range([mosaic], False)
+    # Clicks go to one invisible marker per tile: Streamlit's selections ignore heatmap cells (streamlit#8760)
+    layer_idx, head_idx = np.meshgrid(np.arange(len(cap.layers)), np.arange(cap.n_heads), indexing="ij")
+    centre = tile / 2 - 0.5
+    fig = go.Figure([go.Heatmap(z=mosaic, colorscale="Blues", zmin=zmin, zmax=zmax, hoverinfo="skip",
+                                colorbar=dict(title="log10 p" if log else "p", len=0.6), hoverongaps=False),
+                     go.Scatter(x=(head_idx * tile + centre).ravel(), y=(layer_idx * tile + centre).ravel(),
+                                mode="markers", showlegend=False,
+                                customdata=np.stack([np.asarray(cap.layers)[layer_idx.ravel()], head_idx.ravel()], -1),
+                                marker=dict(size=max(6, tile), opacity=0), selected=dict(marker=dict(opacity=0)),
+                                unselected=dict(marker=dict(opacity=0)),
+                                hovertemplate="layer %{customdata[0]}, head %{customdata[1]}<extra></extra>")])
     rows, cols = len(cap.layers) * tile, cap.n_heads * tile
     borders = [dict(type="line", x0=k * tile - 0.5, x1=k * tile - 0.5, y0=-0.5, y1=rows - 0.5,
                     line=dict(color="white", width=2)) for k in range(1, cap.n_heads)]
@@ -167,10 +175,11 @@ def _overview(cap: Capture, tile: int, log: bool) -> go.Figure:
                      line=dict(color="white", width=1)) for k in range(1, len(cap.layers))]
     layout(fig, "every layer × head (click a tile)", height=max(400, 22 * len(cap.layers)), masked_bg=True)
     fig.update_layout(shapes=list(fig.layout.shapes) + borders)
-    fig.update_xaxes(tickmode="array", tickvals=[h * tile + tile / 2 for h in range(cap.n_heads)],
+    # fixed ranges: autorange would pad for the markers and show grey outside the mosaic
+    fig.update_xaxes(tickmode="array", tickvals=[h * tile + centre for h in range(cap.n_heads)], range=[-0.5, cols - 0.5],
                      ticktext=[f"h{h}·g{cap.kv_groups[h]}" for h in range(cap.n_heads)], title="head · KV group")
-    fig.update_yaxes(tickmode="array", tickvals=[i * tile + tile / 2 for i in range(len(cap.layers))],
-                     ticktext=[str(l) for l in cap.layers], autorange="reversed", title="layer")
+    fig.update_yaxes(tickmode="array", tickvals=[i * tile + centre for i in range(len(cap.layers))],
+                     ticktext=[str(l) for l in cap.layers], range=[rows - 0.5, -0.5], title="layer")
     return fig
 
 
