@@ -105,3 +105,54 @@ def test_a_page_url_works_as_the_first_request_of_a_fresh_server(model_cache, pa
         nav = page.locator('[data-testid="stSidebarNav"]').inner_text()
         assert "Heatmaps" in nav and "Mask designer" in nav  # the app's navigation, not a bare file list
         assert page.locator('[data-testid="stSidebar"] textarea').count() >= 1  # the shared sidebar is there
+
+
+def test_an_abandoned_capture_stops_at_a_layer_boundary(model_cache):
+    """New input, or another page, while a long capture runs: it stops after the current layer
+    (Streamlit interrupts at the progress report) instead of running all 30 layers."""
+    from conftest import ENGLISH
+
+    log = Path(__file__).resolve().parent.parent / ".streamlit-e2e.log"
+    long_text = " ".join([ENGLISH] * 30)  # ~1,300 tokens: seconds per layer here
+
+    def start_long_capture(page, text):
+        area = page.locator('[data-testid="stSidebar"] textarea').first
+        area.fill(text)
+        area.press("Control+Enter")
+        page.wait_for_function("() => [...document.querySelectorAll('[data-testid=\"stProgress\"]')]"
+                               ".some(e => /Capturing fwd.*: [2-9]\\/30/.test(e.textContent))", timeout=180_000)
+
+    def abandoned(count: int) -> list[tuple[int, int]]:
+        """The (layer reached, layers) of each abandoned capture in the server's log, once there are ``count``."""
+        import re
+        import time
+
+        deadline = time.time() + 120
+        while True:
+            found = [(int(d), int(t)) for d, t in re.findall(r"abandoned Capturing fwd.*? at (\d+)/(\d+)",
+                                                             log.read_text())]
+            if len(found) >= count or time.time() > deadline:
+                return found
+            time.sleep(0.5)
+
+    with running_app() as url, browser_page() as page:
+        page.goto(url)
+        wait_for_app(page)
+        start_long_capture(page, long_text)
+        # new input: a short text replaces the long one mid-capture
+        area = page.locator('[data-testid="stSidebar"] textarea').first
+        area.fill("A short text instead.")
+        area.press("Control+Enter")
+        first = abandoned(1)
+        assert len(first) == 1 and 2 <= first[0][0] < first[0][1] == 30, first
+        page.locator('[data-testid="stCaptionContainer"]').filter(has_text=" 5 tokens").first.wait_for(timeout=120_000)
+        wait_for_app(page)
+        no_exception(page)
+
+        start_long_capture(page, long_text + " Again.")  # another page: the mask designer
+        page.locator('[data-testid="stSidebarNav"]').get_by_text("Mask designer", exact=True).click()
+        page.locator('[data-testid="stMain"] h1').filter(has_text="Mask designer").first.wait_for(timeout=60_000)
+        wait_for_app(page)
+        second = abandoned(2)
+        assert len(second) == 2 and 2 <= second[1][0] < 30, second
+        no_exception(page)

@@ -3,7 +3,9 @@ progress bar, kept for every session in a byte-budgeted LRU, errors shown as one
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -22,6 +24,14 @@ BUDGET_MB = int(os.environ.get("ATTNVIZ_RESULTS_MB", "64"))  # results are curve
 def _results() -> ByteLRU:
     return ByteLRU(BUDGET_MB * 2**20)
 
+
+log = logging.getLogger("attnviz.jobs")
+if not log.handlers:  # the server's log (stderr): which computations were abandoned, and where
+    _handler = logging.StreamHandler(sys.stderr)
+    _handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log.addHandler(_handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 _guard = threading.Lock()
 _running: dict = {}  # key -> [lock, waiters]: one computation per key at a time, across sessions
@@ -56,7 +66,8 @@ def run(key: Hashable, label: str, compute: Callable[[Callable[[int, int], None]
     ``store`` is the LRU to keep results in (default: the pages' results cache). A run the user
     abandons (new input, another page) stops at its next progress report, i.e. after the current
     layer: once a rerun is requested, Streamlit interrupts the script at its next ``st`` call, here
-    ``bar.progress``; nothing half-done is stored.
+    ``bar.progress``; nothing half-done is stored. The server's log says where it stopped
+    (``abandoned <label> at 3/30``; tests/test_e2e_browser.py checks it in Chromium).
     """
     store = _results() if store is None else store  # not `or`: an empty ByteLRU is falsy
     found = store.get(key)
@@ -68,8 +79,10 @@ def run(key: Hashable, label: str, compute: Callable[[Callable[[int, int], None]
             return found
         bar = st.progress(0.0, text=label)
         start = time.perf_counter()
+        reached = [0, 0]  # (done, total) of the last progress report
 
         def progress(done: int, total: int) -> None:
+            reached[:] = done, total
             bar.progress(min(done / max(total, 1), 1.0),
                          text=f"{label}: {done}/{total} ({time.perf_counter() - start:.0f} s)")
 
@@ -78,6 +91,10 @@ def run(key: Hashable, label: str, compute: Callable[[Callable[[int, int], None]
         except AttnvizError as err:
             st.error(f"{label}: {err}")
             return None
+        except BaseException as stop:  # Streamlit's rerun/stop: the user moved on
+            log.info("abandoned %s at %d/%d after %.1f s (%s)", label, *reached, time.perf_counter() - start,
+                     type(stop).__name__)
+            raise
         finally:
             bar.empty()
         store.put(key, result)  # least recently used results leave first; one over the whole budget is not kept
