@@ -257,7 +257,7 @@ def _linformer(args) -> dict:
     text = _text(args)
     loaded = _load(args)
     layer = parse_layers(str(args.layer), loaded.n_layers)[0]
-    cap = capture(loaded, text, args.arch, layers=[layer], qkv=True)
+    cap = capture(loaded, text, args.arch, layers=[layer], qkv=True, reduce=True)  # q, k, v: no n × n map needed
     results = linformer.error_curve(cap.layer_qkv(layer), cap.allowed[layer],
                                     [linformer.check_k(k, cap.n_tokens) for k in ks], args.projection)
     return {"model": loaded.model_id, "arch": cap.arch, "layer": layer, "n_tokens": cap.n_tokens,

@@ -55,12 +55,17 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, e: np.ndarray, f: np.nda
 
 def exact(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray | None = None,
           scaling: float | None = None) -> np.ndarray:
-    """Softmax attention output, full (``allowed`` None) or under an (n, n) allow-set."""
+    """Softmax attention output, full (``allowed`` None) or under an (n, n) allow-set.
+
+    One head at a time: the n × n scores of all heads at once would be ~5 GB per copy at 8,192 tokens."""
     scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
-    scores = q @ np.swapaxes(k, -1, -2) * scaling
-    if allowed is not None:
-        scores = np.where(allowed, scores, -np.inf)
-    return _softmax(scores) @ v
+    out = np.empty(q.shape[:-1] + (v.shape[-1],), dtype=np.result_type(q, v))
+    for h in range(q.shape[0]):
+        scores = q[h] @ k[h].T * scaling
+        if allowed is not None:
+            scores = np.where(allowed, scores, -np.inf)
+        out[h] = _softmax(scores) @ v[h]
+    return out
 
 
 def relative_error(approx: np.ndarray, reference: np.ndarray) -> float:
@@ -77,18 +82,26 @@ class WhatIf:
     error_masked: float  # against the layer's real output under its mask
 
 
-def whatif(qkv, allowed: np.ndarray, k: int, kind: str = "segment", seed: int = 0, layer: int = -1) -> WhatIf:
-    """Linformer on one captured layer's (q, k, v); ``qkv`` has q (H, n, d), k and v (H_kv, n, d)."""
+def _per_head(qkv):
     q, keys, values = qkv.q.astype(np.float64), qkv.k.astype(np.float64), qkv.v.astype(np.float64)
     group = q.shape[0] // keys.shape[0]
-    keys, values = np.repeat(keys, group, axis=0), np.repeat(values, group, axis=0)
+    return q, np.repeat(keys, group, axis=0), np.repeat(values, group, axis=0)
+
+
+def whatif(qkv, allowed: np.ndarray, k: int, kind: str = "segment", seed: int = 0, layer: int = -1,
+           references: tuple[np.ndarray, np.ndarray] | None = None) -> WhatIf:
+    """Linformer on one captured layer's (q, k, v); ``qkv`` has q (H, n, d), k and v (H_kv, n, d).
+    ``references``: the exact (full, masked) outputs, when a curve over several k computed them once."""
+    q, keys, values = _per_head(qkv)
     n = q.shape[1]
     e, f = projection(n, k, kind, seed), projection(n, k, kind, seed + 1)
     probs, out = attend(q, keys, values, e, f, qkv.scaling)
-    return WhatIf(layer, k, kind, probs,
-                  relative_error(out, exact(q, keys, values, None, qkv.scaling)),
-                  relative_error(out, exact(q, keys, values, allowed, qkv.scaling)))
+    full, masked = references or (exact(q, keys, values, None, qkv.scaling),
+                                  exact(q, keys, values, allowed, qkv.scaling))
+    return WhatIf(layer, k, kind, probs, relative_error(out, full), relative_error(out, masked))
 
 
 def error_curve(qkv, allowed: np.ndarray, ks, kind: str = "segment", seed: int = 0) -> list[WhatIf]:
-    return [whatif(qkv, allowed, k, kind, seed) for k in ks]
+    q, keys, values = _per_head(qkv)
+    references = exact(q, keys, values, None, qkv.scaling), exact(q, keys, values, allowed, qkv.scaling)
+    return [whatif(qkv, allowed, k, kind, seed, references=references) for k in ks]

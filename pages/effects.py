@@ -15,7 +15,7 @@ from attnviz.generate import generate
 from attnviz.models import cache_dir
 from ui import jobs
 from ui.export import figure_downloads
-from ui.state import page_context
+from ui.state import full_maps_limit, page_context
 
 settings, loaded = page_context()
 st.title("Effects: what a mask does to the model")
@@ -196,7 +196,7 @@ def generation_section() -> None:
     if not jobs.cached(key) and not st.button("Generate", key="fx_gen_run", type="primary"):
         return
     gen = jobs.run(key, "Generating", lambda progress: generate(loaded, settings.text, archs[0], policy, new,
-                                                                  on_step=progress))
+                                                                  on_step=progress, max_bytes=full_maps_limit()))
     if gen is None:
         return
     st.markdown(f"**Continuation:** {gen.text!r}")
@@ -256,7 +256,7 @@ def linformer_section() -> None:
     job = ("linformer", loaded.model_id, settings.text, settings.arch, layer, tuple(ks), kind)
 
     def compute(progress):
-        cap = capture(loaded, settings.text, settings.arch, layers=[layer], qkv=True, reduce=False)
+        cap = capture(loaded, settings.text, settings.arch, layers=[layer], qkv=True, reduce=True)  # no n × n map
         progress(1, 2)
         return linformer.error_curve(cap.layer_qkv(layer), cap.allowed[layer], ks, kind), cap.tokens
 

@@ -109,3 +109,33 @@ def test_two_sessions_asking_for_the_same_capture_compute_it_once(model_cache, t
         assert not at.exception and not at.error, texts(at.error)
         assert charts(at)
     assert calls.count(text) == 1
+
+
+def test_every_page_works_on_a_long_capture(model_cache, tmp_path, env):
+    """Every page on a text past the full-maps limit (the 8,192-token path at ~600 tokens): the
+    statistics pages draw, and each view that needs more than statistics and pooled maps says what
+    would fit instead of failing (bench/pages_long.py runs the same pages at 8,192)."""
+    env("ATTNVIZ_FULL_MAPS_MB", "8")
+    at = app_test(tmp_path)
+    at.run()
+    at.sidebar.text_area(key="text").input(LONG).run()
+    assert not at.exception and not at.error, texts(at.error)
+    at.radio(key="hm_mode").set_value("value").run()
+    assert not at.exception and "What would fit: a text of at most" in texts(at.error)
+    at.radio(key="hm_mode").set_value("weight").run()
+    for page, least_charts in (("sinks", 4), ("shifting", 3), ("compare", 3), ("designer", 1), ("walkthrough", 1)):
+        on_page(at, f"pages/{page}.py")
+        assert not at.error, (page, texts(at.error))
+        assert len(charts(at)) >= least_charts, page
+        if page == "compare":  # no hidden-state cosine for a long text, and it says so
+            assert "nor for a long text" in texts(at.caption)
+    on_page(at, "pages/sinks.py")
+    at.toggle(key="sk_why").set_value(True).run()
+    assert not at.exception and "What would fit" in texts(at.error)
+    on_page(at, "pages/effects.py")
+    at.radio(key="fx_section").set_value("Generation").run()
+    at.button(key="fx_gen_run").click().run()
+    assert not at.exception and "a prompt of at most ~" in texts(at.error)  # refused before it runs
+    at.radio(key="fx_section").set_value("Linformer what-if").run()
+    assert not at.exception and not at.error, texts(at.error)
+    assert len(charts(at)) == 2

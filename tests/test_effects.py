@@ -298,3 +298,19 @@ def test_text_files_split_at_blank_lines(tmp_path):
         corpus.load(text_file=path)
     with pytest.raises(InputError, match="cannot read"):
         corpus.load(text_file=tmp_path / "missing.txt")
+
+
+@pytest.mark.parametrize("policy", ["dense", "window(w=4)"])
+def test_generation_estimate_counts_the_recorded_rows_and_refuses_past_a_limit(policy):
+    from attnviz.generate import ROW_OVERHEAD, estimate_bytes
+    from attnviz.streaming import parse_policy
+
+    lm = loaded("llama")
+    result = generate(lm, "how much does a generation keep in memory", "fwd", policy, max_new_tokens=4)
+    kept = sum(m.nbytes for step in result.steps for m in step.maps.values())
+    positions = sum(len(step.kv_positions) for step in result.steps)
+    assert estimate_bytes(lm, len(result.steps), parse_policy(policy)) == kept + positions * ROW_OVERHEAD
+    assert sum(step.logprobs is not None for step in result.steps) == 1  # only the newest distribution stays
+    with pytest.raises(InputError, match=r"a prompt of at most ~\d+ tokens fits"):
+        generate(lm, "how much does a generation keep in memory", "fwd", policy, max_new_tokens=4,
+                 max_bytes=kept // 2)

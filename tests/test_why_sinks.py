@@ -171,6 +171,7 @@ def test_linformer_error_is_zero_at_k_equal_n_with_identity_projections():
     assert exact.error_full < 1e-6 and exact.error_masked > 0.01  # full attention exactly; not the causal output
     curve = linformer.error_curve(qkv, cap.allowed[1], [1, 4, n], "segment")
     assert curve[0].error_full > curve[-1].error_full
+    assert curve[-1].error_masked == pytest.approx(exact.error_masked)  # references computed once = per k
     np.testing.assert_allclose(curve[1].probs.sum(-1), 1, atol=1e-9)  # (H, n, k) rows sum to 1
     assert curve[1].probs.shape == (4, n, 4)
     # the captured layer's real output: probs @ v (GQA), against the what-if's masked reference
