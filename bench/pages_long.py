@@ -76,10 +76,12 @@ def main() -> None:
     pages = [p for p in STEPS if not args.only or p in args.only.split(",")]
     at = app(Path(tempfile.mkdtemp()))
     at.run()
-    text = SENTENCE * max(1, round((args.n - 1) / 28))
+    text = SENTENCE * max(1, (args.n - 1) // 28)  # at most n tokens
     start = time.perf_counter()
     at.sidebar.text_area(key="text").input(text).run()
     print(f"text set: {time.perf_counter() - start:.1f} s (the first capture)", flush=True)
+    if at.error or at.exception:
+        sys.exit(f"the text was refused: {[e.value for e in at.error] + [e.value for e in at.exception]}")
     rows = []
     for page in pages:
         for then in STEPS[page]:

@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=2048)
     parser.add_argument("--moves", type=int, default=9)
     args = parser.parse_args()
-    text = SENTENCE * max(1, round((args.n - 1) / SENTENCE_TOKENS))
+    text = SENTENCE * max(1, (args.n - 1) // SENTENCE_TOKENS)  # at most n tokens
     with running_app() as url, browser_page() as page:
         page.add_init_script(PROBE)
         page.goto(url)

@@ -115,13 +115,25 @@ def test_every_page_works_on_a_long_capture(model_cache, tmp_path, env):
     """Every page on a text past the full-maps limit (the 8,192-token path at ~600 tokens): the
     statistics pages draw, and each view that needs more than statistics and pooled maps says what
     would fit instead of failing (bench/pages_long.py runs the same pages at 8,192)."""
-    env("ATTNVIZ_FULL_MAPS_MB", "8")
+    env("ATTNVIZ_FULL_MAPS_MB", "12")  # ~670 tokens: 30 full layers ~250 MB do not fit, one (~9 MB) does
     at = app_test(tmp_path)
     at.run()
     at.sidebar.text_area(key="text").input(LONG).run()
     assert not at.exception and not at.error, texts(at.error)
-    at.radio(key="hm_mode").set_value("value").run()
+    at.radio(key="hm_mode").set_value("value").run()  # a re-run recording the viewed layer alone
+    assert not at.exception and not at.error, texts(at.error)
+    assert "layer 29 · fwd · mean over heads · value-weighted" in str(charts(at)[0]["layout"]["title"])
+    at.slider(key="hm_one_layer").set_value(3).run()
+    at.radio(key="hm_mode").set_value("logits").run()
+    assert not at.exception and not at.error, texts(at.error)
+    assert "layer 3 · fwd · mean over heads · pre-softmax" in str(charts(at)[0]["layout"]["title"])
+    assert "(layer 3 alone)" not in texts(at.error)
+    env("ATTNVIZ_FULL_MAPS_MB", "4")  # not even one layer fits: refused, saying what would
+    at.run()
     assert not at.exception and "What would fit: a text of at most" in texts(at.error)
+    at.radio(key="hm_mode").set_value("rollout").run()
+    assert not at.exception and "Rollout multiplies the full maps of every layer" in texts(at.error)
+    env("ATTNVIZ_FULL_MAPS_MB", "12")
     at.radio(key="hm_mode").set_value("weight").run()
     for page, least_charts in (("sinks", 4), ("shifting", 3), ("compare", 3), ("designer", 1), ("walkthrough", 1)):
         on_page(at, f"pages/{page}.py")
@@ -132,6 +144,7 @@ def test_every_page_works_on_a_long_capture(model_cache, tmp_path, env):
     on_page(at, "pages/sinks.py")
     at.toggle(key="sk_why").set_value(True).run()
     assert not at.exception and "What would fit" in texts(at.error)
+    assert "fewer recorded layers (1 of 30 fit at this length" in texts(at.error)
     on_page(at, "pages/effects.py")
     at.radio(key="fx_section").set_value("Generation").run()
     at.button(key="fx_gen_run").click().run()

@@ -106,8 +106,14 @@ def test_heatmap_image_colours_are_the_colour_scale_and_masked_grey(lm):
 def test_sink_figures(lm):
     cap = capture(lm, "sinks, everywhere.", "fwd")
     profile = key_profile(cap, 0)
-    assert len(profile.data) == 3
+    assert len(profile.data) == 3 and all(t.showlegend for t in profile.data)
     np.testing.assert_allclose(profile.data[0].y, cap.layer_probs(0)[:, :, 0].mean(0), atol=1e-6)
+    many = key_profile(cap, 0, layers=[0, 1, 2] * 3)  # past LEGEND_MAX curves: a colour bar for the layer
+    curves, bar = many.data[:-1], many.data[-1]
+    assert len(curves) == 9 and not any(t.showlegend for t in many.data)
+    assert bar.marker.showscale and bar.marker.colorbar.title.text == "layer" and (bar.marker.cmin, bar.marker.cmax) == (0, 2)
+    reduced = capture(lm, "sinks, everywhere.", "fwd", reduce=True)
+    assert not key_profile(reduced, 1).data and "Only key 0" in key_profile(reduced, 1).layout.annotations[0].text
     bars = allocation_bars(cap)
     total = sum(np.asarray(t.y) for t in bars.data)
     np.testing.assert_allclose(total, 1, atol=1e-3)

@@ -139,22 +139,31 @@ def _mb(n: int) -> str:
 
 
 def plan_capture(loaded: LoadedModel, n_tokens: int, hidden: bool, extras: tuple,
-                 residual) -> tuple[dict, int] | None:
+                 residual, layers: tuple[int, ...] | None = None) -> tuple[dict, int] | None:
     """(capture options, estimated bytes): full maps, or statistics + pooled maps for long texts; or
     a refusal (None, with the reason shown) when not even statistics fit in what the memory budget
-    leaves. Decided before running."""
+    leaves. Decided before running. ``layers``: only those are recorded (a view of one layer)."""
     left = captures_left()
     limit = min(left, full_maps_limit())
-    full = estimate_bytes(loaded, n_tokens, hidden_states=hidden)
+    count = None if layers is None else len(layers)
+    full = estimate_bytes(loaded, n_tokens, layers=count, hidden_states=hidden)
     if full <= limit:
         return {}, full
     stats = estimate_bytes(loaded, n_tokens, reduce=True, pool=POOL)
     if extras or residual:
         what = "a residual variant" if residual else "this view"
-        fit = next((n for n in range(n_tokens, 0, -64) if estimate_bytes(loaded, n, hidden_states=hidden) <= limit), 0)
-        st.error(f"{what.capitalize()} needs the full maps of every layer: ~{_mb(full)} for {n_tokens} tokens, more "
-                 f"than the {_mb(limit)} allowed per capture. What would fit: a text of at most ~{fit} tokens, or "
-                 "the plain attention weights (statistics and pooled maps, any length).")
+        maps = "every layer" if layers is None else f"layer {', '.join(map(str, layers))}"
+        fit = next((n for n in range(n_tokens, 0, -64)
+                    if estimate_bytes(loaded, n, layers=count, hidden_states=hidden) <= limit), 0)
+        one = estimate_bytes(loaded, n_tokens, layers=1, hidden_states=hidden)
+        few = max((k for k in range(1, loaded.n_layers + 1)
+                   if estimate_bytes(loaded, n_tokens, layers=k, hidden_states=hidden) <= limit), default=0)
+        fewer = (f", fewer recorded layers ({few} of {loaded.n_layers} fit at this length: `attnviz capture --layers`)"
+                 if few and count != few and not residual else "")
+        st.error(f"{what.capitalize()} needs the full maps of {maps}: ~{_mb(full)} for {n_tokens} tokens, more "
+                 f"than the {_mb(limit)} allowed per capture. What would fit: a text of at most ~{fit} tokens{fewer}, "
+                 f"or the plain attention weights (statistics and pooled maps, any length)"
+                 + (f". One layer alone would take ~{_mb(one)}." if count != 1 else "."))
         return None
     if stats > left:
         fit = next((n for n in range(n_tokens, 0, -256) if estimate_bytes(loaded, n, reduce=True, pool=POOL) <= left), 0)
@@ -165,14 +174,25 @@ def plan_capture(loaded: LoadedModel, n_tokens: int, hidden: bool, extras: tuple
     return {"reduce": True, "pool": POOL, "hidden_states": False}, stats
 
 
+def fits_full_maps(loaded: LoadedModel, text: str, hidden: bool = True) -> bool:
+    """Whether a capture of ``text`` keeps full maps of every layer (else statistics and pooled maps)."""
+    try:
+        n_tokens = len(tokenize(loaded, text, MAX_TOKENS)[0])
+    except AttnvizError:
+        return True  # get_capture says what is wrong
+    return estimate_bytes(loaded, n_tokens, hidden_states=hidden) <= min(captures_left(), full_maps_limit())
+
+
 def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
-                extras: tuple[str, ...] = (), residual: str | None = None) -> Capture | None:
+                extras: tuple[str, ...] = (), residual: str | None = None,
+                layers: tuple[int, ...] | None = None) -> Capture | None:
     """Cached by (model, text, architecture): moving a layer or head slider never re-runs the model.
 
     ``extras`` names what else the pass records, only for the views that ask: "scores" (pre-softmax),
     "value_norms", "activations"; the default capture stays as cheap as it was. Long texts get
     statistics and pooled maps (:func:`plan_capture`); older captures leave the cache before a new
-    one is computed, so the server's resident size stays near its budget.
+    one is computed, so the server's resident size stays near its budget. ``layers`` records only
+    those layers (with full maps): a long text's view of one layer.
     """
     try:
         architecture = arch_mod.parse(spec, loaded.n_layers)
@@ -185,13 +205,13 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
         st.error(f"Capturing {architecture.spec}: {err}")
         return None
     extras = tuple(sorted(extras))
-    hidden = hidden and not residual  # a variant's own layer loop records no hidden states
-    planned = plan_capture(loaded, n_tokens, hidden, extras, residual)
+    hidden = hidden and not residual and layers is None  # a variant's own layer loop records no hidden states
+    planned = plan_capture(loaded, n_tokens, hidden, extras, residual, layers)
     if planned is None:
         return None
     plan, estimate = planned
     options = {"hidden_states": hidden, **plan, **{name: True for name in extras}}
-    key = (loaded.model_id, text, architecture.spec, tuple(sorted(options.items())), residual)
+    key = (loaded.model_id, text, architecture.spec, tuple(sorted(options.items())), residual, layers)
     store = _captures()
     if key not in store:
         store.reserve(estimate)
@@ -201,8 +221,10 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
         # without this, +90 MB with it).
         gc.collect()
     label = f"Capturing {architecture.spec}" + (" (long text: statistics and pooled maps)" if plan else "")
+    if layers is not None:
+        label += f" (layer {', '.join(map(str, layers))} alone)"
     return jobs.run(key, label, lambda progress: capture(
-        loaded, text, architecture, max_tokens=MAX_TOKENS, residual=residual,
+        loaded, text, architecture, max_tokens=MAX_TOKENS, residual=residual, layers=layers,
         on_layer=lambda layer: progress(layer + 1, loaded.n_layers), **options), store=store)
 
 
@@ -309,7 +331,7 @@ def page_context() -> tuple[Settings, LoadedModel | None]:
 
 
 def current_capture(settings: Settings, loaded: LoadedModel | None, spec: str | None = None,
-                    extras: tuple[str, ...] = ()) -> Capture | None:
+                    extras: tuple[str, ...] = (), layers: tuple[int, ...] | None = None) -> Capture | None:
     if loaded is None:
         return None
     if not settings.text.strip():
@@ -319,4 +341,5 @@ def current_capture(settings: Settings, loaded: LoadedModel | None, spec: str | 
         st.error(f"{loaded.model_id} is an encoder-decoder model: this page takes decoder-only models. Its encoder, "
                  "decoder and cross-attention are on the Heatmaps page.")
         return None
-    return get_capture(loaded, settings.text, spec or settings.arch, extras=extras, residual=settings.residual)
+    return get_capture(loaded, settings.text, spec or settings.arch, extras=extras, residual=settings.residual,
+                       layers=layers)

@@ -14,11 +14,15 @@ PART_COLOURS = {"first": "#1f4e9c", "delimiter": "#f28e2b", "diagonal": "#59a14f
                 "discarded": "#e15759"}
 
 
+LEGEND_MAX = 6  # more curves than this get a colour bar for the layer: a 30-entry legend does not fit a paper figure
+
+
 def key_profile(cap: Capture, key: int = 0, layers: list[int] | None = None) -> go.Figure:
-    """Mean over heads of A[i, key] against query position i: one curve per layer."""
+    """Mean over heads of A[i, key] against query position i: one curve per layer, coloured by layer."""
     layers = layers if layers is not None else cap.layers
     colours = sample_colorscale("Viridis", list(np.linspace(0, 1, max(len(layers), 2))))
     fig = go.Figure()
+    bar = len(layers) > LEGEND_MAX
     for colour, layer in zip(colours, layers):
         if key == 0:
             profile = cap.stat(layer, "key0")
@@ -28,9 +32,17 @@ def key_profile(cap: Capture, key: int = 0, layers: list[int] | None = None) -> 
             continue
         seen = np.isfinite(profile).sum(0)  # queries the mask hides from the key stay gaps, not zeros
         y = np.where(seen > 0, np.nansum(profile, 0) / np.maximum(seen, 1), np.nan)
-        fig.add_trace(go.Scatter(x=np.arange(len(y)), y=y, mode="lines", name=f"L{layer}",
+        fig.add_trace(go.Scatter(x=np.arange(len(y)), y=y, mode="lines", name=f"L{layer}", showlegend=not bar,
                                  line=dict(color=colour, width=1.5),
                                  hovertemplate=f"layer {layer}<br>query %{{x}}<br>p = %{{y:.3f}}<extra></extra>"))
+    if not fig.data:  # a long capture keeps key 0's profile only
+        fig.add_annotation(text=f"Only key 0's profile is kept for a long text (statistics, not full maps)",
+                           showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5)
+    elif bar:  # the colour bar: an invisible point carries it
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", showlegend=False, hoverinfo="skip",
+                                 marker=dict(colorscale="Viridis", cmin=min(layers), cmax=max(layers),
+                                             color=[min(layers)], showscale=True,
+                                             colorbar=dict(title="layer", len=0.8))))
     layout(fig, f"attention to key {key} ({cap.tokens[key]!r}) by query position", height=420)
     fig.update_xaxes(title="query position")
     fig.update_yaxes(title=f"A[i, {key}] (mean over heads)", range=[0, 1])
