@@ -36,11 +36,15 @@ def app(folder: Path) -> AppTest:
 def visit(at: AppTest, page: str, then=None) -> dict:
     start = time.perf_counter()
     at.switch_page(str(ROOT / "pages" / f"{page}.py")).run()
+    failed = []
     if then is not None:
-        then(at)
+        try:
+            then(at)
+        except Exception as err:  # e.g. the widget it clicks was not drawn: reported, the next page goes on
+            failed.append(f"{type(err).__name__}: {err}")
     return {"page": page + (f" ({then.__doc__})" if then is not None else ""), "s": time.perf_counter() - start,
             "charts": len(at.get("plotly_chart")), "errors": [e.value for e in at.error],
-            "exceptions": [e.value for e in at.exception]}
+            "exceptions": [e.value for e in at.exception] + failed}
 
 
 def value_view(at):

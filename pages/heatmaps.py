@@ -42,11 +42,11 @@ def show(cap, mode: str) -> None:
         st.session_state["hm_layer"], st.session_state["hm_head"] = st.session_state.pop("hm_jump")
     top = len(cap.layers) - 1
     c1, c2, c3, c4 = st.columns([3, 2, 1, 1])
-    if cap.layers == list(range(len(cap.layers))):
+    if len(cap.layers) > 1 and cap.layers == list(range(len(cap.layers))):
         layer = c1.slider("Layer", 0, top, min(st.session_state.get("hm_layer", top), top), key="hm_layer")
     else:  # a long text's view of the layer recorded alone: its slider sits above, outside this fragment
         layer = cap.layers[0]
-        c1.markdown(f"**Layer {layer}** (recorded alone)")
+        c1.markdown(f"**Layer {layer}**" + (" (recorded alone)" if len(cap.layer_masks) > 1 else ""))
     heads = ["mean"] + list(range(cap.n_heads))
     if st.session_state.get("hm_head") not in heads:
         st.session_state["hm_head"] = "mean"

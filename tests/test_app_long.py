@@ -1,6 +1,7 @@
 """The app with long texts and a memory budget (issue 8), through AppTest on the default model."""
 
 import os
+import re
 import threading
 
 import numpy as np
@@ -144,7 +145,12 @@ def test_every_page_works_on_a_long_capture(model_cache, tmp_path, env):
     on_page(at, "pages/sinks.py")
     at.toggle(key="sk_why").set_value(True).run()
     assert not at.exception and "What would fit" in texts(at.error)
-    assert "fewer recorded layers (1 of 30 fit at this length" in texts(at.error)
+    assert "One layer alone would take ~31 MB" in texts(at.error)  # with the hidden states of every layer
+    env("ATTNVIZ_FULL_MAPS_MB", "40")  # one layer and the hidden states fit, two do not
+    at.run()
+    assert re.search(r"fewer recorded layers \([12] of 30 fit at this length: `attnviz capture --layers`\)",
+                     texts(at.error)), texts(at.error)
+    env("ATTNVIZ_FULL_MAPS_MB", "12")
     on_page(at, "pages/effects.py")
     at.radio(key="fx_section").set_value("Generation").run()
     at.button(key="fx_gen_run").click().run()

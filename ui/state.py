@@ -6,6 +6,7 @@ import gc
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import streamlit as st
@@ -174,10 +175,28 @@ def plan_capture(loaded: LoadedModel, n_tokens: int, hidden: bool, extras: tuple
     return {"reduce": True, "pool": POOL, "hidden_states": False}, stats
 
 
+_counts: OrderedDict = OrderedDict()  # (model, text) -> token count: plans ask on every rerun, decoding 8k tokens each
+
+
+def token_count(loaded: LoadedModel, text: str) -> int:
+    """The number of tokens ``capture`` will see (raising its refusals: empty text, too long), remembered
+    for the last 32 texts that passed."""
+    key = (loaded.model_id, text)
+    with _lock:
+        n = _counts.get(key)
+    if n is None:
+        n = len(tokenize(loaded, text, MAX_TOKENS)[0])
+        with _lock:
+            _counts[key] = n
+            while len(_counts) > 32:
+                _counts.popitem(last=False)
+    return n
+
+
 def fits_full_maps(loaded: LoadedModel, text: str, hidden: bool = True) -> bool:
     """Whether a capture of ``text`` keeps full maps of every layer (else statistics and pooled maps)."""
     try:
-        n_tokens = len(tokenize(loaded, text, MAX_TOKENS)[0])
+        n_tokens = token_count(loaded, text)
     except AttnvizError:
         return True  # get_capture says what is wrong
     return estimate_bytes(loaded, n_tokens, hidden_states=hidden) <= min(captures_left(), full_maps_limit())
@@ -200,7 +219,7 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
         st.error(f"Architecture: {err}")
         return None
     try:
-        n_tokens = len(tokenize(loaded, text, MAX_TOKENS)[0])
+        n_tokens = token_count(loaded, text)
     except AttnvizError as err:
         st.error(f"Capturing {architecture.spec}: {err}")
         return None
