@@ -49,9 +49,14 @@ def test_a_long_text_gets_pooled_maps_and_full_resolution_regions(model_cache, d
     assert len(charts(at)) >= 3
 
 
-def test_a_capture_that_cannot_fit_is_refused_before_it_runs(model_cache, tmp_path, env):
-    env("ATTNVIZ_MEMORY_MB", "600")  # the model's weights take ~540 MB of it
+@pytest.mark.parametrize("where", ["environment", "secrets"])
+def test_a_capture_that_cannot_fit_is_refused_before_it_runs(model_cache, tmp_path, env, monkeypatch, where):
+    monkeypatch.delenv("ATTNVIZ_MEMORY_MB", raising=False)
     at = app_test(tmp_path)
+    if where == "environment":
+        env("ATTNVIZ_MEMORY_MB", "600")  # the model's weights take ~540 MB of it
+    else:  # .streamlit/secrets.toml: [attnviz] memory_mb = 600
+        at.secrets["attnviz"] = {"memory_mb": 600}
     at.run()
     assert not at.error, texts(at.error)  # a short text fits
     at.sidebar.text_area(key="text").input(" ".join([ENGLISH] * 45)).run()

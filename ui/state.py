@@ -34,11 +34,24 @@ DEFAULT_EXAMPLE = "Lighthouse (English, 48 tokens)"
 MAX_TOKENS = int(os.environ.get("ATTNVIZ_MAX_TOKENS", "0")) or None  # None: the model's own context
 
 
+def setting_mb(name: str, default: int) -> int:
+    """A size in MB: the environment (``ATTNVIZ_<NAME>_MB``) first, then the app's Streamlit secrets
+    (``.streamlit/secrets.toml``: ``[attnviz]`` ``<name>_mb = ...``, Streamlit's place for an app's
+    own settings, since its config.toml takes only Streamlit's options), then ``default``."""
+    value = os.environ.get(f"ATTNVIZ_{name.upper()}_MB", "")
+    if not value:
+        try:
+            value = st.secrets.get("attnviz", {}).get(f"{name.lower()}_mb", "")
+        except FileNotFoundError:  # no secrets file (StreamlitSecretNotFoundError is one)
+            value = ""
+    return int(value or default)
+
+
 def full_maps_limit() -> int:
     """Above this estimated size (``ATTNVIZ_FULL_MAPS_MB``, default 1 GB: ~1,400 tokens on the default
     model) a capture keeps statistics and 512-px max-pooled maps of every layer instead of full maps;
     regions zoom back to full resolution."""
-    return int(os.environ.get("ATTNVIZ_FULL_MAPS_MB", "1024")) * 2**20
+    return setting_mb("full_maps", 1024) * 2**20
 
 
 POOL = 512  # cells a side of a long capture's pooled maps: what a heatmap image shows anyway
@@ -63,9 +76,10 @@ def _models() -> dict:
 
 
 def capture_budget() -> int:
-    """Bytes the shared capture cache may hold: ``ATTNVIZ_MEMORY_MB``, else a quarter of the
-    machine's memory. Bounded by bytes, not count: one 2,048-token capture weighs ~2.3 GB."""
-    mb = int(os.environ.get("ATTNVIZ_MEMORY_MB", "0") or 0)
+    """Bytes the shared capture cache may hold: ``ATTNVIZ_MEMORY_MB`` (or ``memory_mb`` in the app's
+    secrets, :func:`setting_mb`), else a quarter of the machine's memory. Bounded by bytes, not
+    count: one 2,048-token capture weighs ~2.3 GB."""
+    mb = setting_mb("memory", 0)
     if mb > 0:
         return mb * 2**20
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
