@@ -5,9 +5,10 @@
 Starts ``streamlit run app.py`` on a free localhost port, opens the Heatmaps page in Debian's
 Chromium (Playwright), pastes a text of about ``--n`` tokens into the sidebar and measures
 - first paint: from applying the text to the heatmap of that text drawn (the capture included);
-- slider repaint: from the key press on the Layer slider (its ``keydown`` event in the page) to the
-  first animation frame after the heatmap of the new layer is in the page (a MutationObserver sees
-  its title change), ``--moves`` times; the median is reported. Measured inside the page, since
+- slider repaint: from the key press on the Layer slider, then on the Head slider (its ``keydown``
+  event in the page) to the first animation frame after the heatmap of the new layer or head is in
+  the page (a MutationObserver sees its title change), ``--moves`` times each; the median of all
+  moves is reported. Measured inside the page, since
   polling the page from Python adds a round trip and its own polling interval to every move; that
   driver-side time is printed beside each move too.
 Ends with ``ui_latency N=<N> slider_repaint_median_s=<x> first_paint_s=<y>`` (goal: repaint <= 0.3 s
@@ -77,24 +78,34 @@ def main() -> None:
         wait_title(page, "layer 29 ")
         page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=900_000)
         first_paint = time.perf_counter() - start
+        page.wait_for_timeout(1500)  # the page settles (overview, downloads) before the first move, as a person reads it
         caption = page.locator('[data-testid="stCaptionContainer"]').filter(has_text="tokens").first.inner_text()
         n = int(re.search(r"(\d+) tokens", caption).group(1))
-        slider = page.locator('[data-testid="stMain"]').get_by_role("slider", name="Layer").first
-        slider.focus()
+        main = page.locator('[data-testid="stMain"]')
         times = []
-        for move in range(args.moves):
-            layer = 28 - move
+
+        def move(slider, key: str, shown: str) -> None:
+            """Press ``key`` on ``slider``; time it until a heatmap title containing ``shown`` is painted."""
             page.evaluate("() => { window.__keys = []; window.__paints = []; }")
             start = time.perf_counter()
-            slider.press("ArrowLeft")
-            wait_title(page, f"layer {layer} ")
+            slider.press(key)
+            page.wait_for_function(f"() => {TITLE}.some(t => t.includes({shown!r}))", timeout=600_000, polling=20)
             driver = time.perf_counter() - start
-            page.wait_for_function(f"() => window.__paints.some(p => p[0].startsWith({f'layer {layer} '!r}))")
-            key = page.evaluate("() => window.__keys[0]")
-            painted = page.evaluate(f"() => window.__paints.find(p => p[0].startsWith({f'layer {layer} '!r}))[1]")
-            times.append((painted - key) / 1000)
+            page.wait_for_function(f"() => window.__paints.some(p => p[0].includes({shown!r}))")
+            pressed = page.evaluate("() => window.__keys[0]")
+            painted = page.evaluate(f"() => window.__paints.find(p => p[0].includes({shown!r}))[1]")
+            times.append((painted - pressed) / 1000)
             page.wait_for_timeout(300)  # let the app settle, as a person would between moves
-            print(f"move to layer {layer}: {times[-1]:.3f} s (seen from the driver: {driver:.3f} s)", flush=True)
+            print(f"{shown.strip(' ·')}: {times[-1]:.3f} s (seen from the driver: {driver:.3f} s)", flush=True)
+
+        layer_slider = main.get_by_role("slider", name="Layer").first
+        layer_slider.focus()
+        for step in range(args.moves):
+            move(layer_slider, "ArrowLeft", f"layer {28 - step} ")
+        head_slider = main.get_by_role("slider", name="Head").first
+        head_slider.focus()
+        for head in range(min(args.moves, 9)):  # "mean" first, then heads 0, 1, ...
+            move(head_slider, "ArrowRight", f"· head {head}")
         print(f"ui_latency N={n} slider_repaint_median_s={statistics.median(times):.3f} first_paint_s={first_paint:.2f}")
 
 
