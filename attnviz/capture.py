@@ -123,6 +123,15 @@ class Capture:
         pooled = pooled.astype(np.float32)
         return pooled, ~np.isnan(pooled[0])
 
+    def value_view(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Like :meth:`layer_view` for the value-weighted maps ||A[i, j] W_O^h v_j^h||: full, or a long
+        capture's max-pooled ones (``capture(reduce=True, pool=..., value_norms=True)``)."""
+        pooled = None if layer in self.probs else self.stats.get(layer, {}).get("pooled_value")
+        if pooled is None:
+            return self.value_weighted(layer), self.allowed[layer]
+        pooled = pooled.astype(np.float32)
+        return pooled, ~np.isnan(pooled[0])
+
     def _recorded(self, store: dict, layer: int, what: str, flag: str) -> np.ndarray:
         if layer not in store:
             raise AttnvizError(f"no {what} for layer {layer}: capture with {flag}=True (recorded layers: {self.layers})")
@@ -257,20 +266,22 @@ def tokenize(loaded: LoadedModel, text: str, max_tokens: int | None = None) -> t
 
 
 def estimate_bytes(loaded: LoadedModel, n_tokens: int, layers: int | None = None, reduce: bool = False,
-                   pool: int | None = None, hidden_states: bool = False) -> int:
+                   pool: int | None = None, hidden_states: bool = False, value_norms: bool = False) -> int:
     """What a capture of ``n_tokens`` will hold (as :func:`attnviz.lru.nbytes` counts it), before it runs.
 
     Full maps: fp16 (H, n, n) per recorded layer plus one n × n allow-set per mask; statistics only
-    (``reduce``): about 12 floats per head and token per layer, plus the pooled maps.
+    (``reduce``): about 12 floats per head and token per layer, plus the pooled maps (twice with
+    ``value_norms``: the value-weighted ones too).
     """
     n, heads = int(n_tokens), loaded.n_heads
     count = loaded.n_layers if layers is None else int(layers)
     masks = min(count, 4) * n * n  # allow-sets: one per distinct mask, rarely more than a few
     if reduce:
         side = min(n, pool) if pool else 0
-        per_layer = heads * n * 4 * 12 + heads * side * side * 2
+        per_layer = heads * n * 4 * 12 + heads * side * side * 2 * (2 if value_norms else 1)
     else:
         per_layer = heads * n * n * 2
+    per_layer += heads * n * 4 if value_norms else 0
     hidden = (loaded.n_layers + 1) * n * int(getattr(loaded.config, "hidden_size", 0) or 0) * 2 if hidden_states else 0
     return count * per_layer + masks + hidden + 4 * loaded.config.vocab_size
 

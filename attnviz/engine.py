@@ -189,7 +189,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         if run.keep_graph:
             run.live[layer] = probs
         if streamed:
-            run.reducer.add(layer, q0, probs, block_allow, n_q=n_q, k0=k0, n_kv=n_kv)
+            run.reducer.add(layer, q0, probs, block_allow, n_q=n_q, k0=k0, n_kv=n_kv,
+                            **({"value_norms": run.value_norms[layer]} if layer in run.value_norms else {}))
         elif recorded and run.reducer is not None:
             run.reduced[layer] = run.reducer(layer, probs, allow)
         elif recorded:

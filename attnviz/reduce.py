@@ -91,24 +91,33 @@ class Summaries:
         self.pool = pool  # also keep max-pooled maps of at most pool cells a side (stats "pooled", "pool_factor")
         self.layers: dict[int, LayerSummary] = {}
         self.pooled: dict[int, PooledMap] = {}
+        self.pooled_value: dict[int, PooledMap] = {}
 
     def add(self, layer: int, q0: int, probs: torch.Tensor, allow: torch.Tensor, n_q: int, k0: int = 0,
-            n_kv: int | None = None) -> None:
+            n_kv: int | None = None, value_norms: torch.Tensor | None = None) -> None:
         """``probs`` (B, H, b, w) and ``allow`` (B, 1, b, w) of queries q0 .. q0 + b - 1 (of n_q) and keys
-        k0 .. k0 + w - 1 (of n_kv); batch row 0."""
+        k0 .. k0 + w - 1 (of n_kv); batch row 0. ``value_norms`` (B, H, n_kv), ||W_O^h v_j^h||: with a
+        pool, the value-weighted maps A[i, j]·||W_O v_j|| are max-pooled too (stats "pooled_value")."""
         if layer not in self.layers:
             self.layers[layer] = LayerSummary(probs.shape[1], n_q, n_kv or probs.shape[-1], self.tokens)
             if self.pool:
                 self.pooled[layer] = PooledMap(probs.shape[1], n_q, n_kv or probs.shape[-1], self.pool)
+                if value_norms is not None:
+                    self.pooled_value[layer] = PooledMap(probs.shape[1], n_q, n_kv or probs.shape[-1], self.pool)
         self.layers[layer].add(q0, probs[0], allow[0, 0], k0, zero_outside=True)
         if self.pool:
             self.pooled[layer].add(q0, probs[0], allow[0, 0], k0)
+            if layer in self.pooled_value:
+                norms = value_norms[0, :, k0:k0 + probs.shape[-1]].to(probs.device, torch.float32)
+                self.pooled_value[layer].add(q0, probs[0].float() * norms[:, None, :], allow[0, 0], k0)
 
     def finish(self, layer: int) -> dict[str, np.ndarray]:
         out = self.layers.pop(layer).result()
         if self.pool:
             pooled = self.pooled.pop(layer)
             out.update(pooled=pooled.result(), pool_factor=np.array(pooled.factor))
+            if layer in self.pooled_value:
+                out["pooled_value"] = self.pooled_value.pop(layer).result()
         return out
 
 

@@ -176,7 +176,7 @@ else:
                    "shows where information could have come from, not what the model used.")
     layers = None
     if loaded is not None and settings.text.strip() and not fits_full_maps(loaded, settings.text):
-        if mode in EXTRAS and not settings.residual:  # a long text: this view re-runs recording one layer alone
+        if mode == "logits" and not settings.residual:  # a long text: scores of one layer, recorded alone
             top = loaded.n_layers - 1
             layers = (st.slider("Layer (recorded alone: full maps of every layer do not fit at this length)", 0, top,
                                 top, key="hm_one_layer"),)

@@ -164,8 +164,9 @@ def plan_capture(loaded: LoadedModel, n_tokens: int, hidden: bool, extras: tuple
     full = estimate_bytes(loaded, n_tokens, layers=count, hidden_states=hidden)
     if full <= limit:
         return {}, full
-    stats = estimate_bytes(loaded, n_tokens, reduce=True, pool=POOL)
-    if extras or residual:
+    pooled_values = extras == ("value_norms",)  # value-weighted maps are max-pooled block by block too
+    stats = estimate_bytes(loaded, n_tokens, reduce=True, pool=POOL, value_norms=pooled_values)
+    if (extras and not pooled_values) or residual:
         what = "a residual variant" if residual else "this view"
         maps = "every layer" if layers is None else f"layer {', '.join(map(str, layers))}"
         fit = next((n for n in range(n_tokens, 0, -64)

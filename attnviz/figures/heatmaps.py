@@ -33,7 +33,7 @@ def mode_values(cap: Capture, layer: int, mode: str = "weight") -> tuple[np.ndar
     if mode == "weight":
         return cap.layer_view(layer)  # a long capture's pooled maps where it kept no full ones
     if mode == "value":
-        return cap.value_weighted(layer), cap.allowed[layer]
+        return cap.value_view(layer)  # pooled for a long capture, like the weights
     if mode == "logits":
         return cap.layer_scores(layer), cap.allowed[layer]
     if mode == "rollout":
