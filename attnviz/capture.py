@@ -126,9 +126,17 @@ class Capture:
     def value_view(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Like :meth:`layer_view` for the value-weighted maps ||A[i, j] W_O^h v_j^h||: full, or a long
         capture's max-pooled ones (``capture(reduce=True, pool=..., value_norms=True)``)."""
-        pooled = None if layer in self.probs else self.stats.get(layer, {}).get("pooled_value")
+        return self._pooled_or(layer, "pooled_value", lambda: (self.value_weighted(layer), self.allowed[layer]))
+
+    def scores_view(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Like :meth:`layer_view` for the pre-softmax scores: full, or a long capture's max-pooled
+        ones over the allowed cells (``capture(reduce=True, pool=..., scores=True)``)."""
+        return self._pooled_or(layer, "pooled_scores", lambda: (self.layer_scores(layer), self.allowed[layer]))
+
+    def _pooled_or(self, layer: int, name: str, full):
+        pooled = None if layer in self.probs else self.stats.get(layer, {}).get(name)
         if pooled is None:
-            return self.value_weighted(layer), self.allowed[layer]
+            return full()
         pooled = pooled.astype(np.float32)
         return pooled, ~np.isnan(pooled[0])
 
@@ -266,12 +274,13 @@ def tokenize(loaded: LoadedModel, text: str, max_tokens: int | None = None) -> t
 
 
 def estimate_bytes(loaded: LoadedModel, n_tokens: int, layers: int | None = None, reduce: bool = False,
-                   pool: int | None = None, hidden_states: bool = False, value_norms: bool = False) -> int:
+                   pool: int | None = None, hidden_states: bool = False, value_norms: bool = False,
+                   scores: bool = False) -> int:
     """What a capture of ``n_tokens`` will hold (as :func:`attnviz.lru.nbytes` counts it), before it runs.
 
     Full maps: fp16 (H, n, n) per recorded layer plus one n × n allow-set per mask; statistics only
-    (``reduce``): about 12 floats per head and token per layer, plus the pooled maps (twice with
-    ``value_norms``: the value-weighted ones too).
+    (``reduce``): about 12 floats per head and token per layer, plus the pooled maps (and pooled
+    value-weighted maps and scores when ``value_norms`` / ``scores`` ask for them).
     """
     n, heads = int(n_tokens), loaded.n_heads
     count = loaded.n_layers if layers is None else int(layers)
@@ -282,6 +291,8 @@ def estimate_bytes(loaded: LoadedModel, n_tokens: int, layers: int | None = None
     else:
         per_layer = heads * n * n * 2
     per_layer += heads * n * 4 if value_norms else 0
+    if reduce and pool and scores:
+        per_layer += heads * min(n, pool) ** 2 * 2
     hidden = (loaded.n_layers + 1) * n * int(getattr(loaded.config, "hidden_size", 0) or 0) * 2 if hidden_states else 0
     return count * per_layer + masks + hidden + 4 * loaded.config.vocab_size
 

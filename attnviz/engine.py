@@ -185,7 +185,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         block_allow = block_allow[..., k0:k1]
         probs = _block_probs(run, layer, mask, query[:, :, q0:q1], key[:, :, k0:k1], scaling, block_allow,
                              None if bias is None else bias[:, :, q0:q1, k0:k1], softcap, s_aux, q_pos[:, q0:q1],
-                             kv_pos[:, k0:k1], q0)
+                             kv_pos[:, k0:k1], q0, n_total=(n_q, n_kv))
         if run.keep_graph:
             run.live[layer] = probs
         if streamed:
@@ -213,8 +213,9 @@ def _key_range(allow: torch.Tensor) -> tuple[int, int]:
 
 
 def _block_probs(run: Run, layer: int, mask: Mask, query, key, scaling, allow, bias, softcap, s_aux, q_pos, kv_pos,
-                 q0: int) -> torch.Tensor:
-    """(B, H, b, n_kv) fp32 probabilities of one block of b query rows (every row sees every key)."""
+                 q0: int, n_total: tuple[int, int] | None = None) -> torch.Tensor:
+    """(B, H, b, n_kv) fp32 probabilities of one block of b query rows (every row sees every key);
+    ``n_total``: the layer's (queries, keys), for a reducer's pooled scores."""
     batch, n_heads, n_q, dim = query.shape
     n_kv_heads, n_kv = key.shape[1], key.shape[2]
     group = n_heads // n_kv_heads
@@ -227,7 +228,10 @@ def _block_probs(run: Run, layer: int, mask: Mask, query, key, scaling, allow, b
     if bias is not None:
         scores = scores + bias.float()
     if run.record_scores and layer in run.record:
-        run.scores[layer][:, :, q0:q0 + n_q] = scores.to(run.storage_dtype).cpu()
+        if layer in run.scores:  # full maps
+            run.scores[layer][:, :, q0:q0 + n_q] = scores.to(run.storage_dtype).cpu()
+        else:  # a block reducer (reduce=True): max-pooled scores of the allowed cells
+            run.reducer.add_scores(layer, q0, scores.masked_fill(~allow, float("-inf")), allow, *n_total)
     extra = []  # logits that take part in the softmax and are dropped after it
     if mask.stable is not None and mask.horizon is None:  # StableMask: pseudo-logits on the future slots
         future = (kv_pos[:, None, None, :] > q_pos[:, None, :, None]) & run.valid[:, -n_kv:].to(query.device)[:, None, None, :]

@@ -42,11 +42,7 @@ def show(cap, mode: str) -> None:
         st.session_state["hm_layer"], st.session_state["hm_head"] = st.session_state.pop("hm_jump")
     top = len(cap.layers) - 1
     c1, c2, c3, c4 = st.columns([3, 2, 1, 1])
-    if len(cap.layers) > 1 and cap.layers == list(range(len(cap.layers))):
-        layer = c1.slider("Layer", 0, top, min(st.session_state.get("hm_layer", top), top), key="hm_layer")
-    else:  # a long text's view of the layer recorded alone: its slider sits above, outside this fragment
-        layer = cap.layers[0]
-        c1.markdown(f"**Layer {layer}**" + (" (recorded alone)" if len(cap.layer_masks) > 1 else ""))
+    layer = c1.slider("Layer", 0, top, min(st.session_state.get("hm_layer", top), top), key="hm_layer")
     heads = ["mean"] + list(range(cap.n_heads))
     if st.session_state.get("hm_head") not in heads:
         st.session_state["hm_head"] = "mean"
@@ -174,18 +170,13 @@ else:
         st.caption("Rollout assumes attention and the residual mix linearly. Under a causal mask row i traces back "
                    "to tokens 0..i; under BIDIR/BACK layers it mixes in later tokens, because those layers do. It "
                    "shows where information could have come from, not what the model used.")
-    layers = None
-    if loaded is not None and settings.text.strip() and not fits_full_maps(loaded, settings.text):
-        if mode == "logits" and not settings.residual:  # a long text: scores of one layer, recorded alone
-            top = loaded.n_layers - 1
-            layers = (st.slider("Layer (recorded alone: full maps of every layer do not fit at this length)", 0, top,
-                                top, key="hm_one_layer"),)
-        elif mode == "rollout":
-            st.error("Rollout multiplies the full maps of every layer, which a text this long does not keep (they "
-                     "would pass the per-capture limit, ATTNVIZ_FULL_MAPS_MB). What would fit: a shorter text, or "
-                     "the weight, value or logits view.")
-            st.stop()
-    cap = current_capture(settings, loaded, extras=EXTRAS.get(mode, ()), layers=layers)
+    long_text = loaded is not None and settings.text.strip() and not fits_full_maps(loaded, settings.text)
+    if mode == "rollout" and long_text:  # the other views serve a long text from pooled maps
+        st.error("Rollout multiplies the full maps of every layer, which a text this long does not keep (they "
+                 "would pass the per-capture limit, ATTNVIZ_FULL_MAPS_MB). What would fit: a shorter text, or "
+                 "the weight, value or logits view.")
+        st.stop()
+    cap = current_capture(settings, loaded, extras=EXTRAS.get(mode, ()))
     if cap is not None:
         st.caption(f"{cap.meta['model']} · `{cap.arch}` · {cap.n_tokens} tokens · "
                    f"forward {cap.timing['forward_s']:.2f} s")

@@ -35,7 +35,7 @@ def test_blocks_equal_the_whole_layer(kind, spec, rows, scores, monkeypatch):
     model = build(kind)
     calls = []
     block_probs = engine._block_probs
-    monkeypatch.setattr(engine, "_block_probs", lambda *a: calls.append(a[3].shape[2]) or block_probs(*a))
+    monkeypatch.setattr(engine, "_block_probs", lambda *a, **k: calls.append(a[3].shape[2]) or block_probs(*a, **k))
     masks = list(parse(spec, 3).layers)
     whole, run_w = engine.forward(model, _ids(), masks, storage_dtype=torch.float32, record_scores=True)
     heads = model.config.num_attention_heads

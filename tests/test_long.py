@@ -32,17 +32,17 @@ def test_pooled_maps_are_the_max_pool_of_the_full_maps(spec):
         np.testing.assert_array_equal(allowed, ~np.isnan(expected[0]))
 
 
-def test_pooled_value_weighted_maps_are_the_max_pool_of_the_full_ones():
+def test_pooled_value_weighted_maps_and_scores_are_the_max_pool_of_the_full_ones():
     lm = loaded("llama")
-    full = capture(lm, TEXT, "fwd*2 + bidir", storage_dtype=torch.float32, value_norms=True)
-    long = capture(lm, TEXT, "fwd*2 + bidir", reduce=True, pool=24, value_norms=True,
+    full = capture(lm, TEXT, "fwd*2 + bidir", storage_dtype=torch.float32, value_norms=True, scores=True)
+    long = capture(lm, TEXT, "fwd*2 + bidir", reduce=True, pool=24, value_norms=True, scores=True,
                    block_bytes=4 * 4 * len(TEXT) * 7)  # 7-row blocks
     for layer in range(3):
-        values, allowed = long.value_view(layer)
-        expected = np.stack([max_pool(np.where(full.allowed[layer], v, np.nan), 24)
-                             for v in full.value_weighted(layer)])
-        np.testing.assert_allclose(values, expected, atol=2e-3, rtol=2e-3, equal_nan=True)
-        np.testing.assert_array_equal(allowed, ~np.isnan(expected[0]))
+        for view, maps in ((long.value_view, full.value_weighted), (long.scores_view, full.layer_scores)):
+            values, allowed = view(layer)
+            expected = np.stack([max_pool(np.where(full.allowed[layer], v, np.nan), 24) for v in maps(layer)])
+            np.testing.assert_allclose(values, expected, atol=2e-3, rtol=2e-3, equal_nan=True)
+            np.testing.assert_array_equal(allowed, ~np.isnan(expected[0]))
         np.testing.assert_allclose(long.layer_value_norms(layer), full.layer_value_norms(layer), rtol=1e-5)
 
 
@@ -71,7 +71,7 @@ def test_bad_regions_are_refused(queries, keys, message):
 
 
 @pytest.mark.parametrize("options", [{}, {"reduce": True, "pool": 32}, {"hidden_states": True},
-                                     {"reduce": True}, {"reduce": True, "pool": 32, "value_norms": True}])
+                                     {"reduce": True}, {"reduce": True, "pool": 32, "value_norms": True, "scores": True}])
 def test_size_estimates_bound_what_a_capture_holds(options):
     lm = loaded("llama")
     cap = capture(lm, TEXT, "fwd*2 + bidir", **options)

@@ -55,6 +55,7 @@ def full_maps_limit() -> int:
 
 
 POOL = 512  # cells a side of a long capture's pooled maps: what a heatmap image shows anyway
+POOLED_EXTRAS = {"value_norms", "scores"}  # views a long capture serves as pooled maps too
 PICKS = ["FWD", "BACK", "BIDIR", "NoSink-FWD", "NoSink-BIDIR", "INPLACE-BIDIR", "INPLACE-BACK", "MASK0-FWD",
          "MASK0-BIDIR", "MASK0-ALL", "MASK0&BIDIR", "StableMask", "Sliding window", "Dilated window",
          "Global + sliding", "Advanced (string)"]
@@ -154,32 +155,30 @@ def _mb(n: int) -> str:
 
 
 def plan_capture(loaded: LoadedModel, n_tokens: int, hidden: bool, extras: tuple,
-                 residual, layers: tuple[int, ...] | None = None) -> tuple[dict, int] | None:
+                 residual) -> tuple[dict, int] | None:
     """(capture options, estimated bytes): full maps, or statistics + pooled maps for long texts; or
     a refusal (None, with the reason shown) when not even statistics fit in what the memory budget
-    leaves. Decided before running. ``layers``: only those are recorded (a view of one layer)."""
+    leaves. Decided before running."""
     left = captures_left()
     limit = min(left, full_maps_limit())
-    count = None if layers is None else len(layers)
-    full = estimate_bytes(loaded, n_tokens, layers=count, hidden_states=hidden)
+    full = estimate_bytes(loaded, n_tokens, hidden_states=hidden)
     if full <= limit:
         return {}, full
-    pooled_values = extras == ("value_norms",)  # value-weighted maps are max-pooled block by block too
-    stats = estimate_bytes(loaded, n_tokens, reduce=True, pool=POOL, value_norms=pooled_values)
-    if (extras and not pooled_values) or residual:
+    pooled = set(extras) <= POOLED_EXTRAS  # value-weighted maps and scores are max-pooled block by block too
+    stats = estimate_bytes(loaded, n_tokens, reduce=True, pool=POOL, value_norms="value_norms" in extras,
+                           scores="scores" in extras)
+    if not pooled or residual:
         what = "a residual variant" if residual else "this view"
-        maps = "every layer" if layers is None else f"layer {', '.join(map(str, layers))}"
-        fit = next((n for n in range(n_tokens, 0, -64)
-                    if estimate_bytes(loaded, n, layers=count, hidden_states=hidden) <= limit), 0)
+        fit = next((n for n in range(n_tokens, 0, -64) if estimate_bytes(loaded, n, hidden_states=hidden) <= limit), 0)
         one = estimate_bytes(loaded, n_tokens, layers=1, hidden_states=hidden)
         few = max((k for k in range(1, loaded.n_layers + 1)
                    if estimate_bytes(loaded, n_tokens, layers=k, hidden_states=hidden) <= limit), default=0)
         fewer = (f", fewer recorded layers ({few} of {loaded.n_layers} fit at this length: `attnviz capture --layers`)"
-                 if few and count != few and not residual else "")
-        st.error(f"{what.capitalize()} needs the full maps of {maps}: ~{_mb(full)} for {n_tokens} tokens, more "
+                 if few and not residual else "")
+        st.error(f"{what.capitalize()} needs the full maps of every layer: ~{_mb(full)} for {n_tokens} tokens, more "
                  f"than the {_mb(limit)} allowed per capture. What would fit: a text of at most ~{fit} tokens{fewer}, "
-                 f"or the plain attention weights (statistics and pooled maps, any length)"
-                 + (f". One layer alone would take ~{_mb(one)}." if count != 1 else "."))
+                 f"or the plain attention weights (statistics and pooled maps, any length). One layer alone would "
+                 f"take ~{_mb(one)}.")
         return None
     if stats > left:
         fit = next((n for n in range(n_tokens, 0, -256) if estimate_bytes(loaded, n, reduce=True, pool=POOL) <= left), 0)
@@ -218,15 +217,13 @@ def fits_full_maps(loaded: LoadedModel, text: str, hidden: bool = True) -> bool:
 
 
 def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
-                extras: tuple[str, ...] = (), residual: str | None = None,
-                layers: tuple[int, ...] | None = None) -> Capture | None:
+                extras: tuple[str, ...] = (), residual: str | None = None) -> Capture | None:
     """Cached by (model, text, architecture): moving a layer or head slider never re-runs the model.
 
     ``extras`` names what else the pass records, only for the views that ask: "scores" (pre-softmax),
     "value_norms", "activations"; the default capture stays as cheap as it was. Long texts get
     statistics and pooled maps (:func:`plan_capture`); older captures leave the cache before a new
-    one is computed, so the server's resident size stays near its budget. ``layers`` records only
-    those layers (with full maps): a long text's view of one layer.
+    one is computed, so the server's resident size stays near its budget.
     """
     try:
         architecture = arch_mod.parse(spec, loaded.n_layers)
@@ -239,13 +236,13 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
         st.error(f"Capturing {architecture.spec}: {err}")
         return None
     extras = tuple(sorted(extras))
-    hidden = hidden and not residual and layers is None  # a variant's own layer loop records no hidden states
-    planned = plan_capture(loaded, n_tokens, hidden, extras, residual, layers)
+    hidden = hidden and not residual  # a variant's own layer loop records no hidden states
+    planned = plan_capture(loaded, n_tokens, hidden, extras, residual)
     if planned is None:
         return None
     plan, estimate = planned
     options = {"hidden_states": hidden, **plan, **{name: True for name in extras}}
-    key = (loaded.model_id, text, architecture.spec, tuple(sorted(options.items())), residual, layers)
+    key = (loaded.model_id, text, architecture.spec, tuple(sorted(options.items())), residual)
     store = _captures()
     if key not in store:
         store.reserve(estimate)
@@ -255,10 +252,8 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
         # without this, +90 MB with it).
         gc.collect()
     label = f"Capturing {architecture.spec}" + (" (long text: statistics and pooled maps)" if plan else "")
-    if layers is not None:
-        label += f" (layer {', '.join(map(str, layers))} alone)"
     return jobs.run(key, label, lambda progress: capture(
-        loaded, text, architecture, max_tokens=MAX_TOKENS, residual=residual, layers=layers,
+        loaded, text, architecture, max_tokens=MAX_TOKENS, residual=residual,
         on_layer=lambda layer: progress(layer + 1, loaded.n_layers), **options), store=store)
 
 
@@ -365,7 +360,7 @@ def page_context() -> tuple[Settings, LoadedModel | None]:
 
 
 def current_capture(settings: Settings, loaded: LoadedModel | None, spec: str | None = None,
-                    extras: tuple[str, ...] = (), layers: tuple[int, ...] | None = None) -> Capture | None:
+                    extras: tuple[str, ...] = ()) -> Capture | None:
     if loaded is None:
         return None
     if not settings.text.strip():
@@ -375,5 +370,4 @@ def current_capture(settings: Settings, loaded: LoadedModel | None, spec: str | 
         st.error(f"{loaded.model_id} is an encoder-decoder model: this page takes decoder-only models. Its encoder, "
                  "decoder and cross-attention are on the Heatmaps page.")
         return None
-    return get_capture(loaded, settings.text, spec or settings.arch, extras=extras, residual=settings.residual,
-                       layers=layers)
+    return get_capture(loaded, settings.text, spec or settings.arch, extras=extras, residual=settings.residual)

@@ -35,7 +35,7 @@ def mode_values(cap: Capture, layer: int, mode: str = "weight") -> tuple[np.ndar
     if mode == "value":
         return cap.value_view(layer)  # pooled for a long capture, like the weights
     if mode == "logits":
-        return cap.layer_scores(layer), cap.allowed[layer]
+        return cap.scores_view(layer)
     if mode == "rollout":
         maps = [cap.layer_probs(l).mean(0) for l in range(layer + 1)]
         return metrics.rollout(maps)[None], np.ones((cap.n_tokens, cap.n_tokens), dtype=bool)
