@@ -326,6 +326,8 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
     """
     from . import residual as residual_mod
 
+    if reduce and scores and not pool:
+        raise InputError("a reduced capture keeps pre-softmax scores only as pooled maps: give pool= as well")
     variant = residual_mod.resolve(loaded, residual)
     if variant is not None and (hidden_states or activations):
         raise InputError(f"hidden states are not recorded under the residual variant {variant.name}")

@@ -46,6 +46,11 @@ def test_pooled_value_weighted_maps_and_scores_are_the_max_pool_of_the_full_ones
         np.testing.assert_allclose(long.layer_value_norms(layer), full.layer_value_norms(layer), rtol=1e-5)
 
 
+def test_reduced_scores_need_a_pool():
+    with pytest.raises(InputError, match="give pool= as well"):
+        capture(loaded("llama"), TEXT, "fwd", reduce=True, scores=True)
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_a_region_equals_the_slice_of_the_full_map(spec):
     lm = loaded("llama")
