@@ -176,7 +176,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             run.scores[layer] = torch.empty(batch, n_heads, n_q, n_kv, dtype=run.storage_dtype)
     # Each block computes only the keys some of its rows may see (half the work under a causal mask).
     # Not under StableMask (its pseudo-slots sit on forbidden keys) nor when scores are kept whole.
-    narrow = mask.stable is None and not run.record_scores and not run.keep_graph and (streamed or run.reducer is None)
+    # Pooled scores (a block reducer) need only the allowed cells; full score maps need every key.
+    narrow = (mask.stable is None and not (run.record_scores and not streamed) and not run.keep_graph
+              and (streamed or run.reducer is None))
     outs = []
     for q0 in range(0, n_q, rows):
         q1 = min(q0 + rows, n_q)
@@ -185,7 +187,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         block_allow = block_allow[..., k0:k1]
         probs = _block_probs(run, layer, mask, query[:, :, q0:q1], key[:, :, k0:k1], scaling, block_allow,
                              None if bias is None else bias[:, :, q0:q1, k0:k1], softcap, s_aux, q_pos[:, q0:q1],
-                             kv_pos[:, k0:k1], q0, n_total=(n_q, n_kv))
+                             kv_pos[:, k0:k1], q0, n_total=(n_q, n_kv, k0))
         if run.keep_graph:
             run.live[layer] = probs
         if streamed:
@@ -213,9 +215,9 @@ def _key_range(allow: torch.Tensor) -> tuple[int, int]:
 
 
 def _block_probs(run: Run, layer: int, mask: Mask, query, key, scaling, allow, bias, softcap, s_aux, q_pos, kv_pos,
-                 q0: int, n_total: tuple[int, int] | None = None) -> torch.Tensor:
+                 q0: int, n_total: tuple[int, int, int] | None = None) -> torch.Tensor:
     """(B, H, b, n_kv) fp32 probabilities of one block of b query rows (every row sees every key);
-    ``n_total``: the layer's (queries, keys), for a reducer's pooled scores."""
+    ``n_total``: the layer's (queries, keys) and this block's first key, for a reducer's pooled scores."""
     batch, n_heads, n_q, dim = query.shape
     n_kv_heads, n_kv = key.shape[1], key.shape[2]
     group = n_heads // n_kv_heads

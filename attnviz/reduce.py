@@ -94,14 +94,15 @@ class Summaries:
         self.pooled_value: dict[int, PooledMap] = {}
         self.pooled_scores: dict[int, PooledMap] = {}
 
-    def add_scores(self, layer: int, q0: int, scores: torch.Tensor, allow: torch.Tensor, n_q: int, n_kv: int) -> None:
-        """Pre-softmax scores (B, H, b, n_kv) of a block, -inf where forbidden: max-pooled like the maps
-        (stats "pooled_scores"), for a long text's pre-softmax view."""
+    def add_scores(self, layer: int, q0: int, scores: torch.Tensor, allow: torch.Tensor, n_q: int, n_kv: int,
+                   k0: int = 0) -> None:
+        """Pre-softmax scores (B, H, b, w) of a block (keys k0 .. k0 + w - 1), -inf where forbidden:
+        max-pooled like the maps (stats "pooled_scores"), for a long text's pre-softmax view."""
         if not self.pool:
             raise ValueError("pooled scores need a pool size: capture(reduce=True, pool=..., scores=True)")
         if layer not in self.pooled_scores:
             self.pooled_scores[layer] = PooledMap(scores.shape[1], n_q, n_kv, self.pool)
-        self.pooled_scores[layer].add(q0, scores[0], allow[0, 0])
+        self.pooled_scores[layer].add(q0, scores[0], allow[0, 0], k0)
 
     def add(self, layer: int, q0: int, probs: torch.Tensor, allow: torch.Tensor, n_q: int, k0: int = 0,
             n_kv: int | None = None, value_norms: torch.Tensor | None = None) -> None:

@@ -34,8 +34,8 @@ def test_pooled_maps_are_the_max_pool_of_the_full_maps(spec):
 
 def test_pooled_value_weighted_maps_and_scores_are_the_max_pool_of_the_full_ones():
     lm = loaded("llama")
-    full = capture(lm, TEXT, "fwd*2 + bidir", storage_dtype=torch.float32, value_norms=True, scores=True)
-    long = capture(lm, TEXT, "fwd*2 + bidir", reduce=True, pool=24, value_norms=True, scores=True,
+    full = capture(lm, TEXT, "fwd + back + bidir", storage_dtype=torch.float32, value_norms=True, scores=True)
+    long = capture(lm, TEXT, "fwd + back + bidir", reduce=True, pool=24, value_norms=True, scores=True,
                    block_bytes=4 * 4 * len(TEXT) * 7)  # 7-row blocks
     for layer in range(3):
         for view, maps in ((long.value_view, full.value_weighted), (long.scores_view, full.layer_scores)):
