@@ -115,13 +115,7 @@ class Capture:
     def layer_view(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """((H, m, m') values, (m, m') allowed) of a layer: the full maps, or a long capture's
         max-pooled ones (``capture(pool=...)``), whichever this capture kept."""
-        if layer in self.probs:
-            return self.layer_probs(layer), self.allowed[layer]
-        pooled = self.stats.get(layer, {}).get("pooled")
-        if pooled is None:
-            self.layer_probs(layer)  # raises the reason
-        pooled = pooled.astype(np.float32)
-        return pooled, ~np.isnan(pooled[0])
+        return self._pooled_or(layer, "pooled", lambda: (self.layer_probs(layer), self.allowed[layer]))
 
     def value_view(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Like :meth:`layer_view` for the value-weighted maps ||A[i, j] W_O^h v_j^h||: full, or a long
@@ -134,6 +128,8 @@ class Capture:
         return self._pooled_or(layer, "pooled_scores", lambda: (self.layer_scores(layer), self.allowed[layer]))
 
     def _pooled_or(self, layer: int, name: str, full):
+        """The stored pooled maps ``name`` of a layer that kept no full ones, else ``full()`` (which
+        raises the reason when there is nothing to show)."""
         pooled = None if layer in self.probs else self.stats.get(layer, {}).get(name)
         if pooled is None:
             return full()
@@ -287,12 +283,11 @@ def estimate_bytes(loaded: LoadedModel, n_tokens: int, layers: int | None = None
     masks = min(count, 4) * n * n  # allow-sets: one per distinct mask, rarely more than a few
     if reduce:
         side = min(n, pool) if pool else 0
-        per_layer = heads * n * 4 * 12 + heads * side * side * 2 * (2 if value_norms else 1)
+        pooled_maps = 1 + value_norms + scores  # weights, and value-weighted maps / scores when asked
+        per_layer = heads * n * 4 * 12 + heads * side * side * 2 * pooled_maps
     else:
         per_layer = heads * n * n * 2
     per_layer += heads * n * 4 if value_norms else 0
-    if reduce and pool and scores:
-        per_layer += heads * min(n, pool) ** 2 * 2
     hidden = (loaded.n_layers + 1) * n * int(getattr(loaded.config, "hidden_size", 0) or 0) * 2 if hidden_states else 0
     return count * per_layer + masks + hidden + 4 * loaded.config.vocab_size
 

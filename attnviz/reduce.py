@@ -110,11 +110,12 @@ class Summaries:
         k0 .. k0 + w - 1 (of n_kv); batch row 0. ``value_norms`` (B, H, n_kv), ||W_O^h v_j^h||: with a
         pool, the value-weighted maps A[i, j]·||W_O v_j|| are max-pooled too (stats "pooled_value")."""
         if layer not in self.layers:
-            self.layers[layer] = LayerSummary(probs.shape[1], n_q, n_kv or probs.shape[-1], self.tokens)
+            heads, n_kv = probs.shape[1], n_kv or probs.shape[-1]
+            self.layers[layer] = LayerSummary(heads, n_q, n_kv, self.tokens)
             if self.pool:
-                self.pooled[layer] = PooledMap(probs.shape[1], n_q, n_kv or probs.shape[-1], self.pool)
+                self.pooled[layer] = PooledMap(heads, n_q, n_kv, self.pool)
                 if value_norms is not None:
-                    self.pooled_value[layer] = PooledMap(probs.shape[1], n_q, n_kv or probs.shape[-1], self.pool)
+                    self.pooled_value[layer] = PooledMap(heads, n_q, n_kv, self.pool)
         self.layers[layer].add(q0, probs[0], allow[0, 0], k0, zero_outside=True)
         if self.pool:
             self.pooled[layer].add(q0, probs[0], allow[0, 0], k0)

@@ -8,7 +8,7 @@ from plotly.subplots import make_subplots
 
 from .. import metrics
 from ..capture import Capture
-from .style import LOG_FLOOR, colour_range, layout, matrix_traces, max_pool, scaled, token_axis
+from .style import colour_range, layout, matrix_traces, max_pool, scaled, token_axis
 
 
 def head_label(cap: Capture, head: int | None) -> str:
@@ -127,14 +127,14 @@ def panels(caps: list[Capture], titles: list[str], layer: int, head: int | None 
     return layout(fig, height=380, masked_bg=True)
 
 
-def overview_tiles(cap: Capture, tile: int = 12, log: bool = False) -> np.ndarray:
-    """Mosaic of every recorded (layer, head) map max-pooled to ``tile`` a side: (L*tile, H*tile)."""
+def overview_tiles(cap: Capture, tile: int = 12) -> np.ndarray:
+    """Mosaic of every recorded (layer, head) map max-pooled to ``tile`` a side: (L*tile, H*tile), in p."""
     rows = []
     for layer in cap.layers:
         probs, allowed = cap.layer_view(layer)
         row = []
-        for head in range(cap.n_heads):  # pooled, then scaled: the same (log is increasing), on 1/size² the cells
-            pooled = scaled(max_pool(np.where(allowed, probs[head], np.nan), tile), log)
+        for head in range(cap.n_heads):
+            pooled = max_pool(np.where(allowed, probs[head], np.nan), tile)
             full = np.full((tile, tile), np.nan)
             full[: pooled.shape[0], : pooled.shape[1]] = pooled
             row.append(full)
@@ -151,12 +151,10 @@ def overview(cap: Capture, tile: int = 12, log: bool = False) -> go.Figure:
 
 
 def _overview(cap: Capture, tile: int, log: bool) -> go.Figure:
-    mosaic = overview_tiles(cap, tile, log)
-    if log:  # the mosaic is already log10 p
-        zmin = float(np.log10(LOG_FLOOR))
-        zmax = max(float(np.nanmax(mosaic)) if np.isfinite(mosaic).any() else 0.0, zmin + 1e-6)
-    else:
-        zmin, zmax = colour_range([mosaic], False)
+    # pooled once per capture, scaled per figure: max-pooling commutes with the (increasing) log scale
+    mosaic = cap.memo(("overview_mosaic", tile), lambda: overview_tiles(cap, tile))
+    zmin, zmax = colour_range([mosaic], log)
+    mosaic = scaled(mosaic, log)
     # Clicks go to one invisible marker per tile: Streamlit's selections ignore heatmap cells (streamlit#8760)
     layer_idx, head_idx = np.meshgrid(np.arange(len(cap.layers)), np.arange(cap.n_heads), indexing="ij")
     centre = tile / 2 - 0.5
