@@ -154,19 +154,23 @@ def _mb(n: int) -> str:
     return f"{n / 2**20:,.0f} MB"
 
 
+def _full_maps(loaded: LoadedModel, n_tokens: int, hidden: bool) -> tuple[int, int]:
+    """(estimated bytes of a capture with full maps of every layer, the per-capture limit they must fit)."""
+    return estimate_bytes(loaded, n_tokens, hidden_states=hidden), min(captures_left(), full_maps_limit())
+
+
 def plan_capture(loaded: LoadedModel, n_tokens: int, hidden: bool, extras: tuple,
                  residual) -> tuple[dict, int] | None:
     """(capture options, estimated bytes): full maps, or statistics + pooled maps for long texts; or
     a refusal (None, with the reason shown) when not even statistics fit in what the memory budget
     leaves. Decided before running."""
     left = captures_left()
-    limit = min(left, full_maps_limit())
-    full = estimate_bytes(loaded, n_tokens, hidden_states=hidden)
+    full, limit = _full_maps(loaded, n_tokens, hidden)
     if full <= limit:
         return {}, full
     pooled = set(extras) <= POOLED_EXTRAS  # value-weighted maps and scores are max-pooled block by block too
-    stats = estimate_bytes(loaded, n_tokens, reduce=True, pool=POOL, value_norms="value_norms" in extras,
-                           scores="scores" in extras)
+    long_options = dict(reduce=True, pool=POOL, value_norms="value_norms" in extras, scores="scores" in extras)
+    stats = estimate_bytes(loaded, n_tokens, **long_options)
     if not pooled or residual:
         what = "a residual variant" if residual else "this view"
         fit = next((n for n in range(n_tokens, 0, -64) if estimate_bytes(loaded, n, hidden_states=hidden) <= limit), 0)
@@ -181,7 +185,7 @@ def plan_capture(loaded: LoadedModel, n_tokens: int, hidden: bool, extras: tuple
                  f"take ~{_mb(one)}.")
         return None
     if stats > left:
-        fit = next((n for n in range(n_tokens, 0, -256) if estimate_bytes(loaded, n, reduce=True, pool=POOL) <= left), 0)
+        fit = next((n for n in range(n_tokens, 0, -256) if estimate_bytes(loaded, n, **long_options) <= left), 0)
         st.error(f"This capture would take ~{_mb(stats)} even as statistics only, more than the {_mb(left)} the "
                  f"server has left for captures (ATTNVIZ_MEMORY_MB {_mb(capture_budget())}, of which the model "
                  f"weights take {_mb(models_bytes())}). What would fit: a text of at most ~{fit} tokens.")
@@ -213,7 +217,8 @@ def fits_full_maps(loaded: LoadedModel, text: str, hidden: bool = True) -> bool:
         n_tokens = token_count(loaded, text)
     except AttnvizError:
         return True  # get_capture says what is wrong
-    return estimate_bytes(loaded, n_tokens, hidden_states=hidden) <= min(captures_left(), full_maps_limit())
+    full, limit = _full_maps(loaded, n_tokens, hidden)
+    return full <= limit
 
 
 def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
