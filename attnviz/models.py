@@ -147,6 +147,24 @@ def hub_reachable(timeout: float = 2.0) -> bool:
         return False
 
 
+def local_directory(name: str) -> str | None:
+    """The model directory ``name`` names on this machine, or None when it names none (a Hub id).
+
+    Any existing path is local, whatever its form: absolute (``/data/models/llama``), relative
+    (``./llama``, ``models/llama``), ``~`` or a bare directory name in the working directory
+    (``llama``). Those are never looked up on the Hub, so they load offline. A name that starts like
+    a path (``.``, ``/``, ``~``) but does not exist is refused here rather than sent to the Hub.
+    """
+    path = Path(name).expanduser()
+    if not (path.exists() or name.startswith((".", "/", "~"))):
+        return None
+    if not path.is_dir():
+        raise ModelLoadError(f"'{name}' is not a directory" if path.exists() else f"'{name}' does not exist")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"'{name}' is not a model directory (no config.json in it)")
+    return str(path.resolve())
+
+
 def _resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -182,18 +200,14 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
     if name == DEFAULT:
         source = str(_converted_default(progress))
         model_file = str(default_gguf())
+        local = True
     else:
-        source = name
-    local = Path(source).expanduser()
-    if name != DEFAULT and (name.startswith((".", "/", "~")) or local.exists()):
-        if not local.is_dir():
-            raise ModelLoadError(f"'{name}' is not a directory")
-        if not (local / "config.json").is_file():
-            raise ModelLoadError(f"'{name}' is not a model directory (no config.json in it)")
-        source = str(local)
+        source, local = local_directory(name), True
+        if source is None:
+            source, local = name, False
 
     progress(f"Loading {name}")
-    if source == name and not hub_reachable():
+    if not local and not hub_reachable():
         raise ModelLoadError(
             f"cannot find model '{name}': it is not a local model directory, and the Hugging Face Hub cannot be "
             "reached from this machine — use 'default' or a local path"
