@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from . import arch as arch_mod
-from . import engine, metrics
+from . import devices, engine, metrics
 from .errors import AttnvizError, InputError
 from .models import LoadedModel
 from .reduce import Summaries
@@ -292,6 +292,68 @@ def estimate_bytes(loaded: LoadedModel, n_tokens: int, layers: int | None = None
     return count * per_layer + masks + hidden + 4 * loaded.config.vocab_size
 
 
+def device_bytes(loaded: LoadedModel, n_tokens: int, reduce: bool = False, pool: int | None = None,
+                 hidden_states: bool = False, value_norms: bool = False, scores: bool = False,
+                 block_bytes: int | None = None, masks: int = 2) -> int:
+    """What a capture needs on the model's device beyond the weights (issue 14 §6), before it runs:
+
+    - the working set of one query block: about four fp32 copies of its scores (scores/probabilities,
+      the entropy's temporary, the pooled copy, the cast for P·V) at the run's block size;
+    - the allow-sets, one n × n bool per distinct mask (``masks``);
+    - one layer's forward activations (hidden, MLP and q/k/v projections, in the model's dtype) and,
+      when asked, every layer's hidden states;
+    - one layer's statistics and pooled maps (finished layers go to the host);
+    - the last position's logits.
+    Full maps go to the host as they are made (staged on the device only where there is room), so
+    they count against host memory (:func:`estimate_bytes`), not here.
+    """
+    n, cfg = int(n_tokens), loaded.config
+    heads = loaded.n_heads
+    device = loaded.model.device
+    block = block_bytes or devices.block_bytes(device)
+    rows = max(1, block // (4 * heads * n))
+    working = 4 * 4 * heads * min(rows, n) * n
+    itemsize = next(loaded.model.parameters()).element_size()
+    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+    inner = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
+    activations = n * (4 * hidden + 3 * inner) * itemsize
+    states = (loaded.n_layers + 1) * n * hidden * itemsize if hidden_states else 0
+    stats = heads * n * 4 * 12 if reduce else 0
+    pooled = heads * min(n, pool) ** 2 * 4 * (1 + value_norms + scores) if reduce and pool else 0
+    return working + masks * n * n + activations + states + stats + pooled + 4 * cfg.vocab_size
+
+
+def check_device(loaded: LoadedModel, n_tokens: int, what: str = "this capture", **options) -> None:
+    """Refuse, before running, a capture whose device working set (:func:`device_bytes`) exceeds the
+    device's free memory (``torch.cuda.mem_get_info``, or ``ATTNVIZ_DEVICE_MB``), saying what would fit."""
+    free = devices.free_bytes(loaded.model.device)
+    need = device_bytes(loaded, n_tokens, **options)
+    if free is None or need <= free:
+        return
+    fit = next((n for n in range(n_tokens, 0, -64) if device_bytes(loaded, n, **options) <= free), 0)
+    smaller = dict(options, block_bytes=devices.CPU_BLOCK_BYTES // 16)
+    hint = (f"; with ATTNVIZ_BLOCK_MB=4, ~{devices.mb(device_bytes(loaded, n_tokens, **smaller))}"
+            if device_bytes(loaded, n_tokens, **smaller) < need else "")
+    raise devices.DeviceMemoryError(
+        f"{what} needs ~{devices.mb(need)} on {loaded.model.device} for {n_tokens} tokens, more than the "
+        f"{devices.mb(free)} free there{hint}. What would fit: "
+        + (f"a text of at most ~{fit} tokens" if fit else "nothing until memory is freed on that device")
+        + ("" if options.get("reduce") else ", or statistics only (`attnviz sinks`, a lower ATTNVIZ_FULL_MAPS_MB)"))
+
+
+def host_allowed(run, layers) -> dict[int, np.ndarray]:
+    """Every recorded layer's (n_q, n_kv) allow-set on the host; layers that share a mask share one
+    array (one copy from the device per mask, not per layer: 1 GB each at 32k tokens)."""
+    copies: dict[int, np.ndarray] = {}
+    out = {}
+    for layer in layers:
+        allow = run.allowed[layer]
+        if id(allow) not in copies:
+            copies[id(allow)] = allow[0, 0].cpu().numpy()
+        out[layer] = copies[id(allow)]
+    return out
+
+
 def _versions() -> dict[str, str]:
     import transformers
 
@@ -334,42 +396,47 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
 
     reducer = Summaries(tokens, pool) if reduce else None  # statistics block by block, never a full map
 
+    check_device(loaded, len(ids), f"a capture of {len(record)} layers", reduce=reduce, pool=pool,
+                 hidden_states=hidden_states or activations, value_norms=value_norms, scores=scores,
+                 block_bytes=block_bytes, masks=min(len(set(architecture.layer_names)), 4))
     t0 = time.perf_counter()
     if value_norms:  # refuse before running: the model's output projection must be readable
         for module in engine.attention_modules(loaded.model)[:1]:
             engine.output_projection(module)
     if block_bytes is None and reduce and (value_norms or scores):
         # each block then also makes value-weighted and masked-score copies of itself to pool: smaller
-        # blocks keep that working set down (8,177 tokens: peak 1.9 GB above the model at 64 MB, 1.4 GB
-        # at 16 MB, and no slower)
-        block_bytes = 16 * 2**20
+        # blocks keep that working set down (8,177 tokens on the CPU: peak 1.9 GB above the model at
+        # 64 MB, 1.4 GB at 16 MB, and no slower)
+        block_bytes = devices.block_bytes(loaded.model.device) // 4
     options = dict(storage_dtype=storage_dtype, reducer=reducer, on_layer=on_layer, record_scores=scores,
                    **({} if block_bytes is None else {"block_bytes": block_bytes}),
                    record_value_norms=value_norms, record_qkv=qkv)
-    if variant is not None:  # its own layer loop: logits only, no hidden-state outputs
-        with torch.no_grad():
-            logits, run = residual_mod.forward(loaded.model, variant, input_ids, list(architecture.layers),
-                                               set(record), **options)
-        layer_states = None
-    else:
-        output, run = engine.forward(loaded.model, input_ids, list(architecture.layers), set(record),
-                                     output_hidden_states=hidden_states or activations, last_logits_only=True,
-                                     **options)
-        logits, layer_states = output.logits, output.hidden_states
+    with devices.out_of_memory_explained(f"a capture of {len(ids)} tokens, {len(record)} layers recorded"
+                                         f"{' (statistics)' if reduce else ' (full maps)'}"):
+        if variant is not None:  # its own layer loop: logits only, no hidden-state outputs
+            with torch.no_grad():
+                logits, run = residual_mod.forward(loaded.model, variant, input_ids, list(architecture.layers),
+                                                   set(record), **options)
+            layer_states = None
+        else:
+            output, run = engine.forward(loaded.model, input_ids, list(architecture.layers), set(record),
+                                         output_hidden_states=hidden_states or activations, last_logits_only=True,
+                                         **options)
+            logits, layer_states = output.logits, output.hidden_states
     forward_s = time.perf_counter() - t0
     logits = logits[0, -1].float()
     model_dtype = next(loaded.model.parameters()).dtype
     return Capture(
         text=text, tokens=tokens, token_ids=list(ids), arch=architecture.spec,
         layer_masks=architecture.layer_names, layers=record, kv_groups=loaded.kv_groups,
-        allowed={l: run.allowed[l][0, 0].cpu().numpy() for l in record},
+        allowed=host_allowed(run, record),
         probs={l: run.probs[l][0].numpy() for l in run.probs},
         stats={l: run.reduced[l] for l in run.reduced},
         next_logprobs=torch.log_softmax(logits, -1).cpu().numpy(),
         hidden=(torch.stack([h[0] for h in layer_states]).to(torch.float16).cpu().numpy()
                 if hidden_states else None),
         scores={l: run.scores[l][0].numpy() for l in run.scores},
-        value_norm={l: run.value_norms[l][0].numpy() for l in run.value_norms},
+        value_norm={l: run.value_norms[l][0].cpu().numpy() for l in run.value_norms},
         activations=Activations.from_hidden(layer_states) if activations else None,
         qkv={l: QKV(q[0].numpy(), k[0].numpy(), v[0].numpy(), float(scale)) for l, (q, k, v, scale) in run.qkv.items()},
         timing={"forward_s": forward_s, "total_s": time.perf_counter() - started},

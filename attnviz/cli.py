@@ -78,7 +78,8 @@ def _load(args):
 
     hub_logging.set_verbosity_error()  # the one-line error below says it; no retry chatter
 
-    return load(args.model, dtype=args.dtype, device=args.device, trust_remote_code=args.trust_remote_code,
+    return load(args.model, dtype=args.dtype, device=args.device, device_map=args.device_map,
+                trust_remote_code=args.trust_remote_code,
                 progress=lambda message: print(message, file=sys.stderr) if sys.stderr.isatty() else None)
 
 
@@ -305,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--arch", default="fwd", help="architecture string (SPEC §7)")
         p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU)")
         p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+        p.add_argument("--device-map", default=None,
+                       help="'auto' (or balanced, sequential): spread the model over GPUs, the CPU and disk "
+                            "with accelerate, for models larger than one device")
         p.add_argument("--trust-remote-code", action="store_true", help="allow a model's own Python code")
         p.add_argument("--json", action="store_true", help="JSON output (the default)")
         source = p.add_mutually_exclusive_group(required=text)

@@ -23,6 +23,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from . import devices
 from .masks import Mask, keep_self_if_empty
 from .errors import InputError, ModelLoadError
 
@@ -57,8 +58,9 @@ class Run:
     live: dict[int, torch.Tensor] = field(default_factory=dict)  # keep_graph: (B, H, n_q, n_kv) on the device
     allowed: dict[int, torch.Tensor] = field(default_factory=dict)
     reduced: dict[int, object] = field(default_factory=dict)
-    block_bytes: int = 64 * 2**20  # fp32 scores of one query block of a recorded layer (issue 8: O(block x n))
+    block_bytes: int | None = None  # fp32 scores of one query block of a recorded layer; None: devices.block_bytes
     _allow_cache: dict = field(default_factory=dict)
+    _device_cache: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.unpadded = bool(self.valid.all())
@@ -71,7 +73,7 @@ class Run:
         seed 000's reference code (SPEC §2).
         """
         mask = self.masks[layer]
-        key = (id(mask), n_q, n_kv, window)
+        key = (id(mask), n_q, n_kv, window, torch.device(device))  # a device map puts layers on several devices
         if key not in self._allow_cache:
             kv_pos = self.positions[:, -n_kv:].to(device)
             q_pos = self.query_positions(n_q, device)
@@ -82,9 +84,42 @@ class Run:
             self._allow_cache[key] = keep_self_if_empty(allow)
         return self._allow_cache[key]
 
-    def block_rows(self, row_elements: int) -> int:
-        """Query rows per block so that a block's fp32 scores stay within ``block_bytes``."""
-        return max(1, self.block_bytes // (4 * max(row_elements, 1)))
+    def block_rows(self, row_elements: int, device=None) -> int:
+        """Query rows per block so that a block's fp32 scores stay within ``block_bytes`` (by default
+        64 MB on the CPU and a share of free memory on a GPU, read once per run and device)."""
+        budget = self.block_bytes
+        if budget is None:
+            device = torch.device(device or "cpu")
+            if ("block", device) not in self._device_cache:
+                self._device_cache["block", device] = devices.block_bytes(device)
+            budget = self._device_cache["block", device]
+        return max(1, budget // (4 * max(row_elements, 1)))
+
+    def key_ranges(self, layer: int, allow: torch.Tensor, rows: int, narrow: bool) -> list[tuple[int, int]]:
+        """[k0, k1) of every block of ``rows`` query rows: the keys its rows may see when ``narrow``,
+        else all. Computed on the device and read back in one transfer, shared by layers with one
+        allow-set: the block loop itself never waits for the device."""
+        n_q, n_kv = allow.shape[-2], allow.shape[-1]
+        if not narrow:
+            return [(0, n_kv)] * -(-n_q // rows)
+        key = ("ranges", id(allow), rows)
+        if key not in self._allow_cache:
+            self._allow_cache[key] = [tuple(r) for r in _block_ranges(allow, rows).tolist()]
+        return self._allow_cache[key]
+
+    def valid_on(self, device) -> torch.Tensor:
+        """``valid`` on ``device``, copied there once per run."""
+        key = ("valid", torch.device(device))
+        if key not in self._device_cache:
+            self._device_cache[key] = self.valid.to(device)
+        return self._device_cache[key]
+
+    def collect(self) -> None:
+        """After the forward: wait for the asynchronous host copies of full maps, and keep the host arrays."""
+        for store in (self.probs, self.scores):
+            for layer, maps in store.items():
+                if isinstance(maps, FullMaps):
+                    store[layer] = maps.host()
 
     def query_positions(self, n_q: int, device) -> torch.Tensor:
         source = self.positions if self.q_positions is None else self.q_positions
@@ -160,34 +195,34 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                                              enable_gqa=group > 1)
         return run.finish(layer, out)
 
-    if run.record_value_norms and layer in run.record:
-        run.value_norms[layer] = value_norms(module, value, n_heads).cpu()
-    if run.record_qkv and layer in run.record:
+    recorded = layer in run.record
+    if run.record_value_norms and recorded:
+        run.value_norms[layer] = value_norms(module, value, n_heads)  # on the layer's device
+    if run.record_qkv and recorded:
         run.qkv[layer] = (query.float().cpu(), key.float().cpu(), value.float().cpu(), scaling)
     kv_pos = run.positions[:, -n_kv:].to(query.device)
     q_pos = run.query_positions(n_q, query.device)
-    recorded = layer in run.record
     streamed = recorded and hasattr(run.reducer, "add")  # a block reducer: statistics without full maps
     rows = n_q if run.keep_graph or torch.is_grad_enabled() or (recorded and run.reducer is not None and not streamed) \
-        else run.block_rows(batch * n_heads * n_kv)
-    if recorded and run.reducer is None:  # full maps, filled block by block
-        run.probs[layer] = torch.zeros(batch, n_heads, n_q, n_kv, dtype=run.storage_dtype)
+        else run.block_rows(batch * n_heads * n_kv, query.device)
+    maps = scores_out = None
+    if recorded and run.reducer is None:  # full maps, filled block by block, copied to the host once per layer
+        maps = run.probs[layer] = FullMaps((batch, n_heads, n_q, n_kv), run.storage_dtype, query.device)
         if run.record_scores:
-            run.scores[layer] = torch.empty(batch, n_heads, n_q, n_kv, dtype=run.storage_dtype)
+            scores_out = run.scores[layer] = FullMaps((batch, n_heads, n_q, n_kv), run.storage_dtype, query.device)
     # Each block computes only the keys some of its rows may see (half the work under a causal mask).
     # Not under StableMask (its pseudo-slots sit on forbidden keys) nor when scores are kept whole.
     # Pooled scores (a block reducer) need only the allowed cells; full score maps need every key.
     narrow = (mask.stable is None and not (run.record_scores and not streamed) and not run.keep_graph
               and (streamed or run.reducer is None))
+    ranges = run.key_ranges(layer, allow, rows, narrow)  # every block's key range, one host sync per mask
     outs = []
-    for q0 in range(0, n_q, rows):
+    for q0, (k0, k1) in zip(range(0, n_q, rows), ranges):
         q1 = min(q0 + rows, n_q)
-        block_allow = allow[:, :, q0:q1]
-        k0, k1 = _key_range(block_allow) if narrow else (0, n_kv)
-        block_allow = block_allow[..., k0:k1]
+        block_allow = allow[:, :, q0:q1, k0:k1]
         probs = _block_probs(run, layer, mask, query[:, :, q0:q1], key[:, :, k0:k1], scaling, block_allow,
                              None if bias is None else bias[:, :, q0:q1, k0:k1], softcap, s_aux, q_pos[:, q0:q1],
-                             kv_pos[:, k0:k1], q0, n_total=(n_q, n_kv, k0))
+                             kv_pos[:, k0:k1], q0, n_total=(n_q, n_kv, k0), scores_out=scores_out)
         if run.keep_graph:
             run.live[layer] = probs
         if streamed:
@@ -195,27 +230,69 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                             **({"value_norms": run.value_norms[layer]} if layer in run.value_norms else {}))
         elif recorded and run.reducer is not None:
             run.reduced[layer] = run.reducer(layer, probs, allow)
-        elif recorded:
-            run.probs[layer][:, :, q0:q1, k0:k1] = probs.cpu()
+        elif maps is not None:
+            maps.put(q0, k0, probs)
         b = q1 - q0
         out = torch.matmul(probs.to(value.dtype).view(batch, n_kv_heads, group * b, k1 - k0), value[:, :, k0:k1])
         outs.append(out.view(batch, n_heads, b, -1))
         del probs
     if streamed:
         run.reduced[layer] = run.reducer.finish(layer)
+    for full in (maps, scores_out):
+        if full is not None:
+            full.finish()
     if recorded:
         run.allowed[layer] = allow
     return run.finish(layer, outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))
 
 
-def _key_range(allow: torch.Tensor) -> tuple[int, int]:
-    """[first, last + 1) of the keys any row of a (B, 1, b, n_kv) allow block may see."""
-    cols = allow.any(dim=2).any(dim=0)[0].nonzero()
-    return (int(cols[0]), int(cols[-1]) + 1) if len(cols) else (0, allow.shape[-1])
+class FullMaps:
+    """A recorded layer's full (B, H, n_q, n_kv) maps in the storage dtype, filled block by block.
+
+    On the CPU the blocks are written straight into the host array. On an accelerator they are
+    gathered on the device (when a quarter of its free memory holds the layer) and go to pinned host
+    memory in one asynchronous copy per layer, not one small synchronous copy per block;
+    :func:`forward` waits for the copies before it returns. :meth:`host` is the host array."""
+
+    def __init__(self, shape, dtype: torch.dtype, device: torch.device):
+        self.host_array = devices.host_buffer(shape, dtype, device)
+        size = self.host_array.numel() * self.host_array.element_size()
+        free = None if device.type == "cpu" else devices.free_bytes(device)
+        self.stage = torch.zeros(shape, dtype=dtype, device=device) if free is not None and size <= free // 4 else None
+        self.device, self.copying = device, False
+
+    def put(self, q0: int, k0: int, block: torch.Tensor) -> None:
+        target = self.host_array if self.stage is None else self.stage
+        target[:, :, q0:q0 + block.shape[2], k0:k0 + block.shape[3]] = block
+
+    def finish(self) -> None:
+        if self.stage is not None:
+            self.host_array.copy_(self.stage, non_blocking=True)
+            self.stage, self.copying = None, True
+
+    def host(self) -> torch.Tensor:
+        """The host array, once the copy to it has landed."""
+        if self.copying:
+            devices.synchronize(self.device)
+            self.copying = False
+        return self.host_array
+
+
+def _block_ranges(allow: torch.Tensor, rows: int) -> torch.Tensor:
+    """(blocks, 2) [first, last + 1) of the keys any row of each block of ``rows`` query rows of a
+    (B, 1, n_q, n_kv) allow-set may see (every key for a block that sees none), on allow's device."""
+    n_q, n_kv = allow.shape[-2], allow.shape[-1]
+    seen = torch.stack([allow[:, 0, q0:q0 + rows].any(1).any(0) for q0 in range(0, n_q, rows)])  # (blocks, n_kv)
+    index = torch.arange(n_kv, device=allow.device)
+    first = torch.where(seen, index, n_kv).amin(-1)
+    last = torch.where(seen, index, -1).amax(-1) + 1
+    none = ~seen.any(-1)
+    return torch.stack([torch.where(none, 0, first), torch.where(none, n_kv, last)], dim=-1)
 
 
 def _block_probs(run: Run, layer: int, mask: Mask, query, key, scaling, allow, bias, softcap, s_aux, q_pos, kv_pos,
-                 q0: int, n_total: tuple[int, int, int] | None = None) -> torch.Tensor:
+                 q0: int, n_total: tuple[int, int, int] | None = None, scores_out: "FullMaps | None" = None
+                 ) -> torch.Tensor:
     """(B, H, b, n_kv) fp32 probabilities of one block of b query rows (every row sees every key);
     ``n_total``: the layer's (queries, keys) and this block's first key, for a reducer's pooled scores."""
     batch, n_heads, n_q, dim = query.shape
@@ -230,13 +307,13 @@ def _block_probs(run: Run, layer: int, mask: Mask, query, key, scaling, allow, b
     if bias is not None:
         scores = scores + bias.float()
     if run.record_scores and layer in run.record:
-        if layer in run.scores:  # full maps
-            run.scores[layer][:, :, q0:q0 + n_q] = scores.to(run.storage_dtype).cpu()
+        if scores_out is not None:  # full maps
+            scores_out.put(q0, 0, scores)
         else:  # a block reducer (reduce=True): max-pooled scores of the allowed cells
             run.reducer.add_scores(layer, q0, scores.masked_fill(~allow, float("-inf")), allow, *n_total)
     extra = []  # logits that take part in the softmax and are dropped after it
     if mask.stable is not None and mask.horizon is None:  # StableMask: pseudo-logits on the future slots
-        future = (kv_pos[:, None, None, :] > q_pos[:, None, :, None]) & run.valid[:, -n_kv:].to(query.device)[:, None, None, :]
+        future = (kv_pos[:, None, None, :] > q_pos[:, None, :, None]) & run.valid_on(query.device)[:, None, None, -n_kv:]
         pseudo = mask.pseudo_logits(kv_pos[:, None, :], n_heads).to(query.device)  # (H, B, n_kv)
         pseudo = pseudo.permute(1, 0, 2)[:, :, None, :]  # (B, H, 1, n_kv)
         scores = torch.where(allow, scores, torch.where(future, pseudo, float("-inf")))
@@ -260,16 +337,22 @@ def _block_probs(run: Run, layer: int, mask: Mask, query, key, scaling, allow, b
     return probs
 
 
-def output_projection(module) -> torch.Tensor:
-    """The attention's output projection W_O as (hidden, heads * head_dim), or a clear refusal."""
+def output_linear(module) -> torch.nn.Linear:
+    """The attention's output projection (a Linear whose weight is (hidden, heads * head_dim)), or a
+    clear refusal."""
     for name in ("o_proj", "out_proj", "dense", "o"):
         proj = getattr(module, name, None)
         if isinstance(proj, torch.nn.Linear):
-            return proj.weight
+            return proj
     raise ModelLoadError(
         f"cannot read the output projection of {type(module).__name__} (no o_proj/out_proj/dense/o Linear), so the "
         "value-weighted view is not available for this model"
     )
+
+
+def output_projection(module) -> torch.Tensor:
+    """The attention's output projection W_O as (hidden, heads * head_dim)."""
+    return output_linear(module).weight
 
 
 def attention_modules(model) -> list:
@@ -280,7 +363,11 @@ def attention_modules(model) -> list:
 def value_norms(module, value: torch.Tensor, n_heads: int) -> torch.Tensor:
     """(B, H, n_kv) norms ||W_O^h v_j^h||: what each key can add to the output through head h
     (Kobayashi et al. 2020, "Attention is not only a weight"; the shared bias is left out)."""
-    weight = output_projection(module).float()
+    from accelerate.utils import align_module_device
+
+    proj = output_linear(module)
+    with align_module_device(proj):  # a layer offloaded by a device map holds its weights only while in use
+        weight = proj.weight.to(value.device, torch.float32)
     batch, n_kv_heads, n_kv, dim = value.shape
     per_head = weight.view(weight.shape[0], n_heads, dim)  # (hidden, H, d)
     v = value.float().repeat_interleave(n_heads // n_kv_heads, dim=1)  # (B, H, n, d)
@@ -412,3 +499,5 @@ def active(run: Run):
         yield run
     finally:
         _RUN.reset(token)
+        for each in getattr(run, "runs", {"": run}).values():
+            each.collect()

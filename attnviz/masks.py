@@ -130,12 +130,12 @@ class Mask:
 
     def pseudo_logits(self, kv_pos: torch.Tensor, n_heads: int) -> torch.Tensor:
         """StableMask's P for future keys, per head: ``-gamma_h * j`` (SPEC §3), shape (H, 1, n)."""
-        return -stable_gammas(self.stable, n_heads)[:, None, None] * kv_pos.float()
+        return -stable_gammas(self.stable, n_heads).to(kv_pos.device)[:, None, None] * kv_pos.float()
 
     def inference_logits(self, q_pos: torch.Tensor, n_heads: int) -> torch.Tensor:
         """SM-I's one extra logit per row (SPEC §3): tau_i = logsumexp_{j=i+1..T-1} (-gamma_h j), in
         closed form (a geometric sum), -inf where i >= T - 1. (B, H, n_q, 1) for (B, n_q) positions."""
-        g = stable_gammas(self.stable, n_heads).double()[None, :, None]  # (1, H, 1)
+        g = stable_gammas(self.stable, n_heads).to(q_pos.device, torch.float64)[None, :, None]  # (1, H, 1)
         i = q_pos.double()[:, None, :]  # (B, 1, n_q)
         count = self.horizon - 1 - i  # future slots j = i+1 .. T-1
         tau = -g * (i + 1) + torch.log(-torch.expm1(-g * count.clamp(min=1))) - torch.log(-torch.expm1(-g))
@@ -153,7 +153,7 @@ def keep_self_if_empty(allow: torch.Tensor) -> torch.Tensor:
     if not bool(empty.any()):
         return allow
     diagonal = torch.zeros(n_q, n_k, dtype=torch.bool, device=allow.device)
-    diagonal[torch.arange(n_q), torch.arange(n_k - n_q, n_k)] = True
+    diagonal[torch.arange(n_q, device=allow.device), torch.arange(n_k - n_q, n_k, device=allow.device)] = True
     return allow | (empty & diagonal)
 
 

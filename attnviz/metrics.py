@@ -91,6 +91,18 @@ def is_delimiter(token: str) -> bool:
     )
 
 
+def delimiter_flags(tokens: list[str]) -> np.ndarray:
+    """(n,) float32: 1 for delimiter tokens (:func:`is_delimiter`), 0 for the first token and the rest.
+
+    Once per text, and each distinct token string is checked once (a text repeats its tokens), not
+    once per token and layer."""
+    lookup = {t: is_delimiter(t) for t in set(tokens)}
+    flags = np.fromiter((lookup[t] for t in tokens), dtype=np.float32, count=len(tokens))
+    if len(flags):
+        flags[0] = 0.0  # the first token counts as first
+    return flags
+
+
 def allocation(probs, tokens: list[str]) -> np.ndarray:
     """Per head and query, the shares of ``ALLOCATION_PARTS`` (StableMask Fig. 1b). (H, n, 5).
 
@@ -101,8 +113,7 @@ def allocation(probs, tokens: list[str]) -> np.ndarray:
     """
     probs = _f32(probs)
     n = probs.shape[-1]
-    delim = np.array([is_delimiter(t) for t in tokens], dtype=np.float32)
-    delim[0] = 0.0  # the first token counts as first
+    delim = delimiter_flags(tokens)
     rowsum = probs.sum(-1)
     first = probs[..., 0]
     diagonal = np.diagonal(probs, axis1=-2, axis2=-1).copy()

@@ -178,12 +178,15 @@ def _resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 
 
 def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: str | None = None,
-         device_map: str | None = None, trust_remote_code: bool = False,
-         progress: Progress | None = None) -> LoadedModel:
+         device_map: str | dict | None = None, trust_remote_code: bool = False,
+         progress: Progress | None = None, offload_folder: str | Path | None = None) -> LoadedModel:
     """Load ``"default"``, a Hugging Face id or a local directory as a :class:`LoadedModel`.
 
-    Device defaults to CUDA when present; ``device_map="auto"`` is passed through for models that
-    need more than one device. ``trust_remote_code`` stays off unless asked for.
+    Device defaults to CUDA when present, in bfloat16 there and float32 on the CPU (statistics are
+    float32 on either, SPEC §15). ``device_map`` ("auto", "balanced", ... or a dict of module → device)
+    loads through accelerate across GPUs, the CPU and disk (``"disk"`` entries are offloaded to
+    ``offload_folder``, by default a folder of the cache directory); attnviz keeps each layer's state
+    on that layer's own device. ``trust_remote_code`` stays off unless asked for.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -193,6 +196,10 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
 
     progress = progress or (lambda message: None)
     started = time.perf_counter()
+    if device_map in ("", "none"):
+        device_map = None
+    if device_map is not None and device is not None:
+        raise ModelLoadError("give either a device or a device map, not both")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = _resolve_dtype(dtype, device)
     name = (model or "").strip() or DEFAULT
@@ -242,11 +249,18 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
                       attn_implementation=KEY)
         if device_map:
             kwargs["device_map"] = device_map
+            folder = Path(offload_folder) if offload_folder else cache_dir() / "offload" / Path(source).name
+            kwargs["offload_folder"] = str(folder)
         lm = auto.from_pretrained(source, **kwargs)
     except OSError as err:
         raise ModelLoadError(
             f"cannot load weights of '{name}': {str(err).splitlines()[0]} (attnviz loads only safetensors or GGUF)"
         ) from err
+    except (ValueError, KeyError, RuntimeError) as err:
+        if device_map is None:
+            raise
+        raise ModelLoadError(f"cannot load '{name}' with device map {device_map!r}: "
+                             f"{(str(err).splitlines() or [type(err).__name__])[0]}") from err
     if not device_map:
         lm = lm.to(device)
     lm.eval()

@@ -13,45 +13,66 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import metrics
+from . import devices, metrics
 
 
 class LayerSummary:
-    """Accumulates one layer's statistics from ``add(q0, probs, allow)`` calls covering every query row."""
+    """Accumulates one layer's statistics from ``add(q0, probs, allow)`` calls covering every query row.
 
-    def __init__(self, n_heads: int, n_q: int, n_kv: int, tokens: list[str] | None = None):
-        self.n_q, self.n_kv = n_q, n_kv
-        self.masked_sum = torch.zeros(n_heads, n_kv, dtype=torch.float64)  # sum_i allowed[i,k] A[i,k]
-        self.plain_sum = torch.zeros(n_heads, n_kv, dtype=torch.float64)  # sum_i A[i,k]
-        self.counts = torch.zeros(n_kv, dtype=torch.float64)  # queries allowed to see k
-        self.self_seen = torch.zeros(n_kv, dtype=torch.float64)  # 1 where k's own query sees k
-        self.key0 = torch.full((n_heads, n_q), float("nan"))
-        self.discarded = torch.zeros(n_heads, n_q)
-        self.entropy = torch.zeros(n_heads, n_q)
-        self.delim = None
-        if tokens is not None:
-            delim = torch.tensor([metrics.is_delimiter(t) for t in tokens], dtype=torch.float32)
-            delim[0] = 0.0  # the first token counts as first
-            self.delim = delim
-            self.allocation = torch.zeros(n_heads, n_q, len(metrics.ALLOCATION_PARTS))
+    Its state lives on the device of the first block it is fed, in float32 (SPEC §15), and every
+    update is a tensor operation on that device: no host synchronisation per block. ``delim`` are the
+    text's delimiter flags (:func:`metrics.delimiter_flags`, computed once per text); ``tokens`` is
+    the convenience form that computes them here.
+    """
+
+    def __init__(self, n_heads: int, n_q: int, n_kv: int, tokens: list[str] | None = None,
+                 delim: torch.Tensor | None = None):
+        self.n_heads, self.n_q, self.n_kv = n_heads, n_q, n_kv
+        if delim is None and tokens is not None:
+            delim = torch.from_numpy(metrics.delimiter_flags(tokens))
+        self.delim = delim
+        self.device = None
+
+    def _start(self, device: torch.device) -> None:
+        f32 = {"dtype": torch.float32, "device": device}
+        h, n_q, n_kv = self.n_heads, self.n_q, self.n_kv
+        self.device = device
+        self.masked_sum = torch.zeros(h, n_kv, **f32)  # sum_i allowed[i,k] A[i,k]
+        self.plain_sum = torch.zeros(h, n_kv, **f32)  # sum_i A[i,k]
+        self.counts = torch.zeros(n_kv, **f32)  # queries allowed to see k
+        self.self_seen = torch.zeros(n_kv, **f32)  # 1 where k's own query sees k
+        self.key0 = torch.full((h, n_q), float("nan"), **f32)
+        self.discarded = torch.zeros(h, n_q, **f32)
+        self.entropy = torch.zeros(h, n_q, **f32)
+        if self.delim is not None:
+            self.delim = self.delim.to(**f32)
+            self.allocation = torch.zeros(h, n_q, len(metrics.ALLOCATION_PARTS), **f32)
 
     def add(self, q0: int, probs: torch.Tensor, allow: torch.Tensor, k0: int = 0, zero_outside: bool = False) -> None:
-        """``probs`` (H, b, w) fp32 and ``allow`` (b, w) bool for queries q0 .. q0 + b - 1 and keys
+        """``probs`` (H, b, w) and ``allow`` (b, w) bool for queries q0 .. q0 + b - 1 and keys
         k0 .. k0 + w - 1; keys outside that range are forbidden to these rows and get nothing.
         ``zero_outside``: probs are exactly 0 wherever ``allow`` is False (as the engine's are), so
         the allowed-only column sum is the plain one and costs no extra pass."""
-        probs = probs.float().cpu()
-        allow = allow.cpu()
+        if self.device is None:
+            self._start(probs.device)
+        probs = probs.float()
+        allow = allow.to(probs.device)
         b, w = probs.shape[1], probs.shape[2]
         rows, cols = slice(q0, q0 + b), slice(k0, k0 + w)
-        column = probs.sum(1).double()
+        column = probs.sum(1)
         self.plain_sum[:, cols] += column
-        self.masked_sum[:, cols] += column if zero_outside else (probs * allow).sum(1).double()
-        self.counts[cols] += allow.sum(0).double()
-        index = torch.arange(b)
-        on_diag = (q0 + index >= k0) & (q0 + index < k0 + w)
-        diag_cols = (q0 + index)[on_diag] - k0  # within the block's key range
-        self.self_seen[diag_cols + k0] = allow[index[on_diag], diag_cols].double()
+        self.masked_sum[:, cols] += column if zero_outside else (probs * allow).sum(1)
+        self.counts[cols] += allow.sum(0)
+        # The diagonal (query q0 + r sees its own key) within this block: rows r_lo .. r_hi - 1, whose
+        # keys q0 + r - k0 fall inside the block's key range. Plain slices: no boolean indexing, no sync.
+        r_lo, r_hi = max(0, k0 - q0), min(b, k0 + w - q0)
+        diag_p = diag_a = None
+        if r_lo < r_hi:
+            c_lo = q0 + r_lo - k0
+            square = slice(c_lo, c_lo + r_hi - r_lo)
+            diag_p = torch.diagonal(probs[:, r_lo:r_hi, square], dim1=-2, dim2=-1)  # (H, r_hi - r_lo)
+            diag_a = torch.diagonal(allow[r_lo:r_hi, square])
+            self.self_seen[q0 + r_lo:q0 + r_hi] = diag_a.float()
         if k0 == 0:
             self.key0[:, rows] = torch.where(allow[:, 0][None, :], probs[:, :, 0], float("nan"))
         rowsum = probs.sum(-1)
@@ -60,34 +81,45 @@ class LayerSummary:
         norm = torch.log(allow.sum(-1).clamp(min=1).float())[None, :]
         self.entropy[:, rows] = torch.where(norm > 0, h / torch.where(norm > 0, norm, 1.0), 0.0)
         if self.delim is not None:
-            diagonal = torch.zeros(probs.shape[0], b)
-            diagonal[:, on_diag] = probs[:, index[on_diag], diag_cols]
+            diagonal = probs.new_zeros(probs.shape[0], b)
+            delim_q = probs.new_zeros(b)
+            if diag_p is not None:
+                diagonal[:, r_lo:r_hi] = diag_p
+                delim_q[r_lo:r_hi] = self.delim[q0 + r_lo:q0 + r_hi]
             if q0 == 0:
                 diagonal[:, 0] = 0.0  # query 0's own key is the first token
-            first = probs[:, :, 0] if k0 == 0 else torch.zeros(probs.shape[0], b)
-            delim_q = torch.zeros(b)
-            delim_q[on_diag] = self.delim[diag_cols + k0]
+            first = probs[:, :, 0] if k0 == 0 else probs.new_zeros(probs.shape[0], b)
             delimiter = probs @ self.delim[cols] - diagonal * delim_q[None, :]
             other = rowsum - first - diagonal - delimiter
             self.allocation[:, rows] = torch.stack([first, delimiter, diagonal, other, (1.0 - rowsum).clamp(min=0.0)],
                                                    dim=-1)
 
-    def result(self) -> dict[str, np.ndarray]:
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The finished statistics, still on the layer's device."""
+        if self.device is None:
+            raise ValueError("no block was added to this layer summary")
         others = self.counts - self.self_seen
         alpha = torch.where(others > 0, self.masked_sum / self.counts.clamp(min=1), float("nan"))
-        out = {"alpha": alpha.float().numpy(), "column_mean": (self.plain_sum / self.n_q).float().numpy(),
-               "key0": self.key0.numpy(), "discarded": self.discarded.numpy(), "entropy": self.entropy.numpy()}
+        out = {"alpha": alpha, "column_mean": self.plain_sum / self.n_q, "key0": self.key0,
+               "discarded": self.discarded, "entropy": self.entropy}
         if self.delim is not None:
-            out = {"allocation": self.allocation.numpy(), **out}
+            out = {"allocation": self.allocation, **out}
         return out
+
+    def result(self) -> dict[str, np.ndarray]:
+        """The finished statistics on the host: the one copy per layer."""
+        return devices.to_host(self.tensors())
 
 
 class Summaries:
     """The engine's block reducer for ``capture(reduce=True)``: one :class:`LayerSummary` per layer
-    (batch of one), started on a layer's first block and finished after its last."""
+    (batch of one), started on a layer's first block and finished after its last. Every layer's
+    state lives on that layer's own device (a device map may spread layers over several); its
+    finished results go to the host once, in :meth:`finish`."""
 
     def __init__(self, tokens: list[str] | None = None, pool: int | None = None):
         self.tokens = tokens
+        self.delim = None if tokens is None else torch.from_numpy(metrics.delimiter_flags(tokens))  # once per text
         self.pool = pool  # also keep max-pooled maps of at most pool cells a side (stats "pooled", "pool_factor")
         self.layers: dict[int, LayerSummary] = {}
         self.pooled: dict[int, PooledMap] = {}
@@ -111,7 +143,7 @@ class Summaries:
         pool, the value-weighted maps A[i, j]·||W_O v_j|| are max-pooled too (stats "pooled_value")."""
         if layer not in self.layers:
             heads, n_kv = probs.shape[1], n_kv or probs.shape[-1]
-            self.layers[layer] = LayerSummary(heads, n_q, n_kv, self.tokens)
+            self.layers[layer] = LayerSummary(heads, n_q, n_kv, delim=self.delim)
             if self.pool:
                 self.pooled[layer] = PooledMap(heads, n_q, n_kv, self.pool)
                 if value_norms is not None:
@@ -124,20 +156,21 @@ class Summaries:
                 self.pooled_value[layer].add(q0, probs[0].float() * norms[:, None, :], allow[0, 0], k0)
 
     def finish(self, layer: int) -> dict[str, np.ndarray]:
-        out = self.layers.pop(layer).result()
+        out = self.layers.pop(layer).tensors()
         if self.pool:
             pooled = self.pooled.pop(layer)
-            out.update(pooled=pooled.result(), pool_factor=np.array(pooled.factor))
+            out.update(pooled=pooled.tensor(), pool_factor=np.array(pooled.factor))
             if layer in self.pooled_value:
-                out["pooled_value"] = self.pooled_value.pop(layer).result()
+                out["pooled_value"] = self.pooled_value.pop(layer).tensor()
             if layer in self.pooled_scores:
-                out["pooled_scores"] = self.pooled_scores.pop(layer).result()
-        return out
+                out["pooled_scores"] = self.pooled_scores.pop(layer).tensor()
+        return devices.to_host(out)
 
 
 class PooledMap:
     """Every head's map max-pooled to at most ``size`` cells a side, one factor f for both axes,
-    accumulated block by block: the overview a long text can afford (H × size² instead of H × n²).
+    accumulated block by block on the device of the blocks: the overview a long text can afford
+    (H × size² instead of H × n²).
 
     Max, not mean, so a sink column survives any pooling; a pooled cell is NaN when the mask forbids
     every cell under it (probabilities are 0 where forbidden, so the max over the block is the max
@@ -146,8 +179,8 @@ class PooledMap:
 
     def __init__(self, n_heads: int, n_q: int, n_kv: int, size: int):
         self.factor = f = max(1, -(-max(n_q, n_kv) // size))
-        self.values = torch.full((n_heads, -(-n_q // f), -(-n_kv // f)), float("-inf"))
-        self.seen = torch.zeros(self.values.shape[1:], dtype=torch.bool)
+        self.shape = (n_heads, -(-n_q // f), -(-n_kv // f))
+        self.values = self.seen = None  # created on the first block's device
 
     def _pool(self, x: torch.Tensor, q0: int, k0: int, fill):
         """(.., b, w) → (.., rows, cols) block maxima on the global grid of f × f cells, and its corner."""
@@ -160,11 +193,18 @@ class PooledMap:
         return x.amax(dim=(-3, -1)), q0 // f, k0 // f
 
     def add(self, q0: int, probs: torch.Tensor, allow: torch.Tensor, k0: int = 0) -> None:
+        if self.values is None:
+            self.values = torch.full(self.shape, float("-inf"), device=probs.device)
+            self.seen = torch.zeros(self.shape[1:], dtype=torch.bool, device=probs.device)
         pooled, r, c = self._pool(probs.float(), q0, k0, float("-inf"))
         region = self.values[:, r:r + pooled.shape[1], c:c + pooled.shape[2]]
         torch.maximum(region, pooled, out=region)
-        seen, _, _ = self._pool(allow.to(torch.uint8)[None], q0, k0, 0)
+        seen, _, _ = self._pool(allow.to(probs.device, torch.uint8)[None], q0, k0, 0)
         self.seen[r:r + seen.shape[1], c:c + seen.shape[2]] |= seen[0].bool()
 
+    def tensor(self) -> torch.Tensor:
+        """The pooled maps in fp16, NaN where nothing was allowed, on the device of the blocks."""
+        return torch.where(self.seen, self.values, float("nan")).to(torch.float16)
+
     def result(self) -> np.ndarray:
-        return torch.where(self.seen, self.values, float("nan")).to(torch.float16).numpy()
+        return self.tensor().cpu().numpy()

@@ -18,7 +18,7 @@ import torch
 
 from . import arch as arch_mod
 from . import engine
-from .capture import Capture, _versions, tokenize
+from .capture import Capture, _versions, host_allowed, tokenize
 from .errors import InputError, ModelLoadError
 from .models import LoadedModel
 
@@ -176,7 +176,7 @@ def capture_seq2seq(loaded: LoadedModel, source: str, target: str | None = None,
         layers = sorted(run.probs)
         return Capture(text=text, tokens=tokens, token_ids=list(ids), arch=spec, layer_masks=layer_names,
                        layers=layers, kv_groups=_heads(run.probs),
-                       allowed={l: run.allowed[l][0, 0].cpu().numpy() for l in layers},
+                       allowed=host_allowed(run, layers),
                        probs={l: run.probs[l][0].numpy() for l in layers}, next_logprobs=next_logprobs,
                        query_tokens=query_tokens, timing=dict(timing),
                        meta={**meta, "attention": kind, "n_layers": len(layers)})

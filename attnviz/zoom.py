@@ -37,7 +37,8 @@ class Region:
 
 
 class _Crop:
-    """Engine block reducer keeping one rectangle of one layer's map."""
+    """Engine block reducer keeping one rectangle of one layer's map, on the layer's device until
+    :meth:`finish` copies it to the host once."""
 
     def __init__(self, queries: tuple[int, int], keys: tuple[int, int]):
         self.queries, self.keys = queries, keys
@@ -46,16 +47,16 @@ class _Crop:
     def add(self, layer, q0, probs, allow, n_q, k0=0, n_kv=None):
         (r0, r1), (c0, c1) = self.queries, self.keys
         if self.values is None:
-            self.values = np.zeros((probs.shape[1], r1 - r0, c1 - c0), dtype=np.float32)
-            self.allowed = np.zeros((r1 - r0, c1 - c0), dtype=bool)
+            self.values = torch.zeros((probs.shape[1], r1 - r0, c1 - c0), dtype=torch.float32, device=probs.device)
+            self.allowed = torch.zeros((r1 - r0, c1 - c0), dtype=torch.bool, device=probs.device)
         a, b = max(q0, r0), min(q0 + probs.shape[2], r1)
         c, d = max(k0, c0), min(k0 + probs.shape[3], c1)
         if a < b and c < d:
-            self.values[:, a - r0:b - r0, c - c0:d - c0] = probs[0, :, a - q0:b - q0, c - k0:d - k0].float().cpu().numpy()
-            self.allowed[a - r0:b - r0, c - c0:d - c0] = allow[0, 0, a - q0:b - q0, c - k0:d - k0].cpu().numpy()
+            self.values[:, a - r0:b - r0, c - c0:d - c0] = probs[0, :, a - q0:b - q0, c - k0:d - k0]
+            self.allowed[a - r0:b - r0, c - c0:d - c0] = allow[0, 0, a - q0:b - q0, c - k0:d - k0]
 
     def finish(self, layer):
-        return self.values, self.allowed
+        return self.values.cpu().numpy(), self.allowed.cpu().numpy()
 
 
 class _Done(Exception):

@@ -77,7 +77,8 @@ def perplexity_section() -> None:
     keys = [("eval", loaded.model_id, name, text if name == "sidebar" else "", a, window, max_tokens,
              settings.residual) for a in archs]
     if not all(jobs.cached(k) for k in keys) and not st.button("Compute perplexity", key="fx_ppl_run", type="primary"):
-        st.caption(f"{len(archs)} architecture(s) × up to {max_tokens} tokens; about 4 ms a token on a 2-core CPU.")
+        st.caption(f"{len(archs)} architecture(s) × up to {max_tokens} tokens; "
+                   f"{jobs.eta('eval', len(archs) * max_tokens)}.")
         return
     try:
         ids = token_ids(loaded, text, max_tokens)
@@ -85,8 +86,8 @@ def perplexity_section() -> None:
         st.error(str(err))
         return
     results = [jobs.run(key, f"Perplexity under {a}", lambda progress, a=a: evaluate(
-        loaded, ids, a, window=min(window, len(ids)), on_window=progress, residual=settings.residual))
-        for key, a in zip(keys, archs)]
+        loaded, ids, a, window=min(window, len(ids)), on_window=progress, residual=settings.residual),
+        units=len(ids)) for key, a in zip(keys, archs)]
     if all(results):
         fig = perplexity_bars(results)
         st.plotly_chart(fig, width="stretch", key="fx_ppl_chart")
@@ -120,11 +121,11 @@ def streaming_section() -> None:
         return
     keys = [("stream", loaded.model_id, picked[0], tuple(ids), archs[0], p.spec) for p in policies]
     if not all(jobs.cached(k) for k in keys) and not st.button("Stream", key="fx_st_run", type="primary"):
-        st.caption(f"{len(policies)} policies × {len(ids)} tokens, one token at a time: about "
-                   f"{len(policies) * len(ids) * 0.08:.0f} s on a 2-core CPU.")
+        st.caption(f"{len(policies)} policies × {len(ids)} tokens, one token at a time: "
+                   f"{jobs.eta('stream', len(policies) * len(ids))}.")
         return
     results = [jobs.run(key, f"Streaming {p.spec}", lambda progress, p=p: streaming.stream(
-        loaded, ids, p, archs[0], on_step=progress)) for key, p in zip(keys, policies)]
+        loaded, ids, p, archs[0], on_step=progress), units=len(ids)) for key, p in zip(keys, policies)]
     if all(results):
         fig = streaming_curves(results)
         st.plotly_chart(fig, width="stretch", key="fx_st_chart")

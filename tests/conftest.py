@@ -27,3 +27,15 @@ def default_model(model_cache):
     from attnviz import load
 
     return load("default")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` need a GPU: skipped, with the reason, on a machine without one."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)

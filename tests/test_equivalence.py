@@ -126,11 +126,8 @@ def test_stablemask_closed_form():
     mask = M.stablemask(gamma)
     pos = torch.arange(n)[None]
     run = engine.Run([mask], frozenset({0}), pos, torch.ones(1, n, dtype=torch.bool), storage_dtype=torch.float32)
-    token = engine._RUN.set(run)
-    try:
+    with engine.active(run):
         engine.attention(module, query, key, value, None, scaling=dim ** -0.5)
-    finally:
-        engine._RUN.reset(token)
     probs = run.probs[0][0]
     assert (torch.triu(probs, 1) == 0).all()
     scores = (query @ key.transpose(-1, -2))[0] * dim ** -0.5

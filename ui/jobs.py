@@ -13,6 +13,7 @@ from typing import Callable, Hashable, TypeVar
 
 import streamlit as st
 
+from attnviz import devices
 from attnviz.errors import AttnvizError
 from attnviz.lru import ByteLRU
 
@@ -60,10 +61,11 @@ def cached(key: Hashable):
 
 
 def run(key: Hashable, label: str, compute: Callable[[Callable[[int, int], None]], T],
-        store: ByteLRU | None = None) -> T | None:
+        store: ByteLRU | None = None, units: float | None = None) -> T | None:
     """``compute(progress)`` once per key; ``progress(done, total)`` moves a bar with elapsed time.
 
-    ``store`` is the LRU to keep results in (default: the pages' results cache). A run the user
+    ``store`` is the LRU to keep results in (default: the pages' results cache). ``units`` (tokens,
+    steps) lets :func:`eta` quote this machine's own time per unit for the key's kind (``key[0]``). A run the user
     abandons (new input, another page) stops at its next progress report, i.e. after the current
     layer: once a rerun is requested, Streamlit interrupts the script at its next ``st`` call, here
     ``bar.progress``; nothing half-done is stored. The server's log says where it stopped
@@ -91,11 +93,39 @@ def run(key: Hashable, label: str, compute: Callable[[Callable[[int, int], None]
         except AttnvizError as err:
             st.error(f"{label}: {err}")
             return None
+        except Exception as err:  # noqa: BLE001 - a device out-of-memory error in any computation
+            if not devices.is_out_of_memory(err):
+                raise
+            del err
+            devices.release()  # the device's cache goes back: the other sessions keep running
+            log.warning("out of memory in %s at %d/%d; device cache emptied", label, *reached)
+            st.error(f"{label}: the device ran out of memory; its cache has been emptied and nothing was kept. "
+                     "Try a shorter text, fewer layers or policies, or statistics only.")
+            return None
         except BaseException as stop:  # Streamlit's rerun/stop: the user moved on
             log.info("abandoned %s at %d/%d after %.1f s (%s)", label, *reached, time.perf_counter() - start,
                      type(stop).__name__)
             raise
         finally:
             bar.empty()
+        if units:
+            _rates[key[0] if isinstance(key, tuple) else key] = (time.perf_counter() - start) / units
         store.put(key, result)  # least recently used results leave first; one over the whole budget is not kept
         return result
+
+
+_rates: dict = {}  # the kind of computation (a key's first item) -> seconds per unit of its last run here
+
+
+def rate(kind: Hashable) -> float | None:
+    """Seconds per unit (token, step) that the last ``kind`` computation took on this server, None
+    before the first: pages quote this machine's own measurement, not a constant measured elsewhere."""
+    return _rates.get(kind)
+
+
+def eta(kind: Hashable, units: float, what: str = "a token") -> str:
+    """'about 12 s here (4 ms a token, measured on this server)', or what the first run will measure."""
+    per = rate(kind)
+    if per is None:
+        return f"the first run measures how long {what} takes on this machine"
+    return f"about {per * units:,.0f} s here ({per * 1000:,.1f} ms {what}, measured on this server)"

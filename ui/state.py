@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import streamlit as st
 
 from attnviz import arch as arch_mod
+from attnviz import devices
 from attnviz.capture import Capture, capture, estimate_bytes, tokenize
 from attnviz.errors import AttnvizError
 from attnviz.lru import ByteLRU
@@ -96,14 +97,15 @@ def _failed_models() -> dict:
     return {}
 
 
-def get_model(name: str, trust_remote_code: bool = False, wait: bool = True) -> LoadedModel | None:
+def get_model(name: str, trust_remote_code: bool = False, wait: bool = True,
+              device_map: str | None = None) -> LoadedModel | None:
     """The loaded model, shared by all sessions; shows progress on first load and errors in the page.
 
     A failed load is remembered for that name (every rerun would otherwise look it up again, ~24 s
     each where the Hub cannot be reached) until the user presses Retry. ``wait=False`` returns the
     model only if it is already loaded: pages that need none never wait for one.
     """
-    key = (name, trust_remote_code)
+    key = (name, trust_remote_code) if device_map is None else (name, trust_remote_code, device_map)
     store, failed = _models(), _failed_models()
     if key in store:
         return store[key]
@@ -126,7 +128,8 @@ def get_model(name: str, trust_remote_code: bool = False, wait: bool = True) -> 
         try:
             with st.status(f"Loading model {name} …", expanded=False) as status:
                 start = time.perf_counter()
-                loaded = load(name, trust_remote_code=trust_remote_code, progress=status.write)
+                loaded = load(name, trust_remote_code=trust_remote_code, device_map=device_map,
+                              progress=status.write)
                 status.update(label=f"Loaded {loaded.model_id} in {time.perf_counter() - start:.1f} s",
                               state="complete")
         except AttnvizError as err:
@@ -140,7 +143,8 @@ def get_model(name: str, trust_remote_code: bool = False, wait: bool = True) -> 
 
 def models_bytes() -> int:
     """What the loaded models' weights take: they count against the memory budget."""
-    return sum(sum(p.numel() * p.element_size() for p in m.model.parameters()) for m in list(_models().values()))
+    return sum(sum(p.numel() * p.element_size() for p in m.model.parameters() if p.device.type == "cpu")
+               for m in list(_models().values()))
 
 
 def captures_left() -> int:
@@ -332,12 +336,18 @@ def sidebar(needs_model: bool = True) -> tuple[Settings, LoadedModel | None]:
                               help="'default' (SmolLM2-135M-Instruct, offline), a Hugging Face id or a local path")
         trust = st.toggle("trust remote code", False, key="trust_remote_code",
                           help="Only for models you trust: runs the model repository's own Python code")
+        spread = st.selectbox("Device map", ["none", "auto"], key="device_map",
+                              help="'auto' spreads a model larger than one GPU over the GPUs, the CPU and disk "
+                                   "(accelerate); attnviz keeps each layer's statistics on that layer's device")
         example = st.selectbox("Example text", list(EXAMPLES), key="example")
         if st.session_state.get("_example_shown") != example:
             st.session_state["text"] = EXAMPLES[example]
             st.session_state["_example_shown"] = example
         text = st.text_area("Text", key="text", height=150)
-        loaded = get_model(model.strip() or DEFAULT, trust, wait=needs_model)
+        loaded = get_model(model.strip() or DEFAULT, trust, wait=needs_model,
+                           device_map=None if spread == "none" else spread)
+        if loaded is not None:
+            st.caption(f"runs on `{devices.describe(loaded.model)}` · statistics in float32")
         n_layers = loaded.n_layers if loaded else 30
         spec = _arch_controls(n_layers)
         variant = st.selectbox("Residual variant (seed 003)", ["none", *METHODS], key="residual",

@@ -1,0 +1,125 @@
+"""Where attention runs (SPEC §15): block sizes from free device memory, host copies of finished
+results, and out-of-memory errors a page or the CLI can explain.
+
+Every statistic is computed on the device of the layer that produced the probabilities, in float32;
+only finished results cross to the host. This module holds the few decisions that depend on the
+kind of device, so the engine and the reducers stay device-agnostic: nothing here creates a
+tensor on the CPU behind a caller's back.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from .errors import AttnvizError
+
+MB = 2**20
+CPU_BLOCK_BYTES = 64 * MB  # fp32 scores of one query block on the CPU (issue 8: measured, O(block x n))
+# On an accelerator a block's working set is about four fp32 copies of its scores (scores/probs, the
+# entropy's temporary, the pooled copy, the cast for P·V); a sixteenth of free memory per block keeps it
+# near a quarter of what is free, and 512 MB caps it where more only adds memory (the matmuls are long
+# saturated by then).
+DEVICE_BLOCK_SHARE = 16
+DEVICE_BLOCK_MAX = 512 * MB
+
+
+class DeviceMemoryError(AttnvizError):
+    """The device ran out of memory during a capture: its cache has been emptied, nothing is kept."""
+
+
+def device_of(x) -> torch.device:
+    return x.device if isinstance(x, torch.Tensor) else torch.device(x)
+
+
+def mb(n: int) -> str:
+    return f"{n / MB:,.0f} MB"
+
+
+def free_bytes(device) -> int | None:
+    """Free memory of an accelerator (``torch.cuda.mem_get_info``); None for the CPU and meta, whose
+    captures the host memory budget bounds. ``ATTNVIZ_DEVICE_MB`` caps it on any device: headroom
+    kept for other processes on a shared GPU, and how the tests give the CPU a small device budget."""
+    device = torch.device(device)
+    cap = os.environ.get("ATTNVIZ_DEVICE_MB")
+    if cap:
+        return int(float(cap) * MB)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return None
+
+
+def block_bytes(device) -> int:
+    """fp32 bytes of one query block's scores: ``ATTNVIZ_BLOCK_MB`` when set, else 64 MB on the CPU
+    and a share of free memory on a GPU."""
+    if os.environ.get("ATTNVIZ_BLOCK_MB"):
+        return max(1, int(float(os.environ["ATTNVIZ_BLOCK_MB"]) * MB))
+    free = free_bytes(device)
+    if free is None or torch.device(device).type == "cpu":
+        return CPU_BLOCK_BYTES
+    return int(min(DEVICE_BLOCK_MAX, max(CPU_BLOCK_BYTES // 4, free // DEVICE_BLOCK_SHARE)))
+
+
+def host_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros on the host for results coming from ``device``: pinned when that is a GPU, so the copy
+    is one asynchronous DMA instead of a staged one."""
+    pinned = torch.device(device).type == "cuda"
+    return torch.zeros(shape, dtype=dtype, pin_memory=pinned)
+
+
+def synchronize(device) -> None:
+    """Wait for a GPU's queued work (host copies made with ``non_blocking``); nothing on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def to_host(values: dict) -> dict:
+    """Finished per-layer results (tensors on any device) as numpy arrays, once per layer."""
+    return {k: v.cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """A device out-of-memory error (``torch.OutOfMemoryError``, or its message from another backend)."""
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def release() -> None:
+    """Give back what a failed capture held: Python garbage first, then the GPU's cached blocks."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def describe(model) -> str:
+    """'cuda:0 · bfloat16' or 'cpu · float32'; several devices under a device map are listed."""
+    devices = sorted({str(p.device) for p in model.parameters()})
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    return f"{' + '.join(devices)} · {dtype}"
+
+
+def as_numpy(x) -> np.ndarray:
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+@contextmanager
+def out_of_memory_explained(what: str):
+    """Turn a device out-of-memory error inside the block into a :class:`DeviceMemoryError` that says
+    what to do, after emptying the device's cache, so the process (a server's other sessions
+    included) goes on with its memory back."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - only out-of-memory errors are translated
+        if not is_out_of_memory(err):
+            raise
+        del err
+        release()
+        raise DeviceMemoryError(
+            f"the device ran out of memory during {what}; its cache has been emptied. Try a shorter text, "
+            "fewer recorded layers, statistics only (a lower full-maps size), or a smaller block size "
+            "(ATTNVIZ_BLOCK_MB)") from None

@@ -1,0 +1,78 @@
+"""CUDA code paths (issue 14, SPEC §15), marked ``cuda``: skipped on a machine without a GPU (see
+conftest.py), run where there is one. Stock eager ``output_attentions`` is the reference on the GPU
+itself, and every GPU result is also compared with the same capture on the CPU."""
+
+import numpy as np
+import pytest
+import torch
+
+from attnviz import engine, zoom
+from attnviz.arch import parse
+from attnviz.capture import capture
+
+from tiny import ARCHS, CharTokenizer, build, loaded
+
+pytestmark = pytest.mark.cuda
+N = 40
+TEXT = "The keeper lit the lamp, and the ships passed the rocks all night long; " * 3  # 228 tokens
+MASKS = ["fwd", "back*3", "bidir*3", "nosink-fwd*3", "mask0-bidir(k=2)", "mask0&bidir(k=2, k0=1)", "sliding(w=5)*3",
+         "stablemask(gamma=0.5)", "stablemask(slopes=alibi, T=512)"]
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # SPEC §15
+
+
+def _ids(n=N):
+    return torch.randint(3, 90, (1, n), generator=torch.Generator().manual_seed(1))
+
+
+def _on(kind, device, dtype):
+    lm = loaded(kind)
+    lm.model.to(device, dtype)
+    return lm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ARCHS)
+def test_fwd_equals_stock_eager_on_cuda(kind, dtype):
+    stock = build(kind, "eager").to("cuda", dtype)
+    ours = build(kind, "eager").to("cuda", dtype)
+    ids = _ids().cuda()
+    with torch.no_grad():
+        ref = stock(input_ids=ids, output_attentions=True)
+    _, run = engine.forward(ours, ids, list(parse("fwd", 3).layers), storage_dtype=torch.float32)
+    for layer, ref_probs in enumerate(ref.attentions):
+        assert (run.probs[layer] - ref_probs.float().cpu()).abs().max().item() <= TOL[dtype], f"layer {layer}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("spec", MASKS)
+def test_every_mask_type_gives_the_cpu_maps_on_cuda(spec, dtype):
+    cpu = capture(_on("llama", "cpu", torch.float32), TEXT, spec, storage_dtype=torch.float32)
+    gpu = capture(_on("llama", "cuda", dtype), TEXT, spec, storage_dtype=torch.float32)
+    for layer in cpu.layers:
+        np.testing.assert_allclose(gpu.layer_probs(layer), cpu.layer_probs(layer), atol=TOL[dtype])
+        np.testing.assert_array_equal(gpu.allowed[layer], cpu.allowed[layer])
+
+
+@pytest.mark.parametrize("spec", MASKS)
+def test_long_mode_statistics_and_pooled_maps_on_cuda_equal_the_cpu(spec):
+    options = dict(reduce=True, pool=24, value_norms=True, scores=True, block_bytes=4 * 4 * len(TEXT) * 7)
+    cpu = capture(_on("llama", "cpu", torch.float32), TEXT, spec, **options)
+    gpu = capture(_on("llama", "cuda", torch.float32), TEXT, spec, **options)
+    for layer in cpu.layers:
+        for name, value in cpu.stats[layer].items():
+            np.testing.assert_allclose(gpu.stats[layer][name].astype(np.float32), value.astype(np.float32),
+                                       atol=1e-4, rtol=2e-3, equal_nan=True, err_msg=f"{name} L{layer}")
+
+
+@pytest.mark.parametrize("spec", ["fwd", "stablemask(gamma=0.5)", "mask0-bidir(k=2)"])
+def test_regions_on_cuda_equal_the_cpu(spec):
+    cpu = zoom.region(_on("llama", "cpu", torch.float32), TEXT, spec, 1, (150, 228), (3, 70))
+    gpu = zoom.region(_on("llama", "cuda", torch.float32), TEXT, spec, 1, (150, 228), (3, 70))
+    np.testing.assert_allclose(gpu.values, cpu.values, atol=1e-4)
+    np.testing.assert_array_equal(gpu.allowed, cpu.allowed)
+
+
+def test_full_maps_come_back_through_pinned_memory():
+    lm = _on("llama", "cuda", torch.float32)
+    _, run = engine.forward(lm.model, torch.tensor([CharTokenizer()(TEXT)["input_ids"]]), list(parse("fwd", 3).layers))
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in run.probs.values())

@@ -1,0 +1,128 @@
+"""SPEC §15 / issue 14 §1: reducers keep their state on the device of the probabilities they are fed.
+
+This machine has no GPU, so placement is proven on PyTorch's ``meta`` device: a meta tensor has a
+shape and a device but no data, and an operation that mixes it with a CPU tensor fails. A reducer
+that created any state on the CPU behind its caller's back (the crash seen on CUDA) fails here too.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from attnviz import devices, engine, metrics
+from attnviz import masks as M
+from attnviz.reduce import LayerSummary, PooledMap, Summaries
+from attnviz.zoom import _Crop
+
+META = torch.device("meta")
+H, N = 3, 10
+
+
+def _tensors(obj):
+    return {name: value for name, value in vars(obj).items() if isinstance(value, torch.Tensor)}
+
+
+def _blocks(n=N, rows=4, device=META):
+    """(q0, k0, probs (1, H, b, w), allow (1, 1, b, w)) blocks of a causal layer, keys narrowed per block."""
+    for q0 in range(0, n, rows):
+        q1 = min(q0 + rows, n)
+        k0, k1 = (1 if q0 else 0), q1
+        yield q0, k0, torch.rand(1, H, q1 - q0, k1 - k0, device=device), \
+            torch.ones(1, 1, q1 - q0, k1 - k0, dtype=torch.bool, device=device)
+
+
+def test_summaries_keep_every_state_on_the_meta_device():
+    tokens = ["<s>", "a", ",", "b", "\n", "c", ".", "d", "e", "f"]
+    summaries = Summaries(tokens, pool=4)
+    norms = torch.rand(1, H, N, device=META)
+    for q0, k0, probs, allow in _blocks():
+        summaries.add(7, q0, probs, allow, n_q=N, k0=k0, n_kv=N, value_norms=norms)
+        summaries.add_scores(7, q0, probs, allow, N, N, k0)
+    layer = summaries.layers[7]
+    state = _tensors(layer)
+    assert {"masked_sum", "plain_sum", "counts", "self_seen", "key0", "entropy", "discarded", "allocation",
+            "delim"} <= set(state)
+    assert all(t.device == META for t in state.values()), {k: t.device for k, t in state.items()}
+    for pooled in (summaries.pooled[7], summaries.pooled_value[7], summaries.pooled_scores[7]):
+        assert pooled.values.device == META and pooled.seen.device == META
+        assert pooled.tensor().device == META
+    results = layer.tensors()
+    assert all(v.device == META and v.dtype == torch.float32 for v in results.values())
+    assert results["allocation"].shape == (H, N, len(metrics.ALLOCATION_PARTS))
+
+
+def test_a_region_crop_stays_on_the_meta_device():
+    crop = _Crop((2, 7), (0, 5))
+    for q0, k0, probs, allow in _blocks():
+        crop.add(0, q0, probs, allow, N, k0)
+    assert crop.values.device == META and crop.allowed.device == META
+
+
+@pytest.mark.parametrize("mask", [M.stablemask(0.5), M.stablemask(slopes="alibi", T=32), M.fwd()],
+                         ids=["stablemask", "sm-i", "fwd"])
+def test_block_probabilities_of_every_mask_kind_run_on_the_meta_device(mask):
+    """The StableMask pseudo-logits and SM-I's extra logit are built on the queries' device (they
+    were built on the CPU, which crashed on CUDA); so is a learned sink logit (gpt-oss)."""
+    pos = torch.arange(N)[None]
+    run = engine.Run([mask], frozenset({0}), pos, torch.ones(1, N, dtype=torch.bool))
+    q, k = torch.rand(1, H, N, 8, device=META), torch.rand(1, 1, N, 8, device=META)
+    allow = torch.ones(1, 1, N, N, dtype=torch.bool, device=META)
+    probs = engine._block_probs(run, 0, mask, q, k, 0.35, allow, None, None,
+                                torch.zeros(H, device=META), pos.to(META), pos.to(META), 0)
+    assert probs.device == META and probs.shape == (1, H, N, N) and probs.dtype == torch.float32
+
+
+def test_full_maps_are_written_on_the_host_from_any_device():
+    maps = engine.FullMaps((1, H, N, N), torch.float16, torch.device("cpu"))
+    block = torch.rand(1, H, 4, 6)
+    maps.put(4, 2, block)
+    maps.finish()
+    host = maps.host()
+    assert host.device.type == "cpu" and host.dtype == torch.float16
+    torch.testing.assert_close(host[:, :, 4:8, 2:8], block.half())
+    assert host[:, :, :4].abs().sum() == 0
+
+
+def test_block_key_ranges_are_read_back_once_and_match_the_allow_set():
+    allow = torch.ones(N, N, dtype=torch.bool).tril().triu(-2)[None, None]  # a causal window of 3
+    allow[0, 0, 9] = False  # a row that sees nothing: its block still gets a valid range
+    ranges = engine._block_ranges(allow, 4).tolist()
+    for (k0, k1), q0 in zip(ranges, range(0, N, 4)):
+        cols = allow[0, 0, q0:q0 + 4].any(0).nonzero().flatten().tolist()
+        assert (k0, k1) == (cols[0], cols[-1] + 1)
+    assert engine._block_ranges(torch.zeros(1, 1, 4, N, dtype=torch.bool), 4).tolist() == [[0, N]]
+
+
+def test_streamed_statistics_equal_the_definitions_in_blocks_that_start_past_key_0():
+    """The sync-free diagonal (plain slices instead of boolean indexing) against SPEC §6 in numpy."""
+    torch.manual_seed(1)
+    allowed = np.tril(np.ones((N, N), bool))
+    scores = torch.randn(H, N, N).masked_fill(~torch.from_numpy(allowed), float("-inf"))
+    probs = torch.softmax(scores, -1)
+    tokens = ["<s>", "a", ",", "b", "\n", "c", ".", "d", "e", "f"]
+    summary = LayerSummary(H, N, N, tokens)
+    for q0 in range(0, N, 3):  # blocks of 3 rows, each with only the keys up to its last row
+        q1 = min(q0 + 3, N)
+        summary.add(q0, probs[:, q0:q1, :q1], torch.from_numpy(allowed[q0:q1, :q1]), 0, zero_outside=True)
+    out = summary.result()
+    p = probs.numpy()
+    np.testing.assert_allclose(out["alpha"], metrics.alpha(p, allowed), atol=1e-6, equal_nan=True)
+    np.testing.assert_allclose(out["entropy"], metrics.entropy(p, allowed, normalised=True), atol=1e-5)
+    np.testing.assert_allclose(out["allocation"], metrics.allocation(p, tokens), atol=1e-6)
+
+
+def test_delimiter_flags_once_per_text():
+    tokens = ["<s>", ",", " ", "word", "\n\n", "!?", ",", "x."]
+    flags = metrics.delimiter_flags(tokens)
+    assert flags.tolist() == [0, 1, 1, 0, 1, 1, 1, 0]
+    assert metrics.delimiter_flags([",", ","]).tolist() == [0, 1]  # the first token counts as first
+
+
+def test_block_size_follows_the_device():
+    assert devices.block_bytes("cpu") == devices.CPU_BLOCK_BYTES
+    assert devices.free_bytes("cpu") is None and devices.free_bytes(META) is None
+
+
+def test_block_size_from_the_environment(monkeypatch):
+    monkeypatch.setenv("ATTNVIZ_BLOCK_MB", "2")
+    assert devices.block_bytes("cpu") == 2 * devices.MB
