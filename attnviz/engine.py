@@ -23,8 +23,9 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from . import devices
+from . import devices, kernels
 from .masks import Mask, keep_self_if_empty
+from .reduce import pool_factor
 from .errors import InputError, ModelLoadError
 
 KEY = "attnviz"
@@ -105,6 +106,20 @@ class Run:
         key = ("ranges", id(allow), rows)
         if key not in self._allow_cache:
             self._allow_cache[key] = [tuple(r) for r in _block_ranges(allow, rows).tolist()]
+        return self._allow_cache[key]
+
+    def key_range_tensor(self, allow: torch.Tensor, rows: int) -> torch.Tensor:
+        """The (blocks, 2) key ranges of :meth:`key_ranges`, left on the device (the fused kernel reads them)."""
+        key = ("range tensor", id(allow), rows)
+        if key not in self._allow_cache:
+            self._allow_cache[key] = _block_ranges(allow, rows).to(torch.int32)
+        return self._allow_cache[key]
+
+    def allow_bytes(self, allow: torch.Tensor) -> torch.Tensor:
+        """A (B, 1, n_q, n_kv) allow-set as one uint8 (n_q, n_kv) matrix, made once per mask."""
+        key = ("bytes", id(allow))
+        if key not in self._allow_cache:
+            self._allow_cache[key] = allow[0, 0].to(torch.uint8).contiguous()
         return self._allow_cache[key]
 
     def valid_on(self, device) -> torch.Tensor:
@@ -203,6 +218,10 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     kv_pos = run.positions[:, -n_kv:].to(query.device)
     q_pos = run.query_positions(n_q, query.device)
     streamed = recorded and hasattr(run.reducer, "add")  # a block reducer: statistics without full maps
+    if (streamed and hasattr(run.reducer, "add_fused") and batch == 1 and mask.stable is None and softcap is None
+            and s_aux is None and bias is None and not run.keep_graph and not torch.is_grad_enabled()
+            and kernels.wanted(query.device)):
+        return _fused_layer(run, layer, mask, query, key, value, allow, scaling, sliding_window)
     rows = n_q if run.keep_graph or torch.is_grad_enabled() or (recorded and run.reducer is not None and not streamed) \
         else run.block_rows(batch * n_heads * n_kv, query.device)
     maps = scores_out = None
@@ -216,9 +235,15 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     narrow = (mask.stable is None and not (run.record_scores and not streamed) and not run.keep_graph
               and (streamed or run.reducer is None))
     ranges = run.key_ranges(layer, allow, rows, narrow)  # every block's key range, one host sync per mask
+    # A reducer may need only some rows of a layer whose output nobody reads (a region: the forward
+    # stops after its layer): the other blocks are skipped, their output left zero.
+    only = getattr(run.reducer, "only_rows", None) if streamed else None
     outs = []
     for q0, (k0, k1) in zip(range(0, n_q, rows), ranges):
         q1 = min(q0 + rows, n_q)
+        if only is not None and (q1 <= only[0] or q0 >= only[1]):
+            outs.append(query.new_zeros(batch, n_heads, q1 - q0, value.shape[-1]))
+            continue
         block_allow = allow[:, :, q0:q1, k0:k1]
         probs = _block_probs(run, layer, mask, query[:, :, q0:q1], key[:, :, k0:k1], scaling, block_allow,
                              None if bias is None else bias[:, :, q0:q1, k0:k1], softcap, s_aux, q_pos[:, q0:q1],
@@ -244,6 +269,32 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     if recorded:
         run.allowed[layer] = allow
     return run.finish(layer, outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))
+
+
+def _fused_layer(run: Run, layer: int, mask: Mask, query, key, value, allow, scaling: float, sliding_window):
+    """A recorded layer of a statistics capture by the fused route (:mod:`attnviz.kernels`): the
+    Triton kernel computes its statistics and pooled maps from Q and K, SDPA its output."""
+    batch, n_heads, n_q, _ = query.shape
+    n_kv, group = key.shape[2], n_heads // key.shape[1]
+    reducer = run.reducer
+    allow_2d = allow[0, 0]
+    ranges = run.key_range_tensor(allow, kernels.BLOCK_M)
+    factor = pooled_shape = None
+    if reducer.pool:
+        factor = pool_factor(max(n_q, n_kv), reducer.pool)
+        pooled_shape = (-(-n_q // factor), -(-n_kv // factor))
+    delim = reducer.delim if reducer.delim is not None else torch.zeros(n_kv)
+    raw = kernels.layer_statistics(query[0], key[0], run.allow_bytes(allow), ranges, scaling, delim[-n_kv:],
+                                   factor, pooled_shape, run.value_norms[layer][0] if layer in run.value_norms else None,
+                                   scores=run.record_scores)
+    reducer.add_fused(layer, raw, allow_2d, n_q, n_kv)
+    if mask.name == "fwd" and not sliding_window and n_q == n_kv and run.unpadded:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=allow, scale=scaling, enable_gqa=group > 1)
+    run.reduced[layer] = reducer.finish(layer)
+    run.allowed[layer] = allow
+    return run.finish(layer, out)
 
 
 class FullMaps:

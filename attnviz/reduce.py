@@ -58,7 +58,7 @@ class LayerSummary:
         probs = probs.float()
         allow = allow.to(probs.device)
         b, w = probs.shape[1], probs.shape[2]
-        rows, cols = slice(q0, q0 + b), slice(k0, k0 + w)
+        cols = slice(k0, k0 + w)
         column = probs.sum(1)
         self.plain_sum[:, cols] += column
         self.masked_sum[:, cols] += column if zero_outside else (probs * allow).sum(1)
@@ -73,26 +73,49 @@ class LayerSummary:
             diag_p = torch.diagonal(probs[:, r_lo:r_hi, square], dim1=-2, dim2=-1)  # (H, r_hi - r_lo)
             diag_a = torch.diagonal(allow[r_lo:r_hi, square])
             self.self_seen[q0 + r_lo:q0 + r_hi] = diag_a.float()
-        if k0 == 0:
-            self.key0[:, rows] = torch.where(allow[:, 0][None, :], probs[:, :, 0], float("nan"))
-        rowsum = probs.sum(-1)
-        self.discarded[:, rows] = (1.0 - rowsum).clamp(min=0.0)
-        h = -torch.special.xlogy(probs, probs).sum(-1)
-        norm = torch.log(allow.sum(-1).clamp(min=1).float())[None, :]
-        self.entropy[:, rows] = torch.where(norm > 0, h / torch.where(norm > 0, norm, 1.0), 0.0)
-        if self.delim is not None:
-            diagonal = probs.new_zeros(probs.shape[0], b)
-            delim_q = probs.new_zeros(b)
-            if diag_p is not None:
-                diagonal[:, r_lo:r_hi] = diag_p
+        key0 = probs[:, :, 0] if k0 == 0 else None
+        diagonal = probs.new_zeros(probs.shape[0], b)
+        delim_q = probs.new_zeros(b)
+        if diag_p is not None:
+            diagonal[:, r_lo:r_hi] = diag_p
+            if self.delim is not None:
                 delim_q[r_lo:r_hi] = self.delim[q0 + r_lo:q0 + r_hi]
+        delim_sum = probs @ self.delim[cols] if self.delim is not None else None
+        self._rows(q0, allow[:, 0] if k0 == 0 else None, allow.sum(-1), probs.sum(-1),
+                   torch.special.xlogy(probs, probs).sum(-1), key0, diagonal, delim_sum, delim_q)
+
+    def _rows(self, q0: int, key0_allowed, allowed_count, rowsum, plogp, key0, diagonal, delim_sum, delim_q) -> None:
+        """Every per-query statistic of rows q0 .. q0 + b - 1 from their sums (H, b): row sum, Σ p log p,
+        p of key 0 (None when these rows' keys start past it), of the query's own key, and Σ p·delim.
+        One formula for the block engine and the fused kernel."""
+        rows = slice(q0, q0 + rowsum.shape[1])
+        if key0 is not None:
+            self.key0[:, rows] = torch.where(key0_allowed[None, :], key0, float("nan"))
+        self.discarded[:, rows] = (1.0 - rowsum).clamp(min=0.0)
+        norm = torch.log(allowed_count.clamp(min=1).float())[None, :]
+        self.entropy[:, rows] = torch.where(norm > 0, -plogp / torch.where(norm > 0, norm, 1.0), 0.0)
+        if self.delim is not None:
             if q0 == 0:
+                diagonal = diagonal.clone()
                 diagonal[:, 0] = 0.0  # query 0's own key is the first token
-            first = probs[:, :, 0] if k0 == 0 else probs.new_zeros(probs.shape[0], b)
-            delimiter = probs @ self.delim[cols] - diagonal * delim_q[None, :]
+            first = key0 if key0 is not None else torch.zeros_like(rowsum)
+            delimiter = delim_sum - diagonal * delim_q[None, :]
             other = rowsum - first - diagonal - delimiter
             self.allocation[:, rows] = torch.stack([first, delimiter, diagonal, other, (1.0 - rowsum).clamp(min=0.0)],
                                                    dim=-1)
+
+    def add_fused(self, raw: dict[str, torch.Tensor], allow: torch.Tensor) -> None:
+        """A whole layer from :func:`attnviz.kernels.layer_statistics`' sums and its (n_q, n_kv) allow-set."""
+        self._start(raw["rowsum"].device)
+        allow = allow.to(self.device)
+        self.plain_sum += raw["colsum"]
+        self.masked_sum += raw["colsum"]  # the kernel's probabilities are 0 wherever the mask forbids
+        self.counts += allow.sum(0)
+        n = min(self.n_q, self.n_kv)
+        self.self_seen[:n] = torch.diagonal(allow[:n, :n]).float()
+        delim_q = self.delim[:self.n_q] if self.delim is not None and self.n_q <= self.n_kv else None
+        self._rows(0, allow[:, 0], allow.sum(-1), raw["rowsum"], raw["plogp"], raw["key0"], raw["diag"],
+                   raw["delim"], delim_q)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The finished statistics, still on the layer's device."""
@@ -155,6 +178,18 @@ class Summaries:
                 norms = value_norms[0, :, k0:k0 + probs.shape[-1]].to(probs.device, torch.float32)
                 self.pooled_value[layer].add(q0, probs[0].float() * norms[:, None, :], allow[0, 0], k0)
 
+    def add_fused(self, layer: int, raw: dict[str, torch.Tensor], allow: torch.Tensor, n_q: int, n_kv: int) -> None:
+        """A whole layer at once from :func:`attnviz.kernels.layer_statistics` (the fused route) and its
+        (n_q, n_kv) allow-set: the same statistics and pooled maps as the blocks would give."""
+        heads = raw["rowsum"].shape[0]
+        self.layers[layer] = summary = LayerSummary(heads, n_q, n_kv, delim=self.delim)
+        summary.add_fused(raw, allow)
+        if self.pool:
+            for name, store in (("pooled", self.pooled), ("pooled_value", self.pooled_value),
+                                ("pooled_scores", self.pooled_scores)):
+                if name in raw:
+                    store[layer] = PooledMap(heads, n_q, n_kv, self.pool).set(raw[name], allow)
+
     def finish(self, layer: int) -> dict[str, np.ndarray]:
         out = self.layers.pop(layer).tensors()
         if self.pool:
@@ -165,6 +200,17 @@ class Summaries:
             if layer in self.pooled_scores:
                 out["pooled_scores"] = self.pooled_scores.pop(layer).tensor()
         return devices.to_host(out)
+
+
+def pool_factor(n: int, size: int) -> int:
+    """Tokens per pooled cell a side for ``n`` tokens and at most ``size`` cells: ceil(n / size),
+    rounded up to a power of two up to 16 and to a multiple of 16 above. The rounding lets the fused
+    kernel (:mod:`attnviz.kernels`) reduce each tile on a fixed grid before its atomic max; a map
+    keeps between size / 2 and size cells a side."""
+    f = max(1, -(-int(n) // int(size)))
+    if f <= 16:
+        return 1 << (f - 1).bit_length()
+    return -(-f // 16) * 16
 
 
 class PooledMap:
@@ -178,7 +224,7 @@ class PooledMap:
     """
 
     def __init__(self, n_heads: int, n_q: int, n_kv: int, size: int):
-        self.factor = f = max(1, -(-max(n_q, n_kv) // size))
+        self.factor = f = pool_factor(max(n_q, n_kv), size)
         self.shape = (n_heads, -(-n_q // f), -(-n_kv // f))
         self.values = self.seen = None  # created on the first block's device
 
@@ -201,6 +247,13 @@ class PooledMap:
         torch.maximum(region, pooled, out=region)
         seen, _, _ = self._pool(allow.to(probs.device, torch.uint8)[None], q0, k0, 0)
         self.seen[r:r + seen.shape[1], c:c + seen.shape[2]] |= seen[0].bool()
+
+    def set(self, values: torch.Tensor, allow: torch.Tensor) -> "PooledMap":
+        """The whole pooled grid at once (the fused kernel's), with the cells ``allow`` (n_q, n_kv) sees."""
+        self.values = values.float()
+        seen, _, _ = self._pool(allow.to(values.device, torch.uint8)[None], 0, 0, 0)
+        self.seen = seen[0].bool()
+        return self
 
     def tensor(self) -> torch.Tensor:
         """The pooled maps in fp16, NaN where nothing was allowed, on the device of the blocks."""

@@ -42,6 +42,7 @@ class _Crop:
 
     def __init__(self, queries: tuple[int, int], keys: tuple[int, int]):
         self.queries, self.keys = queries, keys
+        self.only_rows = queries  # the engine skips the layer's other query blocks: the forward stops after it
         self.values = self.allowed = None
 
     def add(self, layer, q0, probs, allow, n_q, k0=0, n_kv=None):

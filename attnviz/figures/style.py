@@ -88,10 +88,11 @@ def grey_under(fig: go.Figure, row: int, col: int) -> None:
                   opacity=1, line_width=0, layer="below", row=row, col=col)
 
 
-def max_pool(values: np.ndarray, size: int) -> np.ndarray:
+def max_pool(values: np.ndarray, size: int, factor: int | None = None) -> np.ndarray:
     """Max-pool a matrix to at most ``size`` a side, one factor for both axes so cells stay square
-    (NaN-aware: a block is NaN only if all are). Max, not mean: a sink column survives pooling."""
-    factor = int(np.ceil(max(values.shape) / size))
+    (NaN-aware: a block is NaN only if all are). Max, not mean: a sink column survives pooling.
+    ``factor`` sets the cells' side in entries (default: ceil of the longer side over ``size``)."""
+    factor = int(np.ceil(max(values.shape) / size)) if factor is None else int(factor)
     if factor <= 1:
         return values
     pads = [factor * int(np.ceil(n / factor)) - n for n in values.shape]

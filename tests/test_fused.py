@@ -1,0 +1,103 @@
+"""The fused statistics kernel (issue 14 §2, attnviz.kernels) in Triton's interpreter on the CPU:
+its sums against the definitions computed from the full probabilities, and a whole capture by the
+fused route against the block engine and SPEC §6."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first used: the kernel runs on the CPU
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from attnviz import engine, kernels, metrics  # noqa: E402
+from attnviz.arch import parse  # noqa: E402
+from attnviz.capture import capture  # noqa: E402
+from attnviz.figures.style import max_pool  # noqa: E402
+from attnviz.masks import keep_self_if_empty  # noqa: E402
+from attnviz.reduce import pool_factor  # noqa: E402
+
+from tiny import loaded  # noqa: E402
+
+N, H, H_KV, D = 75, 4, 2, 8
+TEXT = "The quick brown fox jumps over the lazy dog, again. " * 4  # 208 tokens, one per character
+SPECS = ["fwd", "back", "bidir", "nosink-fwd(m=2)", "sliding(w=9)", "global(w=5, g=2)"]
+
+
+def _reference(spec, seed=0):
+    torch.manual_seed(seed)
+    q, k = torch.randn(H, N, D), torch.randn(H_KV, N, D)
+    pos = torch.arange(N)
+    mask = parse(spec, 1).layers[0]
+    allow = keep_self_if_empty(mask.allow(pos[:, None], pos[None, :]))
+    scores = (q @ k.repeat_interleave(H // H_KV, 0).transpose(-1, -2)) * D ** -0.5
+    probs = torch.softmax(scores.masked_fill(~allow, float("-inf")), -1)
+    return q, k, allow, scores, probs
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_kernel_sums_equal_the_full_probabilities(spec):
+    q, k, allow, scores, probs = _reference(spec)
+    delim = torch.from_numpy((np.arange(N) % 7 == 3).astype(np.float32))
+    norms = torch.rand(H, N) + 0.5
+    f = pool_factor(N, 9)  # ceil(75 / 9) = 9 → 16: a multiple of the 16-cell granularity
+    shape = (-(-N // f), -(-N // f))
+    ranges = engine._block_ranges(allow[None, None], 16)
+    raw = kernels.layer_statistics(q, k, allow, ranges, D ** -0.5, delim, f, shape, norms, scores=True, block=(16, 16))
+    p = probs.double()
+    expected = {"rowsum": p.sum(-1), "plogp": torch.special.xlogy(p, p).sum(-1), "colsum": p.sum(1),
+                "diag": torch.diagonal(p, dim1=-2, dim2=-1), "key0": p[:, :, 0], "delim": p @ delim.double()}
+    for name, value in expected.items():
+        torch.testing.assert_close(raw[name].double(), value, atol=2e-6, rtol=1e-5, msg=name)
+    grid = allow.numpy()
+    for name, full in (("pooled", probs), ("pooled_value", probs * norms[:, None, :]), ("pooled_scores", scores)):
+        ref = np.stack([max_pool(np.where(grid, m, np.nan), 9, factor=f) for m in full.numpy()])
+        got = raw[name].numpy()
+        seen = ~np.isnan(ref)
+        np.testing.assert_allclose(got[seen], ref[seen], atol=1e-6, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("spec", ["fwd", "nosink-fwd*2 + bidir", "back*3", "sliding(w=9)*3", "mask0-bidir(k=1)"])
+def test_a_capture_by_the_fused_route_equals_the_block_engine(spec, monkeypatch):
+    lm = loaded("llama")
+    options = dict(reduce=True, pool=24, value_norms=True, scores=True)
+    monkeypatch.setenv("ATTNVIZ_FUSED", "0")
+    blocks = capture(lm, TEXT, spec, **options)
+    calls = []
+    real = kernels.layer_statistics
+    monkeypatch.setattr(kernels, "layer_statistics", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
+    fused = capture(lm, TEXT, spec, **options)
+    assert len(calls) == 3  # every layer took the fused route
+    np.testing.assert_allclose(fused.next_logprobs, blocks.next_logprobs, atol=1e-5)
+    for layer in range(3):
+        for name, value in blocks.stats[layer].items():  # pooled maps are kept in fp16: one ulp apart at most
+            np.testing.assert_allclose(fused.stats[layer][name].astype(np.float32), value.astype(np.float32),
+                                       atol=2e-5, rtol=1e-3 if name.startswith("pooled") else 1e-4, equal_nan=True,
+                                       err_msg=f"{name} L{layer}")
+    full = capture(lm, TEXT, spec, storage_dtype=torch.float32)
+    for layer in range(3):  # and the definitions themselves (SPEC §6)
+        a, allowed = full.layer_probs(layer), full.allowed[layer]
+        np.testing.assert_allclose(fused.stats[layer]["alpha"], metrics.alpha(a, allowed), atol=1e-5, equal_nan=True)
+        np.testing.assert_allclose(fused.stats[layer]["entropy"], metrics.entropy(a, allowed, normalised=True),
+                                   atol=1e-5)
+        np.testing.assert_allclose(fused.stats[layer]["allocation"], metrics.allocation(a, full.tokens), atol=1e-5)
+
+
+def test_masks_the_kernel_cannot_express_keep_the_block_engine(monkeypatch):
+    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
+    calls = []
+    real = kernels.layer_statistics
+    monkeypatch.setattr(kernels, "layer_statistics", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cap = capture(loaded("llama"), TEXT, "stablemask(gamma=0.5)", reduce=True, pool=24)
+    assert calls == [] and cap.stats[0]["discarded"].max() > 0  # pseudo-slots took mass: the block engine ran
+
+
+def test_pool_factor_rounding():
+    assert [pool_factor(n, 512) for n in (100, 512, 513, 2000, 4096, 8192, 8193, 30000, 32768)] == \
+        [1, 1, 2, 4, 8, 16, 32, 64, 64]
+    for n in (513, 8193, 30000, 32768, 100000):
+        f = pool_factor(n, 512)
+        assert 256 <= -(-n // f) <= 512 and f % kernels.granularity(f) == 0 and 64 % kernels.granularity(f) == 0
