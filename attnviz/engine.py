@@ -87,7 +87,7 @@ class Run:
 
     def block_rows(self, row_elements: int, device=None) -> int:
         """Query rows per block so that a block's fp32 scores stay within ``block_bytes`` (by default
-        64 MB on the CPU and a share of free memory on a GPU, read once per run and device)."""
+        16 MB on the CPU and a share of free memory on a GPU, read once per run and device)."""
         budget = self.block_bytes
         if budget is None:
             device = torch.device(device or "cpu")
@@ -490,7 +490,7 @@ def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] 
     ``record_scores`` / ``record_value_norms`` also keep, for recorded layers, the pre-softmax scores
     and the value-output norms (only when asked: they cost memory the default capture does not pay).
     Recorded layers compute their softmax in blocks of query rows whose fp32 scores take at most
-    ``block_bytes`` (default 64 MB); a reducer with ``add``/``finish`` (:mod:`attnviz.reduce`) is fed
+    ``block_bytes`` (default :func:`devices.block_bytes`); a reducer with ``add``/``finish`` (:mod:`attnviz.reduce`) is fed
     block by block, so no layer's full map ever exists. ``last_logits_only`` projects only the last
     position onto the vocabulary (``logits_to_keep=1``: 800 MB less at 4,096 tokens on a 49k vocabulary).
     """
