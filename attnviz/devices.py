@@ -98,7 +98,9 @@ def release() -> None:
 
 def describe(model) -> str:
     """'cuda:0 · bfloat16' or 'cpu · float32'; several devices under a device map are listed."""
-    devices = sorted({str(p.device) for p in model.parameters()})
+    placed = getattr(model, "hf_device_map", None)  # a device map: disk-offloaded weights sit on `meta`
+    devices = sorted({f"cuda:{d}" if isinstance(d, int) else str(d) for d in placed.values()} if placed
+                     else {str(p.device) for p in model.parameters()})
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     return f"{' + '.join(devices)} · {dtype}"
 

@@ -9,6 +9,19 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 sys.path.insert(0, str(Path(__file__).parent))
 
+
+def _interpret_triton_without_a_gpu() -> None:
+    """Triton kernels run in Triton's interpreter on a machine without a GPU (tests/test_fused.py). The
+    flag must be set before anything imports ``triton.language`` (some imports do, early), so it is
+    set here, first; on a GPU machine the kernels run compiled and tests/test_cuda.py covers them."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_interpret_triton_without_a_gpu()
+
 ENGLISH = ("The old lighthouse keeper climbed the narrow stairs every evening to light the lamp. "
            "Ships passing the rocky coast relied on its steady beam, and in fifty years he had never "
            "missed a single night, not even during the great storm of the winter.")

@@ -68,3 +68,11 @@ def test_cli_device_map_auto(model_dir):
     bad = subprocess.run([sys.executable, "-m", "attnviz", "sinks", "--model", str(model_dir), "--device-map",
                           "nowhere", "--text", TEXT], capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "device map" in bad.stderr
+
+
+def test_where_a_mapped_model_runs_is_said_in_one_line(model_dir, tmp_path):
+    from attnviz import devices
+
+    mapped = load(str(model_dir), device_map=MAP, offload_folder=tmp_path / "offload")
+    assert devices.describe(mapped.model) == "cpu + disk · float32"
+    assert devices.describe(load(str(model_dir)).model) == "cpu · float32"
