@@ -19,6 +19,7 @@ import torch
 
 from . import arch as arch_mod
 from . import devices, engine, metrics
+from . import interventions as interventions_mod
 from .errors import AttnvizError, InputError
 from .models import LoadedModel
 from .reduce import Summaries
@@ -253,11 +254,32 @@ def parse_layers(layers, n_layers: int) -> list[int]:
     return sorted(set(chosen))
 
 
-def tokenize(loaded: LoadedModel, text: str, max_tokens: int | None = None) -> tuple[list[int], list[str]]:
-    """Token ids and their display strings; refuses empty text and text over the limit."""
+def prefix_ids(loaded: LoadedModel, prepend: str | None) -> list[int]:
+    """The BOS control (SPEC §12): ``"bos"`` → the tokenizer's BOS token, any other string → its
+    tokens, None → nothing. Refused clearly when the tokenizer has no BOS token."""
+    if not prepend:
+        return []
+    if prepend == "bos":
+        bos = getattr(loaded.tokenizer, "bos_token_id", None)
+        if bos is None:
+            raise InputError(f"{loaded.model_id}'s tokenizer has no BOS token: prepend a token of your own (--prepend)")
+        return [int(bos)]
+    ids = loaded.tokenizer(prepend, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise InputError(f"'{prepend}' gives no token to prepend")
+    return list(ids)
+
+
+def tokenize(loaded: LoadedModel, text: str, max_tokens: int | None = None,
+             prepend: str | None = None) -> tuple[list[int], list[str]]:
+    """Token ids and their display strings; refuses empty text and text over the limit. ``prepend``:
+    the BOS control (:func:`prefix_ids`), added once (a text that already starts with it is left so)."""
     if not isinstance(text, str) or not text.strip():
         raise InputError("the text is empty: type or pick a text to capture")
     ids = loaded.tokenizer(text, add_special_tokens=True)["input_ids"]
+    prefix = prefix_ids(loaded, prepend)
+    if prefix and list(ids[:len(prefix)]) != prefix:
+        ids = prefix + list(ids)
     if len(ids) > loaded.max_tokens:
         raise InputError(
             f"the text is {len(ids)} tokens long but {loaded.model_id} takes at most {loaded.max_tokens}: shorten it"
@@ -368,7 +390,7 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
             hidden_states: bool = False, max_tokens: int | None = None, on_layer=None,
             scores: bool = False, value_norms: bool = False, activations: bool = False,
             qkv: bool = False, residual: str | None = None, block_bytes: int | None = None,
-            pool: int | None = None) -> Capture:
+            pool: int | None = None, intervene=None, prepend: str | None = None) -> Capture:
     """Run ``text`` through the model under ``arch`` and record attention.
 
     ``layers`` picks the recorded layers (the others run through SDPA); ``reduce=True`` keeps only
@@ -378,6 +400,8 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
     ``value_norms`` (||W_O^h v_j||), and the residual stream's ``activations`` (norms, top values).
     ``pool`` (with ``reduce``) also keeps each layer's maps max-pooled to at most ``pool`` cells a side:
     what a long text's heatmaps show (:meth:`Capture.layer_view`).
+    ``intervene`` is an intervention string (SPEC §12, :mod:`attnviz.interventions`), applied with any
+    mask; ``prepend`` the BOS control ("bos" or a token, :func:`prefix_ids`).
     ``residual`` runs a seed-003 variant (a fine-tuned directory's own variant when none is named);
     its layer loop has no hidden-state outputs, so ``hidden_states``/``activations`` are refused with it.
     """
@@ -390,8 +414,9 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
         raise InputError(f"hidden states are not recorded under the residual variant {variant.name}")
     started = time.perf_counter()
     architecture = arch_mod.resolve(arch, loaded.n_layers)
+    acts = interventions_mod.resolve(intervene, loaded.n_layers, loaded.n_heads)
     record = parse_layers(layers, loaded.n_layers)
-    ids, tokens = tokenize(loaded, text, max_tokens)
+    ids, tokens = tokenize(loaded, text, max_tokens, prepend)
     input_ids = torch.tensor([ids])
 
     reducer = Summaries(tokens, pool) if reduce else None  # statistics block by block, never a full map
@@ -410,7 +435,7 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
         block_bytes = devices.block_bytes(loaded.model.device) // 4
     options = dict(storage_dtype=storage_dtype, reducer=reducer, on_layer=on_layer, record_scores=scores,
                    **({} if block_bytes is None else {"block_bytes": block_bytes}),
-                   record_value_norms=value_norms, record_qkv=qkv)
+                   record_value_norms=value_norms, record_qkv=qkv, interventions=acts)
     with devices.out_of_memory_explained(f"a capture of {len(ids)} tokens, {len(record)} layers recorded"
                                          f"{' (statistics)' if reduce else ' (full maps)'}"):
         if variant is not None:  # its own layer loop: logits only, no hidden-state outputs
@@ -444,5 +469,6 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
               "storage_dtype": str(storage_dtype).replace("torch.", ""), "device": str(loaded.model.device),
               "n_layers": loaded.n_layers, "n_heads": loaded.n_heads, "n_kv_heads": loaded.n_kv_heads,
               **({"residual": variant.name} if variant is not None else {}),
+              **({"intervene": acts.spec} if acts else {}), **({"prepend": prepend} if prepend else {}),
               "versions": _versions()},
     )

@@ -83,6 +83,25 @@ def _load(args):
                 progress=lambda message: print(message, file=sys.stderr) if sys.stderr.isatty() else None)
 
 
+def _check_intervene(args) -> None:
+    """The intervention string's form, before a model is loaded (its layers and heads are checked
+    against the model once it is)."""
+    from . import interventions
+
+    interventions.parse(getattr(args, "intervene", None), 10**6, 10**6)
+
+
+def _intervene_json(args, loaded) -> dict:
+    from . import interventions
+
+    spec = interventions.parse(args.intervene, loaded.n_layers, loaded.n_heads).spec
+    return {"intervene": spec} if spec else {}
+
+
+def _prepend(args) -> str | None:
+    return "bos" if getattr(args, "bos", False) else getattr(args, "prepend", None)
+
+
 def _null(x: float):
     return None if math.isnan(x) else round(float(x), 6)
 
@@ -109,6 +128,7 @@ def sinks_report(capture, eps: float) -> dict:
         })
     return {"model": capture.meta["model"], "arch": capture.arch, "n_tokens": capture.n_tokens,
             **({"residual": capture.meta["residual"]} if capture.meta.get("residual") else {}),
+            **{key: capture.meta[key] for key in ("intervene", "prepend") if capture.meta.get(key)},
             "tokens": capture.tokens, "layers": layers}
 
 
@@ -120,8 +140,10 @@ def _sinks(args) -> dict:
     if args.corpus or args.per_doc or args.per_line:
         return _dataset_sinks(args)
     text = _text(args)
+    _check_intervene(args)
     loaded = _load(args)
-    return sinks_report(capture(loaded, text, args.arch, reduce=True, residual=args.residual), args.eps)
+    return sinks_report(capture(loaded, text, args.arch, reduce=True, residual=args.residual,
+                                intervene=args.intervene, prepend=_prepend(args)), args.eps)
 
 
 def _dataset_sinks(args) -> dict:
@@ -133,25 +155,32 @@ def _dataset_sinks(args) -> dict:
     if args.max_len < 2:
         raise AttnvizError(f"--max-len must be at least 2, got {args.max_len}")
     documents = _corpus(args).documents
+    _check_intervene(args)
+    if _prepend(args):
+        raise AttnvizError("--bos / --prepend are for one text; the dataset protocol takes the samples as they are")
     loaded = _load(args)
     bar, update = _progress(f"sinks {args.arch}")
     with bar:
         result = dataset.sinks(loaded, documents, args.arch, "line" if args.per_line else "doc", args.max_len,
-                               args.samples, on_progress=update)
-    return result.as_json(eps=args.eps)
+                               args.samples, on_progress=update, intervene=args.intervene)
+    return result.as_json(eps=args.eps) | _intervene_json(args, loaded)
 
 
 def _capture(args) -> dict:
     from .capture import capture
 
     text = _text(args)
+    _check_intervene(args)
     loaded = _load(args)
     if loaded.is_encoder_decoder or args.attention not in (None, "self"):
+        if args.intervene or _prepend(args):
+            raise AttnvizError("--intervene, --bos and --prepend are for decoder-only models")
         return _capture_seq2seq(args, loaded, text)
     result = capture(loaded, text, args.arch or "fwd", layers=args.layers, hidden_states=args.hidden,
-                     residual=args.residual)
+                     residual=args.residual, intervene=args.intervene, prepend=_prepend(args))
     path = result.save(args.out)
     return {"out": str(path), "model": result.meta["model"], "arch": result.arch,
+            **({"intervene": result.meta["intervene"]} if result.meta.get("intervene") else {}),
             "n_tokens": result.n_tokens, "layers": result.layers,
             "forward_s": round(result.timing["forward_s"], 4)}
 
@@ -180,13 +209,14 @@ def _eval(args) -> dict:
     from .evaluate import evaluate, token_ids
 
     text = _corpus(args).text
+    _check_intervene(args)
     loaded = _load(args)
     ids = token_ids(loaded, text, args.max_tokens)
     bar, update = _progress(f"eval {args.arch}")
     with bar:
         window = min(512, len(ids)) if args.window is None else args.window
         result = evaluate(loaded, ids, args.arch, window=window, stride=args.stride, on_window=update,
-                          residual=args.residual)
+                          residual=args.residual, intervene=args.intervene)
     return result.as_json()
 
 
@@ -218,6 +248,7 @@ def _stream(args) -> dict:
     if len(policies) > 1 and not args.compare:
         raise AttnvizError("several --policy values need --compare")
     text = _corpus(args).text
+    _check_intervene(args)
     loaded = _load(args)
     ids = token_ids(loaded, text, args.max_tokens)
     for policy in policies:  # every policy is checked before the first one runs
@@ -226,7 +257,7 @@ def _stream(args) -> dict:
     for policy in policies:
         bar, update = _progress(f"stream {policy.spec}")
         with bar:
-            results.append(stream(loaded, ids, policy, args.arch, on_step=update))
+            results.append(stream(loaded, ids, policy, args.arch, on_step=update, intervene=args.intervene))
     if not args.compare:
         return results[0].as_json()
     return {"model": loaded.model_id, "arch": results[0].arch, "tokens": results[0].tokens,
@@ -237,12 +268,14 @@ def _generate(args) -> dict:
     from .generate import generate
 
     text = _text(args)
+    _check_intervene(args)
     loaded = _load(args)
     bar, update = _progress("generate")
     with bar:
         result = generate(loaded, text, args.arch, args.policy, args.max_new_tokens, record=set(),
-                          on_step=update)
+                          on_step=update, intervene=args.intervene)
     return {"model": loaded.model_id, "arch": result.arch, "policy": result.policy, "text": result.text,
+            **_intervene_json(args, loaded),
             "new_ids": result.new_ids, "prompt_tokens": len(result.prompt_ids)}
 
 
@@ -319,8 +352,18 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="'stdlib' (Python's reference docs, offline) or 'stdlib:TOPIC'")
         source.add_argument("--text-file", help="read the text from this file (UTF-8)")
 
+    def intervene_args(p, bos: bool = False):  # SPEC §12: beside the architecture
+        p.add_argument("--intervene", default=None,
+                       help="interventions, e.g. 'sinkscale(beta=0.3)@20-29; ablate(heads=0,3)@5': sinklogit(b=B), "
+                            "sinkscale(key=K, beta=B), temperature(t=T), ablate(heads=..., how=zero|mean)")
+        if bos:
+            first = p.add_mutually_exclusive_group()
+            first.add_argument("--bos", action="store_true", help="prepend the tokenizer's BOS token to the text")
+            first.add_argument("--prepend", default=None, metavar="TOKEN", help="prepend this token to the text")
+
     sinks = sub.add_parser("sinks", help="attention-sink metrics of every layer and head, of a text or a dataset")
     model_args(sinks, corpus=True)
+    intervene_args(sinks, bos=True)
     sinks.add_argument("--eps", type=float, default=0.3, help="sink threshold on alpha (default 0.3)")
     sinks.add_argument("--residual", default=None, help="a seed-003 residual variant (method1 ... method4.2)")
     unit = sinks.add_mutually_exclusive_group()
@@ -331,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cap = sub.add_parser("capture", help="capture attention maps and save them (.npz)")
     model_args(cap)
+    intervene_args(cap, bos=True)
     cap.add_argument("--out", required=True, help="output file (.npz)")
     cap.add_argument("--layers", default=None, help="comma-separated layers to record (default: all)")
     cap.add_argument("--hidden", action="store_true", help="also keep hidden states")
@@ -343,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="perplexity and next-token accuracy (causal-compatible architectures)")
     model_args(ev, text=False)
+    intervene_args(ev)
     ev.add_argument("--window", type=int, default=None, help="window W in tokens (default 512, or the text if shorter)")
     ev.add_argument("--stride", type=int, default=None, help="stride S <= W (default W)")
     ev.add_argument("--max-tokens", type=int, default=4096, help="evaluate at most this many tokens (default 4096)")
@@ -371,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("stream", help="streaming perplexity with a KV cache under a cache policy (StreamingLLM)")
     model_args(st, text=False)
+    intervene_args(st)
     st.add_argument("--policy", action="append", help="dense | window(w=W) | sink(s=S, w=W); repeat with --compare")
     st.add_argument("--compare", action="store_true", help="run every --policy and print each running-perplexity curve")
     st.add_argument("--max-tokens", type=int, default=1000, help="stream at most this many tokens (default 1000)")
@@ -383,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="greedy generation with the KV cache under an architecture and a policy")
     model_args(gen)
+    intervene_args(gen)
     gen.add_argument("--policy", default="dense", help="dense | window(w=W) | sink(s=S, w=W)")
     gen.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate (1..128, default 20)")
     return parser

@@ -149,9 +149,13 @@ def _alpha(probs: torch.Tensor, allow: torch.Tensor) -> torch.Tensor:
 
 def sinks(loaded: LoadedModel, documents: Sequence[str], arch: str | arch_mod.Architecture = "fwd",
           unit: str = "doc", max_len: int = 64, n_samples: int | None = 100,
-          on_progress: Callable[[int, int], None] | None = None) -> DatasetSinks:
-    """Run every sample under ``arch`` in equal-length batches and keep alpha and map moments."""
+          on_progress: Callable[[int, int], None] | None = None, intervene=None) -> DatasetSinks:
+    """Run every sample under ``arch`` (and ``intervene``, SPEC §12) in equal-length batches and keep
+    alpha and map moments."""
+    from . import interventions as interventions_mod
+
     architecture = arch_mod.resolve(arch, loaded.n_layers)
+    acts = interventions_mod.resolve(intervene, loaded.n_layers, loaded.n_heads)
     ids, skipped = samples(loaded, documents, unit, max_len, n_samples)
     L, H = loaded.n_layers, loaded.n_heads
     alpha = np.full((len(ids), L, H, max_len), np.nan, dtype=np.float32)
@@ -179,7 +183,7 @@ def sinks(loaded: LoadedModel, documents: Sequence[str], arch: str | arch_mod.Ar
             return _alpha(probs, allow).cpu().numpy()
 
         _, run = engine.forward(loaded.model, torch.tensor([ids[i] for i in batch]), list(architecture.layers),
-                                reducer=reducer, storage_dtype=torch.float32)
+                                reducer=reducer, storage_dtype=torch.float32, interventions=acts)
         for layer, values in run.reduced.items():
             alpha[batch, layer, :, :n] = values
         done += len(batch)

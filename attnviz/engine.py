@@ -25,6 +25,7 @@ from transformers.masking_utils import sdpa_mask
 
 from . import devices, kernels
 from .masks import Mask, keep_self_if_empty
+from .interventions import NONE, Interventions
 from .reduce import pool_factor
 from .errors import InputError, ModelLoadError
 
@@ -52,6 +53,7 @@ class Run:
     record_qkv: bool = False  # keep the recorded layers' queries, keys and values (Linformer what-if)
     keep_graph: bool = False  # keep every layer's fp32 probabilities, autograd graph and all (residual variants)
     q_positions: torch.Tensor | None = None  # (B, n_q): query positions when queries are not the keys (cross-attention)
+    interventions: Interventions = NONE  # SPEC §12: applied by this attention function, never by patching the model
     probs: dict[int, torch.Tensor] = field(default_factory=dict)
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     value_norms: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -145,7 +147,10 @@ class Run:
         return self, module.layer_idx
 
     def finish(self, layer: int, out: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """Report progress and return the attention output in the layout the models expect."""
+        """Apply the layer's output interventions (ablation), report progress and return the attention
+        output in the layout the models expect."""
+        for intervention in self.interventions.at(layer):
+            out = intervention.output(out)
         if self.on_layer:
             self.on_layer(layer)
         return out.transpose(1, 2).contiguous(), None
@@ -197,8 +202,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     n_kv_heads, n_kv = key.shape[1], key.shape[2]
     group = n_heads // n_kv_heads
     scaling = dim ** -0.5 if scaling is None else scaling
+    acts = run.interventions.at(layer)
     explicit = (layer in run.record or run.keep_graph or mask.stable is not None or softcap is not None
-                or s_aux is not None)
+                or s_aux is not None or any(a.changes_probabilities for a in acts))
     if not explicit and mask.name == "fwd" and not sliding_window and n_q == n_kv and run.unpadded and bias is None:
         # plain causal: let SDPA pick its fused causal kernel instead of reading an n x n mask
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
@@ -220,7 +226,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     streamed = recorded and hasattr(run.reducer, "add")  # a block reducer: statistics without full maps
     if (streamed and hasattr(run.reducer, "add_fused") and batch == 1 and mask.stable is None and softcap is None
             and s_aux is None and bias is None and not run.keep_graph and not torch.is_grad_enabled()
-            and kernels.wanted(query.device)):
+            and not any(a.changes_probabilities for a in acts) and kernels.wanted(query.device)):
         return _fused_layer(run, layer, mask, query, key, value, allow, scaling, sliding_window)
     rows = n_q if run.keep_graph or torch.is_grad_enabled() or (recorded and run.reducer is not None and not streamed) \
         else run.block_rows(batch * n_heads * n_kv, query.device)
@@ -341,6 +347,11 @@ def _block_ranges(allow: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.stack([torch.where(none, 0, first), torch.where(none, n_kv, last)], dim=-1)
 
 
+def kv_pos_start(n_total) -> int:
+    """The block's first key index (``n_total`` = (queries, keys, first key) of :func:`_block_probs`)."""
+    return 0 if n_total is None else n_total[2]
+
+
 def _block_probs(run: Run, layer: int, mask: Mask, query, key, scaling, allow, bias, softcap, s_aux, q_pos, kv_pos,
                  q0: int, n_total: tuple[int, int, int] | None = None, scores_out: "FullMaps | None" = None
                  ) -> torch.Tensor:
@@ -357,6 +368,9 @@ def _block_probs(run: Run, layer: int, mask: Mask, query, key, scaling, allow, b
         scores = torch.tanh(scores / softcap) * softcap
     if bias is not None:
         scores = scores + bias.float()
+    acts = run.interventions.at(layer)
+    for intervention in acts:  # temperature: what the softmax sees (and what is recorded as its scores)
+        scores = intervention.scores(scores)
     if run.record_scores and layer in run.record:
         if scores_out is not None:  # full maps
             scores_out.put(q0, 0, scores)
@@ -374,6 +388,10 @@ def _block_probs(run: Run, layer: int, mask: Mask, query, key, scaling, allow, b
             extra.append(mask.inference_logits(q_pos, n_heads).to(query.device))
     if s_aux is not None:  # gpt-oss learned sink logit per head: an extra column, dropped after softmax
         extra.append(s_aux.float().reshape(1, -1, 1, 1).expand(batch, n_heads, n_q, 1))
+    for intervention in acts:  # sinklogit: one more logit B per row, dropped after the softmax
+        b = intervention.extra_logit()
+        if b is not None:
+            extra.append(scores.new_full((batch, n_heads, n_q, 1), float(b)))
     if extra:
         scores = torch.cat([scores, *extra], dim=-1)
         scores = scores - scores.amax(-1, keepdim=True)
@@ -385,6 +403,8 @@ def _block_probs(run: Run, layer: int, mask: Mask, query, key, scaling, allow, b
         probs = probs.div_(probs.sum(-1, keepdim=True))
     if mask.stable is not None and mask.horizon is None:  # zeroed after the softmax, not renormalised
         probs = probs * allow if probs.requires_grad else probs.mul_(allow)
+    for intervention in acts:  # sinkscale: after the softmax
+        probs = intervention.probabilities(probs, kv_pos_start(n_total))
     return probs
 
 
@@ -475,8 +495,10 @@ def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] 
             reducer=None, output_hidden_states: bool = False, on_layer=None,
             past_key_values=None, kv_positions: torch.Tensor | None = None, lm_head: bool = True,
             record_scores: bool = False, record_value_norms: bool = False, record_qkv: bool = False,
-            block_bytes: int | None = None, last_logits_only: bool = False):
-    """One forward pass under per-layer ``masks``; returns ``(model_output, run)``.
+            block_bytes: int | None = None, last_logits_only: bool = False,
+            interventions: Interventions = NONE):
+    """One forward pass under per-layer ``masks`` (and ``interventions``, SPEC §12); returns
+    ``(model_output, run)``.
 
     ``record`` is the set of layers whose probabilities are kept (default: all). With ``reducer``,
     ``reducer(layer, probs, allow)`` runs on each recorded layer's fp32 probabilities and only its
@@ -497,7 +519,8 @@ def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] 
     extra = {} if block_bytes is None else {"block_bytes": block_bytes}
     run = make_run(model, input_ids, masks, record, attention_mask, kv_positions, storage_dtype=storage_dtype,
                    reducer=reducer, on_layer=on_layer, record_scores=record_scores,
-                   record_value_norms=record_value_norms, record_qkv=record_qkv, **extra)
+                   record_value_norms=record_value_norms, record_qkv=record_qkv, interventions=interventions,
+                   **extra)
     cached = past_key_values is not None
     if cached != (kv_positions is not None):
         raise ValueError("a cached forward takes past_key_values and kv_positions together")

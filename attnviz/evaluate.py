@@ -36,6 +36,7 @@ class Evaluation:
     token_nll: np.ndarray = field(repr=False)  # per predicted token, in text order
     positions: np.ndarray = field(repr=False)  # the position each of them predicts
     residual: str | None = None  # the seed-003 variant, if any
+    intervene: str | None = None  # the interventions (SPEC §12), if any
 
     @property
     def perplexity(self) -> float:
@@ -44,7 +45,8 @@ class Evaluation:
     def as_json(self) -> dict:
         return {"model": self.model, "arch": self.arch, "perplexity": round(self.perplexity, 6),
                 "accuracy": round(self.accuracy, 6), "nll": round(self.nll, 6), "tokens": self.tokens,
-                "windows": self.windows} | ({"residual": self.residual} if self.residual else {})
+                "windows": self.windows} | ({"residual": self.residual} if self.residual else {}) \
+            | ({"intervene": self.intervene} if self.intervene else {})
 
 
 def token_ids(loaded: LoadedModel, text: str, max_tokens: int | None = None) -> list[int]:
@@ -84,16 +86,20 @@ def check_window(window: int, stride: int, n: int, loaded: LoadedModel) -> None:
 
 def evaluate(loaded: LoadedModel, text_or_ids: str | list[int], arch: str | arch_mod.Architecture = "fwd",
              window: int = DEFAULT_WINDOW, stride: int | None = None, max_tokens: int | None = DEFAULT_MAX_TOKENS,
-             on_window: Callable[[int, int], None] | None = None, residual: str | None = None) -> Evaluation:
+             on_window: Callable[[int, int], None] | None = None, residual: str | None = None,
+             intervene=None) -> Evaluation:
     """Perplexity, accuracy and mean NLL of a text (or token ids) under ``arch``.
 
     ``on_window(done, total)`` reports progress after each window. ``residual`` names a seed-003
-    variant (a fine-tuned directory's own variant is used when none is named).
+    variant (a fine-tuned directory's own variant is used when none is named). ``intervene``:
+    interventions (SPEC §12) applied throughout.
     """
+    from . import interventions as interventions_mod
     from . import residual as residual_mod
 
     variant = residual_mod.resolve(loaded, residual)
     architecture = arch_mod.resolve(arch, loaded.n_layers).require_causal("compute a perplexity")
+    acts = interventions_mod.resolve(intervene, loaded.n_layers, loaded.n_heads)
     ids = text_or_ids if isinstance(text_or_ids, list) else token_ids(loaded, text_or_ids, max_tokens)
     if len(ids) < 2:
         raise InputError(f"the text has {len(ids)} token(s); at least 2 are needed to predict one")
@@ -105,9 +111,11 @@ def evaluate(loaded: LoadedModel, text_or_ids: str | list[int], arch: str | arch
     for done, (start, end, first) in enumerate(spans, 1):
         if variant is not None:
             with torch.no_grad():
-                logits = residual_mod.forward(loaded.model, variant, all_ids[:, start:end], list(architecture.layers))[0]
+                logits = residual_mod.forward(loaded.model, variant, all_ids[:, start:end], list(architecture.layers),
+                                              interventions=acts)[0]
         else:
-            logits = engine.forward(loaded.model, all_ids[:, start:end], list(architecture.layers), record=set())[0].logits
+            logits = engine.forward(loaded.model, all_ids[:, start:end], list(architecture.layers), record=set(),
+                                    interventions=acts)[0].logits
         logprobs = torch.log_softmax(logits[0, first - 1 - start:end - 1 - start].float(), -1)
         targets = all_ids[0, first:end].to(logprobs.device)
         nlls.append(-logprobs.gather(-1, targets[:, None])[:, 0].cpu())
@@ -116,6 +124,7 @@ def evaluate(loaded: LoadedModel, text_or_ids: str | list[int], arch: str | arch
         if on_window:
             on_window(done, len(spans))
     token_nll = torch.cat(nlls).double().numpy()
-    return Evaluation(model=loaded.model_id, arch=architecture.spec, residual=variant.name if variant else None, nll=float(token_nll.mean()),
+    return Evaluation(model=loaded.model_id, arch=architecture.spec, residual=variant.name if variant else None,
+                      intervene=acts.spec or None, nll=float(token_nll.mean()),
                       accuracy=float(torch.cat(hits).float().mean()), tokens=int(token_nll.size),
                       windows=len(spans), token_nll=token_nll, positions=torch.cat(positions).numpy())

@@ -37,6 +37,10 @@ def describe(cap: Capture, layer: int | None = None, head: int | None = None, **
             "n_tokens": cap.n_tokens}
     if cap.meta.get("residual"):
         meta["residual"] = cap.meta["residual"]
+    if cap.meta.get("intervene"):  # SPEC §12: beside the architecture, everywhere it is
+        meta["intervene"] = cap.meta["intervene"]
+    if cap.meta.get("prepend"):
+        meta["prepend"] = cap.meta["prepend"]
     if cap.meta.get("attention"):  # encoder-decoder: which of the three kinds (attnviz.seq2seq)
         meta["attention"] = cap.meta["attention"]
         meta["encoder_arch"] = cap.meta.get("encoder_arch")
@@ -52,7 +56,7 @@ def describe(cap: Capture, layer: int | None = None, head: int | None = None, **
 def filename(meta: dict, ext: str) -> str:
     """e.g. ``attnviz_SmolLM2-135M_mask0-bidir-k-8_L29_h3.pdf``: safe on every file system."""
     parts = ["attnviz", str(meta.get("model", "model")).split(" ")[0], meta.get("attention", ""), meta.get("arch", ""),
-             meta.get("residual", "")]
+             meta.get("intervene", ""), meta.get("residual", "")]
     if "layer" in meta:
         parts.append(f"L{meta['layer']}")
     if "head" in meta:

@@ -64,7 +64,8 @@ def estimate_bytes(loaded: LoadedModel, n_steps: int, policy: Policy, n_layers: 
 
 def generate(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = "fwd",
              policy: Policy | str = "dense", max_new_tokens: int = 20, record: set[int] | None = None,
-             on_step: Callable[[int, int], None] | None = None, max_bytes: int | None = None) -> Generation:
+             on_step: Callable[[int, int], None] | None = None, max_bytes: int | None = None,
+             intervene=None) -> Generation:
     """Greedy continuation with the KV cache: the prompt is fed token by token under the policy too,
     so every row of the attention view (prompt and new tokens) is what the cache really held.
 
@@ -73,7 +74,8 @@ def generate(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture =
     if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
         raise InputError(f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS}, got {max_new_tokens}")
     ids, _ = tokenize(loaded, text, loaded.max_tokens - max_new_tokens)
-    decoder = CachedDecoder(loaded, arch, policy, record=set(range(loaded.n_layers)) if record is None else record)
+    decoder = CachedDecoder(loaded, arch, policy, record=set(range(loaded.n_layers)) if record is None else record,
+                            intervene=intervene)
     if max_bytes is not None:
         layers = len(decoder.record)
         need = estimate_bytes(loaded, len(ids) + max_new_tokens - 1, decoder.policy, layers)

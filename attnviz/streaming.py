@@ -110,10 +110,13 @@ class CachedDecoder:
     """Feeds tokens one at a time through a ``DynamicCache`` under an architecture and a policy."""
 
     def __init__(self, loaded: LoadedModel, arch: str | arch_mod.Architecture = "fwd",
-                 policy: Policy | str = "dense", record: set[int] | frozenset[int] = frozenset()):
+                 policy: Policy | str = "dense", record: set[int] | frozenset[int] = frozenset(), intervene=None):
+        from . import interventions as interventions_mod
+
         self.loaded = loaded
         self.architecture = arch_mod.resolve(arch, loaded.n_layers).require_causal("decode with a KV cache")
         self.policy = as_policy(policy).check(loaded)
+        self.interventions = interventions_mod.resolve(intervene, loaded.n_layers, loaded.n_heads)
         self.record = set(record)
         self.cache = DynamicCache()
         self.positions: list[int] = []  # the position each cache entry was encoded at
@@ -124,7 +127,7 @@ class CachedDecoder:
         kv = torch.tensor([self.positions + [position]])
         output, run = engine.forward(self.loaded.model, torch.tensor([[token]]), list(self.architecture.layers),
                                      record=self.record, storage_dtype=torch.float32,
-                                     past_key_values=self.cache, kv_positions=kv)
+                                     past_key_values=self.cache, kv_positions=kv, interventions=self.interventions)
         seen = kv[0].tolist()
         step = Step(token, position, torch.log_softmax(output.logits[0, -1].float(), -1), seen,
                     {layer: probs[0, :, 0].numpy() for layer, probs in run.probs.items()})
@@ -149,6 +152,7 @@ class StreamResult:
     arch: str
     token_nll: np.ndarray = field(repr=False)  # NLL of token t+1 given the cache after step t
     cache_size: int | None
+    intervene: str | None = None  # the interventions (SPEC §12), if any
 
     @property
     def tokens(self) -> int:
@@ -165,6 +169,8 @@ class StreamResult:
     def as_json(self, curve: bool = False) -> dict:
         doc = {"policy": self.policy, "arch": self.arch, "perplexity": round(self.perplexity, 6),
                "tokens": self.tokens, "cache_size": self.cache_size}
+        if self.intervene:
+            doc["intervene"] = self.intervene
         if curve:
             doc["running_perplexity"] = [round(float(x), 4) for x in self.running_perplexity()]
         return doc
@@ -172,7 +178,7 @@ class StreamResult:
 
 def stream(loaded: LoadedModel, ids: list[int], policy: Policy | str = "dense",
            arch: str | arch_mod.Architecture = "fwd",
-           on_step: Callable[[int, int], None] | None = None) -> StreamResult:
+           on_step: Callable[[int, int], None] | None = None, intervene=None) -> StreamResult:
     """Streaming perplexity of ``ids`` under a cache policy (StreamingLLM's protocol, SPEC §9)."""
     if len(ids) < 2:
         raise InputError(f"the text has {len(ids)} token(s); at least 2 are needed to predict one")
@@ -180,11 +186,12 @@ def stream(loaded: LoadedModel, ids: list[int], policy: Policy | str = "dense",
     if policy.kind == "dense" and len(ids) > loaded.max_tokens:
         raise InputError(f"the text is {len(ids)} tokens, longer than {loaded.model_id}'s context "
                          f"({loaded.max_tokens}): use a window or sink policy, or --max-tokens")
-    decoder = CachedDecoder(loaded, arch, policy)
+    decoder = CachedDecoder(loaded, arch, policy, intervene=intervene)
     nll = np.empty(len(ids) - 1)
     for t in range(len(ids) - 1):
         step = decoder.step(ids[t])
         nll[t] = -float(step.logprobs[ids[t + 1]])
         if on_step:
             on_step(t + 1, len(ids) - 1)
-    return StreamResult(policy.spec, decoder.architecture.spec, nll, policy.cache_size)
+    return StreamResult(policy.spec, decoder.architecture.spec, nll, policy.cache_size,
+                        decoder.interventions.spec or None)

@@ -1,4 +1,5 @@
-"""Compare A vs B: the same layer and head under two architectures, and the effect on the output."""
+"""Compare A vs B: the same layer and head under two architectures, or one architecture with and
+without an intervention (SPEC §12), and the effect on the output."""
 
 import pandas as pd
 import streamlit as st
@@ -12,19 +13,32 @@ from ui.state import get_capture, page_context
 settings, loaded = page_context()
 st.title("Compare A vs B")
 if loaded is not None and settings.text.strip():
+    mode = st.radio("Compare", ["two architectures", "with and without an intervention"], horizontal=True,
+                    key="cmp_mode")
     c1, c2 = st.columns(2)
-    spec_a = c1.text_input("Architecture A", settings.arch, key="cmp_a")
-    spec_b = c2.text_input("Architecture B", f"mask0-bidir(k={min(8, loaded.n_layers)})", key="cmp_b")
-    a, b = (get_capture(loaded, settings.text, spec, residual=settings.residual) for spec in (spec_a, spec_b))
+    if mode == "two architectures":
+        spec_a = c1.text_input("Architecture A", settings.arch, key="cmp_a")
+        spec_b = c2.text_input("Architecture B", f"mask0-bidir(k={min(8, loaded.n_layers)})", key="cmp_b")
+        sides = [(spec_a, settings.intervene), (spec_b, settings.intervene)]
+    else:
+        spec = c1.text_input("Architecture (A and B)", settings.arch, key="cmp_arch")
+        act = c2.text_input("Intervention of B (A has none)",
+                            settings.intervene or f"sinkscale(beta=0.3)@{max(0, loaded.n_layers - 10)}-{loaded.n_layers - 1}",
+                            key="cmp_intervene")
+        sides = [(spec, None), (spec, act)]
+    a, b = (get_capture(loaded, settings.text, spec, residual=settings.residual, intervene=act, prepend=settings.prepend)
+            for spec, act in sides)
     if a is not None and b is not None:
         c1, c2 = st.columns([3, 2])
         layer = c1.slider("Layer", 0, loaded.n_layers - 1, loaded.n_layers - 1, key="cmp_layer")
         head = c2.selectbox("Head", ["mean"] + list(range(a.n_heads)), key="cmp_head",
                             format_func=lambda h: "mean over heads" if h == "mean" else head_label(a, h))
         head = None if head == "mean" else int(head)
-        fig = panels([a, b], [f"A: {a.arch}", f"B: {b.arch}"], layer, head)
+        names = [c.arch + (f" · {c.meta['intervene']}" if c.meta.get("intervene") else "") for c in (a, b)]
+        fig = panels([a, b], [f"A: {names[0]}", f"B: {names[1]}"], layer, head)
         st.plotly_chart(fig, width="stretch", key="cmp_panels")
-        figure_downloads(fig, export.describe(a, layer, head, arch=f"{a.arch} vs {b.arch}", figure="ab"), key="cmp_x")
+        figure_downloads(fig, export.describe(a, layer, head, arch=f"{names[0]} vs {names[1]}", figure="ab"),
+                         key="cmp_x")
         left, right = st.columns(2)
         left.plotly_chart(difference(a, b, layer, head), width="stretch", key="cmp_diff")
         right.plotly_chart(sink_mass_change(a, b, layer), width="stretch", key="cmp_sink")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import streamlit as st
 
 from attnviz import arch as arch_mod
-from attnviz import devices
+from attnviz import devices, interventions
 from attnviz.capture import Capture, capture, estimate_bytes, tokenize
 from attnviz.errors import AttnvizError
 from attnviz.lru import ByteLRU
@@ -70,6 +70,8 @@ class Settings:
     text: str
     arch: str
     residual: str | None = None  # a seed-003 variant (SPEC §5), or None
+    intervene: str | None = None  # interventions beside the architecture (SPEC §12), or None
+    prepend: str | None = None  # the BOS control: "bos", or None
 
 
 @st.cache_resource(show_spinner=False)
@@ -200,14 +202,14 @@ def plan_capture(loaded: LoadedModel, n_tokens: int, hidden: bool, extras: tuple
 _counts: OrderedDict = OrderedDict()  # (model, text) -> token count: plans ask on every rerun, decoding 8k tokens each
 
 
-def token_count(loaded: LoadedModel, text: str) -> int:
+def token_count(loaded: LoadedModel, text: str, prepend: str | None = None) -> int:
     """The number of tokens ``capture`` will see (raising its refusals: empty text, too long), remembered
     for the last 32 texts that passed."""
-    key = (loaded.model_id, text)
+    key = (loaded.model_id, text, prepend)
     with _lock:
         n = _counts.get(key)
     if n is None:
-        n = len(tokenize(loaded, text, MAX_TOKENS)[0])
+        n = len(tokenize(loaded, text, MAX_TOKENS, prepend)[0])
         with _lock:
             _counts[key] = n
             while len(_counts) > 32:
@@ -226,7 +228,8 @@ def fits_full_maps(loaded: LoadedModel, text: str, hidden: bool = True) -> bool:
 
 
 def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
-                extras: tuple[str, ...] = (), residual: str | None = None) -> Capture | None:
+                extras: tuple[str, ...] = (), residual: str | None = None, intervene: str | None = None,
+                prepend: str | None = None) -> Capture | None:
     """Cached by (model, text, architecture): moving a layer or head slider never re-runs the model.
 
     ``extras`` names what else the pass records, only for the views that ask: "scores" (pre-softmax),
@@ -240,7 +243,12 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
         st.error(f"Architecture: {err}")
         return None
     try:
-        n_tokens = token_count(loaded, text)
+        acts = interventions.parse(intervene, loaded.n_layers, loaded.n_heads)
+    except AttnvizError as err:
+        st.error(f"Intervention: {err}")
+        return None
+    try:
+        n_tokens = token_count(loaded, text, prepend)
     except AttnvizError as err:
         st.error(f"Capturing {architecture.spec}: {err}")
         return None
@@ -251,7 +259,7 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
         return None
     plan, estimate = planned
     options = {"hidden_states": hidden, **plan, **{name: True for name in extras}}
-    key = (loaded.model_id, text, architecture.spec, tuple(sorted(options.items())), residual)
+    key = (loaded.model_id, text, architecture.spec, tuple(sorted(options.items())), residual, acts.spec, prepend)
     store = _captures()
     if key not in store:
         store.reserve(estimate)
@@ -260,9 +268,10 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
         # their memory is back before the new capture is built (measured: +4 GB after five captures
         # without this, +90 MB with it).
         gc.collect()
-    label = f"Capturing {architecture.spec}" + (" (long text: statistics and pooled maps)" if plan else "")
+    label = (f"Capturing {architecture.spec}" + (f" with {acts.spec}" if acts else "")
+             + (" (long text: statistics and pooled maps)" if plan else ""))
     return jobs.run(key, label, lambda progress: capture(
-        loaded, text, architecture, max_tokens=MAX_TOKENS, residual=residual,
+        loaded, text, architecture, max_tokens=MAX_TOKENS, residual=residual, intervene=acts, prepend=prepend,
         on_layer=lambda layer: progress(layer + 1, loaded.n_layers), **options), store=store)
 
 
@@ -327,6 +336,39 @@ def _arch_controls(n_layers: int) -> str:
     return pick.lower()
 
 
+INTERVENTIONS = ["none", "sinkscale (ACT)", "sinklogit", "temperature", "ablate heads", "Advanced (string)"]
+
+
+def _intervention_controls(n_layers: int, n_heads: int) -> str | None:
+    """The sidebar's "Intervention" (SPEC §12): a picker with its parameters, or a free string. The
+    string is checked where it is used (get_capture), which shows what is wrong."""
+    pick = st.selectbox("Intervention", INTERVENTIONS, key="iv_pick",
+                        help="Beyond the mask: turn the sink down (ACT), give attention somewhere else to go (a sink "
+                             "logit), sharpen or flatten it, or remove heads; composes with any architecture")
+    if pick == "none":
+        return None
+    if pick == "Advanced (string)":
+        return st.text_input("Intervention string (SPEC §12)", "sinkscale(beta=0.3)@20-29; ablate(heads=0,3)@5",
+                             key="iv_text", help="sinklogit(b=B), sinkscale(key=K, beta=B), temperature(t=T), "
+                                                 "ablate(heads=..., how=zero|mean), each @LAYERS, joined with ';'")
+    top = f"{max(0, n_layers - 10)}-{n_layers - 1}"
+    layers = st.text_input("in layers (e.g. 20-29 or 0,5,7; empty: all)", top, key="iv_layers").strip()
+    where = f"@{layers}" if layers else ""
+    if pick == "sinkscale (ACT)":
+        beta = st.slider("beta: share of the sink's attention kept", 0.0, 1.0, 0.3, 0.05, key="iv_beta")
+        key = st.number_input("sink key K", 0, 1 << 20, 0, key="iv_key")
+        return f"sinkscale(key={key}, beta={beta:g}){where}"
+    if pick == "sinklogit":
+        b = st.number_input("b: the extra logit (0: softmax-off-by-one)", -20.0, 20.0, 0.0, 0.5, key="iv_b")
+        return f"sinklogit(b={b:g}){where}"
+    if pick == "temperature":
+        t = st.number_input("t: scores divided by t", 0.05, 20.0, 2.0, 0.05, key="iv_t")
+        return f"temperature(t={t:g}){where}"
+    heads = st.multiselect("heads", list(range(n_heads)), [0], key="iv_heads")
+    how = st.radio("replaced by", ["zero", "mean"], horizontal=True, key="iv_how")
+    return f"ablate(heads={','.join(map(str, heads))}, how={how}){where}" if heads else None
+
+
 def sidebar(needs_model: bool = True) -> tuple[Settings, LoadedModel | None]:
     """Model, text and architecture controls shared by every page; ``needs_model=False`` (walkthrough,
     mask designer) uses the model only if it is already loaded."""
@@ -350,11 +392,17 @@ def sidebar(needs_model: bool = True) -> tuple[Settings, LoadedModel | None]:
             st.caption(f"runs on `{devices.describe(loaded.model)}` · statistics in float32")
         n_layers = loaded.n_layers if loaded else 30
         spec = _arch_controls(n_layers)
+        intervene = _intervention_controls(n_layers, loaded.n_heads if loaded else 9)
+        bos = st.toggle("Prepend the BOS token", False, key="bos",
+                        help="The first token becomes the tokenizer's BOS token (Barbero et al. 2025): the sink "
+                             "pages show what that changes")
         variant = st.selectbox("Residual variant (seed 003)", ["none", *METHODS], key="residual",
                                help="Methods 1–4 of seed 003 (Llama-family models): the MLP or attention residual "
                                     "becomes the sum of earlier layers recomputed on the embeddings")
-        st.caption(f"architecture: `{spec}`" + ("" if variant == "none" else f" · residual `{variant}`"))
-    return Settings(model=model, text=text, arch=spec, residual=None if variant == "none" else variant), loaded
+        st.caption(f"architecture: `{spec}`" + (f" · intervention `{intervene}`" if intervene else "")
+                   + ("" if variant == "none" else f" · residual `{variant}`") + (" · BOS prepended" if bos else ""))
+    return Settings(model=model, text=text, arch=spec, residual=None if variant == "none" else variant,
+                    intervene=intervene, prepend="bos" if bos else None), loaded
 
 
 def page_context() -> tuple[Settings, LoadedModel | None]:
@@ -385,4 +433,5 @@ def current_capture(settings: Settings, loaded: LoadedModel | None, spec: str | 
         st.error(f"{loaded.model_id} is an encoder-decoder model: this page takes decoder-only models. Its encoder, "
                  "decoder and cross-attention are on the Heatmaps page.")
         return None
-    return get_capture(loaded, settings.text, spec or settings.arch, extras=extras, residual=settings.residual)
+    return get_capture(loaded, settings.text, spec or settings.arch, extras=extras, residual=settings.residual,
+                       intervene=settings.intervene, prepend=settings.prepend)

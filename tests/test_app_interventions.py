@@ -1,0 +1,58 @@
+"""Interventions and the BOS control in the app (issue 15 §1), through AppTest on the default model."""
+
+import numpy as np
+
+from test_app import app_test, arr, charts, on_page, texts, title
+
+
+def test_the_sidebar_intervention_changes_every_page(model_cache, tmp_path):
+    at = app_test(tmp_path)
+    at.run()
+    before = charts(at)[0]
+    at.sidebar.selectbox(key="iv_pick").set_value("sinkscale (ACT)").run()
+    at.sidebar.slider(key="iv_beta").set_value(0.0).run()
+    assert not at.exception and not at.error, texts(at.error)
+    assert "intervention `sinkscale(key=0, beta=0)@20-29`" in texts(at.sidebar.caption)
+    after = charts(at)[0]
+    assert title(after) == title(before) == "layer 29 · fwd · mean over heads"
+    sink_before = np.nanmean(arr(before["data"][0]["customdata"])[1:, 0])
+    sink_after = np.nanmean(arr(after["data"][0]["customdata"])[1:, 0])
+    assert sink_before > 0.3 and sink_after < 1e-3  # beta = 0: the sink's attention moved to the other keys
+    on_page(at, "pages/sinks.py")
+    assert not at.error, texts(at.error)
+
+
+def test_a_bad_intervention_string_is_one_message(model_cache, tmp_path):
+    at = app_test(tmp_path)
+    at.run()
+    at.sidebar.selectbox(key="iv_pick").set_value("Advanced (string)").run()
+    at.sidebar.text_input(key="iv_text").input("sinkscale(beta=3)@2").run()
+    assert not at.exception
+    assert "Intervention: sinkscale beta must be between 0 and 1" in texts(at.error)
+    at.sidebar.text_input(key="iv_text").input("ablate(heads=12)").run()
+    assert "head 12 does not exist" in texts(at.error)
+
+
+def test_compare_with_and_without_an_intervention(model_cache, tmp_path):
+    at = app_test(tmp_path)
+    at.run()
+    on_page(at, "pages/compare.py")
+    at.radio(key="cmp_mode").set_value("with and without an intervention").run()
+    at.text_input(key="cmp_intervene").input("sinkscale(beta=0)@29").run()
+    assert not at.exception and not at.error, texts(at.error)
+    panels = charts(at)[0]
+    names = [a["text"] for a in panels["layout"]["annotations"]]
+    assert any("A: fwd" == n for n in names) and any("B: fwd · sinkscale(key=0, beta=0)@29" == n for n in names)
+    assert float(str(at.metric[0].value).split()[0]) > 0  # KL(A ‖ B): the intervention changed the output
+
+
+def test_bos_toggle_prepends_the_bos_token(model_cache, default_model, tmp_path):
+    at = app_test(tmp_path)
+    at.run()
+    at.sidebar.toggle(key="bos").set_value(True).run()
+    assert not at.exception and not at.error, texts(at.error)
+    assert "BOS prepended" in texts(at.sidebar.caption)
+    n = len(default_model.tokenizer(texts(at.sidebar.text_area))["input_ids"])
+    assert arr(charts(at)[0]["data"][0]["customdata"]).shape == (n + 1, n + 1)
+    on_page(at, "pages/sinks.py")
+    assert not at.error and charts(at)
