@@ -3,8 +3,10 @@
 No data set can be downloaded here, and every CPython ships ``pydoc_data.topics`` (~465k characters
 in ~79 topics), so it is the default corpus, read at run time and never copied into the project.
 ``stdlib`` is every topic in key order; ``stdlib:NAME`` is one topic (SPEC §9 measures
-``stdlib:specialnames``). A user's text file is split into documents at blank lines, the natural
-unit of a plain-text file; the whole file, documents joined by blank lines, is the running text.
+``stdlib:specialnames``). A user's text (a file, or ``--text``) is scored as written: its running
+text is the text itself, byte for byte, so its perplexity is the one transformers' perplexity guide
+gives on the same file (issue 15 §4). Documents, split at blank lines (the natural unit of a
+plain-text file), are for the embedding probe and the dataset protocol only.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ CHARS_PER_TOKEN_BOUND = 16  # no tokenizer we know packs more: tokenize only the
 class Corpus:
     name: str
     documents: tuple[str, ...]
+    raw: str | None = None  # a user's text as written: the running text, verbatim
 
     @property
     def text(self) -> str:
-        """The running text (documents joined by a blank line), for perplexity and streaming."""
-        return "\n\n".join(self.documents)
+        """The running text, for perplexity and streaming: a user's text as written; the stdlib's
+        documents joined by a blank line."""
+        return self.raw if self.raw is not None else "\n\n".join(self.documents)
 
 
 def stdlib_topics() -> dict[str, str]:
@@ -61,7 +65,7 @@ def from_text(text: str, name: str = "text") -> Corpus:
     documents = tuple(d.strip() for d in re.split(r"\n\s*\n", text or "") if d.strip())
     if not documents:
         raise InputError(f"'{name}' is empty: give a text with some words")
-    return Corpus(name, documents)
+    return Corpus(name, documents, raw=text)
 
 
 def head_ids(tokenizer, text: str, n: int | None = None) -> list[int]:

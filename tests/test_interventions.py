@@ -159,3 +159,23 @@ def test_cli_intervene_and_bos(default_model):
                           (["--intervene", "sinkscale(beta=0.5)@40"], "layer 40 does not exist")]:
         bad = run("sinks", "--text", ENGLISH, *args)
         assert bad.returncode == 2 and message in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_perplexity_of_a_text_file_is_the_file_as_written(default_model, tmp_path):
+    """Issue 15 §4: `eval --text-file` scores the file verbatim, not its documents stripped and rejoined."""
+    import json
+
+    from attnviz.corpus import stdlib
+    from attnviz.evaluate import evaluate, token_ids
+    from test_cli import run
+
+    raw = "  " + stdlib("compound").text[:2500].replace("\n\n", "\n\n\n   ") + "\n\n"
+    path = tmp_path / "compound.txt"
+    path.write_text(raw, encoding="utf-8")
+    out = run("eval", "--text-file", str(path), "--window", "128", "--stride", "128", "--max-tokens", "4096")
+    assert out.returncode == 0, out.stderr
+    verbatim = evaluate(default_model, token_ids(default_model, raw, 4096), "fwd", window=128, stride=128)
+    doc = json.loads(out.stdout)
+    assert doc["tokens"] == verbatim.tokens and abs(doc["perplexity"] - verbatim.perplexity) < 1e-4
+    joined = "\n\n".join(d.strip() for d in raw.split("\n\n") if d.strip())
+    assert token_ids(default_model, joined, 4096) != token_ids(default_model, raw, 4096)  # the old reading differs
