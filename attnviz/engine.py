@@ -54,6 +54,10 @@ class Run:
     keep_graph: bool = False  # keep every layer's fp32 probabilities, autograd graph and all (residual variants)
     q_positions: torch.Tensor | None = None  # (B, n_q): query positions when queries are not the keys (cross-attention)
     interventions: Interventions = NONE  # SPEC §12: applied by this attention function, never by patching the model
+    # SPEC §13: per layer, the (H, C) context keys each query head keeps for the rows from C on (a
+    # compressed cache as a per-head key mask); rows before C, and keys from C on, are untouched
+    kept_keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    kept_from: int = 0
     probs: dict[int, torch.Tensor] = field(default_factory=dict)
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     value_norms: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -105,7 +109,7 @@ class Run:
         n_q, n_kv = allow.shape[-2], allow.shape[-1]
         if not narrow:
             return [(0, n_kv)] * -(-n_q // rows)
-        key = ("ranges", id(allow), rows)
+        key = ("ranges", id(allow), rows, layer if layer in self.kept_keys else None)  # kept keys: per layer
         if key not in self._allow_cache:
             self._allow_cache[key] = [tuple(r) for r in _block_ranges(allow, rows).tolist()]
         return self._allow_cache[key]
@@ -204,12 +208,14 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     scaling = dim ** -0.5 if scaling is None else scaling
     acts = run.interventions.at(layer)
     explicit = (layer in run.record or run.keep_graph or mask.stable is not None or softcap is not None
-                or s_aux is not None or any(a.changes_probabilities for a in acts))
+                or s_aux is not None or any(a.changes_probabilities for a in acts) or layer in run.kept_keys)
     if not explicit and mask.name == "fwd" and not sliding_window and n_q == n_kv and run.unpadded and bias is None:
         # plain causal: let SDPA pick its fused causal kernel instead of reading an n x n mask
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
         return run.finish(layer, out)
     allow = run.allow(layer, n_q, n_kv, sliding_window, query.device)
+    if layer in run.kept_keys:  # a compressed cache: a per-head key mask on the rows from kept_from on
+        allow = _with_kept_keys(allow, run.kept_keys[layer].to(query.device), run.kept_from, n_q, n_kv)
     if not explicit:
         attn_mask = allow if bias is None else bias.to(query.dtype).masked_fill(~allow, float("-inf"))
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scaling,
@@ -335,11 +341,23 @@ class FullMaps:
         return self.host_array
 
 
+def _with_kept_keys(allow: torch.Tensor, kept: torch.Tensor, start: int, n_q: int, n_kv: int) -> torch.Tensor:
+    """(B, H, n_q, n_kv) allow-set: ``allow`` with, for query rows at key positions >= ``start``, only
+    the context keys (< ``start``) that ``kept`` (H, start) marks for each head."""
+    heads = kept.shape[0]
+    rows = torch.arange(n_kv - n_q, n_kv, device=allow.device) >= start  # (n_q,): rows past the context
+    context = torch.arange(n_kv, device=allow.device) < start
+    hidden = rows[:, None] & context[None, :]  # (n_q, n_kv) cells the compression may drop
+    keep = torch.ones(heads, n_kv, dtype=torch.bool, device=allow.device)
+    keep[:, :start] = kept
+    return allow & ~(hidden[None] & ~keep[:, None, :])[None]
+
+
 def _block_ranges(allow: torch.Tensor, rows: int) -> torch.Tensor:
     """(blocks, 2) [first, last + 1) of the keys any row of each block of ``rows`` query rows of a
     (B, 1, n_q, n_kv) allow-set may see (every key for a block that sees none), on allow's device."""
     n_q, n_kv = allow.shape[-2], allow.shape[-1]
-    seen = torch.stack([allow[:, 0, q0:q0 + rows].any(1).any(0) for q0 in range(0, n_q, rows)])  # (blocks, n_kv)
+    seen = torch.stack([allow[:, :, q0:q0 + rows].any(2).any(1).any(0) for q0 in range(0, n_q, rows)])  # (blocks, n_kv)
     index = torch.arange(n_kv, device=allow.device)
     first = torch.where(seen, index, n_kv).amin(-1)
     last = torch.where(seen, index, -1).amax(-1) + 1

@@ -1,0 +1,116 @@
+"""KV-cache compression what-if (SPEC §13): each press's scores against the formula on hand-made
+attention, and the protocol against eval and a really compressed DynamicCache."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from attnviz.errors import ArchitectureError, InputError
+from attnviz.evaluate import evaluate
+from attnviz.kv import compress as C
+from attnviz.kv import presses as P
+
+from tiny import loaded
+
+H, H_KV, N = 4, 2, 8
+
+
+def _context(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.ones(N, N, dtype=torch.bool).tril()
+    scores = torch.randn(H, N, N, generator=g).masked_fill(~allowed, float("-inf"))
+    return P.Context(3, torch.softmax(scores, -1), allowed, torch.randn(H_KV, N, 5, generator=g))
+
+
+def test_observed_is_alpha_averaged_over_the_kv_group():
+    c = _context()
+    a = c.attention.numpy()
+    alpha = np.stack([[a[h, k:, k].sum() / (N - k) for k in range(N)] for h in range(H)])  # FWD: sum_{i>=k} / (n-k)
+    np.testing.assert_allclose(P.Observed().score(c).numpy(), alpha.reshape(H_KV, 2, N).mean(1), rtol=1e-6)
+
+
+def test_snapkv_pools_the_window_and_keeps_it():
+    c = _context()
+    window, kernel = 3, 3
+    a = c.attention.numpy()
+    recent = a[:, N - window:, :].mean(1)  # (H, N)
+    padded = np.pad(recent, ((0, 0), (1, 1)))  # padding kernel // 2, zeros counted (avg_pool1d's default)
+    pooled = np.stack([padded[:, j:j + kernel].mean(1) for j in range(N)], axis=1)
+    expected = pooled.reshape(H_KV, 2, N).mean(1)
+    got = P.SnapKV(window=window, kernel=kernel).score(c).numpy()
+    np.testing.assert_allclose(got[:, :N - window], expected[:, :N - window], rtol=1e-6)
+    assert np.isinf(got[:, N - window:]).all()
+
+
+def test_tova_knorm_streaming_and_random():
+    c = _context()
+    tova = P.TOVA().score(c).numpy()
+    np.testing.assert_allclose(tova, np.broadcast_to(c.attention[:, -1].mean(0).numpy(), (H_KV, N)), rtol=1e-6)
+    np.testing.assert_allclose(P.KNorm().score(c).numpy(), -np.linalg.norm(c.keys.numpy(), axis=-1), rtol=1e-6)
+    kept = P.Streaming(s=2).keep(c, 0.5)  # 4 of 8: the first 2 and the last 2
+    assert kept[0].tolist() == [True, True, False, False, False, False, True, True]
+    assert torch.equal(P.Random(seed=1).score(c), P.Random(seed=1).score(c))
+    assert not torch.equal(P.Random(seed=1).score(c), P.Random(seed=2).score(c))
+
+
+def test_keep_counts_and_breaks_ties_to_the_lower_position():
+    class Flat(P.Press):
+        def score(self, context):
+            return torch.zeros(H_KV, N)
+
+    for ratio in (0.0, 0.25, 0.5, 0.9):
+        kept = Flat().keep(_context(), ratio)
+        count = math.ceil((1 - ratio) * N)
+        assert kept.sum(-1).tolist() == [count] * H_KV
+        assert kept[0, :count].all()  # all tied: the first positions win
+
+
+TEXT = "The keeper climbed the stairs, lit the lamp, and watched the ships pass the rocks all night long."
+
+
+def test_ratio_zero_equals_eval_of_the_same_continuation():
+    lm = loaded("llama")
+    ids = lm.tokenizer(TEXT)["input_ids"]
+    context = 40
+    result = C.compress(lm, ids, context, ["snapkv(window=8, kernel=3)", "streaming(s=2)"], ratios=[0.0, 0.5])
+    ev = evaluate(lm, ids, "fwd", window=len(ids))
+    scored = ev.token_nll[ev.positions >= context + 1]
+    assert result.continuation == len(scored)
+    assert abs(result.dense.nll - scored.mean()) < 1e-6
+    for row in result.rows:
+        if row.ratio == 0.0:
+            assert abs(row.nll - result.dense.nll) < 1e-9 and row.kl == 0.0 and row.kept_key0 == 1.0
+    streaming = [r for r in result.rows if r.press == "streaming(s=2)" and r.ratio == 0.5][0]
+    assert streaming.kept_key0 == 1.0 and streaming.kl > 0
+
+
+@pytest.mark.parametrize("press", ["snapkv(window=8, kernel=3)", "knorm", "observed"])
+def test_a_really_compressed_cache_equals_the_masked_forward(press):
+    lm = loaded("llama")  # 4 heads, 2 KV heads: the kept keys differ per KV head
+    ids = lm.tokenizer(TEXT)["input_ids"]
+    context = 40
+    pre = C.prefill(lm, ids, context, "fwd")
+    kept = {c.layer: P.parse(press).keep(c, 0.5) for c in pre.layers}
+    masked = C._continuation(lm, ids, context, C.arch_mod.resolve("fwd", 3), kept)
+    decoded = C.decode_compressed(lm, ids, context, kept)
+    torch.testing.assert_close(decoded, masked, atol=1e-5, rtol=1e-5)
+    dense = C._continuation(lm, ids, context, C.arch_mod.resolve("fwd", 3))
+    assert (dense - masked).abs().max() > 1e-4  # compression changed something
+
+
+@pytest.mark.parametrize("args,error,message", [
+    (dict(ratios=[1.0]), InputError, "must be in \\[0, 1\\)"),
+    (dict(ratios=[-0.1]), InputError, "must be in \\[0, 1\\)"),
+    (dict(context=200), InputError, "must be shorter than the text"),
+    (dict(context=20, presses=["snapkv(window=32)"]), InputError, "shorter than snapkv's window"),
+    (dict(arch="bidir"), ArchitectureError, "cannot compress a KV cache"),
+    (dict(presses=["h2o"]), InputError, "unknown press 'h2o'"),
+])
+def test_bad_input(args, error, message):
+    lm = loaded("llama")
+    ids = lm.tokenizer(TEXT)["input_ids"]
+    options = dict(context=40, presses=["observed"], ratios=[0.5]) | args
+    with pytest.raises(error, match=message):
+        C.compress(lm, ids, **options)
