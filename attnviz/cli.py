@@ -279,6 +279,27 @@ def _generate(args) -> dict:
             "new_ids": result.new_ids, "prompt_tokens": len(result.prompt_ids)}
 
 
+def _compress(args) -> dict:
+    """KV-cache compression what-if (SPEC §13): every press at every ratio against the dense cache."""
+    from .evaluate import token_ids
+    from .kv import compress, presses
+
+    chosen = [presses.parse(p) for p in (args.press or presses.DEFAULTS)]
+    try:
+        ratios = [float(x) for x in args.ratios.split(",") if x.strip()]
+    except ValueError:
+        raise AttnvizError(f"--ratios must be numbers separated by commas, got '{args.ratios}'") from None
+    if not ratios:
+        raise AttnvizError("--ratios needs at least one ratio in [0, 1)")
+    text = _corpus(args).text
+    loaded = _load(args)
+    ids = token_ids(loaded, text, args.max_tokens)
+    bar, update = _progress("compress")
+    with bar:
+        result = compress.compress(loaded, ids, args.context, chosen, ratios, args.arch, on_step=update)
+    return result.as_json()
+
+
 def _linformer(args) -> dict:
     """Linformer what-if on one layer of a real capture (SPEC §10)."""
     from . import linformer
@@ -351,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
             source.add_argument("--corpus", default=None if text else "stdlib",
                                 help="'stdlib' (Python's reference docs, offline) or 'stdlib:TOPIC'")
         source.add_argument("--text-file", help="read the text from this file (UTF-8)")
+        return source
 
     def intervene_args(p, bos: bool = False):  # SPEC §12: beside the architecture
         p.add_argument("--intervene", default=None,
@@ -421,6 +443,17 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--compare", action="store_true", help="run every --policy and print each running-perplexity curve")
     st.add_argument("--max-tokens", type=int, default=1000, help="stream at most this many tokens (default 1000)")
 
+    kv = sub.add_parser("compress", help="KV-cache compression what-if: perplexity, accuracy and KL against the "
+                                         "dense cache for each press and ratio (SPEC §13)")
+    model_args(kv, text=False).add_argument("--text", help="the text (default: the stdlib corpus)")
+    kv.add_argument("--press", action="append",
+                    help="streaming(s=4) | observed | snapkv(window=64, kernel=5) | tova | knorm | random(seed=0); "
+                         "repeat for several (default: all six)")
+    kv.add_argument("--ratios", default="0,0.25,0.5,0.75,0.9", help="compression ratios in [0, 1) (default "
+                                                                     "0,0.25,0.5,0.75,0.9)")
+    kv.add_argument("--context", type=int, default=512, help="context tokens C, prefilled and compressed (512)")
+    kv.add_argument("--max-tokens", type=int, default=1024, help="use at most this many tokens (default 1024)")
+
     lin = sub.add_parser("linformer", help="Linformer what-if on one layer: relative error of the output against k")
     model_args(lin)
     lin.add_argument("--layer", default="-1", help="the layer (default: the top one; negative counts from the top)")
@@ -442,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
 
         tf_logging.disable_progress_bar()
     handler = {"masks": _masks, "sinks": _sinks, "capture": _capture, "eval": _eval, "embed": _embed,
-               "stream": _stream, "generate": _generate, "linformer": _linformer,
+               "stream": _stream, "generate": _generate, "linformer": _linformer, "compress": _compress,
                "finetune": _finetune}[args.command]
     try:
         result = handler(args)

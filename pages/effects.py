@@ -1,5 +1,5 @@
-"""Effects: what a mask does to the model — perplexity, streaming with a KV cache, the embedding
-k-sweep and cached generation (SPEC §8, §9)."""
+"""Effects: what a mask does to the model — perplexity, streaming with a KV cache, KV-cache compression,
+the embedding k-sweep and cached generation (SPEC §8, §9, §13)."""
 
 import pandas as pd
 import streamlit as st
@@ -9,8 +9,9 @@ from attnviz.arch import parse, with_k
 from attnviz.capture import capture
 from attnviz.errors import AttnvizError
 from attnviz.evaluate import evaluate, token_ids
-from attnviz.figures import (generation_view, k_sweep, linformer_errors, linformer_map, perplexity_bars,
-                             residual_table_figure, streaming_curves)
+from attnviz.figures import (compression_curves, generation_view, k_sweep, kept_keys, linformer_errors,
+                             linformer_map, perplexity_bars, residual_table_figure, streaming_curves)
+from attnviz.kv import compress, presses
 from attnviz.generate import generate
 from attnviz.models import cache_dir
 from ui import jobs
@@ -19,8 +20,8 @@ from ui.state import full_maps_limit, page_context
 
 settings, loaded = page_context()
 st.title("Effects: what a mask does to the model")
-SECTIONS = ["Perplexity", "Streaming (KV cache)", "Embedding k-sweep", "Generation", "Linformer what-if",
-            "Residual methods"]
+SECTIONS = ["Perplexity", "Streaming (KV cache)", "KV compression", "Embedding k-sweep", "Generation",
+            "Linformer what-if", "Residual methods"]
 SOURCES = {"Python reference docs (all topics)": "stdlib", "Python docs: special method names": "stdlib:specialnames",
            "The sidebar text": None}
 
@@ -232,6 +233,60 @@ def residual_section() -> None:
                        file_name=export.filename(meta(figure="residual-methods"), "csv"))
 
 
+def compression_section() -> None:
+    st.markdown("What does compressing the KV cache cost (SPEC §13, the kvpress protocol)? The text's first C tokens "
+                "are prefilled; every press scores each context key of every layer and KV head, and the continuation "
+                "sees only the top (1 − r)·C of them. Which methods keep the sink (key 0)?")
+    c1, c2, c3 = st.columns([3, 2, 1])
+    chosen = c1.multiselect("Presses", presses.DEFAULTS, presses.DEFAULTS, key="fx_kv_presses")
+    ratios_text = c2.text_input("Ratios r", "0, 0.25, 0.5, 0.75, 0.9", key="fx_kv_ratios")
+    context = int(c3.number_input("Context C", 8, loaded.max_tokens, 256, step=64, key="fx_kv_context"))
+    picked = source("fx_kv_source")
+    tokens = int(st.number_input("Tokens in all (context + continuation)", 16, loaded.max_tokens, 400, step=64,
+                                 key="fx_kv_tokens"))
+    archs = checked([settings.arch], "compress a KV cache")
+    try:
+        if not chosen:
+            raise AttnvizError("pick at least one press")
+        ratios = sorted({float(x) for x in ratios_text.replace(",", " ").split()})
+        if not ratios:
+            raise AttnvizError("give at least one ratio in [0, 1)")
+        ids = token_ids(loaded, picked[1].text, tokens) if picked else None
+        if ids is not None:
+            compress.check(loaded, len(ids), context, ratios, [presses.parse(p) for p in chosen])
+    except ValueError:
+        st.error(f"ratios must be numbers, got '{ratios_text}'")
+        return
+    except AttnvizError as err:
+        st.error(str(err))
+        return
+    if not archs or ids is None:
+        return
+    key = ("compress", loaded.model_id, picked[0], tuple(ids), archs[0], context, tuple(chosen), tuple(ratios))
+    if not jobs.cached(key) and not st.button("Compress", key="fx_kv_run", type="primary"):
+        st.caption(f"{len(chosen)} presses × {len(ratios)} ratios, one forward of {len(ids)} tokens each: "
+                   f"{jobs.eta('compress', len(chosen) * len(ratios), 'a forward')}.")
+        return
+    result = jobs.run(key, "KV compression", lambda progress: compress.compress(
+        loaded, ids, context, chosen, ratios, archs[0], on_step=progress), units=len(chosen) * len(ratios))
+    if result is None:
+        return
+    fig = compression_curves(result)
+    st.plotly_chart(fig, width="stretch", key="fx_kv_curves")
+    st.dataframe([{"press": "dense", "ratio": 0.0, "perplexity": result.dense.perplexity,
+                   "accuracy": result.dense.accuracy}] + [r.as_json() for r in result.rows], hide_index=True)
+    figure_downloads(fig, meta(arch=result.arch, figure="kv-compression", context=context, tokens=len(ids)),
+                     key="fx_kv_x")
+    c1, c2, c3 = st.columns(3)
+    ratio = c1.select_slider("Kept keys at r", ratios, value=ratios[len(ratios) // 2], key="fx_kv_ratio")
+    layer = c2.slider("Layer", 0, loaded.n_layers - 1, loaded.n_layers - 1, key="fx_kv_layer")
+    kv_head = c3.selectbox("KV head", list(range(loaded.n_kv_heads)), key="fx_kv_head")
+    fig_kept = kept_keys(result, ratio, layer, kv_head)
+    st.plotly_chart(fig_kept, width="stretch", key="fx_kv_kept")
+    figure_downloads(fig_kept, meta(arch=result.arch, figure="kv-kept", layer=layer, kv_head=kv_head, ratio=ratio),
+                     key="fx_kv_kx")
+
+
 def linformer_section() -> None:
     st.markdown("What if this layer were a Linformer (SPEC §10)? K and V of the sidebar text are projected to k "
                 "slots (segment means or a seeded Gaussian); the map is n × k, and the error of the output is measured "
@@ -280,5 +335,6 @@ if loaded is None:
 else:
     section = st.radio("Show", SECTIONS, horizontal=True, key="fx_section", label_visibility="collapsed")
     {"Perplexity": perplexity_section, "Streaming (KV cache)": streaming_section,
+     "KV compression": compression_section,
      "Embedding k-sweep": sweep_section, "Generation": generation_section,
      "Linformer what-if": linformer_section, "Residual methods": residual_section}[section]()

@@ -114,3 +114,49 @@ def test_bad_input(args, error, message):
     options = dict(context=40, presses=["observed"], ratios=[0.5]) | args
     with pytest.raises(error, match=message):
         C.compress(lm, ids, **options)
+
+
+def test_cli_compress(default_model):
+    import json
+
+    from test_cli import run
+
+    out = run("compress", "--corpus", "stdlib:specialnames", "--context", "96", "--max-tokens", "160",
+              "--press", "streaming(s=4)", "--press", "snapkv(window=32, kernel=5)", "--ratios", "0,0.5", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert set(doc) == {"model", "arch", "context", "continuation", "dense", "presses"}
+    assert doc["context"] == 96 and doc["continuation"] == 160 - 96 - 1
+    assert [(p["press"], p["ratio"]) for p in doc["presses"]] == [
+        ("streaming(s=4)", 0.0), ("streaming(s=4)", 0.5), ("snapkv(window=32, kernel=5)", 0.0),
+        ("snapkv(window=32, kernel=5)", 0.5)]
+    assert doc["presses"][0]["perplexity"] == doc["dense"]["perplexity"] and doc["presses"][1]["kept_key0"] == 1.0
+    for args, message in [(["--ratios", "0.5,1"], "must be in [0, 1)"), (["--context", "400"], "shorter than the text"),
+                          (["--context", "16"], "shorter than snapkv's window"), (["--press", "h2o"], "unknown press"),
+                          (["--arch", "bidir"], "cannot compress a KV cache")]:
+        bad = run("compress", "--corpus", "stdlib:specialnames", "--max-tokens", "160", *args)
+        assert bad.returncode == 2 and message in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_effects_page_kv_compression_section(model_cache, tmp_path):
+    from test_app import app_test, charts, on_page, texts
+
+    at = app_test(tmp_path)
+    at.run()
+    on_page(at, "pages/effects.py")
+    at.radio(key="fx_section").set_value("KV compression").run()
+    at.selectbox(key="fx_kv_source").set_value("Python docs: special method names").run()
+    at.number_input(key="fx_kv_context").set_value(64).run()
+    at.number_input(key="fx_kv_tokens").set_value(128).run()
+    at.multiselect(key="fx_kv_presses").set_value(["streaming(s=4)", "snapkv(window=64, kernel=5)", "knorm"]).run()
+    at.text_input(key="fx_kv_ratios").input("0, 0.5, 0.9").run()
+    assert not at.error, texts(at.error)
+    at.button(key="fx_kv_run").click().run()
+    assert not at.exception and not at.error, texts(at.error)
+    curves, kept = charts(at)[:2]
+    assert [c["name"] for c in curves["data"] if c["type"] == "scatter"] == ["streaming(s=4)",
+                                                                           "snapkv(window=64, kernel=5)", "knorm"]
+    titles = [a["text"] for a in kept["layout"]["annotations"]]
+    assert titles[0] == "streaming(s=4) · key 0 kept"  # the sink is visibly kept (or not) by each press
+    at.text_input(key="fx_kv_ratios").input("0.5, 1.5").run()
+    assert "must be in [0, 1)" in texts(at.error)

@@ -157,3 +157,60 @@ def residual_table_figure(rows: Sequence[dict]) -> go.Figure:
     layout(fig, "residual methods after fine-tuning: perplexity, seed 003 against ours", height=400)
     fig.update_layout(showlegend=False)
     return fig
+
+
+def compression_curves(result) -> go.Figure:
+    """Perplexity of the continuation against the compression ratio, one line per press (SPEC §13),
+    the dense cache as a dotted line; hover gives accuracy, KL and whether key 0 was kept."""
+    fig = go.Figure()
+    presses = list(dict.fromkeys(r.press for r in result.rows))
+    for colour, press in zip(PALETTE, presses):
+        rows = [r for r in result.rows if r.press == press]
+        fig.add_trace(go.Scatter(
+            x=[r.ratio for r in rows], y=[r.perplexity for r in rows], mode="lines+markers", name=press,
+            line=dict(color=colour, width=2), marker=dict(size=7),
+            customdata=[[r.accuracy, r.kl, r.kept_key0] for r in rows],
+            hovertemplate=(f"{press}<br>ratio %{{x}}<br>perplexity %{{y:.3f}}<br>accuracy %{{customdata[0]:.1%}}"
+                           "<br>KL %{customdata[1]:.4f}<br>(layer, KV head) pairs keeping key 0: "
+                           "%{customdata[2]:.0%}<extra></extra>")))
+    fig.add_hline(y=result.dense.perplexity, line=dict(color="#555", dash="dot", width=1),
+                  annotation=dict(text=f"dense {result.dense.perplexity:.2f}", font_size=11),
+                  annotation_position="bottom right")
+    layout(fig, f"KV-cache compression · {result.arch} · context {result.context}, "
+                f"{result.continuation} scored tokens", height=420)
+    fig.update_xaxes(title="compression ratio r (share of context keys evicted)")
+    fig.update_yaxes(title="perplexity of the continuation", type="log")
+    fig.update_layout(legend=INSIDE_LEGEND)
+    return fig
+
+
+def kept_keys(result, ratio: float, layer: int, kv_head: int) -> go.Figure:
+    """For one ratio, layer and KV head, the context's attention map once per press with the keys that
+    press evicts shaded: whether each keeps the sink (key 0) shows at a glance."""
+    rows = [r for r in result.rows if r.ratio == ratio]
+    values = result.maps[layer][kv_head]
+    m = values.shape[-1]
+    f = result.pool
+    cols = min(3, len(rows)) or 1
+    n_rows = -(-len(rows) // cols)
+    titles = []
+    for r in rows:
+        keep = r.kept[layer][kv_head]
+        titles.append(f"{r.press} · key 0 {'kept' if keep[0] else 'evicted'}")
+    fig = make_subplots(rows=n_rows, cols=cols, subplot_titles=titles, horizontal_spacing=0.04, vertical_spacing=0.12)
+    top = float(np.nanmax(values)) or 1.0
+    for i, r in enumerate(rows):
+        row, col = i // cols + 1, i % cols + 1
+        keep = r.kept[layer][kv_head]
+        padded = np.pad(keep.astype(float), (0, m * f - keep.size), constant_values=1.0)
+        evicted = 1.0 - padded.reshape(m, f).mean(1)  # share of each pooled column evicted
+        shade = np.where(np.broadcast_to(evicted > 0.5, values.shape), 1.0, np.nan)
+        fig.add_trace(go.Heatmap(z=values, colorscale=COLORSCALE, zmin=0, zmax=top, showscale=False,
+                                 hovertemplate="query %{y}<br>key %{x}<br>p = %{z:.4f}<extra></extra>",
+                                 x=f * np.arange(m), y=f * np.arange(m)), row, col)
+        fig.add_trace(go.Heatmap(z=shade, colorscale=[[0, EVICTED], [1, EVICTED]], showscale=False, opacity=0.75,
+                                 hoverinfo="skip", x=f * np.arange(m), y=f * np.arange(m)), row, col)
+        fig.update_yaxes(autorange="reversed", row=row, col=col, showticklabels=col == 1)
+    layout(fig, f"kept context keys at r = {ratio:g} · layer {layer} · KV head {kv_head} (shaded: evicted)",
+           height=300 * n_rows + 80)
+    return fig

@@ -30,6 +30,7 @@ from ..models import LoadedModel
 from .presses import Context, Press, SnapKV, parse
 
 RATIOS = (0.0, 0.25, 0.5, 0.75, 0.9)
+MAP_SIDE = 96  # the context's maps are kept max-pooled to at most this many cells a side, for the figures
 
 
 @dataclass
@@ -68,6 +69,8 @@ class Compression:
     continuation: int  # tokens scored
     dense: Row
     rows: list[Row]
+    maps: dict[int, np.ndarray] = field(repr=False, default_factory=dict)  # layer -> (H_kv, m, m) pooled context map
+    pool: int = 1  # context tokens per map cell a side
 
     def as_json(self) -> dict:
         return {"model": self.model, "arch": self.arch, "context": self.context, "continuation": self.continuation,
@@ -144,7 +147,16 @@ def compress(loaded: LoadedModel, ids: list[int], context: int, presses: list[st
             done += 1
             if on_step:
                 on_step(done, total)
-    return Compression(loaded.model_id, architecture.spec, context, len(targets), dense, rows)
+    pool = max(1, -(-context // MAP_SIDE))
+    maps = {c.layer: context_map(c, pool) for c in pre.layers}
+    return Compression(loaded.model_id, architecture.spec, context, len(targets), dense, rows, maps, pool)
+
+
+def context_map(context: Context, pool: int) -> np.ndarray:
+    """(H_kv, m, m) the context's attention, mean over each KV group, max-pooled by ``pool`` (a sink
+    column survives pooling)."""
+    mean = context.per_kv_head(context.attention.flatten(1)).view(context.n_kv_heads, *context.attention.shape[1:])
+    return torch.nn.functional.max_pool2d(mean[None], pool, ceil_mode=True)[0].numpy()
 
 
 def decode_compressed(loaded: LoadedModel, ids: list[int], context: int, kept: dict[int, torch.Tensor],
