@@ -300,6 +300,27 @@ def _compress(args) -> dict:
     return result.as_json()
 
 
+def _heads(args) -> dict:
+    """Head taxonomy (SPEC §14): sink, streaming and inactive heads of one text or a dataset."""
+    from . import heads
+
+    for name in ("eps", "tau_stream", "tau_inactive"):
+        if getattr(args, name) < 0:
+            raise AttnvizError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.samples is not None and args.samples < 2:
+        raise AttnvizError(f"--samples must be at least 2 (a dataset's scores are averaged), got {args.samples}")
+    dataset = not (args.text or args.text_file)  # one text given: that text; else the corpus as a dataset
+    source = _corpus(args)
+    loaded = _load(args)
+    texts = (heads.dataset_texts(loaded, source.documents, args.samples or 20, args.max_len) if dataset
+             else [source.text])
+    bar, update = _progress("heads")
+    with bar:
+        result = heads.taxonomy(loaded, texts, args.arch, args.sink, args.window, args.eps, args.tau_stream,
+                                args.tau_inactive, on_progress=update)
+    return result.as_json()
+
+
 def _linformer(args) -> dict:
     """Linformer what-if on one layer of a real capture (SPEC §10)."""
     from . import linformer
@@ -454,6 +475,18 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--context", type=int, default=512, help="context tokens C, prefilled and compressed (512)")
     kv.add_argument("--max-tokens", type=int, default=1024, help="use at most this many tokens (default 1024)")
 
+    hd = sub.add_parser("heads", help="head taxonomy: sink, streaming (DuoAttention) and inactive (AHON) heads, "
+                                      "of one text or averaged over a dataset (SPEC §14)")
+    model_args(hd, text=False).add_argument("--text", help="one text (default: the stdlib corpus as a dataset)")
+    hd.set_defaults(corpus=None)
+    hd.add_argument("--samples", type=int, default=None, help="dataset mode: at most N samples (default 20)")
+    hd.add_argument("--max-len", type=int, default=128, help="dataset mode: first N tokens of each sample (128)")
+    hd.add_argument("--eps", type=float, default=0.3, help="sink threshold on alpha_0 (0.3)")
+    hd.add_argument("--tau-stream", type=float, default=0.9, help="streaming-score threshold (0.9)")
+    hd.add_argument("--tau-inactive", type=float, default=0.2, help="output-norm (AHON) threshold (0.2)")
+    hd.add_argument("--sink", type=int, default=4, help="s: sink keys of the streaming pattern (4)")
+    hd.add_argument("--window", type=int, default=64, help="w: recent keys of the streaming pattern (64)")
+
     lin = sub.add_parser("linformer", help="Linformer what-if on one layer: relative error of the output against k")
     model_args(lin)
     lin.add_argument("--layer", default="-1", help="the layer (default: the top one; negative counts from the top)")
@@ -476,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         tf_logging.disable_progress_bar()
     handler = {"masks": _masks, "sinks": _sinks, "capture": _capture, "eval": _eval, "embed": _embed,
                "stream": _stream, "generate": _generate, "linformer": _linformer, "compress": _compress,
+               "heads": _heads,
                "finetune": _finetune}[args.command]
     try:
         result = handler(args)

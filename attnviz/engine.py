@@ -58,6 +58,9 @@ class Run:
     # compressed cache as a per-head key mask); rows before C, and keys from C on, are untouched
     kept_keys: dict[int, torch.Tensor] = field(default_factory=dict)
     kept_from: int = 0
+    # SPEC §14: per layer, an (H, n_q, n_kv) allow-set per head (e.g. only the streaming heads on a sink +
+    # window pattern), and-ed with the layer's mask
+    head_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     probs: dict[int, torch.Tensor] = field(default_factory=dict)
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     value_norms: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -109,7 +112,8 @@ class Run:
         n_q, n_kv = allow.shape[-2], allow.shape[-1]
         if not narrow:
             return [(0, n_kv)] * -(-n_q // rows)
-        key = ("ranges", id(allow), rows, layer if layer in self.kept_keys else None)  # kept keys: per layer
+        per_layer = layer in self.kept_keys or layer in self.head_masks  # their allow-sets are made per layer
+        key = ("ranges", id(allow), rows, layer if per_layer else None)
         if key not in self._allow_cache:
             self._allow_cache[key] = [tuple(r) for r in _block_ranges(allow, rows).tolist()]
         return self._allow_cache[key]
@@ -208,7 +212,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     scaling = dim ** -0.5 if scaling is None else scaling
     acts = run.interventions.at(layer)
     explicit = (layer in run.record or run.keep_graph or mask.stable is not None or softcap is not None
-                or s_aux is not None or any(a.changes_probabilities for a in acts) or layer in run.kept_keys)
+                or s_aux is not None or any(a.changes_probabilities for a in acts) or layer in run.kept_keys
+                or layer in run.head_masks)
     if not explicit and mask.name == "fwd" and not sliding_window and n_q == n_kv and run.unpadded and bias is None:
         # plain causal: let SDPA pick its fused causal kernel instead of reading an n x n mask
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
@@ -216,6 +221,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     allow = run.allow(layer, n_q, n_kv, sliding_window, query.device)
     if layer in run.kept_keys:  # a compressed cache: a per-head key mask on the rows from kept_from on
         allow = _with_kept_keys(allow, run.kept_keys[layer].to(query.device), run.kept_from, n_q, n_kv)
+    if layer in run.head_masks:
+        allow = keep_self_if_empty(allow & run.head_masks[layer][..., -n_q:, -n_kv:].to(query.device)[None])
     if not explicit:
         attn_mask = allow if bias is None else bias.to(query.dtype).masked_fill(~allow, float("-inf"))
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scaling,
