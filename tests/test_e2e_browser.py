@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not shutil.which("chromium") and not os.environ.get("ATTNVIZ_REQUIRE_BROWSER"), reason="needs chromium (bash scripts/setup.sh dev)")]
 
 PAGES = {"Attention sinks": "Attention sinks", "Sink shifting": "Sink shifting", "Compare A vs B": "Compare A vs B",
-         "Effects": "Effects", "Mask designer": "Mask designer", "Walkthrough": "Walkthrough: attention",
+         "Heads": "Heads: sinks", "Effects": "Effects", "Mask designer": "Mask designer", "Walkthrough": "Walkthrough: attention",
          "Heatmaps": "Attention heatmaps"}
 
 
@@ -88,6 +88,23 @@ def test_app_in_a_real_browser(model_cache, tmp_path):
             page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"]').first.wait_for(timeout=120_000)
             wait_for_app(page)
             no_exception(page)
+
+
+def test_heads_page_tile_opens_its_heatmap(model_cache):
+    """Issue 15 §3: the Heads page's layer × head grid; a click on a tile opens that head's heatmap below it."""
+    with running_app() as url, browser_page() as page:
+        page.goto(f"{url}/heads")
+        grid = page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"]').filter(has_text="head taxonomy")
+        grid.first.wait_for(timeout=240_000)
+        wait_for_app(page)
+        no_exception(page)
+        grid.first.scroll_into_view_if_needed()
+        area = grid.first.locator(".nsewdrag").first.bounding_box()
+        page.mouse.click(area["x"] + area["width"] * (4 + 0.5) / 9, area["y"] + area["height"] * (3 + 0.5) / 30)
+        wait_title(page, "layer 3 ")
+        titles = page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"] .gtitle').all_text_contents()
+        assert "layer 3 · fwd · head 4 (KV group 1)" in titles
+        no_exception(page)
 
 
 @pytest.mark.parametrize("path,heading", [("compare", "Compare A vs B"), ("sinks", "Attention sinks"),

@@ -87,3 +87,26 @@ def test_cli_heads(default_model):
     assert sum(h["sink"] for layer in doc["layers"] for h in layer["heads"]) > 100  # SmolLM2's sinks
     bad = run("heads", "--corpus", "stdlib:specialnames", "--samples", "5", "--max-len", "64")
     assert bad.returncode == 2 and "too small" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_heads_page_grid_and_both_claims(model_cache, default_model, tmp_path):
+    from test_app import app_test, charts, on_page, texts
+
+    at = app_test(tmp_path)
+    at.run()
+    on_page(at, "pages/heads.py")
+    at.number_input(key="hd_tokens").set_value(96).run()
+    at.number_input(key="hd_w").set_value(16).run()
+    assert not at.exception and not at.error, texts(at.error)
+    grid = charts(at)[0]
+    assert "head taxonomy" in str(grid["layout"]["title"]) and len(grid["data"][0]["text"]) == 30
+    assert [m.label for m in at.metric] == ["sink heads", "streaming heads", "inactive heads"]
+    at.button(key="hd_claim_stream").click().run()
+    assert not at.exception and not at.error, texts(at.error)
+    assert any("streaming heads on sink" in m.label for m in at.metric)
+    at.button(key="hd_claim_ablate").click().run()
+    assert not at.exception and not at.error, texts(at.error)
+    assert any("of heads zeroed" in m.label for m in at.metric)
+    inactive = at.metric[2].value
+    at.slider(key="hd_tau_inactive").set_value(0.9).run()  # thresholds re-classify without a new forward
+    assert not at.exception and at.metric[2].value != inactive

@@ -1,0 +1,101 @@
+"""Heads: which heads are sinks, streaming heads or inactive (SPEC §14), and the two claims as one-click tests."""
+
+import streamlit as st
+
+from attnviz import corpus, export, heads
+from attnviz.errors import AttnvizError
+from attnviz.figures import heatmap
+from attnviz.figures.heads import head_classes
+from ui import jobs
+from ui.export import figure_downloads
+from ui.state import get_capture, page_context
+
+settings, loaded = page_context()
+st.title("Heads: sinks, streaming heads, inactive heads")
+st.markdown("Every head of every layer, classified on one text (SPEC §14): a **sink** head puts more than eps of "
+            "its attention on the first token; a **streaming** head keeps at least tau of its attention on the "
+            "first s keys plus the last w (DuoAttention's pattern, measured here instead of trained); an "
+            "**inactive** head's output norm is under tau of its layer's mean (AHON). Click a tile to open its "
+            "heatmap below.")
+SOURCES = ["Python docs: special method names", "The sidebar text"]
+
+
+def text_of(choice: str, n: int) -> str:
+    if choice == "The sidebar text":
+        return settings.text
+    ids = loaded.tokenizer(corpus.stdlib("specialnames").text, add_special_tokens=False)["input_ids"][:n]
+    return loaded.tokenizer.decode(ids)
+
+
+if loaded is None:
+    st.warning("Load a model in the sidebar.")
+else:
+    c1, c2, c3, c4 = st.columns([3, 1, 1, 1])
+    choice = c1.selectbox("Text", SOURCES, key="hd_source")
+    n = int(c2.number_input("Tokens", 80, loaded.max_tokens, 384, step=64, key="hd_tokens",
+                            disabled=choice == "The sidebar text"))
+    s = int(c3.number_input("s: sink keys", 0, 64, heads.SINK, key="hd_s"))
+    w = int(c4.number_input("w: recent keys", 1, 4096, heads.WINDOW, key="hd_w"))
+    c1, c2, c3 = st.columns(3)
+    eps = c1.slider("eps (sink)", 0.0, 1.0, 0.3, 0.05, key="hd_eps")
+    tau_stream = c2.slider("tau (streaming)", 0.0, 1.0, heads.TAU_STREAM, 0.05, key="hd_tau_stream")
+    tau_inactive = c3.slider("tau (inactive, AHON)", 0.0, 1.0, heads.TAU_INACTIVE, 0.05, key="hd_tau_inactive")
+    text = text_of(choice, n)
+    key = ("heads", loaded.model_id, text, settings.arch, s, w)
+    found = jobs.run(key, "Scoring every head", lambda progress: heads.taxonomy(
+        loaded, [text], settings.arch, s, w, on_progress=progress), units=1)
+    if found is not None:
+        tax = found.with_thresholds(eps, tau_stream, tau_inactive)
+        m1, m2, m3 = st.columns(3)
+        m1.metric("sink heads", f"{tax.sink.mean():.0%}")
+        m2.metric("streaming heads", f"{tax.streaming.mean():.0%}")
+        m3.metric("inactive heads", f"{tax.inactive.mean():.0%}")
+        fig = head_classes(tax)
+        event = st.plotly_chart(fig, width="stretch", key="hd_grid", on_select="rerun", selection_mode="points")
+        points = (event or {}).get("selection", {}).get("points", []) if event else []
+        clicked = (int(points[0]["y"]), int(points[0]["x"])) if points else None  # (layer, head)
+        if clicked and clicked != st.session_state.get("hd_grid_seen"):  # a new click opens that head's heatmap
+            st.session_state["hd_grid_seen"] = st.session_state["hd_open"] = clicked
+        figure_downloads(fig, {"tool": "attnviz", "model": loaded.model_id, "arch": tax.arch, "figure": "heads",
+                               "eps": eps, "tau_stream": tau_stream, "tau_inactive": tau_inactive, "s": s, "w": w},
+                         key="hd_x")
+
+        if "hd_open" in st.session_state:
+            layer, head = st.session_state["hd_open"]
+            cap = get_capture(loaded, text, settings.arch, residual=settings.residual, intervene=settings.intervene,
+                              prepend=settings.prepend)
+            if cap is not None and layer in cap.layers and head < cap.n_heads:
+                opened = heatmap(cap, layer, head, log=cap.n_tokens > 256)
+                st.plotly_chart(opened, width="stretch", key="hd_heatmap")
+                figure_downloads(opened, export.describe(cap, layer, head, figure="head"), key="hd_hx")
+
+        st.subheader("Test the claims on this text")
+        left, right = st.columns(2)
+        stream_key, ablate_key = ("heads-stream",) + key + (tau_stream,), ("heads-ablate",) + key + (tau_inactive,)
+        if left.button("Streaming heads on sink + window, the rest dense", key="hd_claim_stream") \
+                or jobs.cached(stream_key):
+            try:
+                dense, windowed = jobs.run(stream_key, "Perplexity with streaming heads "
+                                           "on sink + window", lambda p: heads.streaming_only_perplexity(
+                                               loaded, text, tax, settings.arch)) or (None, None)
+            except AttnvizError as err:
+                left.error(str(err))
+                dense = None
+            if dense is not None:
+                left.metric(f"perplexity, {tax.streaming.sum()} streaming heads on sink(s={s}, w={w})",
+                            f"{windowed.perplexity:.3f}", f"{windowed.perplexity - dense.perplexity:+.3f} vs dense "
+                            f"{dense.perplexity:.3f}", delta_color="inverse")
+        if right.button("Ablate the inactive heads", key="hd_claim_ablate") or jobs.cached(ablate_key):
+            try:
+                base, ablated, share = jobs.run(ablate_key, "Perplexity with the "
+                                                "inactive heads ablated", lambda p: heads.ablate_inactive(
+                                                    loaded, text, tax, settings.arch)) or (None, None, 0.0)
+            except AttnvizError as err:
+                right.error(str(err))
+                base = None
+            if base is not None:
+                right.metric(f"perplexity, {share:.0%} of heads zeroed", f"{ablated.perplexity:.3f}",
+                             f"{ablated.perplexity - base.perplexity:+.3f} vs {base.perplexity:.3f}",
+                             delta_color="inverse")
+                right.metric("next-token accuracy", f"{ablated.accuracy:.1%}",
+                             f"{(ablated.accuracy - base.accuracy) * 100:+.1f} points vs {base.accuracy:.1%}")
