@@ -27,7 +27,7 @@ from .. import arch as arch_mod
 from .. import engine
 from ..errors import InputError
 from ..models import LoadedModel
-from .presses import Context, Press, SnapKV, parse
+from .presses import DEFAULTS, Context, Press, SnapKV, parse
 
 RATIOS = (0.0, 0.25, 0.5, 0.75, 0.9)
 MAP_SIDE = 96  # the context's maps are kept max-pooled to at most this many cells a side, for the figures
@@ -130,9 +130,9 @@ def _row(press: str, ratio: float, logprobs: torch.Tensor, dense: torch.Tensor |
 
 def compress(loaded: LoadedModel, ids: list[int], context: int, presses: list[str | Press] | None = None,
              ratios=RATIOS, arch="fwd", on_step: Callable[[int, int], None] | None = None) -> Compression:
-    """Every press at every ratio against the dense cache (see the module docstring)."""
+    """Every press (default: all six) at every ratio against the dense cache (see the module docstring)."""
     architecture = arch_mod.resolve(arch, loaded.n_layers).require_causal("compress a KV cache")
-    presses = [p if isinstance(p, Press) else parse(p) for p in (presses or ["streaming(s=4)", "snapkv"])]
+    presses = [p if isinstance(p, Press) else parse(p) for p in (presses or DEFAULTS)]
     check(loaded, len(ids), context, ratios, presses)
     targets = torch.tensor(ids[context + 1:])
     pre = prefill(loaded, ids, context, architecture)
