@@ -56,3 +56,14 @@ def test_bos_toggle_prepends_the_bos_token(model_cache, default_model, tmp_path)
     assert arr(charts(at)[0]["data"][0]["customdata"]).shape == (n + 1, n + 1)
     on_page(at, "pages/sinks.py")
     assert not at.error and charts(at)
+
+
+def test_compare_without_and_with_a_bos_token(model_cache, tmp_path):
+    at = app_test(tmp_path)
+    at.run()
+    on_page(at, "pages/compare.py")
+    at.radio(key="cmp_mode").set_value("without and with a BOS token first").run()
+    assert not at.exception and not at.error, texts(at.error)
+    names = [a["text"] for a in charts(at)[0]["layout"]["annotations"]]
+    assert "A: fwd" in names and "B: fwd · BOS first" in names
+    assert "one more token" in texts(at.caption)
