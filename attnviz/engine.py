@@ -240,7 +240,12 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     if (streamed and hasattr(run.reducer, "add_fused") and batch == 1 and mask.stable is None and softcap is None
             and s_aux is None and bias is None and not run.keep_graph and not torch.is_grad_enabled()
             and not any(a.changes_probabilities for a in acts) and kernels.wanted(query.device)):
-        return _fused_layer(run, layer, mask, query, key, value, allow, scaling, sliding_window)
+        try:
+            return _fused_layer(run, layer, mask, query, key, value, allow, scaling, sliding_window)
+        except Exception as err:  # noqa: BLE001 - a kernel that cannot compile or launch here: the block engine
+            if devices.is_out_of_memory(err):
+                raise
+            kernels.disable(err)
     rows = n_q if run.keep_graph or torch.is_grad_enabled() or (recorded and run.reducer is not None and not streamed) \
         else run.block_rows(batch * n_heads * n_kv, query.device)
     maps = scores_out = None

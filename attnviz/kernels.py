@@ -46,10 +46,25 @@ def available() -> bool:
     return True
 
 
+_disabled: list[str] = []  # why the fused route was switched off in this process, if it was
+
+
+def disable(err: BaseException) -> None:
+    """Switch the fused route off for this process after the kernel failed to compile or launch (a
+    Triton or driver this code was not tried with): the block engine computes the same statistics,
+    slower. Said once on the log, with the reason."""
+    if not _disabled:
+        import logging
+
+        logging.getLogger("attnviz").warning("fused statistics kernel unavailable (%s: %s); using the block engine",
+                                             type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+    _disabled.append(f"{type(err).__name__}: {err}")
+
+
 def wanted(device: torch.device) -> bool:
     """Whether recorded layers on ``device`` take the fused route (see the module docstring)."""
     setting = os.environ.get("ATTNVIZ_FUSED", "")
-    if setting == "0":
+    if setting == "0" or _disabled:
         return False
     if setting == "1":
         return available()

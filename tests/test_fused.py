@@ -102,3 +102,25 @@ def test_pool_factor_rounding():
     for n in (513, 8193, 30000, 32768, 100000):
         f = pool_factor(n, 512)
         assert 256 <= -(-n // f) <= 512 and f % kernels.granularity(f) == 0 and 64 % kernels.granularity(f) == 0
+
+
+def test_a_kernel_that_fails_falls_back_to_the_block_engine(monkeypatch, caplog):
+    """A Triton or driver the kernel was never tried with must not break captures: the layer is computed
+    by the block engine and the route is switched off for the process, said once on the log."""
+    lm = loaded("llama")
+    monkeypatch.setenv("ATTNVIZ_FUSED", "0")
+    blocks = capture(lm, TEXT, "fwd", reduce=True, pool=24)
+    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
+    monkeypatch.setattr(kernels, "_disabled", [])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX assembly failed")
+
+    monkeypatch.setattr(kernels, "layer_statistics", broken)
+    with caplog.at_level("WARNING"):
+        fell_back = capture(lm, TEXT, "fwd", reduce=True, pool=24)
+    assert kernels._disabled and "PTX assembly failed" in caplog.text
+    assert not kernels.wanted(torch.device("cpu"))
+    for layer in range(3):
+        np.testing.assert_allclose(fell_back.stats[layer]["alpha"], blocks.stats[layer]["alpha"], atol=1e-6,
+                                   equal_nan=True)

@@ -179,3 +179,27 @@ def test_perplexity_of_a_text_file_is_the_file_as_written(default_model, tmp_pat
     assert doc["tokens"] == verbatim.tokens and abs(doc["perplexity"] - verbatim.perplexity) < 1e-4
     joined = "\n\n".join(d.strip() for d in raw.split("\n\n") if d.strip())
     assert token_ids(default_model, joined, 4096) != token_ids(default_model, raw, 4096)  # the old reading differs
+
+
+def test_cli_intervene_on_capture_stream_and_generate(default_model, tmp_path):
+    import json
+
+    from attnviz import export
+    from attnviz.capture import Capture
+    from test_cli import run
+
+    spec = "sinkscale(beta=0.5)@25-29; ablate(heads=1)@3"
+    canonical = "sinkscale(key=0, beta=0.5)@25-29; ablate(heads=1, how=zero)@3"
+    cap = run("capture", "--text", "The cat sat on the mat.", "--intervene", spec, "--out", str(tmp_path / "c.npz"))
+    assert cap.returncode == 0, cap.stderr
+    assert json.loads(cap.stdout)["intervene"] == canonical
+    saved = Capture.load(tmp_path / "c.npz")
+    assert saved.meta["intervene"] == canonical
+    meta = export.describe(saved, 29, 0)
+    assert meta["intervene"] == canonical and "sinkscale" in export.filename(meta, "pdf")
+    stream = run("stream", "--corpus", "stdlib:specialnames", "--max-tokens", "40", "--intervene", spec)
+    assert stream.returncode == 0, stream.stderr
+    assert json.loads(stream.stdout)["intervene"] == canonical
+    gen = run("generate", "--text", "The lighthouse keeper", "--max-new-tokens", "3", "--intervene", spec)
+    assert gen.returncode == 0, gen.stderr
+    assert json.loads(gen.stdout)["intervene"] == canonical
