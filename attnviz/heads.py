@@ -30,6 +30,14 @@ from .models import LoadedModel
 
 SINK, WINDOW = 4, 64
 TAU_STREAM, TAU_INACTIVE = 0.9, 0.2
+MAX_BYTES = 1 << 30  # the fp32 maps of every layer that one text may take: 1 GB (~1,000 tokens on SmolLM2)
+
+
+def max_tokens(loaded: LoadedModel, budget: int | None = None) -> int:
+    """The longest text whose every layer's fp32 maps (what the scores are computed from) fit ``budget``
+    (default :data:`MAX_BYTES`)."""
+    per_token_pair = 4 * loaded.n_heads * loaded.n_layers
+    return max(2, min(loaded.max_tokens, int(((budget or MAX_BYTES) / per_token_pair) ** 0.5)))
 
 
 def streaming_score(probs: np.ndarray, s: int = SINK, w: int = WINDOW) -> np.ndarray:
@@ -118,7 +126,7 @@ class Taxonomy:
 
 
 def _one(loaded: LoadedModel, text: str, architecture, s: int, w: int):
-    cap = capture(loaded, text, architecture, storage_dtype=torch.float32, qkv=True)
+    cap = capture(loaded, text, architecture, storage_dtype=torch.float32, qkv=True, max_tokens=max_tokens(loaded))
     modules = engine.attention_modules(loaded.model)
     alpha0, stream, norms = [], [], []
     for layer in cap.layers:

@@ -57,7 +57,10 @@ class _Crop:
             self.allowed[a - r0:b - r0, c - c0:d - c0] = allow[0, 0, a - q0:b - q0, c - k0:d - k0]
 
     def finish(self, layer):
-        return self.values.cpu().numpy(), self.allowed.cpu().numpy()
+        """The region on the host, copied once (the engine and :func:`region` both ask)."""
+        if not isinstance(self.values, np.ndarray):
+            self.values, self.allowed = self.values.cpu().numpy(), self.allowed.cpu().numpy()
+        return self.values, self.allowed
 
 
 class _Done(Exception):

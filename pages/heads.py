@@ -32,7 +32,8 @@ if loaded is None:
 else:
     c1, c2, c3, c4 = st.columns([3, 1, 1, 1])
     choice = c1.selectbox("Text", SOURCES, key="hd_source")
-    n = int(c2.number_input("Tokens", 80, loaded.max_tokens, 384, step=64, key="hd_tokens",
+    n = int(c2.number_input("Tokens", 80, heads.max_tokens(loaded), 384, step=64, key="hd_tokens",
+                            help="every layer's maps are kept in fp32 to score the heads: at most ~1 GB of them",
                             disabled=choice == "The sidebar text"))
     s = int(c3.number_input("s: sink keys", 0, 64, heads.SINK, key="hd_s"))
     w = int(c4.number_input("w: recent keys", 1, 4096, heads.WINDOW, key="hd_w"))

@@ -110,3 +110,12 @@ def test_heads_page_grid_and_both_claims(model_cache, default_model, tmp_path):
     inactive = at.metric[2].value
     at.slider(key="hd_tau_inactive").set_value(0.9).run()  # thresholds re-classify without a new forward
     assert not at.exception and at.metric[2].value != inactive
+
+
+def test_a_text_too_long_to_score_is_refused_with_what_fits(monkeypatch):
+    lm = loaded("llama")
+    monkeypatch.setattr(heads, "MAX_BYTES", 4 * 4 * 3 * 150 ** 2)  # the fp32 maps of 150 tokens
+    assert heads.max_tokens(lm) == 150
+    with pytest.raises(InputError, match="this view captures at most 150"):
+        heads.taxonomy(lm, ["x" * 160], s=2, w=8)
+    assert heads.taxonomy(lm, ["x" * 150], s=2, w=8).samples == 1
