@@ -353,9 +353,8 @@ def check_device(loaded: LoadedModel, n_tokens: int, what: str = "this capture",
     if free is None or need <= free:
         return
     fit = next((n for n in range(n_tokens, 0, -64) if device_bytes(loaded, n, **options) <= free), 0)
-    smaller = dict(options, block_bytes=devices.CPU_BLOCK_BYTES // 16)
-    hint = (f"; with ATTNVIZ_BLOCK_MB=4, ~{devices.mb(device_bytes(loaded, n_tokens, **smaller))}"
-            if device_bytes(loaded, n_tokens, **smaller) < need else "")
+    smaller = device_bytes(loaded, n_tokens, **dict(options, block_bytes=4 * devices.MB))
+    hint = f"; with ATTNVIZ_BLOCK_MB=4, ~{devices.mb(smaller)}" if smaller < need else ""
     raise devices.DeviceMemoryError(
         f"{what} needs ~{devices.mb(need)} on {loaded.model.device} for {n_tokens} tokens, more than the "
         f"{devices.mb(free)} free there{hint}. What would fit: "

@@ -13,7 +13,6 @@ import gc
 import os
 from contextlib import contextmanager
 
-import numpy as np
 import torch
 
 from .errors import AttnvizError
@@ -30,10 +29,6 @@ DEVICE_BLOCK_MAX = 512 * MB
 
 class DeviceMemoryError(AttnvizError):
     """The device ran out of memory during a capture: its cache has been emptied, nothing is kept."""
-
-
-def device_of(x) -> torch.device:
-    return x.device if isinstance(x, torch.Tensor) else torch.device(x)
 
 
 def mb(n: int) -> str:
@@ -104,9 +99,6 @@ def describe(model) -> str:
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     return f"{' + '.join(devices)} · {dtype}"
 
-
-def as_numpy(x) -> np.ndarray:
-    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
 @contextmanager

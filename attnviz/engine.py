@@ -54,13 +54,9 @@ class Run:
     keep_graph: bool = False  # keep every layer's fp32 probabilities, autograd graph and all (residual variants)
     q_positions: torch.Tensor | None = None  # (B, n_q): query positions when queries are not the keys (cross-attention)
     interventions: Interventions = NONE  # SPEC §12: applied by this attention function, never by patching the model
-    # SPEC §13: per layer, the (H, C) context keys each query head keeps for the rows from C on (a
-    # compressed cache as a per-head key mask); rows before C, and keys from C on, are untouched
-    kept_keys: dict[int, torch.Tensor] = field(default_factory=dict)
-    kept_from: int = 0
-    # SPEC §14: per layer, an (H, n_q, n_kv) allow-set per head (e.g. only the streaming heads on a sink +
-    # window pattern), and-ed with the layer's mask
-    head_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # per layer, ``mask(n_q, n_kv, device)`` → an (H, n_q, n_kv) allow-set per head, and-ed with the layer's
+    # mask: a compressed KV cache (SPEC §13), or only the streaming heads on sink + window (SPEC §14)
+    head_masks: dict[int, Callable[[int, int, torch.device], torch.Tensor]] = field(default_factory=dict)
     probs: dict[int, torch.Tensor] = field(default_factory=dict)
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     value_norms: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -112,8 +108,7 @@ class Run:
         n_q, n_kv = allow.shape[-2], allow.shape[-1]
         if not narrow:
             return [(0, n_kv)] * -(-n_q // rows)
-        per_layer = layer in self.kept_keys or layer in self.head_masks  # their allow-sets are made per layer
-        key = ("ranges", id(allow), rows, layer if per_layer else None)
+        key = ("ranges", id(allow), rows, layer if layer in self.head_masks else None)  # head masks: per layer
         if key not in self._allow_cache:
             self._allow_cache[key] = [tuple(r) for r in _block_ranges(allow, rows).tolist()]
         return self._allow_cache[key]
@@ -210,19 +205,17 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     n_kv_heads, n_kv = key.shape[1], key.shape[2]
     group = n_heads // n_kv_heads
     scaling = dim ** -0.5 if scaling is None else scaling
-    acts = run.interventions.at(layer)
+    reshaped = any(a.changes_probabilities for a in run.interventions.at(layer))  # scores or probabilities
     explicit = (layer in run.record or run.keep_graph or mask.stable is not None or softcap is not None
-                or s_aux is not None or any(a.changes_probabilities for a in acts) or layer in run.kept_keys
-                or layer in run.head_masks)
-    if not explicit and mask.name == "fwd" and not sliding_window and n_q == n_kv and run.unpadded and bias is None:
+                or s_aux is not None or reshaped or layer in run.head_masks)
+    plain_causal = mask.name == "fwd" and not sliding_window and n_q == n_kv and run.unpadded and bias is None
+    if not explicit and plain_causal:
         # plain causal: let SDPA pick its fused causal kernel instead of reading an n x n mask
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
         return run.finish(layer, out)
     allow = run.allow(layer, n_q, n_kv, sliding_window, query.device)
-    if layer in run.kept_keys:  # a compressed cache: a per-head key mask on the rows from kept_from on
-        allow = _with_kept_keys(allow, run.kept_keys[layer].to(query.device), run.kept_from, n_q, n_kv)
     if layer in run.head_masks:
-        allow = keep_self_if_empty(allow & run.head_masks[layer][..., -n_q:, -n_kv:].to(query.device)[None])
+        allow = keep_self_if_empty(allow & run.head_masks[layer](n_q, n_kv, query.device)[None])
     if not explicit:
         attn_mask = allow if bias is None else bias.to(query.dtype).masked_fill(~allow, float("-inf"))
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scaling,
@@ -239,9 +232,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     streamed = recorded and hasattr(run.reducer, "add")  # a block reducer: statistics without full maps
     if (streamed and hasattr(run.reducer, "add_fused") and batch == 1 and mask.stable is None and softcap is None
             and s_aux is None and bias is None and not run.keep_graph and not torch.is_grad_enabled()
-            and not any(a.changes_probabilities for a in acts) and kernels.wanted(query.device)):
+            and not reshaped and kernels.wanted(query.device)):
         try:
-            return _fused_layer(run, layer, mask, query, key, value, allow, scaling, sliding_window)
+            return _fused_layer(run, layer, query, key, value, allow, scaling, plain_causal)
         except Exception as err:  # noqa: BLE001 - a kernel that cannot compile or launch here: the block engine
             if devices.is_out_of_memory(err):
                 raise
@@ -295,7 +288,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     return run.finish(layer, outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))
 
 
-def _fused_layer(run: Run, layer: int, mask: Mask, query, key, value, allow, scaling: float, sliding_window):
+def _fused_layer(run: Run, layer: int, query, key, value, allow, scaling: float, plain_causal: bool):
     """A recorded layer of a statistics capture by the fused route (:mod:`attnviz.kernels`): the
     Triton kernel computes its statistics and pooled maps from Q and K, SDPA its output."""
     batch, n_heads, n_q, _ = query.shape
@@ -312,7 +305,7 @@ def _fused_layer(run: Run, layer: int, mask: Mask, query, key, value, allow, sca
                                    factor, pooled_shape, run.value_norms[layer][0] if layer in run.value_norms else None,
                                    scores=run.record_scores)
     reducer.add_fused(layer, raw, allow_2d, n_q, n_kv)
-    if mask.name == "fwd" and not sliding_window and n_q == n_kv and run.unpadded:
+    if plain_causal:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
     else:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=allow, scale=scaling, enable_gqa=group > 1)
@@ -353,18 +346,6 @@ class FullMaps:
         return self.host_array
 
 
-def _with_kept_keys(allow: torch.Tensor, kept: torch.Tensor, start: int, n_q: int, n_kv: int) -> torch.Tensor:
-    """(B, H, n_q, n_kv) allow-set: ``allow`` with, for query rows at key positions >= ``start``, only
-    the context keys (< ``start``) that ``kept`` (H, start) marks for each head."""
-    heads = kept.shape[0]
-    rows = torch.arange(n_kv - n_q, n_kv, device=allow.device) >= start  # (n_q,): rows past the context
-    context = torch.arange(n_kv, device=allow.device) < start
-    hidden = rows[:, None] & context[None, :]  # (n_q, n_kv) cells the compression may drop
-    keep = torch.ones(heads, n_kv, dtype=torch.bool, device=allow.device)
-    keep[:, :start] = kept
-    return allow & ~(hidden[None] & ~keep[:, None, :])[None]
-
-
 def _block_ranges(allow: torch.Tensor, rows: int) -> torch.Tensor:
     """(blocks, 2) [first, last + 1) of the keys any row of each block of ``rows`` query rows of a
     (B, 1, n_q, n_kv) allow-set may see (every key for a block that sees none), on allow's device."""
@@ -375,11 +356,6 @@ def _block_ranges(allow: torch.Tensor, rows: int) -> torch.Tensor:
     last = torch.where(seen, index, -1).amax(-1) + 1
     none = ~seen.any(-1)
     return torch.stack([torch.where(none, 0, first), torch.where(none, n_kv, last)], dim=-1)
-
-
-def kv_pos_start(n_total) -> int:
-    """The block's first key index (``n_total`` = (queries, keys, first key) of :func:`_block_probs`)."""
-    return 0 if n_total is None else n_total[2]
 
 
 def _block_probs(run: Run, layer: int, mask: Mask, query, key, scaling, allow, bias, softcap, s_aux, q_pos, kv_pos,
@@ -434,7 +410,7 @@ def _block_probs(run: Run, layer: int, mask: Mask, query, key, scaling, allow, b
     if mask.stable is not None and mask.horizon is None:  # zeroed after the softmax, not renormalised
         probs = probs * allow if probs.requires_grad else probs.mul_(allow)
     for intervention in acts:  # sinkscale: after the softmax
-        probs = intervention.probabilities(probs, kv_pos_start(n_total))
+        probs = intervention.probabilities(probs, 0 if n_total is None else n_total[2])  # the block's first key
     return probs
 
 

@@ -195,7 +195,8 @@ def streaming_only_perplexity(loaded: LoadedModel, text: str, tax: Taxonomy, arc
     masks = {layer: torch.where(torch.from_numpy(tax.streaming[layer])[:, None, None], window, True)
              for layer in range(loaded.n_layers) if tax.streaming[layer].any()}
     run = engine.make_run(loaded.model, torch.tensor([ids]), list(architecture.layers), record=set())
-    run.head_masks = masks
+    run.head_masks = {layer: lambda n_q, n_kv, device, m=m: m[..., -n_q:, -n_kv:].to(device)
+                      for layer, m in masks.items()}
     with torch.inference_mode(), engine.active(run):
         logits = loaded.model(input_ids=torch.tensor([ids]).to(loaded.model.device), use_cache=False).logits
     logprobs = torch.log_softmax(logits[0, :-1].float(), -1).cpu()

@@ -117,7 +117,7 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     pooled_value = torch.zeros(heads, rows, cols, **f32) if norms is not None else pooled
     pooled_scores = torch.full((heads, rows, cols), float("-inf"), **f32) if scores else pooled
     dummy = torch.zeros(1, **f32)
-    _kernel()[(triton_cdiv(n_q, bm), heads)](
+    _kernel()[(-(-n_q // bm), heads)](
         query, key, allow if allow.dtype == torch.uint8 else allow.to(torch.uint8).contiguous(),
         ranges.to(device, torch.int32).contiguous(),
         delim.to(**f32).contiguous(), dummy if norms is None else norms.to(**f32).contiguous(),
@@ -136,6 +136,3 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
             out["pooled_scores"] = pooled_scores
     return out
 
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)

@@ -185,10 +185,11 @@ class Summaries:
         self.layers[layer] = summary = LayerSummary(heads, n_q, n_kv, delim=self.delim)
         summary.add_fused(raw, allow)
         if self.pool:
+            seen = PooledMap(heads, n_q, n_kv, self.pool).seen_of(allow)  # one grid for every pooled kind
             for name, store in (("pooled", self.pooled), ("pooled_value", self.pooled_value),
                                 ("pooled_scores", self.pooled_scores)):
                 if name in raw:
-                    store[layer] = PooledMap(heads, n_q, n_kv, self.pool).set(raw[name], allow)
+                    store[layer] = PooledMap(heads, n_q, n_kv, self.pool).set(raw[name], seen)
 
     def finish(self, layer: int) -> dict[str, np.ndarray]:
         out = self.layers.pop(layer).tensors()
@@ -248,11 +249,14 @@ class PooledMap:
         seen, _, _ = self._pool(allow.to(probs.device, torch.uint8)[None], q0, k0, 0)
         self.seen[r:r + seen.shape[1], c:c + seen.shape[2]] |= seen[0].bool()
 
-    def set(self, values: torch.Tensor, allow: torch.Tensor) -> "PooledMap":
-        """The whole pooled grid at once (the fused kernel's), with the cells ``allow`` (n_q, n_kv) sees."""
-        self.values = values.float()
-        seen, _, _ = self._pool(allow.to(values.device, torch.uint8)[None], 0, 0, 0)
-        self.seen = seen[0].bool()
+    def seen_of(self, allow: torch.Tensor) -> torch.Tensor:
+        """The pooled cells under which ``allow`` (n_q, n_kv) allows anything, as a bool grid."""
+        seen, _, _ = self._pool(allow.to(torch.uint8)[None], 0, 0, 0)
+        return seen[0].bool()
+
+    def set(self, values: torch.Tensor, seen: torch.Tensor) -> "PooledMap":
+        """The whole pooled grid at once (the fused kernel's), with its :meth:`seen_of` cells."""
+        self.values, self.seen = values.float(), seen.to(values.device)
         return self
 
     def tensor(self) -> torch.Tensor:

@@ -156,10 +156,6 @@ def captures_left() -> int:
     return store.budget
 
 
-def _mb(n: int) -> str:
-    return f"{n / 2**20:,.0f} MB"
-
-
 def _full_maps(loaded: LoadedModel, n_tokens: int, hidden: bool) -> tuple[int, int]:
     """(estimated bytes of a capture with full maps of every layer, the per-capture limit they must fit)."""
     return estimate_bytes(loaded, n_tokens, hidden_states=hidden), min(captures_left(), full_maps_limit())
@@ -185,16 +181,17 @@ def plan_capture(loaded: LoadedModel, n_tokens: int, hidden: bool, extras: tuple
                    if estimate_bytes(loaded, n_tokens, layers=k, hidden_states=hidden) <= limit), default=0)
         fewer = (f", fewer recorded layers ({few} of {loaded.n_layers} fit at this length: `attnviz capture --layers`)"
                  if few and not residual else "")
-        st.error(f"{what.capitalize()} needs the full maps of every layer: ~{_mb(full)} for {n_tokens} tokens, more "
-                 f"than the {_mb(limit)} allowed per capture. What would fit: a text of at most ~{fit} tokens{fewer}, "
-                 f"or the plain attention weights (statistics and pooled maps, any length). One layer alone would "
-                 f"take ~{_mb(one)}.")
+        st.error(f"{what.capitalize()} needs the full maps of every layer: ~{devices.mb(full)} for {n_tokens} "
+                 f"tokens, more than the {devices.mb(limit)} allowed per capture. What would fit: a text of at most "
+                 f"~{fit} tokens{fewer}, or the plain attention weights (statistics and pooled maps, any length). One "
+                 f"layer alone would take ~{devices.mb(one)}.")
         return None
     if stats > left:
         fit = next((n for n in range(n_tokens, 0, -256) if estimate_bytes(loaded, n, **long_options) <= left), 0)
-        st.error(f"This capture would take ~{_mb(stats)} even as statistics only, more than the {_mb(left)} the "
-                 f"server has left for captures (ATTNVIZ_MEMORY_MB {_mb(capture_budget())}, of which the model "
-                 f"weights take {_mb(models_bytes())}). What would fit: a text of at most ~{fit} tokens.")
+        st.error(f"This capture would take ~{devices.mb(stats)} even as statistics only, more than the "
+                 f"{devices.mb(left)} the server has left for captures (ATTNVIZ_MEMORY_MB "
+                 f"{devices.mb(capture_budget())}, of which the model "
+                 f"weights take {devices.mb(models_bytes())}). What would fit: a text of at most ~{fit} tokens.")
         return None
     return {"reduce": True, "pool": POOL, "hidden_states": False}, stats
 

@@ -4,7 +4,7 @@ A text is split into a context (its first C tokens) and a continuation (the rest
 prefilled once under the architecture, recording every layer's attention, from which each press
 scores the context keys of every (layer, KV head). A compressed cache keeps the top
 ceil((1 - r)·C) of them: the continuation's rows then see only those context keys (and their own
-earlier keys), which is a per-head key mask (:attr:`attnviz.engine.Run.kept_keys`), so the whole text
+earlier keys), which is a per-head key mask (:attr:`attnviz.engine.Run.head_masks`), so the whole text
 runs as one masked forward and the kept keys can be drawn over the same heatmaps.
 
 What is scored: the continuation tokens from C + 1 on, each predicted by a continuation row (row C
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -111,12 +112,22 @@ def _continuation(loaded: LoadedModel, ids: list[int], context: int, architectur
     group = loaded.n_heads // loaded.n_kv_heads
     run = engine.make_run(loaded.model, torch.tensor([ids]), list(architecture.layers), record=set())
     if kept is not None:
-        run.kept_keys = {layer: keep.repeat_interleave(group, dim=0) for layer, keep in kept.items()}
-        run.kept_from = context
+        run.head_masks = {layer: partial(kept_mask, keep.repeat_interleave(group, dim=0), context)
+                          for layer, keep in kept.items()}
     with torch.inference_mode(), engine.active(run):
         logits = loaded.model(input_ids=torch.tensor([ids]).to(loaded.model.device), use_cache=False,
                               position_ids=run.positions.to(loaded.model.device)).logits
     return torch.log_softmax(logits[0, context:len(ids) - 1].float(), -1).cpu()
+
+
+def kept_mask(kept: torch.Tensor, start: int, n_q: int, n_kv: int, device) -> torch.Tensor:
+    """(H, n_q, n_kv): query rows at key positions >= ``start`` see, of the context keys (< ``start``),
+    only those ``kept`` (H, start) marks for their head; every other cell is left to the layer's mask."""
+    rows = torch.arange(n_kv - n_q, n_kv, device=device) >= start  # (n_q,): rows past the context
+    context = torch.arange(n_kv, device=device) < start
+    keep = torch.ones(kept.shape[0], n_kv, dtype=torch.bool, device=device)
+    keep[:, :start] = kept.to(device)
+    return ~((rows[:, None] & context[None, :])[None] & ~keep[:, None, :])
 
 
 def _row(press: str, ratio: float, logprobs: torch.Tensor, dense: torch.Tensor | None, targets: torch.Tensor,
