@@ -108,8 +108,8 @@ def out_of_memory_explained(what: str):
     included) goes on with its memory back."""
     try:
         yield
-    except Exception as err:  # noqa: BLE001 - only out-of-memory errors are translated
-        if not is_out_of_memory(err):
+    except Exception as err:  # noqa: BLE001 - only out-of-memory errors are translated, and only once
+        if isinstance(err, DeviceMemoryError) or not is_out_of_memory(err):
             raise
         del err
         release()

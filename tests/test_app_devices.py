@@ -44,12 +44,12 @@ def test_out_of_memory_during_a_capture_is_explained_and_the_server_goes_on(mode
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return real(*args, **kwargs)
 
+    fresh = "A text no earlier test captured: the device fails in the middle of it, once."
+    at = app_test(tmp_path)
+    at.run()  # the default text's capture, before the device fails
     monkeypatch.setattr(engine, "_block_probs", once_out_of_memory)
     real_release = devices.release
     monkeypatch.setattr(devices, "release", lambda: released.append(True) or real_release())
-    fresh = "A text no earlier test captured: the device fails in the middle of it, once."
-    at = app_test(tmp_path)
-    at.run()
     at.sidebar.text_area(key="text").input(fresh).run()
     assert not at.exception
     assert "ran out of memory" in texts(at.error) and "cache has been emptied" in texts(at.error)

@@ -89,18 +89,14 @@ def run(key: Hashable, label: str, compute: Callable[[Callable[[int, int], None]
                          text=f"{label}: {done}/{total} ({time.perf_counter() - start:.0f} s)")
 
         try:
-            result = compute(progress)
+            # a device out-of-memory error in any computation: the cache goes back, the other sessions
+            # keep running, and it is explained like any other refusal
+            with devices.out_of_memory_explained(label.lower()):
+                result = compute(progress)
         except AttnvizError as err:
+            if isinstance(err, devices.DeviceMemoryError):
+                log.warning("out of memory in %s at %d/%d; device cache emptied", label, *reached)
             st.error(f"{label}: {err}")
-            return None
-        except Exception as err:  # noqa: BLE001 - a device out-of-memory error in any computation
-            if not devices.is_out_of_memory(err):
-                raise
-            del err
-            devices.release()  # the device's cache goes back: the other sessions keep running
-            log.warning("out of memory in %s at %d/%d; device cache emptied", label, *reached)
-            st.error(f"{label}: the device ran out of memory; its cache has been emptied and nothing was kept. "
-                     "Try a shorter text, fewer layers or policies, or statistics only.")
             return None
         except BaseException as stop:  # Streamlit's rerun/stop: the user moved on
             log.info("abandoned %s at %d/%d after %.1f s (%s)", label, *reached, time.perf_counter() - start,
