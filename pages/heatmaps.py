@@ -11,6 +11,8 @@ from attnviz.figures import heatmap, overview, region_heatmap, tile_at
 from ui import jobs
 from ui.export import data_downloads, figure_downloads
 from ui.state import current_capture, fits_full_maps, get_seq2seq_capture, page_context
+from ui.viewer import heatmap_viewer
+from ui.viewer import state as viewer_state
 
 # Above this many tokens the colour scale starts logarithmic: a linear scale spends the whole range on
 # the sink column (p ~ 0.5-0.9), so the ~1/n attention everywhere else is white and the map reads as a
@@ -33,10 +35,15 @@ seq2seq = loaded is not None and loaded.is_encoder_decoder
 
 @st.fragment
 def show(cap, mode: str) -> None:
-    """The layer/head sliders, the map, its export and the overview of one capture.
+    """The map of one layer and head, its export and a full-resolution zoom.
 
-    A fragment: moving a slider reruns only this function, not the sidebar, the model lookup and
-    the capture cache of the whole page (issue 8 §2: repaint within 300 ms)."""
+    Attention weights go to the browser's viewer (ui.viewer): a slider move repaints there, with no
+    server round trip. The other views (and the viewer switched off) keep server-side sliders in a
+    fragment: a move reruns only this function, not the sidebar, the model lookup and the capture
+    cache of the whole page."""
+    if mode == "weight" and st.session_state.get("hm_instant", True):
+        show_instant(cap)
+        return
     # a click on the overview moves the sliders (applied before they are drawn)
     if "hm_jump" in st.session_state:
         st.session_state["hm_layer"], st.session_state["hm_head"] = st.session_state.pop("hm_jump")
@@ -74,7 +81,30 @@ def show(cap, mode: str) -> None:
                   "drag a box or pick a region below to see it at full resolution." if pooled > 1 else
                   " Drag a box to zoom into a region with token labels."))
     figure_downloads(fig, export.describe(cap, layer, head), key="hm")
-    zoom_section(cap, layer, head, log, box)
+    boxes = ((box or {}).get("selection", {}) or {}).get("box", []) if box else []
+    region = None
+    if boxes and boxes[0].get("x") and boxes[0].get("y"):  # a box dragged on the map sets the ranges
+        (x0, x1), (y0, y1) = sorted(boxes[0]["x"]), sorted(boxes[0]["y"])
+        region = ((int(y0 + 0.5), int(y1 + 0.5)), (int(x0 + 0.5), int(x1 + 0.5)))
+    zoom_section(cap, layer, head, log, region)
+
+
+def show_instant(cap) -> None:
+    """The browser's viewer: layers, heads, log scale and row normalisation move there; a box drag
+    asks for a full-resolution region below; the export follows the view where it rests."""
+    default_log = cap.n_tokens > LOG_DEFAULT_TOKENS
+    result = heatmap_viewer([cap], key="hm_viewer", regions=True, log=default_log,
+                            jump=st.session_state.get("hm_jump_view"))
+    view = result.get("view") or viewer_state("hm_viewer").get("view") or {}
+    layer = view.get("layer", cap.layers[-1])
+    layer = layer if layer in cap.layers else cap.layers[-1]
+    head, log = view.get("head"), bool(view.get("log", default_log))
+    figure_downloads(lambda: heatmap(cap, layer, head, log=log), export.describe(cap, layer, head), key="hm")
+    region, asked = None, result.get("region")
+    if asked:
+        layer, head = asked["layer"], asked.get("head")
+        region = (tuple(asked["queries"]), tuple(asked["keys"]))
+    zoom_section(cap, layer, head, log, region)
 
 
 def show_overview(cap) -> None:
@@ -89,20 +119,23 @@ def show_overview(cap) -> None:
     if clicked and clicked != st.session_state.get("hm_overview_seen"):
         st.session_state["hm_overview_seen"] = clicked
         st.session_state["hm_jump"] = tile_at(cap, *clicked)
+        layer, head = st.session_state["hm_jump"]
+        st.session_state["hm_jump_view"] = {"layer": layer, "head": head,
+                                            "n": st.session_state.get("hm_jump_view", {}).get("n", 0) + 1}
         st.rerun()
     data_downloads(cap, key="hm_data")
 
 
-def zoom_section(cap, layer: int, head, log: bool, event) -> None:
+def zoom_section(cap, layer: int, head, log: bool, box) -> None:
     """A region (queries × keys) at full resolution: cut from full maps, or recomputed for a long text
-    (the forward stops after this layer)."""
+    (the forward stops after this layer). ``box``: ((q0, q1), (k0, k1)) a drag on the map asked for."""
     n, n_q, side = cap.n_tokens, len(cap.row_tokens), zoom.MAX_SIDE
-    boxes = ((event or {}).get("selection", {}) or {}).get("box", []) if event else []
-    if boxes and boxes[0].get("x") and boxes[0].get("y"):  # a box dragged on the map sets the ranges
-        (x0, x1), (y0, y1) = sorted(boxes[0]["x"]), sorted(boxes[0]["y"])
-        k0, q0 = max(0, int(x0 + 0.5)), max(0, int(y0 + 0.5))
-        st.session_state["hm_zk"] = (k0, min(n, max(k0 + 1, int(x1 + 0.5)), k0 + side))
-        st.session_state["hm_zq"] = (q0, min(n_q, max(q0 + 1, int(y1 + 0.5)), q0 + side))
+    if box:  # a box dragged on the map sets the ranges (at most ``side`` tokens a side)
+        (q0, q1), (k0, k1) = box
+        k0, q0 = max(0, int(k0)), max(0, int(q0))
+        st.session_state["hm_zk"] = (k0, min(n, max(k0 + 1, int(k1)), k0 + side))
+        st.session_state["hm_zq"] = (q0, min(n_q, max(q0 + 1, int(q1)), q0 + side))
+    boxes = [box] if box else []
     with st.expander("Zoom: a region at full resolution", expanded=bool(boxes) or cap.pool_factor(layer) > 1):
         c1, c2 = st.columns(2)
         queries = c1.slider("Queries", 0, n_q, (max(0, n_q - min(side, 48)), n_q), key="hm_zq")
@@ -162,7 +195,12 @@ elif kind != "decoder" and loaded is not None:
     st.error(f"{loaded.model_id} is a decoder-only model: it has no encoder and no cross-attention. Load an "
              "encoder-decoder (T5, BART, Marian: a Hugging Face id or a local directory) to see them.")
 else:
-    mode = st.radio("Show", list(SHOW), format_func=SHOW.get, horizontal=True, key="hm_mode",
+    c1, c2 = st.columns([5, 1])
+    c2.toggle("Instant viewer", True, key="hm_instant",
+              help="Attention weights move in your browser: every layer and head without a server round trip, "
+                   "hover values, a box drag for a full-resolution region. Off: the server draws each view "
+                   "(Plotly, as exported)")
+    mode = c1.radio("Show", list(SHOW), format_func=SHOW.get, horizontal=True, key="hm_mode",
                     help="Weight is what softmax gives; the value-weighted norm (Kobayashi et al. 2020) also counts "
                          "how much each key's value can move the output; rollout (Abnar & Zuidema 2020) multiplies "
                          "the head-mean maps of layers 0..l with the residual identity")

@@ -84,7 +84,10 @@ def browser_page(width: int = 1500, height: int = 1000):
 
 def wait_for_app(page, timeout_ms: int = 240_000) -> None:
     """Wait until the script finished running and at least one chart is drawn (or a message shown)."""
-    page.wait_for_selector('[data-testid="stPlotlyChart"], [data-testid="stAlert"]', timeout=timeout_ms)
+    page.wait_for_function(  # any of them visible (the first in the page may be off screen)
+        "() => [...document.querySelectorAll('[data-testid=\"stPlotlyChart\"], [data-testid=\"stAlert\"], "
+        ".avz-canvas')].some(e => e.getClientRects().length && e.getBoundingClientRect().height > 0)",
+        timeout=timeout_ms, polling=100)
     page.wait_for_function(
         "() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout_ms)
     page.wait_for_timeout(800)

@@ -18,7 +18,7 @@ TIMEOUT = 300
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def app_test(tmp_path) -> AppTest:
+def app_test(tmp_path, instant: bool = False) -> AppTest:
     """AppTest of app.py, run through a link in an empty folder.
 
     AppTest treats a ``pages/`` folder beside the entry script as old-style multipage pages and then
@@ -29,7 +29,11 @@ def app_test(tmp_path) -> AppTest:
     link.symlink_to(ROOT / "app.py")
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    return AppTest.from_file(str(link), default_timeout=TIMEOUT)
+    at = AppTest.from_file(str(link), default_timeout=TIMEOUT)
+    # the Heatmaps page's server-side view (Plotly, what exports draw): AppTest runs no browser script,
+    # so the instant viewer is tested in Chromium (test_viewer.py) and by its payload
+    at.session_state["hm_instant"] = instant
+    return at
 
 
 @pytest.fixture

@@ -11,6 +11,8 @@ from attnviz.figures.style import PRESETS
 
 
 def figure_downloads(fig, meta: dict, key: str) -> None:
+    """Paper export of ``fig`` (a figure, or a function making it: made only when a file is asked for)."""
+    figure = fig if callable(fig) else (lambda: fig)
     with st.expander("Export this figure"):
         cols = st.columns([2, 2, 1, 1, 1, 2])
         fmt = cols[0].selectbox("Format", export.FORMATS, index=2, key=f"{key}_fmt")
@@ -22,7 +24,7 @@ def figure_downloads(fig, meta: dict, key: str) -> None:
         if cols[5].button("Prepare file", key=f"{key}_make"):
             try:
                 with st.spinner(f"Rendering {fmt.upper()} …"):
-                    data = export.figure_bytes(fig, fmt, meta, preset=preset, colorbar=colorbar, title=title,
+                    data = export.figure_bytes(figure(), fmt, meta, preset=preset, colorbar=colorbar, title=title,
                                                font="serif" if serif else "sans")
                 st.session_state[f"{key}_file"] = (data, export.filename(meta, fmt), fmt)
             except export.ExportError as err:
@@ -32,7 +34,7 @@ def figure_downloads(fig, meta: dict, key: str) -> None:
             data, name, fmt = ready
             st.download_button(f"Download {name}", data, file_name=name, key=f"{key}_dl",
                                mime={"png": "image/png", "svg": "image/svg+xml", "pdf": "application/pdf"}[fmt])
-        st.download_button("Download interactive HTML", lambda: export.html_bytes(fig),
+        st.download_button("Download interactive HTML", lambda: export.html_bytes(figure()),
                            file_name=export.filename(meta, "html"), key=f"{key}_html", mime="text/html")
 
 

@@ -89,6 +89,7 @@
       const known = this.data;
       data.panels.forEach((p, i) => Object.assign(known.panels[i].layers, p.layers));
       this.asked.clear();
+      this.jump(data.jump);
       this.render();
       return;
     }
@@ -116,8 +117,19 @@
       this.bindPointer(panel);
       return panel;
     });
+    this.jumped = data.jump ? data.jump.n : null;
     this.readControls();
     this.render();
+  };
+
+  // The host moves the view (a click on an overview tile): {layer, head, n}, acted on once per n.
+  Viewer.prototype.jump = function (j) {
+    if (!j || j.n === this.jumped) return;
+    this.jumped = j.n;
+    const li = this.data.layers.indexOf(j.layer);
+    if (li >= 0) this.layerInput.value = li;
+    this.headInput.value = j.head === null || j.head === undefined ? 0 : j.head + 1;
+    this.readControls();
   };
 
   Viewer.prototype.readControls = function () {
@@ -257,7 +269,7 @@
     panel.geom = {left, top, W, H, m};
     this.axes(g, left, top, W, H, m);
     this.colourBar(g, left + W + 14, top, Math.min(H, 260), lo, hi);
-    const head = s.head === null ? "mean over heads" : "head " + s.head;
+    const head = d.head_labels ? d.head_labels[s.head === null ? 0 : s.head + 1] : (s.head === null ? "mean over heads" : "head " + s.head);
     panel.title.textContent = "layer " + s.layer + " · " + (panel.spec.masks[String(s.layer)] || "") + " · " + head
       + (this.panels.length > 1 ? " — " + panel.spec.title : "");
     panel.title.setAttribute("data-layer", s.layer);

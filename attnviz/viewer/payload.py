@@ -22,16 +22,25 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import os
 
 import numpy as np
 
 from ..capture import Capture
+from ..figures.heatmaps import head_label
 from ..figures.style import COLORSCALE, LOG_FLOOR, MASKED, MAX_PX, max_pool
 
 #: Full-resolution maps up to this many tokens are sent with 16-bit codes (exact hover values).
 EXACT_TOKENS = 256
-#: A payload sent to a page holds at most this many image bytes; other layers come on request.
+#: A payload sent to a page holds at most this many image bytes (``ATTNVIZ_VIEWER_MB`` overrides);
+#: other layers come on request, one round trip each.
 BUDGET_BYTES = 24 << 20
+
+
+def budget() -> int:
+    """Image bytes one payload may hold: ``ATTNVIZ_VIEWER_MB`` or :data:`BUDGET_BYTES`."""
+    value = os.environ.get("ATTNVIZ_VIEWER_MB")
+    return int(float(value) * (1 << 20)) if value else BUDGET_BYTES
 FORMATS = ("png", "webp")
 
 
@@ -111,10 +120,10 @@ def layer_images(cap: Capture, layer: int, size: int = MAX_PX, image_format: str
     return cap.memo(("viewer_layer", layer, size, image_format, quality), make)
 
 
-def window(layers: list[int], around: int, layer_bytes: int, budget: int = BUDGET_BYTES) -> list[int]:
-    """The layers to send: ``around`` and its nearest neighbours, as many as ``budget`` bytes hold at
-    ``layer_bytes`` a layer (every layer when they fit, always ``around``)."""
-    count = max(1, budget // max(layer_bytes, 1))
+def window(layers: list[int], around: int, layer_bytes: int, limit: int | None = None) -> list[int]:
+    """The layers to send: ``around`` and its nearest neighbours, as many as ``limit`` bytes (default
+    :func:`budget`) hold at ``layer_bytes`` a layer (every layer when they fit, always ``around``)."""
+    count = max(1, (budget() if limit is None else limit) // max(layer_bytes, 1))
     return sorted(sorted(layers, key=lambda l: (abs(l - around), l))[:count])
 
 
@@ -148,7 +157,9 @@ def payload(caps: list[Capture], titles: list[str] | None = None, layers: list[i
     return {
         "id": identity, "n_tokens": first.n_tokens, "tokens": first.tokens,
         "row_tokens": first.query_tokens, "layers": first.layers, "n_heads": first.n_heads,
-        "kv_groups": first.kv_groups, "encoding": code, "floor": LOG_FLOOR, "palette": palette(),
+        "kv_groups": first.kv_groups, "head_labels": [head_label(first, None)] + [head_label(first, h) for h in
+                                                                                  range(first.n_heads)],
+        "encoding": code, "floor": LOG_FLOOR, "palette": palette(),
         "masked": MASKED, "panels": panels, "regions": regions, "note": note,
         "view": {"layer": first.layers[-1] if layer is None else layer, "head": head,
                  "log": first.n_tokens > 256 if log is None else bool(log)},
