@@ -366,6 +366,39 @@ def _finetune(args) -> dict:
             "train_loss_last": result.losses[-1]}
 
 
+def _report(args) -> dict:
+    """One self-contained HTML file: the viewer, sink shifting, sink profiles, provenance."""
+    import shlex
+
+    from .reports import html as report_mod
+
+    archs = report_mod.split_archs(args.arch)
+    out = Path(args.out)
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise AttnvizError(f"--out must name an .html file, got '{args.out}'")
+    if not out.parent.is_dir():
+        raise AttnvizError(f"--out: the folder '{out.parent}' does not exist")
+    if not 16 <= args.size <= 512:
+        raise AttnvizError(f"--size must be 16 to 512 pixels, got {args.size}")
+    if not 1 <= args.quality <= 100:
+        raise AttnvizError(f"--quality must be 1 to 100, got {args.quality}")
+    _check_intervene(args)
+    text = _text(args)
+    loaded = _load(args)
+    bar, update = _progress(f"report: {len(archs)} architectures")
+    with bar:
+        caps = report_mod.captures(loaded, text, archs, args.intervene, on_progress=update)
+    page = report_mod.report_html(caps, size=args.size, image_format=args.images, quality=args.quality,
+                                  command="attnviz " + shlex.join(args.argv))
+    data = page.encode("utf-8")
+    partial = out.with_name(out.name + ".part")
+    partial.write_bytes(data)
+    partial.replace(out)  # never a half-written report
+    print(f"wrote {out} ({len(data) / 2**20:.1f} MB)", file=sys.stderr)
+    return {"out": str(out), "bytes": len(data), "mb": round(len(data) / 2**20, 2), "n_tokens": caps[0].n_tokens,
+            "archs": [c.arch for c in caps]}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="attnviz", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -498,18 +531,29 @@ def build_parser() -> argparse.ArgumentParser:
     intervene_args(gen)
     gen.add_argument("--policy", default="dense", help="dense | window(w=W) | sink(s=S, w=W)")
     gen.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate (1..128, default 20)")
+    rep = sub.add_parser("report", help="one self-contained HTML file (no server, no network) of a text under "
+                                        "several architectures: heatmap viewer, sink shifting, sink profiles")
+    model_args(rep)
+    intervene_args(rep)
+    rep.set_defaults(arch="fwd; nosink-fwd; mask0-bidir(k=8)")
+    rep.add_argument("--out", required=True, help="the .html file to write")
+    rep.add_argument("--size", type=int, default=256, help="map images' side in pixels, 16..512 (default 256)")
+    rep.add_argument("--images", choices=["webp", "png"], default="webp",
+                     help="webp: lossy, small (default); png: lossless, ~2x larger")
+    rep.add_argument("--quality", type=int, default=80, help="WebP quality, 1..100 (default 80)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command as given (a report's provenance)
     if not sys.stderr.isatty():  # progress is for people at a terminal; scripts get one line per error
         from transformers.utils import logging as tf_logging
 
         tf_logging.disable_progress_bar()
     handler = {"masks": _masks, "sinks": _sinks, "capture": _capture, "eval": _eval, "embed": _embed,
                "stream": _stream, "generate": _generate, "linformer": _linformer, "compress": _compress,
-               "heads": _heads,
+               "heads": _heads, "report": _report,
                "finetune": _finetune}[args.command]
     try:
         result = handler(args)

@@ -1,4 +1,4 @@
-"""Interaction latency of the real app in headless Chromium (issue 8 §2).
+"""Interaction latency of the real app in headless Chromium (issue 8 §2, issue 16 §1).
 
     python bench/ui_latency.py [--n 2048] [--moves 9]
 
@@ -8,11 +8,16 @@ Chromium (Playwright), pastes a text of about ``--n`` tokens into the sidebar an
 - slider repaint: from the key press on the Layer slider, then on the Head slider (its ``keydown``
   event in the page) to the first animation frame after the heatmap of the new layer or head is in
   the page (a MutationObserver sees its title change), ``--moves`` times each; the median of all
-  moves is reported. Measured inside the page, since
+  moves is reported. The heatmap is the browser-side viewer (attnviz.viewer) unless ``--server``
+  asks for the server-drawn Plotly view. A viewer move needs a round trip only for a layer outside
+  its payload: the viewer counts those requests, and the benchmark prints how many moves made one
+  (every server-view move is one).
+  Measured inside the page, since
   polling the page from Python adds a round trip and its own polling interval to every move; that
   driver-side time is printed beside each move too.
 Ends with ``ui_latency N=<N> slider_repaint_median_s=<x> first_paint_s=<y>`` (goal: repaint <= 0.3 s
-at 2,048 tokens). Times are wall clock: server, network and browser rendering.
+at 2,048 tokens for the server view, <= 0.05 s at 8,192 tokens for the viewer). Times are wall clock:
+server, network and browser rendering.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ PROBE = """
 window.__keys = []; window.__paints = [];
 document.addEventListener('keydown', () => window.__keys.push(performance.now()), true);
 new MutationObserver(() => {
-  const t = [...document.querySelectorAll('[data-testid="stMain"] .gtitle')].map(e => e.textContent)
+  const t = [...document.querySelectorAll('[data-testid="stMain"] .gtitle, .avz-title')].map(e => e.textContent)
     .find(t => t.startsWith('layer '));
   if (t && t !== window.__title) {
     window.__title = t;
@@ -46,7 +51,8 @@ new MutationObserver(() => {
 }).observe(document, {subtree: true, childList: true, characterData: true});
 """
 
-TITLE = "[...document.querySelectorAll('[data-testid=\"stMain\"] .gtitle')].map(e => e.textContent)"
+TITLE = ("[...document.querySelectorAll('[data-testid=\"stMain\"] .gtitle, .avz-title')]"
+         ".map(e => e.textContent)")
 
 
 def heatmap_title(page) -> str:
@@ -62,12 +68,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=2048)
     parser.add_argument("--moves", type=int, default=9)
+    parser.add_argument("--server", action="store_true", help="the server-drawn view (Plotly), not the viewer")
     args = parser.parse_args()
     text = SENTENCE * max(1, (args.n - 1) // SENTENCE_TOKENS)  # at most n tokens
     with running_app() as url, browser_page() as page:
         page.add_init_script(PROBE)
         page.goto(url)
         wait_for_app(page)
+        if args.server:
+            page.get_by_text("Instant viewer").click()
+            wait_for_app(page)
         area = page.locator('[data-testid="stSidebar"] textarea').first
         area.fill(text)
         start = time.perf_counter()
@@ -82,11 +92,15 @@ def main() -> None:
         caption = page.locator('[data-testid="stCaptionContainer"]').filter(has_text="tokens").first.inner_text()
         n = int(re.search(r"(\d+) tokens", caption).group(1))
         main = page.locator('[data-testid="stMain"]')
-        times = []
+        times, trips = [], []
+
+        def asked() -> int:
+            return page.evaluate("() => document.querySelector('.avz-root')?.__attnviz?.requests || 0")
 
         def move(slider, key: str, shown: str) -> None:
             """Press ``key`` on ``slider``; time it until a heatmap title containing ``shown`` is painted."""
             page.evaluate("() => { window.__keys = []; window.__paints = []; }")
+            asked_before = asked()
             start = time.perf_counter()
             slider.press(key)
             page.wait_for_function(f"() => {TITLE}.some(t => t.includes({shown!r}))", timeout=600_000, polling=20)
@@ -95,8 +109,10 @@ def main() -> None:
             pressed = page.evaluate("() => window.__keys[0]")
             painted = page.evaluate(f"() => window.__paints.find(p => p[0].includes({shown!r}))[1]")
             times.append((painted - pressed) / 1000)
+            trips.append(args.server or asked() > asked_before)
             page.wait_for_timeout(300)  # let the app settle, as a person would between moves
-            print(f"{shown.strip(' ·')}: {times[-1]:.3f} s (seen from the driver: {driver:.3f} s)", flush=True)
+            print(f"{shown.strip(' ·')}: {times[-1]:.3f} s (seen from the driver: {driver:.3f} s)"
+                  + (" · round trip" if trips[-1] else ""), flush=True)
 
         layer_slider = main.get_by_role("slider", name="Layer").first
         layer_slider.focus()
@@ -106,6 +122,7 @@ def main() -> None:
         head_slider.focus()
         for head in range(min(args.moves, 9)):  # "mean" first, then heads 0, 1, ...
             move(head_slider, "ArrowRight", f"· head {head}")
+        print(f"round trips: {sum(trips)} of {len(trips)} moves ({'server view' if args.server else 'viewer'})")
         print(f"ui_latency N={n} slider_repaint_median_s={statistics.median(times):.3f} first_paint_s={first_paint:.2f}")
 
 

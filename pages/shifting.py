@@ -6,7 +6,7 @@ import streamlit as st
 
 from attnviz import export
 from attnviz.figures import shift_panels, shift_rate_figure, sink_key_grids
-from ui.export import figure_downloads
+from ui.export import figure_downloads, report_download
 from ui.state import get_capture, page_context
 
 settings, loaded = page_context()
@@ -34,5 +34,6 @@ if loaded is not None and settings.text.strip():
             # m of each NoSink architecture (its top layer's mask), for "sink moved from key 0 to key m"
             ms = [int(found[1]) if (found := re.search(r"m=(\d+)", c.layer_masks[-1])) else 1 for c in caps[1:]]
             st.plotly_chart(shift_rate_figure(caps[0], caps[1:], titles[1:], ms), width="stretch", key="sh_rate")
+            report_download(caps, settings.model, key="sh_report")
 else:
     st.warning("Load a model and give a text in the sidebar.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import weakref
 
 import streamlit as st
@@ -39,18 +40,37 @@ def figure_downloads(fig, meta: dict, key: str) -> None:
 
 
 def _held_weakly(cap, make):
-    """The file's bytes, made at click time from ``cap`` if it is still alive. Streamlit keeps a
-    deferred download's callable for the session; a closure over the capture itself would keep
-    every capture a session has seen alive past the cache's eviction (and the memory budget)."""
-    ref = weakref.ref(cap)
+    """The file's bytes, made at click time from ``cap`` (or a list of captures) if still alive.
+    Streamlit keeps a deferred download's callable for the session; a closure over the capture itself
+    would keep every capture a session has seen alive past the cache's eviction (and the memory budget)."""
+    many = isinstance(cap, (list, tuple))
+    refs = [weakref.ref(c) for c in (cap if many else [cap])]
 
     def data() -> bytes:
-        held = ref()
-        if held is None:
+        held = [r() for r in refs]
+        if any(h is None for h in held):
             return b"This capture has left the server's memory since the page was drawn: reload the page.\n"
-        return make(held)
+        return make(held if many else held[0])
 
     return data
+
+
+def report_download(caps, model: str, key: str) -> None:
+    """"Download report": the self-contained HTML file of ``caps`` (``attnviz report``'s), made on click;
+    ``model``: the model as the sidebar names it (for the command in its provenance)."""
+    from attnviz.reports.html import report_html
+
+    first = caps[0]
+    command = (f"attnviz report --model {shlex.quote(model)} "
+               f"--text-file TEXT.txt --arch {shlex.quote('; '.join(c.arch for c in caps))}"
+               + (f" --intervene {shlex.quote(first.meta['intervene'])}" if first.meta.get("intervene") else "")
+               + " --out report.html")
+    st.download_button("Download report", _held_weakly(list(caps), lambda held: report_html(held, command=command).encode()),
+                       file_name=export.filename({**export.describe(first, arch=" vs ".join(c.arch for c in caps)),
+                                                  "figure": "report"}, "html"),
+                       mime="text/html", key=key, icon=":material/description:",
+                       help="One HTML file with these architectures' maps (the viewer), the sink-shifting panel, sink "
+                            "profiles and alpha grids, and the provenance: no server, no network, mail it as it is")
 
 
 def data_downloads(cap, key: str) -> None:

@@ -197,6 +197,7 @@
     if (missing) {
       if (this.host.request && !this.asked.has(s.layer)) {
         this.asked.add(s.layer);
+        this.requests = (this.requests || 0) + 1;  // round trips so far (the latency benchmark counts them)
         this.host.request(s.layer);
       }
       this.note.textContent = this.host.request ? "Loading layer " + s.layer + " …"
@@ -253,7 +254,7 @@
     const src = document.createElement("canvas");
     src.width = m.w; src.height = m.h; src.getContext("2d").putImageData(img, 0, 0);
     // layout: map, axes (left, bottom), colour bar (right)
-    const room = Math.max(160, Math.min(SIDE, (this.panelsBox.clientWidth || SIDE * this.panels.length) / this.panels.length - 130));
+    const room = Math.max(160, Math.min(SIDE, (this.panelsBox.clientWidth || SIDE * this.panels.length) / this.panels.length - 152));
     const scale = room / Math.max(m.w, m.h);
     const W = Math.round(m.w * scale), H = Math.round(m.h * scale);
     const left = 64, top = 8, bottom = 46, right = 78;
@@ -317,7 +318,8 @@
     g.fillStyle = "#222"; g.textAlign = "left"; g.textBaseline = "middle"; g.font = "10px Arial, Helvetica, sans-serif";
     for (let k = 0; k <= 4; k++) {
       const z = lo + ((hi - lo) * k) / 4;
-      g.fillText(this.state.log ? "1e" + z.toFixed(1) : fmt(z), x + 16, y + h - (h * k) / 4);
+      const whole = Math.abs(z - Math.round(z)) < 1e-6;
+      g.fillText(this.state.log ? (whole ? "1e" + Math.round(z) : fmt(Math.pow(10, z))) : fmt(z), x + 16, y + h - (h * k) / 4);
     }
     g.save(); g.translate(x + 70, y + h / 2); g.rotate(Math.PI / 2); g.textAlign = "center";
     g.fillText((this.state.log ? "log10 " : "") + (this.state.row ? "row-normalised" : "attention"), 0, 0); g.restore();
