@@ -234,7 +234,7 @@
     let t = m.factor > 1 ? "Each pixel is the maximum of " + m.factor + " × " + m.factor + " tokens (sinks stay visible). "
       : "Full resolution: hover a cell for its tokens and value. ";
     t += this.host.region ? "Drag a box to see a region at full resolution." :
-      "Regions at full resolution need the app or a notebook (attnviz.show); this file is static.";
+      (d.regions_note || "Regions at full resolution need the app; this file is static.");
     return (d.note ? d.note + " · " : "") + t;
   };
 
@@ -362,7 +362,7 @@
           + " × keys " + box.keys[0] + "–" + (box.keys[1] - 1) + " at full resolution …";
         this.host.region(box);
       } else {
-        this.note.textContent = "A region at full resolution needs the app or a notebook; this file is static.";
+        this.note.textContent = this.data.regions_note || "A region at full resolution needs the app; this file is static.";
       }
     });
   };

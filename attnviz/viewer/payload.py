@@ -129,12 +129,13 @@ def window(layers: list[int], around: int, layer_bytes: int, limit: int | None =
 
 def payload(caps: list[Capture], titles: list[str] | None = None, layers: list[int] | None = None,
             size: int = MAX_PX, image_format: str = "png", quality: int = 90, layer: int | None = None,
-            head: int | None = None, log: bool | None = None, regions: str = "off", note: str = "") -> dict:
+            head: int | None = None, log: bool | None = None, regions: str = "off", note: str = "",
+            regions_note: str = "") -> dict:
     """The viewer's JSON data for one or more captures of the same tokens shown side by side on
     one colour scale (sliders shared). ``layers``: whose images to include (default all, the others
     are requested when shown); ``layer``/``head``/``log``: the first view (default last layer, head
     mean, log above 256 tokens); ``regions``: "host" when a box drag asks the host for a
-    full-resolution region, else "off" (a static file)."""
+    full-resolution region, else "off" (a static file; ``regions_note`` says where regions are made)."""
     if image_format not in FORMATS:
         raise ValueError(f"image format {image_format!r}: expected one of {', '.join(FORMATS)}")
     first = caps[0]
@@ -160,7 +161,7 @@ def payload(caps: list[Capture], titles: list[str] | None = None, layers: list[i
         "kv_groups": first.kv_groups, "head_labels": [head_label(first, None)] + [head_label(first, h) for h in
                                                                                   range(first.n_heads)],
         "encoding": code, "floor": LOG_FLOOR, "palette": palette(),
-        "masked": MASKED, "panels": panels, "regions": regions, "note": note,
+        "masked": MASKED, "panels": panels, "regions": regions, "note": note, "regions_note": regions_note,
         "view": {"layer": first.layers[-1] if layer is None else layer, "head": head,
                  "log": first.n_tokens > 256 if log is None else bool(log)},
     }
