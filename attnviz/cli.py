@@ -399,6 +399,25 @@ def _report(args) -> dict:
             "archs": [c.arch for c in caps]}
 
 
+def _reproduce(args) -> dict:
+    """The papers' headline figures on this model, one PDF (attnviz.reports.reproduce)."""
+    from .reports import reproduce as repro
+
+    only = repro.parse_only(args.only)
+    out = Path(args.out)
+    if out.suffix.lower() != ".pdf":
+        raise AttnvizError(f"--out must name a .pdf file, got '{args.out}'")
+    if not out.parent.is_dir():
+        raise AttnvizError(f"--out: the folder '{out.parent}' does not exist")
+    loaded = _load(args)
+    bar, update = _progress("reproduce")
+    with bar:
+        path, done = repro.reproduce(loaded, out, only, quick=args.quick, model=args.model,
+                                     on_progress=lambda i, n, name: (update(i, n), bar.set_postfix_str(name)))
+    print(f"wrote {path} ({len(done)} pages)", file=sys.stderr)
+    return {"out": str(path), "sections": {s.name: s.numbers for s in done}}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="attnviz", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -541,6 +560,17 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--images", choices=["webp", "png"], default="webp",
                      help="webp: lossy, small (default); png: lossless, ~2x larger")
     rep.add_argument("--quality", type=int, default=80, help="WebP quality, 1..100 (default 80)")
+    rp = sub.add_parser("reproduce", help="regenerate the papers' headline figures on this model as one PDF "
+                                          "(sink shifting, StreamingLLM, Gu et al.'s sink rate, k-sweep, seed 003)")
+    rp.add_argument("--model", default="default", help="'default', a Hugging Face id or a local directory")
+    rp.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU)")
+    rp.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    rp.add_argument("--device-map", default=None, help="'auto': spread the model over devices (accelerate)")
+    rp.add_argument("--trust-remote-code", action="store_true", help="allow a model's own Python code")
+    rp.add_argument("--out", required=True, help="the .pdf file to write")
+    rp.add_argument("--only", default=None, help="comma-separated sections: shifting, streaming, sinkrate, ksweep, "
+                                                 "residual (default: all)")
+    rp.add_argument("--quick", action="store_true", help="the same protocols on less data (under a minute here)")
     return parser
 
 
@@ -553,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         tf_logging.disable_progress_bar()
     handler = {"masks": _masks, "sinks": _sinks, "capture": _capture, "eval": _eval, "embed": _embed,
                "stream": _stream, "generate": _generate, "linformer": _linformer, "compress": _compress,
-               "heads": _heads, "report": _report,
+               "heads": _heads, "report": _report, "reproduce": _reproduce,
                "finetune": _finetune}[args.command]
     try:
         result = handler(args)
