@@ -85,12 +85,16 @@ def main() -> None:
         page.wait_for_function("() => [...document.querySelectorAll('[data-testid=\"stCaptionContainer\"]')]"
                                f".some(e => / {{0,1}}· \\d+ tokens/.test(e.textContent) && "
                                f"!e.textContent.includes('· 48 tokens'))", timeout=900_000, polling=50)
+        caption = page.locator('[data-testid="stCaptionContainer"]').filter(has_text="tokens").first.inner_text()
+        n = int(re.search(r"(\d+) tokens", caption).group(1))
+        if not args.server:  # the viewer shows the new text once its payload arrived (the old map until then)
+            page.wait_for_function(f"() => document.querySelector('.avz-root')?.__attnviz?.data.n_tokens === {n} && "
+                                   "document.querySelector('.avz-canvas')?.getAttribute('data-shown')",
+                                   timeout=900_000, polling=20)
         wait_title(page, "layer 29 ")
         page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=900_000)
         first_paint = time.perf_counter() - start
         page.wait_for_timeout(1500)  # the page settles (overview, downloads) before the first move, as a person reads it
-        caption = page.locator('[data-testid="stCaptionContainer"]').filter(has_text="tokens").first.inner_text()
-        n = int(re.search(r"(\d+) tokens", caption).group(1))
         main = page.locator('[data-testid="stMain"]')
         times, trips = [], []
 

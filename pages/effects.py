@@ -334,7 +334,7 @@ def linformer_section() -> None:
 def reproduce_section() -> None:
     st.markdown("The papers' headline figures, regenerated on the loaded model as one PDF: each page a figure with "
                 "its claim, the number measured here, the published one beside it and the command that makes it "
-                "again (`attnviz reproduce`). The full run takes ~6 minutes on a 2-core CPU; quick runs the same "
+                "again (`attnviz reproduce`). The full run takes ~4 minutes on a 2-core CPU; quick runs the same "
                 "protocols on less data in under a minute.")
     c1, c2, c3 = st.columns([4, 1, 1])
     names = c1.multiselect("Sections", repro.SECTIONS, default=list(repro.SECTIONS), key="fx_rep_only")

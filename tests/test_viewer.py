@@ -190,3 +190,24 @@ def test_the_app_viewer_repaints_without_the_server_and_asks_it_for_regions_and_
         title = [t for t in page.locator(".gtitle").all_text_contents() if "queries" in t][0]
         assert title.startswith("layer 0 · fwd · mean over heads")
         assert page.locator('[data-testid="stException"]').count() == 0
+
+
+def test_the_heatmaps_page_sends_the_viewer_the_capture_s_maps(model_cache, default_model, tmp_path):
+    """AppTest runs no browser script: what the page gives the component is checked instead."""
+    from test_app import app_test
+
+    from attnviz import capture
+    from conftest import ENGLISH
+
+    at = app_test(tmp_path, instant=True)
+    at.run()
+    assert not at.exception and not at.error
+    (element,) = at.get("bidi_component")
+    data = json.loads(element.proto.json)
+    assert data["regions"] == "host" and data["layers"] == list(range(30))
+    assert sorted(int(k) for k in data["panels"][0]["layers"]) == list(range(30))  # a short text: all at once
+    assert data["view"]["layer"] is None or data["view"]["layer"] == 29
+    full = capture(default_model, ENGLISH, "fwd", layers=[7]).layer_probs(7)
+    values = payload_mod.decode(data["panels"][0]["layers"]["7"]["heads"][3], **data["encoding"])  # head 2
+    ok = np.tril(np.ones_like(full[2], bool)) & (full[2] > 1e-6)
+    np.testing.assert_allclose(values[ok], full[2][ok], rtol=2e-3)  # the app's fp16 storage, then 16-bit codes

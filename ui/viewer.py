@@ -19,14 +19,14 @@ from attnviz.viewer import payload as payload_mod
 
 ADAPTER = """
 export default function (component) {
-  const { data, parentElement, setStateValue, setTriggerValue } = component;
+  const { data, key, parentElement, setStateValue, setTriggerValue } = component;
   let root = parentElement.querySelector(":scope > .avz-host");
   if (!root) { root = document.createElement("div"); root.className = "avz-host"; parentElement.appendChild(root); }
   attnvizHeatmap(root, data, {
     request: (layer) => setStateValue("want", layer),
     region: data.regions === "host" ? (box) => setTriggerValue("region", box) : undefined,
     view: (v) => setStateValue("view", v),
-  });
+  }, key);
 }
 """
 

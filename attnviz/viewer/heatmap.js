@@ -48,8 +48,12 @@
     });
   }
 
-  function Viewer(root, data, host) {
-    this.root = root; this.host = host || {};
+  // Where each keyed viewer rests, kept outside its element: a host that remounts the element (a
+  // Streamlit rerun may) gets the same view back for the same capture instead of the first one.
+  const VIEWS = new Map();
+
+  function Viewer(root, data, host, key) {
+    this.root = root; this.host = host || {}; this.key = key || null;
     this.cache = new Map(); this.pending = new Map(); this.asked = new Set();
     this.state = null; this.drag = null; this.viewTimer = null;
     this.build();
@@ -97,12 +101,13 @@
     const layers = data.layers;
     this.layerInput.max = layers.length - 1;
     this.headInput.max = data.n_heads;  // 0: mean, then heads
-    const v = data.view || {};
+    const kept = this.key !== null ? VIEWS.get(this.key) : null;
+    const v = kept && kept.id === data.id ? kept : (data.view || {});
     const li = Math.max(0, layers.indexOf(v.layer === undefined || v.layer === null ? layers[layers.length - 1] : v.layer));
     this.layerInput.value = li;
     this.headInput.value = v.head === undefined || v.head === null ? 0 : v.head + 1;
     this.logInput.checked = !!v.log;
-    this.rowInput.checked = !!v.row_normalise;
+    this.rowInput.checked = !!(v.row_normalise || v.row);
     const enc = data.encoding;
     this.lut = data.palette.map(hexToRgb);
     this.maskRgb = hexToRgb(data.masked);
@@ -117,7 +122,8 @@
       this.bindPointer(panel);
       return panel;
     });
-    this.jumped = data.jump ? data.jump.n : null;
+    this.jumped = kept && kept.id === data.id ? kept.jumped : null;
+    this.jump(data.jump);
     this.readControls();
     this.render();
   };
@@ -137,6 +143,7 @@
     const layer = d.layers[+this.layerInput.value];
     const hi = +this.headInput.value;
     this.state = {layer, head: hi === 0 ? null : hi - 1, log: this.logInput.checked, row: this.rowInput.checked};
+    if (this.key !== null) VIEWS.set(this.key, Object.assign({id: d.id, jumped: this.jumped}, this.state));
     this.layerLabel.textContent = "Layer " + layer;
     this.headLabel.textContent = "Head " + (hi === 0 ? "mean" : (hi - 1) + " (g" + d.kv_groups[hi - 1] + ")");
   };
@@ -426,9 +433,10 @@
     a.href = out.toDataURL("image/png"); a.click();
   };
 
-  const api = function (root, data, host) {
+  // key: the host's name for this viewer (a Streamlit component key); with one, the view survives a remount.
+  const api = function (root, data, host, key) {
     if (root.__attnviz) { root.__attnviz.host = host || {}; root.__attnviz.update(data); return root.__attnviz; }
-    root.__attnviz = new Viewer(root, data, host);
+    root.__attnviz = new Viewer(root, data, host, key);
     return root.__attnviz;
   };
   (typeof globalThis !== "undefined" ? globalThis : window).attnvizHeatmap = api;

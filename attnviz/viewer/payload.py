@@ -34,7 +34,7 @@ from ..figures.style import COLORSCALE, LOG_FLOOR, MASKED, MAX_PX, max_pool
 EXACT_TOKENS = 256
 #: A payload sent to a page holds at most this many image bytes (``ATTNVIZ_VIEWER_MB`` overrides);
 #: other layers come on request, one round trip each.
-BUDGET_BYTES = 24 << 20
+BUDGET_BYTES = 40 << 20
 
 
 def budget() -> int:
