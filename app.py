@@ -17,11 +17,12 @@ PAGES = [
     st.Page(str(PAGES_DIR / "compare.py"), title="Compare A vs B", icon=":material/compare:"),
     st.Page(str(PAGES_DIR / "heads.py"), title="Heads", icon=":material/category:"),
     st.Page(str(PAGES_DIR / "effects.py"), title="Effects", icon=":material/speed:"),
+    st.Page(str(PAGES_DIR / "sweeps.py"), title="Sweeps", icon=":material/table_chart:"),
     st.Page(str(PAGES_DIR / "designer.py"), title="Mask designer", icon=":material/architecture:"),
     st.Page(str(PAGES_DIR / "walkthrough.py"), title="Walkthrough", icon=":material/school:"),
 ]
 
-NO_MODEL = {"designer", "walkthrough"}  # url paths of pages that work without a model: they never wait for one
+NO_MODEL = {"designer", "walkthrough", "sweeps"}  # url paths of pages that work without a model: they never wait for one
 
 page = st.navigation(PAGES)
 # Drawn on every page, the walkthrough too: widgets Streamlit does not draw in a run lose their state.

@@ -418,6 +418,40 @@ def _reproduce(args) -> dict:
     return {"out": str(path), "sections": {s.name: s.numbers for s in done}}
 
 
+def _sweep(args) -> dict:
+    """A grid of cells on Ray (attnviz.sweep): models × archs × interventions × corpora × measures."""
+    import time
+
+    from .sweep import run, spec
+
+    grid = spec.load(args.spec)  # every key checked before anything runs
+    if args.workers is not None and args.workers < 1:
+        raise AttnvizError(f"--workers must be at least 1, got {args.workers}")
+    out = args.out
+    if "://" not in out and Path(out).exists() and not Path(out).is_dir():
+        raise AttnvizError(f"--out: '{out}' is a file, not a folder")
+    start = time.perf_counter()
+    bar, update = _progress(f"sweep: {len(grid.cells())} cells")
+
+    def on_cell(done: int, total: int, result: dict) -> None:
+        update(done, total)
+        left = (time.perf_counter() - start) / done * (total - done)
+        if not sys.stderr.isatty():  # a log line per cell where no bar is drawn
+            print(f"cell {done}/{total} {result['status']} ({result['elapsed_s']:.1f} s) · ETA {left:.0f} s",
+                  file=sys.stderr, flush=True)
+        else:
+            bar.set_postfix_str(f"ETA {left:.0f} s")
+
+    with bar:
+        summary = run.sweep(grid, out, address=args.address, workers=args.workers, local=args.local, on_cell=on_cell)
+    result = summary.as_json(out)
+    if summary.failed:
+        first = next(iter(summary.errors.values()))
+        print(json.dumps(result))
+        raise AttnvizError(f"{summary.failed} of {summary.total} cells failed (recorded in {out}); the first: {first}")
+    return result
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="attnviz", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -571,6 +605,14 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--only", default=None, help="comma-separated sections: shifting, streaming, sinkrate, ksweep, "
                                                  "residual (default: all)")
     rp.add_argument("--quick", action="store_true", help="the same protocols on less data (under a minute here)")
+    sw = sub.add_parser("sweep", help="a grid of models x architectures x interventions x corpora x measures, one "
+                                      "Ray task per cell, results as Parquet (resumable)")
+    sw.add_argument("spec", help="the spec, a TOML file (README: Sweeps)")
+    sw.add_argument("--out", required=True, help="results folder (or s3://, gs:// URI): one Parquet file per cell")
+    sw.add_argument("--address", default=None, help="a Ray cluster's address (default: RAY_ADDRESS, else a local Ray)")
+    sw.add_argument("--workers", type=int, default=None, help="local Ray: at most this many cells at once "
+                                                              "(default: the machine's CPUs)")
+    sw.add_argument("--local", action="store_true", help="run the cells in this process, without Ray")
     return parser
 
 
@@ -583,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
         tf_logging.disable_progress_bar()
     handler = {"masks": _masks, "sinks": _sinks, "capture": _capture, "eval": _eval, "embed": _embed,
                "stream": _stream, "generate": _generate, "linformer": _linformer, "compress": _compress,
-               "heads": _heads, "report": _report, "reproduce": _reproduce,
+               "heads": _heads, "report": _report, "reproduce": _reproduce, "sweep": _sweep,
                "finetune": _finetune}[args.command]
     try:
         result = handler(args)

@@ -98,14 +98,25 @@ def default_gguf() -> Path:
 
 def _converted_default(progress: Progress) -> Path:
     """Dequantise the GGUF once into safetensors under the cache dir; return that directory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf = default_gguf()
     target = cache_dir() / f"smollm2-135m-instruct-{gguf.stat().st_size}-v{_CACHE_VERSION}"
     if (target / "model.safetensors").is_file() and (target / "attnviz.json").is_file():
         return target
-    progress("Converting the default model from GGUF (once, ~25 s; cached afterwards)")
     target.parent.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock
+
+    # One conversion at a time per cache (a sweep's workers start together): the others wait, then use it.
+    # Never replace a finished conversion: another process may be reading it.
+    with FileLock(str(target.parent / f".{target.name}.lock")):
+        if (target / "model.safetensors").is_file() and (target / "attnviz.json").is_file():
+            return target
+        return _convert(gguf, target, progress)
+
+
+def _convert(gguf: Path, target: Path, progress: Progress) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    progress("Converting the default model from GGUF (once, ~25 s; cached afterwards)")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are already dequantised; drop the GGUF quantizer marker so they save as plain fp32.

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.browser,
 
 SESSIONS = 8
 SENTENCE = "Session {i} reads its own words about lighthouses and storms. "
-TITLES = "[...document.querySelectorAll('[data-testid=\"stMain\"] .gtitle')].map(e => e.textContent)"
+TITLES = "[...document.querySelectorAll('.avz-title')].map(e => e.textContent)"  # the Heatmaps page's viewer
 
 
 def _pick_architecture(page, name: str) -> None:
@@ -53,6 +53,8 @@ def test_eight_concurrent_sessions_each_get_their_own_result(model_cache, defaul
                 "() => [...document.querySelectorAll('[data-testid=\"stCaptionContainer\"]')]"
                 f".some(e => e.textContent.includes('· {tokens[i]} tokens ·'))", timeout=300_000)
             wait_for_app(page)
+            page.wait_for_function(  # the viewer holds this session's own capture
+                f"() => document.querySelector('.avz-root')?.__attnviz?.data.n_tokens === {tokens[i]}", timeout=120_000)
             assert page.locator('[data-testid="stException"]').count() == 0
             assert page.locator('[data-testid="stAlert"]').filter(has_text="rror").count() == 0
             titles = page.evaluate(f"() => {TITLES}")

@@ -1,0 +1,90 @@
+"""What one cell computes: the same library calls as the CLI's commands, as table rows.
+
+Each measure returns a list of rows (dicts of plain values); a measure with layers gives one row per
+layer. The driver adds the cell's parameters, versions and timing (:mod:`.store`).
+"""
+
+from __future__ import annotations
+
+from .. import corpus as corpus_mod
+from ..models import LoadedModel
+from .spec import Cell
+
+
+def documents(name: str) -> corpus_mod.Corpus:
+    """A spec's corpus name: "stdlib", "stdlib:TOPIC" or "file:PATH"."""
+    if name.startswith("file:"):
+        return corpus_mod.load(None, name[5:])
+    return corpus_mod.load(name)
+
+
+def sinks(lm: LoadedModel, cell: Cell) -> list[dict]:
+    """SPEC §6 over a dataset (``attnviz sinks --corpus C --max-len T --samples S --eps E``)."""
+    from .. import dataset
+
+    o = cell.options
+    result = dataset.sinks(lm, documents(cell.corpus).documents, cell.arch, unit=o["unit"], max_len=o["max_len"],
+                           n_samples=o["samples"], intervene=cell.intervention or None)
+    doc = result.as_json(0, o["eps"])
+    model = doc["model_rate"]
+    rows = []
+    for layer in doc["layers"]:
+        rate = layer["sink_rate"]
+        rows.append({"layer": layer["layer"], "mask": layer["mask"], "sink_rate": rate["mean"],
+                     "ci_low": (rate["ci95"] or [None, None])[0], "ci_high": (rate["ci95"] or [None, None])[1],
+                     "n": rate["n"], "model_rate": model["mean"], "model_ci_low": (model["ci95"] or [None, None])[0],
+                     "model_ci_high": (model["ci95"] or [None, None])[1], "samples": doc["samples"]})
+    return rows
+
+
+def evaluate(lm: LoadedModel, cell: Cell) -> list[dict]:
+    """SPEC §8 (``attnviz eval --window W --max-tokens N``)."""
+    from ..evaluate import evaluate as run, token_ids
+
+    o = cell.options
+    ids = token_ids(lm, documents(cell.corpus).text, o["max_tokens"])
+    result = run(lm, ids, cell.arch, window=o["window"], intervene=cell.intervention or None)
+    doc = result.as_json()
+    return [{k: doc[k] for k in ("perplexity", "accuracy", "nll", "tokens", "windows")}]
+
+
+def embed(lm: LoadedModel, cell: Cell) -> list[dict]:
+    """The embedding probe (``attnviz embed --m M --max-docs D``)."""
+    from .. import embedding
+
+    o = cell.options
+    result = embedding.probe(lm, documents(cell.corpus).documents, cell.arch, m=o["m"], max_docs=o["max_docs"])
+    return [{"recall_at_1": result.recall_at_1, "mrr": result.mrr, "n_docs": result.n_docs}]
+
+
+def compress(lm: LoadedModel, cell: Cell) -> list[dict]:
+    """SPEC §13 (``attnviz compress --press ... --ratios ... --context C --max-tokens N``): one row per
+    (press, ratio), the dense cache as press "dense" at ratio 0."""
+    from ..evaluate import token_ids
+    from ..kv import compress as run, presses
+
+    o = cell.options
+    chosen = [presses.parse(p) for p in (o["presses"] or presses.DEFAULTS)]
+    ids = token_ids(lm, documents(cell.corpus).text, o["max_tokens"])
+    doc = run.compress(lm, ids, o["context"], chosen, [float(r) for r in o["ratios"]], cell.arch).as_json()
+    rows = [{"press": "dense", "ratio": 0.0, "perplexity": doc["dense"]["perplexity"],
+             "accuracy": doc["dense"]["accuracy"], "kl": 0.0, "kept_key0": 1.0}]
+    return rows + [dict(r) for r in doc["presses"]]
+
+
+def heads(lm: LoadedModel, cell: Cell) -> list[dict]:
+    """SPEC §14 over a dataset (``attnviz heads --samples S --max-len T``): per layer, how many heads of
+    each kind."""
+    from .. import heads as heads_mod
+
+    o = cell.options
+    texts = heads_mod.dataset_texts(lm, documents(cell.corpus).documents, o["samples"], o["max_len"])
+    result = heads_mod.taxonomy(lm, texts, cell.arch, o["sink"], o["window"], o["eps"], o["tau_stream"],
+                                o["tau_inactive"])
+    sink, streaming, inactive = result.sink, result.streaming, result.inactive
+    return [{"layer": layer, "heads": int(sink.shape[1]), "sink_heads": int(sink[layer].sum()),
+             "streaming_heads": int(streaming[layer].sum()), "inactive_heads": int(inactive[layer].sum())}
+            for layer in range(sink.shape[0])]
+
+
+RUN = {"sinks": sinks, "eval": evaluate, "embed": embed, "compress": compress, "heads": heads}
