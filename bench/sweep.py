@@ -4,8 +4,9 @@ with 1 and with 2 workers, each run a fresh `attnviz sweep` into an empty folder
     python bench/sweep.py [--cells 4] [--samples 8] [--max-len 64]
 
 Prints each run's wall time (the command: model loads, Ray's start, the cells), Ray's start-up, the
-per-task overhead of Ray against the plain process ((ray1 - startup - plain) / cells, both with one
-model load per worker) and the speed-up of 2 workers over 1. Ends with
+per-task overhead of Ray against the plain process with one torch thread, which is what a Ray task
+of one CPU gets ((ray1 - startup - plain) / cells, one model load each), and the speed-up of 2
+workers over 1. The plain process with torch on every core is printed too. Ends with
 ``sweep cells=<n> plain_s=<a> ray1_s=<b> ray2_s=<c> overhead_per_task_s=<d> speedup_2_workers=<e>``.
 Measure on a quiet machine.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -23,10 +25,11 @@ from pathlib import Path
 CORPORA = ["stdlib", "stdlib:specialnames", "stdlib:assert", "stdlib:lambda", "stdlib:for", "stdlib:if"]
 
 
-def run(spec: Path, out: Path, extra: list[str]) -> tuple[float, dict]:
+def run(spec: Path, out: Path, extra: list[str], threads: int | None = None) -> tuple[float, dict]:
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "attnviz", "sweep", str(spec), "--out", str(out), *extra],
-                          capture_output=True, text=True, check=True)
+                          capture_output=True, text=True, check=True, env=env)
     return time.perf_counter() - start, json.loads(done.stdout)
 
 
@@ -42,12 +45,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "spec.toml"
         spec.write_text(spec_text)
-        plain, s0 = run(spec, Path(tmp) / "plain", ["--local"])
+        plain_all, _ = run(spec, Path(tmp) / "plain-all", ["--local"])  # torch on every core
+        plain, s0 = run(spec, Path(tmp) / "plain", ["--local"], threads=1)  # one thread, as a 1-CPU Ray task
         ray1, s1 = run(spec, Path(tmp) / "ray1", ["--workers", "1"])
         ray2, s2 = run(spec, Path(tmp) / "ray2", ["--workers", "2"])
     cells = s0["cells"]
     overhead = (ray1 - s1["startup_s"] - plain) / cells
-    print(f"plain process: {plain:.1f} s ({cells} cells)")
+    print(f"plain process, torch on every core: {plain_all:.1f} s ({cells} cells)")
+    print(f"plain process, one thread (what a 1-CPU Ray task gets): {plain:.1f} s")
     print(f"Ray, 1 worker: {ray1:.1f} s (Ray start-up {s1['startup_s']:.1f} s)")
     print(f"Ray, 2 workers: {ray2:.1f} s (Ray start-up {s2['startup_s']:.1f} s)")
     print(f"sweep cells={cells} plain_s={plain:.2f} ray1_s={ray1:.2f} ray2_s={ray2:.2f} "
