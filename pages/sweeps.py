@@ -12,7 +12,7 @@ from attnviz.sweep import spec as spec_mod
 from attnviz.sweep import store
 from ui import jobs
 from ui.export import figure_downloads
-from ui.state import page_context
+from ui.state import page_context, sweep_room
 
 MAX_CELLS = 12  # a sweep started from the page: a few cells on this machine; bigger grids: `attnviz sweep`
 
@@ -31,7 +31,10 @@ with st.expander("Run a small sweep here (local Ray)", expanded=False):
             st.error(str(err))
         else:
             cells = grid.cells()
-            if len(cells) > MAX_CELLS:
+            refused = sweep_room(grid.models)
+            if refused:
+                st.error(f"Not run: {refused}.")
+            elif len(cells) > MAX_CELLS:
                 st.error(f"{len(cells)} cells: the page runs at most {MAX_CELLS} (each loads a model in a Ray worker "
                          "beside this server's memory budget). Run bigger grids with `attnviz sweep`.")
             else:

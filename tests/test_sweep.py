@@ -208,6 +208,9 @@ def test_the_sweeps_page_reads_a_results_folder_and_runs_a_small_sweep(model_cac
                                rows.sort_values("layer")["sink_rate"].to_numpy(dtype=float) * 100)
     labels = [b.proto.label for b in at.get("download_button")]
     assert "All rows (.csv)" in labels and "sinks rows (.csv)" in labels
+    at.text_area(key="sw_spec").input(README_SPEC.replace('"default"', '"some-org/elsewhere"')).run()
+    at.button(key="sw_run").click().run()
+    assert "the page sweeps models this server has loaded" in " ".join(str(e.value) for e in at.error)
     at.text_area(key="sw_spec").input('models = ["default"]\n[measures.sink]\n').run()
     at.button(key="sw_run").click().run()
     assert "unknown measure 'measures.sink'" in " ".join(str(e.value) for e in at.error)

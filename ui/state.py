@@ -149,6 +149,24 @@ def models_bytes() -> int:
                for m in list(_models().values()))
 
 
+def sweep_room(models: list[str]) -> str | None:
+    """Why a sweep of ``models`` started from the app would not fit the memory budget, or None.
+
+    Its Ray worker loads its own copy of each model beside this server's, so the page runs models the
+    server has loaded (their size is known) and only while one more copy fits what the budget leaves."""
+    loaded = {key[0]: m for key, m in _models().items()}
+    unknown = [m for m in models if m not in loaded]
+    if unknown:
+        return (f"the page sweeps models this server has loaded ({', '.join(loaded) or 'none yet'}), so that their "
+                f"memory is known; for {', '.join(unknown)} run `attnviz sweep` from a terminal")
+    need = max(sum(p.numel() * p.element_size() for p in loaded[m].model.parameters()) for m in models)
+    left = capture_budget() - models_bytes()
+    if need > left:
+        return (f"a worker's copy of the model takes ~{need / 2**20:.0f} MB and the memory budget leaves "
+                f"{max(left, 0) / 2**20:.0f} MB (ATTNVIZ_MEMORY_MB); run `attnviz sweep` from a terminal")
+    return None
+
+
 def captures_left() -> int:
     """Bytes the capture cache may use: the budget less the model weights (evicting older captures)."""
     store = _captures()
