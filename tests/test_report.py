@@ -30,7 +30,7 @@ def test_the_file_holds_every_part_and_nothing_from_outside(report, capsys):
     page = report.read_text()
     assert page.count("<svg") >= 2 + 2 * 3  # shifting panels and sink keys, then profile + alpha per architecture
     for part in ("Attention maps", "Sink shifting", "Provenance", "masks of mask0-bidir(k=8)", "SmolLM2-135M",
-                 "versions", "attnviz report --text", "intervention sinkscale(beta=0.5)@29"):
+                 "versions", "attnviz report --text", "intervention sinkscale(key=0, beta=0.5)@29"):
         assert part in page, part
     assert "<h2>nosink-fwd</h2>" in page and "<h2>mask0-bidir(k=8)</h2>" in page
     # no reference to anything outside the file: no src/href to a URL, a CSP that forbids requests
