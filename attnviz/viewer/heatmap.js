@@ -27,6 +27,10 @@
     return a >= 0.01 && a < 1000 ? v.toPrecision(4) : v.toExponential(3);
   }
 
+  function tick(v) {  // colour-bar labels: three significant digits, no trailing zeros
+    return Math.abs(v) >= 1e-3 || v === 0 ? String(parseFloat(v.toPrecision(3))) : v.toExponential(1);
+  }
+
   function tok(t) {
     const s = JSON.stringify(t === undefined ? "" : t);
     return s.length > 24 ? s.slice(0, 22) + "…\"" : s;
@@ -326,7 +330,7 @@
     for (let k = 0; k <= 4; k++) {
       const z = lo + ((hi - lo) * k) / 4;
       const whole = Math.abs(z - Math.round(z)) < 1e-6;
-      g.fillText(this.state.log ? (whole ? "1e" + Math.round(z) : fmt(Math.pow(10, z))) : fmt(z), x + 16, y + h - (h * k) / 4);
+      g.fillText(this.state.log ? (whole ? "1e" + Math.round(z) : tick(Math.pow(10, z))) : tick(z), x + 16, y + h - (h * k) / 4);
     }
     g.save(); g.translate(x + 70, y + h / 2); g.rotate(Math.PI / 2); g.textAlign = "center";
     g.fillText((this.state.log ? "log10 " : "") + (this.state.row ? "row-normalised" : "attention"), 0, 0); g.restore();
