@@ -366,18 +366,26 @@ def _finetune(args) -> dict:
             "train_loss_last": result.losses[-1]}
 
 
+def _out_file(arg: str, suffixes: tuple[str, ...], kind: str) -> Path:
+    """``--out`` as a file of one of ``suffixes`` (``kind``: "an .html file") in a folder that exists,
+    checked before anything runs."""
+    out = Path(arg)
+    if out.suffix.lower() not in suffixes:
+        raise AttnvizError(f"--out must name {kind}, got '{arg}'")
+    if not out.parent.is_dir():
+        raise AttnvizError(f"--out: the folder '{out.parent}' does not exist")
+    return out
+
+
 def _report(args) -> dict:
     """One self-contained HTML file: the viewer, sink shifting, sink profiles, provenance."""
     import shlex
 
     from .reports import html as report_mod
+    from .reports import write_atomic
 
     archs = report_mod.split_archs(args.arch)
-    out = Path(args.out)
-    if out.suffix.lower() not in (".html", ".htm"):
-        raise AttnvizError(f"--out must name an .html file, got '{args.out}'")
-    if not out.parent.is_dir():
-        raise AttnvizError(f"--out: the folder '{out.parent}' does not exist")
+    out = _out_file(args.out, (".html", ".htm"), "an .html file")
     if not 16 <= args.size <= 512:
         raise AttnvizError(f"--size must be 16 to 512 pixels, got {args.size}")
     if not 1 <= args.quality <= 100:
@@ -391,9 +399,7 @@ def _report(args) -> dict:
     page = report_mod.report_html(caps, size=args.size, image_format=args.images, quality=args.quality,
                                   command="attnviz " + shlex.join(args.argv))
     data = page.encode("utf-8")
-    partial = out.with_name(out.name + ".part")
-    partial.write_bytes(data)
-    partial.replace(out)  # never a half-written report
+    write_atomic(out, data)
     print(f"wrote {out} ({len(data) / 2**20:.1f} MB)", file=sys.stderr)
     return {"out": str(out), "bytes": len(data), "mb": round(len(data) / 2**20, 2), "n_tokens": caps[0].n_tokens,
             "archs": [c.arch for c in caps]}
@@ -404,11 +410,7 @@ def _reproduce(args) -> dict:
     from .reports import reproduce as repro
 
     only = repro.parse_only(args.only)
-    out = Path(args.out)
-    if out.suffix.lower() != ".pdf":
-        raise AttnvizError(f"--out must name a .pdf file, got '{args.out}'")
-    if not out.parent.is_dir():
-        raise AttnvizError(f"--out: the folder '{out.parent}' does not exist")
+    out = _out_file(args.out, (".pdf",), "a .pdf file")
     loaded = _load(args)
     bar, update = _progress("reproduce")
     with bar:

@@ -12,7 +12,6 @@ from ui import jobs
 from ui.export import data_downloads, figure_downloads
 from ui.state import current_capture, fits_full_maps, get_seq2seq_capture, page_context
 from ui.viewer import heatmap_viewer
-from ui.viewer import state as viewer_state
 
 # Above this many tokens the colour scale starts logarithmic: a linear scale spends the whole range on
 # the sink column (p ~ 0.5-0.9), so the ~1/n attention everywhere else is white and the map reads as a
@@ -95,7 +94,7 @@ def show_instant(cap) -> None:
     default_log = cap.n_tokens > LOG_DEFAULT_TOKENS
     result = heatmap_viewer([cap], key="hm_viewer", regions=True, log=default_log,
                             jump=st.session_state.get("hm_jump_view"))
-    view = result.get("view") or viewer_state("hm_viewer").get("view") or {}
+    view = result.get("view") or {}  # where the user rests, as the component last reported it
     layer = view.get("layer", cap.layers[-1])
     layer = layer if layer in cap.layers else cap.layers[-1]
     head, log = view.get("head"), bool(view.get("log", default_log))

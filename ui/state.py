@@ -143,10 +143,14 @@ def get_model(name: str, trust_remote_code: bool = False, wait: bool = True,
     return loaded
 
 
+def _weights_bytes(loaded: LoadedModel, host_only: bool = False) -> int:
+    return sum(p.numel() * p.element_size() for p in loaded.model.parameters()
+               if not host_only or p.device.type == "cpu")
+
+
 def models_bytes() -> int:
     """What the loaded models' weights take: they count against the memory budget."""
-    return sum(sum(p.numel() * p.element_size() for p in m.model.parameters() if p.device.type == "cpu")
-               for m in list(_models().values()))
+    return sum(_weights_bytes(m, host_only=True) for m in list(_models().values()))
 
 
 def sweep_room(models: list[str]) -> str | None:
@@ -159,11 +163,11 @@ def sweep_room(models: list[str]) -> str | None:
     if unknown:
         return (f"the page sweeps models this server has loaded ({', '.join(loaded) or 'none yet'}), so that their "
                 f"memory is known; for {', '.join(unknown)} run `attnviz sweep` from a terminal")
-    need = max(sum(p.numel() * p.element_size() for p in loaded[m].model.parameters()) for m in models)
+    need = max(_weights_bytes(loaded[m]) for m in models)
     left = capture_budget() - models_bytes()
     if need > left:
-        return (f"a worker's copy of the model takes ~{need / 2**20:.0f} MB and the memory budget leaves "
-                f"{max(left, 0) / 2**20:.0f} MB (ATTNVIZ_MEMORY_MB); run `attnviz sweep` from a terminal")
+        return (f"a worker's copy of the model takes ~{devices.mb(need)} and the memory budget leaves "
+                f"{devices.mb(max(left, 0))} (ATTNVIZ_MEMORY_MB); run `attnviz sweep` from a terminal")
     return None
 
 

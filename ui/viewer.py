@@ -63,12 +63,10 @@ def heatmap_viewer(caps, key: str, titles: list[str] | None = None, regions: boo
     if around not in caps[0].layers:
         around = (known.get("view") or {}).get("layer", caps[0].layers[-1] if layer is None else layer)
     around = around if around in caps[0].layers else caps[0].layers[-1]
-    first = sum(payload_mod.layer_images(c, around)["bytes"] for c in caps)
-    layers = payload_mod.window(caps[0].layers, around, first)
     # the first view comes from the page, never from ``view``: a report of where the user rests must
     # not change the data, or every rest would resend the images
-    data = payload_mod.payload(caps, titles, layers=layers, regions="host" if regions else "off", note=note,
-                               layer=layer, head=head, log=log)
+    data = payload_mod.payload_around(caps, around, titles=titles, regions="host" if regions else "off", note=note,
+                                      layer=layer, head=head, log=log)
     if jump:
         data["jump"] = jump
     return _component()(key=key, data=data, default={"want": None, "view": None},

@@ -39,6 +39,7 @@ from ..figures.effects import k_sweep, residual_table_figure, streaming_curves
 from ..figures.style import FONT
 from ..models import LoadedModel, cache_dir
 from ..streaming import stream
+from . import write_atomic
 
 SECTIONS = ("shifting", "streaming", "sinkrate", "ksweep", "residual")
 SHIFT_TEXT = ("The old lighthouse keeper climbed the narrow stairs every evening to light the lamp. Ships passing "
@@ -236,13 +237,8 @@ def pdf_bytes(done: list[Section], meta: dict) -> bytes:
 def reproduce(lm: LoadedModel, out: str | Path, only: list[str] | None = None, quick: bool = False,
               model: str = "default", on_progress=None) -> tuple[Path, list[Section]]:
     """Compute the sections and write the PDF atomically (never a half-written file)."""
-    out = Path(out)
     done = sections(lm, only, quick, model, on_progress)
     meta = {"tool": "attnviz", "model": lm.model_id, "quick": quick, "sections": [s.name for s in done],
             "numbers": {s.name: s.numbers for s in done},
             "made": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    data = pdf_bytes(done, meta)
-    partial = out.with_name(out.name + ".part")
-    partial.write_bytes(data)
-    partial.replace(out)
-    return out, done
+    return write_atomic(out, pdf_bytes(done, meta)), done

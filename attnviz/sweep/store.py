@@ -32,9 +32,8 @@ def _fs(out: str):
 
 
 def versions() -> dict:
-    from ..capture import _versions
-
     from .. import __version__
+    from ..capture import _versions
 
     return {"attnviz": __version__, **_versions()}
 
@@ -43,6 +42,7 @@ def write_cell(out: str, cell: Cell, rows: list[dict], elapsed: float, error: st
     """The cell's rows as one Parquet file (to a temporary name, then moved: never half written)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from pyarrow import fs
 
     filesystem, base = _fs(out)
     folder = f"{base}/{cell.measure}"
@@ -61,37 +61,36 @@ def write_cell(out: str, cell: Cell, rows: list[dict], elapsed: float, error: st
     filesystem.move(partial, name)
     if not error:  # a success replaces an earlier failure of the same cell
         failed = f"{folder}/{cell.id}.failed.parquet"
-        if filesystem.get_file_info(failed).type.name != "NotFound":
+        if filesystem.get_file_info(failed).type != fs.FileType.NotFound:
             filesystem.delete_file(failed)
     return name
 
 
-def done(out: str) -> set[str]:
-    """The ids of the cells that finished (a failed cell is not done: it runs again)."""
+def _cell_files(out: str):
+    """(filesystem, the cells' files under ``out`` by path: finished and failed, never a temporary one)."""
     from pyarrow import fs
 
     filesystem, base = _fs(out)
     if filesystem.get_file_info(base).type == fs.FileType.NotFound:
-        return set()
+        return filesystem, []
     infos = filesystem.get_file_info(fs.FileSelector(base, recursive=True))
-    return {i.base_name[:-len(".parquet")] for i in infos
-            if i.base_name.endswith(".parquet") and not i.base_name.endswith(".failed.parquet")
-            and not i.base_name.startswith(".")}
+    return filesystem, sorted((i for i in infos if i.base_name.endswith(".parquet") and not i.base_name.startswith(".")),
+                              key=lambda i: i.path)
+
+
+def done(out: str) -> set[str]:
+    """The ids of the cells that finished (a failed cell is not done: it runs again)."""
+    _, files = _cell_files(out)
+    return {i.base_name[:-len(".parquet")] for i in files if not i.base_name.endswith(".failed.parquet")}
 
 
 def read(out: str, measure: str | None = None) -> pd.DataFrame:
     """Every row of a results folder (or of one measure), failed cells included (``status``)."""
     import pyarrow.parquet as pq
-    from pyarrow import fs
 
-    filesystem, base = _fs(out)
-    if filesystem.get_file_info(base).type == fs.FileType.NotFound:
-        return pd.DataFrame()
-    infos = filesystem.get_file_info(fs.FileSelector(base, recursive=True))
+    filesystem, files = _cell_files(out)
     frames = []
-    for info in sorted(infos, key=lambda i: i.path):
-        if not info.base_name.endswith(".parquet") or info.base_name.startswith("."):
-            continue
+    for info in files:
         if measure and info.path.rsplit("/", 2)[-2] != measure:
             continue
         with filesystem.open_input_file(info.path) as f:

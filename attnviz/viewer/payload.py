@@ -20,13 +20,16 @@ because it is its own lossless image.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import io
+import json
 import os
 
 import numpy as np
 
 from ..capture import Capture
+from ..export import describe
 from ..figures.heatmaps import head_label
 from ..figures.style import COLORSCALE, LOG_FLOOR, MASKED, MAX_PX, max_pool
 
@@ -37,13 +40,16 @@ EXACT_TOKENS = 256
 BUDGET_BYTES = 40 << 20
 
 
+FORMATS = ("png", "webp")
+
+
 def budget() -> int:
     """Image bytes one payload may hold: ``ATTNVIZ_VIEWER_MB`` or :data:`BUDGET_BYTES`."""
     value = os.environ.get("ATTNVIZ_VIEWER_MB")
     return int(float(value) * (1 << 20)) if value else BUDGET_BYTES
-FORMATS = ("png", "webp")
 
 
+@functools.lru_cache(maxsize=1)
 def palette() -> list[str]:
     """The colour scale as 256 "#rrggbb" entries, the figures' own (``style.COLORSCALE``)."""
     from plotly.colors import sample_colorscale
@@ -95,19 +101,20 @@ def mask_uri(allowed: np.ndarray) -> str:
     return _uri(Image.fromarray(np.asarray(allowed, dtype=bool)), "png", 90)
 
 
-def encoding(cap: Capture, size: int = MAX_PX) -> dict:
-    """How a capture's maps are coded: 16 bits for full maps of at most :data:`EXACT_TOKENS` tokens
-    drawn unpooled, else 8."""
-    exact = (cap.n_tokens <= min(EXACT_TOKENS, size) and len(cap.row_tokens) <= EXACT_TOKENS
-             and all(cap.pool_factor(l) == 1 for l in cap.layers))
+def encoding(caps: list[Capture], size: int = MAX_PX) -> dict:
+    """How the maps of captures shown together are coded: 16 bits where every one has full maps of at
+    most :data:`EXACT_TOKENS` tokens drawn unpooled, else 8 (one code for all: one decoder, one scale)."""
+    exact = all(cap.n_tokens <= min(EXACT_TOKENS, size) and len(cap.row_tokens) <= EXACT_TOKENS
+                and all(cap.pool_factor(l) == 1 for l in cap.layers) for cap in caps)
     return {"bits": 16, "lo": -8.0, "hi": 0.0} if exact else {"bits": 8, "lo": float(np.log10(LOG_FLOOR)), "hi": 0.0}
 
 
-def layer_images(cap: Capture, layer: int, size: int = MAX_PX, image_format: str = "png", quality: int = 90) -> dict:
-    """One layer's images: ``mask``, ``heads`` ([mean, head 0, head 1, ...]), ``factor`` (tokens per
-    pixel) and ``bytes``. Kept with the capture: a layer is encoded once per size and format."""
+def layer_images(cap: Capture, layer: int, code: dict, size: int = MAX_PX, image_format: str = "png",
+                 quality: int = 90) -> dict:
+    """One layer's images in ``code`` (:func:`encoding`): ``mask``, ``heads`` ([mean, head 0, head 1,
+    ...]), ``factor`` (tokens per pixel) and ``bytes``. Kept with the capture: a layer is encoded once
+    per code, size and format."""
     def make():
-        code = encoding(cap, size)
         values, allowed = cap.layer_view(layer)  # full maps, or a long capture's pooled ones
         stored = cap.pool_factor(layer)
         extra = int(np.ceil(max(values.shape[1:]) / size))  # pooled further to fit ``size``
@@ -117,7 +124,7 @@ def layer_images(cap: Capture, layer: int, size: int = MAX_PX, image_format: str
         mask = mask_uri(~np.isnan(pooled[0]))
         return {"mask": mask, "heads": heads, "factor": stored * max(extra, 1),
                 "shape": list(pooled[0].shape), "bytes": len(mask) + sum(map(len, heads))}
-    return cap.memo(("viewer_layer", layer, size, image_format, quality), make)
+    return cap.memo(("viewer_layer", layer, code["bits"], size, image_format, quality), make)
 
 
 def window(layers: list[int], around: int, layer_bytes: int, limit: int | None = None) -> list[int]:
@@ -144,17 +151,17 @@ def payload(caps: list[Capture], titles: list[str] | None = None, layers: list[i
             raise ValueError("captures shown side by side must have the same tokens and recorded layers")
     titles = titles or [cap.arch for cap in caps]
     wanted = first.layers if layers is None else [l for l in first.layers if l in set(layers)]
+    code = encoding(caps, size)
     panels = []
     for cap, title in zip(caps, titles):
-        images = {str(l): layer_images(cap, l, size, image_format, quality) for l in wanted}
+        images = {str(l): layer_images(cap, l, code, size, image_format, quality) for l in wanted}
         panels.append({"title": title, "masks": {str(l): cap.layer_masks[l] for l in cap.layers},
                        "layers": {k: {key: v[key] for key in ("mask", "heads", "factor", "shape")}
                                   for k, v in images.items()}})
-    code = encoding(first, size)
-    if len(caps) > 1 and any(encoding(c, size) != code for c in caps[1:]):
-        code = {"bits": 8, "lo": float(np.log10(LOG_FLOOR)), "hi": 0.0}
-    identity = hashlib.sha1(repr([(c.meta.get("model"), c.text, c.arch, c.meta.get("intervene")) for c in caps]
-                                 + [size, image_format, quality]).encode()).hexdigest()[:16]
+    # what makes each capture (model, text, mask, intervention, BOS, residual variant, attention kind):
+    # the viewer merges a new payload into the one it holds only when this is the same
+    identity = hashlib.sha1(json.dumps([describe(c) for c in caps] + [size, image_format, quality], sort_keys=True,
+                                       default=str).encode()).hexdigest()[:16]
     return {
         "id": identity, "n_tokens": first.n_tokens, "tokens": first.tokens,
         "row_tokens": first.query_tokens, "layers": first.layers, "n_heads": first.n_heads,
@@ -165,3 +172,11 @@ def payload(caps: list[Capture], titles: list[str] | None = None, layers: list[i
         "view": {"layer": first.layers[-1] if layer is None else layer, "head": head,
                  "log": first.n_tokens > 256 if log is None else bool(log)},
     }
+
+
+def payload_around(caps: list[Capture], around: int, size: int = MAX_PX, **options) -> dict:
+    """:func:`payload` of the layers nearest ``around`` that :func:`budget` holds (every layer when
+    they fit): what a host that can send more layers on request (the app, a notebook) sends."""
+    code = encoding(caps, size)
+    per_layer = sum(layer_images(c, around, code, size)["bytes"] for c in caps)
+    return payload(caps, layers=window(caps[0].layers, around, per_layer), size=size, **options)

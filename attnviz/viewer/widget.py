@@ -57,19 +57,18 @@ class Heatmap(anywidget.AnyWidget):
 
     def __init__(self, caps: list[Capture], titles: list[str] | None = None, layer: int | None = None,
                  head: int | None = None, log: bool | None = None, size: int = payload_mod.MAX_PX):
-        self._caps, self._titles, self._size = list(caps), titles, size
+        self._caps = list(caps)
         self.region: zoom.Region | None = None
         start = self._caps[0].layers[-1] if layer is None else layer
-        full = all(layer in c.probs for c in self._caps for layer in c.layers)
-        self._options = dict(layer=layer, head=head, log=log, size=size, regions="host" if full else "off",
+        full = all(l in c.probs for c in self._caps for l in c.layers)
+        self._options = dict(titles=titles, layer=layer, head=head, log=log, size=size,
+                             regions="host" if full else "off",
                              regions_note="" if full else "A region of a long text at full resolution: "
                                                           "attnviz.zoom.region(model, text, arch, layer, queries, keys).")
         super().__init__(data=self._payload(start))
 
     def _payload(self, around: int) -> dict:
-        per_layer = sum(payload_mod.layer_images(c, around, self._size)["bytes"] for c in self._caps)
-        layers = payload_mod.window(self._caps[0].layers, around, per_layer)
-        return payload_mod.payload(self._caps, self._titles, layers=layers, **self._options)
+        return payload_mod.payload_around(self._caps, around, **self._options)
 
     @traitlets.observe("want")
     def _send_layer(self, change) -> None:
