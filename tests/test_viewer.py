@@ -211,3 +211,15 @@ def test_the_heatmaps_page_sends_the_viewer_the_capture_s_maps(model_cache, defa
     values = payload_mod.decode(data["panels"][0]["layers"]["7"]["heads"][3], **data["encoding"])  # head 2
     ok = np.tril(np.ones_like(full[2], bool)) & (full[2] > 1e-6)
     np.testing.assert_allclose(values[ok], full[2][ok], rtol=2e-3)  # the app's fp16 storage, then 16-bit codes
+
+
+def test_a_payload_names_its_captures_so_the_viewer_never_merges_another_one(cap, default_model):
+    """The viewer merges a payload into the one it holds when their ids match: the same capture again,
+    never the same text under another intervention or with a BOS token in front."""
+    from attnviz import capture
+
+    same = payload_mod.payload([cap], layers=[0])["id"]
+    assert payload_mod.payload([cap], layers=[29])["id"] == same
+    others = [capture(default_model, TEXT, "fwd", intervene="temperature(t=2)"),
+              capture(default_model, TEXT, "fwd", prepend="bos")]
+    assert all(payload_mod.payload([o], layers=[0])["id"] != same for o in others)
