@@ -6,16 +6,26 @@ import triton.language as tl
 
 
 @triton.jit
-def scores_tile(q, k_ptr, allow_ptr, rows, row_ok, dims, start, n_kv, dim, scale, stride_kn,
-                BN: tl.constexpr, PRECISION: tl.constexpr):
-    """One BM x BN tile: its key indices, which exist, the scaled scores and the allow-set."""
+def scores_tile(q, k_ptr, allow_ptr, rows, row_ok, dims, start, n_kv, dim, scale, q_offset, stride_kn,
+                BN: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
+    """One BM x BN tile: its key indices, which exist, the scaled scores and the allow-set (read from
+    the packed allow matrix, or for a plain causal mask computed from the indices)."""
     cols = start + tl.arange(0, BN)
     col_ok = cols < n_kv
     k = tl.load(k_ptr + cols[:, None] * stride_kn + dims[None, :],
                 mask=col_ok[:, None] & (dims[None, :] < dim), other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    ok = tl.load(allow_ptr + rows[:, None].to(tl.int64) * n_kv + cols[None, :],
-                 mask=row_ok[:, None] & col_ok[None, :], other=0) != 0
+    if CAUSAL:
+        ok = row_ok[:, None] & col_ok[None, :] & (cols[None, :] <= rows[:, None] + q_offset)
+    else:
+        # the allow-set packed 32 keys to an int32 word (attnviz.kernels.pack_allow): BN / 32 loads a row
+        # instead of BN, and no pointer a score (those cost the registers that made ptxas spill)
+        n_words = (n_kv + 31) // 32
+        words_at = start // 32 + tl.arange(0, BN // 32)
+        words = tl.load(allow_ptr + rows[:, None].to(tl.int64) * n_words + words_at[None, :],
+                        mask=row_ok[:, None] & (words_at[None, :] < n_words), other=0)
+        bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
+        ok = (tl.reshape(bits, (rows.shape[0], BN)) != 0) & col_ok[None, :]
     return cols, col_ok, s, ok
 
 
@@ -26,11 +36,14 @@ def layer_stats(q_ptr, k_ptr, allow_ptr, ranges_ptr, delim_ptr, norms_ptr,
                 n_q, n_kv, dim, group, scale, q_offset, factor, pooled_rows, pooled_cols,
                 stride_qh, stride_qn, stride_kh, stride_kn,
                 BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                POOL: tl.constexpr, VALUE: tl.constexpr, SCORES: tl.constexpr, PRECISION: tl.constexpr):
+                POOL: tl.constexpr, VALUE: tl.constexpr, SCORES: tl.constexpr, PRECISION: tl.constexpr,
+                CAUSAL: tl.constexpr):
     """One program: BM query rows of one head. Pass 1 finds each row's log-sum-exp over its allowed
-    keys, pass 2 recomputes every tile and accumulates the statistics (see attnviz.kernels)."""
-    block = tl.program_id(0)
-    head = tl.program_id(1)
+    keys, pass 2 recomputes every tile and accumulates the statistics (see attnviz.kernels). Heads
+    are the grid's fast axis: the heads of one row block run side by side and share their K tiles
+    (grouped-query attention) and allow tiles in the L2 cache."""
+    head = tl.program_id(0)
+    block = tl.program_id(1)
     kv_head = head // group
     rows = block * BM + tl.arange(0, BM)
     dims = tl.arange(0, D)
@@ -45,7 +58,7 @@ def layer_stats(q_ptr, k_ptr, allow_ptr, ranges_ptr, delim_ptr, norms_ptr,
     # pass 1: every row's log-sum-exp over its allowed keys (online, as flash attention)
     for start in range(k_lo, k_hi, BN):
         cols, col_ok, s, ok = scores_tile(q, k_ptr + kv_head * stride_kh, allow_ptr, rows, row_ok, dims, start,
-                                          n_kv, dim, scale, stride_kn, BN, PRECISION)
+                                          n_kv, dim, scale, q_offset, stride_kn, BN, PRECISION, CAUSAL)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -60,7 +73,7 @@ def layer_stats(q_ptr, k_ptr, allow_ptr, ranges_ptr, delim_ptr, norms_ptr,
     delim_acc = tl.zeros([BM], tl.float32)
     for start in range(k_lo, k_hi, BN):
         cols, col_ok, s, ok = scores_tile(q, k_ptr + kv_head * stride_kh, allow_ptr, rows, row_ok, dims, start,
-                                          n_kv, dim, scale, stride_kn, BN, PRECISION)
+                                          n_kv, dim, scale, q_offset, stride_kn, BN, PRECISION, CAUSAL)
         x = s - lse[:, None]
         p = tl.where(ok, tl.exp(x), 0.0)
         rowsum += tl.sum(p, axis=1)

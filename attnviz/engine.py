@@ -120,11 +120,12 @@ class Run:
             self._allow_cache[key] = _block_ranges(allow, rows).to(torch.int32)
         return self._allow_cache[key]
 
-    def allow_bytes(self, allow: torch.Tensor) -> torch.Tensor:
-        """A (B, 1, n_q, n_kv) allow-set as one uint8 (n_q, n_kv) matrix, made once per mask."""
-        key = ("bytes", id(allow))
+    def allow_bits(self, allow: torch.Tensor) -> torch.Tensor:
+        """A (B, 1, n_q, n_kv) allow-set packed 32 keys to a word for the fused kernel
+        (:func:`attnviz.kernels.pack_allow`), made once per mask."""
+        key = ("bits", id(allow))
         if key not in self._allow_cache:
-            self._allow_cache[key] = allow[0, 0].to(torch.uint8).contiguous()
+            self._allow_cache[key] = kernels.pack_allow(allow[0, 0])
         return self._allow_cache[key]
 
     def valid_on(self, device) -> torch.Tensor:
@@ -301,9 +302,10 @@ def _fused_layer(run: Run, layer: int, query, key, value, allow, scaling: float,
         factor = pool_factor(max(n_q, n_kv), reducer.pool)
         pooled_shape = (-(-n_q // factor), -(-n_kv // factor))
     delim = reducer.delim if reducer.delim is not None else torch.zeros(n_kv)
-    raw = kernels.layer_statistics(query[0], key[0], run.allow_bytes(allow), ranges, scaling, delim[-n_kv:],
-                                   factor, pooled_shape, run.value_norms[layer][0] if layer in run.value_norms else None,
-                                   scores=run.record_scores)
+    raw = kernels.layer_statistics(query[0], key[0], None if plain_causal else run.allow_bits(allow), ranges,
+                                   scaling, delim[-n_kv:], factor, pooled_shape,
+                                   run.value_norms[layer][0] if layer in run.value_norms else None,
+                                   scores=run.record_scores, causal=plain_causal)
     reducer.add_fused(layer, raw, allow_2d, n_q, n_kv)
     if plain_causal:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)

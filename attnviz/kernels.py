@@ -36,6 +36,11 @@ import torch
 
 BLOCK_M = 64  # query rows per program
 BLOCK_N = 64  # keys per tile
+# Warps per program. With 4, ptxas spills for every bf16 and fp32 variant on sm_90 (255 registers and
+# ~0.8-1.3 KB of spill stores a thread: the scores tile, its pointers and five row accumulators); with
+# 8 the bf16 variants spill nothing. Measured by compiling for sm_90 on a CPU (tests/test_kernel_sm90.py,
+# `python bench/kernel_regs.py`).
+NUM_WARPS = 8
 
 
 def available() -> bool:
@@ -87,13 +92,31 @@ def _kernel():
     return layer_stats
 
 
-def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor, ranges: torch.Tensor,
+def pack_allow(allow: torch.Tensor) -> torch.Tensor:
+    """An (n_q, n_kv) boolean allow-set as (n_q, ⌈n_kv / 32⌉) int32 words, bit j of word w for key
+    32·w + j: what the kernel reads for a mask it cannot compute from indices. At 32,768 tokens that
+    is 128 MB instead of 1 GB of bytes, and the kernel loads 2 words a row of a 64-key tile instead of
+    64 bytes through 64 pointers. Packed on the allow-set's device, one bit plane at a time (no
+    temporary larger than the result)."""
+    n_q, n_kv = allow.shape
+    padded = torch.nn.functional.pad(allow, (0, -n_kv % 32)) if n_kv % 32 else allow
+    words = torch.zeros(n_q, padded.shape[1] // 32, dtype=torch.int32, device=allow.device)
+    for bit in range(32):  # bit 31 wraps to the sign bit: the kernel masks each bit, so signs do not matter
+        words |= padded[:, bit::32].to(torch.int32) << bit
+    return words
+
+
+def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor | None, ranges: torch.Tensor,
                      scaling: float, delim: torch.Tensor, pool_factor: int | None = None,
                      pooled_shape: tuple[int, int] | None = None, norms: torch.Tensor | None = None,
-                     scores: bool = False, block: tuple[int, int] = (BLOCK_M, BLOCK_N)) -> dict[str, torch.Tensor]:
+                     scores: bool = False, block: tuple[int, int] = (BLOCK_M, BLOCK_N),
+                     causal: bool = False) -> dict[str, torch.Tensor]:
     """Raw per-row, per-column and pooled sums of one layer (batch of one) on the layer's device.
 
-    ``query`` (H, n_q, d), ``key`` (H_kv, n_kv, d), ``allow`` (n_q, n_kv) bool, ``ranges`` the
+    ``query`` (H, n_q, d), ``key`` (H_kv, n_kv, d), ``allow`` (n_q, n_kv) bool or packed by
+    :func:`pack_allow` (ignored, may be None,
+    with ``causal``: the plain causal mask with queries at the last n_q positions, computed inside the
+    kernel from the indices instead of read from n_q x n_kv bytes; square only), ``ranges`` the
     (blocks, 2) key range of every block of ``block[0]`` query rows (the engine's ``_block_ranges``),
     ``delim`` (n_kv,) delimiter flags, ``norms`` (H, n_kv) value norms for pooled A·‖W_O v‖.
     Returns fp32 ``rowsum``, ``plogp`` (Σ p·log p), ``diag``, ``key0``, ``delim`` (H, n_q),
@@ -111,14 +134,22 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     pool = pool_factor is not None
     rows, cols = pooled_shape if pool else (1, 1)
     g = granularity(pool_factor) if pool else 1
+    if bn % 32:
+        raise ValueError(f"key tiles of {bn} do not hold whole 32-key words of the packed allow-set")
     if pool and (bm % g or bn % g):
         raise ValueError(f"pooling granularity {g} does not divide the kernel's {bm} x {bn} tiles")
     pooled = torch.zeros(heads, rows, cols, **f32)
     pooled_value = torch.zeros(heads, rows, cols, **f32) if norms is not None else pooled
     pooled_scores = torch.full((heads, rows, cols), float("-inf"), **f32) if scores else pooled
     dummy = torch.zeros(1, **f32)
-    _kernel()[(-(-n_q // bm), heads)](
-        query, key, allow if allow.dtype == torch.uint8 else allow.to(torch.uint8).contiguous(),
+    if causal:
+        if n_q != n_kv:
+            raise ValueError(f"the causal route takes square layers, not {n_q} queries over {n_kv} keys")
+        packed = torch.zeros(1, dtype=torch.int32, device=device)
+    else:
+        packed = allow if allow.dtype == torch.int32 else pack_allow(allow)
+    _kernel()[(heads, -(-n_q // bm))](
+        query, key, packed,
         ranges.to(device, torch.int32).contiguous(),
         delim.to(**f32).contiguous(), dummy if norms is None else norms.to(**f32).contiguous(),
         out["rowsum"], out["plogp"], out["diag"], out["key0"], out["delim"], out["colsum"],
@@ -127,7 +158,8 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         BM=bm, BN=bn, D=max(16, 1 << (dim - 1).bit_length()), G=g,
         POOL=pool, VALUE=norms is not None, SCORES=scores,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32")  # fp32 models: no TF32 rounding (SPEC §15)
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 models: no TF32 rounding (SPEC §15)
+        CAUSAL=causal, num_warps=NUM_WARPS)
     if pool:
         out["pooled"] = pooled
         if norms is not None:
@@ -136,3 +168,66 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
             out["pooled_scores"] = pooled_scores
     return out
 
+
+
+def compiled_resources(*variants: dict) -> list[dict[str, int]]:
+    """Compile the kernel ahead of time for NVIDIA GPUs and read what ptxas allocates, one dict per
+    variant: ``registers`` a thread, ``spill_stores`` / ``spill_loads`` bytes a thread, ``shared``
+    bytes a program. A variant names ``capability`` (90: H100/H200, 80: A100), ``dtype`` ("bf16",
+    "fp16", "fp32"), ``head_dim`` and optionally ``pool``, ``value``, ``scores``, ``causal``,
+    ``granularity``, ``num_warps`` (defaults: what a 512-px statistics capture of a causal model
+    launches).
+
+    Needs Triton's CUDA backend and its bundled ptxas, not a GPU: this is how a CPU-only machine
+    checks that a change still compiles for the GPUs it cannot run on, and does not spill registers
+    to local memory inside the tile loops (tests/test_kernel_sm90.py, bench/kernel_regs.py). Runs in
+    a fresh Python process without ``TRITON_INTERPRET``: a process that imported Triton with its
+    interpreter on cannot compile."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    code = ("import json, sys; from attnviz.kernels import _resources; "
+            "print(json.dumps([_resources(**v) for v in json.loads(sys.argv[1])]))")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(variants)], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"compiling the kernel failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, pool: bool = True,
+               value: bool = False, scores: bool = False, causal: bool = True, granularity: int = 16,
+               num_warps: int = NUM_WARPS) -> dict[str, int]:
+    """One variant of :func:`compiled_resources`, in this process (its Triton interpreter off)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    kernel = _kernel()
+    constants = dict(BM=BLOCK_M, BN=BLOCK_N, D=max(16, 1 << (head_dim - 1).bit_length()), G=granularity,
+                     POOL=pool, VALUE=value, SCORES=scores, CAUSAL=causal,
+                     PRECISION="ieee" if dtype == "fp32" else "tf32")
+    pointers = {"q_ptr": dtype, "k_ptr": dtype, "allow_ptr": "i32", "ranges_ptr": "i32"}
+    signature = {name: "constexpr" if name in constants else
+                 "*" + pointers.get(name, "fp32") if name.endswith("_ptr") else
+                 "fp32" if name == "scale" else "i32" for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": num_warps})
+    arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        log = subprocess.run([get_ptxas(capability).path, f"-arch={arch}", "-v", ptx, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
+    return {"registers": registers, "spill_stores": stores, "spill_loads": loads, "shared": compiled.metadata.shared}

@@ -45,8 +45,8 @@ def test_kernel_sums_equal_the_full_probabilities(spec):
     norms = torch.rand(H, N) + 0.5
     f = pool_factor(N, 9)  # ceil(75 / 9) = 9 → 16: a multiple of the 16-cell granularity
     shape = (-(-N // f), -(-N // f))
-    ranges = engine._block_ranges(allow[None, None], 16)
-    raw = kernels.layer_statistics(q, k, allow, ranges, D ** -0.5, delim, f, shape, norms, scores=True, block=(16, 16))
+    ranges = engine._block_ranges(allow[None, None], 32)
+    raw = kernels.layer_statistics(q, k, allow, ranges, D ** -0.5, delim, f, shape, norms, scores=True, block=(32, 32))
     p = probs.double()
     expected = {"rowsum": p.sum(-1), "plogp": torch.special.xlogy(p, p).sum(-1), "colsum": p.sum(1),
                 "diag": torch.diagonal(p, dim1=-2, dim2=-1), "key0": p[:, :, 0], "delim": p @ delim.double()}
@@ -60,6 +60,35 @@ def test_kernel_sums_equal_the_full_probabilities(spec):
         np.testing.assert_allclose(got[seen], ref[seen], atol=1e-6, rtol=1e-5, err_msg=name)
 
 
+def test_pack_allow_puts_key_j_in_bit_j_mod_32_of_word_j_div_32():
+    torch.manual_seed(1)
+    allow = torch.rand(5, 70) < 0.5
+    allow[:, 31] = allow[:, 63] = True  # the sign bits
+    words = kernels.pack_allow(allow)
+    assert words.dtype == torch.int32 and words.shape == (5, 3)
+    unpacked = [[bool((int(words[i, j // 32]) >> (j % 32)) & 1) for j in range(96)] for i in range(5)]
+    assert unpacked == [row + [False] * 26 for row in allow.tolist()]
+
+
+def test_the_causal_route_computes_the_mask_from_indices():
+    """A plain causal layer passes no allow matrix (n x n bytes at 32k tokens: 1 GB, read per head):
+    the kernel's index test gives the same sums as the allow matrix, bit for bit."""
+    q, k, allow, scores, probs = _reference("fwd")
+    delim = torch.from_numpy((np.arange(N) % 5 == 1).astype(np.float32))
+    f = pool_factor(N, 9)
+    shape = (-(-N // f), -(-N // f))
+    ranges = engine._block_ranges(allow[None, None], 32)
+    options = dict(pool_factor=f, pooled_shape=shape, norms=torch.rand(H, N) + 0.5, scores=True, block=(32, 32))
+    read = kernels.layer_statistics(q, k, allow, ranges, D ** -0.5, delim, **options)
+    computed = kernels.layer_statistics(q, k, None, ranges, D ** -0.5, delim, causal=True, **options)
+    assert read.keys() == computed.keys()
+    for name in read:
+        torch.testing.assert_close(computed[name], read[name], atol=0, rtol=0, msg=name)
+    torch.testing.assert_close(computed["rowsum"], torch.ones(H, N), atol=2e-6, rtol=0)
+    with pytest.raises(ValueError, match="square"):
+        kernels.layer_statistics(q[:, 1:], k, None, ranges, D ** -0.5, delim, causal=True)
+
+
 @pytest.mark.parametrize("spec", ["fwd", "nosink-fwd*2 + bidir", "back*3", "sliding(w=9)*3", "mask0-bidir(k=1)"])
 def test_a_capture_by_the_fused_route_equals_the_block_engine(spec, monkeypatch):
     lm = loaded("llama")
@@ -68,10 +97,11 @@ def test_a_capture_by_the_fused_route_equals_the_block_engine(spec, monkeypatch)
     blocks = capture(lm, TEXT, spec, **options)
     calls = []
     real = kernels.layer_statistics
-    monkeypatch.setattr(kernels, "layer_statistics", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(kernels, "layer_statistics", lambda *a, **k: calls.append(k["causal"]) or real(*a, **k))
     monkeypatch.setenv("ATTNVIZ_FUSED", "1")
     fused = capture(lm, TEXT, spec, **options)
     assert len(calls) == 3  # every layer took the fused route
+    assert calls == [m.name == "fwd" for m in parse(spec, 3).layers]  # plain causal layers compute their mask
     np.testing.assert_allclose(fused.next_logprobs, blocks.next_logprobs, atol=1e-5)
     for layer in range(3):
         for name, value in blocks.stats[layer].items():  # pooled maps are kept in fp16: one ulp apart at most

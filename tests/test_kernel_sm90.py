@@ -1,0 +1,57 @@
+"""The fused statistics kernel compiled ahead of time for the GPUs it is meant for (issue 14 §2),
+on this CPU: Triton's CUDA backend and its bundled ptxas need no GPU. A change that no longer
+compiles for sm_90 (H100/H200) or sm_80 (A100), or that makes ptxas spill registers to local
+memory inside the tile loops, fails here before anyone runs it on a GPU.
+
+The interpreter tests (tests/test_fused.py) check what the kernel computes; these check that the
+same source becomes a GPU kernel that keeps its working set in registers. Spills are checked for
+the half-precision variants, the GPU default (``devices.default_dtype``); fp32 models (ieee dot
+products, no tensor cores) must compile, and spill a little (see bench/kernel_regs.py)."""
+
+import itertools
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton was built without its CUDA backend")
+
+from attnviz import kernels  # noqa: E402
+
+# every output the kernel can be asked for at once (the most registers), and the plain statistics
+HALF = [dict(capability=cap, dtype="bf16", head_dim=d, causal=causal, **outputs)
+        for cap, d, causal, outputs in itertools.product(
+            (90, 80), (64, 128), (True, False), (dict(pool=True, value=True, scores=True), dict(pool=False)))]
+FP32 = [dict(capability=90, dtype="fp32", head_dim=64, causal=False)]
+WARPS = [dict(capability=90, dtype="bf16", head_dim=128, causal=False, num_warps=w) for w in (4, kernels.NUM_WARPS)]
+
+
+@pytest.fixture(scope="module")
+def used():
+    """Every variant compiled in one child process (Triton's import is the slow part)."""
+    return dict(zip(map(repr, HALF + FP32 + WARPS), kernels.compiled_resources(*HALF, *FP32, *WARPS)))
+
+
+@pytest.mark.parametrize("variant", HALF, ids=lambda v: "sm{capability}-d{head_dim}-{causal}-{pool}{value}{scores}"
+                         .format(**{"value": False, "scores": False, **v}))
+def test_half_precision_variants_compile_without_spilling(used, variant):
+    got = used[repr(variant)]
+    assert got["spill_stores"] == 0 and got["spill_loads"] == 0, got
+    assert got["registers"] <= 255 and 0 < got["shared"] <= 100 * 1024, got
+
+
+def test_fp32_models_compile_for_sm90(used):
+    got = used[repr(FP32[0])]
+    assert 0 < got["registers"] <= 255 and got["shared"] > 0
+
+
+def test_more_warps_means_fewer_registers_a_thread(used):
+    """NUM_WARPS = 8 spreads each tile over twice the threads: fewer registers each, so the heavier
+    variants (every pooled output) stay clear of spilling."""
+    four, eight = (used[repr(v)] for v in WARPS)
+    assert four["spill_stores"] == 0 and eight["spill_stores"] == 0
+    assert eight["registers"] < four["registers"]
+
+
+def test_a_kernel_that_does_not_compile_says_why():
+    with pytest.raises(RuntimeError, match="compiling the kernel failed"):
+        kernels.compiled_resources(dict(capability=90, dtype="bf16", head_dim=64, granularity=128))
