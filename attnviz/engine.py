@@ -67,9 +67,11 @@ class Run:
     block_bytes: int | None = None  # fp32 scores of one query block of a recorded layer; None: devices.block_bytes
     _allow_cache: dict = field(default_factory=dict)
     _device_cache: dict = field(default_factory=dict)
+    unpadded: bool | None = None  # every key real; None: read from ``valid`` (a host read: the caller may know)
 
     def __post_init__(self):
-        self.unpadded = bool(self.valid.all())
+        if self.unpadded is None:
+            self.unpadded = bool(self.valid.all())
 
     def allow(self, layer: int, n_q: int, n_kv: int, window: int | None, device) -> torch.Tensor:
         """(B, 1, n_q, n_kv) boolean allow-set for a layer, shared by layers with the same mask.
@@ -570,7 +572,8 @@ def make_run(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int]
         if mask.horizon is not None and int(positions.max()) + 1 > mask.horizon:
             raise InputError(f"{mask.name} was set for at most T={mask.horizon} tokens but the text reaches "
                              f"{int(positions.max()) + 1}: raise T or shorten the text")
-    return Run(list(masks), frozenset(range(total) if record is None else record), positions, valid, **options)
+    return Run(list(masks), frozenset(range(total) if record is None else record), positions, valid,
+               unpadded=True if kv_positions is not None or attention_mask is None else None, **options)
 
 
 @contextmanager

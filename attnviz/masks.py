@@ -142,6 +142,9 @@ class Mask:
         return torch.where(count > 0, tau, torch.full_like(tau, float("-inf"))).float()[..., None]
 
 
+_SMALL_ALLOW = 1 << 16  # allow-sets up to this many cells are fixed without asking the device first
+
+
 def keep_self_if_empty(allow: torch.Tensor) -> torch.Tensor:
     """A query whose every key is masked keeps its own key (the last ``n_q`` keys are the queries').
 
@@ -150,7 +153,9 @@ def keep_self_if_empty(allow: torch.Tensor) -> torch.Tensor:
     """
     n_q, n_k = allow.shape[-2], allow.shape[-1]
     empty = ~allow.any(-1, keepdim=True)
-    if not bool(empty.any()):
+    # Whether any row is empty is a host read (on a GPU, a wait for the device): worth it to skip two
+    # n x n passes on a long text, not on a decoding step's single row, which stays sync-free.
+    if allow.numel() > _SMALL_ALLOW and not bool(empty.any()):
         return allow
     diagonal = torch.zeros(n_q, n_k, dtype=torch.bool, device=allow.device)
     diagonal[torch.arange(n_q, device=allow.device), torch.arange(n_k - n_q, n_k, device=allow.device)] = True

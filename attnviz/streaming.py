@@ -120,18 +120,27 @@ class CachedDecoder:
         self.record = set(record)
         self.cache = DynamicCache()
         self.positions: list[int] = []  # the position each cache entry was encoded at
+        self.kv: torch.Tensor | None = None  # the same positions, (1, n), on the model's device
         self.next_position = 0
+        self._indices: dict = {}
 
     def step(self, token: int) -> Step:
+        """Feed one token. On an accelerator the step waits for nothing: the token and positions are
+        made on the model's device by fill kernels (no host-to-device copy, each of which would wait
+        for the device), the eviction index is made once per device, and the log-probabilities stay
+        on the device (``Step.logprobs``) until someone reads them. Recorded maps come to the host."""
         position = self.next_position
-        kv = torch.tensor([self.positions + [position]])
-        output, run = engine.forward(self.loaded.model, torch.tensor([[token]]), list(self.architecture.layers),
-                                     record=self.record, storage_dtype=torch.float32,
-                                     past_key_values=self.cache, kv_positions=kv, interventions=self.interventions)
-        seen = kv[0].tolist()
+        device = self.loaded.model.device
+        new = torch.full((1, 1), position, dtype=torch.long, device=device)
+        kv = new if self.kv is None else torch.cat([self.kv, new], 1)
+        output, run = engine.forward(self.loaded.model, torch.full((1, 1), token, dtype=torch.long, device=device),
+                                     list(self.architecture.layers), record=self.record,
+                                     storage_dtype=torch.float32, past_key_values=self.cache, kv_positions=kv,
+                                     interventions=self.interventions)
+        seen = self.positions + [position]
         step = Step(token, position, torch.log_softmax(output.logits[0, -1].float(), -1), seen,
                     {layer: probs[0, :, 0].numpy() for layer, probs in run.probs.items()})
-        self.positions, self.next_position = seen, position + 1
+        self.positions, self.kv, self.next_position = seen, kv, position + 1
         self._evict()
         return step
 
@@ -139,11 +148,19 @@ class CachedDecoder:
         keep = self.policy.keep(len(self.positions))
         if keep is None:
             return
-        index = torch.tensor(keep)
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(-2, index.to(layer.keys.device))
-            layer.values = layer.values.index_select(-2, index.to(layer.values.device))
+            layer.keys = layer.keys.index_select(-2, self._index(keep, layer.keys.device))
+            layer.values = layer.values.index_select(-2, self._index(keep, layer.values.device))
+        self.kv = self.kv.index_select(1, self._index(keep, self.kv.device))
         self.positions = [self.positions[i] for i in keep]
+
+    def _index(self, keep: list[int], device: torch.device) -> torch.Tensor:
+        """The eviction index on ``device``: a full cache always keeps the same slots, so it is copied
+        there once, not once a layer and step (each copy from the host waits for the device)."""
+        key = (keep[-1], len(keep), device)
+        if key not in self._indices:
+            self._indices[key] = torch.tensor(keep, device=device)
+        return self._indices[key]
 
 
 @dataclass
@@ -187,11 +204,11 @@ def stream(loaded: LoadedModel, ids: list[int], policy: Policy | str = "dense",
         raise InputError(f"the text is {len(ids)} tokens, longer than {loaded.model_id}'s context "
                          f"({loaded.max_tokens}): use a window or sink policy, or --max-tokens")
     decoder = CachedDecoder(loaded, arch, policy, intervene=intervene)
-    nll = np.empty(len(ids) - 1)
+    nll = torch.empty(len(ids) - 1, device=loaded.model.device)  # on the device, read once at the end
     for t in range(len(ids) - 1):
         step = decoder.step(ids[t])
-        nll[t] = -float(step.logprobs[ids[t + 1]])
+        nll[t] = -step.logprobs[ids[t + 1]]
         if on_step:
             on_step(t + 1, len(ids) - 1)
-    return StreamResult(policy.spec, decoder.architecture.spec, nll, policy.cache_size,
+    return StreamResult(policy.spec, decoder.architecture.spec, nll.cpu().numpy().astype(np.float64), policy.cache_size,
                         decoder.interventions.spec or None)

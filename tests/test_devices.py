@@ -8,6 +8,7 @@ that created any state on the CPU behind its caller's back (the crash seen on CU
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnviz import devices, engine, metrics
 from attnviz import masks as M
@@ -126,3 +127,49 @@ def test_block_size_follows_the_device():
 def test_block_size_from_the_environment(monkeypatch):
     monkeypatch.setenv("ATTNVIZ_BLOCK_MB", "2")
     assert devices.block_bytes("cpu") == 2 * devices.MB
+
+
+class _Transfers(TorchDispatchMode):
+    """Records every operation whose tensors sit on more than one device: on a GPU each is a copy
+    between host and device, and a copy from pageable host memory waits for the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {a.device.type for a in [*args, *(kwargs or {}).values(), out] if isinstance(a, torch.Tensor)}
+        if len(seen) > 1:
+            self.ops.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("layers", [2, 5])
+def test_a_decoding_step_neither_copies_nor_reads_back(layers):
+    """Issue 14 §3 (streaming <= 1.3x generate on a GPU): a step of StreamingLLM decoding, eviction
+    included, moves nothing between host and device and reads nothing back, whatever the depth.
+    On ``meta`` any read (``.item()``, ``bool()``, ``.tolist()``) raises, and the dispatch mode sees
+    every copy. Before, each step copied the eviction index to the device twice a layer, and the
+    loop read each token's log-probability back before the next step."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from attnviz.models import LoadedModel
+    from attnviz.streaming import CachedDecoder
+
+    from tiny import VOCAB, CharTokenizer
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2)
+    with META:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=engine.KEY).eval()
+    decoder = CachedDecoder(LoadedModel(model, CharTokenizer(), "meta llama", None, 0.0), "fwd", "sink(s=2, w=3)")
+    decoder.step(5)  # the first step makes the eviction index and the model's lazy state
+    for t in range(8):
+        with _Transfers() as moved:
+            step = decoder.step(7)
+        assert moved.ops == [], f"step {t}: {moved.ops}"
+        assert step.logprobs.device == META and len(step.kv_positions) == min(t + 2, 6)  # the kept five and itself
+    assert decoder.positions == [0, 1, 6, 7, 8]  # the sinks and the window, at their own positions
+    assert all(layer.keys.shape[-2] == 5 for layer in decoder.cache.layers)
