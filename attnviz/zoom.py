@@ -3,7 +3,8 @@ heatmap zooms into, with every cell and token label.
 
 The region is cut out of the layer's query blocks as they are computed (a block reducer), so the
 layer's full map never exists; the forward stops after that layer, since later layers cannot
-change it: a region of layer 3 costs 4 layers, not 30.
+change it: a region of layer 3 costs 4 layers, not 30. Under causal-compatible masks it also stops
+at the region's last token.
 """
 
 from __future__ import annotations
@@ -93,8 +94,12 @@ def region(loaded: LoadedModel, text: str, arch, layer: int, queries: tuple[int,
         if done == layer:
             raise _Done
 
+    # Under masks where no query sees a later key, up to this layer, the region's rows and keys depend
+    # only on the tokens up to the last of them: the rest of the text is not run (a region near the
+    # start of a 32k-token text costs a short forward). Other masks need the whole text.
+    upto = max(queries[1], keys[1]) if all(m.causal_compatible for m in architecture.layers[:layer + 1]) else len(ids)
     try:
-        engine.forward(loaded.model, torch.tensor([ids]), list(architecture.layers), {layer}, reducer=crop,
+        engine.forward(loaded.model, torch.tensor([ids[:upto]]), list(architecture.layers), {layer}, reducer=crop,
                        on_layer=step, last_logits_only=True, block_bytes=block_bytes)
     except _Done:
         pass

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz import zoom
+from attnviz import engine, zoom
 from attnviz.capture import capture, estimate_bytes
 from attnviz.errors import InputError
 from attnviz.figures.style import max_pool
@@ -65,6 +65,24 @@ def test_a_region_equals_the_slice_of_the_full_map(spec):
     assert steps == [(1, 2), (2, 2)]  # the forward stopped after layer 1
     cut = zoom.from_capture(full, 1, (150, 208), (3, 70))
     np.testing.assert_array_equal(cut.values, full.layer_probs(1)[:, 150:208, 3:70])
+
+
+@pytest.mark.parametrize("spec,runs", [("fwd", 90), ("nosink-fwd + sliding(w=9)*2", 90), ("fwd + bidir*2", 208),
+                                       ("bidir + fwd*2", 208)])
+def test_a_causal_region_runs_only_the_text_up_to_its_last_token(spec, runs, monkeypatch):
+    """Rows 40..90 and keys 10..60 of layer 1: where no query sees a later key up to that layer, the
+    forward gets the first 90 tokens only, and the region still equals the full map's slice."""
+    lm = loaded("llama")
+    full = capture(lm, TEXT, spec, storage_dtype=torch.float32)
+    lengths = []
+    real = engine.forward
+    monkeypatch.setattr(engine, "forward", lambda model, ids, *a, **k: lengths.append(ids.shape[1]) or
+                        real(model, ids, *a, **k))
+    region = zoom.region(lm, TEXT, spec, 1, (40, 90), (10, 60))
+    assert lengths == [runs]
+    np.testing.assert_allclose(region.values, full.layer_probs(1)[:, 40:90, 10:60], atol=1e-6)
+    np.testing.assert_array_equal(region.allowed, full.allowed[1][40:90, 10:60])
+    assert region.row_tokens == full.tokens[40:90] and region.col_tokens == full.tokens[10:60]
 
 
 @pytest.mark.parametrize("queries,keys,message", [
