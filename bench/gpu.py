@@ -2,7 +2,7 @@
 models shaped like SmolLM2-135M and Llama-3-8B, against stock transformers in the same run.
 
     python bench/gpu.py                       # every case of the table (needs a CUDA GPU)
-    python bench/gpu.py --case smollm2:8192   # one case; shapes: smollm2, llama8b
+    python bench/gpu.py --case smollm2:8192   # one case; shapes: smollm2, llama8b, thin, tiny
     python bench/gpu.py --device cpu --case tiny:256 --skip-eager   # a smoke run of this script
 
 Models are built from configs in bf16 with random weights: nothing is downloaded, and timings
