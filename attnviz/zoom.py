@@ -78,13 +78,21 @@ def check_range(name: str, span: tuple[int, int], n: int) -> tuple[int, int]:
 
 
 def region(loaded: LoadedModel, text: str, arch, layer: int, queries: tuple[int, int], keys: tuple[int, int],
-           on_layer=None, block_bytes: int | None = None) -> Region:
+           on_layer=None, block_bytes: int | None = None, intervene=None, prepend: str | None = None,
+           residual: str | None = None) -> Region:
     """Layer ``layer``'s probabilities for ``queries`` × ``keys`` (half-open token ranges) at full
-    resolution; ``on_layer(done, total)`` reports progress up to that layer."""
+    resolution; ``on_layer(done, total)`` reports progress up to that layer. ``intervene``,
+    ``prepend`` and ``residual`` are :func:`attnviz.capture.capture`'s: a region of a capture made
+    with them must be made with them too (:func:`of_capture` passes a capture's own)."""
+    from . import interventions as interventions_mod
+    from . import residual as residual_mod
+
     architecture = arch_mod.resolve(arch, loaded.n_layers)
     if not 0 <= layer < loaded.n_layers:
         raise InputError(f"layer {layer} does not exist: the model has layers 0..{loaded.n_layers - 1}")
-    ids, tokens = tokenize(loaded, text)
+    acts = interventions_mod.resolve(intervene, loaded.n_layers, loaded.n_heads)
+    variant = residual_mod.resolve(loaded, residual)
+    ids, tokens = tokenize(loaded, text, prepend=prepend)
     queries, keys = check_range("query", queries, len(ids)), check_range("key", keys, len(ids))
     crop = _Crop(queries, keys)
 
@@ -98,14 +106,31 @@ def region(loaded: LoadedModel, text: str, arch, layer: int, queries: tuple[int,
     # only on the tokens up to the last of them: the rest of the text is not run (a region near the
     # start of a 32k-token text costs a short forward). Other masks need the whole text.
     upto = max(queries[1], keys[1]) if all(m.causal_compatible for m in architecture.layers[:layer + 1]) else len(ids)
+    input_ids, masks = torch.tensor([ids[:upto]]), list(architecture.layers)
+    options = dict(reducer=crop, on_layer=step, block_bytes=block_bytes, interventions=acts)
     try:
-        engine.forward(loaded.model, torch.tensor([ids[:upto]]), list(architecture.layers), {layer}, reducer=crop,
-                       on_layer=step, last_logits_only=True, block_bytes=block_bytes)
+        if variant is not None:  # a seed-003 residual variant runs its own layer loop
+            with torch.no_grad():
+                residual_mod.forward(loaded.model, variant, input_ids, masks, {layer}, **options)
+        else:
+            engine.forward(loaded.model, input_ids, masks, {layer}, last_logits_only=True, **options)
     except _Done:
         pass
     values, allowed = crop.finish(layer)
     return Region(layer, queries, keys, values, allowed, tokens[queries[0]:queries[1]], tokens[keys[0]:keys[1]],
                   architecture.layer_names[layer], architecture.spec, loaded.model_id)
+
+
+def of_capture(loaded: LoadedModel, cap, layer: int, queries: tuple[int, int], keys: tuple[int, int],
+               on_layer=None) -> Region:
+    """The region of a capture's layer: cut from its full maps when it kept them, else recomputed
+    with everything the capture was made with (architecture, intervention, BOS control, residual
+    variant), so its cells are the capture's own."""
+    if layer in cap.probs:
+        return from_capture(cap, layer, queries, keys)
+    return region(loaded, cap.text, cap.arch, layer, queries, keys, on_layer=on_layer,
+                  intervene=cap.meta.get("intervene"), prepend=cap.meta.get("prepend"),
+                  residual=cap.meta.get("residual"))
 
 
 def from_capture(cap, layer: int, queries: tuple[int, int], keys: tuple[int, int]) -> Region:

@@ -85,6 +85,27 @@ def test_a_causal_region_runs_only_the_text_up_to_its_last_token(spec, runs, mon
     assert region.row_tokens == full.tokens[40:90] and region.col_tokens == full.tokens[10:60]
 
 
+@pytest.mark.parametrize("made_with", [dict(intervene="temperature(t=2)"), dict(prepend="#"),
+                                       dict(intervene="sinkscale(beta=0.3)@1; ablate(heads=1)@0", prepend="#"),
+                                       dict(residual="method2")], ids=["intervention", "prefix", "both", "residual"])
+def test_a_long_captures_region_is_made_with_what_the_capture_was_made_with(made_with):
+    """The Heatmaps page's region of a long text (statistics only, no full maps) is recomputed with
+    the capture's own intervention, BOS control and residual variant: its cells are the full capture's
+    (before, it was recomputed without them: other values, and rows shifted by the prefix)."""
+    lm = loaded("llama")
+    full = capture(lm, TEXT, "fwd", storage_dtype=torch.float32, **made_with)
+    reduced = capture(lm, TEXT, "fwd", reduce=True, pool=24, **made_with)
+    assert 2 not in reduced.probs
+    region = zoom.of_capture(lm, reduced, 2, (150, 200), (0, 60))
+    np.testing.assert_allclose(region.values, full.layer_probs(2)[:, 150:200, 0:60], atol=1e-6)
+    assert region.row_tokens == full.tokens[150:200] and region.col_tokens == full.tokens[0:60]
+    plain = zoom.region(lm, TEXT, "fwd", 2, (150, 200), (0, 60))
+    # what the capture was made with matters here: well above the 1e-6 the equality allows
+    assert np.abs(plain.values - region.values).max() > 2e-5
+    cut = zoom.of_capture(lm, full, 2, (150, 200), (0, 60))  # full maps: cut, not recomputed
+    np.testing.assert_array_equal(cut.values, full.layer_probs(2)[:, 150:200, 0:60])
+
+
 @pytest.mark.parametrize("queries,keys,message", [
     ((10, 5), (0, 4), "query range 10..5"), ((0, 4), (0, 500), "not inside the text's 0..208"),
     ((0, 200), (0, 4), "at most 96"),
