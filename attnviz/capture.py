@@ -80,6 +80,9 @@ class Capture:
     query_tokens: list[str] | None = None  # row labels where queries are not the keys (cross-attention)
     timing: dict[str, float] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    # layer -> that layer's input hidden states (n, d) on the host, in the model's dtype: a region of a
+    # long capture resumes its forward from the nearest one below it (zoom.of_capture). Not saved.
+    checkpoints: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
     _summaries: dict[int, dict[str, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -293,7 +296,7 @@ def tokenize(loaded: LoadedModel, text: str, max_tokens: int | None = None,
 
 def estimate_bytes(loaded: LoadedModel, n_tokens: int, layers: int | None = None, reduce: bool = False,
                    pool: int | None = None, hidden_states: bool = False, value_norms: bool = False,
-                   scores: bool = False) -> int:
+                   scores: bool = False, checkpoints: int = 0) -> int:
     """What a capture of ``n_tokens`` will hold (as :func:`attnviz.lru.nbytes` counts it), before it runs.
 
     Full maps: fp16 (H, n, n) per recorded layer plus one n × n allow-set per mask; statistics only
@@ -311,7 +314,32 @@ def estimate_bytes(loaded: LoadedModel, n_tokens: int, layers: int | None = None
         per_layer = heads * n * n * 2
     per_layer += heads * n * 4 if value_norms else 0
     hidden = (loaded.n_layers + 1) * n * int(getattr(loaded.config, "hidden_size", 0) or 0) * 2 if hidden_states else 0
-    return count * per_layer + masks + hidden + 4 * loaded.config.vocab_size
+    kept = len(checkpoint_layers(loaded, checkpoints)) * checkpoint_bytes(loaded, n)
+    return count * per_layer + masks + hidden + kept + 4 * loaded.config.vocab_size
+
+
+def checkpoint_bytes(loaded: LoadedModel, n_tokens: int) -> int:
+    """One kept layer input: (n, hidden size) in the model's dtype."""
+    itemsize = next(loaded.model.parameters()).element_size()
+    return int(n_tokens) * int(getattr(loaded.config, "hidden_size", 0) or 0) * itemsize
+
+
+def checkpoint_layers(loaded: LoadedModel, count: int) -> frozenset[int]:
+    """The layers whose inputs a capture asked for ``count`` checkpoints keeps: evenly spaced above
+    layer 0 (whose input is the embeddings, cheap to recompute), so a region of any layer resumes at
+    most ceil(L / (count + 1)) - 1 layers below it. Empty where the family cannot resume
+    (:func:`engine.decoder_layers`) or under a residual variant (its own layer loop)."""
+    if count <= 0 or engine.decoder_layers(loaded.model) is None or getattr(loaded, "residual", None) is not None:
+        return frozenset()
+    stride = -(-loaded.n_layers // (min(count, loaded.n_layers - 1) + 1))
+    return frozenset(range(stride, loaded.n_layers, stride))
+
+
+def checkpoint_count(loaded: LoadedModel, n_tokens: int, budget: int, most: int = 8) -> int:
+    """How many checkpoints of ``n_tokens`` fit ``budget`` bytes (at most ``most``: eight put every
+    region within ceil(L / 9) layers of one)."""
+    one = checkpoint_bytes(loaded, n_tokens)
+    return 0 if one <= 0 else max(0, min(most, budget // one))
 
 
 def device_bytes(loaded: LoadedModel, n_tokens: int, reduce: bool = False, pool: int | None = None,
@@ -389,7 +417,7 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
             hidden_states: bool = False, max_tokens: int | None = None, on_layer=None,
             scores: bool = False, value_norms: bool = False, activations: bool = False,
             qkv: bool = False, residual: str | None = None, block_bytes: int | None = None,
-            pool: int | None = None, intervene=None, prepend: str | None = None) -> Capture:
+            pool: int | None = None, intervene=None, prepend: str | None = None, checkpoints: int = 0) -> Capture:
     """Run ``text`` through the model under ``arch`` and record attention.
 
     ``layers`` picks the recorded layers (the others run through SDPA); ``reduce=True`` keeps only
@@ -403,6 +431,8 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
     mask; ``prepend`` the BOS control ("bos" or a token, :func:`prefix_ids`).
     ``residual`` runs a seed-003 variant (a fine-tuned directory's own variant when none is named);
     its layer loop has no hidden-state outputs, so ``hidden_states``/``activations`` are refused with it.
+    ``checkpoints`` keeps that many evenly spaced layers' inputs on the host (:func:`checkpoint_layers`),
+    from which a region of a long capture resumes its forward (``zoom.of_capture``).
     """
     from . import residual as residual_mod
 
@@ -432,7 +462,9 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
         # of the usual block keeps that working set down (8,177 tokens on the CPU: peak 1.9 GB above the
         # model with 64 MB blocks, 1.4 GB with 16 MB, and no slower; 4 MB as fast as 16 MB)
         block_bytes = devices.block_bytes(loaded.model.device) // 4
+    kept = checkpoint_layers(loaded, checkpoints) if variant is None else frozenset()
     options = dict(storage_dtype=storage_dtype, reducer=reducer, on_layer=on_layer, record_scores=scores,
+                   checkpoint_layers=kept,
                    **({} if block_bytes is None else {"block_bytes": block_bytes}),
                    record_value_norms=value_norms, record_qkv=qkv, interventions=acts)
     with devices.out_of_memory_explained(f"a capture of {len(ids)} tokens, {len(record)} layers recorded"
@@ -463,6 +495,7 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
         value_norm={l: run.value_norms[l][0].cpu().numpy() for l in run.value_norms},
         activations=Activations.from_hidden(layer_states) if activations else None,
         qkv={l: QKV(q[0].numpy(), k[0].numpy(), v[0].numpy(), float(scale)) for l, (q, k, v, scale) in run.qkv.items()},
+        checkpoints=dict(run.checkpoints),
         timing={"forward_s": forward_s, "total_s": time.perf_counter() - started},
         meta={"model": loaded.model_id, "model_file": loaded.model_file, "dtype": str(model_dtype).replace("torch.", ""),
               "storage_dtype": str(storage_dtype).replace("torch.", ""), "device": str(loaded.model.device),

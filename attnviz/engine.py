@@ -11,6 +11,7 @@ as stock (SDPA, or the model's own eager function where SDPA cannot express it).
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import sys
 from contextlib import contextmanager
@@ -68,6 +69,10 @@ class Run:
     _allow_cache: dict = field(default_factory=dict)
     _device_cache: dict = field(default_factory=dict)
     unpadded: bool | None = None  # every key real; None: read from ``valid`` (a host read: the caller may know)
+    # layers whose input hidden states (n, d) are kept on the host, to resume a later forward from
+    # (:func:`resume`: a long capture's regions); filled by a pre-hook on the decoder layers
+    checkpoint_layers: frozenset[int] = frozenset()
+    checkpoints: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.unpadded is None:
@@ -495,6 +500,62 @@ def prepare(model) -> None:
     model.set_attn_implementation(KEY)
 
 
+# Families whose base model keeps its decoder layers as ``layers``, calls each with the same keyword
+# arguments and one ``rotary_emb``: a forward can resume at any layer from that layer's input.
+RESUMABLE = ("llama", "mistral", "qwen2", "phi3", "gemma2", "gpt_oss")
+
+
+def decoder_layers(model) -> "torch.nn.ModuleList | None":
+    """The decoder layers a forward can resume from (:func:`resume`), or None for a family that
+    must run from its embeddings (GPT-2, encoder-decoders, anything not in ``RESUMABLE``)."""
+    base = model.base_model
+    layers = getattr(base, "layers", None)
+    if model.config.model_type in RESUMABLE and isinstance(layers, torch.nn.ModuleList) and hasattr(base, "rotary_emb"):
+        return layers
+    return None
+
+
+def _keep_input(index: int, module, args, kwargs) -> None:
+    run = _RUN.get()
+    if isinstance(run, Run) and index in run.checkpoint_layers:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        run.checkpoints[index] = hidden[0].detach().to("cpu", copy=True)  # one copy a kept layer
+
+
+def _keep_layer_inputs(model) -> None:
+    """Hook every decoder layer once, so that a run asking for ``checkpoint_layers`` keeps their inputs;
+    the hook reads the active run, so runs of other sessions on the same model are untouched."""
+    layers = decoder_layers(model)
+    if layers is None:
+        raise ValueError(f"{model.config.model_type} models cannot resume a forward from a layer's input")
+    if not getattr(model, "_attnviz_keeps_inputs", False):
+        for index, layer in enumerate(layers):
+            layer.register_forward_pre_hook(functools.partial(_keep_input, index), with_kwargs=True)
+        model._attnviz_keeps_inputs = True
+
+
+def resume(model, hidden: torch.Tensor, start: int, input_ids: torch.Tensor, masks: list[Mask],
+           record: set[int] | None = None, **options) -> Run:
+    """Layers ``start``.. of :func:`forward` of ``input_ids`` (1, n), run from ``hidden`` (n, d): the
+    input of layer ``start`` that an earlier forward of the same tokens, masks and interventions kept
+    (``Run.checkpoints``). The layers below are not run again; like :func:`forward`, ``on_layer`` may
+    stop it after any layer. Returns the run (what it recorded)."""
+    layers = decoder_layers(model)
+    if layers is None:
+        raise ValueError(f"{model.config.model_type} models cannot resume a forward from a layer's input")
+    run = make_run(model, input_ids, masks, record, **options)
+    base = model.base_model
+    with active(run), torch.inference_mode():
+        h = hidden[None].to(model.device)
+        positions = run.positions.to(model.device)
+        position_embeddings = base.rotary_emb(h, positions)
+        for layer in layers[start:n_layers(model)]:
+            out = layer(h, attention_mask=None, position_ids=positions, past_key_values=None, use_cache=False,
+                        position_embeddings=position_embeddings)
+            h = out[0] if isinstance(out, tuple) else out
+    return run
+
+
 def n_layers(model) -> int:
     return int(model.config.get_text_config().num_hidden_layers)
 
@@ -506,7 +567,7 @@ def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] 
             past_key_values=None, kv_positions: torch.Tensor | None = None, lm_head: bool = True,
             record_scores: bool = False, record_value_norms: bool = False, record_qkv: bool = False,
             block_bytes: int | None = None, last_logits_only: bool = False,
-            interventions: Interventions = NONE):
+            interventions: Interventions = NONE, checkpoint_layers: frozenset[int] = frozenset()):
     """One forward pass under per-layer ``masks`` (and ``interventions``, SPEC §12); returns
     ``(model_output, run)``.
 
@@ -530,7 +591,7 @@ def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] 
     run = make_run(model, input_ids, masks, record, attention_mask, kv_positions, storage_dtype=storage_dtype,
                    reducer=reducer, on_layer=on_layer, record_scores=record_scores,
                    record_value_norms=record_value_norms, record_qkv=record_qkv, interventions=interventions,
-                   **extra)
+                   checkpoint_layers=frozenset(checkpoint_layers), **extra)
     cached = past_key_values is not None
     if cached != (kv_positions is not None):
         raise ValueError("a cached forward takes past_key_values and kv_positions together")
@@ -538,6 +599,8 @@ def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] 
     target = model if lm_head else model.base_model
     keep = {"logits_to_keep": 1} if last_logits_only and lm_head and "logits_to_keep" in inspect.signature(
         model.forward).parameters else {}
+    if run.checkpoint_layers:
+        _keep_layer_inputs(model)
     with active(run):
         output = target(input_ids=input_ids.to(model.device), position_ids=new_positions.to(model.device),
                         attention_mask=None if cached else run.valid.long().to(model.device),

@@ -79,11 +79,13 @@ def check_range(name: str, span: tuple[int, int], n: int) -> tuple[int, int]:
 
 def region(loaded: LoadedModel, text: str, arch, layer: int, queries: tuple[int, int], keys: tuple[int, int],
            on_layer=None, block_bytes: int | None = None, intervene=None, prepend: str | None = None,
-           residual: str | None = None) -> Region:
+           residual: str | None = None, resume_from: tuple[int, torch.Tensor] | None = None) -> Region:
     """Layer ``layer``'s probabilities for ``queries`` × ``keys`` (half-open token ranges) at full
     resolution; ``on_layer(done, total)`` reports progress up to that layer. ``intervene``,
     ``prepend`` and ``residual`` are :func:`attnviz.capture.capture`'s: a region of a capture made
-    with them must be made with them too (:func:`of_capture` passes a capture's own)."""
+    with them must be made with them too (:func:`of_capture` passes a capture's own).
+    ``resume_from`` (layer c <= ``layer``, its input hidden states (n, d)), kept by a forward of the
+    same text under the same settings, runs only layers c..``layer`` (:func:`engine.resume`)."""
     from . import interventions as interventions_mod
     from . import residual as residual_mod
 
@@ -108,8 +110,14 @@ def region(loaded: LoadedModel, text: str, arch, layer: int, queries: tuple[int,
     upto = max(queries[1], keys[1]) if all(m.causal_compatible for m in architecture.layers[:layer + 1]) else len(ids)
     input_ids, masks = torch.tensor([ids[:upto]]), list(architecture.layers)
     options = dict(reducer=crop, on_layer=step, block_bytes=block_bytes, interventions=acts)
+    if resume_from is not None and not (variant is None and resume_from[0] <= layer
+                                        and resume_from[1].shape[0] == len(ids)):
+        resume_from = None  # not this text's, not below the layer, or a residual variant: run from the start
     try:
-        if variant is not None:  # a seed-003 residual variant runs its own layer loop
+        if resume_from is not None:
+            start, hidden = resume_from
+            engine.resume(loaded.model, hidden[:upto], start, input_ids, masks, {layer}, **options)
+        elif variant is not None:  # a seed-003 residual variant runs its own layer loop
             with torch.no_grad():
                 residual_mod.forward(loaded.model, variant, input_ids, masks, {layer}, **options)
         else:
@@ -125,12 +133,15 @@ def of_capture(loaded: LoadedModel, cap, layer: int, queries: tuple[int, int], k
                on_layer=None) -> Region:
     """The region of a capture's layer: cut from its full maps when it kept them, else recomputed
     with everything the capture was made with (architecture, intervention, BOS control, residual
-    variant), so its cells are the capture's own."""
+    variant), so its cells are the capture's own, from the capture's nearest kept layer input below
+    the layer when it kept some (``capture(checkpoints=...)``)."""
     if layer in cap.probs:
         return from_capture(cap, layer, queries, keys)
+    start = max((c for c in cap.checkpoints if c <= layer), default=None)
     return region(loaded, cap.text, cap.arch, layer, queries, keys, on_layer=on_layer,
                   intervene=cap.meta.get("intervene"), prepend=cap.meta.get("prepend"),
-                  residual=cap.meta.get("residual"))
+                  residual=cap.meta.get("residual"),
+                  resume_from=None if start is None else (start, cap.checkpoints[start]))
 
 
 def from_capture(cap, layer: int, queries: tuple[int, int], keys: tuple[int, int]) -> Region:

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from attnviz import engine, zoom
-from attnviz.capture import capture, estimate_bytes
+from attnviz.capture import capture, checkpoint_bytes, checkpoint_count, checkpoint_layers, estimate_bytes
 from attnviz.errors import InputError
 from attnviz.figures.style import max_pool
 from attnviz.lru import ByteLRU, nbytes
 
-from tiny import loaded
+from tiny import ARCHS, loaded
 
 TEXT = "The quick brown fox jumps over the lazy dog, again. " * 4  # 208 tokens, one per character
 SPECS = ["fwd", "nosink-fwd*2 + bidir", "back*3", "stablemask(gamma=0.5)", "sliding(w=9)*3"]
@@ -104,6 +104,56 @@ def test_a_long_captures_region_is_made_with_what_the_capture_was_made_with(made
     assert np.abs(plain.values - region.values).max() > 2e-5
     cut = zoom.of_capture(lm, full, 2, (150, 200), (0, 60))  # full maps: cut, not recomputed
     np.testing.assert_array_equal(cut.values, full.layer_probs(2)[:, 150:200, 0:60])
+
+
+@pytest.mark.parametrize("kind", [k for k in ARCHS if k != "gpt2"])
+def test_a_region_resumes_from_the_captures_nearest_kept_layer_input(kind):
+    """A long capture with checkpoints keeps layer inputs; a region of layer 2 then runs layer 2 only
+    (its progress starts there) and its cells are the full capture's, bit for bit in fp32."""
+    lm = loaded(kind)
+    cap = capture(lm, TEXT, "fwd", reduce=True, pool=24, checkpoints=2)
+    assert sorted(cap.checkpoints) == [1, 2] and cap.checkpoints[1].shape == (len(TEXT), lm.config.hidden_size)
+    full = capture(lm, TEXT, "fwd", storage_dtype=torch.float32)
+    for layer, runs in ((2, [(3, 3)]), (1, [(2, 2)]), (0, [(1, 1)])):
+        steps = []
+        region = zoom.of_capture(lm, cap, layer, (150, 208), (0, 60), on_layer=lambda d, t: steps.append((d, t)))
+        assert steps == runs, layer  # resumed at the layer's own kept input
+        np.testing.assert_array_equal(region.values, full.layer_probs(layer)[:, 150:208, 0:60])
+
+
+def test_resuming_keeps_the_captures_intervention_prefix_and_mask():
+    lm = loaded("llama")
+    made_with = dict(intervene="temperature(t=2)@0,2; ablate(heads=1)@1", prepend="#")
+    cap = capture(lm, TEXT, "nosink-fwd + sliding(w=9) + fwd", reduce=True, pool=24, checkpoints=1, **made_with)
+    assert sorted(cap.checkpoints) == [2]  # one checkpoint: every ceil(3 / 2) = 2 layers
+    full = capture(lm, TEXT, "nosink-fwd + sliding(w=9) + fwd", storage_dtype=torch.float32, **made_with)
+    steps = []
+    region = zoom.of_capture(lm, cap, 2, (40, 90), (10, 60), on_layer=lambda d, t: steps.append(d))
+    assert steps == [3]
+    np.testing.assert_allclose(region.values, full.layer_probs(2)[:, 40:90, 10:60], atol=1e-6)
+
+
+def test_families_that_cannot_resume_keep_no_checkpoints_and_run_from_the_start():
+    lm = loaded("gpt2")
+    cap = capture(lm, TEXT, "fwd", reduce=True, pool=24, checkpoints=2)
+    assert cap.checkpoints == {}
+    steps = []
+    zoom.of_capture(lm, cap, 2, (150, 208), (0, 60), on_layer=lambda d, t: steps.append(d))
+    assert steps == [1, 2, 3]
+
+
+def test_checkpoints_are_counted_and_only_kept_by_the_run_that_asked():
+    lm = loaded("llama")
+    assert [sorted(checkpoint_layers(lm, k)) for k in (0, 1, 2, 9)] == [[], [2], [1, 2], [1, 2]]
+    plain = capture(lm, TEXT, "fwd", reduce=True, pool=24)
+    kept = capture(lm, TEXT, "fwd", reduce=True, pool=24, checkpoints=2)
+    assert checkpoint_bytes(lm, len(TEXT)) == len(TEXT) * 32 * 4  # (n, hidden) in the model's fp32
+    assert 0 <= nbytes(kept) - nbytes(plain) - 2 * checkpoint_bytes(lm, len(TEXT)) < 256  # + the dict's keys
+    assert (estimate_bytes(lm, len(TEXT), reduce=True, pool=24, checkpoints=2)
+            - estimate_bytes(lm, len(TEXT), reduce=True, pool=24)) == 2 * checkpoint_bytes(lm, len(TEXT))
+    assert capture(lm, TEXT, "fwd", reduce=True, pool=24).checkpoints == {}  # the hooks stay, idle
+    assert checkpoint_count(lm, len(TEXT), 3 * checkpoint_bytes(lm, len(TEXT)) + 1) == 3
+    assert checkpoint_count(lm, len(TEXT), 10**12) == 8
 
 
 @pytest.mark.parametrize("queries,keys,message", [

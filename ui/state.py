@@ -13,7 +13,7 @@ import streamlit as st
 
 from attnviz import arch as arch_mod
 from attnviz import devices, interventions
-from attnviz.capture import Capture, capture, estimate_bytes, tokenize
+from attnviz.capture import Capture, capture, checkpoint_count, estimate_bytes, tokenize
 from attnviz.errors import AttnvizError
 from attnviz.lru import ByteLRU
 from attnviz.models import DEFAULT, LoadedModel, load
@@ -215,7 +215,13 @@ def plan_capture(loaded: LoadedModel, n_tokens: int, hidden: bool, extras: tuple
                  f"{devices.mb(capture_budget())}, of which the model "
                  f"weights take {devices.mb(models_bytes())}). What would fit: a text of at most ~{fit} tokens.")
         return None
-    return {"reduce": True, "pool": POOL, "hidden_states": False}, stats
+    # Layer inputs to resume a region's forward from (zoom.of_capture): up to ATTNVIZ_CHECKPOINT_MB
+    # (default 512 MB) and what the budget leaves; a region of layer 29 at 8,177 tokens then runs at most
+    # 4 layers, not 30. They only speed regions up, so they are not part of the capture's cache key.
+    room = min(setting_mb("checkpoint", 512) * 2**20, left - stats)
+    count = checkpoint_count(loaded, n_tokens, room) if not residual else 0
+    kept = estimate_bytes(loaded, n_tokens, **long_options, checkpoints=count)
+    return {"reduce": True, "pool": POOL, "hidden_states": False, "checkpoints": count}, kept
 
 
 _counts: OrderedDict = OrderedDict()  # (model, text) -> token count: plans ask on every rerun, decoding 8k tokens each
@@ -278,7 +284,8 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
         return None
     plan, estimate = planned
     options = {"hidden_states": hidden, **plan, **{name: True for name in extras}}
-    key = (loaded.model_id, text, architecture.spec, tuple(sorted(options.items())), residual, acts.spec, prepend)
+    key = (loaded.model_id, text, architecture.spec,
+           tuple(sorted((k, v) for k, v in options.items() if k != "checkpoints")), residual, acts.spec, prepend)
     store = _captures()
     if key not in store:
         store.reserve(estimate)

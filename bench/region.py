@@ -1,0 +1,63 @@
+"""A full-resolution region of a long capture, from the text's start against from the capture's kept
+layer inputs (issue 14: a region within seconds), on the default model.
+
+    python bench/region.py [--n 4096] [--layer 29] [--checkpoints 8] [--repeat 3]
+
+One process: the default model captures the first N tokens of the stdlib corpus as the app does for
+a long text (statistics, 512-px pooled maps) keeping ``--checkpoints`` layer inputs; then a 96 x 96
+region of the last 96 queries x the first 96 keys of ``--layer`` is made
+- ``from_start``: :func:`attnviz.zoom.region`, the forward from the embeddings up to the layer (the
+  baseline: what every region cost before);
+- ``resumed``: :func:`attnviz.zoom.of_capture`, from the capture's nearest kept input below the layer.
+Medians of ``--repeat`` runs, alternating; the two regions are checked equal. Ends with
+``region n=<N> layer=<L> from_start_s=<s> resumed_s=<s> speedup=<x> checkpoints_mb=<MB> capture_s=<s>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--layer", type=int, default=29)
+    parser.add_argument("--checkpoints", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+
+    from attnviz import corpus, load, zoom
+    from attnviz.capture import capture, checkpoint_bytes
+
+    lm = load("default")
+    ids = corpus.head_ids(lm.tokenizer, corpus.stdlib().text, args.n)
+    text = lm.tokenizer.decode(ids[1:] if ids[0] == lm.tokenizer.bos_token_id else ids)
+    start = time.perf_counter()
+    cap = capture(lm, text, "fwd", reduce=True, pool=512, checkpoints=args.checkpoints)
+    capture_s = time.perf_counter() - start
+    n, side = cap.n_tokens, 96
+    where = (args.layer, (n - side, n), (0, side))
+    times = {"from_start": [], "resumed": []}
+    regions = {}
+    for _ in range(args.repeat):
+        for name, make in (("from_start", lambda: zoom.region(lm, text, "fwd", *where)),
+                           ("resumed", lambda: zoom.of_capture(lm, cap, *where))):
+            t0 = time.perf_counter()
+            regions[name] = make()
+            times[name].append(time.perf_counter() - t0)
+    # equal to float noise: the capture's recorded layers computed P·V block by block, the plain
+    # forward's unrecorded layers by SDPA, so the kept inputs differ from SDPA's by ~1e-6
+    np.testing.assert_allclose(regions["resumed"].values, regions["from_start"].values, atol=1e-5)
+    a, b = statistics.median(times["from_start"]), statistics.median(times["resumed"])
+    kept = len(cap.checkpoints) * checkpoint_bytes(lm, n) / 2**20
+    print(f"# kept layer inputs: {sorted(cap.checkpoints)}")
+    print(f"region n={n} layer={args.layer} from_start_s={a:.2f} resumed_s={b:.2f} speedup={a / b:.1f} "
+          f"checkpoints_mb={kept:.0f} capture_s={capture_s:.1f}")
+
+
+if __name__ == "__main__":
+    main()
