@@ -137,11 +137,17 @@ def of_capture(loaded: LoadedModel, cap, layer: int, queries: tuple[int, int], k
     the layer when it kept some (``capture(checkpoints=...)``)."""
     if layer in cap.probs:
         return from_capture(cap, layer, queries, keys)
-    start = max((c for c in cap.checkpoints if c <= layer), default=None)
+    start = resumes_at(cap, layer)
     return region(loaded, cap.text, cap.arch, layer, queries, keys, on_layer=on_layer,
                   intervene=cap.meta.get("intervene"), prepend=cap.meta.get("prepend"),
                   residual=cap.meta.get("residual"),
-                  resume_from=None if start is None else (start, cap.checkpoints[start]))
+                  resume_from=(start, cap.checkpoints[start]) if start else None)
+
+
+def resumes_at(cap, layer: int) -> int:
+    """The first layer :func:`of_capture` runs for a region of ``layer``: the capture's nearest kept
+    layer input at or below it, else 0 (the embeddings)."""
+    return max((c for c in cap.checkpoints if c <= layer), default=0)
 
 
 def from_capture(cap, layer: int, queries: tuple[int, int], keys: tuple[int, int]) -> Region:

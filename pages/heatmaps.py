@@ -148,7 +148,8 @@ def zoom_section(cap, layer: int, head, log: bool, box) -> None:
         wanted = (layer, queries, keys)
         if layer not in cap.probs:  # a long text: the region costs a forward up to this layer, so on request
             if boxes or c1.button("Show this region at full resolution", key="hm_zoom_go",
-                                  help=f"Re-runs layers 0–{layer} on the text, keeping only this region"):
+                                  help=f"Re-runs layers {zoom.resumes_at(cap, layer)}–{layer} on the text, "
+                                       "keeping only this region"):
                 st.session_state["hm_zoom_for"] = (cap.text, cap.arch, *wanted)
             asked = st.session_state.get("hm_zoom_for")
             if not asked or asked[:2] != (cap.text, cap.arch):
