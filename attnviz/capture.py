@@ -328,8 +328,8 @@ def checkpoint_layers(loaded: LoadedModel, count: int) -> frozenset[int]:
     """The layers whose inputs a capture asked for ``count`` checkpoints keeps: evenly spaced above
     layer 0 (whose input is the embeddings, cheap to recompute), so a region of any layer resumes at
     most ceil(L / (count + 1)) - 1 layers below it. Empty where the family cannot resume
-    (:func:`engine.decoder_layers`) or under a residual variant (its own layer loop)."""
-    if count <= 0 or engine.decoder_layers(loaded.model) is None or getattr(loaded, "residual", None) is not None:
+    (:func:`engine.decoder_layers`); :func:`capture` keeps none under a residual variant (its own layer loop)."""
+    if count <= 0 or engine.decoder_layers(loaded.model) is None:
         return frozenset()
     stride = -(-loaded.n_layers // (min(count, loaded.n_layers - 1) + 1))
     return frozenset(range(stride, loaded.n_layers, stride))

@@ -522,12 +522,17 @@ def _keep_input(index: int, module, args, kwargs) -> None:
         run.checkpoints[index] = hidden[0].detach().to("cpu", copy=True)  # one copy a kept layer
 
 
-def _keep_layer_inputs(model) -> None:
-    """Hook every decoder layer once, so that a run asking for ``checkpoint_layers`` keeps their inputs;
-    the hook reads the active run, so runs of other sessions on the same model are untouched."""
+def _resumable_layers(model) -> torch.nn.ModuleList:
     layers = decoder_layers(model)
     if layers is None:
         raise ValueError(f"{model.config.model_type} models cannot resume a forward from a layer's input")
+    return layers
+
+
+def _keep_layer_inputs(model) -> None:
+    """Hook every decoder layer once, so that a run asking for ``checkpoint_layers`` keeps their inputs;
+    the hook reads the active run, so runs of other sessions on the same model are untouched."""
+    layers = _resumable_layers(model)
     if not getattr(model, "_attnviz_keeps_inputs", False):
         for index, layer in enumerate(layers):
             layer.register_forward_pre_hook(functools.partial(_keep_input, index), with_kwargs=True)
@@ -540,9 +545,7 @@ def resume(model, hidden: torch.Tensor, start: int, input_ids: torch.Tensor, mas
     input of layer ``start`` that an earlier forward of the same tokens, masks and interventions kept
     (``Run.checkpoints``). The layers below are not run again; like :func:`forward`, ``on_layer`` may
     stop it after any layer. Returns the run (what it recorded)."""
-    layers = decoder_layers(model)
-    if layers is None:
-        raise ValueError(f"{model.config.model_type} models cannot resume a forward from a layer's input")
+    layers = _resumable_layers(model)
     run = make_run(model, input_ids, masks, record, **options)
     base = model.base_model
     with active(run), torch.inference_mode():

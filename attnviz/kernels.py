@@ -106,6 +106,15 @@ def pack_allow(allow: torch.Tensor) -> torch.Tensor:
     return words
 
 
+def _constants(bm: int, bn: int, head_dim: int, fp32: bool, g: int, pool: bool, value: bool,
+               scores: bool, causal: bool) -> dict:
+    """The kernel's compile-time constants, one definition for the launch and for
+    :func:`compiled_resources`, so the variants checked for spills are the ones launched."""
+    return dict(BM=bm, BN=bn, D=max(16, 1 << (head_dim - 1).bit_length()), G=g, POOL=pool, VALUE=value,
+                SCORES=scores, CAUSAL=causal,
+                PRECISION="ieee" if fp32 else "tf32")  # fp32 models: no TF32 rounding (SPEC §15)
+
+
 def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor | None, ranges: torch.Tensor,
                      scaling: float, delim: torch.Tensor, pool_factor: int | None = None,
                      pooled_shape: tuple[int, int] | None = None, norms: torch.Tensor | None = None,
@@ -156,10 +165,8 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
         pooled, pooled_value, pooled_scores,
         n_q, n_kv, dim, heads // key.shape[0], float(scaling), 0, pool_factor or 1, rows, cols,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-        BM=bm, BN=bn, D=max(16, 1 << (dim - 1).bit_length()), G=g,
-        POOL=pool, VALUE=norms is not None, SCORES=scores,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 models: no TF32 rounding (SPEC §15)
-        CAUSAL=causal, num_warps=NUM_WARPS)
+        **_constants(bm, bn, dim, query.dtype == torch.float32, g, pool, norms is not None, scores, causal),
+        num_warps=NUM_WARPS)
     if pool:
         out["pooled"] = pooled
         if norms is not None:
@@ -167,7 +174,6 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
         if scores:
             out["pooled_scores"] = pooled_scores
     return out
-
 
 
 def compiled_resources(*variants: dict) -> list[dict[str, int]]:
@@ -212,9 +218,7 @@ def _resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, p
     from triton.compiler import ASTSource
 
     kernel = _kernel()
-    constants = dict(BM=BLOCK_M, BN=BLOCK_N, D=max(16, 1 << (head_dim - 1).bit_length()), G=granularity,
-                     POOL=pool, VALUE=value, SCORES=scores, CAUSAL=causal,
-                     PRECISION="ieee" if dtype == "fp32" else "tf32")
+    constants = _constants(BLOCK_M, BLOCK_N, head_dim, dtype == "fp32", granularity, pool, value, scores, causal)
     pointers = {"q_ptr": dtype, "k_ptr": dtype, "allow_ptr": "i32", "ranges_ptr": "i32"}
     signature = {name: "constexpr" if name in constants else
                  "*" + pointers.get(name, "fp32") if name.endswith("_ptr") else

@@ -219,9 +219,9 @@ def plan_capture(loaded: LoadedModel, n_tokens: int, hidden: bool, extras: tuple
     # (default 512 MB) and what the budget leaves; a region of layer 29 at 8,177 tokens then runs at most
     # 4 layers, not 30. They only speed regions up, so they are not part of the capture's cache key.
     room = min(setting_mb("checkpoint", 512) * 2**20, left - stats)
-    count = checkpoint_count(loaded, n_tokens, room) if not residual else 0
-    kept = estimate_bytes(loaded, n_tokens, **long_options, checkpoints=count)
-    return {"reduce": True, "pool": POOL, "hidden_states": False, "checkpoints": count}, kept
+    count = checkpoint_count(loaded, n_tokens, room)  # a residual variant was refused above: it needs full maps
+    return ({"reduce": True, "pool": POOL, "hidden_states": False, "checkpoints": count},
+            estimate_bytes(loaded, n_tokens, **long_options, checkpoints=count))
 
 
 _counts: OrderedDict = OrderedDict()  # (model, text) -> token count: plans ask on every rerun, decoding 8k tokens each
