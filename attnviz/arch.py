@@ -11,29 +11,115 @@ import re
 from dataclasses import dataclass
 
 from . import masks as M
+from . import syntax
 from .errors import ArchitectureError, MaskError
 
-_ITEM = re.compile(r"^(?P<name>[a-z0-9&\-]+)(?:\((?P<params>[^()]*)\))?(?:\*(?P<count>[^*()]+))?$")
-_NAMED = ("inplace-bidir", "inplace-back", "mask0-fwd", "mask0-bidir", "mask0-all", "mask0&bidir")
+_ITEM = re.compile(r"^(?P<call>[a-z0-9&\-]+(?:\([^()]*\))?)(?:\*(?P<count>[^*()]+))?$")
 
-# mask name -> (allowed parameters, builder)
-_MASK_TYPES = {
-    "fwd": ((), lambda p: M.fwd()),
-    "back": ((), lambda p: M.back()),
-    "bidir": ((), lambda p: M.bidir()),
-    "nosink-fwd": (("m",), lambda p: M.nosink(M.fwd(), p.get("m", 1))),
-    "nosink-back": (("m",), lambda p: M.nosink(M.back(), p.get("m", 1))),
-    "nosink-bidir": (("m",), lambda p: M.nosink(M.bidir(), p.get("m", 1))),
-    "sliding": (("w", "dir"), lambda p: M.sliding(p["w"], p.get("dir", "fwd"))),
-    "dilated": (("w", "d"), lambda p: M.dilated(p["w"], p["d"])),
-    "global": (("w", "g", "dir"), lambda p: M.global_sliding(p["w"], p.get("g", 1), p.get("dir", "fwd"))),
-    "stablemask": (("gamma", "slopes", "t"), lambda p: M.stablemask(p.get("gamma"), p.get("slopes"), p.get("t"))),
-}
-_REQUIRED = {"sliding": ("w",), "dilated": ("w", "d"), "global": ("w",)}
+#: Mask types (one per list item) and named per-layer architectures, each a builder whose signature
+#: gives its parameters, types and defaults (docs/methods.md#masks, docs/methods.md#per-layer-architectures).
+MASKS = syntax.Registry("mask type", error=ArchitectureError)
+NAMED = syntax.Registry("named architecture", error=ArchitectureError, skip=("n_layers",))
 
+
+@MASKS.register("fwd")
+def _fwd() -> M.Mask:
+    return M.fwd()
+
+
+@MASKS.register("back")
+def _back() -> M.Mask:
+    return M.back()
+
+
+@MASKS.register("bidir")
+def _bidir() -> M.Mask:
+    return M.bidir()
+
+
+@MASKS.register("nosink-fwd")
+def _nosink_fwd(m: int = 1) -> M.Mask:
+    return M.nosink(M.fwd(), m)
+
+
+@MASKS.register("nosink-back")
+def _nosink_back(m: int = 1) -> M.Mask:
+    return M.nosink(M.back(), m)
+
+
+@MASKS.register("nosink-bidir")
+def _nosink_bidir(m: int = 1) -> M.Mask:
+    return M.nosink(M.bidir(), m)
+
+
+@MASKS.register("sliding")
+def _sliding(w: int, dir: str = "fwd") -> M.Mask:  # noqa: A002 - the grammar's own name
+    return M.sliding(w, dir)
+
+
+@MASKS.register("dilated")
+def _dilated(w: int, d: int) -> M.Mask:
+    return M.dilated(w, d)
+
+
+@MASKS.register("global")
+def _global(w: int, g: int = 1, dir: str = "fwd") -> M.Mask:  # noqa: A002
+    return M.global_sliding(w, g, dir)
+
+
+@MASKS.register("stablemask")
+def _stablemask(gamma: float | None = None, slopes: str | None = None, t: int | None = None) -> M.Mask:
+    return M.stablemask(gamma, slopes, t)
+
+
+def _check_k(k: int, n_layers: int) -> int:
+    if not 0 <= k <= n_layers:
+        raise ArchitectureError(f"k={k} but the model has {n_layers} layers (0 <= k <= {n_layers})")
+    return n_layers - k
+
+
+def _top(top: M.Mask, below: M.Mask, k: int, n_layers: int) -> list[M.Mask]:
+    return [below] * _check_k(k, n_layers) + [top] * k
+
+
+@NAMED.register("inplace-bidir")
+def _inplace_bidir(k: int, n_layers: int) -> list[M.Mask]:
+    return _top(M.bidir(), M.fwd(), k, n_layers)
+
+
+@NAMED.register("inplace-back")
+def _inplace_back(k: int, n_layers: int) -> list[M.Mask]:
+    return _top(M.back(), M.fwd(), k, n_layers)
+
+
+@NAMED.register("mask0-fwd")
+def _mask0_fwd(k: int, n_layers: int) -> list[M.Mask]:
+    return _top(M.nosink(M.fwd()), M.fwd(), k, n_layers)
+
+
+@NAMED.register("mask0-bidir")
+def _mask0_bidir(k: int, n_layers: int) -> list[M.Mask]:
+    return _top(M.nosink(M.bidir()), M.fwd(), k, n_layers)
+
+
+@NAMED.register("mask0-all")
+def _mask0_all(k: int, n_layers: int) -> list[M.Mask]:
+    return _top(M.nosink(M.bidir()), M.nosink(M.fwd()), k, n_layers)
+
+
+@NAMED.register("mask0&bidir")
+def _mask0_and_bidir(k: int, k0: int, n_layers: int) -> list[M.Mask]:
+    bottom = _check_k(k, n_layers)
+    if not 0 <= k0 <= k:
+        raise ArchitectureError(f"k0={k0} must be between 0 and k={k}")
+    return [M.fwd()] * bottom + [M.bidir()] * (k - k0) + [M.nosink(M.bidir())] * k0
+
+
+_NAMED = NAMED.names()
 #: The names a user can pick from, for selectors and help texts.
-MASK_TYPES = tuple(_MASK_TYPES)
+MASK_TYPES = MASKS.names()
 NAMED_ARCHITECTURES = ("fwd",) + _NAMED
+USAGE = "NAME, NAME(key=value, ...) or a per-layer list MASK*COUNT + MASK*COUNT"
 
 
 @dataclass(frozen=True)
@@ -83,75 +169,27 @@ class Architecture:
         return " + ".join(f"{name}*{count}" for name, count in runs)
 
 
-def _value(key: str, raw: str, where: str):
-    if key in ("dir", "slopes"):
-        return raw
-    try:
-        number = float(raw)
-    except ValueError:
-        raise ArchitectureError(f"in '{where}': {key}={raw} is not a number") from None
-    if key == "gamma":
-        return number
-    if number != int(number):
-        raise ArchitectureError(f"in '{where}': {key}={raw} must be a whole number")
-    return int(number)
+def _call(text: str, where: str) -> syntax.Call:
+    parsed = syntax.call(text, "the architecture item", USAGE, error=ArchitectureError)
+    if parsed.layers is not None:
+        raise ArchitectureError(f"in '{where}': an architecture item takes no @layers; write a per-layer list "
+                                "(fwd*20 + bidir*10)")
+    return parsed
 
 
-def _params(text: str | None, allowed: tuple[str, ...], where: str) -> dict:
-    params: dict = {}
-    if not text:
-        return params
-    for part in text.split(","):
-        key, eq, raw = part.partition("=")
-        if not eq or not key or not raw:
-            raise ArchitectureError(f"in '{where}': expected key=value, got '{part}'")
-        if key not in allowed:
-            expected = ", ".join(allowed) if allowed else "no parameters"
-            raise ArchitectureError(f"in '{where}': unknown parameter '{key}' (expected {expected})")
-        if key in params:
-            raise ArchitectureError(f"in '{where}': parameter '{key}' given twice")
-        params[key] = _value(key, raw, where)
-    return params
-
-
-def mask_from_item(name: str, params_text: str | None, where: str) -> M.Mask:
-    if name not in _MASK_TYPES:
-        hint = " (named architectures cannot be list items)" if name in _NAMED else ""
+def mask_from_item(text: str, where: str | None = None) -> M.Mask:
+    """One list item's mask, ``nosink-fwd(m=2)``."""
+    where = where or text
+    parsed = _call(text, where)
+    if parsed.name not in MASKS:
+        hint = " (named architectures cannot be list items)" if parsed.name in NAMED else ""
         raise ArchitectureError(
-            f"unknown mask type '{name}' in '{where}'{hint}; expected one of: {', '.join(MASK_TYPES)}"
+            f"unknown mask type '{parsed.name}' in '{where}'{hint}; expected one of: {', '.join(MASK_TYPES)}"
         )
-    allowed, build = _MASK_TYPES[name]
-    params = _params(params_text, allowed, where)
-    missing = [k for k in _REQUIRED.get(name, ()) if k not in params]
-    if missing:
-        raise ArchitectureError(f"in '{where}': {name} needs {', '.join(k + '=' for k in missing)}")
     try:
-        return build(params)
+        return MASKS.build(parsed)
     except MaskError as err:
         raise ArchitectureError(f"in '{where}': {err}") from None
-
-
-def _named(name: str, params: dict, n_layers: int, where: str) -> list[M.Mask]:
-    if "k" not in params:
-        raise ArchitectureError(f"in '{where}': {name} needs k= (number of converted top layers)")
-    k = params["k"]
-    if not 0 <= k <= n_layers:
-        raise ArchitectureError(f"k={k} but the model has {n_layers} layers (0 <= k <= {n_layers})")
-    bottom = n_layers - k
-    fwd, nosink_fwd, nosink_bidir = M.fwd(), M.nosink(M.fwd()), M.nosink(M.bidir())
-    if name == "mask0&bidir":
-        if "k0" not in params:
-            raise ArchitectureError(f"in '{where}': mask0&bidir needs k0= (top layers with NoSink-BIDIR)")
-        k0 = params["k0"]
-        if not 0 <= k0 <= k:
-            raise ArchitectureError(f"k0={k0} must be between 0 and k={k}")
-        return [fwd] * bottom + [M.bidir()] * (k - k0) + [nosink_bidir] * k0
-    top = {
-        "inplace-bidir": M.bidir(), "inplace-back": M.back(), "mask0-fwd": nosink_fwd,
-        "mask0-bidir": nosink_bidir, "mask0-all": nosink_bidir,
-    }[name]
-    below = nosink_fwd if name == "mask0-all" else fwd
-    return [below] * bottom + [top] * k
 
 
 def parse(spec: str, n_layers: int) -> Architecture:
@@ -174,16 +212,17 @@ def parse(spec: str, n_layers: int) -> Architecture:
         match = _ITEM.match(items[0])
         if not match:
             raise ArchitectureError(f"cannot read '{items[0]}'; expected NAME, NAME(key=value, ...) or NAME*COUNT")
-        name, params_text, count = match["name"], match["params"], match["count"]
-        if name in _NAMED:
+        call, count = match["call"], match["count"]
+        parsed = _call(call, items[0])
+        if parsed.name in NAMED:
             if count is not None:
-                raise ArchitectureError(f"named architecture '{name}' cannot take *{count}")
-            params = _params(params_text, ("k", "k0") if name == "mask0&bidir" else ("k",), items[0])
-            layers = _named(name, params, n_layers, items[0])
-            canonical = f"{name}({', '.join(f'{k}={v}' for k, v in params.items())})"
+                raise ArchitectureError(f"named architecture '{parsed.name}' cannot take *{count}")
+            layers = NAMED.build(parsed, n_layers=n_layers)
+            values = {k: syntax.convert(int, v, k, items[0], ArchitectureError) for k, v in parsed.args.items()}
+            canonical = f"{parsed.name}({', '.join(f'{k}={v}' for k, v in values.items())})"
             return Architecture(canonical, tuple(layers))
         if count is None:
-            mask = mask_from_item(name, params_text, items[0])
+            mask = mask_from_item(call, items[0])
             return Architecture(mask.name, (mask,) * n_layers)
 
     layers: list[M.Mask] = []
@@ -191,7 +230,7 @@ def parse(spec: str, n_layers: int) -> Architecture:
         match = _ITEM.match(item)
         if not match:
             raise ArchitectureError(f"cannot read list item '{item}'; expected MASK*COUNT, e.g. 'bidir*4'")
-        mask = mask_from_item(match["name"], match["params"], item)
+        mask = mask_from_item(match["call"], item)
         count = match["count"] if match["count"] is not None else "1"
         if not count.isdigit() or int(count) < 1:
             raise ArchitectureError(f"in '{item}': count '{count}' must be a positive whole number")
@@ -218,12 +257,13 @@ def with_k(template: str, k: int, n_layers: int) -> Architecture:
     The k-sweep of seed 000 (SPEC §8) runs one template for k = 0..L.
     """
     match = _ITEM.match(re.sub(r"\s+", "", template.lower()))
-    if not match or match["name"] not in _NAMED or match["count"]:
+    parsed = _call(match["call"], template) if match and not match["count"] else None
+    if parsed is None or parsed.name not in NAMED:
         raise ArchitectureError(
             f"a k-sweep needs a named architecture ({', '.join(_NAMED)}), got '{template.strip()}'"
         )
-    params = [p for p in (match["params"] or "").split(",") if p and not p.startswith("k=")]
-    return parse(f"{match['name']}({', '.join([f'k={k}'] + params)})", n_layers)
+    params = [f"{key}={value}" for key, value in parsed.args.items() if key != "k"]
+    return parse(f"{parsed.name}({', '.join([f'k={k}'] + params)})", n_layers)
 
 
 def named(name: str, n_layers: int, k: int | None = None, k0: int | None = None) -> Architecture:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from . import arch as arch_mod
-from . import devices, engine, metrics
+from . import devices, engine, metrics, syntax
 from . import interventions as interventions_mod
 from .errors import AttnvizError, InputError
 from .models import LoadedModel
@@ -241,20 +241,9 @@ class Capture:
 
 
 def parse_layers(layers, n_layers: int) -> list[int]:
-    """``None``/"all" → every layer; "0,5,-1" or a list → those layers (negative counts from the top)."""
-    if layers is None or (isinstance(layers, str) and layers.strip().lower() in ("", "all")):
-        return list(range(n_layers))
-    items = layers.split(",") if isinstance(layers, str) else list(layers)
-    chosen = []
-    for item in items:
-        try:
-            index = int(str(item).strip())
-        except ValueError:
-            raise InputError(f"layer '{item}' is not a whole number") from None
-        if not -n_layers <= index < n_layers:
-            raise InputError(f"layer {index} does not exist: the model has layers 0..{n_layers - 1}")
-        chosen.append(index % n_layers)
-    return sorted(set(chosen))
+    """The recorded layers, in the one layer-list syntax (:func:`attnviz.syntax.layers`): ``None``/"all"
+    → every layer; "0,5,-1", "20-29" or a list → those layers (negative counts from the top)."""
+    return syntax.layers(layers, n_layers)
 
 
 def prefix_ids(loaded: LoadedModel, prepend: str | None) -> list[int]:

@@ -20,24 +20,31 @@ with ``;``, each with ``@LAYERS`` (``20-29``, ``0,5,7``; every layer when left o
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
+from . import syntax
 from .errors import InputError
+
+#: Every intervention by name; parameters, types and defaults are read from each class's fields.
+KINDS = syntax.Registry("intervention")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Intervention:
     """One intervention; ``layers`` None means every layer."""
 
-    name = ""
-    changes_probabilities = True  # False: only the heads' outputs change (SDPA may compute the layer)
+    name: ClassVar[str] = ""
+    changes_probabilities: ClassVar[bool] = True  # False: only the heads' outputs change (SDPA may compute it)
     layers: tuple[int, ...] | None = None
 
     def applies(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
+
+    def check(self, n_layers: int, n_heads: int) -> None:
+        """Refuse what does not exist in a model of this size (the layers are checked by the parser)."""
 
     def scores(self, scores: torch.Tensor) -> torch.Tensor:
         """Scaled scores (B, H, b, w) before the softmax."""
@@ -56,32 +63,41 @@ class Intervention:
         return out
 
     def arguments(self) -> str:
-        return ""
+        call = KINDS.spec(self)
+        return call[len(self.name) + 1:-1] if call.endswith(")") else ""
 
     @property
     def spec(self) -> str:
-        args = self.arguments()
-        where = "" if self.layers is None else "@" + _ranges(self.layers)
-        return f"{self.name}({args}){where}" if args else f"{self.name}{where}"
+        where = "" if self.layers is None else "@" + syntax.ranges(self.layers)
+        return KINDS.spec(self) + where
 
 
+@KINDS.register()
 @dataclass(frozen=True, kw_only=True)
 class SinkLogit(Intervention):
-    name = "sinklogit"
+    """One extra logit ``b`` in every row's softmax, dropped after it (docs/methods.md#sinklogit)."""
+
+    name: ClassVar[str] = "sinklogit"
     b: float = 0.0
 
     def extra_logit(self) -> float:
         return self.b
 
-    def arguments(self) -> str:
-        return f"b={_num(self.b)}"
 
-
+@KINDS.register()
 @dataclass(frozen=True, kw_only=True)
 class SinkScale(Intervention):
-    name = "sinkscale"
+    """ACT's calibration: key ``key``'s weight times ``beta``, the rest spread (docs/methods.md#sinkscale)."""
+
+    name: ClassVar[str] = "sinkscale"
     key: int = 0
     beta: float = 1.0
+
+    def __post_init__(self):
+        if not 0.0 <= self.beta <= 1.0:
+            raise InputError(f"sinkscale beta must be between 0 and 1, got {self.beta:g}")
+        if self.key < 0:
+            raise InputError(f"sinkscale key must be a token position >= 0, got {self.key}")
 
     def probabilities(self, probs: torch.Tensor, k0: int) -> torch.Tensor:
         c = self.key - k0
@@ -95,28 +111,45 @@ class SinkScale(Intervention):
         is_key = torch.arange(probs.shape[-1], device=probs.device) == c
         return torch.where(is_key, torch.where(has_rest, self.beta * col, col), spread)
 
-    def arguments(self) -> str:
-        return f"key={self.key}, beta={_num(self.beta)}"
 
-
+@KINDS.register()
 @dataclass(frozen=True, kw_only=True)
 class Temperature(Intervention):
-    name = "temperature"
+    """Scores divided by ``t`` before the softmax (docs/methods.md#temperature)."""
+
+    name: ClassVar[str] = "temperature"
     t: float = 1.0
+
+    def __post_init__(self):
+        if self.t <= 0:
+            raise InputError(f"temperature t must be > 0, got {self.t:g}")
 
     def scores(self, scores: torch.Tensor) -> torch.Tensor:
         return scores / self.t
 
-    def arguments(self) -> str:
-        return f"t={_num(self.t)}"
 
-
+@KINDS.register()
 @dataclass(frozen=True, kw_only=True)
 class Ablate(Intervention):
-    name = "ablate"
-    changes_probabilities = False
-    heads: tuple[int, ...] = ()
+    """Those heads' outputs replaced by zero or their mean over positions (docs/methods.md#ablate)."""
+
+    name: ClassVar[str] = "ablate"
+    changes_probabilities: ClassVar[bool] = False
+    heads: tuple[int, ...]
     how: str = "zero"
+
+    def __post_init__(self):
+        object.__setattr__(self, "heads", tuple(sorted(set(int(h) for h in self.heads))))
+        object.__setattr__(self, "how", str(self.how).strip().lower())
+        if not self.heads:
+            raise InputError("ablate needs heads=..., e.g. ablate(heads=0,3)")
+        if self.how not in ("zero", "mean"):
+            raise InputError(f"ablate how must be zero or mean, got '{self.how}'")
+
+    def check(self, n_layers: int, n_heads: int) -> None:
+        bad = [h for h in self.heads if not 0 <= h < n_heads]
+        if bad:
+            raise InputError(f"head {bad[0]} does not exist: the model has heads 0..{n_heads - 1}")
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         chosen = torch.zeros(out.shape[1], dtype=torch.bool, device=out.device)
@@ -124,11 +157,7 @@ class Ablate(Intervention):
         replacement = out.mean(dim=2, keepdim=True) if self.how == "mean" else torch.zeros_like(out[:, :, :1])
         return torch.where(chosen[None, :, None, None], replacement, out)
 
-    def arguments(self) -> str:
-        return f"heads={','.join(map(str, self.heads))}, how={self.how}"
 
-
-KINDS = {cls.name: cls for cls in (SinkLogit, SinkScale, Temperature, Ablate)}
 USAGE = ("sinklogit(b=B), sinkscale(key=K, beta=B), temperature(t=T) or ablate(heads=H,..., how=zero|mean), "
          "each with an optional @LAYERS (20-29, 0,5,7), joined with ';'")
 
@@ -157,17 +186,12 @@ def parse(text: str | None, n_layers: int, n_heads: int) -> Interventions:
     if text is None or not str(text).strip() or str(text).strip().lower() == "none":
         return NONE
     items = []
-    for part in (p.strip() for p in str(text).split(";")):
-        if not part:
-            continue
-        match = re.fullmatch(r"([A-Za-z_]\w*)\s*(?:\((.*)\))?\s*(?:@\s*(.+))?", part)
-        if not match:
-            raise InputError(f"cannot read the intervention '{part}': write {USAGE}")
-        name, args, where = match.group(1).lower(), match.group(2) or "", match.group(3)
-        if name not in KINDS:
-            raise InputError(f"unknown intervention '{name}': use {USAGE}")
-        layers = None if where is None else _layers(where, n_layers, part)
-        items.append(_build(name, _arguments(args, part), layers, n_heads, part))
+    for part in syntax.split(str(text)):
+        parsed = syntax.call(part, "the intervention", USAGE)
+        layers = None if parsed.layers is None else tuple(syntax.layers(parsed.layers, n_layers, part))
+        item = KINDS.build(parsed, layers=layers)
+        item.check(n_layers, n_heads)
+        items.append(item)
     result = tuple(items)
     return Interventions(result, "; ".join(i.spec for i in result))
 
@@ -175,100 +199,3 @@ def parse(text: str | None, n_layers: int, n_heads: int) -> Interventions:
 def resolve(value, n_layers: int, n_heads: int) -> Interventions:
     """A string, None or already parsed :class:`Interventions`."""
     return value if isinstance(value, Interventions) else parse(value, n_layers, n_heads)
-
-
-def _build(name: str, args: dict[str, str], layers, n_heads: int, part: str) -> Intervention:
-    allowed = {"sinklogit": {"b"}, "sinkscale": {"key", "beta"}, "temperature": {"t"}, "ablate": {"heads", "how"}}[name]
-    unknown = set(args) - allowed
-    if unknown:
-        raise InputError(f"{name} takes {', '.join(sorted(allowed))}, not {', '.join(sorted(unknown))} (in '{part}')")
-    if name == "sinklogit":
-        return SinkLogit(b=_float(args.get("b", "0"), "b", part), layers=layers)
-    if name == "sinkscale":
-        beta = _float(args.get("beta", "1"), "beta", part)
-        if not 0.0 <= beta <= 1.0:
-            raise InputError(f"sinkscale beta must be between 0 and 1, got {_num(beta)}")
-        key = _int(args.get("key", "0"), "key", part)
-        if key < 0:
-            raise InputError(f"sinkscale key must be a token position >= 0, got {key}")
-        return SinkScale(key=key, beta=beta, layers=layers)
-    if name == "temperature":
-        t = _float(args.get("t", "1"), "t", part)
-        if t <= 0:
-            raise InputError(f"temperature t must be > 0, got {_num(t)}")
-        return Temperature(t=t, layers=layers)
-    heads = tuple(sorted({_int(h, "heads", part) for h in args.get("heads", "").split(",") if h.strip()}))
-    if not heads:
-        raise InputError(f"ablate needs heads=..., e.g. ablate(heads=0,3) (in '{part}')")
-    bad = [h for h in heads if not 0 <= h < n_heads]
-    if bad:
-        raise InputError(f"head {bad[0]} does not exist: the model has heads 0..{n_heads - 1}")
-    how = args.get("how", "zero").strip().lower()
-    if how not in ("zero", "mean"):
-        raise InputError(f"ablate how must be zero or mean, got '{how}'")
-    return Ablate(heads=heads, how=how, layers=layers)
-
-
-def _arguments(text: str, part: str) -> dict[str, str]:
-    """``a=1, heads=0,3`` → {"a": "1", "heads": "0,3"}: a piece without '=' continues the last value."""
-    out: dict[str, str] = {}
-    last = None
-    for piece in (p.strip() for p in text.split(",")):
-        if not piece:
-            continue
-        if "=" in piece:
-            key, value = (s.strip() for s in piece.split("=", 1))
-            out[key.lower()] = value
-            last = key.lower()
-        elif last is not None:
-            out[last] += "," + piece
-        else:
-            raise InputError(f"cannot read '{piece}' in '{part}': arguments are name=value")
-    return out
-
-
-def _layers(text: str, n_layers: int, part: str) -> tuple[int, ...]:
-    chosen = set()
-    for piece in (p.strip() for p in text.split(",")):
-        bounds = piece.split("-")
-        try:
-            lo, hi = (int(bounds[0]), int(bounds[-1])) if len(bounds) <= 2 else (None, None)
-        except ValueError:
-            lo = hi = None
-        if lo is None:
-            raise InputError(f"cannot read the layers '{text}' in '{part}': write 20-29 or 0,5,7")
-        for layer in (lo, hi):
-            if not 0 <= layer < n_layers:
-                raise InputError(f"layer {layer} does not exist: the model has layers 0..{n_layers - 1}")
-        chosen.update(range(lo, hi + 1))
-    return tuple(sorted(chosen))
-
-
-def _ranges(layers: tuple[int, ...]) -> str:
-    """(0, 1, 2, 5) → '0-2,5'."""
-    out, start = [], None
-    for i, layer in enumerate(layers):
-        if start is None:
-            start = layer
-        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
-            out.append(str(start) if start == layer else f"{start}-{layer}")
-            start = None
-    return ",".join(out)
-
-
-def _float(value: str, name: str, part: str) -> float:
-    try:
-        return float(value)
-    except ValueError:
-        raise InputError(f"{name} must be a number, got '{value}' (in '{part}')") from None
-
-
-def _int(value: str, name: str, part: str) -> int:
-    try:
-        return int(value.strip())
-    except ValueError:
-        raise InputError(f"{name} must be a whole number, got '{value}' (in '{part}')") from None
-
-
-def _num(x: float) -> str:
-    return f"{x:g}"

@@ -14,7 +14,6 @@ The next token's log-probability is read before it enters the cache.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -23,11 +22,12 @@ import torch
 from transformers import DynamicCache
 
 from . import arch as arch_mod
-from . import engine
+from . import engine, syntax
 from .errors import InputError
 from .models import LoadedModel
 
-_POLICY = re.compile(r"^(?P<kind>dense|window|sink)(?:\((?P<params>[^()]*)\))?$")
+#: The cache policies by name, each a builder whose signature gives its parameters.
+POLICIES = syntax.Registry("cache policy")
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,12 @@ class Policy:
     kind: str
     s: int = 0
     w: int = 0
+
+    def __post_init__(self):
+        if self.kind != "dense" and self.w <= 0:
+            raise InputError(f"in '{self.spec}': the window w must be positive, got {self.w}")
+        if self.s < 0:
+            raise InputError(f"in '{self.spec}': the sink size s must be >= 0, got {self.s}")
 
     @property
     def spec(self) -> str:
@@ -66,28 +72,30 @@ class Policy:
         return self
 
 
+@POLICIES.register("dense")
+def dense() -> Policy:
+    """Keep every entry."""
+    return Policy("dense")
+
+
+@POLICIES.register("window")
+def window(w: int) -> Policy:
+    """Keep the last ``w`` entries."""
+    return Policy("window", 0, w)
+
+
+@POLICIES.register("sink")
+def sink(s: int, w: int) -> Policy:
+    """Keep the first ``s`` entries (the sinks) and the last ``w`` (StreamingLLM)."""
+    return Policy("sink", s, w)
+
+
 def parse_policy(text: str) -> Policy:
-    """``dense``, ``window(w=128)`` or ``sink(s=4, w=124)``; ``sink(s=0, w=W)`` is ``window(w=W)``."""
-    match = _POLICY.match(re.sub(r"\s+", "", (text or "").lower()))
-    if not match:
-        raise InputError(f"cannot read cache policy '{text}'; expected dense, window(w=W) or sink(s=S, w=W)")
-    kind, params = match["kind"], {}
-    allowed = {"dense": (), "window": ("w",), "sink": ("s", "w")}[kind]
-    for part in filter(None, (match["params"] or "").split(",")):
-        key, _, raw = part.partition("=")
-        if key not in allowed:
-            raise InputError(f"in '{text}': unknown parameter '{key}' (expected {', '.join(allowed) or 'none'})")
-        if not raw.lstrip("-").isdigit():
-            raise InputError(f"in '{text}': {key}={raw} must be a whole number")
-        params[key] = int(raw)
-    missing = [k for k in allowed if k not in params]
-    if missing:
-        raise InputError(f"in '{text}': {kind} needs {', '.join(k + '=' for k in missing)}")
-    if params.get("w", 1) <= 0:
-        raise InputError(f"in '{text}': the window w must be positive, got {params['w']}")
-    if params.get("s", 0) < 0:
-        raise InputError(f"in '{text}': the sink size s must be >= 0, got {params['s']}")
-    return Policy(kind, params.get("s", 0), params.get("w", 0))
+    """``dense``, ``window(w=128)`` or ``sink(s=4, w=124)``; ``sink(s=0, w=W)`` keeps what ``window(w=W)`` keeps."""
+    parsed = syntax.call(text or "", "cache policy", "dense, window(w=W) or sink(s=S, w=W)")
+    if parsed.layers is not None:
+        raise InputError(f"a cache policy acts on every layer: drop '@{parsed.layers}' from '{parsed.text}'")
+    return POLICIES.build(parsed)
 
 
 def as_policy(policy: "Policy | str") -> Policy:

@@ -1,4 +1,4 @@
-"""KV-cache compression what-if (SPEC §13): each press's scores against the formula on hand-made
+"""KV-cache compression what-if (docs/methods.md#kv-cache-compression): each press's scores against the formula on hand-made
 attention, and the protocol against eval and a really compressed DynamicCache."""
 
 import math
@@ -31,23 +31,45 @@ def test_observed_is_alpha_averaged_over_the_kv_group():
     np.testing.assert_allclose(P.Observed().score(c).numpy(), alpha.reshape(H_KV, 2, N).mean(1), rtol=1e-6)
 
 
-def test_snapkv_pools_the_window_and_keeps_it():
+def _kvpress_pool(scores, kernel):
+    """avg_pool1d(kernel, stride 1, padding kernel // 2) with zero padding counted, written out."""
+    padded = np.pad(scores, ((0, 0), (kernel // 2, kernel // 2)))
+    return np.stack([padded[:, j:j + kernel].mean(1) for j in range(scores.shape[1])], axis=1)
+
+
+def test_snapkv_is_kvpress_snapkv():
+    """kvpress presses/snapkv_press.py: attentions[..., -w:, :-w] (the window's keys cut off first), mean
+    over the window's queries, pooled with zero padding, mean over the KV group, window keys = max + 1."""
     c = _context()
     window, kernel = 3, 3
     a = c.attention.numpy()
-    recent = a[:, N - window:, :].mean(1)  # (H, N)
-    padded = np.pad(recent, ((0, 0), (1, 1)))  # padding kernel // 2, zeros counted (avg_pool1d's default)
-    pooled = np.stack([padded[:, j:j + kernel].mean(1) for j in range(N)], axis=1)
-    expected = pooled.reshape(H_KV, 2, N).mean(1)
+    observed = a[:, N - window:, :N - window].mean(1)  # (H, N - w)
+    expected = _kvpress_pool(observed, kernel).reshape(H_KV, 2, N - window).mean(1)
     got = P.SnapKV(window=window, kernel=kernel).score(c).numpy()
-    np.testing.assert_allclose(got[:, :N - window], expected[:, :N - window], rtol=1e-6)
-    assert np.isinf(got[:, N - window:]).all()
+    np.testing.assert_allclose(got[:, :N - window], expected, rtol=1e-6)
+    np.testing.assert_allclose(got[:, N - window:], expected.max() + 1, rtol=1e-6)
+    # the key just before the window averages in zero padding, not the window's own large attention
+    all_keys = _kvpress_pool(a[:, N - window:, :].mean(1), kernel).reshape(H_KV, 2, N).mean(1)
+    assert not np.allclose(got[:, N - window - 1], all_keys[:, N - window - 1])
+    with pytest.raises(InputError, match="must be shorter than the context"):
+        P.SnapKV(window=N, kernel=3).score(c)
+
+
+def test_tova_is_kvpress_tova():
+    """kvpress presses/tova_press.py: the last query's attention to the keys before it, mean over all
+    heads; the last key scores max + 1, so it is always kept, even where its own weight is the smallest."""
+    c = _context()
+    last = c.attention[:, -1, :-1].mean(0).numpy()
+    expected = np.concatenate([last, [last.max() + 1]])
+    np.testing.assert_allclose(P.TOVA().score(c).numpy(), np.broadcast_to(expected, (H_KV, N)), rtol=1e-6)
+    attention = c.attention.clone()
+    attention[:, -1] = torch.tensor([0.3, 0.2, 0.2, 0.1, 0.1, 0.05, 0.05, 0.0])  # the last key gets nothing
+    kept = P.TOVA().keep(P.Context(3, attention, c.allowed, c.keys), 0.5)
+    assert kept[:, -1].all() and kept[0].tolist() == [True, True, True, False, False, False, False, True]
 
 
 def test_tova_knorm_streaming_and_random():
     c = _context()
-    tova = P.TOVA().score(c).numpy()
-    np.testing.assert_allclose(tova, np.broadcast_to(c.attention[:, -1].mean(0).numpy(), (H_KV, N)), rtol=1e-6)
     np.testing.assert_allclose(P.KNorm().score(c).numpy(), -np.linalg.norm(c.keys.numpy(), axis=-1), rtol=1e-6)
     kept = P.Streaming(s=2).keep(c, 0.5)  # 4 of 8: the first 2 and the last 2
     assert kept[0].tolist() == [True, True, False, False, False, False, True, True]
@@ -55,16 +77,27 @@ def test_tova_knorm_streaming_and_random():
     assert not torch.equal(P.Random(seed=1).score(c), P.Random(seed=2).score(c))
 
 
-def test_keep_counts_and_breaks_ties_to_the_lower_position():
+def test_keep_counts_as_kvpress_and_breaks_ties_to_the_lower_position():
     class Flat(P.Press):
         def score(self, context):
             return torch.zeros(H_KV, N)
 
     for ratio in (0.0, 0.25, 0.5, 0.9):
         kept = Flat().keep(_context(), ratio)
-        count = math.ceil((1 - ratio) * N)
+        count = int(N * (1 - ratio))  # kvpress ScorerPress.compress: n_kept = int(k_len * (1 - ratio))
         assert kept.sum(-1).tolist() == [count] * H_KV
         assert kept[0, :count].all()  # all tied: the first positions win
+    assert P.kept_count(256, 0.9) == 25 and P.kept_count(256, 0.25) == 192 and P.kept_count(10, 0.0) == 10
+
+
+def test_presses_are_registered_dataclasses_with_one_syntax():
+    assert P.DEFAULTS == ["streaming(s=4)", "observed", "snapkv(window=64, kernel=5)", "tova", "knorm", "random(seed=0)"]
+    assert P.parse("SnapKV( window=32 )").spec == "snapkv(window=32, kernel=5)"
+    for text, message in [("snapkv(win=3)", "snapkv takes window, kernel, not win"), ("knorm(x=1)", "takes no parameters"),
+                          ("streaming(s=0)", "must be positive"), ("random(seed=x)", "not a number"),
+                          ("tova@3", "acts on every layer")]:
+        with pytest.raises(InputError, match=message):
+            P.parse(text)
 
 
 TEXT = "The keeper climbed the stairs, lit the lamp, and watched the ships pass the rocks all night long."
@@ -146,7 +179,7 @@ def test_effects_page_kv_compression_section(model_cache, tmp_path):
     on_page(at, "pages/effects.py")
     at.radio(key="fx_section").set_value("KV compression").run()
     at.selectbox(key="fx_kv_source").set_value("Python docs: special method names").run()
-    at.number_input(key="fx_kv_context").set_value(64).run()
+    at.number_input(key="fx_kv_context").set_value(72).run()  # longer than snapkv's window
     at.number_input(key="fx_kv_tokens").set_value(128).run()
     at.multiselect(key="fx_kv_presses").set_value(["streaming(s=4)", "snapkv(window=64, kernel=5)", "knorm"]).run()
     at.text_input(key="fx_kv_ratios").input("0, 0.5, 0.9").run()

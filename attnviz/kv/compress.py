@@ -3,7 +3,7 @@
 A text is split into a context (its first C tokens) and a continuation (the rest). The context is
 prefilled once under the architecture, recording every layer's attention, from which each press
 scores the context keys of every (layer, KV head). A compressed cache keeps the top
-ceil((1 - r)·C) of them: the continuation's rows then see only those context keys (and their own
+int((1 - r)·C) of them (as kvpress does): the continuation's rows then see only those context keys (and their own
 earlier keys), which is a per-head key mask (:attr:`attnviz.engine.Run.head_masks`), so the whole text
 runs as one masked forward and the kept keys can be drawn over the same heatmaps.
 
@@ -88,8 +88,10 @@ def check(loaded: LoadedModel, n_tokens: int, context: int, ratios, presses: lis
         raise InputError(f"the context ({context} tokens) must be shorter than the text ({n_tokens} tokens) by at "
                          "least 2, so that a continuation is left to score")
     for press in presses:
-        if isinstance(press, SnapKV) and context < press.window:
-            raise InputError(f"the context ({context} tokens) is shorter than snapkv's window ({press.window})")
+        if isinstance(press, SnapKV) and context <= press.window:
+            relation = "equal to" if context == press.window else "shorter than"
+            raise InputError(f"the context must be longer than snapkv's window ({press.window}), as in kvpress: "
+                             f"{context} tokens is {relation} snapkv's window")
 
 
 def prefill(loaded: LoadedModel, ids: list[int], context: int, arch) -> Prefill:

@@ -1,22 +1,26 @@
-"""KV-cache compression scorers (SPEC §13), in the style of NVIDIA kvpress: each method is one short
-class with one ``score()`` over the same inputs, and the shared base does the keeping. kvpress itself
-cannot be a dependency (it pins transformers < 5.3); each class cites the kvpress 0.5 file it follows.
+"""KV-cache compression scorers (docs/methods.md#kv-cache-compression), in the style of NVIDIA kvpress:
+each method is one short registered dataclass with one ``score()`` over the same inputs, and the shared
+base does the keeping. kvpress itself cannot be a dependency (it pins transformers < 5.3); each class
+cites the kvpress 0.5 file it follows, and keeps exactly the keys kvpress 0.5.5 keeps.
 
 ``score(context)`` gets one layer's :class:`Context` (the context's attention under the current
 architecture, its keys, which query heads share each KV head) and returns (H_kv, C) scores, higher
-kept first. :meth:`Press.keep` keeps the top ceil((1 - r)·C) keys of every KV head (ties: the lower
-position wins).
+kept first. :meth:`Press.keep` keeps the top ``int(C·(1 - r))`` keys of every KV head, as kvpress's
+``ScorerPress.compress`` does. Ties go to the lower position (kvpress's ``topk`` leaves them undefined).
 """
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from .. import syntax
 from ..errors import InputError
+
+#: Every press by name; parameters and defaults are read from each dataclass's fields.
+PRESSES = syntax.Registry("press")
 
 
 @dataclass
@@ -38,38 +42,47 @@ class Context:
         return per_head.view(self.n_kv_heads, heads // self.n_kv_heads, -1).mean(1)
 
 
+def kept_count(n: int, ratio: float) -> int:
+    """How many of ``n`` keys a press keeps at compression ratio ``ratio``: ``int(n·(1 - r))``, kvpress's
+    ``n_kept`` (``presses/scorer_press.py``), in the same float arithmetic."""
+    return int(n * (1 - ratio))
+
+
+@dataclass
 class Press:
     """A compression method: ``score`` decides, :meth:`keep` keeps."""
 
-    name = ""
+    name: ClassVar[str] = ""
 
     @property
     def spec(self) -> str:
-        return self.name
+        return PRESSES.spec(self)
+
+    def __post_init__(self):
+        for key in syntax.fields_of(type(self)):
+            value = getattr(self, key)
+            if value < (0 if key == "seed" else 1):
+                raise InputError(f"{self.name} {key} must be positive, got {value}")
 
     def score(self, context: Context) -> torch.Tensor:
         raise NotImplementedError
 
     def keep(self, context: Context, ratio: float) -> torch.Tensor:
-        """(H_kv, C) bool: the top ceil((1 - ratio)·C) keys of every KV head; ties to the lower position."""
+        """(H_kv, C) bool: the top :func:`kept_count` keys of every KV head; ties to the lower position."""
         scores = self.score(context).float()
-        n = scores.shape[-1]
-        count = math.ceil((1.0 - ratio) * n)
+        count = kept_count(scores.shape[-1], ratio)
         order = torch.sort(-scores, dim=-1, stable=True).indices[:, :count]
         kept = torch.zeros_like(scores, dtype=torch.bool)
         return kept.scatter_(1, order, True)
 
 
+@PRESSES.register()
 @dataclass
 class Streaming(Press):
     """The first ``s`` keys and the most recent ones (StreamingLLM); kvpress ``presses/streaming_llm_press.py``."""
 
+    name: ClassVar[str] = "streaming"
     s: int = 4
-    name = "streaming"
-
-    @property
-    def spec(self) -> str:
-        return f"streaming(s={self.s})"
 
     def score(self, context: Context) -> torch.Tensor:
         n = context.keys.shape[1]
@@ -78,11 +91,13 @@ class Streaming(Press):
         return score.expand(context.n_kv_heads, n)
 
 
+@PRESSES.register()
+@dataclass
 class Observed(Press):
     """H2O-like observed attention: sum_i A[i,k] / (context queries that see k), mean over the KV group
-    (SPEC §6's alpha_k); kvpress ``presses/observed_attention_press.py``."""
+    (docs/methods.md#alpha); kvpress ``presses/observed_attention_press.py``."""
 
-    name = "observed"
+    name: ClassVar[str] = "observed"
 
     def score(self, context: Context) -> torch.Tensor:
         allowed = context.allowed.float()
@@ -90,92 +105,81 @@ class Observed(Press):
         return context.per_kv_head(sums / allowed.sum(0).clamp(min=1))
 
 
+@PRESSES.register()
 @dataclass
 class SnapKV(Press):
-    """The mean attention of the last ``window`` context queries to each key, average-pooled over keys
-    (``kernel``, stride 1, padding kernel // 2), mean over the KV group; the window's own keys are always
-    kept (arXiv 2404.14469); kvpress ``presses/snapkv_press.py``."""
+    """SnapKV (arXiv 2404.14469) as kvpress ``presses/snapkv_press.py`` computes it: the last ``window``
+    context queries' attention to the keys *before* the window (``attentions[..., -w:, :-w]``), averaged
+    over those queries, average-pooled over keys (``kernel``, stride 1, zero padding ``kernel // 2``),
+    then over each KV group; the window's own keys score the maximum plus one, so they are always kept."""
 
+    name: ClassVar[str] = "snapkv"
     window: int = 64
     kernel: int = 5
-    name = "snapkv"
-
-    @property
-    def spec(self) -> str:
-        return f"snapkv(window={self.window}, kernel={self.kernel})"
 
     def score(self, context: Context) -> torch.Tensor:
         n = context.attention.shape[-1]
-        if n < self.window:
-            raise InputError(f"snapkv's window ({self.window}) is longer than the context ({n} tokens): "
+        if n <= self.window:
+            raise InputError(f"snapkv's window ({self.window}) must be shorter than the context ({n} tokens): "
                              "lengthen --context or shorten the window")
-        recent = context.attention[:, n - self.window:, :].mean(1)  # (H, C)
-        pooled = torch.nn.functional.avg_pool1d(recent[:, None, :], self.kernel, stride=1,
-                                                padding=self.kernel // 2)[:, 0, :n]
+        observed = context.attention[:, n - self.window:, :n - self.window].mean(1)  # (H, C - w)
+        pooled = torch.nn.functional.avg_pool1d(observed[:, None, :], self.kernel, stride=1,
+                                                padding=self.kernel // 2)[:, 0, :n - self.window]
         score = context.per_kv_head(pooled)
-        score[:, n - self.window:] = float("inf")
-        return score
+        window = torch.full((score.shape[0], self.window), float(score.max()) + 1.0)
+        return torch.cat([score, window], dim=-1)
 
 
+@PRESSES.register()
+@dataclass
 class TOVA(Press):
-    """The last context query's attention, averaged over all heads (arXiv 2401.06104); kvpress
-    ``presses/tova_press.py``."""
+    """TOVA (arXiv 2401.06104) as kvpress ``presses/tova_press.py`` computes it: the last context query's
+    attention to every earlier key, averaged over all heads; the last key itself scores the maximum
+    plus one, so it is always kept."""
 
-    name = "tova"
+    name: ClassVar[str] = "tova"
 
     def score(self, context: Context) -> torch.Tensor:
-        last = context.attention[:, -1, :].mean(0)
-        return last.expand(context.n_kv_heads, -1)
+        last = context.attention[:, -1, :-1].mean(0)
+        score = torch.cat([last, (last.max() + 1.0).reshape(1)]) if last.numel() else torch.ones(1)
+        return score.expand(context.n_kv_heads, -1)
 
 
+@PRESSES.register()
+@dataclass
 class KNorm(Press):
     """Minus the key's L2 norm: the keys of the smallest norm are kept (arXiv 2406.11430); kvpress
     ``presses/knorm_press.py``."""
 
-    name = "knorm"
+    name: ClassVar[str] = "knorm"
 
     def score(self, context: Context) -> torch.Tensor:
         return -context.keys.float().norm(dim=-1)
 
 
+@PRESSES.register()
 @dataclass
 class Random(Press):
     """Random scores, seeded per (seed, layer); kvpress ``presses/random_press.py``."""
 
+    name: ClassVar[str] = "random"
     seed: int = 0
-    name = "random"
-
-    @property
-    def spec(self) -> str:
-        return f"random(seed={self.seed})"
 
     def score(self, context: Context) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.seed * 100_003 + context.layer)
         return torch.rand(context.keys.shape[:2], generator=generator)
 
 
-PRESSES = {"streaming": Streaming, "observed": Observed, "snapkv": SnapKV, "tova": TOVA, "knorm": KNorm,
-           "random": Random}
-ARGS = {"streaming": {"s"}, "snapkv": {"window", "kernel"}, "random": {"seed"}}
-DEFAULTS = ["streaming(s=4)", "observed", "snapkv(window=64, kernel=5)", "tova", "knorm", "random(seed=0)"]
+#: Every press with its default parameters: the CLI's, the app's and the sweep's default selection.
+DEFAULTS = [PRESSES.example(name) for name in PRESSES.names()]
+USAGE = ", ".join(DEFAULTS)
 
 
 def parse(text: str) -> Press:
     """``streaming(s=4)``, ``observed``, ``snapkv(window=64, kernel=5)``, ``tova``, ``knorm``, ``random(seed=0)``."""
-    match = re.fullmatch(r"\s*([a-z]+)\s*(?:\((.*)\))?\s*", text or "")
-    name = match.group(1) if match else ""
-    if name not in PRESSES:
-        raise InputError(f"unknown press '{text}': use {', '.join(DEFAULTS)}")
-    args = {}
-    for piece in (p.strip() for p in (match.group(2) or "").split(",") if p.strip()):
-        key, _, value = piece.partition("=")
-        key = key.strip()
-        if key not in ARGS.get(name, set()):
-            raise InputError(f"{name} takes {', '.join(sorted(ARGS.get(name, set()))) or 'no arguments'}, not '{key}'")
-        try:
-            args[key] = int(value)
-        except ValueError:
-            raise InputError(f"{name} {key} must be a whole number, got '{value.strip()}'") from None
-        if args[key] < (0 if key == "seed" else 1):
-            raise InputError(f"{name} {key} must be positive, got {args[key]}")
-    return PRESSES[name](**args)
+    if isinstance(text, Press):
+        return text
+    parsed = syntax.call(text or "", "press", USAGE)
+    if parsed.layers is not None:
+        raise InputError(f"a press acts on every layer: drop '@{parsed.layers}' from '{parsed.text}'")
+    return PRESSES.build(parsed)
