@@ -1,25 +1,41 @@
 """attnviz: see what a real language model attends to, under any attention mask, layer by layer.
 
-Flow: text → tokens → :func:`capture` (model, architecture) → :class:`Capture` → :mod:`metrics`
-→ figures → pages. The library never imports Streamlit.
+Flow: text → tokens → :func:`capture` (a :class:`Recipe`: model, architecture, intervention, …) →
+:class:`Capture` → metrics → figures → pages. The library never imports Streamlit.
+
+Every name below is imported when first used, so ``import attnviz`` and ``attnviz --help`` stay fast
+(no torch compiler stack, no transformers modelling code until a model is asked for).
 """
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-from .arch import Architecture, parse  # noqa: E402
-from .capture import Capture, capture  # noqa: E402
-from .errors import ArchitectureError, AttnvizError, InputError, MaskError, ModelLoadError  # noqa: E402
-from .models import LoadedModel, load  # noqa: E402
+#: public name -> the module that defines it
+_EXPORTS = {
+    "Architecture": "arch", "parse": "arch",
+    "Capture": "capture", "capture": "capture",
+    "AttnvizError": "errors", "ArchitectureError": "errors", "InputError": "errors", "MaskError": "errors",
+    "ModelLoadError": "errors",
+    "LoadedModel": "models", "load": "models",
+    "Recipe": "recipe",
+    "show": "viewer.widget", "show_compare": "viewer.widget",
+}
 
 
-
-def __getattr__(name):  # the notebook viewer imports anywidget only when asked for
-    if name in ("show", "show_compare"):
-        from .viewer import widget
-
-        return getattr(widget, name)
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'attnviz' has no attribute {name!r}")
 
 
-__all__ = ["show", "show_compare", "Architecture", "parse", "Capture", "capture", "load", "LoadedModel", "AttnvizError",
-           "ArchitectureError", "InputError", "MaskError", "ModelLoadError", "__version__"]
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+__all__ = ["show", "show_compare", "Architecture", "parse", "Capture", "capture", "load", "LoadedModel", "Recipe",
+           "AttnvizError", "ArchitectureError", "InputError", "MaskError", "ModelLoadError", "__version__"]

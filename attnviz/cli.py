@@ -1,6 +1,6 @@
 """Command line: ``attnviz masks | sinks | capture | eval | embed | stream | generate`` (also ``python -m attnviz``).
 
-The JSON shapes printed here are a contract other tools rely on (issue 2 §5); bad input exits
+The JSON shapes printed here are a contract other tools rely on (docs/cli.md); bad input exits
 non-zero with one line on stderr, never a traceback (``ATTNVIZ_DEBUG=1`` shows it).
 """
 
@@ -13,7 +13,6 @@ import os
 import sys
 from pathlib import Path
 
-from . import arch as arch_mod
 from .errors import AttnvizError
 
 N_ALPHA_KEYS = 8
@@ -27,6 +26,8 @@ class _Parser(argparse.ArgumentParser):
 def _masks(args) -> dict:
     if args.n < 1:
         raise AttnvizError(f"--n must be at least 1, got {args.n}")
+    from . import arch as arch_mod
+
     architecture = arch_mod.parse(args.arch, args.layers)
     return {
         "arch": architecture.spec,
@@ -163,7 +164,7 @@ def _dataset_sinks(args) -> dict:
     with bar:
         result = dataset.sinks(loaded, documents, args.arch, "line" if args.per_line else "doc", args.max_len,
                                args.samples, on_progress=update, intervene=args.intervene)
-    return result.as_json(eps=args.eps) | _intervene_json(args, loaded)
+    return result.as_json(args.key, eps=args.eps) | _intervene_json(args, loaded)
 
 
 def _capture(args) -> dict:
@@ -454,6 +455,15 @@ def _sweep(args) -> dict:
     return result
 
 
+def _key(text: str):
+    """``--key``: 'auto' or a token position."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"'{text}' is neither a token position nor 'auto'")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="attnviz", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -502,6 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
     unit.add_argument("--per-line", action="store_true", help="dataset mode: one sample per non-empty line")
     sinks.add_argument("--max-len", type=int, default=64, help="dataset mode: first N tokens of each sample (64)")
     sinks.add_argument("--samples", type=int, default=100, help="dataset mode: at most N samples (100)")
+    sinks.add_argument("--key", type=_key, default="auto",
+                       help="dataset mode: the key position whose sink rate is read, or 'auto': the first key each "
+                            "layer's mask leaves open to its queries (0 under fwd, m under nosink-fwd(m)); default auto")
 
     cap = sub.add_parser("capture", help="capture attention maps and save them (.npz)")
     model_args(cap)

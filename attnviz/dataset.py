@@ -26,6 +26,7 @@ from . import arch as arch_mod
 from . import engine
 from .corpus import head_ids
 from .errors import InputError
+from . import metrics
 from .metrics import SINK_EPS
 from .models import LoadedModel
 
@@ -92,16 +93,34 @@ class DatasetSinks:
         mean = self.mean_maps()
         return np.clip(self.map_sq / max(self.n_full, 1) - mean**2, 0, None)
 
-    def rates(self, key: int = 0, eps: float = SINK_EPS) -> np.ndarray:
+    def keys(self, key: int | str = "auto") -> np.ndarray:
+        """(L,) the key each layer's rate is read at: ``key`` itself, or with ``"auto"`` the first key
+        each layer's mask leaves open to its queries (:func:`metrics.auto_key`: m under NoSink-m)."""
+        if key == "auto":
+            return np.array([metrics.auto_key(a) for a in self.allowed], dtype=np.int64)
+        try:
+            position = int(key)
+        except (TypeError, ValueError):
+            raise InputError(f"the key must be a token position or 'auto', got {key!r}") from None
+        if not 0 <= position < self.max_len:
+            raise InputError(f"key {position} is outside the samples' {self.max_len} tokens")
+        return np.full(self.alpha.shape[1], position, dtype=np.int64)
+
+    def _alpha_at(self, key) -> np.ndarray:
+        """(S, L, H) alpha at each layer's key."""
+        keys = self.keys(key)
+        return np.take_along_axis(self.alpha, keys[None, :, None, None], axis=-1)[..., 0]
+
+    def rates(self, key: int | str = 0, eps: float = SINK_EPS) -> np.ndarray:
         """(S, L) sink rate per sample and layer; NaN where alpha_key is defined for no head."""
-        a = self.alpha[..., key]
+        a = self._alpha_at(key)
         defined = np.isfinite(a)
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(defined.any(-1), (np.nan_to_num(a, nan=-np.inf) > eps).sum(-1) / defined.sum(-1), np.nan)
 
-    def model_rates(self, key: int = 0, eps: float = SINK_EPS) -> np.ndarray:
+    def model_rates(self, key: int | str = 0, eps: float = SINK_EPS) -> np.ndarray:
         """(S,) share of all (layer, head) pairs with alpha > eps, per sample."""
-        a = self.alpha[..., key].reshape(self.n_samples, -1)
+        a = self._alpha_at(key).reshape(self.n_samples, -1)
         defined = np.isfinite(a)
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(defined.any(-1), (np.nan_to_num(a, nan=-np.inf) > eps).sum(-1) / defined.sum(-1), np.nan)
@@ -114,12 +133,15 @@ class DatasetSinks:
             warnings.simplefilter("ignore", RuntimeWarning)
             return np.nanmean(self.alpha, axis=(0, 2))
 
-    def as_json(self, key: int = 0, eps: float = SINK_EPS) -> dict:
+    def as_json(self, key: int | str = "auto", eps: float = SINK_EPS) -> dict:
+        """``key``: a token position, or ``"auto"`` (each layer's :meth:`keys`); each layer says its key."""
         per_layer = self.rates(key, eps)
+        keys = self.keys(key)
         doc = {"model": self.model, "arch": self.arch, "unit": self.unit, "max_len": self.max_len, "eps": eps,
-               "key": key, "samples": self.n_samples, "short_samples": self.short_samples, "skipped": self.skipped,
-               "layers": [{"layer": l, "mask": self.layer_masks[l], "sink_rate": interval(per_layer[:, l])}
-                          for l in range(per_layer.shape[1])],
+               "key": key if key == "auto" else int(key), "samples": self.n_samples,
+               "short_samples": self.short_samples, "skipped": self.skipped,
+               "layers": [{"layer": l, "mask": self.layer_masks[l], "key": int(keys[l]),
+                           "sink_rate": interval(per_layer[:, l])} for l in range(per_layer.shape[1])],
                "model_rate": interval(self.model_rates(key, eps))}
         if self.short_samples:
             doc["note"] = (f"{self.short_samples} of {self.n_samples} samples are shorter than {self.max_len} tokens "
@@ -147,6 +169,13 @@ def _alpha(probs: torch.Tensor, allow: torch.Tensor) -> torch.Tensor:
     return torch.where(others > 0, sums / counts.clamp(min=1), torch.full_like(sums, float("nan")))
 
 
+def _matrix(mask, n: int) -> np.ndarray:
+    try:
+        return mask.matrix(n)
+    except Exception:  # a custom matrix written for fewer tokens: the samples' own allow-sets decide
+        return np.ones((n, n), dtype=bool)
+
+
 def sinks(loaded: LoadedModel, documents: Sequence[str], arch: str | arch_mod.Architecture = "fwd",
           unit: str = "doc", max_len: int = 64, n_samples: int | None = 100,
           on_progress: Callable[[int, int], None] | None = None, intervene=None) -> DatasetSinks:
@@ -161,7 +190,9 @@ def sinks(loaded: LoadedModel, documents: Sequence[str], arch: str | arch_mod.Ar
     alpha = np.full((len(ids), L, H, max_len), np.nan, dtype=np.float32)
     map_sum = np.zeros((L, H, max_len, max_len), dtype=np.float64)
     map_sq = np.zeros_like(map_sum)
-    allowed = np.ones((L, max_len, max_len), dtype=bool)
+    # each layer's allow-set at the full length (the auto key reads it even when every sample is shorter);
+    # a full-length sample's own allow-set replaces it below
+    allowed = np.stack([_matrix(mask, max_len) for mask in architecture.layers])
     order = sorted(range(len(ids)), key=lambda i: (-len(ids[i]), i))
     batches = []
     for i in order:

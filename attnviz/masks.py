@@ -4,7 +4,9 @@ A predicate has FlexAttention's `mask_mod` signature ``(batch_idx, head_idx, q_i
 and is evaluated on broadcast index tensors, so one call builds a whole ``n x n`` matrix (the same
 non-vmap trick transformers' ``masking_utils`` uses). ``q_idx``/``kv_idx`` are *positions counted
 from the first real token*, so NoSink and global tokens mean the same thing under left or right
-padding. Predicates compose with transformers' own ``and_masks`` / ``or_masks`` and our ``not_mask``.
+padding. Predicates compose with ``and_masks`` / ``or_masks`` (transformers' ``masking_utils`` composition,
+written out here so that reading an architecture never imports transformers' compiler-bound module:
+2 s of start-up) and ``not_mask``.
 
 A :class:`Mask` wraps a predicate with the SPEC name written in the one-line grammar of SPEC §7
 (``nosink-bidir(m=2)``), so every figure, file name and CLI answer says the same thing.
@@ -17,7 +19,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-from transformers.masking_utils import and_masks, or_masks
 
 from .errors import MaskError
 
@@ -41,6 +42,34 @@ def anticausal(b, h, q, kv):
 
 def everything(b, h, q, kv):
     return torch.ones(torch.broadcast_shapes(q.shape, kv.shape), dtype=torch.bool, device=q.device)
+
+
+def and_masks(*predicates: Predicate) -> Predicate:
+    """The intersection of predicates: transformers' ``masking_utils.and_masks``, same signature and result."""
+    if not all(callable(p) for p in predicates):
+        raise MaskError(f"every part of and_masks must be a mask predicate, got {predicates}")
+
+    def both(b, h, q, kv):
+        result = q.new_ones((), dtype=torch.bool)
+        for pred in predicates:
+            result = result & pred(b, h, q, kv).to(result.device)
+        return result
+
+    return both
+
+
+def or_masks(*predicates: Predicate) -> Predicate:
+    """The union of predicates: transformers' ``masking_utils.or_masks``, same signature and result."""
+    if not all(callable(p) for p in predicates):
+        raise MaskError(f"every part of or_masks must be a mask predicate, got {predicates}")
+
+    def either(b, h, q, kv):
+        result = q.new_zeros((), dtype=torch.bool)
+        for pred in predicates:
+            result = result | pred(b, h, q, kv).to(result.device)
+        return result
+
+    return either
 
 
 def not_mask(pred: Predicate) -> Predicate:

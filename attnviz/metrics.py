@@ -41,6 +41,18 @@ def sink_rate(alphas, eps: float = SINK_EPS) -> float:
     return float(np.mean(alphas[defined] > eps)) if defined.any() else float("nan")
 
 
+def auto_key(allowed) -> int:
+    """The sink key a mask leaves open (docs/methods.md#auto-key): the first key position j that every
+    later query may see (allowed[i, j] for all i > j), 0 where no key is (BACK, short sliding windows).
+    0 under FWD and BIDIR, m under NoSink-FWD(m) and NoSink-BIDIR(m)."""
+    allowed = np.asarray(allowed, dtype=bool)
+    n_q, n_kv = allowed.shape
+    later = np.tri(n_q, n_kv, -1, dtype=bool)  # (i, j) with i > j
+    open_to_later = (allowed | ~later).all(0) & later.any(0)
+    hits = np.flatnonzero(open_to_later)
+    return int(hits[0]) if hits.size else 0
+
+
 def key_profile(probs, allowed, key: int = 0) -> np.ndarray:
     """A[i, key] as a function of query position i, per head; NaN where the mask forbids it. (H, n)."""
     probs = _f32(probs)

@@ -27,8 +27,10 @@ def one_text(eps: float) -> None:
     cap = current_capture(settings, loaded)
     if cap is None:
         return
-    key = st.number_input("Key", 0, cap.n_tokens - 1, 0, key="sk_key",
-                          help="0 is the first token; under NoSink-m look at key m")
+    auto = cap.memo("auto_key", lambda: int(np.bincount([metrics.auto_key(cap.allowed[l]) for l in cap.layers]).argmax()))
+    key = st.number_input("Key", 0, cap.n_tokens - 1, min(auto, cap.n_tokens - 1), key="sk_key",
+                          help="starts at the first key the mask leaves open to its queries: 0 is the first token, "
+                               "m under NoSink-m (docs/methods.md#auto-key)")
     rate = metrics.sink_rate(np.stack([cap.stat(l, "alpha")[:, key] for l in cap.layers]), eps)
     st.metric(f"Sink rate at key {key} ({cap.tokens[key]!r}), all layers and heads",
               "undefined" if np.isnan(rate) else f"{rate:.0%}",
@@ -87,7 +89,10 @@ def over_a_dataset(eps: float) -> None:
     spec = c5.text_input("Architecture", settings.arch, key="sk_ds_arch")
     c6.button("Gu et al. preset", on_click=gu_preset, key="sk_gu",
               help="T = 64 tokens and eps = 0.3, as in Gu et al. (ICLR 2025) Table 1")
-    key_pos = int(c7.number_input("Key", 0, max_len - 1, 0, key="sk_ds_key"))
+    choice = c7.selectbox("Key", ["auto"] + list(range(max_len)), key="sk_ds_key",
+                          help="auto: the first key each layer's mask leaves open to its queries (0 under fwd, "
+                               "m under nosink-fwd(m)); docs/methods.md#auto-key")
+    key_pos = "auto" if choice == "auto" else int(choice)
     try:
         architecture = parse(spec, loaded.n_layers)
         docs = corpus.stdlib().documents if source == "stdlib" else corpus.from_text(settings.text, "the sidebar text").documents

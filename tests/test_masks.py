@@ -64,6 +64,17 @@ def test_composition_and_or_not():
     np.testing.assert_array_equal(neither.matrix(3), m("011 001 001"))  # row 2 repaired to itself
 
 
+def test_composition_matches_transformers_masking_utils():
+    """Our and_masks / or_masks are transformers' composition, written out for start-up time."""
+    from transformers import masking_utils
+
+    even_keys = M.custom(lambda b, h, q, kv: kv % 2 == 0).predicate
+    q, kv, zero = torch.arange(6)[:, None], torch.arange(6)[None, :], torch.tensor(0)
+    for ours, theirs in ((M.and_masks, masking_utils.and_masks), (M.or_masks, masking_utils.or_masks)):
+        for parts in ((M.causal, even_keys), (M.causal, M.hide_first_keys(2), even_keys), (M.anticausal,)):
+            assert torch.equal(ours(*parts)(zero, zero, q, kv), theirs(*parts)(zero, zero, q, kv))
+
+
 def test_masks_use_positions_not_indices():
     """Under padding the engine passes real-token positions; NoSink hides position 0, wherever it is."""
     mask = M.nosink(M.fwd())

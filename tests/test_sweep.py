@@ -218,3 +218,66 @@ def test_the_sweeps_page_reads_a_results_folder_and_runs_a_small_sweep(model_cac
     at.text_area(key="sw_spec").input('models = ["default"]\n[measures.sink]\n').run()
     at.button(key="sw_run").click().run()
     assert "unknown measure 'measures.sink'" in " ".join(str(e.value) for e in at.error)
+
+
+def test_auto_key_is_the_first_key_the_mask_leaves_open():
+    from attnviz import arch, metrics
+
+    for spec, expected in [("fwd", 0), ("bidir", 0), ("nosink-fwd", 1), ("nosink-fwd(m=3)", 3),
+                           ("nosink-bidir(m=2)", 2), ("back", 0), ("global(w=2, g=1)", 0)]:
+        (mask,) = set(arch.parse(spec, 1).layers)
+        assert metrics.auto_key(mask.matrix(8)) == expected, spec
+    # written out: key 1 is hidden from query 3 only, so the first open key is 2
+    allowed = np.tril(np.ones((5, 5), dtype=bool))
+    allowed[1:, 0] = False
+    allowed[3, 1] = False
+    assert metrics.auto_key(allowed) == 2
+
+
+def test_results_of_mixed_cells_read_as_one_table(tmp_path):
+    """One schema for every measure: a cell whose numbers are all null (NoSink at key 0) beside a full one,
+    and another measure's cell, read with pandas and pyarrow.dataset straight from the folder."""
+    import pandas as pd
+    import pyarrow.dataset as ds
+
+    from attnviz.sweep.measures import COLUMNS
+    from attnviz.sweep.spec import Cell
+
+    out = tmp_path / "results"
+    options = {"samples": 2, "max_len": 8, "eps": 0.3, "unit": "doc", "key": 0}
+    full = [{"layer": l, "mask": "fwd", "key": 0, "sink_rate": 0.5 + l / 10, "ci_low": 0.4, "ci_high": 0.6, "n": 2,
+             "model_rate": 0.55, "model_ci_low": 0.5, "model_ci_high": 0.6, "samples": 2} for l in range(2)]
+    empty = [{"layer": l, "mask": "nosink-fwd", "key": 0, "sink_rate": None, "ci_low": None, "ci_high": None, "n": 0,
+              "model_rate": None, "model_ci_low": None, "model_ci_high": None, "samples": 2} for l in range(2)]
+    store.write_cell(str(out), Cell("sinks", "default", "fwd", "", "stdlib", options), full, 1.0)
+    store.write_cell(str(out), Cell("sinks", "default", "nosink-fwd", "", "stdlib", options), empty, 1.0)
+    store.write_cell(str(out), Cell("eval", "default", "fwd", "", "stdlib", {"window": 8}),
+                     [{"perplexity": 9.5, "accuracy": 0.3, "nll": 2.25, "tokens": 64, "windows": 8}], 1.0)
+    store.write_cell(str(out), Cell("embed", "default", "fwd", "", "stdlib", {"m": 4}), [], 1.0, error="boom")
+    frame = pd.read_parquet(out)
+    assert len(frame) == 6 and frame["sink_rate"].dtype == "float64" and frame["perplexity"].notna().sum() == 1
+    assert frame.loc[frame["arch"] == "nosink-fwd", "sink_rate"].isna().all()
+    table = ds.dataset(str(out), format="parquet").to_table()
+    assert table.num_rows == 6 and str(table.schema.field("sink_rate").type) == "double"
+    assert set(store.read(str(out))["status"]) == {"ok", "failed"} and len(store.read(str(out), "sinks")) == 4
+    with pytest.raises(ValueError, match="outside its schema"):
+        store.write_cell(str(out), Cell("eval", "m", "fwd", "", "stdlib", {}), [{"perplexity": 1.0, "bogus": 1}], 1.0)
+    assert set(COLUMNS["sinks"]) == set(full[0])
+
+
+def test_the_sinks_measure_reads_nosink_at_its_open_key(model_cache, tmp_path, capsys):
+    """The README example: with key = auto, NoSink-FWD's rate is read at key 1 and is defined in every layer."""
+    from attnviz.sweep import measures
+    from attnviz.sweep.spec import parse as parse_spec
+    from attnviz.models import load
+
+    grid = parse_spec(README_SPEC)
+    cell = [c for c in grid.cells() if c.arch == "nosink-fwd"][0]
+    assert cell.options["key"] == "auto"
+    rows = measures.sinks(load("default"), cell)
+    assert {r["key"] for r in rows} == {1} and all(r["sink_rate"] is not None for r in rows)
+    assert set(rows[0]) == set(measures.COLUMNS["sinks"])
+    doc = sinks_cli("nosink-fwd", capsys)
+    assert doc["key"] == "auto" and {l["key"] for l in doc["layers"]} == {1}
+    np.testing.assert_allclose([r["sink_rate"] for r in rows], [l["sink_rate"]["mean"] for l in doc["layers"]],
+                               atol=1e-6)

@@ -19,18 +19,19 @@ def documents(name: str) -> corpus_mod.Corpus:
 
 
 def sinks(lm: LoadedModel, cell: Cell) -> list[dict]:
-    """SPEC §6 over a dataset (``attnviz sinks --corpus C --max-len T --samples S --eps E``)."""
+    """Sink rates over a dataset, docs/methods.md#sink-rate (``attnviz sinks --corpus C --max-len T --samples S
+    --eps E --key K``); each row says the key it was read at."""
     from .. import dataset
 
     o = cell.options
     result = dataset.sinks(lm, documents(cell.corpus).documents, cell.arch, unit=o["unit"], max_len=o["max_len"],
                            n_samples=o["samples"], intervene=cell.intervention or None)
-    doc = result.as_json(0, o["eps"])
+    doc = result.as_json(o["key"], o["eps"])
     model = doc["model_rate"]
     rows = []
     for layer in doc["layers"]:
         rate = layer["sink_rate"]
-        rows.append({"layer": layer["layer"], "mask": layer["mask"], "sink_rate": rate["mean"],
+        rows.append({"layer": layer["layer"], "mask": layer["mask"], "key": layer["key"], "sink_rate": rate["mean"],
                      "ci_low": (rate["ci95"] or [None, None])[0], "ci_high": (rate["ci95"] or [None, None])[1],
                      "n": rate["n"], "model_rate": model["mean"], "model_ci_low": (model["ci95"] or [None, None])[0],
                      "model_ci_high": (model["ci95"] or [None, None])[1], "samples": doc["samples"]})
@@ -38,7 +39,7 @@ def sinks(lm: LoadedModel, cell: Cell) -> list[dict]:
 
 
 def evaluate(lm: LoadedModel, cell: Cell) -> list[dict]:
-    """SPEC §8 (``attnviz eval --window W --max-tokens N``)."""
+    """Perplexity and accuracy, docs/methods.md#perplexity (``attnviz eval --window W --max-tokens N``)."""
     from ..evaluate import evaluate as run, token_ids
 
     o = cell.options
@@ -58,7 +59,7 @@ def embed(lm: LoadedModel, cell: Cell) -> list[dict]:
 
 
 def compress(lm: LoadedModel, cell: Cell) -> list[dict]:
-    """SPEC §13 (``attnviz compress --press ... --ratios ... --context C --max-tokens N``): one row per
+    """KV-cache compression, docs/methods.md#kv-cache-compression (``attnviz compress --press ... --ratios ... --context C --max-tokens N``): one row per
     (press, ratio), the dense cache as press "dense" at ratio 0."""
     from ..evaluate import token_ids
     from ..kv import compress as run, presses
@@ -73,7 +74,7 @@ def compress(lm: LoadedModel, cell: Cell) -> list[dict]:
 
 
 def heads(lm: LoadedModel, cell: Cell) -> list[dict]:
-    """SPEC §14 over a dataset (``attnviz heads --samples S --max-len T``): per layer, how many heads of
+    """Head classes over a dataset, docs/methods.md#head-classes (``attnviz heads --samples S --max-len T``): per layer, how many heads of
     each kind."""
     from .. import heads as heads_mod
 
@@ -88,3 +89,36 @@ def heads(lm: LoadedModel, cell: Cell) -> list[dict]:
 
 
 RUN = {"sinks": sinks, "eval": evaluate, "embed": embed, "compress": compress, "heads": heads}
+
+
+def schema():
+    """The one Arrow schema of every results file: the cell's columns, then every measure's columns,
+    each typed, nulls allowed (a measure leaves the others' columns null). A folder of mixed cells, a
+    cell whose numbers are all undefined among them, reads as one table with any Parquet reader."""
+    import pyarrow as pa
+
+    cell = [("cell", pa.string()), ("measure", pa.string()), ("model", pa.string()), ("arch", pa.string()),
+            ("intervention", pa.string()), ("corpus", pa.string()), ("options", pa.string()),
+            ("status", pa.string()), ("error", pa.string()), ("elapsed_s", pa.float64()),
+            ("versions", pa.string()), ("worker", pa.string()), ("finished", pa.string())]
+    columns = {}
+    for measure in COLUMNS.values():
+        for name, kind in measure.items():
+            if columns.setdefault(name, kind) != kind:
+                raise TypeError(f"results column '{name}' is typed twice: {columns[name]} and {kind}")
+    return pa.schema(cell + [(name, getattr(pa, kind)()) for name, kind in columns.items()])
+
+
+#: measure -> its result columns and their Arrow types (pyarrow type names); the rows of RUN's functions
+#: carry exactly these (tests check it), and :func:`schema` unites them.
+COLUMNS = {
+    "sinks": {"layer": "int64", "mask": "string", "key": "int64", "sink_rate": "float64", "ci_low": "float64",
+              "ci_high": "float64", "n": "int64", "model_rate": "float64", "model_ci_low": "float64",
+              "model_ci_high": "float64", "samples": "int64"},
+    "eval": {"perplexity": "float64", "accuracy": "float64", "nll": "float64", "tokens": "int64", "windows": "int64"},
+    "embed": {"recall_at_1": "float64", "mrr": "float64", "n_docs": "int64"},
+    "compress": {"press": "string", "ratio": "float64", "perplexity": "float64", "accuracy": "float64",
+                 "kl": "float64", "kept_key0": "float64"},
+    "heads": {"layer": "int64", "heads": "int64", "sink_heads": "int64", "streaming_heads": "int64",
+              "inactive_heads": "int64"},
+}

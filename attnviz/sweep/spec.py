@@ -32,7 +32,8 @@ ANY_LAYERS = ANY_HEADS = 4096
 
 #: measure -> {option: (type, default)}; the defaults are the CLI's.
 MEASURES: dict[str, dict[str, tuple[type, object]]] = {
-    "sinks": {"samples": (int, 100), "max_len": (int, 64), "eps": (float, 0.3), "unit": (str, "doc")},
+    "sinks": {"samples": (int, 100), "max_len": (int, 64), "eps": (float, 0.3), "unit": (str, "doc"),
+              "key": ((int, str), "auto")},
     "eval": {"window": (int, 512), "max_tokens": (int, 4096)},
     "embed": {"m": (int, 64), "max_docs": (int, 48)},
     "compress": {"presses": (list, None), "ratios": (list, [0.25, 0.5, 0.75]), "context": (int, 256),
@@ -112,8 +113,9 @@ def _option(measure: str, name: str, value, kind: type):
             raise InputError(f"spec: '{where}' must be a list, got {value!r}")
         return value
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise InputError(f"spec: '{where}' must be {kind.__name__}, got {value!r}")
-    if kind in (int, float) and value < 0:
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise InputError(f"spec: '{where}' must be {names}, got {value!r}")
+    if isinstance(value, (int, float)) and value < 0:
         raise InputError(f"spec: '{where}' must be >= 0, got {value}")
     return value
 
@@ -184,6 +186,8 @@ def parse(text: str) -> Spec:
                           for option, (kind, default) in known.items()}
     if "sinks" in measures and measures["sinks"]["unit"] not in ("doc", "line"):
         raise InputError("spec: 'measures.sinks.unit' must be 'doc' or 'line'")
+    if "sinks" in measures and isinstance(measures["sinks"]["key"], str) and measures["sinks"]["key"] != "auto":
+        raise InputError("spec: 'measures.sinks.key' must be a token position or 'auto'")
     return Spec(models, archs, acts, corpora, measures)
 
 

@@ -53,7 +53,12 @@ def write_cell(out: str, cell: Cell, rows: list[dict], elapsed: float, error: st
               "error": error or "", "elapsed_s": round(elapsed, 4), "versions": json.dumps(versions(), sort_keys=True),
               "worker": f"{socket.gethostname()}:{os.getpid()}",
               "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    table = pa.Table.from_pylist([{**common, **row} for row in (rows or [{}])])
+    from .measures import COLUMNS, schema
+
+    unexpected = {k for row in rows for k in row} - set(COLUMNS[cell.measure])
+    if unexpected:
+        raise ValueError(f"{cell.measure} rows carry columns outside its schema: {sorted(unexpected)}")
+    table = pa.Table.from_pylist([{**common, **row} for row in (rows or [{}])], schema=schema())
     name = f"{folder}/{cell.id}{'.failed' if error else ''}.parquet"
     partial = f"{folder}/.{cell.id}.{uuid.uuid4().hex}.part"
     with filesystem.open_output_stream(partial) as stream:
@@ -85,14 +90,16 @@ def done(out: str) -> set[str]:
 
 
 def read(out: str, measure: str | None = None) -> pd.DataFrame:
-    """Every row of a results folder (or of one measure), failed cells included (``status``)."""
-    import pyarrow.parquet as pq
+    """Every row of a results folder (or of one measure), failed cells included (``status``): one
+    ``pyarrow.dataset`` over the cells' files, all in the one schema (:func:`.measures.schema`)."""
+    import pyarrow.dataset as ds
+
+    from .measures import schema
 
     filesystem, files = _cell_files(out)
-    frames = []
-    for info in files:
-        if measure and info.path.rsplit("/", 2)[-2] != measure:
-            continue
-        with filesystem.open_input_file(info.path) as f:
-            frames.append(pq.read_table(f).to_pandas())
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    paths = [i.path for i in files if not measure or i.path.rsplit("/", 2)[-2] == measure]
+    if not paths:
+        return pd.DataFrame()
+    table = ds.dataset(paths, schema=schema(), format="parquet", filesystem=filesystem).to_table()
+    frame = table.to_pandas()
+    return frame.sort_values(["measure", "cell"], kind="stable").reset_index(drop=True) if len(frame) else frame
