@@ -20,9 +20,10 @@ PAGES = [
     st.Page(str(PAGES_DIR / "sweeps.py"), title="Sweeps", icon=":material/table_chart:"),
     st.Page(str(PAGES_DIR / "designer.py"), title="Mask designer", icon=":material/architecture:"),
     st.Page(str(PAGES_DIR / "walkthrough.py"), title="Walkthrough", icon=":material/school:"),
+    st.Page(str(PAGES_DIR / "definitions.py"), title="Definitions", icon=":material/menu_book:"),
 ]
 
-NO_MODEL = {"designer", "walkthrough", "sweeps"}  # url paths of pages that work without a model: they never wait for one
+NO_MODEL = {"designer", "walkthrough", "sweeps", "definitions"}  # url paths of pages that work without a model: they never wait for one
 
 page = st.navigation(PAGES)
 # Drawn on every page, the walkthrough too: widgets Streamlit does not draw in a run lose their state.

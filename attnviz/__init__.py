@@ -10,6 +10,8 @@ Every name below is imported when first used, so ``import attnviz`` and ``attnvi
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 
 __version__ = "0.1.0"
 
@@ -31,6 +33,19 @@ def __getattr__(name):
         globals()[name] = value
         return value
     raise AttributeError(f"module 'attnviz' has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """``attnviz.capture`` is the function, as it always was, even once the module of the same name has
+    been imported (the import system then binds the package attribute to the module)."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == name and hasattr(value, name):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __dir__():

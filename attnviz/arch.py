@@ -1,4 +1,4 @@
-"""Per-layer architectures (SPEC §2) and the one-line architecture grammar (SPEC §7).
+"""Per-layer architectures (docs/methods.md#per-layer-architectures) and the one-line architecture grammar (docs/methods.md#the-call-syntax).
 
 ``parse("mask0&bidir(k=8, k0=4)", n_layers=30)`` gives an :class:`Architecture`: the canonical
 string plus one :class:`~attnviz.masks.Mask` per layer, bottom layer first. Everything that shows
@@ -193,11 +193,11 @@ def mask_from_item(text: str, where: str | None = None) -> M.Mask:
 
 
 def parse(spec: str, n_layers: int) -> Architecture:
-    """Parse the SPEC §7 grammar for a model with ``n_layers`` layers.
+    """Parse the docs/methods.md#the-call-syntax grammar for a model with ``n_layers`` layers.
 
-    Decisions the SPEC leaves open: a lone list item without ``*COUNT`` fills every layer; a list
+    Decisions the definitions (docs/methods.md#the-call-syntax) leave open: a lone list item without ``*COUNT`` fills every layer; a list
     item written without a count inside a longer list counts 1; ``mask0-all(k=0)`` is NoSink-FWD
-    everywhere, as SPEC §7 says.
+    everywhere, as docs/methods.md#the-call-syntax says.
     """
     if not isinstance(n_layers, int) or n_layers < 1:
         raise ArchitectureError(f"number of layers must be a positive integer, got {n_layers!r}")
@@ -254,7 +254,7 @@ def resolve(arch: "str | Architecture", n_layers: int) -> Architecture:
 def with_k(template: str, k: int, n_layers: int) -> Architecture:
     """A named architecture at depth k: ``mask0-bidir`` or ``mask0&bidir(k0=2)`` with ``k=`` filled in.
 
-    The k-sweep of seed 000 (SPEC §8) runs one template for k = 0..L.
+    The k-sweep of seed 000 (docs/methods.md#evaluation) runs one template for k = 0..L.
     """
     match = _ITEM.match(re.sub(r"\s+", "", template.lower()))
     parsed = _call(match["call"], template) if match and not match["count"] else None

@@ -247,7 +247,7 @@ def parse_layers(layers, n_layers: int) -> list[int]:
 
 
 def prefix_ids(loaded: LoadedModel, prepend: str | None) -> list[int]:
-    """The BOS control (SPEC §12): ``"bos"`` → the tokenizer's BOS token, any other string → its
+    """The BOS control (docs/methods.md#interventions): ``"bos"`` → the tokenizer's BOS token, any other string → its
     tokens, None → nothing. Refused clearly when the tokenizer has no BOS token."""
     if not prepend:
         return []
@@ -334,7 +334,7 @@ def checkpoint_count(loaded: LoadedModel, n_tokens: int, budget: int, most: int 
 def device_bytes(loaded: LoadedModel, n_tokens: int, reduce: bool = False, pool: int | None = None,
                  hidden_states: bool = False, value_norms: bool = False, scores: bool = False,
                  block_bytes: int | None = None, masks: int = 2) -> int:
-    """What a capture needs on the model's device beyond the weights (issue 14 §6), before it runs:
+    """What a capture needs on the model's device beyond the weights, before it runs:
 
     - the working set of one query block: about four fp32 copies of its scores (scores/probabilities,
       the entropy's temporary, the pooled copy, the cast for P·V) at the run's block size;
@@ -416,7 +416,7 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
     ``value_norms`` (||W_O^h v_j||), and the residual stream's ``activations`` (norms, top values).
     ``pool`` (with ``reduce``) also keeps each layer's maps max-pooled to at most ``pool`` cells a side:
     what a long text's heatmaps show (:meth:`Capture.layer_view`).
-    ``intervene`` is an intervention string (SPEC §12, :mod:`attnviz.interventions`), applied with any
+    ``intervene`` is an intervention string (docs/methods.md#interventions, :mod:`attnviz.interventions`), applied with any
     mask; ``prepend`` the BOS control ("bos" or a token, :func:`prefix_ids`).
     ``residual`` runs a seed-003 variant (a fine-tuned directory's own variant when none is named);
     its layer loop has no hidden-state outputs, so ``hidden_states``/``activations`` are refused with it.

@@ -148,7 +148,7 @@ def _sinks(args) -> dict:
 
 
 def _dataset_sinks(args) -> dict:
-    """Gu et al.'s protocol over many samples (SPEC §6): per-layer rates with 95% intervals."""
+    """Gu et al.'s protocol over many samples (docs/methods.md#sink-metrics): per-layer rates with 95% intervals."""
     from . import dataset
 
     if args.samples <= 0:
@@ -207,7 +207,7 @@ def _capture_seq2seq(args, loaded, text) -> dict:
 
 
 def _eval(args) -> dict:
-    from .evaluate import evaluate, token_ids
+    from .evaluate import DEFAULT_WINDOW, evaluate, token_ids
 
     text = _corpus(args).text
     _check_intervene(args)
@@ -215,7 +215,7 @@ def _eval(args) -> dict:
     ids = token_ids(loaded, text, args.max_tokens)
     bar, update = _progress(f"eval {args.arch}")
     with bar:
-        window = min(512, len(ids)) if args.window is None else args.window
+        window = min(DEFAULT_WINDOW, len(ids)) if args.window is None else args.window
         result = evaluate(loaded, ids, args.arch, window=window, stride=args.stride, on_window=update,
                           residual=args.residual, intervene=args.intervene)
     return result.as_json()
@@ -281,7 +281,7 @@ def _generate(args) -> dict:
 
 
 def _compress(args) -> dict:
-    """KV-cache compression what-if (SPEC §13): every press at every ratio against the dense cache."""
+    """KV-cache compression what-if (docs/methods.md#kv-cache-compression): every press at every ratio against the dense cache."""
     from .evaluate import token_ids
     from .kv import compress, presses
 
@@ -302,7 +302,7 @@ def _compress(args) -> dict:
 
 
 def _heads(args) -> dict:
-    """Head taxonomy (SPEC §14): sink, streaming and inactive heads of one text or a dataset."""
+    """Head taxonomy (docs/methods.md#head-classes): sink, streaming and inactive heads of one text or a dataset."""
     from . import heads
 
     for name in ("eps", "tau_stream", "tau_inactive"):
@@ -313,7 +313,7 @@ def _heads(args) -> dict:
     dataset = not (args.text or args.text_file)  # one text given: that text; else the corpus as a dataset
     source = _corpus(args)
     loaded = _load(args)
-    texts = (heads.dataset_texts(loaded, source.documents, args.samples or 20, args.max_len) if dataset
+    texts = (heads.dataset_texts(loaded, source.documents, args.samples, args.max_len) if dataset
              else [source.text])
     bar, update = _progress("heads")
     with bar:
@@ -323,7 +323,7 @@ def _heads(args) -> dict:
 
 
 def _linformer(args) -> dict:
-    """Linformer what-if on one layer of a real capture (SPEC §10)."""
+    """Linformer what-if on one layer of a real capture (docs/methods.md#linformer-what-if)."""
     from . import linformer
     from .capture import capture, parse_layers
 
@@ -464,184 +464,283 @@ def _key(text: str):
     return int(text)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="attnviz", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+# --- options ----------------------------------------------------------------------------------
+# One function per command adds its options. Every default comes from the library function that uses
+# it (attnviz.defaults), never a literal here; help texts print it with %(default)s. A command's
+# options are built only when that command runs (or for --help of it), so `attnviz --help` and
+# `attnviz masks` import no model code.
 
-    masks = sub.add_parser("masks", help="print each layer's boolean mask (no model needed)")
-    masks.add_argument("--arch", required=True, help="architecture string, e.g. 'mask0-bidir(k=8)'")
-    masks.add_argument("--layers", type=int, required=True, help="number of layers")
-    masks.add_argument("--n", type=int, required=True, help="sequence length")
-    masks.add_argument("--json", action="store_true", help="JSON output (the default)")
+def _model_args(p, text: bool = True, corpus: bool = False):
+    """The options of every command that runs a model."""
+    p.add_argument("--model", default="default", help="'default', a Hugging Face id or a local directory")
+    p.add_argument("--arch", default="fwd", help="architecture string (docs/methods.md#the-call-syntax)")
+    _load_args(p)
+    p.add_argument("--json", action="store_true", help="JSON output (the default)")
+    source = p.add_mutually_exclusive_group(required=text)
+    if text:
+        source.add_argument("--text", help="the text to capture")
+    if corpus or not text:
+        source.add_argument("--corpus", default=None if text else "stdlib",
+                            help="'stdlib' (Python's reference docs, offline) or 'stdlib:TOPIC'")
+    source.add_argument("--text-file", help="read the text from this file (UTF-8)")
+    return source
 
-    def model_args(p, text: bool = True, corpus: bool = False):  # shared by the commands that run a model
-        p.add_argument("--model", default="default", help="'default', a Hugging Face id or a local directory")
-        p.add_argument("--arch", default="fwd", help="architecture string (SPEC §7)")
-        p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU)")
-        p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
-        p.add_argument("--device-map", default=None,
-                       help="'auto' (or balanced, sequential): spread the model over GPUs, the CPU and disk "
-                            "with accelerate, for models larger than one device")
-        p.add_argument("--trust-remote-code", action="store_true", help="allow a model's own Python code")
-        p.add_argument("--json", action="store_true", help="JSON output (the default)")
-        source = p.add_mutually_exclusive_group(required=text)
-        if text:
-            source.add_argument("--text", help="the text to capture")
-        if corpus or not text:
-            source.add_argument("--corpus", default=None if text else "stdlib",
-                                help="'stdlib' (Python's reference docs, offline) or 'stdlib:TOPIC'")
-        source.add_argument("--text-file", help="read the text from this file (UTF-8)")
-        return source
 
-    def intervene_args(p, bos: bool = False):  # SPEC §12: beside the architecture
-        p.add_argument("--intervene", default=None,
-                       help="interventions, e.g. 'sinkscale(beta=0.3)@20-29; ablate(heads=0,3)@5': sinklogit(b=B), "
-                            "sinkscale(key=K, beta=B), temperature(t=T), ablate(heads=..., how=zero|mean)")
-        if bos:
-            first = p.add_mutually_exclusive_group()
-            first.add_argument("--bos", action="store_true", help="prepend the tokenizer's BOS token to the text")
-            first.add_argument("--prepend", default=None, metavar="TOKEN", help="prepend this token to the text")
+def _load_args(p):
+    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    p.add_argument("--device-map", default=None,
+                   help="'auto' (or balanced, sequential): spread the model over GPUs, the CPU and disk "
+                        "with accelerate, for models larger than one device")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow a model's own Python code")
 
-    sinks = sub.add_parser("sinks", help="attention-sink metrics of every layer and head, of a text or a dataset")
-    model_args(sinks, corpus=True)
-    intervene_args(sinks, bos=True)
-    sinks.add_argument("--eps", type=float, default=0.3, help="sink threshold on alpha (default 0.3)")
-    sinks.add_argument("--residual", default=None, help="a seed-003 residual variant (method1 ... method4.2)")
-    unit = sinks.add_mutually_exclusive_group()
+
+def _intervene_args(p, bos: bool = False):
+    from .interventions import USAGE
+
+    p.add_argument("--intervene", default=None,
+                   help=f"interventions (docs/methods.md#interventions), e.g. 'sinkscale(beta=0.3)@20-29; "
+                        f"ablate(heads=0,3)@5': {USAGE}".replace("%", "%%"))
+    if bos:
+        first = p.add_mutually_exclusive_group()
+        first.add_argument("--bos", action="store_true", help="prepend the tokenizer's BOS token to the text")
+        first.add_argument("--prepend", default=None, metavar="TOKEN", help="prepend this token to the text")
+
+
+RESIDUAL_HELP = "a residual variant (docs/methods.md#residual-variants): method1, method2, method3.1, method3.2, " \
+                "method4.1, method4.2 (Llama-family models)"
+
+
+def _masks_options(p):
+    p.add_argument("--arch", required=True, help="architecture string, e.g. 'mask0-bidir(k=8)'")
+    p.add_argument("--layers", type=int, required=True, help="number of layers")
+    p.add_argument("--n", type=int, required=True, help="sequence length")
+    p.add_argument("--json", action="store_true", help="JSON output (the default)")
+
+
+def _sinks_options(p):
+    from . import dataset, defaults
+
+    run, report = defaults.of(dataset.sinks), defaults.of(dataset.DatasetSinks.as_json)
+    _model_args(p, corpus=True)
+    _intervene_args(p, bos=True)
+    p.add_argument("--eps", type=float, default=report["eps"], help="sink threshold on alpha (%(default)s)")
+    p.add_argument("--residual", default=None, help=RESIDUAL_HELP)
+    unit = p.add_mutually_exclusive_group()
     unit.add_argument("--per-doc", action="store_true", help="dataset mode: one sample per document (default)")
     unit.add_argument("--per-line", action="store_true", help="dataset mode: one sample per non-empty line")
-    sinks.add_argument("--max-len", type=int, default=64, help="dataset mode: first N tokens of each sample (64)")
-    sinks.add_argument("--samples", type=int, default=100, help="dataset mode: at most N samples (100)")
-    sinks.add_argument("--key", type=_key, default="auto",
-                       help="dataset mode: the key position whose sink rate is read, or 'auto': the first key each "
-                            "layer's mask leaves open to its queries (0 under fwd, m under nosink-fwd(m)); default auto")
+    p.add_argument("--max-len", type=int, default=run["max_len"],
+                   help="dataset mode: first N tokens of each sample (%(default)s)")
+    p.add_argument("--samples", type=int, default=run["n_samples"], help="dataset mode: at most N samples (%(default)s)")
+    p.add_argument("--key", type=_key, default=report["key"],
+                   help="dataset mode: the key position whose sink rate is read, or 'auto': the first key each "
+                        "layer's mask leaves open to its queries (0 under fwd, m under nosink-fwd(m)); "
+                        "default %(default)s")
 
-    cap = sub.add_parser("capture", help="capture attention maps and save them (.npz)")
-    model_args(cap)
-    intervene_args(cap, bos=True)
-    cap.add_argument("--out", required=True, help="output file (.npz)")
-    cap.add_argument("--layers", default=None, help="comma-separated layers to record (default: all)")
-    cap.add_argument("--hidden", action="store_true", help="also keep hidden states")
-    cap.add_argument("--residual", default=None, help="a seed-003 residual variant (method1 ... method4.2)")
-    cap.add_argument("--attention", choices=["self", "encoder", "decoder", "cross", "all"], default=None,
-                     help="encoder-decoder models: which attention to save (default all, one .npz each)")
-    cap.add_argument("--target", default=None,
-                     help="encoder-decoder models: the target text (default: the model's own greedy output)")
-    cap.set_defaults(arch=None)  # fwd for decoders; the stock bidir encoder for encoder-decoders
 
-    ev = sub.add_parser("eval", help="perplexity and next-token accuracy (causal-compatible architectures)")
-    model_args(ev, text=False)
-    intervene_args(ev)
-    ev.add_argument("--window", type=int, default=None, help="window W in tokens (default 512, or the text if shorter)")
-    ev.add_argument("--stride", type=int, default=None, help="stride S <= W (default W)")
-    ev.add_argument("--max-tokens", type=int, default=4096, help="evaluate at most this many tokens (default 4096)")
-    ev.add_argument("--residual", default=None, help="a seed-003 residual variant: method1, method2, method3.1, "
-                                                    "method3.2, method4.1, method4.2 (Llama-family models)")
+def _capture_options(p):
+    _model_args(p)
+    _intervene_args(p, bos=True)
+    p.add_argument("--out", required=True, help="output file (.npz)")
+    p.add_argument("--layers", default=None, help="layers to record: 5, -1, 20-29 or 0,5,7 (default: all)")
+    p.add_argument("--hidden", action="store_true", help="also keep hidden states")
+    p.add_argument("--residual", default=None, help=RESIDUAL_HELP)
+    p.add_argument("--attention", choices=["self", "encoder", "decoder", "cross", "all"], default=None,
+                   help="encoder-decoder models: which attention to save (default all, one .npz each)")
+    p.add_argument("--target", default=None,
+                   help="encoder-decoder models: the target text (default: the model's own greedy output)")
+    p.set_defaults(arch=None)  # fwd for decoders; the stock bidir encoder for encoder-decoders
 
-    ft = sub.add_parser("finetune", help="fine-tune with a residual variant (seed 003) and evaluate on held-out text")
-    model_args(ft, text=False)
-    ft.add_argument("--residual", default=None, help="method1 | method2 | method3.1 | method3.2 | method4.1 | "
-                                                    "method4.2 (default: the baseline, no variant)")
-    ft.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
-    ft.add_argument("--out", required=True, help="directory to write; `--model DIR` loads it back")
-    ft.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence (default 128)")
-    ft.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
-    ft.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (default 5e-5)")
-    ft.add_argument("--seed", type=int, default=0, help="seed for the batches and the initialisation (default 0)")
-    ft.add_argument("--max-tokens", type=int, default=60_000, help="corpus tokens to use (default 60000)")
 
-    em = sub.add_parser("embed", help="embedding probe: recall@1 and MRR of query/target halves of documents")
-    model_args(em, text=False)
-    em.add_argument("--m", type=int, default=64, help="tokens per query and per target (default 64)")
-    em.add_argument("--max-docs", type=int, default=None, help="use at most this many documents")
-    em.add_argument("--sweep", choices=["k"], default=None,
-                    help="run the named --arch (e.g. mask0-bidir) for every k; prints one JSON line per k")
-    em.add_argument("--ks", default=None, help="with --sweep k: the k values, e.g. 0,4,8 (default 0..L)")
+def _eval_options(p):
+    from . import defaults, evaluate
 
-    st = sub.add_parser("stream", help="streaming perplexity with a KV cache under a cache policy (StreamingLLM)")
-    model_args(st, text=False)
-    intervene_args(st)
-    st.add_argument("--policy", action="append", help="dense | window(w=W) | sink(s=S, w=W); repeat with --compare")
-    st.add_argument("--compare", action="store_true", help="run every --policy and print each running-perplexity curve")
-    st.add_argument("--max-tokens", type=int, default=1000, help="stream at most this many tokens (default 1000)")
+    run = defaults.of(evaluate.evaluate)
+    _model_args(p, text=False)
+    _intervene_args(p)
+    p.add_argument("--window", type=int, default=None,
+                   help=f"window W in tokens (default {run['window']}, or the text if shorter)")
+    p.add_argument("--stride", type=int, default=None, help="stride S <= W (default W)")
+    p.add_argument("--max-tokens", type=int, default=run["max_tokens"],
+                   help="evaluate at most this many tokens (default %(default)s)")
+    p.add_argument("--residual", default=None, help=RESIDUAL_HELP)
 
-    kv = sub.add_parser("compress", help="KV-cache compression what-if: perplexity, accuracy and KL against the "
-                                         "dense cache for each press and ratio (SPEC §13)")
-    model_args(kv, text=False).add_argument("--text", help="the text (default: the stdlib corpus)")
-    kv.add_argument("--press", action="append",
-                    help="streaming(s=4) | observed | snapkv(window=64, kernel=5) | tova | knorm | random(seed=0); "
-                         "repeat for several (default: all six)")
-    kv.add_argument("--ratios", default="0,0.25,0.5,0.75,0.9", help="compression ratios in [0, 1) (default "
-                                                                     "0,0.25,0.5,0.75,0.9)")
-    kv.add_argument("--context", type=int, default=512, help="context tokens C, prefilled and compressed (512)")
-    kv.add_argument("--max-tokens", type=int, default=1024, help="use at most this many tokens (default 1024)")
 
-    hd = sub.add_parser("heads", help="head taxonomy: sink, streaming (DuoAttention) and inactive (AHON) heads, "
-                                      "of one text or averaged over a dataset (SPEC §14)")
-    model_args(hd, text=False).add_argument("--text", help="one text (default: the stdlib corpus as a dataset)")
-    hd.set_defaults(corpus=None)
-    hd.add_argument("--samples", type=int, default=None, help="dataset mode: at most N samples (default 20)")
-    hd.add_argument("--max-len", type=int, default=128, help="dataset mode: first N tokens of each sample (128)")
-    hd.add_argument("--eps", type=float, default=0.3, help="sink threshold on alpha_0 (0.3)")
-    hd.add_argument("--tau-stream", type=float, default=0.9, help="streaming-score threshold (0.9)")
-    hd.add_argument("--tau-inactive", type=float, default=0.2, help="output-norm (AHON) threshold (0.2)")
-    hd.add_argument("--sink", type=int, default=4, help="s: sink keys of the streaming pattern (4)")
-    hd.add_argument("--window", type=int, default=64, help="w: recent keys of the streaming pattern (64)")
+def _finetune_options(p):
+    from . import defaults, finetune
 
-    lin = sub.add_parser("linformer", help="Linformer what-if on one layer: relative error of the output against k")
-    model_args(lin)
-    lin.add_argument("--layer", default="-1", help="the layer (default: the top one; negative counts from the top)")
-    lin.add_argument("--ks", default="2,4,8,16", help="comma-separated k values, each 1 <= k < n (default 2,4,8,16)")
-    lin.add_argument("--projection", choices=["segment", "gaussian"], default="segment")
+    run = defaults.of(finetune.finetune)
+    _model_args(p, text=False)
+    p.add_argument("--residual", default=None, help=RESIDUAL_HELP + "; default: the baseline, no variant")
+    p.add_argument("--steps", type=int, default=run["steps"], help="optimizer steps (default %(default)s)")
+    p.add_argument("--out", required=True, help="directory to write; `--model DIR` loads it back")
+    p.add_argument("--seq-len", type=int, default=run["seq_len"], help="tokens per training sequence (%(default)s)")
+    p.add_argument("--batch", type=int, default=run["batch"], help="sequences per step (default %(default)s)")
+    p.add_argument("--lr", type=float, default=run["lr"], help="peak learning rate (default %(default)s)")
+    p.add_argument("--seed", type=int, default=run["seed"], help="seed for the batches and the initialisation "
+                                                                "(default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=finetune.MAX_TOKENS, help="corpus tokens to use (%(default)s)")
 
-    gen = sub.add_parser("generate", help="greedy generation with the KV cache under an architecture and a policy")
-    model_args(gen)
-    intervene_args(gen)
-    gen.add_argument("--policy", default="dense", help="dense | window(w=W) | sink(s=S, w=W)")
-    gen.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate (1..128, default 20)")
-    rep = sub.add_parser("report", help="one self-contained HTML file (no server, no network) of a text under "
-                                        "several architectures: heatmap viewer, sink shifting, sink profiles")
-    model_args(rep)
-    intervene_args(rep)
-    rep.set_defaults(arch="fwd; nosink-fwd; mask0-bidir(k=8)")
-    rep.add_argument("--out", required=True, help="the .html file to write")
-    rep.add_argument("--size", type=int, default=256, help="map images' side in pixels, 16..512 (default 256)")
-    rep.add_argument("--images", choices=["webp", "png"], default="webp",
-                     help="webp: lossy, small (default); png: lossless, ~2x larger")
-    rep.add_argument("--quality", type=int, default=80, help="WebP quality, 1..100 (default 80)")
-    rp = sub.add_parser("reproduce", help="regenerate the papers' headline figures on this model as one PDF "
-                                          "(sink shifting, StreamingLLM, Gu et al.'s sink rate, k-sweep, seed 003)")
-    rp.add_argument("--model", default="default", help="'default', a Hugging Face id or a local directory")
-    rp.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU)")
-    rp.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
-    rp.add_argument("--device-map", default=None, help="'auto': spread the model over devices (accelerate)")
-    rp.add_argument("--trust-remote-code", action="store_true", help="allow a model's own Python code")
-    rp.add_argument("--out", required=True, help="the .pdf file to write")
-    rp.add_argument("--only", default=None, help="comma-separated sections: shifting, streaming, sinkrate, ksweep, "
-                                                 "residual (default: all)")
-    rp.add_argument("--quick", action="store_true", help="the same protocols on less data (under a minute here)")
-    sw = sub.add_parser("sweep", help="a grid of models x architectures x interventions x corpora x measures, one "
-                                      "Ray task per cell, results as Parquet (resumable)")
-    sw.add_argument("spec", help="the spec, a TOML file (README: Sweeps)")
-    sw.add_argument("--out", required=True, help="results folder (or s3://, gs:// URI): one Parquet file per cell")
-    sw.add_argument("--address", default=None, help="a Ray cluster's address (default: RAY_ADDRESS, else a local Ray)")
-    sw.add_argument("--workers", type=int, default=None, help="local Ray: at most this many cells at once "
-                                                              "(default: the machine's CPUs)")
-    sw.add_argument("--local", action="store_true", help="run the cells in this process, without Ray")
+
+def _embed_options(p):
+    from . import defaults, embedding
+
+    run = defaults.of(embedding.probe)
+    _model_args(p, text=False)
+    p.add_argument("--m", type=int, default=run["m"], help="tokens per query and per target (default %(default)s)")
+    p.add_argument("--max-docs", type=int, default=run["max_docs"], help="use at most this many documents (all)")
+    p.add_argument("--sweep", choices=["k"], default=None,
+                   help="run the named --arch (e.g. mask0-bidir) for every k; prints one JSON line per k")
+    p.add_argument("--ks", default=None, help="with --sweep k: the k values, e.g. 0,4,8 (default 0..L)")
+
+
+def _stream_options(p):
+    from . import streaming
+
+    _model_args(p, text=False)
+    _intervene_args(p)
+    p.add_argument("--policy", action="append", help=f"{streaming.POLICIES.usage()}; repeat with --compare")
+    p.add_argument("--compare", action="store_true", help="run every --policy and print each running-perplexity curve")
+    p.add_argument("--max-tokens", type=int, default=streaming.MAX_TOKENS,
+                   help="stream at most this many tokens (default %(default)s)")
+
+
+def _compress_options(p):
+    from . import defaults
+    from .kv import compress, presses
+
+    run = defaults.of(compress.compress)
+    _model_args(p, text=False).add_argument("--text", help="the text (default: the stdlib corpus)")
+    p.add_argument("--press", action="append",
+                   help=f"{' | '.join(presses.DEFAULTS)}; repeat for several (default: all {len(presses.DEFAULTS)})")
+    p.add_argument("--ratios", default=",".join(f"{r:g}" for r in run["ratios"]),
+                   help="compression ratios in [0, 1) (default %(default)s)")
+    p.add_argument("--context", type=int, default=run["context"],
+                   help="context tokens C, prefilled and compressed (%(default)s)")
+    p.add_argument("--max-tokens", type=int, default=compress.MAX_TOKENS,
+                   help="use at most this many tokens (default %(default)s)")
+
+
+def _heads_options(p):
+    from . import defaults, heads
+
+    run, texts = defaults.of(heads.taxonomy), defaults.of(heads.dataset_texts)
+    _model_args(p, text=False).add_argument("--text", help="one text (default: the stdlib corpus as a dataset)")
+    p.set_defaults(corpus=None)
+    p.add_argument("--samples", type=int, default=texts["samples"], help="dataset mode: at most N samples "
+                                                                         "(%(default)s)")
+    p.add_argument("--max-len", type=int, default=texts["max_len"],
+                   help="dataset mode: first N tokens of each sample (%(default)s)")
+    p.add_argument("--eps", type=float, default=run["eps"], help="sink threshold on alpha_0 (%(default)s)")
+    p.add_argument("--tau-stream", type=float, default=run["tau_stream"], help="streaming-score threshold (%(default)s)")
+    p.add_argument("--tau-inactive", type=float, default=run["tau_inactive"],
+                   help="output-norm (AHON) threshold (%(default)s)")
+    p.add_argument("--sink", type=int, default=run["s"], help="s: sink keys of the streaming pattern (%(default)s)")
+    p.add_argument("--window", type=int, default=run["w"], help="w: recent keys of the streaming pattern (%(default)s)")
+
+
+def _linformer_options(p):
+    from . import defaults, linformer
+
+    _model_args(p)
+    p.add_argument("--layer", default="-1", help="the layer (default: the top one; negative counts from the top)")
+    p.add_argument("--ks", default=",".join(map(str, linformer.KS)),
+                   help="comma-separated k values, each 1 <= k < n (default %(default)s)")
+    p.add_argument("--projection", choices=["segment", "gaussian"], default=defaults.one(linformer.whatif, "kind"))
+
+
+def _generate_options(p):
+    from . import defaults, generate
+
+    run = defaults.of(generate.generate)
+    _model_args(p)
+    _intervene_args(p)
+    p.add_argument("--policy", default=run["policy"], help="dense | window(w=W) | sink(s=S, w=W) (%(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=run["max_new_tokens"],
+                   help="tokens to generate (1..128, default %(default)s)")
+
+
+def _report_options(p):
+    from . import defaults
+    from .reports import html
+
+    run = defaults.of(html.report_html)
+    _model_args(p)
+    _intervene_args(p)
+    p.set_defaults(arch="fwd; nosink-fwd; mask0-bidir(k=8)")
+    p.add_argument("--out", required=True, help="the .html file to write")
+    p.add_argument("--size", type=int, default=run["size"], help="map images' side in pixels, 16..512 (%(default)s)")
+    p.add_argument("--images", choices=["webp", "png"], default=run["image_format"],
+                   help="webp: lossy, small (default); png: lossless, ~2x larger")
+    p.add_argument("--quality", type=int, default=run["quality"], help="WebP quality, 1..100 (%(default)s)")
+
+
+def _reproduce_options(p):
+    p.add_argument("--model", default="default", help="'default', a Hugging Face id or a local directory")
+    _load_args(p)
+    p.add_argument("--out", required=True, help="the .pdf file to write")
+    p.add_argument("--only", default=None, help="comma-separated sections: shifting, streaming, sinkrate, ksweep, "
+                                                "residual (default: all)")
+    p.add_argument("--quick", action="store_true", help="the same protocols on less data (under a minute here)")
+
+
+def _sweep_options(p):
+    p.add_argument("spec", help="the spec, a TOML file (docs/sweeps.md)")
+    p.add_argument("--out", required=True, help="results folder (or s3://, gs:// URI): one Parquet file per cell")
+    p.add_argument("--address", default=None, help="a Ray cluster's address (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--workers", type=int, default=None, help="local Ray: at most this many cells at once "
+                                                             "(default: the machine's CPUs)")
+    p.add_argument("--local", action="store_true", help="run the cells in this process, without Ray")
+
+
+#: command -> (one line of help, the function that adds its options, the function that runs it)
+COMMANDS = {
+    "masks": ("print each layer's boolean mask (no model needed)", _masks_options, _masks),
+    "sinks": ("attention-sink metrics of every layer and head, of a text or a dataset", _sinks_options, _sinks),
+    "capture": ("capture attention maps and save them (.npz)", _capture_options, _capture),
+    "eval": ("perplexity and next-token accuracy (causal-compatible architectures)", _eval_options, _eval),
+    "finetune": ("fine-tune with a residual variant and evaluate on held-out text", _finetune_options, _finetune),
+    "embed": ("embedding probe: recall@1 and MRR of query/target halves of documents", _embed_options, _embed),
+    "stream": ("streaming perplexity with a KV cache under a cache policy (StreamingLLM)", _stream_options, _stream),
+    "compress": ("KV-cache compression what-if: perplexity, accuracy and KL against the dense cache for each press "
+                 "and ratio", _compress_options, _compress),
+    "heads": ("head classes: sink, streaming (DuoAttention) and inactive (AHON) heads, of one text or averaged "
+              "over a dataset", _heads_options, _heads),
+    "linformer": ("Linformer what-if on one layer: relative error of the output against k", _linformer_options,
+                  _linformer),
+    "generate": ("greedy generation with the KV cache under an architecture and a policy", _generate_options,
+                 _generate),
+    "report": ("one self-contained HTML file (no server, no network) of a text under several architectures: "
+               "heatmap viewer, sink shifting, sink profiles", _report_options, _report),
+    "reproduce": ("regenerate the papers' headline figures on this model as one PDF (sink shifting, StreamingLLM, "
+                  "Gu et al.'s sink rate, k-sweep, residual variants)", _reproduce_options, _reproduce),
+    "sweep": ("a grid of models x architectures x interventions x corpora x measures, one Ray task per cell, "
+              "results as Parquet (resumable)", _sweep_options, _sweep),
+}
+ALL = "*"
+
+
+def build_parser(command: str | None = ALL) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s options are built (every command's with the default ``ALL``)."""
+    parser = _Parser(prog="attnviz", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, (text, add_options, _) in COMMANDS.items():
+        p = sub.add_parser(name, help=text, description=text)
+        if command in (name, ALL):
+            add_options(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command as given (a report's provenance)
-    if not sys.stderr.isatty():  # progress is for people at a terminal; scripts get one line per error
+    given = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in given if not a.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS else None).parse_args(given)
+    args.argv = given  # the command as given (a report's provenance)
+    if not sys.stderr.isatty() and args.command != "masks":  # progress is for people at a terminal
         from transformers.utils import logging as tf_logging
 
         tf_logging.disable_progress_bar()
-    handler = {"masks": _masks, "sinks": _sinks, "capture": _capture, "eval": _eval, "embed": _embed,
-               "stream": _stream, "generate": _generate, "linformer": _linformer, "compress": _compress,
-               "heads": _heads, "report": _report, "reproduce": _reproduce, "sweep": _sweep,
-               "finetune": _finetune}[args.command]
+    handler = COMMANDS[args.command][2]
     try:
         result = handler(args)
     except AttnvizError as err:

@@ -2,10 +2,10 @@
 
 No data set can be downloaded here, and every CPython ships ``pydoc_data.topics`` (~465k characters
 in ~79 topics), so it is the default corpus, read at run time and never copied into the project.
-``stdlib`` is every topic in key order; ``stdlib:NAME`` is one topic (SPEC §9 measures
+``stdlib`` is every topic in key order; ``stdlib:NAME`` is one topic (docs/methods.md#cache-policies measures
 ``stdlib:specialnames``). A user's text (a file, or ``--text``) is scored as written: its running
 text is the text itself, byte for byte, so its perplexity is the one transformers' perplexity guide
-gives on the same file (issue 15 §4). Documents, split at blank lines (the natural unit of a
+gives on the same file. Documents, split at blank lines (the natural unit of a
 plain-text file), are for the embedding probe and the dataset protocol only.
 """
 

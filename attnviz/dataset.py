@@ -1,4 +1,4 @@
-"""Sinks across a dataset, not one text: Gu et al.'s protocol (ICLR 2025; SPEC §6).
+"""Sinks across a dataset, not one text: Gu et al.'s protocol (ICLR 2025; docs/methods.md#sink-metrics).
 
 Each sample is the first ``max_len`` tokens (default 64) of a document (``doc``) or of a non-empty
 line (``line``) of the corpus, the first ``samples`` of them in corpus order (reproducible; no
@@ -161,7 +161,7 @@ def interval(values: np.ndarray) -> dict:
 
 
 def _alpha(probs: torch.Tensor, allow: torch.Tensor) -> torch.Tensor:
-    """SPEC §6 alpha for a batch: (B, H, n), as :func:`metrics.alpha` (i = k included)."""
+    """docs/methods.md#sink-metrics alpha for a batch: (B, H, n), as :func:`metrics.alpha` (i = k included)."""
     allow = allow.float()  # (B, 1, n, n)
     counts = allow.sum(-2)
     others = counts - torch.diagonal(allow, dim1=-2, dim2=-1)
@@ -179,7 +179,7 @@ def _matrix(mask, n: int) -> np.ndarray:
 def sinks(loaded: LoadedModel, documents: Sequence[str], arch: str | arch_mod.Architecture = "fwd",
           unit: str = "doc", max_len: int = 64, n_samples: int | None = 100,
           on_progress: Callable[[int, int], None] | None = None, intervene=None) -> DatasetSinks:
-    """Run every sample under ``arch`` (and ``intervene``, SPEC §12) in equal-length batches and keep
+    """Run every sample under ``arch`` (and ``intervene``, docs/methods.md#interventions) in equal-length batches and keep
     alpha and map moments."""
     from . import interventions as interventions_mod
 

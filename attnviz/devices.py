@@ -1,4 +1,4 @@
-"""Where attention runs (SPEC §15): block sizes from free device memory, host copies of finished
+"""Where attention runs (docs/methods.md#devices): block sizes from free device memory, host copies of finished
 results, and out-of-memory errors a page or the CLI can explain.
 
 Every statistic is computed on the device of the layer that produced the probabilities, in float32;

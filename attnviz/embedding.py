@@ -1,4 +1,4 @@
-"""The embedding probe of SPEC §8: is a decoder with converted top layers a better text encoder?
+"""The embedding probe of docs/methods.md#evaluation: is a decoder with converted top layers a better text encoder?
 
 Seed 000 asks it; the probe answers it offline. Each document is tokenized once (tokenizer
 defaults); one with at least 2M tokens gives a query (its first M ids) and a target (its next M

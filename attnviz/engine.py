@@ -54,9 +54,9 @@ class Run:
     record_qkv: bool = False  # keep the recorded layers' queries, keys and values (Linformer what-if)
     keep_graph: bool = False  # keep every layer's fp32 probabilities, autograd graph and all (residual variants)
     q_positions: torch.Tensor | None = None  # (B, n_q): query positions when queries are not the keys (cross-attention)
-    interventions: Interventions = NONE  # SPEC §12: applied by this attention function, never by patching the model
+    interventions: Interventions = NONE  # docs/methods.md#interventions: applied by this attention function, never by patching the model
     # per layer, ``mask(n_q, n_kv, device)`` → an (H, n_q, n_kv) allow-set per head, and-ed with the layer's
-    # mask: a compressed KV cache (SPEC §13), or only the streaming heads on sink + window (SPEC §14)
+    # mask: a compressed KV cache (docs/methods.md#kv-cache-compression), or only the streaming heads on sink + window (docs/methods.md#head-classes)
     head_masks: dict[int, Callable[[int, int, torch.device], torch.Tensor]] = field(default_factory=dict)
     probs: dict[int, torch.Tensor] = field(default_factory=dict)
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -83,7 +83,7 @@ class Run:
 
         The model's own sliding window (Mistral, Qwen2, Gemma2 ...) bounds causal-type layers only,
         as in the stock model (``i - j < w``); BIDIR/BACK-type layers see the whole sequence, as in
-        seed 000's reference code (SPEC §2).
+        seed 000's reference code (docs/methods.md#per-layer-architectures).
         """
         mask = self.masks[layer]
         key = (id(mask), n_q, n_kv, window, torch.device(device))  # a device map puts layers on several devices
@@ -571,7 +571,7 @@ def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] 
             record_scores: bool = False, record_value_norms: bool = False, record_qkv: bool = False,
             block_bytes: int | None = None, last_logits_only: bool = False,
             interventions: Interventions = NONE, checkpoint_layers: frozenset[int] = frozenset()):
-    """One forward pass under per-layer ``masks`` (and ``interventions``, SPEC §12); returns
+    """One forward pass under per-layer ``masks`` (and ``interventions``, docs/methods.md#interventions); returns
     ``(model_output, run)``.
 
     ``record`` is the set of layers whose probabilities are kept (default: all). With ``reducer``,

@@ -1,4 +1,4 @@
-"""Perplexity and next-token accuracy of a text under an architecture (SPEC §8).
+"""Perplexity and next-token accuracy of a text under an architecture (docs/methods.md#evaluation).
 
 The windows follow transformers' perplexity guide, so a user can reproduce every number with stock
 transformers: windows start at 0, S, 2S, ... and end at min(start + W, n); each predicts the
@@ -36,7 +36,7 @@ class Evaluation:
     token_nll: np.ndarray = field(repr=False)  # per predicted token, in text order
     positions: np.ndarray = field(repr=False)  # the position each of them predicts
     residual: str | None = None  # the seed-003 variant, if any
-    intervene: str | None = None  # the interventions (SPEC §12), if any
+    intervene: str | None = None  # the interventions (docs/methods.md#interventions), if any
 
     @property
     def perplexity(self) -> float:
@@ -62,7 +62,7 @@ def token_ids(loaded: LoadedModel, text: str, max_tokens: int | None = None) -> 
 
 
 def windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
-    """``(start, end, first_predicted)`` of every window over ``n`` tokens (SPEC §8)."""
+    """``(start, end, first_predicted)`` of every window over ``n`` tokens (docs/methods.md#evaluation)."""
     spans, predicted_to = [], 1  # position 0 has no prefix: never predicted
     for start in range(0, n, stride):
         end = min(start + window, n)
@@ -92,7 +92,7 @@ def evaluate(loaded: LoadedModel, text_or_ids: str | list[int], arch: str | arch
 
     ``on_window(done, total)`` reports progress after each window. ``residual`` names a seed-003
     variant (a fine-tuned directory's own variant is used when none is named). ``intervene``:
-    interventions (SPEC §12) applied throughout.
+    interventions (docs/methods.md#interventions) applied throughout.
     """
     from . import interventions as interventions_mod
     from . import residual as residual_mod

@@ -37,7 +37,7 @@ def describe(cap: Capture, layer: int | None = None, head: int | None = None, **
             "n_tokens": cap.n_tokens}
     if cap.meta.get("residual"):
         meta["residual"] = cap.meta["residual"]
-    if cap.meta.get("intervene"):  # SPEC §12: beside the architecture, everywhere it is
+    if cap.meta.get("intervene"):  # docs/methods.md#interventions: beside the architecture, everywhere it is
         meta["intervene"] = cap.meta["intervene"]
     if cap.meta.get("prepend"):
         meta["prepend"] = cap.meta["prepend"]

@@ -31,6 +31,8 @@ from .models import LoadedModel
 
 METRICS_FILE = "metrics.json"
 
+MAX_TOKENS = 60_000  # corpus tokens `attnviz finetune` reads by default
+
 
 @dataclass
 class FinetuneResult:
@@ -121,7 +123,7 @@ def save_checkpoint(loaded: LoadedModel, variant, out: Path, metrics: dict) -> N
 
 
 def finetune(loaded: LoadedModel, ids: list[int], out: str | Path, residual_name: str | None = None,
-             arch: str = "fwd", steps: int = 200, seq_len: int = 128, batch: int = 8, lr: float = 1e-4,
+             arch: str = "fwd", steps: int = 200, seq_len: int = 128, batch: int = 8, lr: float = 5e-5,
              seed: int = 0, eval_fraction: float = 0.1, save_every: int = 50,
              on_step: Callable[[int, int, float], None] | None = None) -> FinetuneResult:
     """Fine-tune ``loaded`` (in place) with the variant under ``arch``; evaluate before and after."""

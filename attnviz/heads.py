@@ -1,6 +1,6 @@
-"""Head taxonomy (SPEC §14): which heads are sinks, which are streaming heads, which are inactive.
+"""Head taxonomy (docs/methods.md#head-classes): which heads are sinks, which are streaming heads, which are inactive.
 
-Per (layer, head), on one text or averaged over the samples of a dataset (SPEC §6's protocol):
+Per (layer, head), on one text or averaged over the samples of a dataset (the sink-rate protocol, docs/methods.md#sink-rate):
 - **sink**: alpha_0 > eps;
 - **streaming score** (DuoAttention's pattern, measured instead of trained): the mean over queries
   i >= s + w of the attention on the first s keys plus the last w keys up to i; >= tau is a
@@ -10,7 +10,7 @@ Per (layer, head), on one text or averaged over the samples of a dataset (SPEC �
 
 And the two claims, each one number against the model: give only the streaming heads a sink +
 window cache (a per-head mask, :attr:`attnviz.engine.Run.head_masks`), and ablate the inactive heads
-(SPEC §12's ``ablate``).
+(``ablate``, docs/methods.md#ablate).
 """
 
 from __future__ import annotations
@@ -164,8 +164,8 @@ def taxonomy(loaded: LoadedModel, texts: Sequence[str], arch="fwd", s: int = SIN
                     tau_inactive, s, w, tokens)
 
 
-def dataset_texts(loaded: LoadedModel, documents: Sequence[str], samples: int, max_len: int) -> list[str]:
-    """The first ``max_len`` tokens of the first ``samples`` documents long enough (SPEC §6's protocol), as text."""
+def dataset_texts(loaded: LoadedModel, documents: Sequence[str], samples: int = 20, max_len: int = 128) -> list[str]:
+    """The first ``max_len`` tokens of the first ``samples`` documents long enough (the sink-rate protocol, docs/methods.md#sink-rate), as text."""
     if samples < 2:
         raise InputError(f"a dataset needs at least 2 samples, got {samples}")
     texts = []
@@ -182,7 +182,7 @@ def dataset_texts(loaded: LoadedModel, documents: Sequence[str], samples: int, m
 
 
 def streaming_only_perplexity(loaded: LoadedModel, text: str, tax: Taxonomy, arch="fwd") -> tuple[Evaluation, Evaluation]:
-    """(dense, streaming heads on sink(s, w)) perplexity of ``text``: the first claim of SPEC §14.
+    """(dense, streaming heads on sink(s, w)) perplexity of ``text``: the first claim of docs/methods.md#head-classes.
     Only the streaming heads get the sink + window mask (per head); every other head stays dense."""
     architecture = arch_mod.resolve(arch, loaded.n_layers).require_causal("compute a perplexity")
     ids = loaded.tokenizer(text, add_special_tokens=True)["input_ids"]
@@ -209,14 +209,14 @@ def streaming_only_perplexity(loaded: LoadedModel, text: str, tax: Taxonomy, arc
 
 
 def ablation_spec(tax: Taxonomy) -> str:
-    """The ``ablate`` intervention (SPEC §12) that zeroes every inactive head, layer by layer."""
+    """The ``ablate`` intervention (docs/methods.md#interventions) that zeroes every inactive head, layer by layer."""
     parts = [f"ablate(heads={','.join(map(str, np.flatnonzero(tax.inactive[layer])))})@{layer}"
              for layer in range(tax.inactive.shape[0]) if tax.inactive[layer].any()]
     return "; ".join(parts)
 
 
 def ablate_inactive(loaded: LoadedModel, text: str, tax: Taxonomy, arch="fwd") -> tuple[Evaluation, Evaluation, float]:
-    """(model, inactive heads ablated, share of heads removed): the second claim of SPEC §14."""
+    """(model, inactive heads ablated, share of heads removed): the second claim of docs/methods.md#head-classes."""
     ids = loaded.tokenizer(text, add_special_tokens=True)["input_ids"]
     base = evaluate(loaded, ids, arch, window=len(ids))
     spec = ablation_spec(tax)

@@ -1,7 +1,7 @@
-"""Training-free interventions beyond masks (SPEC §12): what a layer does with its scores, its
+"""Training-free interventions beyond masks (docs/methods.md#interventions): what a layer does with its scores, its
 probabilities or its heads' outputs, given as its own string beside the architecture.
 
-Each intervention is a small named object with the SPEC's name, in the style of transformers'
+Each intervention is a small named object with its documented name (docs/methods.md#interventions), in the style of transformers'
 mask predicates: it says which layers it acts in and transforms one thing (scores before the
 softmax, an extra logit, probabilities after it, or the heads' outputs). The engine's one attention
 function applies them (:mod:`attnviz.engine`); no model is ever patched. Several compose, joined

@@ -1,4 +1,4 @@
-"""The fused statistics route (issue 14 §2): one Triton kernel computes a layer's sink statistics and
+"""The fused statistics route: one Triton kernel computes a layer's sink statistics and
 pooled maps straight from Q and K, without writing a single probability to memory.
 
 Why this route. On a GPU the block engine's statistics are memory-bound: every fp32 block of scores
@@ -16,7 +16,7 @@ device with Triton available, batch 1, no StableMask/SM-I pseudo-logits, learned
 position bias (those keep the block engine, which handles every case). ``ATTNVIZ_FUSED=0`` turns the
 route off; ``ATTNVIZ_FUSED=1`` forces it on any device, which with ``TRITON_INTERPRET=1`` runs the
 kernel in Triton's interpreter on the CPU: that is how the tests check it against the definitions
-(SPEC §6) on a machine without a GPU.
+(docs/methods.md#sink-metrics) on a machine without a GPU.
 
 The kernel's outputs per head: row sums, Σ p·log p, the diagonal, key 0's probability and the
 delimiter share per query; column sums per key (atomic adds across query blocks); and max-pooled
@@ -112,7 +112,7 @@ def _constants(bm: int, bn: int, head_dim: int, fp32: bool, g: int, pool: bool, 
     :func:`compiled_resources`, so the variants checked for spills are the ones launched."""
     return dict(BM=bm, BN=bn, D=max(16, 1 << (head_dim - 1).bit_length()), G=g, POOL=pool, VALUE=value,
                 SCORES=scores, CAUSAL=causal,
-                PRECISION="ieee" if fp32 else "tf32")  # fp32 models: no TF32 rounding (SPEC §15)
+                PRECISION="ieee" if fp32 else "tf32")  # fp32 models: no TF32 rounding (docs/methods.md#devices)
 
 
 def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor | None, ranges: torch.Tensor,

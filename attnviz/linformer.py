@@ -1,4 +1,4 @@
-"""Linformer what-if (SPEC §10; seed 004): project the sequence axis of K and V to k slots.
+"""Linformer what-if (docs/methods.md#linformer-what-if; seed 004): project the sequence axis of K and V to k slots.
 
 K' = E K and V' = F V with E, F in R^{k x n}; P = softmax(Q K'^T / sqrt(d)) is n x k and the output
 is P V'. The projections are training-free: segment means (slot s averages positions
@@ -86,6 +86,9 @@ def _per_head(qkv):
     q, keys, values = qkv.q.astype(np.float64), qkv.k.astype(np.float64), qkv.v.astype(np.float64)
     group = q.shape[0] // keys.shape[0]
     return q, np.repeat(keys, group, axis=0), np.repeat(values, group, axis=0)
+
+
+KS = (2, 4, 8, 16)  # the k values of `attnviz linformer` by default
 
 
 def whatif(qkv, allowed: np.ndarray, k: int, kind: str = "segment", seed: int = 0, layer: int = -1,

@@ -1,4 +1,4 @@
-"""Attention mask types of SPEC §1, as small composable predicates.
+"""Attention mask types of docs/methods.md#masks, as small composable predicates.
 
 A predicate has FlexAttention's `mask_mod` signature ``(batch_idx, head_idx, q_idx, kv_idx) -> bool``
 and is evaluated on broadcast index tensors, so one call builds a whole ``n x n`` matrix (the same
@@ -8,7 +8,7 @@ padding. Predicates compose with ``and_masks`` / ``or_masks`` (transformers' ``m
 written out here so that reading an architecture never imports transformers' compiler-bound module:
 2 s of start-up) and ``not_mask``.
 
-A :class:`Mask` wraps a predicate with the SPEC name written in the one-line grammar of SPEC §7
+A :class:`Mask` wraps a predicate with its name written in the one-line grammar of docs/methods.md#the-call-syntax
 (``nosink-bidir(m=2)``), so every figure, file name and CLI answer says the same thing.
 """
 
@@ -148,7 +148,7 @@ class Mask:
     @property
     def causal_type(self) -> bool:
         """No allowed later key (FWD, NoSink-FWD, causal windows, StableMask): the layers a model's
-        own sliding window bounds (SPEC §2)."""
+        own sliding window bounds (docs/methods.md#per-layer-architectures)."""
         return self.causal_compatible or self.stable is not None
 
     def matrix(self, n: int) -> np.ndarray:
@@ -158,11 +158,11 @@ class Mask:
         return keep_self_if_empty(allow).numpy()
 
     def pseudo_logits(self, kv_pos: torch.Tensor, n_heads: int) -> torch.Tensor:
-        """StableMask's P for future keys, per head: ``-gamma_h * j`` (SPEC §3), shape (H, 1, n)."""
+        """StableMask's P for future keys, per head: ``-gamma_h * j`` (docs/methods.md#stablemask), shape (H, 1, n)."""
         return -stable_gammas(self.stable, n_heads).to(kv_pos.device)[:, None, None] * kv_pos.float()
 
     def inference_logits(self, q_pos: torch.Tensor, n_heads: int) -> torch.Tensor:
-        """SM-I's one extra logit per row (SPEC §3): tau_i = logsumexp_{j=i+1..T-1} (-gamma_h j), in
+        """SM-I's one extra logit per row (docs/methods.md#stablemask): tau_i = logsumexp_{j=i+1..T-1} (-gamma_h j), in
         closed form (a geometric sum), -inf where i >= T - 1. (B, H, n_q, 1) for (B, n_q) positions."""
         g = stable_gammas(self.stable, n_heads).to(q_pos.device, torch.float64)[None, :, None]  # (1, H, 1)
         i = q_pos.double()[:, None, :]  # (B, 1, n_q)
@@ -192,7 +192,7 @@ def keep_self_if_empty(allow: torch.Tensor) -> torch.Tensor:
 
 
 def alibi_slopes(n_heads: int) -> list[float]:
-    """The standard ALiBi slopes (Press et al.; StableMask's ``get_slopes``), SPEC §3.
+    """The standard ALiBi slopes (Press et al.; StableMask's ``get_slopes``), docs/methods.md#stablemask.
 
     For H a power of two, 2^(-8(h+1)/H); otherwise the slopes of the largest power of two p < H
     followed by every other slope of the 2p-head set until there are H.
@@ -238,7 +238,7 @@ def bidir() -> Mask:
 
 
 def nosink(base: Mask, m: int = 1) -> Mask:
-    """NoSink-X: X with the first m keys hidden from later queries (SPEC §1)."""
+    """NoSink-X: X with the first m keys hidden from later queries (docs/methods.md#masks)."""
     m = _positive_int(m, "m")
     name = f"nosink-{base.name}" + (f"(m={m})" if m != 1 else "")
     return Mask(name, and_masks(base.predicate, hide_first_keys(m)), base.causal_compatible, base.stable,
@@ -269,7 +269,7 @@ def global_sliding(w: int, g: int = 1, direction: str = "fwd") -> Mask:
 
 
 def stablemask(gamma: float | None = None, slopes: str | None = None, T: int | None = None) -> Mask:
-    """StableMask (SPEC §3): causal allow-set plus pseudo-attention ``-gamma*j`` on future keys.
+    """StableMask (docs/methods.md#stablemask): causal allow-set plus pseudo-attention ``-gamma*j`` on future keys.
 
     The pseudo-slots take part in the softmax and are zeroed after it, without renormalising, so
     rows sum to less than one. Not causal-compatible: a cached query would not see the future slots

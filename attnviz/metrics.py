@@ -1,4 +1,4 @@
-"""Sink metrics of SPEC §6 on one layer's probabilities ``A`` of shape (H, n, n) and its allow-set.
+"""Sink metrics of docs/methods.md#sink-metrics on one layer's probabilities ``A`` of shape (H, n, n) and its allow-set.
 
 Pure numpy, no model: everything here is a function of captured numbers, so it can be tested on
 hand-written matrices and reused by figures and the CLI.
@@ -24,7 +24,7 @@ def alpha(probs, allowed) -> np.ndarray:
 
     Returns (H, n). Under FWD this is Gu et al.'s ``sum_{i>=k} A[i, k] / (n - k)`` exactly (their
     ``eval_sink_open_source.py``); other masks change only the divisor. NaN where no query other
-    than k itself sees k (SPEC §6): a key that only its own query sees says nothing about sinks.
+    than k itself sees k (docs/methods.md#sink-metrics): a key that only its own query sees says nothing about sinks.
     """
     probs, allowed = _f32(probs), np.asarray(allowed, dtype=bool)
     counts = allowed.sum(0)

@@ -194,7 +194,7 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
     """Load ``"default"``, a Hugging Face id or a local directory as a :class:`LoadedModel`.
 
     Device defaults to CUDA when present, in bfloat16 there and float32 on the CPU (statistics are
-    float32 on either, SPEC §15). ``device_map`` ("auto", "balanced", ... or a dict of module → device)
+    float32 on either, docs/methods.md#devices). ``device_map`` ("auto", "balanced", ... or a dict of module → device)
     loads through accelerate across GPUs, the CPU and disk (``"disk"`` entries are offloaded to
     ``offload_folder``, by default a folder of the cache directory); attnviz keeps each layer's state
     on that layer's own device. ``trust_remote_code`` stays off unless asked for.

@@ -1,4 +1,4 @@
-"""Per-layer statistics accumulated one block of query rows at a time (issue 8 §1).
+"""Per-layer statistics accumulated one block of query rows at a time.
 
 Every statistic of :func:`metrics.summarise` is a sum over query rows (column sums → alpha, column
 mean) or a value per row (key-0 profile, entropy, discarded mass, allocation), so the engine can
@@ -19,7 +19,7 @@ from . import devices, metrics
 class LayerSummary:
     """Accumulates one layer's statistics from ``add(q0, probs, allow)`` calls covering every query row.
 
-    Its state lives on the device of the first block it is fed, in float32 (SPEC §15), and every
+    Its state lives on the device of the first block it is fed, in float32 (docs/methods.md#devices), and every
     update is a tensor operation on that device: no host synchronisation per block. ``delim`` are the
     text's delimiter flags (:func:`metrics.delimiter_flags`, computed once per text); ``tokens`` is
     the convenience form that computes them here.

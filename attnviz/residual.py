@@ -1,4 +1,4 @@
-"""Residual recompute variants of seed 003 (SPEC §5): Methods 1, 2, 3.1, 3.2, 4.1, 4.2.
+"""Residual recompute variants of seed 003 (docs/methods.md#residual-variants): Methods 1, 2, 3.1, 3.2, 4.1, 4.2.
 
 Baseline pre-norm layer l: a_l = Attn(N1(h_{l-1})), u_l = h_{l-1} + a_l, f_l = MLP(N2(u_l)),
 h_l = u_l + f_l, with h_{-1} = X the token embeddings. Each layer p is recomputed once on X with

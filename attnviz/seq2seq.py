@@ -1,5 +1,5 @@
 """Encoder-decoder models (T5, BART, Marian ...): encoder self-attention, decoder self-attention and
-decoder → encoder cross-attention from one teacher-forced forward (SPEC §11, seed 004).
+decoder → encoder cross-attention from one teacher-forced forward (docs/methods.md#cross-attention, seed 004).
 
 The architecture applies to the encoder's self-attention, which is how seed 004's "encoder with a
 causal mask" is built; the stock encoder is ``bidir``. The decoder's self-attention stays causal

@@ -1,4 +1,4 @@
-"""Token-by-token decoding with a real KV cache and StreamingLLM's cache policies (SPEC §9).
+"""Token-by-token decoding with a real KV cache and StreamingLLM's cache policies (docs/methods.md#cache-policies).
 
 The cache is transformers' own ``DynamicCache``; a policy only drops entries from it. After each
 step the cache is cut back to the policy's size, as StreamingLLM's ``eval_long_ppl.py`` does with
@@ -25,6 +25,8 @@ from . import arch as arch_mod
 from . import engine, syntax
 from .errors import InputError
 from .models import LoadedModel
+
+MAX_TOKENS = 1000  # the text `attnviz stream` reads by default
 
 #: The cache policies by name, each a builder whose signature gives its parameters.
 POLICIES = syntax.Registry("cache policy")
@@ -177,7 +179,7 @@ class StreamResult:
     arch: str
     token_nll: np.ndarray = field(repr=False)  # NLL of token t+1 given the cache after step t
     cache_size: int | None
-    intervene: str | None = None  # the interventions (SPEC §12), if any
+    intervene: str | None = None  # the interventions (docs/methods.md#interventions), if any
 
     @property
     def tokens(self) -> int:
@@ -204,7 +206,7 @@ class StreamResult:
 def stream(loaded: LoadedModel, ids: list[int], policy: Policy | str = "dense",
            arch: str | arch_mod.Architecture = "fwd",
            on_step: Callable[[int, int], None] | None = None, intervene=None) -> StreamResult:
-    """Streaming perplexity of ``ids`` under a cache policy (StreamingLLM's protocol, SPEC §9)."""
+    """Streaming perplexity of ``ids`` under a cache policy (StreamingLLM's protocol, docs/methods.md#cache-policies)."""
     if len(ids) < 2:
         raise InputError(f"the text has {len(ids)} token(s); at least 2 are needed to predict one")
     policy = as_policy(policy).check(loaded, len(ids))

@@ -64,7 +64,7 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 
 def linformer_steps(q, k, v, slots: int, kind: str = "segment", seed: int = 0) -> dict[str, np.ndarray]:
-    """Linformer on the small example (SPEC §10): E, F, K' = E K, V' = F V, P = softmax(Q K'ᵀ/√d), P V',
+    """Linformer on the small example (docs/methods.md#linformer-what-if): E, F, K' = E K, V' = F V, P = softmax(Q K'ᵀ/√d), P V',
     and the relative error against full softmax attention (its mask-free reference)."""
     from . import linformer
 

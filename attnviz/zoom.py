@@ -1,4 +1,4 @@
-"""A region of one layer's map at full resolution (issue 8 §1): what a long text's max-pooled
+"""A region of one layer's map at full resolution: what a long text's max-pooled
 heatmap zooms into, with every cell and token label.
 
 The region is cut out of the layer's query blocks as they are computed (a block reducer), so the

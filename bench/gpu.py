@@ -1,4 +1,4 @@
-"""attnviz on a GPU (issue 14 §3): statistics, pooled maps, regions and streaming of random-weight
+"""attnviz on a GPU: statistics, pooled maps, regions and streaming of random-weight
 models shaped like SmolLM2-135M and Llama-3-8B, against stock transformers in the same run.
 
     python bench/gpu.py                       # every case of the issue's table (needs a CUDA GPU)
@@ -20,7 +20,7 @@ eager_s=<s|oom>``; the region case prints ``gpu region shape=... n=... side=96 r
 streaming case ``gpu stream shape=... policy=... per_token_ms=<ms> generate_ms=<ms> ratio=<x>``
 (``region_s`` resumes from a long capture's kept layer inputs, as the app does; ``from_start_s`` runs
 the forward from the embeddings).
-Times are medians of ``--repeat`` runs after one warm-up. Goals (issue 14): llama8b:32768 stats
+Times are medians of ``--repeat`` runs after one warm-up. Goals: llama8b:32768 stats
 <= 3x SDPA and <= 4 GB above the model; llama8b:4096 faster than eager with <= 5 % of its memory;
 smollm2:8192 <= 0.3 s; a 96 x 96 region at 32,768 tokens <= 1 s; streaming <= 1.3x generate.
 """

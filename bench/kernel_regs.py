@@ -1,4 +1,4 @@
-"""What the fused statistics kernel costs a GPU thread, without a GPU (issue 14 §2).
+"""What the fused statistics kernel costs a GPU thread, without a GPU.
 
     python bench/kernel_regs.py [--capability 90 80]
 

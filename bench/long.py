@@ -1,4 +1,4 @@
-"""Sinks of a long text (issue 8 §1): attnviz's statistics-only capture against a plain SDPA forward.
+"""Sinks of a long text: attnviz's statistics-only capture against a plain SDPA forward.
 
     python bench/long.py [--n 4096] [--repeat 1]
 

@@ -2,7 +2,7 @@
 
     python bench/pages_long.py [--n 8192] [--only heatmaps,sinks]
 
-Issue 8 asks that every page work at the model's full context. This drives the real app script (the
+Every page must work at the model's full context. This drives the real app script (the
 sidebar, the capture cache, the memory plan) in one process on the default model, page by page, in
 the order a user would visit them, and prints for each the wall time (captures included: pages that
 share a capture find it cached), the charts drawn, and every error the page showed (a refusal that

@@ -1,5 +1,5 @@
 """A full-resolution region of a long capture, from the text's start against from the capture's kept
-layer inputs (issue 14: a region within seconds), on the default model.
+layer inputs, on the default model.
 
     python bench/region.py [--n 4096] [--layer 29] [--checkpoints 8] [--repeat 3]
 

@@ -1,4 +1,4 @@
-"""The cost of Ray for a sweep (issue 17 §3): the same grid in one plain process, then on a local Ray
+"""The cost of Ray for a sweep: the same grid in one plain process, then on a local Ray
 with 1 and with 2 workers, each run a fresh `attnviz sweep` into an empty folder.
 
     python bench/sweep.py [--cells 4] [--samples 8] [--max-len 64]

@@ -1,4 +1,4 @@
-"""Interaction latency of the real app in headless Chromium (issue 8 §2, issue 16 §1).
+"""Interaction latency of the real app in headless Chromium.
 
     python bench/ui_latency.py [--n 2048] [--moves 9]
 

@@ -1,5 +1,5 @@
 """Compare A vs B: the same layer and head under two architectures, or one architecture with and
-without an intervention (SPEC §12), and the effect on the output."""
+without an intervention (docs/methods.md#interventions), and the effect on the output."""
 
 import pandas as pd
 import streamlit as st
@@ -9,9 +9,11 @@ from attnviz.figures import cosine_figure, difference, panels, sink_mass_change
 from attnviz.figures.heatmaps import head_label
 from ui.export import figure_downloads
 from ui.state import get_capture, page_context
+from ui.docs import definitions
 
 settings, loaded = page_context()
 st.title("Compare A vs B")
+definitions("interventions", "sink-key-and-shift-rate", "bos-control")
 if loaded is not None and settings.text.strip():
     mode = st.radio("Compare", ["two architectures", "with and without an intervention",
                                 "without and with a BOS token first"], horizontal=True, key="cmp_mode")

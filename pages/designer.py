@@ -7,10 +7,12 @@ from attnviz.errors import AttnvizError
 from attnviz.figures import architecture_masks, stablemask_pseudo
 from ui.export import figure_downloads
 from ui.state import page_context
+from ui.docs import definitions
 
 settings, loaded = page_context()
 n_layers = loaded.n_layers if loaded is not None else 30
 st.title("Mask designer")
+definitions("masks", "per-layer-architectures", "the-call-syntax", "stablemask")
 c1, c2 = st.columns([3, 1])
 n = c2.slider("Tokens shown", 4, 24, 10, key="md_n")
 try:

@@ -1,10 +1,10 @@
 """Effects: what a mask does to the model — perplexity, streaming with a KV cache, KV-cache compression,
-the embedding k-sweep and cached generation (SPEC §8, §9, §13)."""
+the embedding k-sweep and cached generation (docs/methods.md#evaluation, docs/methods.md#cache-policies, docs/methods.md#kv-cache-compression)."""
 
 import pandas as pd
 import streamlit as st
 
-from attnviz import corpus, embedding, export, linformer, residual, streaming
+from attnviz import corpus, defaults, embedding, export, linformer, residual, streaming
 from attnviz.arch import parse, with_k
 from attnviz.capture import capture
 from attnviz.errors import AttnvizError
@@ -18,9 +18,11 @@ from attnviz.reports import reproduce as repro
 from ui import jobs
 from ui.export import figure_downloads
 from ui.state import full_maps_limit, page_context
+from ui.docs import definitions
 
 settings, loaded = page_context()
 st.title("Effects: what a mask does to the model")
+definitions("evaluation", "cache-policies", "kv-cache-compression", "residual-variants", "linformer-what-if")
 SECTIONS = ["Perplexity", "Streaming (KV cache)", "KV compression", "Embedding k-sweep", "Generation",
             "Linformer what-if", "Residual methods", "Paper reproductions"]
 SOURCES = {"Python reference docs (all topics)": "stdlib", "Python docs: special method names": "stdlib:specialnames",
@@ -61,13 +63,14 @@ def checked(specs: list[str], causal: str | None = None) -> list[str] | None:
 
 
 def perplexity_section() -> None:
-    st.markdown("Perplexity and next-token accuracy under each architecture (SPEC §8, the windows of "
+    st.markdown("Perplexity and next-token accuracy under each architecture ([definition](definitions#evaluation), the windows of "
                 "transformers' perplexity guide). Only causal-compatible architectures have one: under BACK or "
                 "BIDIR a query reads the token it predicts.")
     c1, c2, c3 = st.columns([3, 1, 1])
     specs = split(c1.text_input("Architectures, separated by ';'", "fwd; nosink-fwd", key="fx_ppl_archs"))
-    window = int(c2.number_input("Window W", 2, loaded.max_tokens, 512, key="fx_ppl_window"))
-    max_tokens = int(c3.number_input("Max tokens", 2, 100_000, 2048, step=256, key="fx_ppl_tokens"))
+    run = defaults.of(evaluate)
+    window = int(c2.number_input("Window W", 2, loaded.max_tokens, run["window"], key="fx_ppl_window"))
+    max_tokens = int(c3.number_input("Max tokens", 2, 100_000, run["max_tokens"], step=256, key="fx_ppl_tokens"))
     picked = source("fx_ppl_source")
     if not specs:
         st.error("Give at least one architecture.")
@@ -99,7 +102,7 @@ def perplexity_section() -> None:
 
 
 def streaming_section() -> None:
-    st.markdown("Token-by-token decoding with a real KV cache (StreamingLLM, SPEC §9). **window** keeps the last W "
+    st.markdown("Token-by-token decoding with a real KV cache (StreamingLLM, [definition](definitions#cache-policies)). **window** keeps the last W "
                 "entries, **sink** also keeps the first S: once the first tokens leave the cache the window policy "
                 "breaks, while keeping a few sink tokens holds the model close to the dense cache.")
     c1, c2, c3 = st.columns([3, 1, 1])
@@ -138,7 +141,7 @@ def streaming_section() -> None:
 
 def sweep_section() -> None:
     st.markdown("Is the converted model a better text encoder (seed 000)? Each document's first M tokens must find "
-                "its next M tokens among all documents' by the cosine of mean-pooled last hidden states (SPEC §8). "
+                "its next M tokens among all documents' by the cosine of mean-pooled last hidden states ([definition](definitions#evaluation)). "
                 "k counts the converted top layers.")
     c1, c2 = st.columns([3, 2])
     specs = split(c1.text_input("Named architectures, separated by ';'", "mask0-bidir; inplace-bidir",
@@ -218,7 +221,7 @@ def generation_section() -> None:
 
 def residual_section() -> None:
     st.markdown("Seed 003 replaces a residual of every layer by the sum of earlier layers recomputed on the token "
-                "embeddings (SPEC §5), then fine-tunes. Fine-tune each method with the same command and settings, "
+                "embeddings ([definition](definitions#residual-variants)), then fine-tunes. Fine-tune each method with the same command and settings, "
                 "e.g. `attnviz finetune --residual method1 --steps 200 --out ~/.cache/attnviz/finetune/method1` "
                 "(and `--out .../baseline` without `--residual`); their held-out metrics appear here beside the "
                 "seed's reported numbers.")
@@ -235,13 +238,14 @@ def residual_section() -> None:
 
 
 def compression_section() -> None:
-    st.markdown("What does compressing the KV cache cost (SPEC §13, the kvpress protocol)? The text's first C tokens "
+    st.markdown("What does compressing the KV cache cost ([definition](definitions#kv-cache-compression), the kvpress protocol)? The text's first C tokens "
                 "are prefilled; every press scores each context key of every layer and KV head, and the continuation "
                 "sees only the top (1 − r)·C of them. Which methods keep the sink (key 0)?")
     c1, c2, c3 = st.columns([3, 2, 1])
     chosen = c1.multiselect("Presses", presses.DEFAULTS, presses.DEFAULTS, key="fx_kv_presses")
-    ratios_text = c2.text_input("Ratios r", "0, 0.25, 0.5, 0.75, 0.9", key="fx_kv_ratios")
-    context = int(c3.number_input("Context C", 8, loaded.max_tokens, 256, step=64, key="fx_kv_context"))
+    kv = defaults.of(compress.compress)
+    ratios_text = c2.text_input("Ratios r", ", ".join(f"{r:g}" for r in kv["ratios"]), key="fx_kv_ratios")
+    context = int(c3.number_input("Context C", 8, loaded.max_tokens, kv["context"], step=64, key="fx_kv_context"))
     picked = source("fx_kv_source")
     tokens = int(st.number_input("Tokens in all (context + continuation)", 16, loaded.max_tokens, 400, step=64,
                                  key="fx_kv_tokens"))
@@ -289,7 +293,7 @@ def compression_section() -> None:
 
 
 def linformer_section() -> None:
-    st.markdown("What if this layer were a Linformer (SPEC §10)? K and V of the sidebar text are projected to k "
+    st.markdown("What if this layer were a Linformer ([definition](definitions#linformer-what-if))? K and V of the sidebar text are projected to k "
                 "slots (segment means or a seeded Gaussian); the map is n × k, and the error of the output is measured "
                 "against full softmax attention and against the layer's real, masked output.")
     c1, c2, c3 = st.columns([2, 2, 1])

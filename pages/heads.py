@@ -1,18 +1,20 @@
-"""Heads: which heads are sinks, streaming heads or inactive (SPEC §14), and the two claims as one-click tests."""
+"""Heads: which heads are sinks, streaming heads or inactive (docs/methods.md#head-classes), and the two claims as one-click tests."""
 
 import streamlit as st
 
-from attnviz import corpus, export, heads
+from attnviz import corpus, defaults, export, heads
 from attnviz.errors import AttnvizError
 from attnviz.figures import heatmap
 from attnviz.figures.heads import head_classes
 from ui import jobs
 from ui.export import figure_downloads
 from ui.state import get_capture, page_context
+from ui.docs import definitions
 
 settings, loaded = page_context()
 st.title("Heads: sinks, streaming heads, inactive heads")
-st.markdown("Every head of every layer, classified on one text (SPEC §14): a **sink** head puts more than eps of "
+definitions("head-classes", "ablate")
+st.markdown("Every head of every layer, classified on one text ([definition](definitions#head-classes)): a **sink** head puts more than eps of "
             "its attention on the first token; a **streaming** head keeps at least tau of its attention on the "
             "first s keys plus the last w (DuoAttention's pattern, measured here instead of trained); an "
             "**inactive** head's output norm is under tau of its layer's mean (AHON). Click a tile to open its "
@@ -38,7 +40,7 @@ else:
     s = int(c3.number_input("s: sink keys", 0, 64, heads.SINK, key="hd_s"))
     w = int(c4.number_input("w: recent keys", 1, 4096, heads.WINDOW, key="hd_w"))
     c1, c2, c3 = st.columns(3)
-    eps = c1.slider("eps (sink)", 0.0, 1.0, 0.3, 0.05, key="hd_eps")
+    eps = c1.slider("eps (sink)", 0.0, 1.0, defaults.one(heads.taxonomy, "eps"), 0.05, key="hd_eps")
     tau_stream = c2.slider("tau (streaming)", 0.0, 1.0, heads.TAU_STREAM, 0.05, key="hd_tau_stream")
     tau_inactive = c3.slider("tau (inactive, AHON)", 0.0, 1.0, heads.TAU_INACTIVE, 0.05, key="hd_tau_inactive")
     text = text_of(choice, n)

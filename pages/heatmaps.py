@@ -12,6 +12,7 @@ from ui import jobs
 from ui.export import data_downloads, figure_downloads
 from ui.state import current_capture, fits_full_maps, get_seq2seq_capture, page_context
 from ui.viewer import heatmap_viewer
+from ui.docs import definitions
 
 # Above this many tokens the colour scale starts logarithmic: a linear scale spends the whole range on
 # the sink column (p ~ 0.5-0.9), so the ~1/n attention everywhere else is white and the map reads as a
@@ -21,6 +22,7 @@ FIGURES_KEPT = 32  # heatmap figures kept per capture (each an image of at most 
 
 settings, loaded = page_context()
 st.title("Attention heatmaps")
+definitions("masks", "per-layer-architectures", "value-weighted-attention", "attention-rollout")
 SHOW = {"weight": "attention weight A", "value": "value-weighted norm ‖A·W_O v‖", "logits": "pre-softmax QKᵀ/√d",
         "rollout": "attention rollout"}
 EXTRAS = {"value": ("value_norms",), "logits": ("scores",)}  # recorded only when this view asks

@@ -8,9 +8,11 @@ from attnviz import export
 from attnviz.figures import shift_panels, shift_rate_figure, sink_key_grids
 from ui.export import figure_downloads, report_download
 from ui.state import get_capture, page_context
+from ui.docs import definitions
 
 settings, loaded = page_context()
 st.title("Sink shifting")
+definitions("per-layer-architectures", "sink-key-and-shift-rate")
 st.markdown("Masking the first key in **every** layer does not remove the sink: it moves to the next key "
             "(masking keys 0..m-1 moves it to key m). MASK0-BIDIR in the top layers removes it.")
 if loaded is not None and settings.text.strip():

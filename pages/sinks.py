@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from attnviz import corpus, dataset, export, metrics
+from attnviz import corpus, dataset, defaults, export, metrics
 from attnviz.arch import parse
 from attnviz.errors import AttnvizError
 from attnviz.figures import (allocation_bars, alpha_by_key, alpha_grid, averaged_map, discarded_figure, key_profile,
@@ -13,9 +13,11 @@ from attnviz.figures import (allocation_bars, alpha_by_key, alpha_grid, averaged
 from ui import jobs
 from ui.export import data_downloads, figure_downloads
 from ui.state import current_capture, page_context
+from ui.docs import definitions
 
 settings, loaded = page_context()
 st.title("Attention sinks")
+definitions("alpha", "sink-rate", "auto-key", "entropy", "discarded-mass", "allocation-by-token-type")
 
 
 def gu_preset() -> None:
@@ -30,11 +32,11 @@ def one_text(eps: float) -> None:
     auto = cap.memo("auto_key", lambda: int(np.bincount([metrics.auto_key(cap.allowed[l]) for l in cap.layers]).argmax()))
     key = st.number_input("Key", 0, cap.n_tokens - 1, min(auto, cap.n_tokens - 1), key="sk_key",
                           help="starts at the first key the mask leaves open to its queries: 0 is the first token, "
-                               "m under NoSink-m (docs/methods.md#auto-key)")
+                               "m under NoSink-m ([definition](definitions#auto-key))")
     rate = metrics.sink_rate(np.stack([cap.stat(l, "alpha")[:, key] for l in cap.layers]), eps)
     st.metric(f"Sink rate at key {key} ({cap.tokens[key]!r}), all layers and heads",
               "undefined" if np.isnan(rate) else f"{rate:.0%}",
-              help="share of heads with alpha > eps, over the heads where alpha is defined (SPEC §6)")
+              help="share of heads with alpha > eps, over the heads where alpha is defined ([definition](definitions#sink-metrics))")
     fig = key_profile(cap, key)
     st.plotly_chart(fig, width="stretch", key="sk_profile")
     figure_downloads(fig, export.describe(cap, figure=f"key{key}-profile"), key="sk_profile_x")
@@ -83,15 +85,17 @@ def over_a_dataset(eps: float) -> None:
     source = sources[c1.selectbox("Samples from", list(sources), key="sk_ds_source")]
     unit = c2.radio("One sample per", ["doc", "line"], horizontal=True, key="sk_ds_unit",
                     index=1 if source == "sidebar" else 0)
-    max_len = int(c3.number_input("Tokens T", 2, 512, 64, key="sk_maxlen", help="the first T tokens of each sample"))
-    n_samples = int(c4.number_input("Samples", 1, 2000, 40, key="sk_samples"))
+    run = defaults.of(dataset.sinks)
+    max_len = int(c3.number_input("Tokens T", 2, 512, run["max_len"], key="sk_maxlen",
+                                  help="the first T tokens of each sample"))
+    n_samples = int(c4.number_input("Samples", 1, 2000, run["n_samples"], key="sk_samples"))
     c5, c6, c7 = st.columns([2, 1, 1])
     spec = c5.text_input("Architecture", settings.arch, key="sk_ds_arch")
     c6.button("Gu et al. preset", on_click=gu_preset, key="sk_gu",
               help="T = 64 tokens and eps = 0.3, as in Gu et al. (ICLR 2025) Table 1")
     choice = c7.selectbox("Key", ["auto"] + list(range(max_len)), key="sk_ds_key",
                           help="auto: the first key each layer's mask leaves open to its queries (0 under fwd, "
-                               "m under nosink-fwd(m)); docs/methods.md#auto-key")
+                               "m under nosink-fwd(m)); [definition](definitions#auto-key)")
     key_pos = "auto" if choice == "auto" else int(choice)
     try:
         architecture = parse(spec, loaded.n_layers)
@@ -144,5 +148,5 @@ if loaded is None:
 else:
     c1, c2 = st.columns([2, 3])
     view = c1.radio("Sinks of", ["one text", "a dataset"], horizontal=True, key="sk_view")
-    eps = c2.slider("Sink threshold eps (alpha > eps)", 0.05, 0.95, 0.3, 0.05, key="sk_eps")
+    eps = c2.slider("Sink threshold eps (alpha > eps)", 0.05, 0.95, metrics.SINK_EPS, 0.05, key="sk_eps")
     (one_text if view == "one text" else over_a_dataset)(eps)

@@ -13,11 +13,13 @@ from attnviz.sweep import store
 from ui import jobs
 from ui.export import figure_downloads
 from ui.state import page_context, sweep_room
+from ui.docs import definitions
 
 MAX_CELLS = 12  # a sweep started from the page: a few cells on this machine; bigger grids: `attnviz sweep`
 
 settings, loaded = page_context()
 st.title("Sweeps")
+definitions("sink-rate", "auto-key", "evaluation", "kv-cache-compression", "head-classes")
 st.markdown("A grid of models × architectures × interventions × corpora × measures, one Ray task per cell "
             "(`attnviz sweep spec.toml --out DIR`, README: Sweeps). Point this page at a results folder.")
 folder = st.text_input("Results folder", str(cache_dir() / "sweeps" / "example"), key="sw_folder")

@@ -7,10 +7,12 @@ from attnviz import walkthrough as W
 from attnviz.errors import InputError
 from attnviz.figures import labelled_matrix
 from ui.state import page_context
+from ui.docs import definitions
 
 page_context()  # a fresh server's first request may come here directly: route it through app.py
 
 st.title("Walkthrough: attention with a mask, step by step")
+definitions("masks", "linformer-what-if")
 st.markdown("Edit **Q**, **K**, **V** (rows are tokens; defaults: the lecture's practice matrices) and pick "
             "a mask. Every step below is the actual matrix.")
 

@@ -1,4 +1,4 @@
-"""Issue 15's measurements on the default model, on a text no one tuned for (Python's reference
+"""The interventions', KV compression's and head classes' measurements on the default model, on a text no one tuned for (Python's reference
 documentation, topic `compound`, read at run time). Prints one JSON line per measurement.
 
     .venv/bin/python scripts/claims.py [--tokens 1024]

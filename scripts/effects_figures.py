@@ -3,7 +3,7 @@
     .venv/bin/python scripts/effects_figures.py [--out assets/effects]
 
 Perplexity of FWD against NoSink-FWD (stdlib, 2,048 tokens, W = 512); StreamingLLM's window break
-against sink + window (1,000 tokens of ``stdlib:specialnames``, as SPEC §9 measures); the embedding
+against sink + window (1,000 tokens of ``stdlib:specialnames``, as docs/methods.md#cache-policies measures); the embedding
 k-sweep of MASK0-BIDIR and INPLACE-BIDIR (M = 32, 48 documents, every other k). About 15 minutes
 on a 2-core CPU. Prints each figure's numbers as JSON lines.
 """

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/residual_runs.py [--steps 25] [--out ~/.cache/attnviz/finetune] [--only method3.1,...]
 
 Each run starts from the default model, uses the same seed, batches, schedule and held-out split
-(SPEC §5; `attnviz finetune`), and writes OUT/NAME with its metrics.json, which the Effects page's
+(docs/methods.md#residual-variants; `attnviz finetune`), and writes OUT/NAME with its metrics.json, which the Effects page's
 "Residual methods" table reads. On a 2-core CPU a step of 4 x 64 tokens takes ~6 s, so the default
 is a short run: it measures how fast each method recovers from the change, not the seed's 5 epochs.
 """

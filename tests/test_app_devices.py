@@ -1,4 +1,4 @@
-"""Issue 14 §6 and §8 in the app: the device and dtype in the sidebar, a capture the device cannot
+"""The device and dtype in the sidebar, a capture the device cannot
 hold refused before it runs (simulated on the CPU with a small device budget), and recovery from a
 device out-of-memory error in the middle of a capture, the server serving on."""
 

@@ -1,4 +1,4 @@
-"""Interventions and the BOS control in the app (issue 15 §1), through AppTest on the default model."""
+"""Interventions and the BOS control in the app, through AppTest on the default model."""
 
 import numpy as np
 

@@ -1,4 +1,4 @@
-"""The app with long texts and a memory budget (issue 8), through AppTest on the default model."""
+"""The app with long texts and a memory budget, through AppTest on the default model."""
 
 import os
 import re
@@ -37,7 +37,7 @@ def test_a_long_text_gets_pooled_maps_and_full_resolution_regions(model_cache, d
     at.slider(key="hm_zq").set_value((n - 30, n)).run()
     at.slider(key="hm_zk").set_value((0, 20)).run()
     assert not [c for c in charts(at) if "queries" in str(c["layout"].get("title", ""))]  # a forward: on request
-    # the long capture kept layer inputs (issue 14): the region resumes at layer 28's, not at the embeddings
+    # the long capture kept layer inputs: the region resumes at layer 28's, not at the embeddings
     assert at.button(key="hm_zoom_go").help.startswith("Re-runs layers 28–29 ")
     at.button(key="hm_zoom_go").click().run()
     assert not at.exception and not at.error, texts(at.error)

@@ -1,4 +1,4 @@
-"""Named architectures and the SPEC §7 grammar."""
+"""Named architectures and the docs/methods.md#the-call-syntax grammar."""
 
 import pytest
 

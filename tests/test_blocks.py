@@ -1,4 +1,4 @@
-"""Query-block attention (issue 8 §1): blocks of rows give the same probabilities, outputs, scores
+"""Query-block attention: blocks of rows give the same probabilities, outputs, scores
 and statistics as one whole-layer softmax, with block sizes that do not divide n."""
 
 import numpy as np

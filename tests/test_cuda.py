@@ -1,4 +1,4 @@
-"""CUDA code paths (issue 14, SPEC §15), marked ``cuda``: skipped on a machine without a GPU (see
+"""CUDA code paths (docs/methods.md#devices), marked ``cuda``: skipped on a machine without a GPU (see
 conftest.py), run where there is one. Stock eager ``output_attentions`` is the reference on the GPU
 itself, and every GPU result is also compared with the same capture on the CPU."""
 
@@ -17,7 +17,7 @@ N = 40
 TEXT = "The keeper lit the lamp, and the ships passed the rocks all night long; " * 3  # 228 tokens
 MASKS = ["fwd", "back*3", "bidir*3", "nosink-fwd*3", "mask0-bidir(k=2)", "mask0&bidir(k=2, k0=1)", "sliding(w=5)*3",
          "stablemask(gamma=0.5)", "stablemask(slopes=alibi, T=512)"]
-TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # SPEC §15
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # docs/methods.md#devices
 
 
 def _ids(n=N):

@@ -159,7 +159,7 @@ def test_sink_rate_equals_gu_et_al_on_stock_eager_attentions(default_model):
 
 
 def test_eval_and_dense_streaming_match_stock_transformers(default_model):
-    """SPEC §8 windows against HF's own loss (labels = -100 outside new targets), and dense streaming
+    """docs/methods.md#evaluation windows against HF's own loss (labels = -100 outside new targets), and dense streaming
     against the plain forward, on the real model; outside an attnviz run the model is stock SDPA."""
     from attnviz import corpus
     from attnviz.evaluate import evaluate, token_ids, windows

@@ -1,4 +1,4 @@
-"""Issue 14 §5: a model larger than one device, loaded through accelerate's device map: some layers on
+"""A model larger than one device, loaded through accelerate's device map: some layers on
 the CPU, others offloaded to disk, gives the same statistics as a plain load."""
 
 import json

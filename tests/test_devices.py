@@ -1,4 +1,4 @@
-"""SPEC §15 / issue 14 §1: reducers keep their state on the device of the probabilities they are fed.
+"""reducers keep their state on the device of the probabilities they are fed.
 
 This machine has no GPU, so placement is proven on PyTorch's ``meta`` device: a meta tensor has a
 shape and a device but no data, and an operation that mixes it with a CPU tensor fails. A reducer
@@ -95,7 +95,7 @@ def test_block_key_ranges_are_read_back_once_and_match_the_allow_set():
 
 
 def test_streamed_statistics_equal_the_definitions_in_blocks_that_start_past_key_0():
-    """The sync-free diagonal (plain slices instead of boolean indexing) against SPEC §6 in numpy."""
+    """The sync-free diagonal (plain slices instead of boolean indexing) against docs/methods.md#sink-metrics in numpy."""
     torch.manual_seed(1)
     allowed = np.tril(np.ones((N, N), bool))
     scores = torch.randn(H, N, N).masked_fill(~torch.from_numpy(allowed), float("-inf"))
@@ -147,7 +147,7 @@ class _Transfers(TorchDispatchMode):
 
 @pytest.mark.parametrize("layers", [2, 5])
 def test_a_decoding_step_neither_copies_nor_reads_back(layers):
-    """Issue 14 §3 (streaming <= 1.3x generate on a GPU): a step of StreamingLLM decoding, eviction
+    """Streaming decoding waits for nothing (the goal: <= 1.3x generate on a GPU): a step of StreamingLLM decoding, eviction
     included, moves nothing between host and device and reads nothing back, whatever the depth.
     On ``meta`` any read (``.item()``, ``bool()``, ``.tolist()``) raises, and the dispatch mode sees
     every copy. Before, each step copied the eviction index to the device twice a layer, and the

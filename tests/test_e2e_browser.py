@@ -96,7 +96,7 @@ def test_app_in_a_real_browser(model_cache, tmp_path):
 
 
 def test_heads_page_tile_opens_its_heatmap(model_cache):
-    """Issue 15 §3: the Heads page's layer × head grid; a click on a tile opens that head's heatmap below it."""
+    """The Heads page's layer × head grid; a click on a tile opens that head's heatmap below it."""
     with running_app() as url, browser_page() as page:
         page.goto(f"{url}/heads")
         grid = page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"]').filter(has_text="head taxonomy")

@@ -1,4 +1,4 @@
-"""Eight people on one server (issue 8 §3): eight Chromium contexts, each with its own text and
+"""Eight people on one server: eight Chromium contexts, each with its own text and
 architecture, all get their own correct heatmap, none an error, and the model is loaded once."""
 
 import os

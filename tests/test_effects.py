@@ -1,4 +1,4 @@
-"""What a mask does to the model (SPEC §8, §9): perplexity windows, streaming with a KV cache,
+"""What a mask does to the model (docs/methods.md#evaluation): perplexity windows, streaming with a KV cache,
 cached generation and the embedding probe, against hand-written computations with stock transformers."""
 
 import numpy as np
@@ -20,7 +20,7 @@ def _ids(n, seed=3):
 
 
 def stock_nll(model, ids, spans):
-    """Hand-written SPEC §8 scoring with a stock eager model: -log p(token | window prefix)."""
+    """Hand-written docs/methods.md#evaluation scoring with a stock eager model: -log p(token | window prefix)."""
     out = []
     for start, end, first in spans:
         with torch.no_grad():
@@ -30,7 +30,7 @@ def stock_nll(model, ids, spans):
     return np.array(out)
 
 
-# --- windows (SPEC §8) -------------------------------------------------------------------------
+# --- windows (docs/methods.md#evaluation) -------------------------------------------------------------------------
 
 def test_windows_follow_the_perplexity_guide():
     # S = W: every window's first token goes unscored
@@ -106,7 +106,7 @@ def test_eval_needs_two_tokens():
         evaluate(loaded("llama"), "   ", "fwd")
 
 
-# --- streaming (SPEC §9) -----------------------------------------------------------------------
+# --- streaming (docs/methods.md#cache-policies) -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 def test_dense_streaming_equals_the_plain_forward(kind):
@@ -209,7 +209,7 @@ def test_generation_bad_length():
         generate(loaded("llama"), "no", "fwd", max_new_tokens=0)
 
 
-# --- embedding probe (SPEC §8) -----------------------------------------------------------------
+# --- embedding probe (docs/methods.md#evaluation) -----------------------------------------------------------------
 
 DOCS = ["the quick brown fox jumps over the lazy dog " * 2, "0123456789" * 4, "attention sinks everywhere ! " * 2,
         "zzzz yyyy xxxx wwww vvvv " * 2, "short"]

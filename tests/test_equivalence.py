@@ -54,7 +54,7 @@ def test_model_sliding_window_is_kept(kind):
 
 @pytest.mark.parametrize("kind", ["qwen2", "mistral"])
 def test_model_window_bounds_only_causal_type_layers(kind):
-    """SPEC §2: BIDIR/BACK layers see the whole sequence; causal-type layers keep the model's window."""
+    """docs/methods.md#per-layer-architectures: BIDIR/BACK layers see the whole sequence; causal-type layers keep the model's window."""
     _, ours = pair(kind)
     window = {"qwen2": 4, "mistral": 5}[kind]
     layer = 2  # a sliding layer in both (qwen2 slides from max_window_layers=1 up)
@@ -118,7 +118,7 @@ def test_padding_does_not_move_masks(side):
 
 
 def test_stablemask_closed_form():
-    """Future entries exactly 0; row i sums to S_i / (S_i + sum_{j>i} exp(-gamma j)) (SPEC §3)."""
+    """Future entries exactly 0; row i sums to S_i / (S_i + sum_{j>i} exp(-gamma j)) (docs/methods.md#stablemask)."""
     torch.manual_seed(0)
     n, heads, dim, gamma = 6, 2, 4, 0.7
     query, key, value = torch.randn(1, heads, n, dim), torch.randn(1, heads, n, dim), torch.randn(1, heads, n, dim)
@@ -188,7 +188,7 @@ def test_gqa_heads_are_not_repeated_and_groups_recorded():
 
 @pytest.mark.parametrize("spec", ["stablemask(gamma=0.5)", "stablemask(slopes=alibi)"])
 def test_sm_i_at_n_equal_t_is_stablemask(spec):
-    """SPEC §3: SM-I's one logit per row carries exactly the pseudo-slots StableMask has at n = T."""
+    """docs/methods.md#stablemask: SM-I's one logit per row carries exactly the pseudo-slots StableMask has at n = T."""
     _, ours = pair("llama")
     ids = _ids()
     full_arch = list(parse(spec, 3).layers)

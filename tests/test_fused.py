@@ -1,6 +1,6 @@
-"""The fused statistics kernel (issue 14 §2, attnviz.kernels) in Triton's interpreter on the CPU:
+"""The fused statistics kernel (attnviz.kernels) in Triton's interpreter on the CPU:
 its sums against the definitions computed from the full probabilities, and a whole capture by the
-fused route against the block engine and SPEC §6."""
+fused route against the block engine and docs/methods.md#sink-metrics."""
 
 import os
 
@@ -109,7 +109,7 @@ def test_a_capture_by_the_fused_route_equals_the_block_engine(spec, monkeypatch)
                                        atol=2e-5, rtol=1e-3 if name.startswith("pooled") else 1e-4, equal_nan=True,
                                        err_msg=f"{name} L{layer}")
     full = capture(lm, TEXT, spec, storage_dtype=torch.float32)
-    for layer in range(3):  # and the definitions themselves (SPEC §6)
+    for layer in range(3):  # and the definitions themselves (docs/methods.md#sink-metrics)
         a, allowed = full.layer_probs(layer), full.allowed[layer]
         np.testing.assert_allclose(fused.stats[layer]["alpha"], metrics.alpha(a, allowed), atol=1e-5, equal_nan=True)
         np.testing.assert_allclose(fused.stats[layer]["entropy"], metrics.entropy(a, allowed, normalised=True),

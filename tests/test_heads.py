@@ -1,4 +1,4 @@
-"""Head taxonomy (SPEC §14) on hand-made matrices, and its two claims on a tiny model."""
+"""Head taxonomy (docs/methods.md#head-classes) on hand-made matrices, and its two claims on a tiny model."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""Interventions beyond masks (SPEC §12) on tiny random models, each against a direct computation."""
+"""Interventions beyond masks (docs/methods.md#interventions) on tiny random models, each against a direct computation."""
 
 import numpy as np
 import pytest
@@ -162,7 +162,7 @@ def test_cli_intervene_and_bos(default_model):
 
 
 def test_perplexity_of_a_text_file_is_the_file_as_written(default_model, tmp_path):
-    """Issue 15 §4: `eval --text-file` scores the file verbatim, not its documents stripped and rejoined."""
+    """`eval --text-file` scores the file verbatim, not its documents stripped and rejoined."""
     import json
 
     from attnviz.corpus import stdlib

@@ -1,4 +1,4 @@
-"""The fused statistics kernel compiled ahead of time for the GPUs it is meant for (issue 14 §2),
+"""The fused statistics kernel compiled ahead of time for the GPUs it is meant for,
 on this CPU: Triton's CUDA backend and its bundled ptxas need no GPU. A change that no longer
 compiles for sm_90 (H100/H200) or sm_80 (A100), or that makes ptxas spill registers to local
 memory inside the tile loops, fails here before anyone runs it on a GPU.

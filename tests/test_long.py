@@ -1,4 +1,4 @@
-"""Long texts (issue 8): pooled maps, zoomed regions, size estimates and the memory budget."""
+"""Long texts: pooled maps, zoomed regions, size estimates and the memory budget."""
 
 import os
 

@@ -1,4 +1,4 @@
-"""Metrics of SPEC §6 on matrices whose answers are worked out by hand."""
+"""Metrics of docs/methods.md#sink-metrics on matrices whose answers are worked out by hand."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""The viewer in notebooks (issue 16 §2): examples/quickstart.ipynb executed by nbclient, its widgets
+"""The viewer in notebooks: examples/quickstart.ipynb executed by nbclient, its widgets
 saved with the notebook, and the exported HTML working in Chromium with nothing fetched."""
 
 import os

@@ -1,4 +1,4 @@
-"""Issue 14 §7: any existing model directory loads without asking the Hub, in every form a user
+"""Any existing model directory loads without asking the Hub, in every form a user
 types it; only names that are not directories go to the Hub. The Hub is made unreachable here."""
 
 import json

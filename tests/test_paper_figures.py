@@ -1,4 +1,4 @@
-"""Golden layout checks of exported figures (issue 8 §4), on the rendered files, not by pixel equality:
+"""Golden layout checks of exported figures, on the rendered files, not by pixel equality:
 no grey outside the matrix, the matrix fills the figure, token labels never overlap, one font
 family (serif when asked), the title only when asked, a colour-bar label that says what is plotted."""
 

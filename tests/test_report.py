@@ -1,4 +1,4 @@
-"""`attnviz report` (issue 16 §3): one self-contained HTML file that works in Chromium with no
+"""`attnviz report`: one self-contained HTML file that works in Chromium with no
 network, its sliders moving every architecture's map, and its figures and provenance inside."""
 
 import json

@@ -1,4 +1,4 @@
-"""`attnviz reproduce` (issue 16 §4): one PDF, a page per paper's headline figure, each with its
+"""`attnviz reproduce`: one PDF, a page per paper's headline figure, each with its
 claim, the number measured here, the published number and the command; parsed back with pypdf."""
 
 import io
@@ -39,7 +39,7 @@ def test_every_section_is_a_page_with_its_numbers(pdf):
     assert numbers["shifting"]["shift_rate_m1"] > 0.5  # the sink moves: most heads go from key 0 to key 1
     assert numbers["shifting"]["top_key_mass_mask0_bidir"] < numbers["shifting"]["top_key_mass_fwd"] / 2
     s = numbers["streaming"]
-    assert f"dense {s['dense']:.2f}" in streaming and "13.8" in streaming  # measured, and SPEC §9's figure
+    assert f"dense {s['dense']:.2f}" in streaming and "13.8" in streaming  # measured, and the documented figure (docs/methods.md#cache-policies)
     assert s["window"] > 1.5 * s["dense"] and s["sink"] < s["window"]  # the window breaks, sinks repair it
     assert f"{numbers['sinkrate']['rate']:.1%}" in rate and "T = 64, eps = 0.3" in rate
     assert "--sweep k" in sweep and "recall@1" in sweep

@@ -1,4 +1,4 @@
-"""Residual recompute Methods of seed 003 (SPEC §5) against a direct implementation, and fine-tuning."""
+"""Residual recompute Methods of seed 003 (docs/methods.md#residual-variants) against a direct implementation, and fine-tuning."""
 
 import json
 
@@ -21,7 +21,7 @@ def _ids(n=N, seed=5, batch=1):
 
 
 def direct(stock, ids, name):
-    """SPEC §5 written out with the stock eager model: P from its own attention weights."""
+    """docs/methods.md#residual-variants written out with the stock eager model: P from its own attention weights."""
     m = stock.model
     x = m.embed_tokens(ids)
     n = ids.shape[1]

@@ -1,4 +1,4 @@
-"""Encoder-decoder capture (SPEC §11): equivalence with stock eager on tiny T5 and BART, masks on the
+"""Encoder-decoder capture (docs/methods.md#cross-attention): equivalence with stock eager on tiny T5 and BART, masks on the
 encoder only, generation under the encoder architecture, loading from a directory, refusals."""
 
 import json

@@ -1,4 +1,4 @@
-"""`attnviz sweep` (issue 17): a grid on a local Ray, results as Parquet equal to the plain CLI's,
+"""`attnviz sweep`: a grid on a local Ray, results as Parquet equal to the plain CLI's,
 resumable after an interruption, failures recorded, bad specs refused before anything runs."""
 
 import json
@@ -26,8 +26,9 @@ def write(tmp_path, text: str) -> str:
     return str(path)
 
 
-def test_the_readme_example_is_the_readme_s():
-    assert README_SPEC.strip() in (ROOT / "README.md").read_text()
+def test_the_documented_example_is_the_shipped_one():
+    assert README_SPEC.strip() in (ROOT / "docs" / "sweeps.md").read_text()
+    assert (ROOT / "examples" / "sinks.toml").read_text() == README_SPEC
 
 
 @pytest.mark.parametrize("text,message", [

@@ -1,4 +1,4 @@
-"""The client-side heatmap viewer (issue 16 §1): its payload against the capture, and the component
+"""The client-side heatmap viewer: its payload against the capture, and the component
 in headless Chromium as a static file and in the app (slider moves repaint in the browser, a box
 drag asks the app for a full-resolution region, a layer outside the payload comes on request)."""
 

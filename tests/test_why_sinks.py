@@ -49,7 +49,7 @@ def test_dataset_statistics_equal_a_loop_over_single_captures():
 def test_nosink_alpha_0_is_undefined_across_the_dataset():
     result = dataset.sinks(loaded("llama"), DOCS, "nosink-fwd", max_len=12)
     assert np.isnan(result.alpha[..., 0]).all()
-    assert result.as_json()["model_rate"]["mean"] is None  # null where alpha is defined for no head
+    assert result.as_json(key=0)["model_rate"]["mean"] is None  # null where alpha_0 is defined for no head
 
 
 def test_line_samples_and_limits():
@@ -159,7 +159,7 @@ def test_dataset_keeps_the_allow_set_of_full_samples():
     np.testing.assert_array_equal(result.allowed[2], (j > 0) | (i == 0))  # NoSink-BIDIR: key 0 hidden
 
 
-# --- Linformer what-if (SPEC §10) ----------------------------------------------------------------
+# --- Linformer what-if (docs/methods.md#linformer-what-if) ----------------------------------------------------------------
 
 def test_linformer_error_is_zero_at_k_equal_n_with_identity_projections():
     from attnviz import linformer

@@ -69,8 +69,8 @@ class Settings:
     model: str
     text: str
     arch: str
-    residual: str | None = None  # a seed-003 variant (SPEC §5), or None
-    intervene: str | None = None  # interventions beside the architecture (SPEC §12), or None
+    residual: str | None = None  # a seed-003 variant (docs/methods.md#residual-variants), or None
+    intervene: str | None = None  # interventions beside the architecture (docs/methods.md#interventions), or None
     prepend: str | None = None  # the BOS control: "bos", or None
 
 
@@ -357,7 +357,7 @@ def _arch_controls(n_layers: int) -> str:
         g = st.number_input("g: global tokens", 0, 64, 1, key="arch_g")
         return f"global(w={w}, g={g})"
     if pick == "Advanced (string)":
-        return st.text_input("Architecture string (SPEC §7)", "fwd*22 + bidir*4 + nosink-bidir*4", key="arch_text",
+        return st.text_input("Architecture string (docs/methods.md#the-call-syntax)", "fwd*22 + bidir*4 + nosink-bidir*4", key="arch_text",
                              help="e.g. mask0&bidir(k=8, k0=4) or fwd*26 + nosink-bidir*4")
     return pick.lower()
 
@@ -366,7 +366,7 @@ INTERVENTIONS = ["none", "sinkscale (ACT)", "sinklogit", "temperature", "ablate 
 
 
 def _intervention_controls(n_layers: int, n_heads: int) -> str | None:
-    """The sidebar's "Intervention" (SPEC §12): a picker with its parameters, or a free string. The
+    """The sidebar's "Intervention" (docs/methods.md#interventions): a picker with its parameters, or a free string. The
     string is checked where it is used (get_capture), which shows what is wrong."""
     pick = st.selectbox("Intervention", INTERVENTIONS, key="iv_pick",
                         help="Beyond the mask: turn the sink down (ACT), give attention somewhere else to go (a sink "
@@ -374,7 +374,7 @@ def _intervention_controls(n_layers: int, n_heads: int) -> str | None:
     if pick == "none":
         return None
     if pick == "Advanced (string)":
-        return st.text_input("Intervention string (SPEC §12)", "sinkscale(beta=0.3)@20-29; ablate(heads=0,3)@5",
+        return st.text_input("Intervention string (docs/methods.md#interventions)", "sinkscale(beta=0.3)@20-29; ablate(heads=0,3)@5",
                              key="iv_text", help="sinklogit(b=B), sinkscale(key=K, beta=B), temperature(t=T), "
                                                  "ablate(heads=..., how=zero|mean), each @LAYERS, joined with ';'")
     top = f"{max(0, n_layers - 10)}-{n_layers - 1}"

@@ -160,7 +160,7 @@ def residual_table_figure(rows: Sequence[dict]) -> go.Figure:
 
 
 def compression_curves(result) -> go.Figure:
-    """Perplexity of the continuation against the compression ratio, one line per press (SPEC §13),
+    """Perplexity of the continuation against the compression ratio, one line per press (docs/methods.md#kv-cache-compression),
     the dense cache as a dotted line; hover gives accuracy, KL and whether key 0 was kept."""
     fig = go.Figure()
     presses = list(dict.fromkeys(r.press for r in result.rows))

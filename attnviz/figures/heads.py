@@ -1,4 +1,4 @@
-"""The head taxonomy as a layer × head grid (SPEC §14): one colour per class, every score on hover."""
+"""The head taxonomy as a layer × head grid (docs/methods.md#head-classes): one colour per class, every score on hover."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ def architecture_masks(arch: Architecture, n: int = 12, cols: int = 6) -> go.Fig
 
 
 def stablemask_pseudo(n: int = 12, gamma: float | str = 0.5, head: int = 0, n_heads: int = 8) -> go.Figure:
-    """P[i, j] = -gamma * j above the diagonal (SPEC §3); the causal part shows the scores A."""
+    """P[i, j] = -gamma * j above the diagonal (docs/methods.md#stablemask); the causal part shows the scores A."""
     from ..masks import stable_gammas
 
     g = float(stable_gammas(gamma, n_heads)[head])

@@ -33,7 +33,7 @@ PRESETS = {
 
 def layout(fig: go.Figure, title: str | None = None, height: int | None = None, masked_bg: bool = False) -> go.Figure:
     """The house style; ``masked_bg`` puts grey exactly behind each heatmap's cells, so NaN (masked)
-    cells read as masked and nothing outside the matrix turns grey (paper exports, issue 8 §4)."""
+    cells read as masked and nothing outside the matrix turns grey (paper exports)."""
     house_template(fig)
     fig.update_layout(font=dict(family=FONT, size=13),
                       margin=dict(l=60, r=20, t=50 if title else 20, b=50), title=title)

@@ -1,4 +1,4 @@
-"""KV-cache compression what-if (SPEC §13, the kvpress protocol) on the same engine as everything else.
+"""KV-cache compression what-if (docs/methods.md#kv-cache-compression, the kvpress protocol) on the same engine as everything else.
 
 A text is split into a context (its first C tokens) and a continuation (the rest). The context is
 prefilled once under the architecture, recording every layer's attention, from which each press
@@ -31,6 +31,7 @@ from ..models import LoadedModel
 from .presses import DEFAULTS, Context, Press, SnapKV, parse
 
 RATIOS = (0.0, 0.25, 0.5, 0.75, 0.9)
+MAX_TOKENS = 1024  # the text the command and the sweep read (context + continuation)
 MAP_SIDE = 96  # the context's maps are kept max-pooled to at most this many cells a side, for the figures
 
 
@@ -80,7 +81,7 @@ class Compression:
 
 
 def check(loaded: LoadedModel, n_tokens: int, context: int, ratios, presses: list[Press]) -> None:
-    """Bad input, refused before anything runs (SPEC §13's limits)."""
+    """Bad input, refused before anything runs (docs/methods.md#kv-cache-compression)."""
     for r in ratios:
         if not 0.0 <= float(r) < 1.0:
             raise InputError(f"a compression ratio must be in [0, 1), got {r}")
@@ -141,7 +142,7 @@ def _row(press: str, ratio: float, logprobs: torch.Tensor, dense: torch.Tensor |
                kl, key0, {layer: k.numpy() for layer, k in kept.items()})
 
 
-def compress(loaded: LoadedModel, ids: list[int], context: int, presses: list[str | Press] | None = None,
+def compress(loaded: LoadedModel, ids: list[int], context: int = 256, presses: list[str | Press] | None = None,
              ratios=RATIOS, arch="fwd", on_step: Callable[[int, int], None] | None = None) -> Compression:
     """Every press (default: all six) at every ratio against the dense cache (see the module docstring)."""
     architecture = arch_mod.resolve(arch, loaded.n_layers).require_causal("compress a KV cache")

@@ -1,4 +1,4 @@
-"""A self-contained HTML report of one text under several architectures (issue 16 §3).
+"""A self-contained HTML report of one text under several architectures.
 
 One file, no server, no network, no CDN: it can be mailed to a co-author. It holds
 - the heatmap viewer (:mod:`attnviz.viewer`) with every architecture side by side on one colour

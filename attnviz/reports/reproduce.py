@@ -1,4 +1,4 @@
-"""One-command paper reproductions (issue 16 §4): the headline figures of the papers attnviz grew
+"""One-command paper reproductions: the headline figures of the papers attnviz grew
 from, regenerated on the current model, as one PDF.
 
 Each section is one page: the figure, then a caption that states the claim, the number measured
@@ -105,7 +105,7 @@ def _streaming(lm: LoadedModel, quick: bool, model: str) -> Section:
         f"perplexity over {len(ids)} tokens of stdlib:specialnames: dense {dense:.2f}, window(w={w}) {window:.2f}, "
         f"sink(s=4, w={w - 4}) {sink:.2f}.",
         "StreamingLLM shows window attention collapsing and sink + window matching the sliding-window "
-        "recomputation on Llama-2, MPT, Falcon and Pythia; for this model SPEC §9 records dense 11.1, "
+        "recomputation on Llama-2, MPT, Falcon and Pythia; for this model docs/methods.md#cache-policies records dense 11.1, "
         "window(w=128) 31.0, sink(s=4, w=124) 13.8 on 1,000 tokens.",
         f"attnviz stream --model {model} --corpus stdlib:specialnames --max-tokens {n} --compare --policy dense "
         f"--policy \"window(w={w})\" --policy \"sink(s=4, w={w - 4})\"",

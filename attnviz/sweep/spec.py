@@ -18,6 +18,7 @@ or intervention that does not parse, an unknown corpus and an empty grid are ref
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import tomllib
@@ -30,18 +31,31 @@ from ..errors import AttnvizError, InputError
 #: model's layers fails in its own cells, recorded with the reason).
 ANY_LAYERS = ANY_HEADS = 4096
 
-#: measure -> {option: (type, default)}; the defaults are the CLI's.
-MEASURES: dict[str, dict[str, tuple[type, object]]] = {
-    "sinks": {"samples": (int, 100), "max_len": (int, 64), "eps": (float, 0.3), "unit": (str, "doc"),
-              "key": ((int, str), "auto")},
-    "eval": {"window": (int, 512), "max_tokens": (int, 4096)},
-    "embed": {"m": (int, 64), "max_docs": (int, 48)},
-    "compress": {"presses": (list, None), "ratios": (list, [0.25, 0.5, 0.75]), "context": (int, 256),
-                 "max_tokens": (int, 1024)},
-    "heads": {"samples": (int, 20), "max_len": (int, 128), "eps": (float, 0.3), "tau_stream": (float, 0.9),
-              "tau_inactive": (float, 0.2), "sink": (int, 4), "window": (int, 64)},
-}
-#: measures whose library call takes an intervention (SPEC §12)
+@functools.cache
+def measures() -> dict[str, dict[str, tuple[type | tuple[type, ...], object]]]:
+    """measure -> {option: (type, default)}: each default read from the library function the measure
+    calls (:mod:`attnviz.defaults`), the same the CLI's options and the app's widgets read."""
+    from .. import dataset, embedding, evaluate, heads
+    from ..defaults import of
+    from ..kv import compress
+
+    run, report = of(dataset.sinks), of(dataset.DatasetSinks.as_json)
+    ev, probe, kv = of(evaluate.evaluate), of(embedding.probe), of(compress.compress)
+    tax, texts = of(heads.taxonomy), of(heads.dataset_texts)
+    return {
+        "sinks": {"samples": (int, run["n_samples"]), "max_len": (int, run["max_len"]), "eps": (float, report["eps"]),
+                  "unit": (str, run["unit"]), "key": ((int, str), report["key"])},
+        "eval": {"window": (int, ev["window"]), "max_tokens": (int, ev["max_tokens"])},
+        "embed": {"m": (int, probe["m"]), "max_docs": (int, probe["max_docs"])},
+        "compress": {"presses": (list, None), "ratios": (list, list(kv["ratios"])), "context": (int, kv["context"]),
+                     "max_tokens": (int, compress.MAX_TOKENS)},
+        "heads": {"samples": (int, texts["samples"]), "max_len": (int, texts["max_len"]), "eps": (float, tax["eps"]),
+                  "tau_stream": (float, tax["tau_stream"]), "tau_inactive": (float, tax["tau_inactive"]),
+                  "sink": (int, tax["s"]), "window": (int, tax["w"])},
+    }
+
+
+#: measures whose library call takes an intervention (docs/methods.md#interventions)
 INTERVENES = {"sinks", "eval"}
 TOP_KEYS = {"models", "archs", "interventions", "corpora", "measures"}
 #: The README's example: the sink-rate table of two architectures (the Sweeps page starts from it).
@@ -174,11 +188,11 @@ def parse(text: str) -> Spec:
         raise InputError("spec: 'measures' is empty: name at least one, e.g. [measures.sinks]")
     measures = {}
     for name, options in measures_raw.items():
-        if name not in MEASURES:
-            raise InputError(f"spec: unknown measure 'measures.{name}' (expected {', '.join(MEASURES)})")
+        if name not in measures():
+            raise InputError(f"spec: unknown measure 'measures.{name}' (expected {', '.join(measures())})")
         if not isinstance(options, dict):
             raise InputError(f"spec: 'measures.{name}' must be a table of options")
-        known = MEASURES[name]
+        known = measures()[name]
         for option in options:
             if option not in known:
                 raise InputError(f"spec: unknown option 'measures.{name}.{option}' (expected {', '.join(known)})")
