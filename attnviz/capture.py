@@ -19,9 +19,10 @@ import torch
 
 from . import arch as arch_mod
 from . import devices, engine, metrics, syntax
-from . import interventions as interventions_mod
+from . import recipe as recipe_mod
 from .errors import AttnvizError, InputError
 from .models import LoadedModel
+from .recipe import Recipe
 from .reduce import Summaries
 
 FORMAT = "attnviz-capture/1"
@@ -78,6 +79,7 @@ class Capture:
     activations: Activations | None = None
     qkv: dict[int, QKV] = field(default_factory=dict)  # kept in memory only (not saved: they are large)
     query_tokens: list[str] | None = None  # row labels where queries are not the keys (cross-attention)
+    recipe: Recipe | None = None  # what made it (attnviz.recipe); None only for hand-made captures
     timing: dict[str, float] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     # layer -> that layer's input hidden states (n, d) on the host, in the model's dtype: a region of a
@@ -201,6 +203,7 @@ class Capture:
                 arrays[f"act_{name}"] = value
         header = {
             "format": FORMAT, "text": self.text, "tokens": self.tokens, "arch": self.arch,
+            **({"recipe": self.recipe.to_dict()} if self.recipe is not None else {}),
             "layer_masks": self.layer_masks, "layers": self.layers, "kv_groups": self.kv_groups,
             "timing": self.timing, "meta": self.meta,
             **({"query_tokens": self.query_tokens} if self.query_tokens is not None else {}),
@@ -237,6 +240,8 @@ class Capture:
             activations=(Activations(**{f.name: data[f"act_{f.name}"] for f in fields(Activations)})
                          if "act_norms" in data.files else None),
             timing=header["timing"], meta=header["meta"], query_tokens=header.get("query_tokens"),
+            recipe=(Recipe.from_dict(header["recipe"]) if "recipe" in header
+                    else Recipe.from_meta(header["meta"], header["arch"]) if header["meta"].get("model") else None),
         )
 
 
@@ -401,13 +406,16 @@ def _versions() -> dict[str, str]:
             "numpy": np.__version__, "python": platform.python_version()}
 
 
-def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = "fwd", layers=None,
+def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture | Recipe = "fwd", layers=None,
             reduce: bool = False, storage_dtype: torch.dtype = torch.float16,
             hidden_states: bool = False, max_tokens: int | None = None, on_layer=None,
             scores: bool = False, value_norms: bool = False, activations: bool = False,
             qkv: bool = False, residual: str | None = None, block_bytes: int | None = None,
             pool: int | None = None, intervene=None, prepend: str | None = None, checkpoints: int = 0) -> Capture:
     """Run ``text`` through the model under ``arch`` and record attention.
+
+    ``arch`` is an architecture string, or a whole :class:`~attnviz.recipe.Recipe` (architecture,
+    intervention, BOS control and residual variant together); the capture carries its recipe.
 
     ``layers`` picks the recorded layers (the others run through SDPA); ``reduce=True`` keeps only
     the per-layer statistics of :func:`metrics.summarise` instead of full maps. ``on_layer(i)`` is
@@ -423,16 +431,13 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
     ``checkpoints`` keeps that many evenly spaced layers' inputs on the host (:func:`checkpoint_layers`),
     from which a region of a long capture resumes its forward (``zoom.of_capture``).
     """
-    from . import residual as residual_mod
-
     if reduce and scores and not pool:
         raise InputError("a reduced capture keeps pre-softmax scores only as pooled maps: give pool= as well")
-    variant = residual_mod.resolve(loaded, residual)
+    built = recipe_mod.build(loaded, arch, intervene, prepend, residual)
+    variant, architecture, acts, prepend = built.variant, built.architecture, built.interventions, built.recipe.prepend
     if variant is not None and (hidden_states or activations):
         raise InputError(f"hidden states are not recorded under the residual variant {variant.name}")
     started = time.perf_counter()
-    architecture = arch_mod.resolve(arch, loaded.n_layers)
-    acts = interventions_mod.resolve(intervene, loaded.n_layers, loaded.n_heads)
     record = parse_layers(layers, loaded.n_layers)
     ids, tokens = tokenize(loaded, text, max_tokens, prepend)
     input_ids = torch.tensor([ids])
@@ -458,16 +463,9 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
                    record_value_norms=value_norms, record_qkv=qkv, interventions=acts)
     with devices.out_of_memory_explained(f"a capture of {len(ids)} tokens, {len(record)} layers recorded"
                                          f"{' (statistics)' if reduce else ' (full maps)'}"):
-        if variant is not None:  # its own layer loop: logits only, no hidden-state outputs
-            with torch.no_grad():
-                logits, run = residual_mod.forward(loaded.model, variant, input_ids, list(architecture.layers),
-                                                   set(record), **options)
-            layer_states = None
-        else:
-            output, run = engine.forward(loaded.model, input_ids, list(architecture.layers), set(record),
-                                         output_hidden_states=hidden_states or activations, last_logits_only=True,
-                                         **options)
-            logits, layer_states = output.logits, output.hidden_states
+        logits, layer_states, run = built.forward(loaded, input_ids, set(record), last_logits_only=variant is None,
+                                                  output_hidden_states=hidden_states or activations,
+                                                  **{k: v for k, v in options.items() if k != "interventions"})
     forward_s = time.perf_counter() - t0
     logits = logits[0, -1].float()
     model_dtype = next(loaded.model.parameters()).dtype
@@ -484,7 +482,7 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = 
         value_norm={l: run.value_norms[l][0].cpu().numpy() for l in run.value_norms},
         activations=Activations.from_hidden(layer_states) if activations else None,
         qkv={l: QKV(q[0].numpy(), k[0].numpy(), v[0].numpy(), float(scale)) for l, (q, k, v, scale) in run.qkv.items()},
-        checkpoints=dict(run.checkpoints),
+        checkpoints=dict(run.checkpoints), recipe=built.recipe,
         timing={"forward_s": forward_s, "total_s": time.perf_counter() - started},
         meta={"model": loaded.model_id, "model_file": loaded.model_file, "dtype": str(model_dtype).replace("torch.", ""),
               "storage_dtype": str(storage_dtype).replace("torch.", ""), "device": str(loaded.model.device),

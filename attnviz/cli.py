@@ -130,6 +130,7 @@ def sinks_report(capture, eps: float) -> dict:
     return {"model": capture.meta["model"], "arch": capture.arch, "n_tokens": capture.n_tokens,
             **({"residual": capture.meta["residual"]} if capture.meta.get("residual") else {}),
             **{key: capture.meta[key] for key in ("intervene", "prepend") if capture.meta.get(key)},
+            **({"recipe": capture.recipe.to_dict()} if capture.recipe else {}),
             "tokens": capture.tokens, "layers": layers}
 
 
@@ -182,7 +183,7 @@ def _capture(args) -> dict:
     path = result.save(args.out)
     return {"out": str(path), "model": result.meta["model"], "arch": result.arch,
             **({"intervene": result.meta["intervene"]} if result.meta.get("intervene") else {}),
-            "n_tokens": result.n_tokens, "layers": result.layers,
+            "n_tokens": result.n_tokens, "layers": result.layers, "recipe": result.recipe.to_dict(),
             "forward_s": round(result.timing["forward_s"], 4)}
 
 

@@ -92,7 +92,9 @@ def probe(loaded: LoadedModel, documents: Sequence[str], arch: str | arch_mod.Ar
           m: int = DEFAULT_M, max_docs: int | None = None, on_progress: Progress | None = None,
           ids: tuple[torch.Tensor, torch.Tensor] | None = None) -> ProbeResult:
     """Recall@1 and MRR of the probe under one architecture; ``on_progress(done, total)`` per batch."""
-    architecture = arch_mod.resolve(arch, loaded.n_layers)
+    from .recipe import build
+
+    architecture = build(loaded, arch).only("the embedding probe").architecture
     queries, targets = ids if ids is not None else pairs(loaded, documents, m, max_docs)
     both = torch.cat([queries, targets])
     emb = embed(loaded, both, architecture, on_batch=(lambda done: on_progress(done, len(both))) if on_progress else None)

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from . import arch as arch_mod
-from . import engine
 from .corpus import head_ids
 from .errors import InputError
 from .models import LoadedModel
@@ -94,12 +93,13 @@ def evaluate(loaded: LoadedModel, text_or_ids: str | list[int], arch: str | arch
     variant (a fine-tuned directory's own variant is used when none is named). ``intervene``:
     interventions (docs/methods.md#interventions) applied throughout.
     """
-    from . import interventions as interventions_mod
-    from . import residual as residual_mod
+    from . import recipe as recipe_mod
 
-    variant = residual_mod.resolve(loaded, residual)
-    architecture = arch_mod.resolve(arch, loaded.n_layers).require_causal("compute a perplexity")
-    acts = interventions_mod.resolve(intervene, loaded.n_layers, loaded.n_heads)
+    built = recipe_mod.build(loaded, arch, intervene, residual=residual)
+    if built.recipe.prepend:
+        raise InputError("a perplexity scores the text as written: evaluate without a BOS control (prepend)")
+    variant, acts = built.variant, built.interventions
+    architecture = built.architecture.require_causal("compute a perplexity")
     ids = text_or_ids if isinstance(text_or_ids, list) else token_ids(loaded, text_or_ids, max_tokens)
     if len(ids) < 2:
         raise InputError(f"the text has {len(ids)} token(s); at least 2 are needed to predict one")
@@ -109,13 +109,7 @@ def evaluate(loaded: LoadedModel, text_or_ids: str | list[int], arch: str | arch
     all_ids = torch.tensor([ids])
     nlls, hits, positions = [], [], []
     for done, (start, end, first) in enumerate(spans, 1):
-        if variant is not None:
-            with torch.no_grad():
-                logits = residual_mod.forward(loaded.model, variant, all_ids[:, start:end], list(architecture.layers),
-                                              interventions=acts)[0]
-        else:
-            logits = engine.forward(loaded.model, all_ids[:, start:end], list(architecture.layers), record=set(),
-                                    interventions=acts)[0].logits
+        logits = built.forward(loaded, all_ids[:, start:end])[0]
         logprobs = torch.log_softmax(logits[0, first - 1 - start:end - 1 - start].float(), -1)
         targets = all_ids[0, first:end].to(logprobs.device)
         nlls.append(-logprobs.gather(-1, targets[:, None])[:, 0].cpu())

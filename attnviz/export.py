@@ -21,6 +21,7 @@ import plotly.io as pio
 from . import metrics
 from .capture import Capture
 from .errors import AttnvizError
+from .recipe import Recipe
 from .figures.style import FONT, PRESETS
 
 FORMATS = ("png", "svg", "pdf")
@@ -31,16 +32,12 @@ class ExportError(AttnvizError):
 
 
 def describe(cap: Capture, layer: int | None = None, head: int | None = None, **extra) -> dict:
-    """The metadata every exported file carries."""
-    meta = {"tool": "attnviz", "model": cap.meta.get("model"), "text": cap.text, "arch": cap.arch,
-            "dtype": cap.meta.get("dtype"), "storage_dtype": cap.meta.get("storage_dtype"),
-            "n_tokens": cap.n_tokens}
-    if cap.meta.get("residual"):
-        meta["residual"] = cap.meta["residual"]
-    if cap.meta.get("intervene"):  # docs/methods.md#interventions: beside the architecture, everywhere it is
-        meta["intervene"] = cap.meta["intervene"]
-    if cap.meta.get("prepend"):
-        meta["prepend"] = cap.meta["prepend"]
+    """The metadata every exported file carries: the capture's recipe (its fields, and its one-line
+    ``provenance``), the text, and what the view shows."""
+    recipe = cap.recipe or Recipe.from_meta(cap.meta, cap.arch)
+    meta = {"tool": "attnviz", **{k: v for k, v in recipe.to_dict().items() if v or k in ("model", "arch", "dtype")},
+            "text": cap.text, "storage_dtype": cap.meta.get("storage_dtype"), "n_tokens": cap.n_tokens,
+            "recipe": recipe.key, "provenance": recipe.describe()}
     if cap.meta.get("attention"):  # encoder-decoder: which of the three kinds (attnviz.seq2seq)
         meta["attention"] = cap.meta["attention"]
         meta["encoder_arch"] = cap.meta.get("encoder_arch")

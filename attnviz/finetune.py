@@ -11,6 +11,8 @@ half-written directory. ``--model out`` loads it back with its variant and weigh
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import os
@@ -24,8 +26,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import arch as arch_mod
-from . import engine, residual
+from . import recipe, residual
 from .errors import InputError
 from .models import LoadedModel
 
@@ -58,11 +59,7 @@ def chunks(ids: list[int], seq_len: int, eval_fraction: float) -> tuple[torch.Te
 
 def logits_of(loaded: LoadedModel, variant, ids: torch.Tensor, masks) -> torch.Tensor:
     """Logits under the architecture, with the variant if any; differentiable outside no_grad."""
-    if variant is not None:
-        return residual.forward(loaded.model, variant, ids, masks)[0]
-    run = engine.make_run(loaded.model, ids, masks, record=set())
-    with engine.active(run):
-        return loaded.model(input_ids=ids.to(loaded.model.device), position_ids=run.positions.to(loaded.model.device)).logits
+    return recipe.forward(loaded, variant, ids, masks, grad=True)[0]
 
 
 def _loss_and_hits(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +128,12 @@ def finetune(loaded: LoadedModel, ids: list[int], out: str | Path, residual_name
 
     if steps <= 0:
         raise InputError(f"--steps must be positive, got {steps}")
-    architecture = arch_mod.resolve(arch, loaded.n_layers).require_causal("fine-tune")
+    from .recipe import Recipe, build
+
+    if isinstance(arch, Recipe):  # its variant is the one trained, unless one is named
+        residual_name = residual_name or arch.residual
+        arch = dataclasses.replace(arch, residual=None)
+    architecture = build(loaded, arch).only("fine-tuning").architecture.require_causal("fine-tune")
     variant = None
     if residual_name:
         residual.check_family(loaded.model)

@@ -146,7 +146,9 @@ def taxonomy(loaded: LoadedModel, texts: Sequence[str], arch="fwd", s: int = SIN
         raise InputError("no text to classify heads on")
     if s < 0 or w < 1:
         raise InputError(f"the streaming pattern needs s >= 0 sink keys and w >= 1 window keys, got s={s}, w={w}")
-    architecture = arch_mod.resolve(arch, loaded.n_layers)
+    from .recipe import build
+
+    architecture = build(loaded, arch).only("head classes").architecture
     sums = None
     tokens = []
     for done, text in enumerate(texts, 1):

@@ -121,12 +121,13 @@ class CachedDecoder:
 
     def __init__(self, loaded: LoadedModel, arch: str | arch_mod.Architecture = "fwd",
                  policy: Policy | str = "dense", record: set[int] | frozenset[int] = frozenset(), intervene=None):
-        from . import interventions as interventions_mod
+        from .recipe import build
 
-        self.loaded = loaded
-        self.architecture = arch_mod.resolve(arch, loaded.n_layers).require_causal("decode with a KV cache")
+        built = build(loaded, arch, intervene).only("decoding with a KV cache", "intervene", "prepend")
+        self.loaded, self.recipe = loaded, built.recipe
+        self.architecture = built.architecture.require_causal("decode with a KV cache")
         self.policy = as_policy(policy).check(loaded)
-        self.interventions = interventions_mod.resolve(intervene, loaded.n_layers, loaded.n_heads)
+        self.interventions = built.interventions
         self.record = set(record)
         self.cache = DynamicCache()
         self.positions: list[int] = []  # the position each cache entry was encoded at

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import arch as arch_mod
 from . import engine
 from .capture import tokenize
 from .errors import InputError
 from .models import LoadedModel
+from .recipe import Recipe
 
 MAX_SIDE = 96  # cells a side: every cell of a zoomed region gets a hover value (figures.style.HOVER_MAX)
 
@@ -77,7 +77,7 @@ def check_range(name: str, span: tuple[int, int], n: int) -> tuple[int, int]:
     return start, stop
 
 
-def region(loaded: LoadedModel, text: str, arch, layer: int, queries: tuple[int, int], keys: tuple[int, int],
+def region(loaded: LoadedModel, text: str, arch: "str | Recipe", layer: int, queries: tuple[int, int], keys: tuple[int, int],
            on_layer=None, block_bytes: int | None = None, intervene=None, prepend: str | None = None,
            residual: str | None = None, resume_from: tuple[int, torch.Tensor] | None = None) -> Region:
     """Layer ``layer``'s probabilities for ``queries`` × ``keys`` (half-open token ranges) at full
@@ -86,15 +86,13 @@ def region(loaded: LoadedModel, text: str, arch, layer: int, queries: tuple[int,
     with them must be made with them too (:func:`of_capture` passes a capture's own).
     ``resume_from`` (layer c <= ``layer``, its input hidden states (n, d)), kept by a forward of the
     same text under the same settings, runs only layers c..``layer`` (:func:`engine.resume`)."""
-    from . import interventions as interventions_mod
-    from . import residual as residual_mod
+    from . import recipe as recipe_mod
 
-    architecture = arch_mod.resolve(arch, loaded.n_layers)
+    built = recipe_mod.build(loaded, arch, intervene, prepend, residual)
+    architecture, variant = built.architecture, built.variant
     if not 0 <= layer < loaded.n_layers:
         raise InputError(f"layer {layer} does not exist: the model has layers 0..{loaded.n_layers - 1}")
-    acts = interventions_mod.resolve(intervene, loaded.n_layers, loaded.n_heads)
-    variant = residual_mod.resolve(loaded, residual)
-    ids, tokens = tokenize(loaded, text, prepend=prepend)
+    ids, tokens = tokenize(loaded, text, prepend=built.recipe.prepend)
     queries, keys = check_range("query", queries, len(ids)), check_range("key", keys, len(ids))
     crop = _Crop(queries, keys)
 
@@ -109,19 +107,17 @@ def region(loaded: LoadedModel, text: str, arch, layer: int, queries: tuple[int,
     # start of a 32k-token text costs a short forward). Other masks need the whole text.
     upto = max(queries[1], keys[1]) if all(m.causal_compatible for m in architecture.layers[:layer + 1]) else len(ids)
     input_ids, masks = torch.tensor([ids[:upto]]), list(architecture.layers)
-    options = dict(reducer=crop, on_layer=step, block_bytes=block_bytes, interventions=acts)
+    options = dict(reducer=crop, on_layer=step, block_bytes=block_bytes)
     if resume_from is not None and not (variant is None and resume_from[0] <= layer
                                         and resume_from[1].shape[0] == len(ids)):
         resume_from = None  # not this text's, not below the layer, or a residual variant: run from the start
     try:
         if resume_from is not None:
             start, hidden = resume_from
-            engine.resume(loaded.model, hidden[:upto], start, input_ids, masks, {layer}, **options)
-        elif variant is not None:  # a seed-003 residual variant runs its own layer loop
-            with torch.no_grad():
-                residual_mod.forward(loaded.model, variant, input_ids, masks, {layer}, **options)
+            engine.resume(loaded.model, hidden[:upto], start, input_ids, masks, {layer},
+                          interventions=built.interventions, **options)
         else:
-            engine.forward(loaded.model, input_ids, masks, {layer}, last_logits_only=True, **options)
+            built.forward(loaded, input_ids, {layer}, last_logits_only=True, **options)
     except _Done:
         pass
     values, allowed = crop.finish(layer)
@@ -138,9 +134,8 @@ def of_capture(loaded: LoadedModel, cap, layer: int, queries: tuple[int, int], k
     if layer in cap.probs:
         return from_capture(cap, layer, queries, keys)
     start = resumes_at(cap, layer)
-    return region(loaded, cap.text, cap.arch, layer, queries, keys, on_layer=on_layer,
-                  intervene=cap.meta.get("intervene"), prepend=cap.meta.get("prepend"),
-                  residual=cap.meta.get("residual"),
+    made_with = cap.recipe or Recipe.from_meta(cap.meta, cap.arch)
+    return region(loaded, cap.text, made_with, layer, queries, keys, on_layer=on_layer,
                   resume_from=(start, cap.checkpoints[start]) if start else None)
 
 

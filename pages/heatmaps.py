@@ -160,9 +160,8 @@ def zoom_section(cap, layer: int, head, log: bool, box) -> None:
         try:
             if layer in cap.probs:
                 region = zoom.from_capture(cap, layer, queries, keys)
-            else:  # recomputed with the capture's own intervention, BOS control and residual variant
-                made_with = tuple(cap.meta.get(k) for k in ("model", "intervene", "prepend", "residual"))
-                region = jobs.run(("region", *made_with, cap.text, cap.arch, layer, queries, keys),
+            else:  # recomputed with the capture's own recipe (intervention, BOS control, residual variant)
+                region = jobs.run(("region", cap.recipe.key, cap.text, layer, queries, keys),
                                   f"Layer {layer}, queries {queries[0]}–{queries[1] - 1} × keys {keys[0]}–{keys[1] - 1}",
                                   lambda progress: zoom.of_capture(loaded, cap, layer, queries, keys,
                                                                    on_layer=progress))

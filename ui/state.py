@@ -17,6 +17,7 @@ from attnviz.capture import Capture, capture, checkpoint_count, estimate_bytes, 
 from attnviz.errors import AttnvizError
 from attnviz.lru import ByteLRU
 from attnviz.models import DEFAULT, LoadedModel, load
+from attnviz.recipe import Recipe
 from attnviz.residual import METHODS
 from ui import jobs
 
@@ -273,6 +274,7 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
         st.error(f"Intervention: {err}")
         return None
     try:
+        made_with = Recipe.of(loaded, architecture, acts, prepend, residual)
         n_tokens = token_count(loaded, text, prepend)
     except AttnvizError as err:
         st.error(f"Capturing {architecture.spec}: {err}")
@@ -284,8 +286,7 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
         return None
     plan, estimate = planned
     options = {"hidden_states": hidden, **plan, **{name: True for name in extras}}
-    key = (loaded.model_id, text, architecture.spec,
-           tuple(sorted((k, v) for k, v in options.items() if k != "checkpoints")), residual, acts.spec, prepend)
+    key = (made_with.key, text, tuple(sorted((k, v) for k, v in options.items() if k != "checkpoints")))
     store = _captures()
     if key not in store:
         store.reserve(estimate)
@@ -297,7 +298,7 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
     label = (f"Capturing {architecture.spec}" + (f" with {acts.spec}" if acts else "")
              + (" (long text: statistics and pooled maps)" if plan else ""))
     return jobs.run(key, label, lambda progress: capture(
-        loaded, text, architecture, max_tokens=MAX_TOKENS, residual=residual, intervene=acts, prepend=prepend,
+        loaded, text, made_with, max_tokens=MAX_TOKENS,
         on_layer=lambda layer: progress(layer + 1, loaded.n_layers), **options), store=store)
 
 

@@ -36,7 +36,7 @@ def key_profile(cap: Capture, key: int = 0, layers: list[int] | None = None) -> 
                                  line=dict(color=colour, width=1.5),
                                  hovertemplate=f"layer {layer}<br>query %{{x}}<br>p = %{{y:.3f}}<extra></extra>"))
     if not fig.data:  # a long capture keeps key 0's profile only
-        fig.add_annotation(text=f"Only key 0's profile is kept for a long text (statistics, not full maps)",
+        fig.add_annotation(text="Only key 0's profile is kept for a long text (statistics, not full maps)",
                            showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5)
     elif bar:  # the colour bar: an invisible point carries it
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", showlegend=False, hoverinfo="skip",
@@ -45,7 +45,7 @@ def key_profile(cap: Capture, key: int = 0, layers: list[int] | None = None) -> 
                                              colorbar=dict(title="layer", len=0.8))))
     layout(fig, f"attention to key {key} ({cap.tokens[key]!r}) by query position", height=420)
     fig.update_xaxes(title="query position")
-    fig.update_yaxes(title=f"A[i, {key}] (mean over heads)", range=[0, 1])
+    fig.update_yaxes(title="A[i, {key}] (mean over heads)", range=[0, 1])
     return fig
 
 

@@ -145,7 +145,9 @@ def _row(press: str, ratio: float, logprobs: torch.Tensor, dense: torch.Tensor |
 def compress(loaded: LoadedModel, ids: list[int], context: int = 256, presses: list[str | Press] | None = None,
              ratios=RATIOS, arch="fwd", on_step: Callable[[int, int], None] | None = None) -> Compression:
     """Every press (default: all six) at every ratio against the dense cache (see the module docstring)."""
-    architecture = arch_mod.resolve(arch, loaded.n_layers).require_causal("compress a KV cache")
+    from ..recipe import build
+
+    architecture = build(loaded, arch).only("KV-cache compression").architecture.require_causal("compress a KV cache")
     presses = [p if isinstance(p, Press) else parse(p) for p in (presses or DEFAULTS)]
     check(loaded, len(ids), context, ratios, presses)
     targets = torch.tensor(ids[context + 1:])
