@@ -23,7 +23,7 @@ from . import recipe as recipe_mod
 from .errors import AttnvizError, InputError
 from .models import LoadedModel
 from .recipe import Recipe
-from .reduce import Summaries
+from .reduce import Summaries, summarise
 
 FORMAT = "attnviz-capture/1"
 TOP_ACTIVATIONS = 8
@@ -165,11 +165,11 @@ class Capture:
         return metrics.value_weighted(self.layer_probs(layer), self.layer_value_norms(layer))
 
     def stat(self, layer: int, name: str) -> np.ndarray:
-        """A per-layer statistic of :func:`metrics.summarise`, from stored stats or full maps."""
+        """A per-layer statistic (:data:`metrics.STATISTICS`), from stored stats or full maps."""
         if layer in self.stats:
             return self.stats[layer][name]
         if layer not in self._summaries:  # computed once per layer: pages ask for several statistics
-            self._summaries[layer] = metrics.summarise(self.layer_probs(layer), self.allowed[layer], self.tokens)
+            self._summaries[layer] = summarise(self.layer_probs(layer), self.allowed[layer], self.tokens)
         return self._summaries[layer][name]
 
     def memo(self, key, compute):
@@ -294,7 +294,7 @@ def estimate_bytes(loaded: LoadedModel, n_tokens: int, layers: int | None = None
     """What a capture of ``n_tokens`` will hold (as :func:`attnviz.lru.nbytes` counts it), before it runs.
 
     Full maps: fp16 (H, n, n) per recorded layer plus one n × n allow-set per mask; statistics only
-    (``reduce``): about 12 floats per head and token per layer, plus the pooled maps (and pooled
+    (``reduce``): :func:`metrics.statistic_floats` per head and token per layer, plus the pooled maps (and pooled
     value-weighted maps and scores when ``value_norms`` / ``scores`` ask for them).
     """
     n, heads = int(n_tokens), loaded.n_heads
@@ -303,7 +303,7 @@ def estimate_bytes(loaded: LoadedModel, n_tokens: int, layers: int | None = None
     if reduce:
         side = min(n, pool) if pool else 0
         pooled_maps = 1 + value_norms + scores  # weights, and value-weighted maps / scores when asked
-        per_layer = heads * n * 4 * 12 + heads * side * side * 2 * pooled_maps
+        per_layer = heads * n * 4 * metrics.statistic_floats() + heads * side * side * 2 * pooled_maps
     else:
         per_layer = heads * n * n * 2
     per_layer += heads * n * 4 if value_norms else 0
@@ -362,7 +362,7 @@ def device_bytes(loaded: LoadedModel, n_tokens: int, reduce: bool = False, pool:
     inner = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
     activations = n * (4 * hidden + 3 * inner) * itemsize
     states = (loaded.n_layers + 1) * n * hidden * itemsize if hidden_states else 0
-    stats = heads * n * 4 * 12 if reduce else 0
+    stats = heads * n * 4 * metrics.statistic_floats() if reduce else 0
     pooled = heads * min(n, pool) ** 2 * 4 * (1 + value_norms + scores) if reduce and pool else 0
     return working + masks * n * n + activations + states + stats + pooled + 4 * cfg.vocab_size
 
@@ -374,7 +374,7 @@ def check_device(loaded: LoadedModel, n_tokens: int, what: str = "this capture",
     need = device_bytes(loaded, n_tokens, **options)
     if free is None or need <= free:
         return
-    fit = next((n for n in range(n_tokens, 0, -64) if device_bytes(loaded, n, **options) <= free), 0)
+    fit = devices.largest(n_tokens, lambda n: device_bytes(loaded, n, **options) <= free)
     smaller = device_bytes(loaded, n_tokens, **dict(options, block_bytes=4 * devices.MB))
     hint = f"; with ATTNVIZ_BLOCK_MB=4, ~{devices.mb(smaller)}" if smaller < need else ""
     raise devices.DeviceMemoryError(
@@ -418,7 +418,7 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture | 
     intervention, BOS control and residual variant together); the capture carries its recipe.
 
     ``layers`` picks the recorded layers (the others run through SDPA); ``reduce=True`` keeps only
-    the per-layer statistics of :func:`metrics.summarise` instead of full maps. ``on_layer(i)`` is
+    the per-layer statistics of :data:`metrics.STATISTICS` instead of full maps. ``on_layer(i)`` is
     called after each layer (progress); ``max_tokens`` caps the text below the model's own limit.
     Asked for, the same pass also keeps the recorded layers' pre-softmax ``scores`` and
     ``value_norms`` (||W_O^h v_j||), and the residual stream's ``activations`` (norms, top values).

@@ -117,3 +117,9 @@ def out_of_memory_explained(what: str):
             f"the device ran out of memory during {what}; its cache has been emptied. Try a shorter text, "
             "fewer recorded layers, statistics only (a lower full-maps size), or a smaller block size "
             "(ATTNVIZ_BLOCK_MB)") from None
+
+
+def largest(n: int, fits, step: int = 64) -> int:
+    """The largest length ≤ ``n`` on a grid of ``step`` for which ``fits(length)`` holds (0 when none): the
+    "what would fit" of every refusal (attnviz.plan, attnviz.capture.check_device)."""
+    return next((m for m in range(n, 0, -step) if fits(m)), 0)

@@ -11,6 +11,7 @@ as stock (SDPA, or the model's own eager function where SDPA cannot express it).
 from __future__ import annotations
 
 import contextvars
+import enum
 import functools
 import inspect
 import sys
@@ -27,6 +28,7 @@ from transformers.masking_utils import sdpa_mask
 from . import devices, kernels
 from .masks import Mask, keep_self_if_empty
 from .interventions import NONE, Interventions
+from . import reduce
 from .reduce import pool_factor
 from .errors import InputError, ModelLoadError
 
@@ -35,29 +37,44 @@ _RUN: contextvars.ContextVar["Run | None"] = contextvars.ContextVar("attnviz_run
 
 
 @dataclass
-class Run:
-    """Per-forward state: masks per layer, what to record, and what was recorded.
-
-    ``positions`` count from the first real token of each row (padding never shifts a mask);
-    ``valid`` marks real (non-padding) keys.
-    """
+class Asked:
+    """What the caller of a forward asked for: masks, what to record, and how."""
 
     masks: list[Mask]
     record: frozenset[int]
-    positions: torch.Tensor  # (B, n_kv) long
-    valid: torch.Tensor  # (B, n_kv) bool
+    positions: torch.Tensor  # (B, n_kv) long, counted from each row's first real token: padding never shifts a mask
+    valid: torch.Tensor  # (B, n_kv) bool: real (non-padding) keys
     storage_dtype: torch.dtype = torch.float16
-    reducer: Callable[[int, torch.Tensor, torch.Tensor], object] | None = None
+    reducer: reduce.BlockReducer | Callable[[int, torch.Tensor, torch.Tensor], object] | None = None
     on_layer: Callable[[int], None] | None = None  # progress: called after each layer's attention
     record_scores: bool = False  # keep pre-softmax QK^T/sqrt(d) of recorded layers
     record_value_norms: bool = False  # keep ||W_O^h v_j^h|| of recorded layers (Kobayashi et al.)
     record_qkv: bool = False  # keep the recorded layers' queries, keys and values (Linformer what-if)
     keep_graph: bool = False  # keep every layer's fp32 probabilities, autograd graph and all (residual variants)
     q_positions: torch.Tensor | None = None  # (B, n_q): query positions when queries are not the keys (cross-attention)
-    interventions: Interventions = NONE  # docs/methods.md#interventions: applied by this attention function, never by patching the model
-    # per layer, ``mask(n_q, n_kv, device)`` → an (H, n_q, n_kv) allow-set per head, and-ed with the layer's
-    # mask: a compressed KV cache (docs/methods.md#kv-cache-compression), or only the streaming heads on sink + window (docs/methods.md#head-classes)
+    interventions: Interventions = NONE  # docs/methods.md#interventions: applied here, never by patching the model
+    # per layer, ``mask(n_q, n_kv, device)`` → an (H, n_q, n_kv) allow-set per head, and-ed with the layer's mask:
+    # a compressed KV cache (docs/methods.md#kv-cache-compression), or streaming heads on sink + window
     head_masks: dict[int, Callable[[int, int, torch.device], torch.Tensor]] = field(default_factory=dict)
+    block_bytes: int | None = None  # fp32 scores of one query block of a recorded layer; None: devices.block_bytes
+    unpadded: bool | None = None  # every key real; None: read from ``valid`` (a host read: the caller may know)
+    # layers whose input hidden states (n, d) are kept on the host, to resume a later forward from
+    # (:func:`resume`: a long capture's regions); filled by a pre-hook on the decoder layers
+    checkpoint_layers: frozenset[int] = frozenset()
+
+
+@dataclass
+class Cached:
+    """What the pass computes once and shares between layers: allow-sets, block ranges, device copies."""
+
+    _allow_cache: dict = field(default_factory=dict)
+    _device_cache: dict = field(default_factory=dict)
+
+
+@dataclass
+class Recorded:
+    """What the pass records, by layer."""
+
     probs: dict[int, torch.Tensor] = field(default_factory=dict)
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     value_norms: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -65,14 +82,13 @@ class Run:
     live: dict[int, torch.Tensor] = field(default_factory=dict)  # keep_graph: (B, H, n_q, n_kv) on the device
     allowed: dict[int, torch.Tensor] = field(default_factory=dict)
     reduced: dict[int, object] = field(default_factory=dict)
-    block_bytes: int | None = None  # fp32 scores of one query block of a recorded layer; None: devices.block_bytes
-    _allow_cache: dict = field(default_factory=dict)
-    _device_cache: dict = field(default_factory=dict)
-    unpadded: bool | None = None  # every key real; None: read from ``valid`` (a host read: the caller may know)
-    # layers whose input hidden states (n, d) are kept on the host, to resume a later forward from
-    # (:func:`resume`: a long capture's regions); filled by a pre-hook on the decoder layers
-    checkpoint_layers: frozenset[int] = frozenset()
     checkpoints: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Run(Recorded, Cached, Asked):
+    """Per-forward state, in three parts: what the caller :class:`Asked`, what the pass :class:`Cached`,
+    and what it :class:`Recorded`. Active for one forward through :func:`active`."""
 
     def __post_init__(self):
         if self.unpadded is None:
@@ -192,6 +208,48 @@ def _stock_eager(module) -> Callable:
     return fn
 
 
+class Route(str, enum.Enum):
+    """How one layer's attention is computed (:func:`choose_route`)."""
+
+    SDPA_CAUSAL = "sdpa-causal"  # nothing to record or change, a plain causal mask: SDPA's fused causal kernel
+    SDPA_MASKED = "sdpa-masked"  # nothing to record or change: SDPA with the layer's allow-set
+    FUSED = "fused"  # statistics only, on a GPU: the fused Triton kernel (attnviz.kernels), SDPA for the output
+    BLOCKS = "blocks"  # the explicit fp32 softmax, block of query rows by block (every other case)
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What decides a layer's route; every field is a plain fact about the layer and the run."""
+
+    recorded: bool = False  # its probabilities are kept (full maps or a reducer)
+    keep_graph: bool = False  # every layer's probabilities with their autograd graph (residual variants)
+    stablemask: bool = False  # StableMask's pseudo-slots
+    softcap: bool = False  # Gemma 2's score softcap
+    sink_logits: bool = False  # gpt-oss's learned sink logits
+    reshapes: bool = False  # an intervention changes its scores or probabilities
+    head_mask: bool = False  # a per-head key mask (compressed cache, streaming heads)
+    plain_causal: bool = False  # fwd, no window, no padding, self-attention, no position bias
+    block_reducer: bool = False  # the recorder takes statistics block by block (attnviz.reduce)
+    fused_reducer: bool = False  # ... and can take the fused kernel's outputs
+    batch_one: bool = True
+    position_bias: bool = False  # T5's relative position bias
+    grad: bool = False  # autograd is on
+    kernel: bool = False  # the fused kernel can run on this device (kernels.wanted)
+
+
+def choose_route(f: Facts) -> Route:
+    """The one place a layer's route is chosen (tested alone, table-driven: tests/test_routes.py)."""
+    explicit = (f.recorded or f.keep_graph or f.stablemask or f.softcap or f.sink_logits or f.reshapes
+                or f.head_mask)
+    if not explicit:
+        return Route.SDPA_CAUSAL if f.plain_causal else Route.SDPA_MASKED
+    if (f.recorded and f.block_reducer and f.fused_reducer and f.batch_one and not f.stablemask and not f.softcap
+            and not f.sink_logits and not f.position_bias and not f.keep_graph and not f.grad and not f.reshapes
+            and f.kernel):
+        return Route.FUSED
+    return Route.BLOCKS
+
+
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
               sliding_window=None, softcap=None, s_aux=None, **kwargs):
     """The registered attention function: explicit softmax where we record or must, SDPA elsewhere."""
@@ -214,33 +272,35 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     group = n_heads // n_kv_heads
     scaling = dim ** -0.5 if scaling is None else scaling
     reshaped = any(a.changes_probabilities for a in run.interventions.at(layer))  # scores or probabilities
-    explicit = (layer in run.record or run.keep_graph or mask.stable is not None or softcap is not None
-                or s_aux is not None or reshaped or layer in run.head_masks)
+    recorded = layer in run.record
     plain_causal = mask.name == "fwd" and not sliding_window and n_q == n_kv and run.unpadded and bias is None
-    if not explicit and plain_causal:
+    streamed = recorded and isinstance(run.reducer, reduce.BlockReducer)  # statistics without full maps
+    fused = streamed and isinstance(run.reducer, reduce.FusedReducer)
+    route = choose_route(Facts(
+        recorded=recorded, keep_graph=run.keep_graph, stablemask=mask.stable is not None, softcap=softcap is not None,
+        sink_logits=s_aux is not None, reshapes=reshaped, head_mask=layer in run.head_masks, plain_causal=plain_causal,
+        block_reducer=streamed, fused_reducer=fused, batch_one=batch == 1, position_bias=bias is not None,
+        grad=torch.is_grad_enabled(), kernel=fused and kernels.wanted(query.device)))
+    if route is Route.SDPA_CAUSAL:
         # plain causal: let SDPA pick its fused causal kernel instead of reading an n x n mask
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
         return run.finish(layer, out)
     allow = run.allow(layer, n_q, n_kv, sliding_window, query.device)
     if layer in run.head_masks:
         allow = keep_self_if_empty(allow & run.head_masks[layer](n_q, n_kv, query.device)[None])
-    if not explicit:
+    if route is Route.SDPA_MASKED:
         attn_mask = allow if bias is None else bias.to(query.dtype).masked_fill(~allow, float("-inf"))
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scaling,
                                              enable_gqa=group > 1)
         return run.finish(layer, out)
 
-    recorded = layer in run.record
     if run.record_value_norms and recorded:
         run.value_norms[layer] = value_norms(module, value, n_heads)  # on the layer's device
     if run.record_qkv and recorded:
         run.qkv[layer] = (query.float().cpu(), key.float().cpu(), value.float().cpu(), scaling)
     kv_pos = run.positions[:, -n_kv:].to(query.device)
     q_pos = run.query_positions(n_q, query.device)
-    streamed = recorded and hasattr(run.reducer, "add")  # a block reducer: statistics without full maps
-    if (streamed and hasattr(run.reducer, "add_fused") and batch == 1 and mask.stable is None and softcap is None
-            and s_aux is None and bias is None and not run.keep_graph and not torch.is_grad_enabled()
-            and not reshaped and kernels.wanted(query.device)):
+    if route is Route.FUSED:
         try:
             return _fused_layer(run, layer, query, key, value, allow, scaling, plain_causal)
         except Exception as err:  # noqa: BLE001 - a kernel that cannot compile or launch here: the block engine
@@ -262,7 +322,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     ranges = run.key_ranges(layer, allow, rows, narrow)  # every block's key range, one host sync per mask
     # A reducer may need only some rows of a layer whose output nobody reads (a region: the forward
     # stops after its layer): the other blocks are skipped, their output left zero.
-    only = getattr(run.reducer, "only_rows", None) if streamed else None
+    only = run.reducer.only_rows if streamed else None
     outs = []
     for q0, (k0, k1) in zip(range(0, n_q, rows), ranges):
         q1 = min(q0 + rows, n_q)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import string
 import unicodedata
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -172,15 +174,35 @@ def rollout(maps) -> np.ndarray:
     return result
 
 
-def summarise(probs, allowed, tokens: list[str] | None = None) -> dict[str, np.ndarray]:
-    """Per-layer statistics, O(H·n) memory: kept instead of full maps when a capture is reduced, and
-    computed in one pass over a layer when figures need several. The engine streams the same
-    accumulator block by block (:mod:`attnviz.reduce`); here it gets the whole layer as one block."""
-    import torch
+@dataclass(frozen=True)
+class Statistic:
+    """One per-layer statistic a capture keeps (docs/methods.md#sink-metrics). Declared once, here:
 
-    from .reduce import LayerSummary
+    - ``reference(probs, allowed, tokens)`` is its numpy definition (tests compare every route to it);
+    - the block reducer (:class:`attnviz.reduce.LayerSummary`) and the fused kernel's sums
+      (:func:`attnviz.kernels.layer_statistics`) produce an array of this name;
+    - ``floats`` per head and token is what :func:`attnviz.capture.estimate_bytes` counts.
 
-    probs = torch.from_numpy(_f32(probs))
-    summary = LayerSummary(probs.shape[0], probs.shape[1], probs.shape[2], tokens)
-    summary.add(0, probs, torch.from_numpy(np.asarray(allowed, dtype=bool)))
-    return summary.result()
+    Adding a statistic: a line here, its accumulation in ``LayerSummary`` and its test; the fused route
+    falls back to the block engine for a statistic its kernel does not compute.
+    """
+
+    name: str
+    floats: int
+    reference: Callable
+
+
+#: Every statistic of a reduced capture, in the order ``reduce.LayerSummary.tensors`` returns them.
+STATISTICS = (
+    Statistic("allocation", len(ALLOCATION_PARTS), lambda p, a, t: allocation(p, t)),
+    Statistic("alpha", 1, lambda p, a, t: alpha(p, a)),
+    Statistic("column_mean", 1, lambda p, a, t: column_mean(p)),
+    Statistic("key0", 1, lambda p, a, t: key_profile(p, a, 0)),
+    Statistic("discarded", 1, lambda p, a, t: discarded_mass(p)),
+    Statistic("entropy", 1, lambda p, a, t: entropy(p, a, normalised=True)),
+)
+
+
+def statistic_floats() -> int:
+    """Floats per head and token that a layer's statistics take (the memory estimate's share)."""
+    return sum(s.floats for s in STATISTICS)

@@ -1,9 +1,9 @@
 """Per-layer statistics accumulated one block of query rows at a time.
 
-Every statistic of :func:`metrics.summarise` is a sum over query rows (column sums → alpha, column
+Every statistic of :data:`metrics.STATISTICS` is a sum over query rows (column sums → alpha, column
 mean) or a value per row (key-0 profile, entropy, discarded mass, allocation), so the engine can
 hand a layer over in blocks of rows and never hold the (H, n, n) fp32 map: the working set is
-O(H · block · n). :func:`metrics.summarise` itself is this accumulator fed with one block, so the
+O(H · block · n). :func:`summarise` itself is this accumulator fed with one block, so the
 streamed and the whole-matrix statistics are one implementation; the tests check it against the
 plain numpy definitions in :mod:`attnviz.metrics`.
 """
@@ -14,6 +14,37 @@ import numpy as np
 import torch
 
 from . import devices, metrics
+
+
+class BlockReducer:
+    """The protocol of a recorder that takes a recorded layer block by block instead of full maps: the
+    engine calls :meth:`add` for each block of query rows and :meth:`finish` after the layer's last.
+    ``only_rows`` (q0, q1), when set, lets the engine skip the layer's other blocks (a region)."""
+
+    only_rows: tuple[int, int] | None = None
+
+    def add(self, layer: int, q0: int, probs: torch.Tensor, allow: torch.Tensor, n_q: int, k0: int = 0,
+            n_kv: int | None = None, **extra) -> None:
+        raise NotImplementedError
+
+    def finish(self, layer: int):
+        raise NotImplementedError
+
+
+class FusedReducer(BlockReducer):
+    """A block reducer that can also take a whole layer from the fused kernel's sums (:meth:`add_fused`),
+    so the engine may route the layer through :mod:`attnviz.kernels`."""
+
+    pool: int | None = None
+    delim: torch.Tensor | None = None
+
+    def add_fused(self, layer: int, raw: dict[str, torch.Tensor], allow: torch.Tensor, n_q: int, n_kv: int) -> None:
+        raise NotImplementedError
+
+    def add_scores(self, layer: int, q0: int, scores: torch.Tensor, allow: torch.Tensor, n_q: int, n_kv: int,
+                   k0: int = 0) -> None:
+        """Pre-softmax scores of a block, when the capture keeps them (``capture(scores=True)``)."""
+        raise NotImplementedError
 
 
 class LayerSummary:
@@ -134,7 +165,7 @@ class LayerSummary:
         return devices.to_host(self.tensors())
 
 
-class Summaries:
+class Summaries(FusedReducer):
     """The engine's block reducer for ``capture(reduce=True)``: one :class:`LayerSummary` per layer
     (batch of one), started on a layer's first block and finished after its last. Every layer's
     state lives on that layer's own device (a device map may spread layers over several); its
@@ -265,3 +296,13 @@ class PooledMap:
 
     def result(self) -> np.ndarray:
         return self.tensor().cpu().numpy()
+
+
+def summarise(probs, allowed, tokens: list[str] | None = None) -> dict[str, np.ndarray]:
+    """Per-layer statistics, O(H·n) memory: kept instead of full maps when a capture is reduced, and
+    computed in one pass over a layer when figures need several. The engine streams the same
+    accumulator block by block; here it gets the whole layer as one block."""
+    probs = torch.from_numpy(metrics._f32(probs))
+    summary = LayerSummary(probs.shape[0], probs.shape[1], probs.shape[2], tokens)
+    summary.add(0, probs, torch.from_numpy(np.asarray(allowed, dtype=bool)))
+    return summary.result()

@@ -19,6 +19,7 @@ from .capture import tokenize
 from .errors import InputError
 from .models import LoadedModel
 from .recipe import Recipe
+from .reduce import BlockReducer
 
 MAX_SIDE = 96  # cells a side: every cell of a zoomed region gets a hover value (figures.style.HOVER_MAX)
 
@@ -37,7 +38,7 @@ class Region:
     model: str
 
 
-class _Crop:
+class _Crop(BlockReducer):
     """Engine block reducer keeping one rectangle of one layer's map, on the layer's device until
     :meth:`finish` copies it to the host once."""
 

@@ -13,7 +13,8 @@ import streamlit as st
 
 from attnviz import arch as arch_mod
 from attnviz import devices, interventions
-from attnviz.capture import Capture, capture, checkpoint_count, estimate_bytes, tokenize
+from attnviz import plan as plan_mod
+from attnviz.capture import Capture, capture, estimate_bytes, tokenize
 from attnviz.errors import AttnvizError
 from attnviz.lru import ByteLRU
 from attnviz.models import DEFAULT, LoadedModel, load
@@ -56,8 +57,7 @@ def full_maps_limit() -> int:
     return setting_mb("full_maps", 1024) * 2**20
 
 
-POOL = 512  # cells a side of a long capture's pooled maps: what a heatmap image shows anyway
-POOLED_EXTRAS = {"value_norms", "scores"}  # views a long capture serves as pooled maps too
+POOL = plan_mod.POOL  # cells a side of a long capture's pooled maps (the library's plan decides)
 PICKS = ["FWD", "BACK", "BIDIR", "NoSink-FWD", "NoSink-BIDIR", "INPLACE-BIDIR", "INPLACE-BACK", "MASK0-FWD",
          "MASK0-BIDIR", "MASK0-ALL", "MASK0&BIDIR", "StableMask", "Sliding window", "Dilated window",
          "Global + sliding", "Advanced (string)"]
@@ -186,43 +186,16 @@ def _full_maps(loaded: LoadedModel, n_tokens: int, hidden: bool) -> tuple[int, i
 
 def plan_capture(loaded: LoadedModel, n_tokens: int, hidden: bool, extras: tuple,
                  residual) -> tuple[dict, int] | None:
-    """(capture options, estimated bytes): full maps, or statistics + pooled maps for long texts; or
-    a refusal (None, with the reason shown) when not even statistics fit in what the memory budget
-    leaves. Decided before running."""
-    left = captures_left()
-    full, limit = _full_maps(loaded, n_tokens, hidden)
-    if full <= limit:
-        return {}, full
-    pooled = set(extras) <= POOLED_EXTRAS  # value-weighted maps and scores are max-pooled block by block too
-    long_options = dict(reduce=True, pool=POOL, value_norms="value_norms" in extras, scores="scores" in extras)
-    stats = estimate_bytes(loaded, n_tokens, **long_options)
-    if not pooled or residual:
-        what = "a residual variant" if residual else "this view"
-        fit = next((n for n in range(n_tokens, 0, -64) if estimate_bytes(loaded, n, hidden_states=hidden) <= limit), 0)
-        one = estimate_bytes(loaded, n_tokens, layers=1, hidden_states=hidden)
-        few = max((k for k in range(1, loaded.n_layers + 1)
-                   if estimate_bytes(loaded, n_tokens, layers=k, hidden_states=hidden) <= limit), default=0)
-        fewer = (f", fewer recorded layers ({few} of {loaded.n_layers} fit at this length: `attnviz capture --layers`)"
-                 if few and not residual else "")
-        st.error(f"{what.capitalize()} needs the full maps of every layer: ~{devices.mb(full)} for {n_tokens} "
-                 f"tokens, more than the {devices.mb(limit)} allowed per capture. What would fit: a text of at most "
-                 f"~{fit} tokens{fewer}, or the plain attention weights (statistics and pooled maps, any length). One "
-                 f"layer alone would take ~{devices.mb(one)}.")
+    """The library's plan (:func:`attnviz.plan.plan`) under this server's memory budget, as (capture
+    options, estimated bytes); its refusal is shown with the budget it was measured against."""
+    try:
+        planned = plan_mod.plan(loaded, n_tokens, full_maps_limit(), captures_left(), hidden, extras, residual,
+                                checkpoint_bytes=setting_mb("checkpoint", 512) * 2**20)
+    except plan_mod.CaptureTooLarge as err:
+        st.error(f"{err} The memory budget: ATTNVIZ_MEMORY_MB {devices.mb(capture_budget())}, of which the model "
+                 f"weights take {devices.mb(models_bytes())}.")
         return None
-    if stats > left:
-        fit = next((n for n in range(n_tokens, 0, -256) if estimate_bytes(loaded, n, **long_options) <= left), 0)
-        st.error(f"This capture would take ~{devices.mb(stats)} even as statistics only, more than the "
-                 f"{devices.mb(left)} the server has left for captures (ATTNVIZ_MEMORY_MB "
-                 f"{devices.mb(capture_budget())}, of which the model "
-                 f"weights take {devices.mb(models_bytes())}). What would fit: a text of at most ~{fit} tokens.")
-        return None
-    # Layer inputs to resume a region's forward from (zoom.of_capture): up to ATTNVIZ_CHECKPOINT_MB
-    # (default 512 MB) and what the budget leaves; a region of layer 29 at 8,177 tokens then runs at most
-    # 4 layers, not 30. They only speed regions up, so they are not part of the capture's cache key.
-    room = min(setting_mb("checkpoint", 512) * 2**20, left - stats)
-    count = checkpoint_count(loaded, n_tokens, room)  # a residual variant was refused above: it needs full maps
-    return ({"reduce": True, "pool": POOL, "hidden_states": False, "checkpoints": count},
-            estimate_bytes(loaded, n_tokens, **long_options, checkpoints=count))
+    return planned.options, planned.estimate
 
 
 _counts: OrderedDict = OrderedDict()  # (model, text) -> token count: plans ask on every rerun, decoding 8k tokens each

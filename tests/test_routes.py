@@ -1,0 +1,73 @@
+"""The engine's route choice is one function of plain facts (attnviz.engine.choose_route), tested alone;
+reducers follow one protocol; every statistic is declared once (attnviz.metrics.STATISTICS) and the
+block reducer, the numpy reference and the memory estimate all read that declaration."""
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from attnviz import metrics, reduce
+from attnviz.engine import Facts, Route, choose_route
+
+R = Route
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("facts,route", [
+    (Facts(), R.SDPA_MASKED),
+    (Facts(plain_causal=True), R.SDPA_CAUSAL),
+    (Facts(plain_causal=True, recorded=True), R.BLOCKS),
+    (Facts(plain_causal=True, head_mask=True), R.BLOCKS),  # a compressed cache: per-head masks
+    (Facts(plain_causal=True, reshapes=True), R.BLOCKS),  # temperature, sinkscale, sinklogit
+    (Facts(stablemask=True), R.BLOCKS),
+    (Facts(softcap=True), R.BLOCKS),
+    (Facts(sink_logits=True), R.BLOCKS),
+    (Facts(keep_graph=True), R.BLOCKS),  # residual variants
+    (Facts(recorded=True, block_reducer=True, fused_reducer=True, kernel=True), R.FUSED),
+    (Facts(recorded=True, block_reducer=True, fused_reducer=True, kernel=False), R.BLOCKS),  # no GPU
+    (Facts(recorded=True, block_reducer=True, fused_reducer=False, kernel=True), R.BLOCKS),  # a region's crop
+    (Facts(recorded=True, block_reducer=True, fused_reducer=True, kernel=True, batch_one=False), R.BLOCKS),
+    (Facts(recorded=True, block_reducer=True, fused_reducer=True, kernel=True, stablemask=True), R.BLOCKS),
+    (Facts(recorded=True, block_reducer=True, fused_reducer=True, kernel=True, reshapes=True), R.BLOCKS),
+    (Facts(recorded=True, block_reducer=True, fused_reducer=True, kernel=True, grad=True), R.BLOCKS),
+    (Facts(recorded=True, block_reducer=True, fused_reducer=True, kernel=True, position_bias=True), R.BLOCKS),
+    (Facts(recorded=False, block_reducer=True, fused_reducer=True, kernel=True), R.SDPA_MASKED),
+])
+def test_route_table(facts, route):
+    assert choose_route(facts) is route
+
+
+def test_reducers_follow_one_protocol():
+    from attnviz.zoom import _Crop
+
+    assert issubclass(reduce.Summaries, reduce.FusedReducer) and issubclass(_Crop, reduce.BlockReducer)
+    assert not issubclass(_Crop, reduce.FusedReducer)
+    engine_source = (ROOT / "attnviz" / "engine.py").read_text()
+    assert "hasattr(run.reducer" not in engine_source and "getattr(run.reducer" not in engine_source
+
+
+def test_every_declared_statistic_is_computed_and_equals_its_reference():
+    gen = torch.Generator().manual_seed(0)
+    n, heads = 7, 3
+    allowed = np.tril(np.ones((n, n), dtype=bool))
+    allowed[2:, 0] = False  # NoSink-like: alpha_0 undefined, key 0 column masked
+    scores = torch.randn(heads, n, n, generator=gen).masked_fill(~torch.from_numpy(allowed), float("-inf"))
+    probs = torch.softmax(scores, -1).numpy() * 0.9  # rows lose mass (a learned sink)
+    tokens = ["<s>", "a", ",", "b", ".", "c", "\n"]
+    got = reduce.summarise(probs, allowed, tokens)
+    assert list(got) == [s.name for s in metrics.STATISTICS]
+    for stat in metrics.STATISTICS:
+        np.testing.assert_allclose(got[stat.name], stat.reference(probs, allowed, tokens), rtol=1e-5, atol=1e-6,
+                                   equal_nan=True, err_msg=stat.name)
+        assert got[stat.name].size == heads * n * stat.floats, stat.name
+    assert metrics.statistic_floats() == sum(s.floats for s in metrics.STATISTICS) == 10
+
+
+def test_no_import_cycle_between_the_reference_and_the_reducers():
+    tree = ast.parse((ROOT / "attnviz" / "metrics.py").read_text())
+    imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names} | {
+        node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not any("reduce" in name or "engine" in name for name in imported), imported
