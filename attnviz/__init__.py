@@ -17,11 +17,11 @@ __version__ = "0.1.0"
 
 #: public name -> the module that defines it
 _EXPORTS = {
-    "Architecture": "arch", "parse": "arch",
+    "Architecture": "core.arch", "parse": "core.arch",
     "Capture": "capture", "capture": "capture",
     "AttnvizError": "errors", "ArchitectureError": "errors", "InputError": "errors", "MaskError": "errors",
     "ModelLoadError": "errors",
-    "LoadedModel": "models", "load": "models",
+    "LoadedModel": "core.models", "load": "core.models",
     "Recipe": "recipe",
     "show": "viewer.widget", "show_compare": "viewer.widget",
 }

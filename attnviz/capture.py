@@ -17,13 +17,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import arch as arch_mod
-from . import devices, engine, metrics, syntax
-from . import recipe as recipe_mod
-from .errors import AttnvizError, InputError
-from .models import LoadedModel
-from .recipe import Recipe
-from .reduce import Summaries, summarise
+from attnviz import recipe as recipe_mod
+from attnviz.core import arch as arch_mod
+from attnviz.core import devices, engine, syntax
+from attnviz.core.models import LoadedModel
+from attnviz.errors import AttnvizError, InputError
+from attnviz.recipe import Recipe
+from attnviz.stats import metrics
+from attnviz.stats.reduce import Summaries, summarise
 
 FORMAT = "attnviz-capture/1"
 TOP_ACTIVATIONS = 8
@@ -83,7 +84,7 @@ class Capture:
     timing: dict[str, float] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     # layer -> that layer's input hidden states (n, d) on the host, in the model's dtype: a region of a
-    # long capture resumes its forward from the nearest one below it (zoom.of_capture). Not saved.
+    # long capture resumes its forward from the nearest one below it (regions.of_capture). Not saved.
     checkpoints: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
     _summaries: dict[int, dict[str, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
@@ -246,7 +247,7 @@ class Capture:
 
 
 def parse_layers(layers, n_layers: int) -> list[int]:
-    """The recorded layers, in the one layer-list syntax (:func:`attnviz.syntax.layers`): ``None``/"all"
+    """The recorded layers, in the one layer-list syntax (:func:`attnviz.core.syntax.layers`): ``None``/"all"
     → every layer; "0,5,-1", "20-29" or a list → those layers (negative counts from the top)."""
     return syntax.layers(layers, n_layers)
 
@@ -291,7 +292,7 @@ def tokenize(loaded: LoadedModel, text: str, max_tokens: int | None = None,
 def estimate_bytes(loaded: LoadedModel, n_tokens: int, layers: int | None = None, reduce: bool = False,
                    pool: int | None = None, hidden_states: bool = False, value_norms: bool = False,
                    scores: bool = False, checkpoints: int = 0) -> int:
-    """What a capture of ``n_tokens`` will hold (as :func:`attnviz.lru.nbytes` counts it), before it runs.
+    """What a capture of ``n_tokens`` will hold (as :func:`attnviz.core.lru.nbytes` counts it), before it runs.
 
     Full maps: fp16 (H, n, n) per recorded layer plus one n × n allow-set per mask; statistics only
     (``reduce``): :func:`metrics.statistic_floats` per head and token per layer, plus the pooled maps (and pooled
@@ -400,7 +401,7 @@ def host_allowed(run, layers) -> dict[int, np.ndarray]:
 def _versions() -> dict[str, str]:
     import transformers
 
-    from . import __version__
+    from attnviz import __version__
 
     return {"attnviz": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "numpy": np.__version__, "python": platform.python_version()}
@@ -424,12 +425,12 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture | 
     ``value_norms`` (||W_O^h v_j||), and the residual stream's ``activations`` (norms, top values).
     ``pool`` (with ``reduce``) also keeps each layer's maps max-pooled to at most ``pool`` cells a side:
     what a long text's heatmaps show (:meth:`Capture.layer_view`).
-    ``intervene`` is an intervention string (docs/methods.md#interventions, :mod:`attnviz.interventions`), applied with any
+    ``intervene`` is an intervention string (docs/methods.md#interventions, :mod:`attnviz.core.interventions`), applied with any
     mask; ``prepend`` the BOS control ("bos" or a token, :func:`prefix_ids`).
     ``residual`` runs a seed-003 variant (a fine-tuned directory's own variant when none is named);
     its layer loop has no hidden-state outputs, so ``hidden_states``/``activations`` are refused with it.
     ``checkpoints`` keeps that many evenly spaced layers' inputs on the host (:func:`checkpoint_layers`),
-    from which a region of a long capture resumes its forward (``zoom.of_capture``).
+    from which a region of a long capture resumes its forward (``regions.of_capture``).
     """
     if reduce and scores and not pool:
         raise InputError("a reduced capture keeps pre-softmax scores only as pooled maps: give pool= as well")

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import AttnvizError
+from attnviz.errors import AttnvizError
 
 N_ALPHA_KEYS = 8
 
@@ -26,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
 def _masks(args) -> dict:
     if args.n < 1:
         raise AttnvizError(f"--n must be at least 1, got {args.n}")
-    from . import arch as arch_mod
+    from attnviz.core import arch as arch_mod
 
     architecture = arch_mod.parse(args.arch, args.layers)
     return {
@@ -50,7 +50,7 @@ def _text(args) -> str:
 
 
 def _corpus(args):
-    from . import corpus
+    from attnviz import corpus
 
     if getattr(args, "text", None) is not None:
         return corpus.from_text(args.text, "--text")
@@ -75,7 +75,7 @@ def _load(args):
     """The model; every handler reads its input first, so bad input fails before a model is loaded."""
     from huggingface_hub.utils import logging as hub_logging
 
-    from .models import load
+    from attnviz.core.models import load
 
     hub_logging.set_verbosity_error()  # the one-line error below says it; no retry chatter
 
@@ -87,13 +87,13 @@ def _load(args):
 def _check_intervene(args) -> None:
     """The intervention string's form, before a model is loaded (its layers and heads are checked
     against the model once it is)."""
-    from . import interventions
+    from attnviz.core import interventions
 
     interventions.parse(getattr(args, "intervene", None), 10**6, 10**6)
 
 
 def _intervene_json(args, loaded) -> dict:
-    from . import interventions
+    from attnviz.core import interventions
 
     spec = interventions.parse(args.intervene, loaded.n_layers, loaded.n_heads).spec
     return {"intervene": spec} if spec else {}
@@ -109,7 +109,7 @@ def _null(x: float):
 
 def sinks_report(capture, eps: float) -> dict:
     """The `attnviz sinks --json` document for a capture (all layers recorded)."""
-    from . import metrics
+    from attnviz.stats import metrics
 
     layers = []
     for layer in capture.layers:
@@ -135,7 +135,7 @@ def sinks_report(capture, eps: float) -> dict:
 
 
 def _sinks(args) -> dict:
-    from .capture import capture
+    from attnviz.capture import capture
 
     if not 0 <= args.eps <= 1:
         raise AttnvizError(f"--eps must be between 0 and 1, got {args.eps}")
@@ -150,7 +150,7 @@ def _sinks(args) -> dict:
 
 def _dataset_sinks(args) -> dict:
     """Gu et al.'s protocol over many samples (docs/methods.md#sink-metrics): per-layer rates with 95% intervals."""
-    from . import dataset
+    from attnviz.effects import dataset
 
     if args.samples <= 0:
         raise AttnvizError(f"--samples must be positive, got {args.samples}")
@@ -169,7 +169,7 @@ def _dataset_sinks(args) -> dict:
 
 
 def _capture(args) -> dict:
-    from .capture import capture
+    from attnviz.capture import capture
 
     text = _text(args)
     _check_intervene(args)
@@ -189,7 +189,7 @@ def _capture(args) -> dict:
 
 def _capture_seq2seq(args, loaded, text) -> dict:
     """Encoder-decoders: the three kinds (or the one asked for), one .npz each."""
-    from . import seq2seq
+    from attnviz import seq2seq
 
     seq2seq.require(loaded)
     if args.attention == "self":
@@ -208,7 +208,7 @@ def _capture_seq2seq(args, loaded, text) -> dict:
 
 
 def _eval(args) -> dict:
-    from .evaluate import DEFAULT_WINDOW, evaluate, token_ids
+    from attnviz.effects.evaluate import DEFAULT_WINDOW, evaluate, token_ids
 
     text = _corpus(args).text
     _check_intervene(args)
@@ -224,7 +224,7 @@ def _eval(args) -> dict:
 
 def _embed(args) -> dict | None:
     """One JSON document, or with ``--sweep k`` one JSON line per k, printed as each finishes."""
-    from . import embedding
+    from attnviz.effects import embedding
 
     if args.max_docs is not None and args.max_docs < 2:
         raise AttnvizError(f"--max-docs must be at least 2 (the probe ranks targets), got {args.max_docs}")
@@ -243,8 +243,8 @@ def _embed(args) -> dict | None:
 
 
 def _stream(args) -> dict:
-    from .evaluate import token_ids
-    from .streaming import parse_policy, stream
+    from attnviz.effects.evaluate import token_ids
+    from attnviz.effects.streaming import parse_policy, stream
 
     policies = [parse_policy(p) for p in (args.policy or ["dense"])]
     if len(policies) > 1 and not args.compare:
@@ -267,7 +267,7 @@ def _stream(args) -> dict:
 
 
 def _generate(args) -> dict:
-    from .generate import generate
+    from attnviz.effects.generate import generate
 
     text = _text(args)
     _check_intervene(args)
@@ -283,8 +283,8 @@ def _generate(args) -> dict:
 
 def _compress(args) -> dict:
     """KV-cache compression what-if (docs/methods.md#kv-cache-compression): every press at every ratio against the dense cache."""
-    from .evaluate import token_ids
-    from .kv import compress, presses
+    from attnviz.effects.evaluate import token_ids
+    from attnviz.kv import compress, presses
 
     chosen = [presses.parse(p) for p in (args.press or presses.DEFAULTS)]
     try:
@@ -304,7 +304,7 @@ def _compress(args) -> dict:
 
 def _heads(args) -> dict:
     """Head taxonomy (docs/methods.md#head-classes): sink, streaming and inactive heads of one text or a dataset."""
-    from . import heads
+    from attnviz.effects import heads
 
     for name in ("eps", "tau_stream", "tau_inactive"):
         if getattr(args, name) < 0:
@@ -325,8 +325,8 @@ def _heads(args) -> dict:
 
 def _linformer(args) -> dict:
     """Linformer what-if on one layer of a real capture (docs/methods.md#linformer-what-if)."""
-    from . import linformer
-    from .capture import capture, parse_layers
+    from attnviz.capture import capture, parse_layers
+    from attnviz.effects import linformer
 
     try:
         ks = [int(x) for x in args.ks.split(",") if x.strip()]
@@ -346,8 +346,8 @@ def _linformer(args) -> dict:
 
 def _finetune(args) -> dict:
     """Fine-tune with a residual variant (seed 003) and report the seed's eval metrics."""
-    from .evaluate import token_ids
-    from .finetune import check_out, finetune
+    from attnviz.effects.evaluate import token_ids
+    from attnviz.effects.finetune import check_out, finetune
 
     if args.steps <= 0:
         raise AttnvizError(f"--steps must be positive, got {args.steps}")
@@ -383,8 +383,8 @@ def _report(args) -> dict:
     """One self-contained HTML file: the viewer, sink shifting, sink profiles, provenance."""
     import shlex
 
-    from .reports import html as report_mod
-    from .reports import write_atomic
+    from attnviz.reports import html as report_mod
+    from attnviz.reports import write_atomic
 
     archs = report_mod.split_archs(args.arch)
     out = _out_file(args.out, (".html", ".htm"), "an .html file")
@@ -409,7 +409,7 @@ def _report(args) -> dict:
 
 def _reproduce(args) -> dict:
     """The papers' headline figures on this model, one PDF (attnviz.reports.reproduce)."""
-    from .reports import reproduce as repro
+    from attnviz.reports import reproduce as repro
 
     only = repro.parse_only(args.only)
     out = _out_file(args.out, (".pdf",), "a .pdf file")
@@ -426,7 +426,7 @@ def _sweep(args) -> dict:
     """A grid of cells on Ray (attnviz.sweep): models × archs × interventions × corpora × measures."""
     import time
 
-    from .sweep import run, spec
+    from attnviz.sweep import run, spec
 
     grid = spec.load(args.spec)  # every key checked before anything runs
     if args.workers is not None and args.workers < 1:
@@ -497,7 +497,7 @@ def _load_args(p):
 
 
 def _intervene_args(p, bos: bool = False):
-    from .interventions import USAGE
+    from attnviz.core.interventions import USAGE
 
     p.add_argument("--intervene", default=None,
                    help=f"interventions (docs/methods.md#interventions), e.g. 'sinkscale(beta=0.3)@20-29; "
@@ -520,7 +520,8 @@ def _masks_options(p):
 
 
 def _sinks_options(p):
-    from . import dataset, defaults
+    from attnviz import defaults
+    from attnviz.effects import dataset
 
     run, report = defaults.of(dataset.sinks), defaults.of(dataset.DatasetSinks.as_json)
     _model_args(p, corpus=True)
@@ -554,7 +555,8 @@ def _capture_options(p):
 
 
 def _eval_options(p):
-    from . import defaults, evaluate
+    from attnviz import defaults
+    from attnviz.effects import evaluate
 
     run = defaults.of(evaluate.evaluate)
     _model_args(p, text=False)
@@ -568,7 +570,8 @@ def _eval_options(p):
 
 
 def _finetune_options(p):
-    from . import defaults, finetune
+    from attnviz import defaults
+    from attnviz.effects import finetune
 
     run = defaults.of(finetune.finetune)
     _model_args(p, text=False)
@@ -584,7 +587,8 @@ def _finetune_options(p):
 
 
 def _embed_options(p):
-    from . import defaults, embedding
+    from attnviz import defaults
+    from attnviz.effects import embedding
 
     run = defaults.of(embedding.probe)
     _model_args(p, text=False)
@@ -596,7 +600,7 @@ def _embed_options(p):
 
 
 def _stream_options(p):
-    from . import streaming
+    from attnviz.effects import streaming
 
     _model_args(p, text=False)
     _intervene_args(p)
@@ -607,8 +611,8 @@ def _stream_options(p):
 
 
 def _compress_options(p):
-    from . import defaults
-    from .kv import compress, presses
+    from attnviz import defaults
+    from attnviz.kv import compress, presses
 
     run = defaults.of(compress.compress)
     _model_args(p, text=False).add_argument("--text", help="the text (default: the stdlib corpus)")
@@ -623,7 +627,8 @@ def _compress_options(p):
 
 
 def _heads_options(p):
-    from . import defaults, heads
+    from attnviz import defaults
+    from attnviz.effects import heads
 
     run, texts = defaults.of(heads.taxonomy), defaults.of(heads.dataset_texts)
     _model_args(p, text=False).add_argument("--text", help="one text (default: the stdlib corpus as a dataset)")
@@ -641,7 +646,8 @@ def _heads_options(p):
 
 
 def _linformer_options(p):
-    from . import defaults, linformer
+    from attnviz import defaults
+    from attnviz.effects import linformer
 
     _model_args(p)
     p.add_argument("--layer", default="-1", help="the layer (default: the top one; negative counts from the top)")
@@ -651,7 +657,8 @@ def _linformer_options(p):
 
 
 def _generate_options(p):
-    from . import defaults, generate
+    from attnviz import defaults
+    from attnviz.effects import generate
 
     run = defaults.of(generate.generate)
     _model_args(p)
@@ -662,8 +669,8 @@ def _generate_options(p):
 
 
 def _report_options(p):
-    from . import defaults
-    from .reports import html
+    from attnviz import defaults
+    from attnviz.reports import html
 
     run = defaults.of(html.report_html)
     _model_args(p)

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import InputError
+from attnviz.errors import InputError
 
 STDLIB = "stdlib"
 CHARS_PER_TOKEN_BOUND = 16  # no tokenizer we know packs more: tokenize only the prefix we need

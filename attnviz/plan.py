@@ -8,10 +8,11 @@ would fit. The device's own working set is checked by :func:`attnviz.capture.che
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from . import devices
-from .capture import checkpoint_count, estimate_bytes
-from .errors import InputError
-from .models import LoadedModel
+
+from attnviz.capture import checkpoint_count, estimate_bytes
+from attnviz.core import devices
+from attnviz.core.models import LoadedModel
+from attnviz.errors import InputError
 
 POOL = 512  # cells a side of a long capture's pooled maps: what a heatmap image shows anyway
 POOLED_EXTRAS = frozenset({"value_norms", "scores"})  # views a long capture serves as pooled maps too
@@ -65,7 +66,7 @@ def plan(loaded: LoadedModel, n_tokens: int, per_capture: int, left: int, hidden
         raise CaptureTooLarge(
             f"This capture would take ~{devices.mb(stats)} even as statistics only, more than the {devices.mb(left)} "
             f"left for captures. What would fit: a text of at most ~{fit} tokens.")
-    # layer inputs to resume a region's forward from (zoom.of_capture): they only speed regions up
+    # layer inputs to resume a region's forward from (regions.of_capture): they only speed regions up
     count = checkpoint_count(loaded, n_tokens, min(checkpoint_bytes, left - stats))
     return Plan({"reduce": True, "pool": POOL, "hidden_states": False, "checkpoints": count},
                 estimate_bytes(loaded, n_tokens, **long_options, checkpoints=count))

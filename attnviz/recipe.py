@@ -17,14 +17,14 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
-from .errors import InputError
+from attnviz.errors import InputError
 
 if TYPE_CHECKING:
     import torch
 
-    from .arch import Architecture
-    from .interventions import Interventions
-    from .models import LoadedModel
+    from attnviz.core.arch import Architecture
+    from attnviz.core.interventions import Interventions
+    from attnviz.core.models import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class Built:
     recipe: Recipe
     architecture: "Architecture"
     interventions: "Interventions"
-    variant: object | None  # attnviz.residual.Variant
+    variant: object | None  # attnviz.core.residual.Variant
 
     def only(self, purpose: str, *applies: str) -> "Built":
         """Refuse a recipe part that ``purpose`` does not apply (``applies``: "intervene", "prepend",
@@ -115,9 +115,9 @@ def build(loaded: "LoadedModel", arch="fwd", intervene=None, prepend: str | None
           residual: str | None = None) -> Built:
     """Settings, or a :class:`Recipe` passed as ``arch``, made real on ``loaded``. A recipe's own
     intervention, BOS control and variant are used; naming them again as well is refused."""
-    from . import arch as arch_mod
-    from . import interventions as interventions_mod
-    from . import residual as residual_mod
+    from attnviz.core import arch as arch_mod
+    from attnviz.core import interventions as interventions_mod
+    from attnviz.core import residual as residual_mod
 
     if isinstance(arch, Recipe):
         given = [name for name, value in (("intervene", intervene), ("prepend", prepend), ("residual", residual))
@@ -147,8 +147,8 @@ def forward(loaded: "LoadedModel", variant, input_ids: "torch.Tensor", masks, re
 
     import torch
 
-    from . import engine
-    from . import residual as residual_mod
+    from attnviz.core import engine
+    from attnviz.core import residual as residual_mod
 
     if variant is None and grad:  # the stock module under the run's masks, its graph kept (fine-tuning)
         run = engine.make_run(loaded.model, input_ids, masks, record=set() if record is None else record, **options)

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import arch as arch_mod
-from . import engine
-from .capture import Capture, _versions, host_allowed, tokenize
-from .errors import InputError, ModelLoadError
-from .models import LoadedModel
+from attnviz.capture import Capture, _versions, host_allowed, tokenize
+from attnviz.core import arch as arch_mod
+from attnviz.core import engine
+from attnviz.core.models import LoadedModel
+from attnviz.errors import InputError, ModelLoadError
 
 KINDS = {"encoder": "encoder self-attention", "decoder": "decoder self-attention",
          "cross": "cross-attention (target → source)"}

@@ -22,8 +22,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from attnviz import corpus, load
-from attnviz.evaluate import evaluate, token_ids, windows
-from attnviz.streaming import stream
+from attnviz.effects.evaluate import evaluate, token_ids, windows
+from attnviz.effects.streaming import stream
 
 
 def timed(fn) -> float:

@@ -34,9 +34,11 @@ import time
 
 import torch
 
-from attnviz import engine, streaming, zoom
+from attnviz.core import engine
+from attnviz.effects import streaming
+from attnviz import regions
 from attnviz.capture import capture
-from attnviz.models import LoadedModel
+from attnviz.core.models import LoadedModel
 
 SHAPES = {  # (layers, heads, kv heads, hidden, intermediate, vocab, max positions)
     "smollm2": dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
@@ -150,8 +152,8 @@ def region_case(loaded: LoadedModel, shape: str, n: int, device: str, repeat: in
     layer = loaded.n_layers - 1
     where = (layer, (n - 96, n), (0, 96))
     cap = capture(loaded, text, "fwd", reduce=True, pool=512, checkpoints=8)
-    seconds, peak = timed(lambda: zoom.of_capture(loaded, cap, *where), device, repeat)
-    start_s, _ = timed(lambda: zoom.region(loaded, text, "fwd", *where), device, repeat)
+    seconds, peak = timed(lambda: regions.of_capture(loaded, cap, *where), device, repeat)
+    start_s, _ = timed(lambda: regions.region(loaded, text, "fwd", *where), device, repeat)
     print(f"gpu region shape={shape} n={n} side=96 layer={layer} region_s={seconds:.3f} from_start_s={start_s:.3f} "
           f"peak_mb={peak:.0f} checkpoints={sorted(cap.checkpoints)}", flush=True)
 

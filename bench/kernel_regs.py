@@ -9,7 +9,7 @@ first thing that makes a kernel slow), shared memory a program. Prints one line 
 registers=<r> spill_stores=<B> spill_loads=<B> shared=<B>``.
 
 The baseline is the kernel's own alternatives in the same run: 4 warps against the chosen 8
-(``attnviz.kernels.NUM_WARPS``). These are compiler figures, not timings: timings need a GPU
+(``attnviz.core.kernels.NUM_WARPS``). These are compiler figures, not timings: timings need a GPU
 (bench/gpu.py).
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from attnviz import kernels
+from attnviz.core import kernels
 
 OUTPUTS = {"stats": dict(pool=False), "pooled": dict(pool=True), "pooled+value+scores": dict(pool=True, value=True,
                                                                                             scores=True)}

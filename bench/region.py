@@ -6,9 +6,9 @@ layer inputs, on the default model.
 One process: the default model captures the first N tokens of the stdlib corpus as the app does for
 a long text (statistics, 512-px pooled maps) keeping ``--checkpoints`` layer inputs; then a 96 x 96
 region of the last 96 queries x the first 96 keys of ``--layer`` is made
-- ``from_start``: :func:`attnviz.zoom.region`, the forward from the embeddings up to the layer (the
+- ``from_start``: :func:`attnviz.regions.region`, the forward from the embeddings up to the layer (the
   baseline: what every region cost before);
-- ``resumed``: :func:`attnviz.zoom.of_capture`, from the capture's nearest kept input below the layer.
+- ``resumed``: :func:`attnviz.regions.of_capture`, from the capture's nearest kept input below the layer.
 Medians of ``--repeat`` runs, alternating; the two regions are checked equal. Ends with
 ``region n=<N> layer=<L> from_start_s=<s> resumed_s=<s> speedup=<x> checkpoints_mb=<MB> capture_s=<s>``.
 """
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
 
-    from attnviz import corpus, load, zoom
+    from attnviz import corpus, load, regions
     from attnviz.capture import capture, checkpoint_bytes
 
     lm = load("default")
@@ -44,8 +44,8 @@ def main() -> None:
     times = {"from_start": [], "resumed": []}
     regions = {}
     for _ in range(args.repeat):
-        for name, make in (("from_start", lambda: zoom.region(lm, text, "fwd", *where)),
-                           ("resumed", lambda: zoom.of_capture(lm, cap, *where))):
+        for name, make in (("from_start", lambda: regions.region(lm, text, "fwd", *where)),
+                           ("resumed", lambda: regions.of_capture(lm, cap, *where))):
             t0 = time.perf_counter()
             regions[name] = make()
             times[name].append(time.perf_counter() - t0)

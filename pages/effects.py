@@ -4,16 +4,19 @@ the embedding k-sweep and cached generation (docs/methods.md#evaluation, docs/me
 import pandas as pd
 import streamlit as st
 
-from attnviz import corpus, defaults, embedding, export, linformer, residual, streaming
-from attnviz.arch import parse, with_k
+from attnviz import corpus, defaults
+from attnviz.effects import embedding, linformer, streaming
+from attnviz.figures import export
+from attnviz.core import residual
+from attnviz.core.arch import parse, with_k
 from attnviz.capture import capture
 from attnviz.errors import AttnvizError
-from attnviz.evaluate import evaluate, token_ids
+from attnviz.effects.evaluate import evaluate, token_ids
 from attnviz.figures import (compression_curves, generation_view, k_sweep, kept_keys, linformer_errors,
                              linformer_map, perplexity_bars, residual_table_figure, streaming_curves)
 from attnviz.kv import compress, presses
-from attnviz.generate import generate
-from attnviz.models import cache_dir
+from attnviz.effects.generate import generate
+from attnviz.core.models import cache_dir
 from attnviz.reports import reproduce as repro
 from ui import jobs
 from ui.export import figure_downloads

@@ -2,7 +2,9 @@
 
 import streamlit as st
 
-from attnviz import corpus, defaults, export, heads
+from attnviz import corpus, defaults
+from attnviz.figures import export
+from attnviz.effects import heads
 from attnviz.errors import AttnvizError
 from attnviz.figures import heatmap
 from attnviz.figures.heads import head_classes

@@ -5,7 +5,8 @@ Encoder-decoder models (T5, BART ...) show encoder, decoder or cross-attention (
 
 import streamlit as st
 
-from attnviz import export, zoom
+from attnviz.figures import export
+from attnviz import regions
 from attnviz.errors import AttnvizError
 from attnviz.figures import heatmap, overview, region_heatmap, tile_at
 from ui import jobs
@@ -130,7 +131,7 @@ def show_overview(cap) -> None:
 def zoom_section(cap, layer: int, head, log: bool, box) -> None:
     """A region (queries × keys) at full resolution: cut from full maps, or recomputed for a long text
     (the forward stops after this layer). ``box``: ((q0, q1), (k0, k1)) a drag on the map asked for."""
-    n, n_q, side = cap.n_tokens, len(cap.row_tokens), zoom.MAX_SIDE
+    n, n_q, side = cap.n_tokens, len(cap.row_tokens), regions.MAX_SIDE
     if box:  # a box dragged on the map sets the ranges (at most ``side`` tokens a side)
         (q0, q1), (k0, k1) = box
         k0, q0 = max(0, int(k0)), max(0, int(q0))
@@ -150,7 +151,7 @@ def zoom_section(cap, layer: int, head, log: bool, box) -> None:
         wanted = (layer, queries, keys)
         if layer not in cap.probs:  # a long text: the region costs a forward up to this layer, so on request
             if boxes or c1.button("Show this region at full resolution", key="hm_zoom_go",
-                                  help=f"Re-runs layers {zoom.resumes_at(cap, layer)}–{layer} on the text, "
+                                  help=f"Re-runs layers {regions.resumes_at(cap, layer)}–{layer} on the text, "
                                        "keeping only this region"):
                 st.session_state["hm_zoom_for"] = (cap.text, cap.arch, *wanted)
             asked = st.session_state.get("hm_zoom_for")
@@ -159,11 +160,11 @@ def zoom_section(cap, layer: int, head, log: bool, box) -> None:
             layer, queries, keys = asked[2:]
         try:
             if layer in cap.probs:
-                region = zoom.from_capture(cap, layer, queries, keys)
+                region = regions.from_capture(cap, layer, queries, keys)
             else:  # recomputed with the capture's own recipe (intervention, BOS control, residual variant)
                 region = jobs.run(("region", cap.recipe.key, cap.text, layer, queries, keys),
                                   f"Layer {layer}, queries {queries[0]}–{queries[1] - 1} × keys {keys[0]}–{keys[1] - 1}",
-                                  lambda progress: zoom.of_capture(loaded, cap, layer, queries, keys,
+                                  lambda progress: regions.of_capture(loaded, cap, layer, queries, keys,
                                                                    on_layer=progress))
         except AttnvizError as err:
             st.error(str(err))

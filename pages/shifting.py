@@ -4,7 +4,7 @@ import re
 
 import streamlit as st
 
-from attnviz import export
+from attnviz.figures import export
 from attnviz.figures import shift_panels, shift_rate_figure, sink_key_grids
 from ui.export import figure_downloads, report_download
 from ui.state import get_capture, page_context

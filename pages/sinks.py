@@ -5,8 +5,11 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from attnviz import corpus, dataset, defaults, export, metrics
-from attnviz.arch import parse
+from attnviz import corpus, defaults
+from attnviz.effects import dataset
+from attnviz.figures import export
+from attnviz.stats import metrics
+from attnviz.core.arch import parse
 from attnviz.errors import AttnvizError
 from attnviz.figures import (allocation_bars, alpha_by_key, alpha_grid, averaged_map, discarded_figure, key_profile,
                              massive_activations, rate_bars, sink_grid, sink_shares, top_activation_rows)

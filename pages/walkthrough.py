@@ -3,7 +3,7 @@
 import numpy as np
 import streamlit as st
 
-from attnviz import walkthrough as W
+from attnviz.effects import walkthrough as W
 from attnviz.errors import InputError
 from attnviz.figures import labelled_matrix
 from ui.state import page_context

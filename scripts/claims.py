@@ -11,9 +11,11 @@ import json
 
 import numpy as np
 
-from attnviz import corpus, heads, load, metrics
+from attnviz import corpus, load
+from attnviz.effects import heads
+from attnviz.stats import metrics
 from attnviz.capture import capture
-from attnviz.evaluate import evaluate, token_ids
+from attnviz.effects.evaluate import evaluate, token_ids
 from attnviz.kv import compress
 
 

@@ -14,10 +14,12 @@ import argparse
 import json
 from pathlib import Path
 
-from attnviz import corpus, embedding, export, load
-from attnviz.evaluate import evaluate, token_ids
+from attnviz import corpus, load
+from attnviz.effects import embedding
+from attnviz.figures import export
+from attnviz.effects.evaluate import evaluate, token_ids
 from attnviz.figures import k_sweep, perplexity_bars, streaming_curves
-from attnviz.streaming import stream
+from attnviz.effects.streaming import stream
 
 ROOT = Path(__file__).resolve().parent.parent
 

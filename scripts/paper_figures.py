@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from attnviz import arch, capture, export, load, zoom
+from attnviz.core import arch
+from attnviz import capture, load, regions
+from attnviz.figures import export
 from attnviz.figures import (allocation_bars, alpha_grid, architecture_masks, difference, heatmap, key_profile,
                              panels, region_heatmap, shift_panels, sink_grid)
 
@@ -34,7 +36,7 @@ def main() -> None:
     figures = {
         "heatmap": heatmap(fwd, 29, None, log=True),
         "panels": panels([fwd, nosink], ["FWD", "NoSink-FWD"], 20),
-        "region": region_heatmap(zoom.from_capture(fwd, 29, (18, 38), (0, 20)), None),
+        "region": region_heatmap(regions.from_capture(fwd, 29, (18, 38), (0, 20)), None),
         "key_profile": key_profile(fwd, 0),
         "alpha_grid": alpha_grid(fwd, 0),
         "sink_grid": sink_grid(fwd, 0),

@@ -15,10 +15,10 @@ import json
 from pathlib import Path
 
 from attnviz import corpus, load
-from attnviz.evaluate import token_ids
-from attnviz.finetune import finetune
-from attnviz.models import cache_dir
-from attnviz.residual import METHODS, results_table
+from attnviz.effects.evaluate import token_ids
+from attnviz.effects.finetune import finetune
+from attnviz.core.models import cache_dir
+from attnviz.core.residual import METHODS, results_table
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
-from attnviz import walkthrough as W
+from attnviz.effects import walkthrough as W
 
 TIMEOUT = 300
 
@@ -179,7 +179,7 @@ def test_text_survives_a_visit_to_the_walkthrough(app):
 
 
 def test_effects_perplexity_compares_architectures(app, default_model):
-    from attnviz.evaluate import evaluate
+    from attnviz.effects.evaluate import evaluate
 
     on_page(app, "pages/effects.py")
     app.selectbox(key="fx_ppl_source").set_value("The sidebar text").run()
@@ -200,7 +200,7 @@ def test_effects_perplexity_compares_architectures(app, default_model):
 
 
 def test_effects_streaming_curves_and_bad_policies(app, default_model):
-    from attnviz.evaluate import evaluate
+    from attnviz.effects.evaluate import evaluate
 
     on_page(app, "pages/effects.py")
     app.radio(key="fx_section").set_value("Streaming (KV cache)").run()
@@ -274,7 +274,8 @@ def test_effects_generation_replays_steps(app):
 
 
 def test_heatmap_modes_value_logits_rollout(app, default_model):
-    from attnviz import capture, metrics
+    from attnviz import capture
+    from attnviz.stats import metrics
 
     weight = arr(charts(app)[0]["data"][0]["customdata"])
     app.radio(key="hm_mode").set_value("value").run()
@@ -298,7 +299,8 @@ def test_heatmap_modes_value_logits_rollout(app, default_model):
 
 
 def test_sinks_dataset_mode_with_gu_preset(app, default_model):
-    from attnviz import corpus, dataset
+    from attnviz import corpus
+    from attnviz.effects import dataset
 
     on_page(app, "pages/sinks.py")
     app.radio(key="sk_view").set_value("a dataset").run()
@@ -400,7 +402,7 @@ def test_residual_variant_in_the_sidebar_changes_the_capture(app):
 
 
 def test_effects_residual_table(app, tmp_path):
-    from attnviz.residual import SEED_TABLE
+    from attnviz.core.residual import SEED_TABLE
 
     (tmp_path / "m1").mkdir()
     (tmp_path / "m1" / "metrics.json").write_text(json.dumps(

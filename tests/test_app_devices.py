@@ -5,7 +5,8 @@ device out-of-memory error in the middle of a capture, the server serving on."""
 import pytest
 import torch
 
-from attnviz import capture, devices, engine
+from attnviz import capture
+from attnviz.core import devices, engine
 from attnviz.errors import AttnvizError
 
 from conftest import ENGLISH

@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz import engine, metrics
-from attnviz.arch import parse
+from attnviz.core import engine
+from attnviz.stats import metrics
+from attnviz.core.arch import parse
 from attnviz.capture import capture
-from attnviz.reduce import LayerSummary
+from attnviz.stats.reduce import LayerSummary
 
 from tiny import build, loaded
 

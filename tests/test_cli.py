@@ -103,7 +103,7 @@ def text_file(tmp_path):
 
 
 def test_eval_json_matches_the_library(default_model, text_file):
-    from attnviz.evaluate import evaluate, token_ids
+    from attnviz.effects.evaluate import evaluate, token_ids
 
     out = run("eval", "--arch", "nosink-fwd", "--text-file", str(text_file), "--window", "64", "--stride", "32", "--json")
     assert out.returncode == 0, out.stderr
@@ -170,7 +170,8 @@ def test_effects_bad_input_is_one_line(args, message, default_model, tmp_path):
 
 
 def test_sinks_over_a_dataset(default_model, tmp_path):
-    from attnviz import corpus, dataset
+    from attnviz import corpus
+    from attnviz.effects import dataset
 
     out = run("sinks", "--corpus", "stdlib", "--per-doc", "--max-len", "16", "--samples", "4", "--json")
     assert out.returncode == 0, out.stderr

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnviz.errors import ArchitectureError, InputError
-from attnviz.evaluate import evaluate
+from attnviz.effects.evaluate import evaluate
 from attnviz.kv import compress as C
 from attnviz.kv import presses as P
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz import engine, zoom
-from attnviz.arch import parse
+from attnviz.core import engine
+from attnviz import regions
+from attnviz.core.arch import parse
 from attnviz.capture import capture
 
 from tiny import ARCHS, CharTokenizer, build, loaded
@@ -66,8 +67,8 @@ def test_long_mode_statistics_and_pooled_maps_on_cuda_equal_the_cpu(spec):
 
 @pytest.mark.parametrize("spec", ["fwd", "stablemask(gamma=0.5)", "mask0-bidir(k=2)"])
 def test_regions_on_cuda_equal_the_cpu(spec):
-    cpu = zoom.region(_on("llama", "cpu", torch.float32), TEXT, spec, 1, (150, 228), (3, 70))
-    gpu = zoom.region(_on("llama", "cuda", torch.float32), TEXT, spec, 1, (150, 228), (3, 70))
+    cpu = regions.region(_on("llama", "cpu", torch.float32), TEXT, spec, 1, (150, 228), (3, 70))
+    gpu = regions.region(_on("llama", "cuda", torch.float32), TEXT, spec, 1, (150, 228), (3, 70))
     np.testing.assert_allclose(gpu.values, cpu.values, atol=1e-4)
     np.testing.assert_array_equal(gpu.allowed, cpu.allowed)
 

@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz import capture, load, metrics
+from attnviz import capture, load
+from attnviz.stats import metrics
 from attnviz.errors import InputError, ModelLoadError
-from attnviz.models import DEFAULT_GGUF, default_gguf
+from attnviz.core.models import DEFAULT_GGUF, default_gguf
 
 from conftest import ENGLISH
 
@@ -162,8 +163,8 @@ def test_eval_and_dense_streaming_match_stock_transformers(default_model):
     """docs/methods.md#evaluation windows against HF's own loss (labels = -100 outside new targets), and dense streaming
     against the plain forward, on the real model; outside an attnviz run the model is stock SDPA."""
     from attnviz import corpus
-    from attnviz.evaluate import evaluate, token_ids, windows
-    from attnviz.streaming import stream
+    from attnviz.effects.evaluate import evaluate, token_ids, windows
+    from attnviz.effects.streaming import stream
 
     ids = token_ids(default_model, corpus.stdlib("specialnames").text, 300)
     nll_sum, count = 0.0, 0

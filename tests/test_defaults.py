@@ -6,7 +6,9 @@ import argparse
 
 import pytest
 
-from attnviz import dataset, defaults, embedding, evaluate, finetune, generate, heads, linformer, metrics, streaming
+from attnviz.effects import dataset, embedding, evaluate, finetune, generate, heads, linformer, streaming
+from attnviz import defaults
+from attnviz.stats import metrics
 from attnviz.cli import ALL, COMMANDS, build_parser
 from attnviz.kv import compress
 from attnviz.reports import html
@@ -90,7 +92,7 @@ def test_commands_build_their_options_only_when_asked(monkeypatch):
     import sys
 
     code = ("import sys; from attnviz.cli import main; main(['masks', '--arch', 'fwd', '--layers', '1', '--n', '1']);"
-            "heavy = [m for m in ('torch._dynamo', 'transformers.modeling_utils', 'attnviz.engine') if m in sys.modules];"
+            "heavy = [m for m in ('torch._dynamo', 'transformers.modeling_utils', 'attnviz.core.engine') if m in sys.modules];"
             "print('HEAVY', heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "HEAVY []" in out

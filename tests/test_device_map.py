@@ -71,7 +71,7 @@ def test_cli_device_map_auto(model_dir):
 
 
 def test_where_a_mapped_model_runs_is_said_in_one_line(model_dir, tmp_path):
-    from attnviz import devices
+    from attnviz.core import devices
 
     mapped = load(str(model_dir), device_map=MAP, offload_folder=tmp_path / "offload")
     assert devices.describe(mapped.model) == "cpu + disk · float32"

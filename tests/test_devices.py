@@ -10,10 +10,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from attnviz import devices, engine, metrics
-from attnviz import masks as M
-from attnviz.reduce import LayerSummary, PooledMap, Summaries
-from attnviz.zoom import _Crop
+from attnviz.core import devices, engine
+from attnviz.stats import metrics
+from attnviz.core import masks as M
+from attnviz.stats.reduce import LayerSummary, PooledMap, Summaries
+from attnviz.regions import _Crop
 
 META = torch.device("meta")
 H, N = 3, 10
@@ -154,8 +155,8 @@ def test_a_decoding_step_neither_copies_nor_reads_back(layers):
     loop read each token's log-probability back before the next step."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from attnviz.models import LoadedModel
-    from attnviz.streaming import CachedDecoder
+    from attnviz.core.models import LoadedModel
+    from attnviz.effects.streaming import CachedDecoder
 
     from tiny import VOCAB, CharTokenizer
 

@@ -5,12 +5,14 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz import corpus, embedding, engine
-from attnviz.arch import parse, with_k
+from attnviz import corpus
+from attnviz.effects import embedding
+from attnviz.core import engine
+from attnviz.core.arch import parse, with_k
 from attnviz.errors import ArchitectureError, InputError
-from attnviz.evaluate import evaluate, windows
-from attnviz.generate import generate
-from attnviz.streaming import CachedDecoder, parse_policy, stream
+from attnviz.effects.evaluate import evaluate, windows
+from attnviz.effects.generate import generate
+from attnviz.effects.streaming import CachedDecoder, parse_policy, stream
 
 from tiny import VOCAB, loaded, pair
 
@@ -302,8 +304,8 @@ def test_text_files_split_at_blank_lines(tmp_path):
 
 @pytest.mark.parametrize("policy", ["dense", "window(w=4)"])
 def test_generation_estimate_counts_the_recorded_rows_and_refuses_past_a_limit(policy):
-    from attnviz.generate import ROW_OVERHEAD, estimate_bytes
-    from attnviz.streaming import parse_policy
+    from attnviz.effects.generate import ROW_OVERHEAD, estimate_bytes
+    from attnviz.effects.streaming import parse_policy
 
     lm = loaded("llama")
     result = generate(lm, "how much does a generation keep in memory", "fwd", policy, max_new_tokens=4)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz import engine
-from attnviz import masks as M
-from attnviz.arch import parse
+from attnviz.core import engine
+from attnviz.core import masks as M
+from attnviz.core.arch import parse
 from attnviz.capture import capture
 from attnviz.errors import ModelLoadError
 
@@ -207,8 +207,8 @@ def test_sm_i_at_n_equal_t_is_stablemask(spec):
 
 def test_sm_i_streams_with_a_kv_cache_and_refuses_text_past_t():
     from attnviz.errors import InputError
-    from attnviz.evaluate import evaluate
-    from attnviz.streaming import stream
+    from attnviz.effects.evaluate import evaluate
+    from attnviz.effects.streaming import stream
 
     lm = loaded("llama")
     ids = _ids(16)[0].tolist()

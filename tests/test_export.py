@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from attnviz import export
+from attnviz.figures import export
 from attnviz.capture import capture
 from attnviz.figures import heatmap
 

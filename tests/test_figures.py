@@ -4,8 +4,9 @@ import numpy as np
 import plotly.graph_objects as go
 import pytest
 
-from attnviz import compare, export
-from attnviz.arch import parse
+from attnviz.stats import compare
+from attnviz.figures import export
+from attnviz.core.arch import parse
 from attnviz.capture import capture
 from attnviz.figures import (allocation_bars, architecture_masks, heatmap, key_profile, overview, panels,
                              shift_panels, sink_grid, stablemask_pseudo, tile_at)

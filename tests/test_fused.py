@@ -1,4 +1,4 @@
-"""The fused statistics kernel (attnviz.kernels) in Triton's interpreter on the CPU:
+"""The fused statistics kernel (attnviz.core.kernels) in Triton's interpreter on the CPU:
 its sums against the definitions computed from the full probabilities, and a whole capture by the
 fused route against the block engine and docs/methods.md#sink-metrics."""
 
@@ -13,12 +13,13 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # conftest.py sets it on a machin
     pytest.skip("the kernel runs compiled on this GPU machine: tests/test_cuda.py checks it there",
                 allow_module_level=True)
 
-from attnviz import engine, kernels, metrics  # noqa: E402
-from attnviz.arch import parse  # noqa: E402
+from attnviz.core import engine, kernels  # noqa: E402
+from attnviz.stats import metrics
+from attnviz.core.arch import parse  # noqa: E402
 from attnviz.capture import capture  # noqa: E402
 from attnviz.figures.style import max_pool  # noqa: E402
-from attnviz.masks import keep_self_if_empty  # noqa: E402
-from attnviz.reduce import pool_factor  # noqa: E402
+from attnviz.core.masks import keep_self_if_empty  # noqa: E402
+from attnviz.stats.reduce import pool_factor  # noqa: E402
 
 from tiny import loaded  # noqa: E402
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz import heads
+from attnviz.effects import heads
 from attnviz.errors import InputError
 
 from tiny import loaded

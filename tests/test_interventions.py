@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz import engine
-from attnviz import interventions as I
-from attnviz.arch import parse
+from attnviz.core import engine
+from attnviz.core import interventions as I
+from attnviz.core.arch import parse
 from attnviz.capture import capture
 from attnviz.errors import InputError
 
@@ -166,7 +166,7 @@ def test_perplexity_of_a_text_file_is_the_file_as_written(default_model, tmp_pat
     import json
 
     from attnviz.corpus import stdlib
-    from attnviz.evaluate import evaluate, token_ids
+    from attnviz.effects.evaluate import evaluate, token_ids
     from test_cli import run
 
     raw = "  " + stdlib("compound").text[:2500].replace("\n\n", "\n\n\n   ") + "\n\n"
@@ -184,7 +184,7 @@ def test_perplexity_of_a_text_file_is_the_file_as_written(default_model, tmp_pat
 def test_cli_intervene_on_capture_stream_and_generate(default_model, tmp_path):
     import json
 
-    from attnviz import export
+    from attnviz.figures import export
     from attnviz.capture import Capture
     from test_cli import run
 

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton was built without its CUDA backend")
 
-from attnviz import kernels  # noqa: E402
+from attnviz.core import kernels  # noqa: E402
 
 # every output the kernel can be asked for at once (the most registers), and the plain statistics
 HALF = [dict(capability=cap, dtype="bf16", head_dim=d, causal=causal, **outputs)

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz import engine, zoom
+from attnviz.core import engine
+from attnviz import regions
 from attnviz.capture import capture, checkpoint_bytes, checkpoint_count, checkpoint_layers, estimate_bytes
 from attnviz.errors import InputError
 from attnviz.figures.style import max_pool
-from attnviz.lru import ByteLRU, nbytes
+from attnviz.core.lru import ByteLRU, nbytes
 
 from tiny import ARCHS, loaded
 
@@ -57,13 +58,13 @@ def test_a_region_equals_the_slice_of_the_full_map(spec):
     lm = loaded("llama")
     full = capture(lm, TEXT, spec, storage_dtype=torch.float32)
     steps = []
-    region = zoom.region(lm, TEXT, spec, 1, (150, 208), (3, 70), on_layer=lambda d, t: steps.append((d, t)),
+    region = regions.region(lm, TEXT, spec, 1, (150, 208), (3, 70), on_layer=lambda d, t: steps.append((d, t)),
                          block_bytes=4 * 4 * len(TEXT) * 11)  # 11-row blocks: the region crosses several
     np.testing.assert_allclose(region.values, full.layer_probs(1)[:, 150:208, 3:70], atol=1e-6)
     np.testing.assert_array_equal(region.allowed, full.allowed[1][150:208, 3:70])
     assert region.row_tokens == full.tokens[150:208] and region.col_tokens == full.tokens[3:70]
     assert steps == [(1, 2), (2, 2)]  # the forward stopped after layer 1
-    cut = zoom.from_capture(full, 1, (150, 208), (3, 70))
+    cut = regions.from_capture(full, 1, (150, 208), (3, 70))
     np.testing.assert_array_equal(cut.values, full.layer_probs(1)[:, 150:208, 3:70])
 
 
@@ -78,7 +79,7 @@ def test_a_causal_region_runs_only_the_text_up_to_its_last_token(spec, runs, mon
     real = engine.forward
     monkeypatch.setattr(engine, "forward", lambda model, ids, *a, **k: lengths.append(ids.shape[1]) or
                         real(model, ids, *a, **k))
-    region = zoom.region(lm, TEXT, spec, 1, (40, 90), (10, 60))
+    region = regions.region(lm, TEXT, spec, 1, (40, 90), (10, 60))
     assert lengths == [runs]
     np.testing.assert_allclose(region.values, full.layer_probs(1)[:, 40:90, 10:60], atol=1e-6)
     np.testing.assert_array_equal(region.allowed, full.allowed[1][40:90, 10:60])
@@ -96,13 +97,13 @@ def test_a_long_captures_region_is_made_with_what_the_capture_was_made_with(made
     full = capture(lm, TEXT, "fwd", storage_dtype=torch.float32, **made_with)
     reduced = capture(lm, TEXT, "fwd", reduce=True, pool=24, **made_with)
     assert 2 not in reduced.probs
-    region = zoom.of_capture(lm, reduced, 2, (150, 200), (0, 60))
+    region = regions.of_capture(lm, reduced, 2, (150, 200), (0, 60))
     np.testing.assert_allclose(region.values, full.layer_probs(2)[:, 150:200, 0:60], atol=1e-6)
     assert region.row_tokens == full.tokens[150:200] and region.col_tokens == full.tokens[0:60]
-    plain = zoom.region(lm, TEXT, "fwd", 2, (150, 200), (0, 60))
+    plain = regions.region(lm, TEXT, "fwd", 2, (150, 200), (0, 60))
     # what the capture was made with matters here: well above the 1e-6 the equality allows
     assert np.abs(plain.values - region.values).max() > 2e-5
-    cut = zoom.of_capture(lm, full, 2, (150, 200), (0, 60))  # full maps: cut, not recomputed
+    cut = regions.of_capture(lm, full, 2, (150, 200), (0, 60))  # full maps: cut, not recomputed
     np.testing.assert_array_equal(cut.values, full.layer_probs(2)[:, 150:200, 0:60])
 
 
@@ -116,7 +117,7 @@ def test_a_region_resumes_from_the_captures_nearest_kept_layer_input(kind):
     full = capture(lm, TEXT, "fwd", storage_dtype=torch.float32)
     for layer, runs in ((2, [(3, 3)]), (1, [(2, 2)]), (0, [(1, 1)])):
         steps = []
-        region = zoom.of_capture(lm, cap, layer, (150, 208), (0, 60), on_layer=lambda d, t: steps.append((d, t)))
+        region = regions.of_capture(lm, cap, layer, (150, 208), (0, 60), on_layer=lambda d, t: steps.append((d, t)))
         assert steps == runs, layer  # resumed at the layer's own kept input
         np.testing.assert_array_equal(region.values, full.layer_probs(layer)[:, 150:208, 0:60])
 
@@ -128,7 +129,7 @@ def test_resuming_keeps_the_captures_intervention_prefix_and_mask():
     assert sorted(cap.checkpoints) == [2]  # one checkpoint: every ceil(3 / 2) = 2 layers
     full = capture(lm, TEXT, "nosink-fwd + sliding(w=9) + fwd", storage_dtype=torch.float32, **made_with)
     steps = []
-    region = zoom.of_capture(lm, cap, 2, (40, 90), (10, 60), on_layer=lambda d, t: steps.append(d))
+    region = regions.of_capture(lm, cap, 2, (40, 90), (10, 60), on_layer=lambda d, t: steps.append(d))
     assert steps == [3]
     np.testing.assert_allclose(region.values, full.layer_probs(2)[:, 40:90, 10:60], atol=1e-6)
 
@@ -138,7 +139,7 @@ def test_families_that_cannot_resume_keep_no_checkpoints_and_run_from_the_start(
     cap = capture(lm, TEXT, "fwd", reduce=True, pool=24, checkpoints=2)
     assert cap.checkpoints == {}
     steps = []
-    zoom.of_capture(lm, cap, 2, (150, 208), (0, 60), on_layer=lambda d, t: steps.append(d))
+    regions.of_capture(lm, cap, 2, (150, 208), (0, 60), on_layer=lambda d, t: steps.append(d))
     assert steps == [1, 2, 3]
 
 
@@ -162,7 +163,7 @@ def test_checkpoints_are_counted_and_only_kept_by_the_run_that_asked():
 ])
 def test_bad_regions_are_refused(queries, keys, message):
     with pytest.raises(InputError, match=message):
-        zoom.region(loaded("llama"), TEXT, "fwd", 0, queries, keys)
+        regions.region(loaded("llama"), TEXT, "fwd", 0, queries, keys)
 
 
 @pytest.mark.parametrize("options", [{}, {"reduce": True, "pool": 32}, {"hidden_states": True},

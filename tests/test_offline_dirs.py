@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from attnviz import capture, load, models
+from attnviz import capture, load
+from attnviz.core import models
 from attnviz.errors import ModelLoadError
 
 from test_cli import run

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from attnviz import export
+from attnviz.figures import export
 from attnviz.capture import capture
 from attnviz.figures import heatmap, sink_grid
 from conftest import ENGLISH

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz import export, zoom
+from attnviz.figures import export
+from attnviz import regions
 from attnviz.capture import Capture, capture
 from attnviz.errors import InputError
-from attnviz.evaluate import evaluate
+from attnviz.effects.evaluate import evaluate
 from attnviz.recipe import Recipe, build
 
 from tiny import loaded
@@ -63,9 +64,9 @@ def test_entry_points_take_a_recipe_and_give_its_numbers():
     ev = evaluate(lm, TEXT, recipe, window=8)
     assert ev.as_json() == evaluate(lm, TEXT, "nosink-fwd", window=8, intervene="temperature(t=2)@1").as_json()
     cap = capture(lm, TEXT, recipe)
-    region = zoom.of_capture(lm, cap, 2, (3, 9), (0, 6))
+    region = regions.of_capture(lm, cap, 2, (3, 9), (0, 6))
     np.testing.assert_allclose(region.values, cap.layer_probs(2)[:, 3:9, 0:6], atol=1e-3)
-    direct = zoom.region(lm, TEXT, recipe, 2, (3, 9), (0, 6))
+    direct = regions.region(lm, TEXT, recipe, 2, (3, 9), (0, 6))
     np.testing.assert_allclose(direct.values, region.values, atol=1e-3)  # recomputed in fp32, cut from fp16 maps
 
 
@@ -87,10 +88,10 @@ def test_the_forward_choice_is_made_once():
 
 
 def test_every_entry_point_takes_a_recipe_and_refuses_what_it_does_not_apply():
-    from attnviz import embedding, heads
-    from attnviz.generate import generate
+    from attnviz.effects import embedding, heads
+    from attnviz.effects.generate import generate
     from attnviz.kv import compress
-    from attnviz.streaming import stream
+    from attnviz.effects.streaming import stream
 
     lm = loaded("llama")
     plain, acted = Recipe.of(lm, "nosink-fwd"), Recipe.of(lm, "nosink-fwd", "temperature(t=2)")

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz import residual
-from attnviz.arch import parse
+from attnviz.core import residual
+from attnviz.core.arch import parse
 from attnviz.errors import ArchitectureError, InputError, ModelLoadError
-from attnviz.finetune import finetune
+from attnviz.effects.finetune import finetune
 
 from tiny import VOCAB, loaded, pair
 
@@ -131,8 +131,8 @@ def _load_dir(out):
     """Load a fine-tuned tiny directory the way models.load does (weights from safetensors + variant)."""
     from transformers import AutoModelForCausalLM
 
-    from attnviz.models import LoadedModel
-    from attnviz.residual import Variant
+    from attnviz.core.models import LoadedModel
+    from attnviz.core.residual import Variant
 
     model = AutoModelForCausalLM.from_pretrained(out, use_safetensors=True, attn_implementation="attnviz").eval()
     return LoadedModel(model, _SavingTokenizer(), str(out), None, 0.0, residual=Variant.load(out))
@@ -157,7 +157,7 @@ def test_an_interrupted_finetune_leaves_the_last_complete_checkpoint(tmp_path):
 
 
 def test_capture_under_a_variant_records_its_attention_and_names_it():
-    from attnviz import export
+    from attnviz.figures import export
     from attnviz.capture import capture
 
     lm = loaded("llama")

@@ -1,5 +1,5 @@
-"""The engine's route choice is one function of plain facts (attnviz.engine.choose_route), tested alone;
-reducers follow one protocol; every statistic is declared once (attnviz.metrics.STATISTICS) and the
+"""The engine's route choice is one function of plain facts (attnviz.core.engine.choose_route), tested alone;
+reducers follow one protocol; every statistic is declared once (attnviz.stats.metrics.STATISTICS) and the
 block reducer, the numpy reference and the memory estimate all read that declaration."""
 
 import ast
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz import metrics, reduce
-from attnviz.engine import Facts, Route, choose_route
+from attnviz.stats import metrics, reduce
+from attnviz.core.engine import Facts, Route, choose_route
 
 R = Route
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,11 +41,11 @@ def test_route_table(facts, route):
 
 
 def test_reducers_follow_one_protocol():
-    from attnviz.zoom import _Crop
+    from attnviz.regions import _Crop
 
     assert issubclass(reduce.Summaries, reduce.FusedReducer) and issubclass(_Crop, reduce.BlockReducer)
     assert not issubclass(_Crop, reduce.FusedReducer)
-    engine_source = (ROOT / "attnviz" / "engine.py").read_text()
+    engine_source = (ROOT / "attnviz" / "core" / "engine.py").read_text()
     assert "hasattr(run.reducer" not in engine_source and "getattr(run.reducer" not in engine_source
 
 
@@ -67,7 +67,7 @@ def test_every_declared_statistic_is_computed_and_equals_its_reference():
 
 
 def test_no_import_cycle_between_the_reference_and_the_reducers():
-    tree = ast.parse((ROOT / "attnviz" / "metrics.py").read_text())
+    tree = ast.parse((ROOT / "attnviz" / "stats" / "metrics.py").read_text())
     imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names} | {
         node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not any("reduce" in name or "engine" in name for name in imported), imported

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz import arch, seq2seq
+from attnviz.core import arch
+from attnviz import seq2seq
 from attnviz.capture import Capture
 from attnviz.errors import InputError
-from attnviz.models import load
+from attnviz.core.models import load
 
 from tiny import S2S, char_tokenizer, loaded, seq2seq_loaded, seq2seq_pair
 

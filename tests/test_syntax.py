@@ -7,10 +7,10 @@ from typing import ClassVar
 
 import pytest
 
-from attnviz import arch, interventions, syntax
+from attnviz.core import arch, interventions, syntax
 from attnviz.errors import InputError
 from attnviz.kv import presses
-from attnviz.streaming import POLICIES
+from attnviz.effects.streaming import POLICIES
 
 
 def test_call_reads_name_arguments_and_layers():

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from attnviz import walkthrough as W
+from attnviz.effects import walkthrough as W
 from attnviz.errors import InputError
 
 

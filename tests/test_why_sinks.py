@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz import dataset, engine, metrics
+from attnviz.effects import dataset
+from attnviz.core import engine
+from attnviz.stats import metrics
 from attnviz.capture import Capture, capture
 from attnviz.errors import AttnvizError, InputError, ModelLoadError
 
@@ -162,7 +164,7 @@ def test_dataset_keeps_the_allow_set_of_full_samples():
 # --- Linformer what-if (docs/methods.md#linformer-what-if) ----------------------------------------------------------------
 
 def test_linformer_error_is_zero_at_k_equal_n_with_identity_projections():
-    from attnviz import linformer
+    from attnviz.effects import linformer
 
     cap = capture(loaded("llama"), "linformer what-if", "fwd", layers=[1], qkv=True)
     qkv, n = cap.layer_qkv(1), cap.n_tokens
@@ -181,7 +183,7 @@ def test_linformer_error_is_zero_at_k_equal_n_with_identity_projections():
 
 
 def test_linformer_projections_and_limits():
-    from attnviz import linformer
+    from attnviz.effects import linformer
 
     seg = linformer.projection(10, 4)
     np.testing.assert_allclose(seg.sum(1), 1)
@@ -195,7 +197,7 @@ def test_linformer_projections_and_limits():
 
 
 def test_walkthrough_linformer_step_and_finite_entries():
-    from attnviz import walkthrough as W
+    from attnviz.effects import walkthrough as W
 
     steps = W.linformer_steps(W.Q, W.K, W.V, 2)
     np.testing.assert_allclose(steps["K'"], steps["E"] @ np.array(W.K, float))
@@ -209,7 +211,7 @@ def test_walkthrough_linformer_step_and_finite_entries():
 
 
 def test_byte_lru_evicts_by_bytes_not_count():
-    from attnviz.lru import ByteLRU, nbytes
+    from attnviz.core.lru import ByteLRU, nbytes
 
     cache = ByteLRU(budget=1000)
     cache.put("a", np.zeros(50, dtype=np.float64))  # 400 bytes

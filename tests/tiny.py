@@ -3,7 +3,7 @@
 import torch
 from transformers import AutoModelForCausalLM
 
-from attnviz.models import LoadedModel
+from attnviz.core.models import LoadedModel
 
 VOCAB = 96
 

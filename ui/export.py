@@ -7,7 +7,7 @@ import weakref
 
 import streamlit as st
 
-from attnviz import export
+from attnviz.figures import export
 from attnviz.figures.style import PRESETS
 
 

@@ -13,9 +13,9 @@ from typing import Callable, Hashable, TypeVar
 
 import streamlit as st
 
-from attnviz import devices
+from attnviz.core import devices
 from attnviz.errors import AttnvizError
-from attnviz.lru import ByteLRU
+from attnviz.core.lru import ByteLRU
 
 T = TypeVar("T")
 BUDGET_MB = int(os.environ.get("ATTNVIZ_RESULTS_MB", "64"))  # results are curves and scores: small

@@ -11,15 +11,15 @@ from dataclasses import dataclass
 
 import streamlit as st
 
-from attnviz import arch as arch_mod
-from attnviz import devices, interventions
+from attnviz.core import arch as arch_mod
+from attnviz.core import devices, interventions
 from attnviz import plan as plan_mod
 from attnviz.capture import Capture, capture, estimate_bytes, tokenize
 from attnviz.errors import AttnvizError
-from attnviz.lru import ByteLRU
-from attnviz.models import DEFAULT, LoadedModel, load
+from attnviz.core.lru import ByteLRU
+from attnviz.core.models import DEFAULT, LoadedModel, load
 from attnviz.recipe import Recipe
-from attnviz.residual import METHODS
+from attnviz.core.residual import METHODS
 from ui import jobs
 
 EXAMPLES = {

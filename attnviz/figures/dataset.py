@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import plotly.graph_objects as go
 
-from ..dataset import DatasetSinks, interval
-from ..metrics import SINK_EPS
-from .style import COLORSCALE, colour_range, layout, matrix_traces
+from attnviz.effects.dataset import DatasetSinks, interval
+from attnviz.figures.style import COLORSCALE, colour_range, layout, matrix_traces
+from attnviz.stats.metrics import SINK_EPS
 
 
 def rate_bars(result: DatasetSinks, key: int = 0, eps: float = SINK_EPS) -> go.Figure:

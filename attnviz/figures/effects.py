@@ -9,11 +9,11 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..embedding import ProbeResult
-from ..evaluate import Evaluation
-from ..generate import Generation
-from ..streaming import StreamResult
-from .style import COLORSCALE, layout
+from attnviz.effects.embedding import ProbeResult
+from attnviz.effects.evaluate import Evaluation
+from attnviz.effects.generate import Generation
+from attnviz.effects.streaming import StreamResult
+from attnviz.figures.style import COLORSCALE, layout
 
 PALETTE = ["#1f4e9c", "#e15759", "#59a14f", "#f28e2b", "#76b7b2", "#b07aa1", "#9c755f", "#bab0ac"]
 EVICTED = "#f4c7c3"

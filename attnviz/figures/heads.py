@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import plotly.graph_objects as go
 
-from ..heads import Taxonomy
-from .style import layout
+from attnviz.effects.heads import Taxonomy
+from attnviz.figures.style import layout
 
 CLASSES = {"retrieval": "#d9d9d9", "sink": "#1f4e9c", "streaming": "#59a14f", "inactive": "#e15759"}
 

@@ -6,9 +6,16 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .. import metrics
-from ..capture import Capture
-from .style import colour_range, layout, matrix_traces, max_pool, scaled, token_axis
+from attnviz.capture import Capture
+from attnviz.figures.style import (
+    colour_range,
+    layout,
+    matrix_traces,
+    max_pool,
+    scaled,
+    token_axis,
+)
+from attnviz.stats import metrics
 
 
 def head_label(cap: Capture, head: int | None) -> str:
@@ -90,7 +97,7 @@ def heatmap(cap: Capture, layer: int, head: int | None = None, log: bool = False
 
 
 def region_heatmap(region, head: int | None = None, log: bool = False, title: str | None = None) -> go.Figure:
-    """A zoomed region (:func:`attnviz.zoom.region`) at full resolution: token labels, hover values,
+    """A zoomed region (:func:`attnviz.regions.region`) at full resolution: token labels, hover values,
     axes in the text's token positions."""
     values = region.values.mean(0) if head is None else region.values[head]
     values = np.where(region.allowed, values, np.nan)

@@ -6,10 +6,10 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .. import compare
-from ..capture import Capture
-from .heatmaps import layer_matrix
-from .style import colour_range, grey_under, layout, matrix_traces
+from attnviz.capture import Capture
+from attnviz.figures.heatmaps import layer_matrix
+from attnviz.figures.style import colour_range, grey_under, layout, matrix_traces
+from attnviz.stats import compare
 
 
 def shift_panels(caps: list[Capture], titles: list[str], layer: int, log: bool = False,
@@ -80,7 +80,7 @@ def difference(a: Capture, b: Capture, layer: int, head: int | None = None) -> g
     fig.update_yaxes(autorange="reversed", title="query")
     fig.update_xaxes(title="key")
     if diff.shape[0] > 96:  # keep the payload small: send a pooled image instead
-        from .style import max_pool
+        from attnviz.figures.style import max_pool
 
         pooled = max_pool(np.abs(diff), 512) * np.sign(max_pool(diff, 512))
         fig.data[0].update(z=pooled)

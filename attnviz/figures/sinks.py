@@ -6,9 +6,9 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.colors import sample_colorscale
 
-from .. import metrics
-from ..capture import Capture
-from .style import layout
+from attnviz.capture import Capture
+from attnviz.figures.style import layout
+from attnviz.stats import metrics
 
 PART_COLOURS = {"first": "#1f4e9c", "delimiter": "#f28e2b", "diagonal": "#59a14f", "other": "#bab0ac",
                 "discarded": "#e15759"}

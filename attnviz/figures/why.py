@@ -7,9 +7,9 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .. import metrics
-from ..capture import Capture
-from .style import COLORSCALE, layout, token_axis
+from attnviz.capture import Capture
+from attnviz.figures.style import COLORSCALE, layout, token_axis
+from attnviz.stats import metrics
 
 
 def sink_shares(cap: Capture, key: int = 0) -> go.Figure:

@@ -4,7 +4,7 @@ A text is split into a context (its first C tokens) and a continuation (the rest
 prefilled once under the architecture, recording every layer's attention, from which each press
 scores the context keys of every (layer, KV head). A compressed cache keeps the top
 int((1 - r)·C) of them (as kvpress does): the continuation's rows then see only those context keys (and their own
-earlier keys), which is a per-head key mask (:attr:`attnviz.engine.Run.head_masks`), so the whole text
+earlier keys), which is a per-head key mask (:attr:`attnviz.core.engine.Run.head_masks`), so the whole text
 runs as one masked forward and the kept keys can be drawn over the same heatmaps.
 
 What is scored: the continuation tokens from C + 1 on, each predicted by a continuation row (row C
@@ -24,11 +24,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .. import arch as arch_mod
-from .. import engine
-from ..errors import InputError
-from ..models import LoadedModel
-from .presses import DEFAULTS, Context, Press, SnapKV, parse
+from attnviz.core import arch as arch_mod
+from attnviz.core import engine
+from attnviz.core.models import LoadedModel
+from attnviz.errors import InputError
+from attnviz.kv.presses import DEFAULTS, Context, Press, SnapKV, parse
 
 RATIOS = (0.0, 0.25, 0.5, 0.75, 0.9)
 MAX_TOKENS = 1024  # the text the command and the sweep read (context + continuation)
@@ -145,7 +145,7 @@ def _row(press: str, ratio: float, logprobs: torch.Tensor, dense: torch.Tensor |
 def compress(loaded: LoadedModel, ids: list[int], context: int = 256, presses: list[str | Press] | None = None,
              ratios=RATIOS, arch="fwd", on_step: Callable[[int, int], None] | None = None) -> Compression:
     """Every press (default: all six) at every ratio against the dense cache (see the module docstring)."""
-    from ..recipe import build
+    from attnviz.recipe import build
 
     architecture = build(loaded, arch).only("KV-cache compression").architecture.require_causal("compress a KV cache")
     presses = [p if isinstance(p, Press) else parse(p) for p in (presses or DEFAULTS)]

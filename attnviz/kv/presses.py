@@ -16,8 +16,8 @@ from typing import ClassVar
 
 import torch
 
-from .. import syntax
-from ..errors import InputError
+from attnviz.core import syntax
+from attnviz.errors import InputError
 
 #: Every press by name; parameters and defaults are read from each dataclass's fields.
 PRESSES = syntax.Registry("press")

@@ -23,16 +23,16 @@ import datetime
 import html
 import json
 
-from .. import __version__
-from ..arch import resolve as resolve_arch
-from ..capture import Capture, capture
-from ..errors import InputError
-from ..export import ExportError, figure_bytes
-from ..figures import alpha_grid, key_profile, shift_panels, sink_key_grids
-from ..models import LoadedModel
-from ..viewer import payload as payload_mod
-from ..viewer.static import head as viewer_head
-from ..viewer.static import viewer_block
+from attnviz import __version__
+from attnviz.capture import Capture, capture
+from attnviz.core.arch import resolve as resolve_arch
+from attnviz.core.models import LoadedModel
+from attnviz.errors import InputError
+from attnviz.figures import alpha_grid, key_profile, shift_panels, sink_key_grids
+from attnviz.figures.export import ExportError, figure_bytes
+from attnviz.viewer import payload as payload_mod
+from attnviz.viewer.static import head as viewer_head
+from attnviz.viewer.static import viewer_block
 
 CSP = ("default-src 'none'; img-src data: blob:; style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
        "font-src data:; connect-src 'none'; form-action 'none'")

@@ -29,17 +29,20 @@ from pathlib import Path
 import numpy as np
 import plotly.graph_objects as go
 
-from .. import __version__, compare, corpus, dataset, embedding, residual
-from ..capture import capture
-from ..errors import InputError
-from ..evaluate import token_ids
-from ..export import ExportError
-from ..figures import rate_bars, shift_panels
-from ..figures.effects import k_sweep, residual_table_figure, streaming_curves
-from ..figures.style import FONT
-from ..models import LoadedModel, cache_dir
-from ..streaming import stream
-from . import write_atomic
+from attnviz import __version__, corpus
+from attnviz.capture import capture
+from attnviz.core import residual
+from attnviz.core.models import LoadedModel, cache_dir
+from attnviz.effects import dataset, embedding
+from attnviz.effects.evaluate import token_ids
+from attnviz.effects.streaming import stream
+from attnviz.errors import InputError
+from attnviz.figures import rate_bars, shift_panels
+from attnviz.figures.effects import k_sweep, residual_table_figure, streaming_curves
+from attnviz.figures.export import ExportError
+from attnviz.figures.style import FONT
+from attnviz.reports import write_atomic
+from attnviz.stats import compare
 
 SECTIONS = ("shifting", "streaming", "sinkrate", "ksweep", "residual")
 SHIFT_TEXT = ("The old lighthouse keeper climbed the narrow stairs every evening to light the lamp. Ships passing "

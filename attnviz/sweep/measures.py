@@ -6,9 +6,9 @@ layer. The driver adds the cell's parameters, versions and timing (:mod:`.store`
 
 from __future__ import annotations
 
-from .. import corpus as corpus_mod
-from ..models import LoadedModel
-from .spec import Cell
+from attnviz import corpus as corpus_mod
+from attnviz.core.models import LoadedModel
+from attnviz.sweep.spec import Cell
 
 
 def documents(name: str) -> corpus_mod.Corpus:
@@ -21,7 +21,7 @@ def documents(name: str) -> corpus_mod.Corpus:
 def sinks(lm: LoadedModel, cell: Cell) -> list[dict]:
     """Sink rates over a dataset, docs/methods.md#sink-rate (``attnviz sinks --corpus C --max-len T --samples S
     --eps E --key K``); each row says the key it was read at."""
-    from .. import dataset
+    from attnviz.effects import dataset
 
     o = cell.options
     result = dataset.sinks(lm, documents(cell.corpus).documents, cell.arch, unit=o["unit"], max_len=o["max_len"],
@@ -40,7 +40,8 @@ def sinks(lm: LoadedModel, cell: Cell) -> list[dict]:
 
 def evaluate(lm: LoadedModel, cell: Cell) -> list[dict]:
     """Perplexity and accuracy, docs/methods.md#perplexity (``attnviz eval --window W --max-tokens N``)."""
-    from ..evaluate import evaluate as run, token_ids
+    from attnviz.effects.evaluate import evaluate as run
+    from attnviz.effects.evaluate import token_ids
 
     o = cell.options
     ids = token_ids(lm, documents(cell.corpus).text, o["max_tokens"])
@@ -51,7 +52,7 @@ def evaluate(lm: LoadedModel, cell: Cell) -> list[dict]:
 
 def embed(lm: LoadedModel, cell: Cell) -> list[dict]:
     """The embedding probe (``attnviz embed --m M --max-docs D``)."""
-    from .. import embedding
+    from attnviz.effects import embedding
 
     o = cell.options
     result = embedding.probe(lm, documents(cell.corpus).documents, cell.arch, m=o["m"], max_docs=o["max_docs"])
@@ -61,8 +62,9 @@ def embed(lm: LoadedModel, cell: Cell) -> list[dict]:
 def compress(lm: LoadedModel, cell: Cell) -> list[dict]:
     """KV-cache compression, docs/methods.md#kv-cache-compression (``attnviz compress --press ... --ratios ... --context C --max-tokens N``): one row per
     (press, ratio), the dense cache as press "dense" at ratio 0."""
-    from ..evaluate import token_ids
-    from ..kv import compress as run, presses
+    from attnviz.effects.evaluate import token_ids
+    from attnviz.kv import compress as run
+    from attnviz.kv import presses
 
     o = cell.options
     chosen = [presses.parse(p) for p in (o["presses"] or presses.DEFAULTS)]
@@ -76,7 +78,7 @@ def compress(lm: LoadedModel, cell: Cell) -> list[dict]:
 def heads(lm: LoadedModel, cell: Cell) -> list[dict]:
     """Head classes over a dataset, docs/methods.md#head-classes (``attnviz heads --samples S --max-len T``): per layer, how many heads of
     each kind."""
-    from .. import heads as heads_mod
+    from attnviz.effects import heads as heads_mod
 
     o = cell.options
     texts = heads_mod.dataset_texts(lm, documents(cell.corpus).documents, o["samples"], o["max_len"])

@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import AttnvizError
-from . import measures, store
-from .spec import Cell, Spec
+from attnviz.errors import AttnvizError
+from attnviz.sweep import measures, store
+from attnviz.sweep.spec import Cell, Spec
 
 #: environment a worker needs to find the same models offline (a cluster's workers do not inherit ours)
 PASSED_ENV = ("ATTNVIZ_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "ATTNVIZ_DEVICE_MB",
@@ -39,7 +39,7 @@ def model_for(name: str):
     if name not in _MODEL:
         _MODEL.clear()
         gc.collect()
-        from ..models import load
+        from attnviz.core.models import load
 
         try:
             _MODEL[name] = load(name)

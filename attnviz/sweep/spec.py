@@ -25,7 +25,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import AttnvizError, InputError
+from attnviz.errors import AttnvizError, InputError
 
 #: Syntax checks before any model is loaded: a layer count no model reaches (a k past the real
 #: model's layers fails in its own cells, recorded with the reason).
@@ -35,9 +35,9 @@ ANY_LAYERS = ANY_HEADS = 4096
 def measures() -> dict[str, dict[str, tuple[type | tuple[type, ...], object]]]:
     """measure -> {option: (type, default)}: each default read from the library function the measure
     calls (:mod:`attnviz.defaults`), the same the CLI's options and the app's widgets read."""
-    from .. import dataset, embedding, evaluate, heads
-    from ..defaults import of
-    from ..kv import compress
+    from attnviz.defaults import of
+    from attnviz.effects import dataset, embedding, evaluate, heads
+    from attnviz.kv import compress
 
     run, report = of(dataset.sinks), of(dataset.DatasetSinks.as_json)
     ev, probe, kv = of(evaluate.evaluate), of(embedding.probe), of(compress.compress)
@@ -135,7 +135,7 @@ def _option(measure: str, name: str, value, kind: type):
 
 
 def _check_corpus(name: str) -> None:
-    from .. import corpus
+    from attnviz import corpus
 
     if name.startswith("file:"):
         path = Path(name[5:]).expanduser()
@@ -153,8 +153,8 @@ def _check_corpus(name: str) -> None:
 
 def parse(text: str) -> Spec:
     """A spec from TOML text, every key checked (see the module docstring)."""
-    from .. import arch as arch_mod
-    from .. import interventions as interventions_mod
+    from attnviz.core import arch as arch_mod
+    from attnviz.core import interventions as interventions_mod
 
     try:
         raw = tomllib.loads(text)

@@ -19,7 +19,7 @@ import uuid
 
 import pandas as pd
 
-from .spec import Cell
+from attnviz.sweep.spec import Cell
 
 
 def _fs(out: str):
@@ -32,8 +32,8 @@ def _fs(out: str):
 
 
 def versions() -> dict:
-    from .. import __version__
-    from ..capture import _versions
+    from attnviz import __version__
+    from attnviz.capture import _versions
 
     return {"attnviz": __version__, **_versions()}
 
@@ -53,7 +53,7 @@ def write_cell(out: str, cell: Cell, rows: list[dict], elapsed: float, error: st
               "error": error or "", "elapsed_s": round(elapsed, 4), "versions": json.dumps(versions(), sort_keys=True),
               "worker": f"{socket.gethostname()}:{os.getpid()}",
               "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    from .measures import COLUMNS, schema
+    from attnviz.sweep.measures import COLUMNS, schema
 
     unexpected = {k for row in rows for k in row} - set(COLUMNS[cell.measure])
     if unexpected:
@@ -94,7 +94,7 @@ def read(out: str, measure: str | None = None) -> pd.DataFrame:
     ``pyarrow.dataset`` over the cells' files, all in the one schema (:func:`.measures.schema`)."""
     import pyarrow.dataset as ds
 
-    from .measures import schema
+    from attnviz.sweep.measures import schema
 
     filesystem, files = _cell_files(out)
     paths = [i.path for i in files if not measure or i.path.rsplit("/", 2)[-2] == measure]

@@ -19,11 +19,11 @@ def asset(name: str) -> str:
 
 def __getattr__(name):  # the notebook widget imports anywidget only when asked for
     if name in ("show", "show_compare", "Heatmap"):
-        from . import widget
+        from attnviz.viewer import widget
 
         return getattr(widget, name)
     if name in ("standalone_html",):
-        from . import static
+        from attnviz.viewer import static
 
         return getattr(static, name)
     raise AttributeError(name)

@@ -28,10 +28,10 @@ import os
 
 import numpy as np
 
-from ..capture import Capture
-from ..export import describe
-from ..figures.heatmaps import head_label
-from ..figures.style import COLORSCALE, LOG_FLOOR, MASKED, MAX_PX, max_pool
+from attnviz.capture import Capture
+from attnviz.figures.export import describe
+from attnviz.figures.heatmaps import head_label
+from attnviz.figures.style import COLORSCALE, LOG_FLOOR, MASKED, MAX_PX, max_pool
 
 #: Full-resolution maps up to this many tokens are sent with 16-bit codes (exact hover values).
 EXACT_TOKENS = 256

@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 import json
 
-from . import asset
+from attnviz.viewer import asset
 
 
 def script_json(data) -> str:

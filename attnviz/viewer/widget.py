@@ -8,7 +8,7 @@ Automatically; nbclient: ``store_widget_state=True``) shows the maps again witho
 :func:`attnviz.viewer.notebook.notebook_html` turns such a notebook into one HTML file that works
 offline. Layers outside the first payload (long texts; :data:`payload.BUDGET_BYTES`) come from the
 kernel when the slider reaches them; a box drag on a capture with full maps sets :attr:`Heatmap.region`
-to that region at full resolution (:class:`attnviz.zoom.Region`).
+to that region at full resolution (:class:`attnviz.regions.Region`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from __future__ import annotations
 import anywidget
 import traitlets
 
-from .. import zoom
-from ..capture import Capture
-from ..errors import AttnvizError
-from . import asset
-from . import payload as payload_mod
+from attnviz import regions
+from attnviz.capture import Capture
+from attnviz.errors import AttnvizError
+from attnviz.viewer import asset
+from attnviz.viewer import payload as payload_mod
 
 ADAPTER = """
 export default {
@@ -58,13 +58,13 @@ class Heatmap(anywidget.AnyWidget):
     def __init__(self, caps: list[Capture], titles: list[str] | None = None, layer: int | None = None,
                  head: int | None = None, log: bool | None = None, size: int = payload_mod.MAX_PX):
         self._caps = list(caps)
-        self.region: zoom.Region | None = None
+        self.region: regions.Region | None = None
         start = self._caps[0].layers[-1] if layer is None else layer
         full = all(l in c.probs for c in self._caps for l in c.layers)
         self._options = dict(titles=titles, layer=layer, head=head, log=log, size=size,
                              regions="host" if full else "off",
                              regions_note="" if full else "A region of a long text at full resolution: "
-                                                          "attnviz.zoom.region(model, text, arch, layer, queries, keys).")
+                                                          "attnviz.regions.region(model, text, arch, layer, queries, keys).")
         super().__init__(data=self._payload(start))
 
     def _payload(self, around: int) -> dict:
@@ -80,10 +80,10 @@ class Heatmap(anywidget.AnyWidget):
         box = change["new"]
         if not box:
             return
-        side = zoom.MAX_SIDE
+        side = regions.MAX_SIDE
         (q0, q1), (k0, k1) = box["queries"], box["keys"]
         try:
-            self.region = zoom.from_capture(self._caps[0], box["layer"], (q0, min(q1, q0 + side)),
+            self.region = regions.from_capture(self._caps[0], box["layer"], (q0, min(q1, q0 + side)),
                                             (k0, min(k1, k0 + side)))
         except AttnvizError:
             self.region = None

@@ -179,8 +179,8 @@ class Statistic:
     """One per-layer statistic a capture keeps (docs/methods.md#sink-metrics). Declared once, here:
 
     - ``reference(probs, allowed, tokens)`` is its numpy definition (tests compare every route to it);
-    - the block reducer (:class:`attnviz.reduce.LayerSummary`) and the fused kernel's sums
-      (:func:`attnviz.kernels.layer_statistics`) produce an array of this name;
+    - the block reducer (:class:`attnviz.stats.reduce.LayerSummary`) and the fused kernel's sums
+      (:func:`attnviz.core.kernels.layer_statistics`) produce an array of this name;
     - ``floats`` per head and token is what :func:`attnviz.capture.estimate_bytes` counts.
 
     Adding a statistic: a line here, its accumulation in ``LayerSummary`` and its test; the fused route

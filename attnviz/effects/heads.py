@@ -9,7 +9,7 @@ Per (layer, head), on one text or averaged over the samples of a dataset (the si
   the mean of the same over the layer's heads; < tau is inactive.
 
 And the two claims, each one number against the model: give only the streaming heads a sink +
-window cache (a per-head mask, :attr:`attnviz.engine.Run.head_masks`), and ablate the inactive heads
+window cache (a per-head mask, :attr:`attnviz.core.engine.Run.head_masks`), and ablate the inactive heads
 (``ablate``, docs/methods.md#ablate).
 """
 
@@ -21,12 +21,13 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from . import arch as arch_mod
-from . import engine, metrics
-from .capture import capture
-from .errors import InputError
-from .evaluate import Evaluation, evaluate
-from .models import LoadedModel
+from attnviz.capture import capture
+from attnviz.core import arch as arch_mod
+from attnviz.core import engine
+from attnviz.core.models import LoadedModel
+from attnviz.effects.evaluate import Evaluation, evaluate
+from attnviz.errors import InputError
+from attnviz.stats import metrics
 
 SINK, WINDOW = 4, 64
 TAU_STREAM, TAU_INACTIVE = 0.9, 0.2
@@ -146,7 +147,7 @@ def taxonomy(loaded: LoadedModel, texts: Sequence[str], arch="fwd", s: int = SIN
         raise InputError("no text to classify heads on")
     if s < 0 or w < 1:
         raise InputError(f"the streaming pattern needs s >= 0 sink keys and w >= 1 window keys, got s={s}, w={w}")
-    from .recipe import build
+    from attnviz.recipe import build
 
     architecture = build(loaded, arch).only("head classes").architecture
     sums = None

@@ -25,12 +25,12 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from . import devices, kernels
-from .masks import Mask, keep_self_if_empty
-from .interventions import NONE, Interventions
-from . import reduce
-from .reduce import pool_factor
-from .errors import InputError, ModelLoadError
+from attnviz.core import devices, kernels
+from attnviz.core.interventions import NONE, Interventions
+from attnviz.core.masks import Mask, keep_self_if_empty
+from attnviz.errors import InputError, ModelLoadError
+from attnviz.stats import reduce
+from attnviz.stats.reduce import pool_factor
 
 KEY = "attnviz"
 _RUN: contextvars.ContextVar["Run | None"] = contextvars.ContextVar("attnviz_run", default=None)
@@ -145,7 +145,7 @@ class Run(Recorded, Cached, Asked):
 
     def allow_bits(self, allow: torch.Tensor) -> torch.Tensor:
         """A (B, 1, n_q, n_kv) allow-set packed 32 keys to a word for the fused kernel
-        (:func:`attnviz.kernels.pack_allow`), made once per mask."""
+        (:func:`attnviz.core.kernels.pack_allow`), made once per mask."""
         key = ("bits", id(allow))
         if key not in self._allow_cache:
             self._allow_cache[key] = kernels.pack_allow(allow[0, 0])
@@ -213,7 +213,7 @@ class Route(str, enum.Enum):
 
     SDPA_CAUSAL = "sdpa-causal"  # nothing to record or change, a plain causal mask: SDPA's fused causal kernel
     SDPA_MASKED = "sdpa-masked"  # nothing to record or change: SDPA with the layer's allow-set
-    FUSED = "fused"  # statistics only, on a GPU: the fused Triton kernel (attnviz.kernels), SDPA for the output
+    FUSED = "fused"  # statistics only, on a GPU: the fused Triton kernel (attnviz.core.kernels), SDPA for the output
     BLOCKS = "blocks"  # the explicit fp32 softmax, block of query rows by block (every other case)
 
 
@@ -229,7 +229,7 @@ class Facts:
     reshapes: bool = False  # an intervention changes its scores or probabilities
     head_mask: bool = False  # a per-head key mask (compressed cache, streaming heads)
     plain_causal: bool = False  # fwd, no window, no padding, self-attention, no position bias
-    block_reducer: bool = False  # the recorder takes statistics block by block (attnviz.reduce)
+    block_reducer: bool = False  # the recorder takes statistics block by block (attnviz.stats.reduce)
     fused_reducer: bool = False  # ... and can take the fused kernel's outputs
     batch_one: bool = True
     position_bias: bool = False  # T5's relative position bias
@@ -357,7 +357,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
 
 
 def _fused_layer(run: Run, layer: int, query, key, value, allow, scaling: float, plain_causal: bool):
-    """A recorded layer of a statistics capture by the fused route (:mod:`attnviz.kernels`): the
+    """A recorded layer of a statistics capture by the fused route (:mod:`attnviz.core.kernels`): the
     Triton kernel computes its statistics and pooled maps from Q and K, SDPA its output."""
     batch, n_heads, n_q, _ = query.shape
     n_kv, group = key.shape[2], n_heads // key.shape[1]
@@ -646,7 +646,7 @@ def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] 
     ``record_scores`` / ``record_value_norms`` also keep, for recorded layers, the pre-softmax scores
     and the value-output norms (only when asked: they cost memory the default capture does not pay).
     Recorded layers compute their softmax in blocks of query rows whose fp32 scores take at most
-    ``block_bytes`` (default :func:`devices.block_bytes`); a reducer with ``add``/``finish`` (:mod:`attnviz.reduce`) is fed
+    ``block_bytes`` (default :func:`devices.block_bytes`); a reducer with ``add``/``finish`` (:mod:`attnviz.stats.reduce`) is fed
     block by block, so no layer's full map ever exists. ``last_logits_only`` projects only the last
     position onto the vocabulary (``logits_to_keep=1``: 800 MB less at 4,096 tokens on a 49k vocabulary).
     """

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InputError
+from attnviz.errors import InputError
 
 PROJECTIONS = ("segment", "gaussian")
 

@@ -21,7 +21,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import InputError
+from attnviz.errors import InputError
 
 _CALL = re.compile(r"^(?P<name>[a-z_][a-z0-9_&\-]*)\s*(?:\((?P<args>.*)\))?\s*(?:@\s*(?P<layers>.*))?$", re.S | re.I)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import metrics
-from .capture import Capture
-from .errors import AttnvizError
+from attnviz.capture import Capture
+from attnviz.errors import AttnvizError
+from attnviz.stats import metrics
 
 
 def check_same_text(a: Capture, b: Capture) -> None:

@@ -22,13 +22,13 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from . import arch as arch_mod
-from . import engine
-from .corpus import head_ids
-from .errors import InputError
-from . import metrics
-from .metrics import SINK_EPS
-from .models import LoadedModel
+from attnviz.core import arch as arch_mod
+from attnviz.core import engine
+from attnviz.core.models import LoadedModel
+from attnviz.corpus import head_ids
+from attnviz.errors import InputError
+from attnviz.stats import metrics
+from attnviz.stats.metrics import SINK_EPS
 
 UNITS = ("doc", "line")
 BATCH = 16
@@ -181,7 +181,7 @@ def sinks(loaded: LoadedModel, documents: Sequence[str], arch: str | arch_mod.Ar
           on_progress: Callable[[int, int], None] | None = None, intervene=None) -> DatasetSinks:
     """Run every sample under ``arch`` (and ``intervene``, docs/methods.md#interventions) in equal-length batches and keep
     alpha and map moments."""
-    from . import interventions as interventions_mod
+    from attnviz.core import interventions as interventions_mod
 
     architecture = arch_mod.resolve(arch, loaded.n_layers)
     acts = interventions_mod.resolve(intervene, loaded.n_layers, loaded.n_heads)

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import engine
-from .errors import ArchitectureError, ModelLoadError
+from attnviz.core import engine
+from attnviz.errors import ArchitectureError, ModelLoadError
 
 METHODS = ("method1", "method2", "method3.1", "method3.2", "method4.1", "method4.2")
 FAMILIES = ("llama", "mistral", "qwen2")

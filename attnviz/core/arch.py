@@ -1,7 +1,7 @@
 """Per-layer architectures (docs/methods.md#per-layer-architectures) and the one-line architecture grammar (docs/methods.md#the-call-syntax).
 
 ``parse("mask0&bidir(k=8, k0=4)", n_layers=30)`` gives an :class:`Architecture`: the canonical
-string plus one :class:`~attnviz.masks.Mask` per layer, bottom layer first. Everything that shows
+string plus one :class:`~attnviz.core.masks.Mask` per layer, bottom layer first. Everything that shows
 or stores an architecture (CLI, app, file names, metadata) goes through here.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from . import masks as M
-from . import syntax
-from .errors import ArchitectureError, MaskError
+from attnviz.core import masks as M
+from attnviz.core import syntax
+from attnviz.errors import ArchitectureError, MaskError
 
 _ITEM = re.compile(r"^(?P<call>[a-z0-9&\-]+(?:\([^()]*\))?)(?:\*(?P<count>[^*()]+))?$")
 

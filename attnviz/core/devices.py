@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .errors import AttnvizError
+from attnviz.errors import AttnvizError
 
 MB = 2**20
 CPU_BLOCK_BYTES = 16 * MB  # fp32 scores of one query block on the CPU: fits its L3 cache (bench: 9 % faster than 64 MB)

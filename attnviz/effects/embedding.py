@@ -17,11 +17,11 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from . import arch as arch_mod
-from . import engine
-from .corpus import head_ids
-from .errors import InputError
-from .models import LoadedModel
+from attnviz.core import arch as arch_mod
+from attnviz.core import engine
+from attnviz.core.models import LoadedModel
+from attnviz.corpus import head_ids
+from attnviz.errors import InputError
 
 DEFAULT_M = 64
 BATCH = 32
@@ -92,7 +92,7 @@ def probe(loaded: LoadedModel, documents: Sequence[str], arch: str | arch_mod.Ar
           m: int = DEFAULT_M, max_docs: int | None = None, on_progress: Progress | None = None,
           ids: tuple[torch.Tensor, torch.Tensor] | None = None) -> ProbeResult:
     """Recall@1 and MRR of the probe under one architecture; ``on_progress(done, total)`` per batch."""
-    from .recipe import build
+    from attnviz.recipe import build
 
     architecture = build(loaded, arch).only("the embedding probe").architecture
     queries, targets = ids if ids is not None else pairs(loaded, documents, m, max_docs)

@@ -18,11 +18,11 @@ import pandas as pd
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from . import metrics
-from .capture import Capture
-from .errors import AttnvizError
-from .recipe import Recipe
-from .figures.style import FONT, PRESETS
+from attnviz.capture import Capture
+from attnviz.errors import AttnvizError
+from attnviz.figures.style import FONT, PRESETS
+from attnviz.recipe import Recipe
+from attnviz.stats import metrics
 
 FORMATS = ("png", "svg", "pdf")
 

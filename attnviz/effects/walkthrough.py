@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import masks as M
-from .errors import InputError
+from attnviz.core import masks as M
+from attnviz.errors import InputError
 
 #: The lecture's practice matrices (seed 004).
 Q = [[1, 2], [3, 4], [5, 6]]
@@ -66,7 +66,7 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 def linformer_steps(q, k, v, slots: int, kind: str = "segment", seed: int = 0) -> dict[str, np.ndarray]:
     """Linformer on the small example (docs/methods.md#linformer-what-if): E, F, K' = E K, V' = F V, P = softmax(Q K'ᵀ/√d), P V',
     and the relative error against full softmax attention (its mask-free reference)."""
-    from . import linformer
+    from attnviz.effects import linformer
 
     q, k, v = (np.asarray(x, dtype=float) for x in (q, k, v))
     n = k.shape[0]

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import engine
-from .capture import tokenize
-from .errors import InputError
-from .models import LoadedModel
-from .recipe import Recipe
-from .reduce import BlockReducer
+from attnviz.capture import tokenize
+from attnviz.core import engine
+from attnviz.core.models import LoadedModel
+from attnviz.errors import InputError
+from attnviz.recipe import Recipe
+from attnviz.stats.reduce import BlockReducer
 
 MAX_SIDE = 96  # cells a side: every cell of a zoomed region gets a hover value (figures.style.HOVER_MAX)
 
@@ -87,7 +87,7 @@ def region(loaded: LoadedModel, text: str, arch: "str | Recipe", layer: int, que
     with them must be made with them too (:func:`of_capture` passes a capture's own).
     ``resume_from`` (layer c <= ``layer``, its input hidden states (n, d)), kept by a forward of the
     same text under the same settings, runs only layers c..``layer`` (:func:`engine.resume`)."""
-    from . import recipe as recipe_mod
+    from attnviz import recipe as recipe_mod
 
     built = recipe_mod.build(loaded, arch, intervene, prepend, residual)
     architecture, variant = built.architecture, built.variant

@@ -1,6 +1,6 @@
 """Greedy generation with the KV cache under a causal-compatible architecture and a cache policy.
 
-Every step goes through :class:`~attnviz.streaming.CachedDecoder`: one new token against
+Every step goes through :class:`~attnviz.effects.streaming.CachedDecoder`: one new token against
 transformers' ``DynamicCache``, never a re-run of the prefix. Only causal-compatible architectures
 are allowed (FWD, NoSink-FWD, causal windows): under BIDIR, BACK or StableMask a token's
 representation depends on tokens that do not exist yet while generating, so "generation" would
@@ -15,11 +15,11 @@ from typing import Callable
 
 import numpy as np
 
-from . import arch as arch_mod
-from .capture import tokenize
-from .errors import InputError
-from .models import LoadedModel
-from .streaming import CachedDecoder, Policy, Step
+from attnviz.capture import tokenize
+from attnviz.core import arch as arch_mod
+from attnviz.core.models import LoadedModel
+from attnviz.effects.streaming import CachedDecoder, Policy, Step
+from attnviz.errors import InputError
 
 MAX_NEW_TOKENS = 128
 
@@ -73,7 +73,7 @@ def generate(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture =
     would exceed it, saying which prompt length would fit (the app passes its per-capture limit)."""
     if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
         raise InputError(f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS}, got {max_new_tokens}")
-    from .recipe import Recipe
+    from attnviz.recipe import Recipe
 
     prepend = arch.prepend if isinstance(arch, Recipe) else None
     ids, _ = tokenize(loaded, text, loaded.max_tokens - max_new_tokens, prepend)

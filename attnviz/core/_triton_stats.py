@@ -1,4 +1,4 @@
-"""The Triton kernels of :mod:`attnviz.kernels` (imported on first use, so Triton is optional and
+"""The Triton kernels of :mod:`attnviz.core.kernels` (imported on first use, so Triton is optional and
 ``TRITON_INTERPRET`` is read when the kernels are first needed)."""
 
 import triton
@@ -18,7 +18,7 @@ def scores_tile(q, k_ptr, allow_ptr, rows, row_ok, dims, start, n_kv, dim, scale
     if CAUSAL:
         ok = row_ok[:, None] & col_ok[None, :] & (cols[None, :] <= rows[:, None] + q_offset)
     else:
-        # the allow-set packed 32 keys to an int32 word (attnviz.kernels.pack_allow): BN / 32 loads a row
+        # the allow-set packed 32 keys to an int32 word (attnviz.core.kernels.pack_allow): BN / 32 loads a row
         # instead of BN, and no pointer a score (those cost the registers that made ptxas spill)
         n_words = (n_kv + 31) // 32
         words_at = start // 32 + tl.arange(0, BN // 32)
@@ -39,7 +39,7 @@ def layer_stats(q_ptr, k_ptr, allow_ptr, ranges_ptr, delim_ptr, norms_ptr,
                 POOL: tl.constexpr, VALUE: tl.constexpr, SCORES: tl.constexpr, PRECISION: tl.constexpr,
                 CAUSAL: tl.constexpr):
     """One program: BM query rows of one head. Pass 1 finds each row's log-sum-exp over its allowed
-    keys, pass 2 recomputes every tile and accumulates the statistics (see attnviz.kernels). Heads
+    keys, pass 2 recomputes every tile and accumulates the statistics (see attnviz.core.kernels). Heads
     are the grid's fast axis: the heads of one row block run side by side and share their K tiles
     (grouped-query attention) and allow tiles in the L2 cache."""
     head = tl.program_id(0)

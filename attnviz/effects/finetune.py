@@ -12,7 +12,6 @@ half-written directory. ``--model out`` loads it back with its variant and weigh
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import math
 import os
@@ -26,9 +25,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import recipe, residual
-from .errors import InputError
-from .models import LoadedModel
+from attnviz import recipe
+from attnviz.core import residual
+from attnviz.core.models import LoadedModel
+from attnviz.errors import InputError
 
 METRICS_FILE = "metrics.json"
 
@@ -128,7 +128,7 @@ def finetune(loaded: LoadedModel, ids: list[int], out: str | Path, residual_name
 
     if steps <= 0:
         raise InputError(f"--steps must be positive, got {steps}")
-    from .recipe import Recipe, build
+    from attnviz.recipe import Recipe, build
 
     if isinstance(arch, Recipe):  # its variant is the one trained, unless one is named
         residual_name = residual_name or arch.residual

