@@ -4,7 +4,7 @@ without an intervention (docs/methods.md#interventions), and the effect on the o
 import pandas as pd
 import streamlit as st
 
-from attnviz.stats import compare
+from attnviz.effects import compare
 from attnviz.figures import export
 from attnviz.figures import cosine_figure, difference, panels, sink_mass_change
 from attnviz.figures.heatmaps import head_label

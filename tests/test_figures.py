@@ -4,7 +4,7 @@ import numpy as np
 import plotly.graph_objects as go
 import pytest
 
-from attnviz.stats import compare
+from attnviz.effects import compare
 from attnviz.figures import export
 from attnviz.core.arch import parse
 from attnviz.capture import capture

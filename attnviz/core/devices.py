@@ -74,11 +74,6 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def to_host(values: dict) -> dict:
-    """Finished per-layer results (tensors on any device) as numpy arrays, once per layer."""
-    return {k: v.cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
-
-
 def is_out_of_memory(err: BaseException) -> bool:
     """A device out-of-memory error (``torch.OutOfMemoryError``, or its message from another backend)."""
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()

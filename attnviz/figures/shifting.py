@@ -7,9 +7,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from attnviz.capture import Capture
+from attnviz.effects import compare
 from attnviz.figures.heatmaps import layer_matrix
 from attnviz.figures.style import colour_range, grey_under, layout, matrix_traces
-from attnviz.stats import compare
 
 
 def shift_panels(caps: list[Capture], titles: list[str], layer: int, log: bool = False,

@@ -33,7 +33,7 @@ from attnviz import __version__, corpus
 from attnviz.capture import capture
 from attnviz.core import residual
 from attnviz.core.models import LoadedModel, cache_dir
-from attnviz.effects import dataset, embedding
+from attnviz.effects import compare, dataset, embedding
 from attnviz.effects.evaluate import token_ids
 from attnviz.effects.streaming import stream
 from attnviz.errors import InputError
@@ -42,7 +42,6 @@ from attnviz.figures.effects import k_sweep, residual_table_figure, streaming_cu
 from attnviz.figures.export import ExportError
 from attnviz.figures.style import FONT
 from attnviz.reports import write_atomic
-from attnviz.stats import compare
 
 SECTIONS = ("shifting", "streaming", "sinkrate", "ksweep", "residual")
 SHIFT_TEXT = ("The old lighthouse keeper climbed the narrow stairs every evening to light the lamp. Ships passing "

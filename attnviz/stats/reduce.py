@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from attnviz.core import devices
 from attnviz.stats import metrics
 
 
@@ -163,7 +162,7 @@ class LayerSummary:
 
     def result(self) -> dict[str, np.ndarray]:
         """The finished statistics on the host: the one copy per layer."""
-        return devices.to_host(self.tensors())
+        return to_host(self.tensors())
 
 
 class Summaries(FusedReducer):
@@ -232,7 +231,7 @@ class Summaries(FusedReducer):
                 out["pooled_value"] = self.pooled_value.pop(layer).tensor()
             if layer in self.pooled_scores:
                 out["pooled_scores"] = self.pooled_scores.pop(layer).tensor()
-        return devices.to_host(out)
+        return to_host(out)
 
 
 def pool_factor(n: int, size: int) -> int:
@@ -307,3 +306,8 @@ def summarise(probs, allowed, tokens: list[str] | None = None) -> dict[str, np.n
     summary = LayerSummary(probs.shape[0], probs.shape[1], probs.shape[2], tokens)
     summary.add(0, probs, torch.from_numpy(np.asarray(allowed, dtype=bool)))
     return summary.result()
+
+
+def to_host(values: dict) -> dict:
+    """Finished per-layer results (tensors on any device) as numpy arrays: the one copy per layer."""
+    return {k: v.cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
