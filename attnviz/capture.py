@@ -168,6 +168,9 @@ class Capture:
     def stat(self, layer: int, name: str) -> np.ndarray:
         """A per-layer statistic (:data:`metrics.STATISTICS`), from stored stats or full maps."""
         if layer in self.stats:
+            if name not in self.stats[layer]:
+                raise AttnvizError(f"this capture kept the statistics {sorted(self.stats[layer])}, not {name}: "
+                                   "capture with reduce=True for all of them")
             return self.stats[layer][name]
         if layer not in self._summaries:  # computed once per layer: pages ask for several statistics
             self._summaries[layer] = summarise(self.layer_probs(layer), self.allowed[layer], self.tokens)
@@ -408,7 +411,7 @@ def _versions() -> dict[str, str]:
 
 
 def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture | Recipe = "fwd", layers=None,
-            reduce: bool = False, storage_dtype: torch.dtype = torch.float16,
+            reduce: bool | tuple[str, ...] = False, storage_dtype: torch.dtype = torch.float16,
             hidden_states: bool = False, max_tokens: int | None = None, on_layer=None,
             scores: bool = False, value_norms: bool = False, activations: bool = False,
             qkv: bool = False, residual: str | None = None, block_bytes: int | None = None,
@@ -419,7 +422,8 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture | 
     intervention, BOS control and residual variant together); the capture carries its recipe.
 
     ``layers`` picks the recorded layers (the others run through SDPA); ``reduce=True`` keeps only
-    the per-layer statistics of :data:`metrics.STATISTICS` instead of full maps. ``on_layer(i)`` is
+    the per-layer statistics of :data:`metrics.STATISTICS` instead of full maps, ``reduce=("alpha", ...)``
+    only those named (entropy and allocation cost a pass over every block; the rest are kept anyway). ``on_layer(i)`` is
     called after each layer (progress); ``max_tokens`` caps the text below the model's own limit.
     Asked for, the same pass also keeps the recorded layers' pre-softmax ``scores`` and
     ``value_norms`` (||W_O^h v_j||), and the residual stream's ``activations`` (norms, top values).
@@ -443,7 +447,8 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture | 
     ids, tokens = tokenize(loaded, text, max_tokens, prepend)
     input_ids = torch.tensor([ids])
 
-    reducer = Summaries(tokens, pool) if reduce else None  # statistics block by block, never a full map
+    # statistics block by block, never a full map; a tuple of names keeps only those (and the cheap ones)
+    reducer = Summaries(tokens, pool, None if reduce is True else reduce) if reduce else None
 
     check_device(loaded, len(ids), f"a capture of {len(record)} layers", reduce=reduce, pool=pool,
                  hidden_states=hidden_states or activations, value_norms=value_norms, scores=scores,

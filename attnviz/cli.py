@@ -107,6 +107,9 @@ def _null(x: float):
     return None if math.isnan(x) else round(float(x), 6)
 
 
+SINKS_REPORT = ("alpha", "column_mean", "discarded")  # what the sinks JSON reads: no entropy or allocation pass
+
+
 def sinks_report(capture, eps: float) -> dict:
     """The `attnviz sinks --json` document for a capture (all layers recorded)."""
     from attnviz.stats import metrics
@@ -144,7 +147,7 @@ def _sinks(args) -> dict:
     text = _text(args)
     _check_intervene(args)
     loaded = _load(args)
-    return sinks_report(capture(loaded, text, args.arch, reduce=True, residual=args.residual,
+    return sinks_report(capture(loaded, text, args.arch, reduce=SINKS_REPORT, residual=args.residual,
                                 intervene=args.intervene, prepend=_prepend(args)), args.eps)
 
 

@@ -71,3 +71,23 @@ def test_no_import_cycle_between_the_reference_and_the_reducers():
     imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names} | {
         node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not any("reduce" in name or "engine" in name for name in imported), imported
+
+
+def test_a_capture_keeps_only_the_statistics_it_names():
+    from attnviz.capture import capture
+    from attnviz.errors import AttnvizError
+
+    from tiny import loaded
+
+    lm = loaded("llama")
+    text = "The keeper lit the lamp, and the ships passed the rocks."
+    full = capture(lm, text, "nosink-fwd", reduce=True)
+    some = capture(lm, text, "nosink-fwd", reduce=("alpha", "column_mean", "discarded"))
+    assert set(full.stats[1]) == {s.name for s in metrics.STATISTICS}
+    assert set(some.stats[1]) == {"alpha", "column_mean", "key0", "discarded"}
+    for name in some.stats[1]:
+        np.testing.assert_array_equal(some.stats[1][name], full.stats[1][name])
+    with pytest.raises(AttnvizError, match="not entropy"):
+        some.stat(1, "entropy")
+    with pytest.raises(ValueError, match="unknown statistics"):
+        capture(lm, text, "fwd", reduce=("alpha", "beta"))

@@ -57,11 +57,12 @@ class LayerSummary:
     """
 
     def __init__(self, n_heads: int, n_q: int, n_kv: int, tokens: list[str] | None = None,
-                 delim: torch.Tensor | None = None):
+                 delim: torch.Tensor | None = None, entropy: bool = True):
         self.n_heads, self.n_q, self.n_kv = n_heads, n_q, n_kv
         if delim is None and tokens is not None:
             delim = torch.from_numpy(metrics.delimiter_flags(tokens))
-        self.delim = delim
+        self.delim = delim  # None: no allocation (it needs the text's delimiters)
+        self.with_entropy = entropy  # False: no entropy (a log over every probability of the layer)
         self.device = None
 
     def _start(self, device: torch.device) -> None:
@@ -112,8 +113,9 @@ class LayerSummary:
             if self.delim is not None:
                 delim_q[r_lo:r_hi] = self.delim[q0 + r_lo:q0 + r_hi]
         delim_sum = probs @ self.delim[cols] if self.delim is not None else None
-        self._rows(q0, allow[:, 0] if k0 == 0 else None, allow.sum(-1), probs.sum(-1),
-                   torch.special.xlogy(probs, probs).sum(-1), key0, diagonal, delim_sum, delim_q)
+        plogp = torch.special.xlogy(probs, probs).sum(-1) if self.with_entropy else None
+        self._rows(q0, allow[:, 0] if k0 == 0 else None, allow.sum(-1), probs.sum(-1), plogp, key0, diagonal,
+                   delim_sum, delim_q)
 
     def _rows(self, q0: int, key0_allowed, allowed_count, rowsum, plogp, key0, diagonal, delim_sum, delim_q) -> None:
         """Every per-query statistic of rows q0 .. q0 + b - 1 from their sums (H, b): row sum, Σ p log p,
@@ -123,8 +125,9 @@ class LayerSummary:
         if key0 is not None:
             self.key0[:, rows] = torch.where(key0_allowed[None, :], key0, float("nan"))
         self.discarded[:, rows] = (1.0 - rowsum).clamp(min=0.0)
-        norm = torch.log(allowed_count.clamp(min=1).float())[None, :]
-        self.entropy[:, rows] = torch.where(norm > 0, -plogp / torch.where(norm > 0, norm, 1.0), 0.0)
+        if plogp is not None:
+            norm = torch.log(allowed_count.clamp(min=1).float())[None, :]
+            self.entropy[:, rows] = torch.where(norm > 0, -plogp / torch.where(norm > 0, norm, 1.0), 0.0)
         if self.delim is not None:
             if q0 == 0:
                 diagonal = diagonal.clone()
@@ -155,7 +158,7 @@ class LayerSummary:
         others = self.counts - self.self_seen
         alpha = torch.where(others > 0, self.masked_sum / self.counts.clamp(min=1), float("nan"))
         out = {"alpha": alpha, "column_mean": self.plain_sum / self.n_q, "key0": self.key0,
-               "discarded": self.discarded, "entropy": self.entropy}
+               "discarded": self.discarded, **({"entropy": self.entropy} if self.with_entropy else {})}
         if self.delim is not None:
             out = {"allocation": self.allocation, **out}
         return out
@@ -171,9 +174,18 @@ class Summaries(FusedReducer):
     state lives on that layer's own device (a device map may spread layers over several); its
     finished results go to the host once, in :meth:`finish`."""
 
-    def __init__(self, tokens: list[str] | None = None, pool: int | None = None):
+    def __init__(self, tokens: list[str] | None = None, pool: int | None = None, statistics=None):
+        """``statistics``: the names of :data:`metrics.STATISTICS` a caller needs (None: all). Entropy and
+        allocation, the two that cost a pass over every block, are computed only when named; the others
+        come from sums the engine makes anyway and are always kept."""
+        names = {s.name for s in metrics.STATISTICS}
+        wanted = names if statistics is None else set(statistics)
+        if wanted - names:
+            raise ValueError(f"unknown statistics {sorted(wanted - names)}: choose from {sorted(names)}")
         self.tokens = tokens
-        self.delim = None if tokens is None else torch.from_numpy(metrics.delimiter_flags(tokens))  # once per text
+        self.entropy = "entropy" in wanted
+        self.delim = (torch.from_numpy(metrics.delimiter_flags(tokens))  # once per text
+                      if tokens is not None and "allocation" in wanted else None)
         self.pool = pool  # also keep max-pooled maps of at most pool cells a side (stats "pooled", "pool_factor")
         self.layers: dict[int, LayerSummary] = {}
         self.pooled: dict[int, PooledMap] = {}
@@ -197,7 +209,7 @@ class Summaries(FusedReducer):
         pool, the value-weighted maps A[i, j]·||W_O v_j|| are max-pooled too (stats "pooled_value")."""
         if layer not in self.layers:
             heads, n_kv = probs.shape[1], n_kv or probs.shape[-1]
-            self.layers[layer] = LayerSummary(heads, n_q, n_kv, delim=self.delim)
+            self.layers[layer] = LayerSummary(heads, n_q, n_kv, delim=self.delim, entropy=self.entropy)
             if self.pool:
                 self.pooled[layer] = PooledMap(heads, n_q, n_kv, self.pool)
                 if value_norms is not None:
@@ -213,7 +225,7 @@ class Summaries(FusedReducer):
         """A whole layer at once from :func:`attnviz.core.kernels.layer_statistics` (the fused route) and its
         (n_q, n_kv) allow-set: the same statistics and pooled maps as the blocks would give."""
         heads = raw["rowsum"].shape[0]
-        self.layers[layer] = summary = LayerSummary(heads, n_q, n_kv, delim=self.delim)
+        self.layers[layer] = summary = LayerSummary(heads, n_q, n_kv, delim=self.delim, entropy=self.entropy)
         summary.add_fused(raw, allow)
         if self.pool:
             seen = PooledMap(heads, n_q, n_kv, self.pool).seen_of(allow)  # one grid for every pooled kind
