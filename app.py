@@ -5,7 +5,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from ui.state import sidebar
+from ui.sidebar import sidebar
 
 st.set_page_config(page_title="attnviz", page_icon=":material/blur_on:", layout="wide")
 

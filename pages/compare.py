@@ -9,7 +9,8 @@ from attnviz.figures import export
 from attnviz.figures import cosine_figure, difference, panels, sink_mass_change
 from attnviz.figures.heatmaps import head_label
 from ui.export import figure_downloads
-from ui.state import get_capture, page_context
+from ui.cache import get_capture
+from ui.sidebar import page_context
 from ui.docs import definitions
 
 settings, loaded = page_context()

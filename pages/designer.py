@@ -6,7 +6,7 @@ from attnviz.core import arch as arch_mod
 from attnviz.errors import AttnvizError
 from attnviz.figures import architecture_masks, stablemask_pseudo
 from ui.export import figure_downloads
-from ui.state import page_context
+from ui.sidebar import page_context
 from ui.docs import definitions
 
 settings, loaded = page_context()

@@ -20,7 +20,8 @@ from attnviz.core.models import cache_dir
 from attnviz.reports import reproduce as repro
 from ui import jobs
 from ui.export import figure_downloads
-from ui.state import full_maps_limit, page_context
+from ui.cache import full_maps_limit
+from ui.sidebar import page_context
 from ui.docs import definitions
 
 settings, loaded = page_context()

@@ -10,7 +10,8 @@ from attnviz.figures import heatmap
 from attnviz.figures.heads import head_classes
 from ui import jobs
 from ui.export import figure_downloads
-from ui.state import get_capture, page_context
+from ui.cache import get_capture
+from ui.sidebar import page_context
 from ui.docs import definitions
 
 settings, loaded = page_context()

@@ -11,7 +11,8 @@ from attnviz.errors import AttnvizError
 from attnviz.figures import heatmap, overview, region_heatmap, tile_at
 from ui import jobs
 from ui.export import data_downloads, figure_downloads
-from ui.state import current_capture, fits_full_maps, get_seq2seq_capture, page_context
+from ui.cache import fits_full_maps, get_seq2seq_capture
+from ui.sidebar import current_capture, page_context
 from ui.viewer import heatmap_viewer
 from ui.docs import definitions
 

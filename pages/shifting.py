@@ -7,7 +7,8 @@ import streamlit as st
 from attnviz.figures import export
 from attnviz.figures import shift_panels, shift_rate_figure, sink_key_grids
 from ui.export import figure_downloads, report_download
-from ui.state import get_capture, page_context
+from ui.cache import get_capture
+from ui.sidebar import page_context
 from ui.docs import definitions
 
 settings, loaded = page_context()

@@ -15,7 +15,7 @@ from attnviz.figures import (allocation_bars, alpha_by_key, alpha_grid, averaged
                              massive_activations, rate_bars, sink_grid, sink_shares, top_activation_rows)
 from ui import jobs
 from ui.export import data_downloads, figure_downloads
-from ui.state import current_capture, page_context
+from ui.sidebar import current_capture, page_context
 from ui.docs import definitions
 
 settings, loaded = page_context()

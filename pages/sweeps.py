@@ -12,7 +12,8 @@ from attnviz.sweep import spec as spec_mod
 from attnviz.sweep import store
 from ui import jobs
 from ui.export import figure_downloads
-from ui.state import page_context, sweep_room
+from ui.cache import sweep_room
+from ui.sidebar import page_context
 from ui.docs import definitions
 
 MAX_CELLS = 12  # a sweep started from the page: a few cells on this machine; bigger grids: `attnviz sweep`

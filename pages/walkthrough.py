@@ -6,7 +6,7 @@ import streamlit as st
 from attnviz.effects import walkthrough as W
 from attnviz.errors import InputError
 from attnviz.figures import labelled_matrix
-from ui.state import page_context
+from ui.sidebar import page_context
 from ui.docs import definitions
 
 page_context()  # a fresh server's first request may come here directly: route it through app.py

@@ -367,7 +367,7 @@ def test_a_failed_model_is_remembered_with_a_retry_button(app):
     app.sidebar.text_input(key="model").input("no-such-org/no-such-model").run()
     assert "cannot find model" in texts(app.error)
     retry = app.sidebar.button(key="model_retry")
-    from ui.state import _failed_models
+    from ui.cache import _failed_models
 
     assert ("no-such-org/no-such-model", False) in _failed_models()  # not looked up again on the next rerun
     retry.click().run()
@@ -380,7 +380,7 @@ def test_pages_without_a_model_never_load_one(app):
     on_page(app, "pages/walkthrough.py")
     app.sidebar.text_input(key="model").input("some-org/never-loaded").run()
     assert not app.error and charts(app)  # no lookup, no error: the walkthrough needs no model
-    from ui.state import _failed_models
+    from ui.cache import _failed_models
 
     assert ("some-org/never-loaded", False) not in _failed_models()
     on_page(app, "pages/designer.py")

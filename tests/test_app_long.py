@@ -90,16 +90,16 @@ def test_resident_size_stays_within_the_budget(model_cache, default_model, tmp_p
 
 
 def test_two_sessions_asking_for_the_same_capture_compute_it_once(model_cache, tmp_path, monkeypatch):
-    import ui.state
+    import ui.cache
 
     calls = []
-    original = ui.state.capture
+    original = ui.cache.capture
 
     def counted(*args, **kwargs):
         calls.append(args[1])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(ui.state, "capture", counted)
+    monkeypatch.setattr(ui.cache, "capture", counted)
     text = "Two sessions, one capture: " + ENGLISH
     sessions = []
     for i in range(2):

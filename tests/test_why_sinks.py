@@ -231,7 +231,7 @@ def test_capture_cache_budget_from_the_environment(monkeypatch):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from ui.state import capture_budget
+    from ui.cache import capture_budget
 
     monkeypatch.setenv("ATTNVIZ_MEMORY_MB", "512")
     assert capture_budget() == 512 * 2**20

@@ -1,0 +1,186 @@
+"""The shared sidebar: model, text, architecture, intervention, BOS control and residual variant,
+kept in session state across pages, and what a page reads of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import streamlit as st
+
+from attnviz.core import devices
+from attnviz.capture import Capture
+from attnviz.core.models import DEFAULT, LoadedModel
+from attnviz.core.residual import METHODS
+
+from ui.cache import get_capture, get_model
+
+EXAMPLES = {
+    "Lighthouse (English, 48 tokens)": (
+        "The old lighthouse keeper climbed the narrow stairs every evening to light the lamp. "
+        "Ships passing the rocky coast relied on its steady beam, and in fifty years he had never "
+        "missed a single night, not even during the great storm of the winter."),
+    "Causal mask (seed 001)": (
+        "The causal mask stops each token from looking at the tokens after it, so the model cannot "
+        "cheat by reading the word it is supposed to predict."),
+    "Code": "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",
+    "Short": "The cat sat on the mat.",
+}
+DEFAULT_EXAMPLE = "Lighthouse (English, 48 tokens)"
+PICKS = ["FWD", "BACK", "BIDIR", "NoSink-FWD", "NoSink-BIDIR", "INPLACE-BIDIR", "INPLACE-BACK", "MASK0-FWD",
+         "MASK0-BIDIR", "MASK0-ALL", "MASK0&BIDIR", "StableMask", "Sliding window", "Dilated window",
+         "Global + sliding", "Advanced (string)"]
+
+
+@dataclass
+class Settings:
+    model: str
+    text: str
+    arch: str
+    residual: str | None = None  # a seed-003 variant (docs/methods.md#residual-variants), or None
+    intervene: str | None = None  # interventions beside the architecture (docs/methods.md#interventions), or None
+    prepend: str | None = None  # the BOS control: "bos", or None
+
+
+def _arch_controls(n_layers: int) -> str:
+    if "arch_apply" in st.session_state:  # set by the mask designer's "Use this architecture"
+        st.session_state["arch_pick"] = "Advanced (string)"
+        st.session_state["arch_text"] = st.session_state.pop("arch_apply")
+    pick = st.selectbox("Architecture", PICKS, key="arch_pick",
+                        help="Mask types and the per-layer architectures of 'Look Both Ways and No Sink'")
+    top = min(8, n_layers)
+    if pick in ("INPLACE-BIDIR", "INPLACE-BACK", "MASK0-FWD", "MASK0-BIDIR", "MASK0-ALL", "MASK0&BIDIR"):
+        k = st.slider("k: converted top layers", 0, n_layers, min(st.session_state.get("arch_k", top), n_layers),
+                      key="arch_k")
+        if pick == "MASK0&BIDIR":
+            k0 = st.slider("k0: top layers with NoSink-BIDIR", 0, k, min(st.session_state.get("arch_k0", k // 2), k),
+                           key="arch_k0")
+            return f"mask0&bidir(k={k}, k0={k0})"
+        return f"{pick.lower()}(k={k})"
+    if pick in ("NoSink-FWD", "NoSink-BIDIR"):
+        m = st.slider("m: hidden first keys", 1, 8, 1, key="arch_m")
+        return pick.lower() + (f"(m={m})" if m > 1 else "")
+    if pick == "StableMask":
+        horizon = st.number_input("SM-I: training length T (0: full StableMask)", 0, 1 << 20, 0, key="arch_T",
+                                  help="SM-I folds the future slots up to T into one logit per row: it works with "
+                                       "a KV cache and equals StableMask at n = T")
+        suffix = f", T={horizon}" if horizon else ""
+        if st.toggle("per-head ALiBi slopes", key="arch_alibi"):
+            return f"stablemask(slopes=alibi{suffix})"
+        gamma = st.slider("gamma", 0.05, 2.0, 0.5, 0.05, key="arch_gamma")
+        return f"stablemask(gamma={gamma:g}{suffix})"
+    if pick == "Sliding window":
+        w = st.number_input("w: window", 1, 8192, 16, key="arch_w")
+        return f"sliding(w={w})"
+    if pick == "Dilated window":
+        w = st.number_input("w: keys per window", 1, 8192, 8, key="arch_dw")
+        d = st.number_input("d: dilation", 1, 64, 2, key="arch_d")
+        return f"dilated(w={w}, d={d})"
+    if pick == "Global + sliding":
+        w = st.number_input("w: window", 1, 8192, 16, key="arch_gw")
+        g = st.number_input("g: global tokens", 0, 64, 1, key="arch_g")
+        return f"global(w={w}, g={g})"
+    if pick == "Advanced (string)":
+        return st.text_input("Architecture string (docs/methods.md#the-call-syntax)", "fwd*22 + bidir*4 + nosink-bidir*4", key="arch_text",
+                             help="e.g. mask0&bidir(k=8, k0=4) or fwd*26 + nosink-bidir*4")
+    return pick.lower()
+
+
+INTERVENTIONS = ["none", "sinkscale (ACT)", "sinklogit", "temperature", "ablate heads", "Advanced (string)"]
+
+
+def _intervention_controls(n_layers: int, n_heads: int) -> str | None:
+    """The sidebar's "Intervention" (docs/methods.md#interventions): a picker with its parameters, or a free string. The
+    string is checked where it is used (get_capture), which shows what is wrong."""
+    pick = st.selectbox("Intervention", INTERVENTIONS, key="iv_pick",
+                        help="Beyond the mask: turn the sink down (ACT), give attention somewhere else to go (a sink "
+                             "logit), sharpen or flatten it, or remove heads; composes with any architecture")
+    if pick == "none":
+        return None
+    if pick == "Advanced (string)":
+        return st.text_input("Intervention string (docs/methods.md#interventions)", "sinkscale(beta=0.3)@20-29; ablate(heads=0,3)@5",
+                             key="iv_text", help="sinklogit(b=B), sinkscale(key=K, beta=B), temperature(t=T), "
+                                                 "ablate(heads=..., how=zero|mean), each @LAYERS, joined with ';'")
+    top = f"{max(0, n_layers - 10)}-{n_layers - 1}"
+    layers = st.text_input("in layers (e.g. 20-29 or 0,5,7; empty: all)", top, key="iv_layers").strip()
+    where = f"@{layers}" if layers else ""
+    if pick == "sinkscale (ACT)":
+        beta = st.slider("beta: share of the sink's attention kept", 0.0, 1.0, 0.3, 0.05, key="iv_beta")
+        key = st.number_input("sink key K", 0, 1 << 20, 0, key="iv_key")
+        return f"sinkscale(key={key}, beta={beta:g}){where}"
+    if pick == "sinklogit":
+        b = st.number_input("b: the extra logit (0: softmax-off-by-one)", -20.0, 20.0, 0.0, 0.5, key="iv_b")
+        return f"sinklogit(b={b:g}){where}"
+    if pick == "temperature":
+        t = st.number_input("t: scores divided by t", 0.05, 20.0, 2.0, 0.05, key="iv_t")
+        return f"temperature(t={t:g}){where}"
+    heads = st.multiselect("heads", list(range(n_heads)), [0], key="iv_heads")
+    how = st.radio("replaced by", ["zero", "mean"], horizontal=True, key="iv_how")
+    return f"ablate(heads={','.join(map(str, heads))}, how={how}){where}" if heads else None
+
+
+def sidebar(needs_model: bool = True) -> tuple[Settings, LoadedModel | None]:
+    """Model, text and architecture controls shared by every page; ``needs_model=False`` (walkthrough,
+    mask designer) uses the model only if it is already loaded."""
+    with st.sidebar:
+        st.markdown("### attnviz")
+        model = st.text_input("Model", DEFAULT, key="model",
+                              help="'default' (SmolLM2-135M-Instruct, offline), a Hugging Face id or a local path")
+        trust = st.toggle("trust remote code", False, key="trust_remote_code",
+                          help="Only for models you trust: runs the model repository's own Python code")
+        spread = st.selectbox("Device map", ["none", "auto"], key="device_map",
+                              help="'auto' spreads a model larger than one GPU over the GPUs, the CPU and disk "
+                                   "(accelerate); attnviz keeps each layer's statistics on that layer's device")
+        example = st.selectbox("Example text", list(EXAMPLES), key="example")
+        if st.session_state.get("_example_shown") != example:
+            st.session_state["text"] = EXAMPLES[example]
+            st.session_state["_example_shown"] = example
+        text = st.text_area("Text", key="text", height=150)
+        loaded = get_model(model.strip() or DEFAULT, trust, wait=needs_model,
+                           device_map=None if spread == "none" else spread)
+        if loaded is not None:
+            st.caption(f"runs on `{devices.describe(loaded.model)}` · statistics in float32")
+        n_layers = loaded.n_layers if loaded else 30
+        spec = _arch_controls(n_layers)
+        intervene = _intervention_controls(n_layers, loaded.n_heads if loaded else 9)
+        bos = st.toggle("Prepend the BOS token", False, key="bos",
+                        help="The first token becomes the tokenizer's BOS token (Barbero et al. 2025): the sink "
+                             "pages show what that changes")
+        variant = st.selectbox("Residual variant (seed 003)", ["none", *METHODS], key="residual",
+                               help="Methods 1–4 of seed 003 (Llama-family models): the MLP or attention residual "
+                                    "becomes the sum of earlier layers recomputed on the embeddings")
+        st.caption(f"architecture: `{spec}`" + (f" · intervention `{intervene}`" if intervene else "")
+                   + ("" if variant == "none" else f" · residual `{variant}`") + (" · BOS prepended" if bos else ""))
+    return Settings(model=model, text=text, arch=spec, residual=None if variant == "none" else variant,
+                    intervene=intervene, prepend="bos" if bos else None), loaded
+
+
+def page_context() -> tuple[Settings, LoadedModel | None]:
+    """The settings and model that app.py's shared sidebar put in session state.
+
+    On a fresh server a page URL (``/compare``, a bookmark) can be the very first request. Until
+    ``st.navigation`` has run once, Streamlit treats the ``pages/`` folder as old-style pages and
+    runs the page without app.py (streamlit#9624), so there is no sidebar and no settings. Then we
+    switch that mode off, as ``st.navigation`` itself does, and rerun: the same URL now goes
+    through app.py.
+    """
+    if "settings" not in st.session_state:
+        from streamlit.runtime.pages_manager import PagesManager
+
+        PagesManager.uses_pages_directory = False
+        st.rerun()
+    return st.session_state["settings"], st.session_state["loaded"]
+
+
+def current_capture(settings: Settings, loaded: LoadedModel | None, spec: str | None = None,
+                    extras: tuple[str, ...] = ()) -> Capture | None:
+    if loaded is None:
+        return None
+    if not settings.text.strip():
+        st.warning("The text is empty: type something in the sidebar or pick an example.")
+        return None
+    if loaded.is_encoder_decoder:
+        st.error(f"{loaded.model_id} is an encoder-decoder model: this page takes decoder-only models. Its encoder, "
+                 "decoder and cross-attention are on the Heatmaps page.")
+        return None
+    return get_capture(loaded, settings.text, spec or settings.arch, extras=extras, residual=settings.residual,
+                       intervene=settings.intervene, prepend=settings.prepend)
