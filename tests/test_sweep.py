@@ -86,6 +86,10 @@ def test_the_readme_spec_on_a_local_ray_equals_the_plain_cli(model_cache, ray_lo
     rows = store.read(str(out), "sinks")
     assert len(rows) == 2 * 30 and set(rows["status"]) == {"ok"}
     assert len(set(rows["worker"])) >= 1 and (rows["elapsed_s"] > 0).all()
+    from attnviz.recipe import Recipe
+
+    made = {r["arch"]: Recipe.from_dict(json.loads(r["recipe_json"])) for _, r in rows.iterrows()}
+    assert made["nosink-fwd"].arch == "nosink-fwd" and made["fwd"].key == rows[rows["arch"] == "fwd"]["recipe"].iloc[0]
     assert json.loads(rows["versions"][0])["attnviz"]
     for arch in ("fwd", "nosink-fwd"):
         expected = sinks_cli(arch, capsys)

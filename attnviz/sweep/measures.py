@@ -101,6 +101,7 @@ def schema():
 
     cell = [("cell", pa.string()), ("measure", pa.string()), ("model", pa.string()), ("arch", pa.string()),
             ("intervention", pa.string()), ("corpus", pa.string()), ("options", pa.string()),
+            ("recipe", pa.string()), ("recipe_json", pa.string()),
             ("status", pa.string()), ("error", pa.string()), ("elapsed_s", pa.float64()),
             ("versions", pa.string()), ("worker", pa.string()), ("finished", pa.string())]
     columns = {}

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnviz.errors import AttnvizError
+from attnviz.recipe import Recipe
 from attnviz.sweep import measures, store
 from attnviz.sweep.spec import Cell, Spec
 
@@ -58,8 +59,9 @@ def run_cell(out: str, cell: Cell) -> dict:
     start = time.perf_counter()
     try:
         lm = model_for(cell.model)
+        recipe = Recipe.of(lm, cell.arch, cell.intervention or None)
         rows = measures.RUN[cell.measure](lm, cell)
-        store.write_cell(out, cell, rows, time.perf_counter() - start)
+        store.write_cell(out, cell, rows, time.perf_counter() - start, recipe=recipe)
         return {"cell": cell.id, "status": "ok", "elapsed_s": time.perf_counter() - start}
     except Exception as err:  # noqa: BLE001 - one failed cell must not stop the others
         message = str(err) if isinstance(err, AttnvizError) else f"{type(err).__name__}: {err}"

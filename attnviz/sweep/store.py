@@ -38,8 +38,10 @@ def versions() -> dict:
     return {"attnviz": __version__, **_versions()}
 
 
-def write_cell(out: str, cell: Cell, rows: list[dict], elapsed: float, error: str | None = None) -> str:
-    """The cell's rows as one Parquet file (to a temporary name, then moved: never half written)."""
+def write_cell(out: str, cell: Cell, rows: list[dict], elapsed: float, error: str | None = None,
+               recipe=None) -> str:
+    """The cell's rows as one Parquet file (to a temporary name, then moved: never half written); ``recipe``
+    (:class:`attnviz.recipe.Recipe`, when the model loaded) goes in every row as its key and its dict."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from pyarrow import fs
@@ -50,6 +52,8 @@ def write_cell(out: str, cell: Cell, rows: list[dict], elapsed: float, error: st
     common = {"cell": cell.id, "measure": cell.measure, "model": cell.model, "arch": cell.arch,
               "intervention": cell.intervention, "corpus": cell.corpus,
               "options": json.dumps(cell.options, sort_keys=True), "status": "failed" if error else "ok",
+              "recipe": recipe.key if recipe is not None else None,
+              "recipe_json": json.dumps(recipe.to_dict(), sort_keys=True) if recipe is not None else None,
               "error": error or "", "elapsed_s": round(elapsed, 4), "versions": json.dumps(versions(), sort_keys=True),
               "worker": f"{socket.gethostname()}:{os.getpid()}",
               "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
