@@ -12,7 +12,7 @@ from attnviz.stats import metrics
 from attnviz.cli import ALL, COMMANDS, build_parser
 from attnviz.kv import compress
 from attnviz.reports import html
-from attnviz.sweep.spec import measures
+from attnviz.sweep.spec import measure_options
 
 D = defaults.of
 SINKS, REPORT = D(dataset.sinks), D(dataset.DatasetSinks.as_json)
@@ -78,7 +78,7 @@ def test_every_cli_setting_is_the_library_default():
 
 def test_the_sweep_measures_and_the_cli_agree():
     cli = cli_defaults()
-    table = measures()
+    table = measure_options()
     for (measure, option), where in SWEEP_TO_CLI.items():
         assert table[measure][option][1] == cli[where], f"measures.{measure}.{option} vs attnviz {where[0]}"
     assert table["compress"]["ratios"][1] == list(D(compress.compress)["ratios"])

@@ -32,7 +32,7 @@ from attnviz.errors import AttnvizError, InputError
 ANY_LAYERS = ANY_HEADS = 4096
 
 @functools.cache
-def measures() -> dict[str, dict[str, tuple[type | tuple[type, ...], object]]]:
+def measure_options() -> dict[str, dict[str, tuple[type | tuple[type, ...], object]]]:
     """measure -> {option: (type, default)}: each default read from the library function the measure
     calls (:mod:`attnviz.defaults`), the same the CLI's options and the app's widgets read."""
     from attnviz.defaults import of
@@ -188,11 +188,11 @@ def parse(text: str) -> Spec:
         raise InputError("spec: 'measures' is empty: name at least one, e.g. [measures.sinks]")
     measures = {}
     for name, options in measures_raw.items():
-        if name not in measures():
-            raise InputError(f"spec: unknown measure 'measures.{name}' (expected {', '.join(measures())})")
+        if name not in measure_options():
+            raise InputError(f"spec: unknown measure 'measures.{name}' (expected {', '.join(measure_options())})")
         if not isinstance(options, dict):
             raise InputError(f"spec: 'measures.{name}' must be a table of options")
-        known = measures()[name]
+        known = measure_options()[name]
         for option in options:
             if option not in known:
                 raise InputError(f"spec: unknown option 'measures.{name}.{option}' (expected {', '.join(known)})")

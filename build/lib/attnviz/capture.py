@@ -1,0 +1,499 @@
+"""``capture(loaded, text, arch)`` → a :class:`Capture`: the one object metrics, figures and pages read.
+
+A capture holds the tokens, the architecture and each layer's mask name, the recorded
+probabilities (fp16 by default, softmax done in fp32), the allow-set of every recorded layer, the
+next-token distribution, optional hidden states, timing and metadata. It saves to a single
+``.npz`` (arrays plus a JSON metadata string; no pickle) and loads back.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from attnviz import recipe as recipe_mod
+from attnviz.core import arch as arch_mod
+from attnviz.core import devices, engine, syntax
+from attnviz.core.models import LoadedModel
+from attnviz.errors import AttnvizError, InputError
+from attnviz.recipe import Recipe
+from attnviz.stats import metrics
+from attnviz.stats.reduce import Summaries, summarise
+
+FORMAT = "attnviz-capture/1"
+TOP_ACTIVATIONS = 8
+
+
+@dataclass
+class QKV:
+    """One layer's queries (H, n, d), keys and values (H_kv, n, d) after RoPE, and the score scaling."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    scaling: float
+
+
+@dataclass
+class Activations:
+    """Residual-stream magnitudes (Sun et al. 2024, "Massive activations"): per layer boundary
+    (embeddings first, then each layer's output) the L2 norm of every token's hidden state, and
+    the largest absolute activations with the token and dimension where each sits."""
+
+    norms: np.ndarray  # (L + 1, n) float32
+    top_values: np.ndarray  # (L + 1, K) float32, descending
+    top_tokens: np.ndarray  # (L + 1, K) int
+    top_dims: np.ndarray  # (L + 1, K) int
+
+    @classmethod
+    def from_hidden(cls, hidden_states, k: int = TOP_ACTIVATIONS) -> "Activations":
+        stacked = torch.stack([h[0].float() for h in hidden_states])  # (L + 1, n, d)
+        flat = stacked.abs().flatten(1)
+        top = flat.topk(min(k, flat.shape[1]), dim=1)
+        d = stacked.shape[-1]
+        return cls(stacked.norm(dim=-1).cpu().numpy(), top.values.cpu().numpy(),
+                   (top.indices // d).cpu().numpy(), (top.indices % d).cpu().numpy())
+
+
+@dataclass
+class Capture:
+    text: str
+    tokens: list[str]
+    token_ids: list[int]
+    arch: str
+    layer_masks: list[str]
+    layers: list[int]
+    kv_groups: list[int]
+    allowed: dict[int, np.ndarray]
+    probs: dict[int, np.ndarray] = field(default_factory=dict)
+    stats: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+    next_logprobs: np.ndarray | None = None
+    hidden: np.ndarray | None = None
+    scores: dict[int, np.ndarray] = field(default_factory=dict)  # pre-softmax QK^T/sqrt(d), (H, n, n)
+    value_norm: dict[int, np.ndarray] = field(default_factory=dict)  # ||W_O^h v_j^h||, (H, n)
+    activations: Activations | None = None
+    qkv: dict[int, QKV] = field(default_factory=dict)  # kept in memory only (not saved: they are large)
+    query_tokens: list[str] | None = None  # row labels where queries are not the keys (cross-attention)
+    recipe: Recipe | None = None  # what made it (attnviz.recipe); None only for hand-made captures
+    timing: dict[str, float] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+    # layer -> that layer's input hidden states (n, d) on the host, in the model's dtype: a region of a
+    # long capture resumes its forward from the nearest one below it (regions.of_capture). Not saved.
+    checkpoints: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    _summaries: dict[int, dict[str, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def row_tokens(self) -> list[str]:
+        """The tokens down the rows of every map: the queries (the keys themselves in self-attention)."""
+        return self.tokens if self.query_tokens is None else self.query_tokens
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.kv_groups)
+
+    @property
+    def reduced(self) -> bool:
+        return not self.probs and bool(self.stats)
+
+    def layer_probs(self, layer: int) -> np.ndarray:
+        """(H, n, n) float32 probabilities of a recorded layer."""
+        if layer not in self.probs:
+            why = "this capture kept only statistics" if self.reduced else f"layer {layer} was not recorded"
+            raise AttnvizError(f"no attention map for layer {layer}: {why} (recorded: {self.layers})")
+        return self.probs[layer].astype(np.float32)
+
+    def pool_factor(self, layer: int) -> int:
+        """1 for full maps; f for a long capture's max-pooled maps (one cell per f × f tokens)."""
+        if layer in self.probs or "pool_factor" not in self.stats.get(layer, {}):
+            return 1
+        return int(self.stats[layer]["pool_factor"])
+
+    def layer_view(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """((H, m, m') values, (m, m') allowed) of a layer: the full maps, or a long capture's
+        max-pooled ones (``capture(pool=...)``), whichever this capture kept."""
+        return self._pooled_or(layer, "pooled", lambda: (self.layer_probs(layer), self.allowed[layer]))
+
+    def value_view(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Like :meth:`layer_view` for the value-weighted maps ||A[i, j] W_O^h v_j^h||: full, or a long
+        capture's max-pooled ones (``capture(reduce=True, pool=..., value_norms=True)``)."""
+        return self._pooled_or(layer, "pooled_value", lambda: (self.value_weighted(layer), self.allowed[layer]))
+
+    def scores_view(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Like :meth:`layer_view` for the pre-softmax scores: full, or a long capture's max-pooled
+        ones over the allowed cells (``capture(reduce=True, pool=..., scores=True)``)."""
+        return self._pooled_or(layer, "pooled_scores", lambda: (self.layer_scores(layer), self.allowed[layer]))
+
+    def _pooled_or(self, layer: int, name: str, full):
+        """The stored pooled maps ``name`` of a layer that kept no full ones, else ``full()`` (which
+        raises the reason when there is nothing to show)."""
+        pooled = None if layer in self.probs else self.stats.get(layer, {}).get(name)
+        if pooled is None:
+            return full()
+        pooled = pooled.astype(np.float32)
+        return pooled, ~np.isnan(pooled[0])
+
+    def _recorded(self, store: dict, layer: int, what: str, flag: str) -> np.ndarray:
+        if layer not in store:
+            raise AttnvizError(f"no {what} for layer {layer}: capture with {flag}=True (recorded layers: {self.layers})")
+        return store[layer].astype(np.float32)
+
+    def layer_scores(self, layer: int) -> np.ndarray:
+        """(H, n, n) pre-softmax scores QK^T/sqrt(d) (after a model's softcap); masked cells included."""
+        return self._recorded(self.scores, layer, "pre-softmax scores", "scores")
+
+    def layer_value_norms(self, layer: int) -> np.ndarray:
+        """(H, n) ||W_O^h v_j^h||: how much key j can move the output through head h."""
+        return self._recorded(self.value_norm, layer, "value norms", "value_norms")
+
+    def layer_qkv(self, layer: int) -> QKV:
+        if layer not in self.qkv:
+            raise AttnvizError(f"no queries/keys/values for layer {layer}: capture with qkv=True")
+        return self.qkv[layer]
+
+    def value_weighted(self, layer: int) -> np.ndarray:
+        """(H, n, n) ||A[i, j] W_O^h v_j^h|| (Kobayashi et al. 2020), next to A[i, j] itself."""
+        return metrics.value_weighted(self.layer_probs(layer), self.layer_value_norms(layer))
+
+    def stat(self, layer: int, name: str) -> np.ndarray:
+        """A per-layer statistic (:data:`metrics.STATISTICS`), from stored stats or full maps."""
+        if layer in self.stats:
+            if name not in self.stats[layer]:
+                raise AttnvizError(f"this capture kept the statistics {sorted(self.stats[layer])}, not {name}: "
+                                   "capture with reduce=True for all of them")
+            return self.stats[layer][name]
+        if layer not in self._summaries:  # computed once per layer: pages ask for several statistics
+            self._summaries[layer] = summarise(self.layer_probs(layer), self.allowed[layer], self.tokens)
+        return self._summaries[layer][name]
+
+    def memo(self, key, compute):
+        """``compute()`` once per capture and key: figures reuse heavy per-capture numbers across reruns."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
+    # --- persistence -------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        if path.suffix != ".npz":
+            path = path.with_suffix(path.suffix + ".npz") if path.suffix else path.with_suffix(".npz")
+        arrays: dict[str, np.ndarray] = {"token_ids": np.asarray(self.token_ids, dtype=np.int64)}
+        for layer in self.layers:
+            arrays[f"allowed_{layer}"] = self.allowed[layer]
+            if layer in self.probs:
+                arrays[f"probs_{layer}"] = self.probs[layer]
+            for name, value in self.stats.get(layer, {}).items():
+                arrays[f"stat_{name}_{layer}"] = value
+        if self.next_logprobs is not None:
+            arrays["next_logprobs"] = self.next_logprobs
+        if self.hidden is not None:
+            arrays["hidden"] = self.hidden
+        for layer, value in self.scores.items():
+            arrays[f"scores_{layer}"] = value
+        for layer, value in self.value_norm.items():
+            arrays[f"valuenorm_{layer}"] = value
+        if self.activations is not None:
+            for name, value in vars(self.activations).items():
+                arrays[f"act_{name}"] = value
+        header = {
+            "format": FORMAT, "text": self.text, "tokens": self.tokens, "arch": self.arch,
+            **({"recipe": self.recipe.to_dict()} if self.recipe is not None else {}),
+            "layer_masks": self.layer_masks, "layers": self.layers, "kv_groups": self.kv_groups,
+            "timing": self.timing, "meta": self.meta,
+            **({"query_tokens": self.query_tokens} if self.query_tokens is not None else {}),
+        }
+        arrays["header"] = np.array(json.dumps(header))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(path, **arrays)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Capture":
+        try:
+            data = np.load(Path(path), allow_pickle=False)
+            header = json.loads(str(data["header"]))
+        except (OSError, KeyError, ValueError) as err:
+            raise AttnvizError(f"'{path}' is not an attnviz capture file ({err})") from None
+        if header.get("format") != FORMAT:
+            raise AttnvizError(f"'{path}' has format {header.get('format')!r}, expected {FORMAT}")
+        layers = [int(x) for x in header["layers"]]
+        stats: dict[int, dict[str, np.ndarray]] = {}
+        for key in data.files:
+            if key.startswith("stat_"):
+                name, layer = key[5:].rsplit("_", 1)
+                stats.setdefault(int(layer), {})[name] = data[key]
+        return cls(
+            text=header["text"], tokens=header["tokens"], token_ids=data["token_ids"].tolist(),
+            arch=header["arch"], layer_masks=header["layer_masks"], layers=layers,
+            kv_groups=header["kv_groups"], allowed={l: data[f"allowed_{l}"] for l in layers},
+            probs={l: data[f"probs_{l}"] for l in layers if f"probs_{l}" in data.files}, stats=stats,
+            next_logprobs=data["next_logprobs"] if "next_logprobs" in data.files else None,
+            hidden=data["hidden"] if "hidden" in data.files else None,
+            scores={l: data[f"scores_{l}"] for l in layers if f"scores_{l}" in data.files},
+            value_norm={l: data[f"valuenorm_{l}"] for l in layers if f"valuenorm_{l}" in data.files},
+            activations=(Activations(**{f.name: data[f"act_{f.name}"] for f in fields(Activations)})
+                         if "act_norms" in data.files else None),
+            timing=header["timing"], meta=header["meta"], query_tokens=header.get("query_tokens"),
+            recipe=(Recipe.from_dict(header["recipe"]) if "recipe" in header
+                    else Recipe.from_meta(header["meta"], header["arch"]) if header["meta"].get("model") else None),
+        )
+
+
+def parse_layers(layers, n_layers: int) -> list[int]:
+    """The recorded layers, in the one layer-list syntax (:func:`attnviz.core.syntax.layers`): ``None``/"all"
+    → every layer; "0,5,-1", "20-29" or a list → those layers (negative counts from the top)."""
+    return syntax.layers(layers, n_layers)
+
+
+def prefix_ids(loaded: LoadedModel, prepend: str | None) -> list[int]:
+    """The BOS control (docs/methods.md#interventions): ``"bos"`` → the tokenizer's BOS token, any other string → its
+    tokens, None → nothing. Refused clearly when the tokenizer has no BOS token."""
+    if not prepend:
+        return []
+    if prepend == "bos":
+        bos = getattr(loaded.tokenizer, "bos_token_id", None)
+        if bos is None:
+            raise InputError(f"{loaded.model_id}'s tokenizer has no BOS token: prepend a token of your own (--prepend)")
+        return [int(bos)]
+    ids = loaded.tokenizer(prepend, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise InputError(f"'{prepend}' gives no token to prepend")
+    return list(ids)
+
+
+def tokenize(loaded: LoadedModel, text: str, max_tokens: int | None = None,
+             prepend: str | None = None) -> tuple[list[int], list[str]]:
+    """Token ids and their display strings; refuses empty text and text over the limit. ``prepend``:
+    the BOS control (:func:`prefix_ids`), added once (a text that already starts with it is left so)."""
+    if not isinstance(text, str) or not text.strip():
+        raise InputError("the text is empty: type or pick a text to capture")
+    ids = loaded.tokenizer(text, add_special_tokens=True)["input_ids"]
+    prefix = prefix_ids(loaded, prepend)
+    if prefix and list(ids[:len(prefix)]) != prefix:
+        ids = prefix + list(ids)
+    if len(ids) > loaded.max_tokens:
+        raise InputError(
+            f"the text is {len(ids)} tokens long but {loaded.model_id} takes at most {loaded.max_tokens}: shorten it"
+        )
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise InputError(f"the text is {len(ids)} tokens long; this view captures at most {max_tokens}: shorten it")
+    if len(ids) < 1:
+        raise InputError("the text produced no tokens")
+    return ids, [loaded.tokenizer.decode([i]) for i in ids]
+
+
+def estimate_bytes(loaded: LoadedModel, n_tokens: int, layers: int | None = None, reduce: bool = False,
+                   pool: int | None = None, hidden_states: bool = False, value_norms: bool = False,
+                   scores: bool = False, checkpoints: int = 0) -> int:
+    """What a capture of ``n_tokens`` will hold (as :func:`attnviz.core.lru.nbytes` counts it), before it runs.
+
+    Full maps: fp16 (H, n, n) per recorded layer plus one n × n allow-set per mask; statistics only
+    (``reduce``): :func:`metrics.statistic_floats` per head and token per layer, plus the pooled maps (and pooled
+    value-weighted maps and scores when ``value_norms`` / ``scores`` ask for them).
+    """
+    n, heads = int(n_tokens), loaded.n_heads
+    count = loaded.n_layers if layers is None else int(layers)
+    masks = min(count, 4) * n * n  # allow-sets: one per distinct mask, rarely more than a few
+    if reduce:
+        side = min(n, pool) if pool else 0
+        pooled_maps = 1 + value_norms + scores  # weights, and value-weighted maps / scores when asked
+        per_layer = heads * n * 4 * metrics.statistic_floats() + heads * side * side * 2 * pooled_maps
+    else:
+        per_layer = heads * n * n * 2
+    per_layer += heads * n * 4 if value_norms else 0
+    hidden = (loaded.n_layers + 1) * n * int(getattr(loaded.config, "hidden_size", 0) or 0) * 2 if hidden_states else 0
+    kept = len(checkpoint_layers(loaded, checkpoints)) * checkpoint_bytes(loaded, n)
+    return count * per_layer + masks + hidden + kept + 4 * loaded.config.vocab_size
+
+
+def checkpoint_bytes(loaded: LoadedModel, n_tokens: int) -> int:
+    """One kept layer input: (n, hidden size) in the model's dtype."""
+    itemsize = next(loaded.model.parameters()).element_size()
+    return int(n_tokens) * int(getattr(loaded.config, "hidden_size", 0) or 0) * itemsize
+
+
+def checkpoint_layers(loaded: LoadedModel, count: int) -> frozenset[int]:
+    """The layers whose inputs a capture asked for ``count`` checkpoints keeps: evenly spaced above
+    layer 0 (whose input is the embeddings, cheap to recompute), so a region of any layer resumes at
+    most ceil(L / (count + 1)) - 1 layers below it. Empty where the family cannot resume
+    (:func:`engine.decoder_layers`); :func:`capture` keeps none under a residual variant (its own layer loop)."""
+    if count <= 0 or engine.decoder_layers(loaded.model) is None:
+        return frozenset()
+    stride = -(-loaded.n_layers // (min(count, loaded.n_layers - 1) + 1))
+    return frozenset(range(stride, loaded.n_layers, stride))
+
+
+def checkpoint_count(loaded: LoadedModel, n_tokens: int, budget: int, most: int = 8) -> int:
+    """How many checkpoints of ``n_tokens`` fit ``budget`` bytes (at most ``most``: eight put every
+    region within ceil(L / 9) layers of one)."""
+    one = checkpoint_bytes(loaded, n_tokens)
+    return 0 if one <= 0 else max(0, min(most, budget // one))
+
+
+def device_bytes(loaded: LoadedModel, n_tokens: int, reduce: bool = False, pool: int | None = None,
+                 hidden_states: bool = False, value_norms: bool = False, scores: bool = False,
+                 block_bytes: int | None = None, masks: int = 2) -> int:
+    """What a capture needs on the model's device beyond the weights, before it runs:
+
+    - the working set of one query block: about four fp32 copies of its scores (scores/probabilities,
+      the entropy's temporary, the pooled copy, the cast for P·V) at the run's block size;
+    - the allow-sets, one n × n bool per distinct mask (``masks``);
+    - one layer's forward activations (hidden, MLP and q/k/v projections, in the model's dtype) and,
+      when asked, every layer's hidden states;
+    - one layer's statistics and pooled maps (finished layers go to the host);
+    - the last position's logits.
+    Full maps go to the host as they are made (staged on the device only where there is room), so
+    they count against host memory (:func:`estimate_bytes`), not here.
+    """
+    n, cfg = int(n_tokens), loaded.config
+    heads = loaded.n_heads
+    device = loaded.model.device
+    block = block_bytes or devices.block_bytes(device)
+    rows = max(1, block // (4 * heads * n))
+    working = 4 * 4 * heads * min(rows, n) * n
+    itemsize = next(loaded.model.parameters()).element_size()
+    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+    inner = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
+    activations = n * (4 * hidden + 3 * inner) * itemsize
+    states = (loaded.n_layers + 1) * n * hidden * itemsize if hidden_states else 0
+    stats = heads * n * 4 * metrics.statistic_floats() if reduce else 0
+    pooled = heads * min(n, pool) ** 2 * 4 * (1 + value_norms + scores) if reduce and pool else 0
+    return working + masks * n * n + activations + states + stats + pooled + 4 * cfg.vocab_size
+
+
+def check_device(loaded: LoadedModel, n_tokens: int, what: str = "this capture", **options) -> None:
+    """Refuse, before running, a capture whose device working set (:func:`device_bytes`) exceeds the
+    device's free memory (``torch.cuda.mem_get_info``, or ``ATTNVIZ_DEVICE_MB``), saying what would fit."""
+    free = devices.free_bytes(loaded.model.device)
+    need = device_bytes(loaded, n_tokens, **options)
+    if free is None or need <= free:
+        return
+    fit = devices.largest(n_tokens, lambda n: device_bytes(loaded, n, **options) <= free)
+    smaller = device_bytes(loaded, n_tokens, **dict(options, block_bytes=4 * devices.MB))
+    hint = f"; with ATTNVIZ_BLOCK_MB=4, ~{devices.mb(smaller)}" if smaller < need else ""
+    raise devices.DeviceMemoryError(
+        f"{what} needs ~{devices.mb(need)} on {loaded.model.device} for {n_tokens} tokens, more than the "
+        f"{devices.mb(free)} free there{hint}. What would fit: "
+        + (f"a text of at most ~{fit} tokens" if fit else "nothing until memory is freed on that device")
+        + ("" if options.get("reduce") else ", or statistics only (`attnviz sinks`, a lower ATTNVIZ_FULL_MAPS_MB)"))
+
+
+def host_allowed(run, layers) -> dict[int, np.ndarray]:
+    """Every recorded layer's (n_q, n_kv) allow-set on the host; layers that share a mask share one
+    array (one copy from the device per mask, not per layer: 1 GB each at 32k tokens)."""
+    copies: dict[int, np.ndarray] = {}
+    out = {}
+    for layer in layers:
+        allow = run.allowed[layer]
+        if id(allow) not in copies:
+            copies[id(allow)] = allow[0, 0].cpu().numpy()
+        out[layer] = copies[id(allow)]
+    return out
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    from attnviz import __version__
+
+    return {"attnviz": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "numpy": np.__version__, "python": platform.python_version()}
+
+
+def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture | Recipe = "fwd", layers=None,
+            reduce: bool | tuple[str, ...] = False, storage_dtype: torch.dtype = torch.float16,
+            hidden_states: bool = False, max_tokens: int | None = None, on_layer=None,
+            scores: bool = False, value_norms: bool = False, activations: bool = False,
+            qkv: bool = False, residual: str | None = None, block_bytes: int | None = None,
+            pool: int | None = None, intervene=None, prepend: str | None = None, checkpoints: int = 0) -> Capture:
+    """Run ``text`` through the model under ``arch`` and record attention.
+
+    ``arch`` is an architecture string, or a whole :class:`~attnviz.recipe.Recipe` (architecture,
+    intervention, BOS control and residual variant together); the capture carries its recipe.
+
+    ``layers`` picks the recorded layers (the others run through SDPA); ``reduce=True`` keeps only
+    the per-layer statistics of :data:`metrics.STATISTICS` instead of full maps, ``reduce=("alpha", ...)``
+    only those named (entropy and allocation cost a pass over every block; the rest are kept anyway). ``on_layer(i)`` is
+    called after each layer (progress); ``max_tokens`` caps the text below the model's own limit.
+    Asked for, the same pass also keeps the recorded layers' pre-softmax ``scores`` and
+    ``value_norms`` (||W_O^h v_j||), and the residual stream's ``activations`` (norms, top values).
+    ``pool`` (with ``reduce``) also keeps each layer's maps max-pooled to at most ``pool`` cells a side:
+    what a long text's heatmaps show (:meth:`Capture.layer_view`).
+    ``intervene`` is an intervention string (docs/methods.md#interventions, :mod:`attnviz.core.interventions`), applied with any
+    mask; ``prepend`` the BOS control ("bos" or a token, :func:`prefix_ids`).
+    ``residual`` runs a seed-003 variant (a fine-tuned directory's own variant when none is named);
+    its layer loop has no hidden-state outputs, so ``hidden_states``/``activations`` are refused with it.
+    ``checkpoints`` keeps that many evenly spaced layers' inputs on the host (:func:`checkpoint_layers`),
+    from which a region of a long capture resumes its forward (``regions.of_capture``).
+    """
+    if reduce and scores and not pool:
+        raise InputError("a reduced capture keeps pre-softmax scores only as pooled maps: give pool= as well")
+    built = recipe_mod.build(loaded, arch, intervene, prepend, residual)
+    variant, architecture, acts, prepend = built.variant, built.architecture, built.interventions, built.recipe.prepend
+    if variant is not None and (hidden_states or activations):
+        raise InputError(f"hidden states are not recorded under the residual variant {variant.name}")
+    started = time.perf_counter()
+    record = parse_layers(layers, loaded.n_layers)
+    ids, tokens = tokenize(loaded, text, max_tokens, prepend)
+    input_ids = torch.tensor([ids])
+
+    # statistics block by block, never a full map; a tuple of names keeps only those (and the cheap ones)
+    reducer = Summaries(tokens, pool, None if reduce is True else reduce) if reduce else None
+
+    check_device(loaded, len(ids), f"a capture of {len(record)} layers", reduce=reduce, pool=pool,
+                 hidden_states=hidden_states or activations, value_norms=value_norms, scores=scores,
+                 block_bytes=block_bytes, masks=min(len(set(architecture.layer_names)), 4))
+    t0 = time.perf_counter()
+    if value_norms:  # refuse before running: the model's output projection must be readable
+        for module in engine.attention_modules(loaded.model)[:1]:
+            engine.output_projection(module)
+    if block_bytes is None and reduce and (value_norms or scores):
+        # each block then also makes value-weighted and masked-score copies of itself to pool: a quarter
+        # of the usual block keeps that working set down (8,177 tokens on the CPU: peak 1.9 GB above the
+        # model with 64 MB blocks, 1.4 GB with 16 MB, and no slower; 4 MB as fast as 16 MB)
+        block_bytes = devices.block_bytes(loaded.model.device) // 4
+    kept = checkpoint_layers(loaded, checkpoints) if variant is None else frozenset()
+    options = dict(storage_dtype=storage_dtype, reducer=reducer, on_layer=on_layer, record_scores=scores,
+                   checkpoint_layers=kept,
+                   **({} if block_bytes is None else {"block_bytes": block_bytes}),
+                   record_value_norms=value_norms, record_qkv=qkv, interventions=acts)
+    with devices.out_of_memory_explained(f"a capture of {len(ids)} tokens, {len(record)} layers recorded"
+                                         f"{' (statistics)' if reduce else ' (full maps)'}"):
+        logits, layer_states, run = built.forward(loaded, input_ids, set(record), last_logits_only=variant is None,
+                                                  output_hidden_states=hidden_states or activations,
+                                                  **{k: v for k, v in options.items() if k != "interventions"})
+    forward_s = time.perf_counter() - t0
+    logits = logits[0, -1].float()
+    model_dtype = next(loaded.model.parameters()).dtype
+    return Capture(
+        text=text, tokens=tokens, token_ids=list(ids), arch=architecture.spec,
+        layer_masks=architecture.layer_names, layers=record, kv_groups=loaded.kv_groups,
+        allowed=host_allowed(run, record),
+        probs={l: run.probs[l][0].numpy() for l in run.probs},
+        stats={l: run.reduced[l] for l in run.reduced},
+        next_logprobs=torch.log_softmax(logits, -1).cpu().numpy(),
+        hidden=(torch.stack([h[0] for h in layer_states]).to(torch.float16).cpu().numpy()
+                if hidden_states else None),
+        scores={l: run.scores[l][0].numpy() for l in run.scores},
+        value_norm={l: run.value_norms[l][0].cpu().numpy() for l in run.value_norms},
+        activations=Activations.from_hidden(layer_states) if activations else None,
+        qkv={l: QKV(q[0].numpy(), k[0].numpy(), v[0].numpy(), float(scale)) for l, (q, k, v, scale) in run.qkv.items()},
+        checkpoints=dict(run.checkpoints), recipe=built.recipe,
+        timing={"forward_s": forward_s, "total_s": time.perf_counter() - started},
+        meta={"model": loaded.model_id, "model_file": loaded.model_file, "dtype": str(model_dtype).replace("torch.", ""),
+              "storage_dtype": str(storage_dtype).replace("torch.", ""), "device": str(loaded.model.device),
+              "n_layers": loaded.n_layers, "n_heads": loaded.n_heads, "n_kv_heads": loaded.n_kv_heads,
+              **({"residual": variant.name} if variant is not None else {}),
+              **({"intervene": acts.spec} if acts else {}), **({"prepend": prepend} if prepend else {}),
+              "versions": _versions()},
+    )

@@ -1,0 +1,120 @@
+"""Where attention runs (docs/methods.md#devices): block sizes from free device memory, host copies of finished
+results, and out-of-memory errors a page or the CLI can explain.
+
+Every statistic is computed on the device of the layer that produced the probabilities, in float32;
+only finished results cross to the host. This module holds the few decisions that depend on the
+kind of device, so the engine and the reducers stay device-agnostic: nothing here creates a
+tensor on the CPU behind a caller's back.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from contextlib import contextmanager
+
+import torch
+
+from attnviz.errors import AttnvizError
+
+MB = 2**20
+CPU_BLOCK_BYTES = 16 * MB  # fp32 scores of one query block on the CPU: fits its L3 cache (bench: 9 % faster than 64 MB)
+# On an accelerator a block's working set is about four fp32 copies of its scores (scores/probs, the
+# entropy's temporary, the pooled copy, the cast for P·V); a sixteenth of free memory per block keeps it
+# near a quarter of what is free, and 512 MB caps it where more only adds memory (the matmuls are long
+# saturated by then).
+DEVICE_BLOCK_SHARE = 16
+DEVICE_BLOCK_MAX = 512 * MB
+
+
+class DeviceMemoryError(AttnvizError):
+    """The device ran out of memory during a capture: its cache has been emptied, nothing is kept."""
+
+
+def mb(n: int) -> str:
+    return f"{n / MB:,.0f} MB"
+
+
+def free_bytes(device) -> int | None:
+    """Free memory of an accelerator (``torch.cuda.mem_get_info``); None for the CPU and meta, whose
+    captures the host memory budget bounds. ``ATTNVIZ_DEVICE_MB`` caps it on any device: headroom
+    kept for other processes on a shared GPU, and how the tests give the CPU a small device budget."""
+    device = torch.device(device)
+    cap = os.environ.get("ATTNVIZ_DEVICE_MB")
+    if cap:
+        return int(float(cap) * MB)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return None
+
+
+def block_bytes(device) -> int:
+    """fp32 bytes of one query block's scores: ``ATTNVIZ_BLOCK_MB`` when set, else 16 MB on the CPU
+    and a share of free memory on a GPU."""
+    if os.environ.get("ATTNVIZ_BLOCK_MB"):
+        return max(1, int(float(os.environ["ATTNVIZ_BLOCK_MB"]) * MB))
+    free = free_bytes(device)
+    if free is None or torch.device(device).type == "cpu":
+        return CPU_BLOCK_BYTES
+    return int(min(DEVICE_BLOCK_MAX, max(CPU_BLOCK_BYTES // 4, free // DEVICE_BLOCK_SHARE)))
+
+
+def host_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros on the host for results coming from ``device``: pinned when that is a GPU, so the copy
+    is one asynchronous DMA instead of a staged one."""
+    pinned = torch.device(device).type == "cuda"
+    return torch.zeros(shape, dtype=dtype, pin_memory=pinned)
+
+
+def synchronize(device) -> None:
+    """Wait for a GPU's queued work (host copies made with ``non_blocking``); nothing on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """A device out-of-memory error (``torch.OutOfMemoryError``, or its message from another backend)."""
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def release() -> None:
+    """Give back what a failed capture held: Python garbage first, then the GPU's cached blocks."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def describe(model) -> str:
+    """'cuda:0 · bfloat16' or 'cpu · float32'; several devices under a device map are listed."""
+    placed = getattr(model, "hf_device_map", None)  # a device map: disk-offloaded weights sit on `meta`
+    devices = sorted({f"cuda:{d}" if isinstance(d, int) else str(d) for d in placed.values()} if placed
+                     else {str(p.device) for p in model.parameters()})
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    return f"{' + '.join(devices)} · {dtype}"
+
+
+
+@contextmanager
+def out_of_memory_explained(what: str):
+    """Turn a device out-of-memory error inside the block into a :class:`DeviceMemoryError` that says
+    what to do, after emptying the device's cache, so the process (a server's other sessions
+    included) goes on with its memory back."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - only out-of-memory errors are translated, and only once
+        if isinstance(err, DeviceMemoryError) or not is_out_of_memory(err):
+            raise
+        del err
+        release()
+        raise DeviceMemoryError(
+            f"the device ran out of memory during {what}; its cache has been emptied. Try a shorter text, "
+            "fewer recorded layers, statistics only (a lower full-maps size), or a smaller block size "
+            "(ATTNVIZ_BLOCK_MB)") from None
+
+
+def largest(n: int, fits, step: int = 64) -> int:
+    """The largest length ≤ ``n`` on a grid of ``step`` for which ``fits(length)`` holds (0 when none): the
+    "what would fit" of every refusal (attnviz.plan, attnviz.capture.check_device)."""
+    return next((m for m in range(n, 0, -step) if fits(m)), 0)

@@ -1,0 +1,714 @@
+"""Run a Hugging Face decoder with one mask per layer and record what every head attends to.
+
+One attention function and one mask builder are registered under the key ``"attnviz"`` in
+transformers' ``AttentionInterface`` / ``AttentionMaskInterface``; :func:`prepare` switches a model
+to it once. The per-call state (which mask each layer uses, what to record) lives in a
+``ContextVar``, never on the model or in a global, so threads or Streamlit sessions sharing one
+loaded model never see each other's masks or maps. Outside a :func:`run` the model behaves exactly
+as stock (SDPA, or the model's own eager function where SDPA cannot express it).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import enum
+import functools
+import inspect
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from attnviz.core import devices, kernels
+from attnviz.core.interventions import NONE, Interventions
+from attnviz.core.masks import Mask, keep_self_if_empty
+from attnviz.errors import InputError, ModelLoadError
+from attnviz.stats import reduce
+from attnviz.stats.reduce import pool_factor
+
+KEY = "attnviz"
+_RUN: contextvars.ContextVar["Run | None"] = contextvars.ContextVar("attnviz_run", default=None)
+
+
+@dataclass
+class Asked:
+    """What the caller of a forward asked for: masks, what to record, and how."""
+
+    masks: list[Mask]
+    record: frozenset[int]
+    positions: torch.Tensor  # (B, n_kv) long, counted from each row's first real token: padding never shifts a mask
+    valid: torch.Tensor  # (B, n_kv) bool: real (non-padding) keys
+    storage_dtype: torch.dtype = torch.float16
+    reducer: reduce.BlockReducer | Callable[[int, torch.Tensor, torch.Tensor], object] | None = None
+    on_layer: Callable[[int], None] | None = None  # progress: called after each layer's attention
+    record_scores: bool = False  # keep pre-softmax QK^T/sqrt(d) of recorded layers
+    record_value_norms: bool = False  # keep ||W_O^h v_j^h|| of recorded layers (Kobayashi et al.)
+    record_qkv: bool = False  # keep the recorded layers' queries, keys and values (Linformer what-if)
+    keep_graph: bool = False  # keep every layer's fp32 probabilities, autograd graph and all (residual variants)
+    q_positions: torch.Tensor | None = None  # (B, n_q): query positions when queries are not the keys (cross-attention)
+    interventions: Interventions = NONE  # docs/methods.md#interventions: applied here, never by patching the model
+    # per layer, ``mask(n_q, n_kv, device)`` → an (H, n_q, n_kv) allow-set per head, and-ed with the layer's mask:
+    # a compressed KV cache (docs/methods.md#kv-cache-compression), or streaming heads on sink + window
+    head_masks: dict[int, Callable[[int, int, torch.device], torch.Tensor]] = field(default_factory=dict)
+    block_bytes: int | None = None  # fp32 scores of one query block of a recorded layer; None: devices.block_bytes
+    unpadded: bool | None = None  # every key real; None: read from ``valid`` (a host read: the caller may know)
+    # layers whose input hidden states (n, d) are kept on the host, to resume a later forward from
+    # (:func:`resume`: a long capture's regions); filled by a pre-hook on the decoder layers
+    checkpoint_layers: frozenset[int] = frozenset()
+
+
+@dataclass
+class Cached:
+    """What the pass computes once and shares between layers: allow-sets, block ranges, device copies."""
+
+    _allow_cache: dict = field(default_factory=dict)
+    _device_cache: dict = field(default_factory=dict)
+
+
+@dataclass
+class Recorded:
+    """What the pass records, by layer."""
+
+    probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    scores: dict[int, torch.Tensor] = field(default_factory=dict)
+    value_norms: dict[int, torch.Tensor] = field(default_factory=dict)
+    qkv: dict[int, tuple] = field(default_factory=dict)
+    live: dict[int, torch.Tensor] = field(default_factory=dict)  # keep_graph: (B, H, n_q, n_kv) on the device
+    allowed: dict[int, torch.Tensor] = field(default_factory=dict)
+    reduced: dict[int, object] = field(default_factory=dict)
+    checkpoints: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Run(Recorded, Cached, Asked):
+    """Per-forward state, in three parts: what the caller :class:`Asked`, what the pass :class:`Cached`,
+    and what it :class:`Recorded`. Active for one forward through :func:`active`."""
+
+    def __post_init__(self):
+        if self.unpadded is None:
+            self.unpadded = bool(self.valid.all())
+
+    def allow(self, layer: int, n_q: int, n_kv: int, window: int | None, device) -> torch.Tensor:
+        """(B, 1, n_q, n_kv) boolean allow-set for a layer, shared by layers with the same mask.
+
+        The model's own sliding window (Mistral, Qwen2, Gemma2 ...) bounds causal-type layers only,
+        as in the stock model (``i - j < w``); BIDIR/BACK-type layers see the whole sequence, as in
+        seed 000's reference code (docs/methods.md#per-layer-architectures).
+        """
+        mask = self.masks[layer]
+        key = (id(mask), n_q, n_kv, window, torch.device(device))  # a device map puts layers on several devices
+        if key not in self._allow_cache:
+            kv_pos = self.positions[:, -n_kv:].to(device)
+            q_pos = self.query_positions(n_q, device)
+            allow = mask.allow(q_pos[:, None, :, None], kv_pos[:, None, None, :])
+            if window and mask.causal_type:
+                allow = allow & ((q_pos[:, None, :, None] - kv_pos[:, None, None, :]) < window)
+            allow = allow & self.valid[:, -n_kv:].to(device)[:, None, None, :]
+            self._allow_cache[key] = keep_self_if_empty(allow)
+        return self._allow_cache[key]
+
+    def block_rows(self, row_elements: int, device=None) -> int:
+        """Query rows per block so that a block's fp32 scores stay within ``block_bytes`` (by default
+        16 MB on the CPU and a share of free memory on a GPU, read once per run and device)."""
+        budget = self.block_bytes
+        if budget is None:
+            device = torch.device(device or "cpu")
+            if ("block", device) not in self._device_cache:
+                self._device_cache["block", device] = devices.block_bytes(device)
+            budget = self._device_cache["block", device]
+        return max(1, budget // (4 * max(row_elements, 1)))
+
+    def key_ranges(self, layer: int, allow: torch.Tensor, rows: int, narrow: bool) -> list[tuple[int, int]]:
+        """[k0, k1) of every block of ``rows`` query rows: the keys its rows may see when ``narrow``,
+        else all. Computed on the device and read back in one transfer, shared by layers with one
+        allow-set: the block loop itself never waits for the device."""
+        n_q, n_kv = allow.shape[-2], allow.shape[-1]
+        if not narrow:
+            return [(0, n_kv)] * -(-n_q // rows)
+        key = ("ranges", id(allow), rows, layer if layer in self.head_masks else None)  # head masks: per layer
+        if key not in self._allow_cache:
+            self._allow_cache[key] = [tuple(r) for r in _block_ranges(allow, rows).tolist()]
+        return self._allow_cache[key]
+
+    def key_range_tensor(self, allow: torch.Tensor, rows: int) -> torch.Tensor:
+        """The (blocks, 2) key ranges of :meth:`key_ranges`, left on the device (the fused kernel reads them)."""
+        key = ("range tensor", id(allow), rows)
+        if key not in self._allow_cache:
+            self._allow_cache[key] = _block_ranges(allow, rows).to(torch.int32)
+        return self._allow_cache[key]
+
+    def allow_bits(self, allow: torch.Tensor) -> torch.Tensor:
+        """A (B, 1, n_q, n_kv) allow-set packed 32 keys to a word for the fused kernel
+        (:func:`attnviz.core.kernels.pack_allow`), made once per mask."""
+        key = ("bits", id(allow))
+        if key not in self._allow_cache:
+            self._allow_cache[key] = kernels.pack_allow(allow[0, 0])
+        return self._allow_cache[key]
+
+    def valid_on(self, device) -> torch.Tensor:
+        """``valid`` on ``device``, copied there once per run."""
+        key = ("valid", torch.device(device))
+        if key not in self._device_cache:
+            self._device_cache[key] = self.valid.to(device)
+        return self._device_cache[key]
+
+    def collect(self) -> None:
+        """After the forward: wait for the asynchronous host copies of full maps, and keep the host arrays."""
+        for store in (self.probs, self.scores):
+            for layer, maps in store.items():
+                if isinstance(maps, FullMaps):
+                    store[layer] = maps.host()
+
+    def query_positions(self, n_q: int, device) -> torch.Tensor:
+        source = self.positions if self.q_positions is None else self.q_positions
+        return source[:, -n_q:].to(device)
+
+    def route(self, module) -> tuple["Run", int]:
+        """The run and layer index an attention module belongs to (see :class:`Stacks`)."""
+        return self, module.layer_idx
+
+    def finish(self, layer: int, out: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """Apply the layer's output interventions (ablation), report progress and return the attention
+        output in the layout the models expect."""
+        for intervention in self.interventions.at(layer):
+            out = intervention.output(out)
+        if self.on_layer:
+            self.on_layer(layer)
+        return out.transpose(1, 2).contiguous(), None
+
+
+@dataclass
+class Stacks:
+    """The runs of an encoder-decoder forward: one per attention kind ("encoder", "decoder",
+    "cross"), each attention module routed to its run and layer by identity, since T5 and BART
+    number the layers of every stack from 0."""
+
+    runs: dict[str, Run]
+    routes: dict[int, tuple[str, int]]  # id(module) -> (kind, layer)
+
+    def route(self, module) -> tuple[Run, int]:
+        try:
+            kind, layer = self.routes[id(module)]
+        except KeyError:
+            raise ModelLoadError(f"{type(module).__name__} is an attention module attnviz did not find when it "
+                                 "mapped this model's encoder and decoder") from None
+        return self.runs[kind], layer
+
+
+def _stock_eager(module) -> Callable:
+    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if fn is None:
+        raise ModelLoadError(f"{type(module).__name__} has no eager attention to fall back on")
+    return fn
+
+
+class Route(str, enum.Enum):
+    """How one layer's attention is computed (:func:`choose_route`)."""
+
+    SDPA_CAUSAL = "sdpa-causal"  # nothing to record or change, a plain causal mask: SDPA's fused causal kernel
+    SDPA_MASKED = "sdpa-masked"  # nothing to record or change: SDPA with the layer's allow-set
+    FUSED = "fused"  # statistics only, on a GPU: the fused Triton kernel (attnviz.core.kernels), SDPA for the output
+    BLOCKS = "blocks"  # the explicit fp32 softmax, block of query rows by block (every other case)
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What decides a layer's route; every field is a plain fact about the layer and the run."""
+
+    recorded: bool = False  # its probabilities are kept (full maps or a reducer)
+    keep_graph: bool = False  # every layer's probabilities with their autograd graph (residual variants)
+    stablemask: bool = False  # StableMask's pseudo-slots
+    softcap: bool = False  # Gemma 2's score softcap
+    sink_logits: bool = False  # gpt-oss's learned sink logits
+    reshapes: bool = False  # an intervention changes its scores or probabilities
+    head_mask: bool = False  # a per-head key mask (compressed cache, streaming heads)
+    plain_causal: bool = False  # fwd, no window, no padding, self-attention, no position bias
+    block_reducer: bool = False  # the recorder takes statistics block by block (attnviz.stats.reduce)
+    fused_reducer: bool = False  # ... and can take the fused kernel's outputs
+    batch_one: bool = True
+    position_bias: bool = False  # T5's relative position bias
+    grad: bool = False  # autograd is on
+    kernel: bool = False  # the fused kernel can run on this device (kernels.wanted)
+
+
+def choose_route(f: Facts) -> Route:
+    """The one place a layer's route is chosen (tested alone, table-driven: tests/test_routes.py)."""
+    explicit = (f.recorded or f.keep_graph or f.stablemask or f.softcap or f.sink_logits or f.reshapes
+                or f.head_mask)
+    if not explicit:
+        return Route.SDPA_CAUSAL if f.plain_causal else Route.SDPA_MASKED
+    if (f.recorded and f.block_reducer and f.fused_reducer and f.batch_one and not f.stablemask and not f.softcap
+            and not f.sink_logits and not f.position_bias and not f.keep_graph and not f.grad and not f.reshapes
+            and f.kernel):
+        return Route.FUSED
+    return Route.BLOCKS
+
+
+def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+              sliding_window=None, softcap=None, s_aux=None, **kwargs):
+    """The registered attention function: explicit softmax where we record or must, SDPA elsewhere."""
+    run = _RUN.get()
+    if run is None:  # not inside attnviz: behave as stock
+        if softcap is not None or s_aux is not None:
+            if attention_mask is not None and attention_mask.dtype == torch.bool:
+                attention_mask = torch.where(attention_mask, 0.0, torch.finfo(query.dtype).min).to(query.dtype)
+            return _stock_eager(module)(module, query, key, value, attention_mask, scaling=scaling,
+                                        dropout=dropout, sliding_window=sliding_window, softcap=softcap,
+                                        s_aux=s_aux, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+
+    run, layer = run.route(module)
+    mask = run.masks[layer]
+    bias = kwargs.get("position_bias")  # T5's relative position bias: added to the scores
+    batch, n_heads, n_q, dim = query.shape
+    n_kv_heads, n_kv = key.shape[1], key.shape[2]
+    group = n_heads // n_kv_heads
+    scaling = dim ** -0.5 if scaling is None else scaling
+    reshaped = any(a.changes_probabilities for a in run.interventions.at(layer))  # scores or probabilities
+    recorded = layer in run.record
+    plain_causal = mask.name == "fwd" and not sliding_window and n_q == n_kv and run.unpadded and bias is None
+    streamed = recorded and isinstance(run.reducer, reduce.BlockReducer)  # statistics without full maps
+    fused = streamed and isinstance(run.reducer, reduce.FusedReducer)
+    route = choose_route(Facts(
+        recorded=recorded, keep_graph=run.keep_graph, stablemask=mask.stable is not None, softcap=softcap is not None,
+        sink_logits=s_aux is not None, reshapes=reshaped, head_mask=layer in run.head_masks, plain_causal=plain_causal,
+        block_reducer=streamed, fused_reducer=fused, batch_one=batch == 1, position_bias=bias is not None,
+        grad=torch.is_grad_enabled(), kernel=fused and kernels.wanted(query.device)))
+    if route is Route.SDPA_CAUSAL:
+        # plain causal: let SDPA pick its fused causal kernel instead of reading an n x n mask
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
+        return run.finish(layer, out)
+    allow = run.allow(layer, n_q, n_kv, sliding_window, query.device)
+    if layer in run.head_masks:
+        allow = keep_self_if_empty(allow & run.head_masks[layer](n_q, n_kv, query.device)[None])
+    if route is Route.SDPA_MASKED:
+        attn_mask = allow if bias is None else bias.to(query.dtype).masked_fill(~allow, float("-inf"))
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scaling,
+                                             enable_gqa=group > 1)
+        return run.finish(layer, out)
+
+    if run.record_value_norms and recorded:
+        run.value_norms[layer] = value_norms(module, value, n_heads)  # on the layer's device
+    if run.record_qkv and recorded:
+        run.qkv[layer] = (query.float().cpu(), key.float().cpu(), value.float().cpu(), scaling)
+    kv_pos = run.positions[:, -n_kv:].to(query.device)
+    q_pos = run.query_positions(n_q, query.device)
+    if route is Route.FUSED:
+        try:
+            return _fused_layer(run, layer, query, key, value, allow, scaling, plain_causal)
+        except Exception as err:  # noqa: BLE001 - a kernel that cannot compile or launch here: the block engine
+            if devices.is_out_of_memory(err):
+                raise
+            kernels.disable(err)
+    rows = n_q if run.keep_graph or torch.is_grad_enabled() or (recorded and run.reducer is not None and not streamed) \
+        else run.block_rows(batch * n_heads * n_kv, query.device)
+    maps = scores_out = None
+    if recorded and run.reducer is None:  # full maps, filled block by block, copied to the host once per layer
+        maps = run.probs[layer] = FullMaps((batch, n_heads, n_q, n_kv), run.storage_dtype, query.device)
+        if run.record_scores:
+            scores_out = run.scores[layer] = FullMaps((batch, n_heads, n_q, n_kv), run.storage_dtype, query.device)
+    # Each block computes only the keys some of its rows may see (half the work under a causal mask).
+    # Not under StableMask (its pseudo-slots sit on forbidden keys) nor when scores are kept whole.
+    # Pooled scores (a block reducer) need only the allowed cells; full score maps need every key.
+    narrow = (mask.stable is None and not (run.record_scores and not streamed) and not run.keep_graph
+              and (streamed or run.reducer is None))
+    ranges = run.key_ranges(layer, allow, rows, narrow)  # every block's key range, one host sync per mask
+    # A reducer may need only some rows of a layer whose output nobody reads (a region: the forward
+    # stops after its layer): the other blocks are skipped, their output left zero.
+    only = run.reducer.only_rows if streamed else None
+    outs = []
+    for q0, (k0, k1) in zip(range(0, n_q, rows), ranges):
+        q1 = min(q0 + rows, n_q)
+        if only is not None and (q1 <= only[0] or q0 >= only[1]):
+            outs.append(query.new_zeros(batch, n_heads, q1 - q0, value.shape[-1]))
+            continue
+        block_allow = allow[:, :, q0:q1, k0:k1]
+        probs = _block_probs(run, layer, mask, query[:, :, q0:q1], key[:, :, k0:k1], scaling, block_allow,
+                             None if bias is None else bias[:, :, q0:q1, k0:k1], softcap, s_aux, q_pos[:, q0:q1],
+                             kv_pos[:, k0:k1], q0, n_total=(n_q, n_kv, k0), scores_out=scores_out)
+        if run.keep_graph:
+            run.live[layer] = probs
+        if streamed:
+            run.reducer.add(layer, q0, probs, block_allow, n_q=n_q, k0=k0, n_kv=n_kv,
+                            **({"value_norms": run.value_norms[layer]} if layer in run.value_norms else {}))
+        elif recorded and run.reducer is not None:
+            run.reduced[layer] = run.reducer(layer, probs, allow)
+        elif maps is not None:
+            maps.put(q0, k0, probs)
+        b = q1 - q0
+        out = torch.matmul(probs.to(value.dtype).view(batch, n_kv_heads, group * b, k1 - k0), value[:, :, k0:k1])
+        outs.append(out.view(batch, n_heads, b, -1))
+        del probs
+    if streamed:
+        run.reduced[layer] = run.reducer.finish(layer)
+    for full in (maps, scores_out):
+        if full is not None:
+            full.finish()
+    if recorded:
+        run.allowed[layer] = allow
+    return run.finish(layer, outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))
+
+
+def _fused_layer(run: Run, layer: int, query, key, value, allow, scaling: float, plain_causal: bool):
+    """A recorded layer of a statistics capture by the fused route (:mod:`attnviz.core.kernels`): the
+    Triton kernel computes its statistics and pooled maps from Q and K, SDPA its output."""
+    batch, n_heads, n_q, _ = query.shape
+    n_kv, group = key.shape[2], n_heads // key.shape[1]
+    reducer = run.reducer
+    allow_2d = allow[0, 0]
+    ranges = run.key_range_tensor(allow, kernels.BLOCK_M)
+    factor = pooled_shape = None
+    if reducer.pool:
+        factor = pool_factor(max(n_q, n_kv), reducer.pool)
+        pooled_shape = (-(-n_q // factor), -(-n_kv // factor))
+    delim = reducer.delim if reducer.delim is not None else torch.zeros(n_kv)
+    raw = kernels.layer_statistics(query[0], key[0], None if plain_causal else run.allow_bits(allow), ranges,
+                                   scaling, delim[-n_kv:], factor, pooled_shape,
+                                   run.value_norms[layer][0] if layer in run.value_norms else None,
+                                   scores=run.record_scores, causal=plain_causal)
+    reducer.add_fused(layer, raw, allow_2d, n_q, n_kv)
+    if plain_causal:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=allow, scale=scaling, enable_gqa=group > 1)
+    run.reduced[layer] = reducer.finish(layer)
+    run.allowed[layer] = allow
+    return run.finish(layer, out)
+
+
+class FullMaps:
+    """A recorded layer's full (B, H, n_q, n_kv) maps in the storage dtype, filled block by block.
+
+    On the CPU the blocks are written straight into the host array. On an accelerator they are
+    gathered on the device (when a quarter of its free memory holds the layer) and go to pinned host
+    memory in one asynchronous copy per layer, not one small synchronous copy per block;
+    :func:`forward` waits for the copies before it returns. :meth:`host` is the host array."""
+
+    def __init__(self, shape, dtype: torch.dtype, device: torch.device):
+        self.host_array = devices.host_buffer(shape, dtype, device)
+        size = self.host_array.numel() * self.host_array.element_size()
+        free = None if device.type == "cpu" else devices.free_bytes(device)
+        self.stage = torch.zeros(shape, dtype=dtype, device=device) if free is not None and size <= free // 4 else None
+        self.device, self.copying = device, False
+
+    def put(self, q0: int, k0: int, block: torch.Tensor) -> None:
+        target = self.host_array if self.stage is None else self.stage
+        target[:, :, q0:q0 + block.shape[2], k0:k0 + block.shape[3]] = block
+
+    def finish(self) -> None:
+        if self.stage is not None:
+            self.host_array.copy_(self.stage, non_blocking=True)
+            self.stage, self.copying = None, True
+
+    def host(self) -> torch.Tensor:
+        """The host array, once the copy to it has landed."""
+        if self.copying:
+            devices.synchronize(self.device)
+            self.copying = False
+        return self.host_array
+
+
+def _block_ranges(allow: torch.Tensor, rows: int) -> torch.Tensor:
+    """(blocks, 2) [first, last + 1) of the keys any row of each block of ``rows`` query rows of a
+    (B, 1, n_q, n_kv) allow-set may see (every key for a block that sees none), on allow's device."""
+    n_q, n_kv = allow.shape[-2], allow.shape[-1]
+    seen = torch.stack([allow[:, :, q0:q0 + rows].any(2).any(1).any(0) for q0 in range(0, n_q, rows)])  # (blocks, n_kv)
+    index = torch.arange(n_kv, device=allow.device)
+    first = torch.where(seen, index, n_kv).amin(-1)
+    last = torch.where(seen, index, -1).amax(-1) + 1
+    none = ~seen.any(-1)
+    return torch.stack([torch.where(none, 0, first), torch.where(none, n_kv, last)], dim=-1)
+
+
+def _block_probs(run: Run, layer: int, mask: Mask, query, key, scaling, allow, bias, softcap, s_aux, q_pos, kv_pos,
+                 q0: int, n_total: tuple[int, int, int] | None = None, scores_out: "FullMaps | None" = None
+                 ) -> torch.Tensor:
+    """(B, H, b, n_kv) fp32 probabilities of one block of b query rows (every row sees every key);
+    ``n_total``: the layer's (queries, keys) and this block's first key, for a reducer's pooled scores."""
+    batch, n_heads, n_q, dim = query.shape
+    n_kv_heads, n_kv = key.shape[1], key.shape[2]
+    group = n_heads // n_kv_heads
+    # GQA without repeating keys: fold each KV group's query heads into the query axis.
+    # Scaling q (b x d) instead of the scores (b x n) saves a full pass over the largest tensor.
+    q = (query * scaling).reshape(batch, n_kv_heads, group * n_q, dim)
+    scores = torch.matmul(q, key.transpose(-1, -2)).float().view(batch, n_heads, n_q, n_kv)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias.float()
+    acts = run.interventions.at(layer)
+    for intervention in acts:  # temperature: what the softmax sees (and what is recorded as its scores)
+        scores = intervention.scores(scores)
+    if run.record_scores and layer in run.record:
+        if scores_out is not None:  # full maps
+            scores_out.put(q0, 0, scores)
+        else:  # a block reducer (reduce=True): max-pooled scores of the allowed cells
+            run.reducer.add_scores(layer, q0, scores.masked_fill(~allow, float("-inf")), allow, *n_total)
+    extra = []  # logits that take part in the softmax and are dropped after it
+    if mask.stable is not None and mask.horizon is None:  # StableMask: pseudo-logits on the future slots
+        future = (kv_pos[:, None, None, :] > q_pos[:, None, :, None]) & run.valid_on(query.device)[:, None, None, -n_kv:]
+        pseudo = mask.pseudo_logits(kv_pos[:, None, :], n_heads).to(query.device)  # (H, B, n_kv)
+        pseudo = pseudo.permute(1, 0, 2)[:, :, None, :]  # (B, H, 1, n_kv)
+        scores = torch.where(allow, scores, torch.where(future, pseudo, float("-inf")))
+    else:
+        scores.masked_fill_(~allow, float("-inf"))
+        if mask.stable is not None:  # SM-I: the future slots up to T folded into one logit per row
+            extra.append(mask.inference_logits(q_pos, n_heads).to(query.device))
+    if s_aux is not None:  # gpt-oss learned sink logit per head: an extra column, dropped after softmax
+        extra.append(s_aux.float().reshape(1, -1, 1, 1).expand(batch, n_heads, n_q, 1))
+    for intervention in acts:  # sinklogit: one more logit B per row, dropped after the softmax
+        b = intervention.extra_logit()
+        if b is not None:
+            extra.append(scores.new_full((batch, n_heads, n_q, 1), float(b)))
+    if extra:
+        scores = torch.cat([scores, *extra], dim=-1)
+        scores = scores - scores.amax(-1, keepdim=True)
+        probs = torch.softmax(scores, dim=-1)[..., :n_kv]
+    elif torch.is_grad_enabled() and scores.requires_grad:  # training: autograd needs the out-of-place softmax
+        probs = torch.softmax(scores, dim=-1)
+    else:  # softmax in place: one b x n fp32 buffer instead of two (peak memory)
+        probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+        probs = probs.div_(probs.sum(-1, keepdim=True))
+    if mask.stable is not None and mask.horizon is None:  # zeroed after the softmax, not renormalised
+        probs = probs * allow if probs.requires_grad else probs.mul_(allow)
+    for intervention in acts:  # sinkscale: after the softmax
+        probs = intervention.probabilities(probs, 0 if n_total is None else n_total[2])  # the block's first key
+    return probs
+
+
+def output_linear(module) -> torch.nn.Linear:
+    """The attention's output projection (a Linear whose weight is (hidden, heads * head_dim)), or a
+    clear refusal."""
+    for name in ("o_proj", "out_proj", "dense", "o"):
+        proj = getattr(module, name, None)
+        if isinstance(proj, torch.nn.Linear):
+            return proj
+    raise ModelLoadError(
+        f"cannot read the output projection of {type(module).__name__} (no o_proj/out_proj/dense/o Linear), so the "
+        "value-weighted view is not available for this model"
+    )
+
+
+def output_projection(module) -> torch.Tensor:
+    """The attention's output projection W_O as (hidden, heads * head_dim)."""
+    return output_linear(module).weight
+
+
+def attention_modules(model) -> list:
+    """The model's self-attention modules, bottom layer first (``self_attn`` or GPT-2's ``attn``)."""
+    return [m for name, m in model.named_modules() if name.endswith(("self_attn", ".attn"))]
+
+
+def value_norms(module, value: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(B, H, n_kv) norms ||W_O^h v_j^h||: what each key can add to the output through head h
+    (Kobayashi et al. 2020, "Attention is not only a weight"; the shared bias is left out)."""
+    from accelerate.utils import align_module_device
+
+    proj = output_linear(module)
+    with align_module_device(proj):  # a layer offloaded by a device map holds its weights only while in use
+        weight = proj.weight.to(value.device, torch.float32)
+    batch, n_kv_heads, n_kv, dim = value.shape
+    per_head = weight.view(weight.shape[0], n_heads, dim)  # (hidden, H, d)
+    v = value.float().repeat_interleave(n_heads // n_kv_heads, dim=1)  # (B, H, n, d)
+    return torch.einsum("bhnd,ohd->bhno", v, per_head).norm(dim=-1)
+
+
+def mask_builder(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                 attention_mask=None, **kwargs):
+    """Registered mask builder: during a run the attention function builds per-layer masks itself."""
+    if _RUN.get() is not None:
+        return None
+    kwargs["allow_is_causal_skip"] = False  # stock path may need an explicit mask (eager fallback)
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
+
+
+AttentionInterface.register(KEY, attention)
+AttentionMaskInterface.register(KEY, mask_builder)
+
+
+def prepare(model) -> None:
+    """Switch a model to the attnviz attention, refusing models whose attention bypasses it.
+
+    Decoders must declare ``_supports_attention_backend``. T5, BART and Marian do not, but their
+    attention calls ``ALL_ATTENTION_FUNCTIONS.get_interface``, which transformers itself detects
+    (``_can_set_attn_implementation``); :mod:`attnviz.seq2seq` also checks that every attention
+    module was routed.
+    """
+    if getattr(model.config, "_attn_implementation", None) == KEY:
+        return
+    if getattr(model.config, "is_encoder_decoder", False):
+        if not type(model)._can_set_attn_implementation():
+            raise ModelLoadError(
+                f"{type(model).__name__} ({model.config.model_type}) computes attention in its own code, not "
+                "through transformers' AttentionInterface, so attnviz cannot change or record its masks"
+            )
+        model.set_attn_implementation(KEY)
+        return
+    if not getattr(type(model), "_supports_attention_backend", False):
+        raise ModelLoadError(
+            f"{type(model).__name__} ({model.config.model_type}) computes attention in its own code, not "
+            "through transformers' AttentionInterface, so attnviz cannot change or record its masks"
+        )
+    model.set_attn_implementation(KEY)
+
+
+# Families whose base model keeps its decoder layers as ``layers``, calls each with the same keyword
+# arguments and one ``rotary_emb``: a forward can resume at any layer from that layer's input.
+RESUMABLE = ("llama", "mistral", "qwen2", "phi3", "gemma2", "gpt_oss")
+
+
+def decoder_layers(model) -> "torch.nn.ModuleList | None":
+    """The decoder layers a forward can resume from (:func:`resume`), or None for a family that
+    must run from its embeddings (GPT-2, encoder-decoders, anything not in ``RESUMABLE``)."""
+    base = model.base_model
+    layers = getattr(base, "layers", None)
+    if model.config.model_type in RESUMABLE and isinstance(layers, torch.nn.ModuleList) and hasattr(base, "rotary_emb"):
+        return layers
+    return None
+
+
+def _keep_input(index: int, module, args, kwargs) -> None:
+    run = _RUN.get()
+    if isinstance(run, Run) and index in run.checkpoint_layers:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        run.checkpoints[index] = hidden[0].detach().to("cpu", copy=True)  # one copy a kept layer
+
+
+def _resumable_layers(model) -> torch.nn.ModuleList:
+    layers = decoder_layers(model)
+    if layers is None:
+        raise ValueError(f"{model.config.model_type} models cannot resume a forward from a layer's input")
+    return layers
+
+
+def _keep_layer_inputs(model) -> None:
+    """Hook every decoder layer once, so that a run asking for ``checkpoint_layers`` keeps their inputs;
+    the hook reads the active run, so runs of other sessions on the same model are untouched."""
+    layers = _resumable_layers(model)
+    if not getattr(model, "_attnviz_keeps_inputs", False):
+        for index, layer in enumerate(layers):
+            layer.register_forward_pre_hook(functools.partial(_keep_input, index), with_kwargs=True)
+        model._attnviz_keeps_inputs = True
+
+
+def resume(model, hidden: torch.Tensor, start: int, input_ids: torch.Tensor, masks: list[Mask],
+           record: set[int] | None = None, **options) -> Run:
+    """Layers ``start``.. of :func:`forward` of ``input_ids`` (1, n), run from ``hidden`` (n, d): the
+    input of layer ``start`` that an earlier forward of the same tokens, masks and interventions kept
+    (``Run.checkpoints``). The layers below are not run again; like :func:`forward`, ``on_layer`` may
+    stop it after any layer. Returns the run (what it recorded)."""
+    layers = _resumable_layers(model)
+    run = make_run(model, input_ids, masks, record, **options)
+    base = model.base_model
+    with active(run), torch.inference_mode():
+        h = hidden[None].to(model.device)
+        positions = run.positions.to(model.device)
+        position_embeddings = base.rotary_emb(h, positions)
+        for layer in layers[start:n_layers(model)]:
+            out = layer(h, attention_mask=None, position_ids=positions, past_key_values=None, use_cache=False,
+                        position_embeddings=position_embeddings)
+            h = out[0] if isinstance(out, tuple) else out
+    return run
+
+
+def n_layers(model) -> int:
+    return int(model.config.get_text_config().num_hidden_layers)
+
+
+@torch.inference_mode()
+def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] | None = None,
+            attention_mask: torch.Tensor | None = None, storage_dtype=torch.float16,
+            reducer=None, output_hidden_states: bool = False, on_layer=None,
+            past_key_values=None, kv_positions: torch.Tensor | None = None, lm_head: bool = True,
+            record_scores: bool = False, record_value_norms: bool = False, record_qkv: bool = False,
+            block_bytes: int | None = None, last_logits_only: bool = False,
+            interventions: Interventions = NONE, checkpoint_layers: frozenset[int] = frozenset()):
+    """One forward pass under per-layer ``masks`` (and ``interventions``, docs/methods.md#interventions); returns
+    ``(model_output, run)``.
+
+    ``record`` is the set of layers whose probabilities are kept (default: all). With ``reducer``,
+    ``reducer(layer, probs, allow)`` runs on each recorded layer's fp32 probabilities and only its
+    result is kept (e.g. column means instead of full maps).
+
+    With ``past_key_values`` (a transformers ``Cache``) the inputs are new tokens appended to that
+    cache, and ``kv_positions`` (B, n_cached + n_new) gives the position every cache entry was
+    encoded at, the new tokens' last: masks then follow positions, not cache slots, so a cache
+    that dropped entries (StreamingLLM) keeps every mask exact. ``lm_head=False`` runs only the
+    base model (``last_hidden_state``, after the final norm) and skips the vocabulary projection.
+    ``record_scores`` / ``record_value_norms`` also keep, for recorded layers, the pre-softmax scores
+    and the value-output norms (only when asked: they cost memory the default capture does not pay).
+    Recorded layers compute their softmax in blocks of query rows whose fp32 scores take at most
+    ``block_bytes`` (default :func:`devices.block_bytes`); a reducer with ``add``/``finish`` (:mod:`attnviz.stats.reduce`) is fed
+    block by block, so no layer's full map ever exists. ``last_logits_only`` projects only the last
+    position onto the vocabulary (``logits_to_keep=1``: 800 MB less at 4,096 tokens on a 49k vocabulary).
+    """
+    extra = {} if block_bytes is None else {"block_bytes": block_bytes}
+    run = make_run(model, input_ids, masks, record, attention_mask, kv_positions, storage_dtype=storage_dtype,
+                   reducer=reducer, on_layer=on_layer, record_scores=record_scores,
+                   record_value_norms=record_value_norms, record_qkv=record_qkv, interventions=interventions,
+                   checkpoint_layers=frozenset(checkpoint_layers), **extra)
+    cached = past_key_values is not None
+    if cached != (kv_positions is not None):
+        raise ValueError("a cached forward takes past_key_values and kv_positions together")
+    new_positions = run.positions[:, -input_ids.shape[1]:] if cached else run.positions
+    target = model if lm_head else model.base_model
+    keep = {"logits_to_keep": 1} if last_logits_only and lm_head and "logits_to_keep" in inspect.signature(
+        model.forward).parameters else {}
+    if run.checkpoint_layers:
+        _keep_layer_inputs(model)
+    with active(run):
+        output = target(input_ids=input_ids.to(model.device), position_ids=new_positions.to(model.device),
+                        attention_mask=None if cached else run.valid.long().to(model.device),
+                        past_key_values=past_key_values, use_cache=cached,
+                        output_hidden_states=output_hidden_states, **keep)
+    return output, run
+
+
+def make_run(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] | None = None,
+             attention_mask: torch.Tensor | None = None, kv_positions: torch.Tensor | None = None,
+             **options) -> Run:
+    """The per-call state of :func:`forward` (positions, masks, what to record), checked.
+
+    Code that runs the layers itself (residual variants) makes one and enters :func:`active`.
+    """
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise InputError(f"{type(model).__name__} is an encoder-decoder model: this view takes decoder-only models "
+                         "(encoder-decoders are captured on the heatmaps page or with `attnviz capture`)")
+    prepare(model)
+    total = n_layers(model)
+    if len(masks) != total:
+        raise ValueError(f"{len(masks)} masks for a model with {total} layers")
+    if kv_positions is not None:
+        if attention_mask is not None:
+            raise ValueError("a cached forward takes kv_positions and no attention_mask")
+        positions = kv_positions.long()
+        valid = torch.ones_like(positions, dtype=torch.bool)
+    else:
+        valid = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).bool()
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    for mask in {id(m): m for m in masks}.values():
+        if mask.horizon is not None and int(positions.max()) + 1 > mask.horizon:
+            raise InputError(f"{mask.name} was set for at most T={mask.horizon} tokens but the text reaches "
+                             f"{int(positions.max()) + 1}: raise T or shorten the text")
+    return Run(list(masks), frozenset(range(total) if record is None else record), positions, valid,
+               unpadded=True if kv_positions is not None or attention_mask is None else None, **options)
+
+
+@contextmanager
+def active(run: Run):
+    """Make ``run`` the attnviz run of this thread/context while the block runs."""
+    token = _RUN.set(run)
+    try:
+        yield run
+    finally:
+        _RUN.reset(token)
+        for each in getattr(run, "runs", {"": run}).values():
+            each.collect()

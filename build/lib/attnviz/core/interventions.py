@@ -1,0 +1,201 @@
+"""Training-free interventions beyond masks (docs/methods.md#interventions): what a layer does with its scores, its
+probabilities or its heads' outputs, given as its own string beside the architecture.
+
+Each intervention is a small named object with its documented name (docs/methods.md#interventions), in the style of transformers'
+mask predicates: it says which layers it acts in and transforms one thing (scores before the
+softmax, an extra logit, probabilities after it, or the heads' outputs). The engine's one attention
+function applies them (:mod:`attnviz.core.engine`); no model is ever patched. Several compose, joined
+with ``;``, each with ``@LAYERS`` (``20-29``, ``0,5,7``; every layer when left out):
+
+    sinkscale(beta=0.3)@20-29; ablate(heads=0,3)@5
+
+- ``sinklogit(b=B)``: one extra logit B in every row's softmax, dropped after it (a key with a zero
+  value, as gpt-oss's learned sinks): rows sum to less than 1. B = 0 is softmax-off-by-one.
+- ``sinkscale(key=K, beta=β)``: ACT's calibration (Yu et al. 2024): A'[i,K] = β·A[i,K], the removed
+  mass spread over the row's other keys in proportion to their weights.
+- ``temperature(t=T)``: scores divided by T before the softmax.
+- ``ablate(heads=H…, how=zero|mean)``: those heads' outputs (before W_O) replaced by zero or by
+  their mean over the forward's positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from attnviz.core import syntax
+from attnviz.errors import InputError
+
+#: Every intervention by name; parameters, types and defaults are read from each class's fields.
+KINDS = syntax.Registry("intervention")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Intervention:
+    """One intervention; ``layers`` None means every layer."""
+
+    name: ClassVar[str] = ""
+    changes_probabilities: ClassVar[bool] = True  # False: only the heads' outputs change (SDPA may compute it)
+    layers: tuple[int, ...] | None = None
+
+    def applies(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def check(self, n_layers: int, n_heads: int) -> None:
+        """Refuse what does not exist in a model of this size (the layers are checked by the parser)."""
+
+    def scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scaled scores (B, H, b, w) before the softmax."""
+        return scores
+
+    def extra_logit(self) -> float | None:
+        """One more logit every row's softmax sees, dropped after it."""
+        return None
+
+    def probabilities(self, probs: torch.Tensor, k0: int) -> torch.Tensor:
+        """Probabilities (B, H, b, w) of keys k0 .. k0 + w - 1 (every key these rows may see)."""
+        return probs
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """Every head's attention output (B, H, n, d), before the output projection W_O."""
+        return out
+
+    def arguments(self) -> str:
+        call = KINDS.spec(self)
+        return call[len(self.name) + 1:-1] if call.endswith(")") else ""
+
+    @property
+    def spec(self) -> str:
+        where = "" if self.layers is None else "@" + syntax.ranges(self.layers)
+        return KINDS.spec(self) + where
+
+
+@KINDS.register()
+@dataclass(frozen=True, kw_only=True)
+class SinkLogit(Intervention):
+    """One extra logit ``b`` in every row's softmax, dropped after it (docs/methods.md#sinklogit)."""
+
+    name: ClassVar[str] = "sinklogit"
+    b: float = 0.0
+
+    def extra_logit(self) -> float:
+        return self.b
+
+
+@KINDS.register()
+@dataclass(frozen=True, kw_only=True)
+class SinkScale(Intervention):
+    """ACT's calibration: key ``key``'s weight times ``beta``, the rest spread (docs/methods.md#sinkscale)."""
+
+    name: ClassVar[str] = "sinkscale"
+    key: int = 0
+    beta: float = 1.0
+
+    def __post_init__(self):
+        if not 0.0 <= self.beta <= 1.0:
+            raise InputError(f"sinkscale beta must be between 0 and 1, got {self.beta:g}")
+        if self.key < 0:
+            raise InputError(f"sinkscale key must be a token position >= 0, got {self.key}")
+
+    def probabilities(self, probs: torch.Tensor, k0: int) -> torch.Tensor:
+        c = self.key - k0
+        if not 0 <= c < probs.shape[-1]:
+            return probs  # these rows cannot see key K: nothing to move
+        col = probs[..., c:c + 1]
+        rest = probs.sum(-1, keepdim=True) - col
+        moved = (1.0 - self.beta) * col
+        has_rest = rest > 0
+        spread = probs * torch.where(has_rest, 1.0 + moved / torch.where(has_rest, rest, 1.0), 1.0)
+        is_key = torch.arange(probs.shape[-1], device=probs.device) == c
+        return torch.where(is_key, torch.where(has_rest, self.beta * col, col), spread)
+
+
+@KINDS.register()
+@dataclass(frozen=True, kw_only=True)
+class Temperature(Intervention):
+    """Scores divided by ``t`` before the softmax (docs/methods.md#temperature)."""
+
+    name: ClassVar[str] = "temperature"
+    t: float = 1.0
+
+    def __post_init__(self):
+        if self.t <= 0:
+            raise InputError(f"temperature t must be > 0, got {self.t:g}")
+
+    def scores(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores / self.t
+
+
+@KINDS.register()
+@dataclass(frozen=True, kw_only=True)
+class Ablate(Intervention):
+    """Those heads' outputs replaced by zero or their mean over positions (docs/methods.md#ablate)."""
+
+    name: ClassVar[str] = "ablate"
+    changes_probabilities: ClassVar[bool] = False
+    heads: tuple[int, ...]
+    how: str = "zero"
+
+    def __post_init__(self):
+        object.__setattr__(self, "heads", tuple(sorted(set(int(h) for h in self.heads))))
+        object.__setattr__(self, "how", str(self.how).strip().lower())
+        if not self.heads:
+            raise InputError("ablate needs heads=..., e.g. ablate(heads=0,3)")
+        if self.how not in ("zero", "mean"):
+            raise InputError(f"ablate how must be zero or mean, got '{self.how}'")
+
+    def check(self, n_layers: int, n_heads: int) -> None:
+        bad = [h for h in self.heads if not 0 <= h < n_heads]
+        if bad:
+            raise InputError(f"head {bad[0]} does not exist: the model has heads 0..{n_heads - 1}")
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        chosen = torch.zeros(out.shape[1], dtype=torch.bool, device=out.device)
+        chosen[list(self.heads)] = True
+        replacement = out.mean(dim=2, keepdim=True) if self.how == "mean" else torch.zeros_like(out[:, :, :1])
+        return torch.where(chosen[None, :, None, None], replacement, out)
+
+
+USAGE = ("sinklogit(b=B), sinkscale(key=K, beta=B), temperature(t=T) or ablate(heads=H,..., how=zero|mean), "
+         "each with an optional @LAYERS (20-29, 0,5,7), joined with ';'")
+
+
+@dataclass(frozen=True)
+class Interventions:
+    """The parsed, checked interventions of one string; ``spec`` is its canonical form (metadata,
+    file names and cache keys)."""
+
+    items: tuple[Intervention, ...] = ()
+    spec: str = field(default="")
+
+    def at(self, layer: int) -> tuple[Intervention, ...]:
+        return tuple(i for i in self.items if i.applies(layer))
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+NONE = Interventions()
+
+
+def parse(text: str | None, n_layers: int, n_heads: int) -> Interventions:
+    """``text`` → :class:`Interventions` for a model of ``n_layers`` layers and ``n_heads`` heads;
+    anything wrong is an :class:`InputError` that says what to write instead."""
+    if text is None or not str(text).strip() or str(text).strip().lower() == "none":
+        return NONE
+    items = []
+    for part in syntax.split(str(text)):
+        parsed = syntax.call(part, "the intervention", USAGE)
+        layers = None if parsed.layers is None else tuple(syntax.layers(parsed.layers, n_layers, part))
+        item = KINDS.build(parsed, layers=layers)
+        item.check(n_layers, n_heads)
+        items.append(item)
+    result = tuple(items)
+    return Interventions(result, "; ".join(i.spec for i in result))
+
+
+def resolve(value, n_layers: int, n_heads: int) -> Interventions:
+    """A string, None or already parsed :class:`Interventions`."""
+    return value if isinstance(value, Interventions) else parse(value, n_layers, n_heads)

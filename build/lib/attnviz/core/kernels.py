@@ -1,0 +1,237 @@
+"""The fused statistics route: one Triton kernel computes a layer's sink statistics and
+pooled maps straight from Q and K, without writing a single probability to memory.
+
+Why this route. On a GPU the block engine's statistics are memory-bound: every fp32 block of scores
+is written, then read and rewritten by about ten elementwise passes (mask, max, exp, sum, divide,
+entropy, column sums, pooling, the cast for P·V). At 32k tokens on a Llama-3-8B shape that is ~40 TB
+of traffic, ten times the SDPA forward. The alternative the issue names, SDPA for the output plus a
+torch pass over the log-sum-exp, saves only the max/sum/divide passes. A kernel keeps each 64 × 64
+tile of scores in registers: pass 1 finds each row's log-sum-exp (as flash attention does), pass 2
+recomputes the tile and accumulates every statistic from it, so the cost is two QKᵀ products,
+compute-bound like the forward itself. The layer output then comes from SDPA (flash/efficient
+kernels), which is what the model runs anyway.
+
+Which layers take it: a recorded layer of a statistics capture (``capture(reduce=True)``) on a CUDA
+device with Triton available, batch 1, no StableMask/SM-I pseudo-logits, learned sinks, softcapping or
+position bias (those keep the block engine, which handles every case). ``ATTNVIZ_FUSED=0`` turns the
+route off; ``ATTNVIZ_FUSED=1`` forces it on any device, which with ``TRITON_INTERPRET=1`` runs the
+kernel in Triton's interpreter on the CPU: that is how the tests check it against the definitions
+(docs/methods.md#sink-metrics) on a machine without a GPU.
+
+The kernel's outputs per head: row sums, Σ p·log p, the diagonal, key 0's probability and the
+delimiter share per query; column sums per key (atomic adds across query blocks); and max-pooled
+maps of the probabilities (and, when asked, of A·‖W_O v‖ and of the allowed scores) by atomic max on
+the pooled grid. Pooling factors are multiples of the kernel's pooling granularity G (a power of
+two up to 16) by :func:`attnviz.stats.reduce.pool_factor`. What is computed from these (alpha, entropy
+normalised, allocation, ...) is :class:`attnviz.stats.reduce.LayerSummary`'s own code, shared with the
+block engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+BLOCK_M = 64  # query rows per program
+BLOCK_N = 64  # keys per tile
+# Warps per program. With 4, ptxas spills for every bf16 and fp32 variant on sm_90 (255 registers and
+# ~0.8-1.3 KB of spill stores a thread: the scores tile, its pointers and five row accumulators); with
+# 8 the bf16 variants spill nothing. Measured by compiling for sm_90 on a CPU (tests/test_kernel_sm90.py,
+# `python bench/kernel_regs.py`).
+NUM_WARPS = 8
+
+
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_disabled: list[str] = []  # why the fused route was switched off in this process, if it was
+
+
+def disable(err: BaseException) -> None:
+    """Switch the fused route off for this process after the kernel failed to compile or launch (a
+    Triton or driver this code was not tried with): the block engine computes the same statistics,
+    slower. Said once on the log, with the reason."""
+    if not _disabled:
+        import logging
+
+        logging.getLogger("attnviz").warning("fused statistics kernel unavailable (%s: %s); using the block engine",
+                                             type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+    _disabled.append(f"{type(err).__name__}: {err}")
+
+
+def wanted(device: torch.device) -> bool:
+    """Whether recorded layers on ``device`` take the fused route (see the module docstring)."""
+    setting = os.environ.get("ATTNVIZ_FUSED", "")
+    if setting == "0" or _disabled:
+        return False
+    if setting == "1":
+        return available()
+    return device.type == "cuda" and available()
+
+
+def granularity(factor: int) -> int:
+    """The pooling granularity G the kernel reduces a tile to before its atomic max: a power of two
+    dividing the pooling factor, at most 16."""
+    g = 1
+    while g < 16 and factor % (2 * g) == 0:
+        g *= 2
+    return g
+
+
+@functools.cache
+def _kernel():
+    from attnviz.core._triton_stats import layer_stats
+
+    return layer_stats
+
+
+def pack_allow(allow: torch.Tensor) -> torch.Tensor:
+    """An (n_q, n_kv) boolean allow-set as (n_q, ⌈n_kv / 32⌉) int32 words, bit j of word w for key
+    32·w + j: what the kernel reads for a mask it cannot compute from indices. At 32,768 tokens that
+    is 128 MB instead of 1 GB of bytes, and the kernel loads 2 words a row of a 64-key tile instead of
+    64 bytes through 64 pointers. Packed on the allow-set's device, one bit plane at a time (no
+    temporary larger than the result)."""
+    n_q, n_kv = allow.shape
+    padded = torch.nn.functional.pad(allow, (0, -n_kv % 32)) if n_kv % 32 else allow
+    words = torch.zeros(n_q, padded.shape[1] // 32, dtype=torch.int32, device=allow.device)
+    for bit in range(32):  # bit 31 wraps to the sign bit: the kernel masks each bit, so signs do not matter
+        words |= padded[:, bit::32].to(torch.int32) << bit
+    return words
+
+
+def _constants(bm: int, bn: int, head_dim: int, fp32: bool, g: int, pool: bool, value: bool,
+               scores: bool, causal: bool) -> dict:
+    """The kernel's compile-time constants, one definition for the launch and for
+    :func:`compiled_resources`, so the variants checked for spills are the ones launched."""
+    return dict(BM=bm, BN=bn, D=max(16, 1 << (head_dim - 1).bit_length()), G=g, POOL=pool, VALUE=value,
+                SCORES=scores, CAUSAL=causal,
+                PRECISION="ieee" if fp32 else "tf32")  # fp32 models: no TF32 rounding (docs/methods.md#devices)
+
+
+def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor | None, ranges: torch.Tensor,
+                     scaling: float, delim: torch.Tensor, pool_factor: int | None = None,
+                     pooled_shape: tuple[int, int] | None = None, norms: torch.Tensor | None = None,
+                     scores: bool = False, block: tuple[int, int] = (BLOCK_M, BLOCK_N),
+                     causal: bool = False) -> dict[str, torch.Tensor]:
+    """Raw per-row, per-column and pooled sums of one layer (batch of one) on the layer's device.
+
+    ``query`` (H, n_q, d), ``key`` (H_kv, n_kv, d), ``allow`` (n_q, n_kv) bool or packed by
+    :func:`pack_allow` (ignored, may be None,
+    with ``causal``: the plain causal mask with queries at the last n_q positions, computed inside the
+    kernel from the indices instead of read from n_q x n_kv bytes; square only), ``ranges`` the
+    (blocks, 2) key range of every block of ``block[0]`` query rows (the engine's ``_block_ranges``),
+    ``delim`` (n_kv,) delimiter flags, ``norms`` (H, n_kv) value norms for pooled A·‖W_O v‖.
+    Returns fp32 ``rowsum``, ``plogp`` (Σ p·log p), ``diag``, ``key0``, ``delim`` (H, n_q),
+    ``colsum`` (H, n_kv) and, with a pool, ``pooled`` (and ``pooled_value`` / ``pooled_scores``)
+    (H, rows, cols), NaN-free: cells no query may see hold 0 (-inf for scores).
+    """
+    bm, bn = block
+    heads, n_q, dim = query.shape
+    n_kv = key.shape[1]
+    device = query.device
+    f32 = {"dtype": torch.float32, "device": device}
+    query, key = query.contiguous(), key.contiguous()
+    out = {name: torch.zeros(heads, n_q, **f32) for name in ("rowsum", "plogp", "diag", "key0", "delim")}
+    out["colsum"] = torch.zeros(heads, n_kv, **f32)
+    pool = pool_factor is not None
+    rows, cols = pooled_shape if pool else (1, 1)
+    g = granularity(pool_factor) if pool else 1
+    if bn % 32:
+        raise ValueError(f"key tiles of {bn} do not hold whole 32-key words of the packed allow-set")
+    if pool and (bm % g or bn % g):
+        raise ValueError(f"pooling granularity {g} does not divide the kernel's {bm} x {bn} tiles")
+    pooled = torch.zeros(heads, rows, cols, **f32)
+    pooled_value = torch.zeros(heads, rows, cols, **f32) if norms is not None else pooled
+    pooled_scores = torch.full((heads, rows, cols), float("-inf"), **f32) if scores else pooled
+    dummy = torch.zeros(1, **f32)
+    if causal:
+        if n_q != n_kv:
+            raise ValueError(f"the causal route takes square layers, not {n_q} queries over {n_kv} keys")
+        packed = torch.zeros(1, dtype=torch.int32, device=device)
+    else:
+        packed = allow if allow.dtype == torch.int32 else pack_allow(allow)
+    _kernel()[(heads, -(-n_q // bm))](
+        query, key, packed,
+        ranges.to(device, torch.int32).contiguous(),
+        delim.to(**f32).contiguous(), dummy if norms is None else norms.to(**f32).contiguous(),
+        out["rowsum"], out["plogp"], out["diag"], out["key0"], out["delim"], out["colsum"],
+        pooled, pooled_value, pooled_scores,
+        n_q, n_kv, dim, heads // key.shape[0], float(scaling), 0, pool_factor or 1, rows, cols,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        **_constants(bm, bn, dim, query.dtype == torch.float32, g, pool, norms is not None, scores, causal),
+        num_warps=NUM_WARPS)
+    if pool:
+        out["pooled"] = pooled
+        if norms is not None:
+            out["pooled_value"] = pooled_value
+        if scores:
+            out["pooled_scores"] = pooled_scores
+    return out
+
+
+def compiled_resources(*variants: dict) -> list[dict[str, int]]:
+    """Compile the kernel ahead of time for NVIDIA GPUs and read what ptxas allocates, one dict per
+    variant: ``registers`` a thread, ``spill_stores`` / ``spill_loads`` bytes a thread, ``shared``
+    bytes a program. A variant names ``capability`` (90: H100/H200, 80: A100), ``dtype`` ("bf16",
+    "fp16", "fp32"), ``head_dim`` and optionally ``pool``, ``value``, ``scores``, ``causal``,
+    ``granularity``, ``num_warps`` (defaults: what a 512-px statistics capture of a causal model
+    launches).
+
+    Needs Triton's CUDA backend and its bundled ptxas, not a GPU: this is how a CPU-only machine
+    checks that a change still compiles for the GPUs it cannot run on, and does not spill registers
+    to local memory inside the tile loops (tests/test_kernel_sm90.py, bench/kernel_regs.py). Runs in
+    a fresh Python process without ``TRITON_INTERPRET``: a process that imported Triton with its
+    interpreter on cannot compile."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    code = ("import json, sys; from attnviz.core.kernels import _resources; "
+            "print(json.dumps([_resources(**v) for v in json.loads(sys.argv[1])]))")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(variants)], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"compiling the kernel failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, pool: bool = True,
+               value: bool = False, scores: bool = False, causal: bool = True, granularity: int = 16,
+               num_warps: int = NUM_WARPS) -> dict[str, int]:
+    """One variant of :func:`compiled_resources`, in this process (its Triton interpreter off)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    kernel = _kernel()
+    constants = _constants(BLOCK_M, BLOCK_N, head_dim, dtype == "fp32", granularity, pool, value, scores, causal)
+    pointers = {"q_ptr": dtype, "k_ptr": dtype, "allow_ptr": "i32", "ranges_ptr": "i32"}
+    signature = {name: "constexpr" if name in constants else
+                 "*" + pointers.get(name, "fp32") if name.endswith("_ptr") else
+                 "fp32" if name == "scale" else "i32" for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": num_warps})
+    arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        log = subprocess.run([get_ptxas(capability).path, f"-arch={arch}", "-v", ptx, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
+    return {"registers": registers, "spill_stores": stores, "spill_loads": loads, "shared": compiled.metadata.shared}

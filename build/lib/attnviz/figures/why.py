@@ -1,0 +1,65 @@
+"""Why a sink is a sink: its share of attention against its share of the output norm (Kobayashi et
+al. 2020), and massive activations in the residual stream (Sun et al. 2024) beside the sink keys."""
+
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from attnviz.capture import Capture
+from attnviz.figures.style import COLORSCALE, layout, token_axis
+from attnviz.stats import metrics
+
+
+def sink_shares(cap: Capture, key: int = 0) -> go.Figure:
+    """Per layer × head, the key's share of attention (left) and of the value-weighted output (right)."""
+    attention = np.stack([metrics.key_share(cap.layer_probs(l), cap.allowed[l], key) for l in cap.layers])
+    output = np.stack([metrics.key_share(cap.value_weighted(l), cap.allowed[l], key) for l in cap.layers])
+    heads = [f"h{h}" for h in range(cap.n_heads)]
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08,
+                        subplot_titles=(f"share of attention to key {key}", f"share of the output norm from key {key}"))
+    for col, values in ((1, attention), (2, output)):
+        fig.add_trace(go.Heatmap(z=values, x=heads, y=cap.layers, colorscale=COLORSCALE, zmin=0, zmax=1,
+                                 showscale=col == 2, colorbar=dict(title="share"), hoverongaps=False,
+                                 hovertemplate="layer %{y}, %{x}<br>share %{z:.1%}<extra></extra>"), 1, col)
+        fig.update_yaxes(autorange="reversed", title="layer" if col == 1 else None, row=1, col=col)
+    gap = float(np.nanmean(attention) - np.nanmean(output))
+    layout(fig, f"key {key} ({cap.tokens[key]!r}): much attention, little value? mean gap {gap:+.1%}",
+           height=max(380, 16 * len(cap.layers) + 120))
+    fig.update_annotations(font_size=13)
+    return fig
+
+
+def massive_activations(cap: Capture) -> go.Figure:
+    """Hidden-state norm per layer boundary × token (log colour), with each layer's sink key marked.
+
+    Sun et al. find the tokens with massive activations are the sink tokens: the markers (the key
+    with the largest head-mean column mean in the layer's attention) should sit on the bright columns.
+    """
+    acts = cap.activations
+    norms = np.log10(np.maximum(acts.norms, 1e-6))
+    fig = go.Figure(go.Heatmap(z=norms, x=list(range(cap.n_tokens)), y=list(range(norms.shape[0])),
+                               colorscale="Magma", colorbar=dict(title="log10 ‖h‖"),
+                               customdata=acts.norms,
+                               hovertemplate="after layer %{y}, token %{x}<br>‖h‖ = %{customdata:.1f}<extra></extra>"))
+    layers = [l for l in cap.layers]
+    sinks = [int(cap.stat(l, "column_mean").mean(0).argmax()) for l in layers]
+    fig.add_trace(go.Scatter(x=sinks, y=[l + 1 for l in layers], mode="markers", name="sink key of the layer",
+                             marker=dict(symbol="x-thin", size=9, line=dict(width=2, color="#1fd1ff")),
+                             hovertemplate="layer %{y} attends most to key %{x}<extra></extra>"))
+    top = acts.top_values[:, 0]
+    layout(fig, f"massive activations: largest |h| {top.max():.0f} (median token norm "
+                f"{np.median(acts.norms[-1]):.0f}) · markers: sink keys", height=480)
+    fig.update_yaxes(title="layer boundary (0 = embeddings)", autorange="reversed")
+    fig.update_xaxes(title="token", **token_axis(cap.tokens))
+    fig.update_layout(legend=dict(orientation="h", y=1.02, yanchor="bottom", x=0))
+    return fig
+
+
+def top_activation_rows(cap: Capture, per_layer: int = 2) -> list[dict]:
+    """The largest activations per layer boundary: value, token (position and text), dimension."""
+    acts = cap.activations
+    return [{"layer boundary": l, "|h|": round(float(acts.top_values[l, r]), 1), "token": int(acts.top_tokens[l, r]),
+             "text": cap.tokens[int(acts.top_tokens[l, r])], "dim": int(acts.top_dims[l, r])}
+            for l in range(acts.top_values.shape[0]) for r in range(min(per_layer, acts.top_values.shape[1]))]

@@ -1,0 +1,170 @@
+"""A :class:`Recipe`: everything that decides what a forward computes, as one frozen value.
+
+Model, architecture, intervention, BOS control (prepend), residual variant and dtype travel together:
+every library entry point takes a recipe (in place of an architecture string), every front end builds
+one, and a :class:`~attnviz.capture.Capture` carries the recipe it was made with. Its :attr:`~Recipe.key`
+is the cache key, the stem of file names and the viewer's payload identity; :meth:`~Recipe.describe`
+is the provenance line that exports, reports and the viewer print; :meth:`~Recipe.to_dict` /
+:meth:`~Recipe.from_dict` round-trip through npz metadata, Parquet rows and PDF/PNG metadata.
+
+The choice "residual variant, else the engine" is made here, once (:func:`forward`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING
+
+from attnviz.errors import InputError
+
+if TYPE_CHECKING:
+    import torch
+
+    from attnviz.core.arch import Architecture
+    from attnviz.core.interventions import Interventions
+    from attnviz.core.models import LoadedModel
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a forward computes. Strings are canonical once made by :meth:`of` (architecture and
+    intervention parsed and written back, the residual variant the one that will run)."""
+
+    model: str
+    arch: str = "fwd"
+    intervene: str = ""  # docs/methods.md#interventions, "" for none
+    prepend: str | None = None  # docs/methods.md#bos-control: "bos", a token, or None
+    residual: str | None = None  # docs/methods.md#residual-variants
+    dtype: str | None = None  # the model's dtype, where known: it changes the numbers
+
+    @classmethod
+    def of(cls, loaded: "LoadedModel", arch="fwd", intervene=None, prepend: str | None = None,
+           residual: str | None = None) -> "Recipe":
+        """The canonical recipe of these settings on a loaded model (bad strings refused here)."""
+        return build(loaded, arch, intervene, prepend, residual).recipe
+
+    @property
+    def key(self) -> str:
+        """A stable 16-hex-digit identity: equal recipes, equal keys, in every process."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        """One line of provenance: ``SmolLM2-135M · mask0-bidir(k=8) · sinkscale(key=0, beta=0.3)@20-29 · BOS``."""
+        parts = [self.model.split(" ")[0], self.arch]
+        if self.intervene:
+            parts.append(self.intervene)
+        if self.prepend:
+            parts.append("BOS" if self.prepend == "bos" else f"prepend {self.prepend!r}")
+        if self.residual:
+            parts.append(f"residual {self.residual}")
+        if self.dtype:
+            parts.append(self.dtype)
+        return " · ".join(parts)
+
+    def to_dict(self) -> dict:
+        """Plain values only (JSON, Parquet, PDF metadata); :meth:`from_dict` reads it back."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Recipe":
+        names = {f.name for f in fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise InputError(f"not a recipe: unknown field(s) {sorted(unknown)}")
+        if "model" not in data:
+            raise InputError("not a recipe: no model")
+        return cls(**{k: ("" if k == "intervene" and v is None else v) for k, v in data.items()})
+
+    @classmethod
+    def from_meta(cls, meta: dict, arch: str) -> "Recipe":
+        """The recipe of a capture saved before captures carried one (its metadata has the same facts)."""
+        return cls(str(meta.get("model", "")), arch, meta.get("intervene") or "", meta.get("prepend"),
+                   meta.get("residual"), meta.get("dtype"))
+
+
+@dataclass(frozen=True)
+class Built:
+    """A recipe made real on a loaded model: the per-layer masks, the interventions and the variant."""
+
+    recipe: Recipe
+    architecture: "Architecture"
+    interventions: "Interventions"
+    variant: object | None  # attnviz.core.residual.Variant
+
+    def only(self, purpose: str, *applies: str) -> "Built":
+        """Refuse a recipe part that ``purpose`` does not apply (``applies``: "intervene", "prepend",
+        "residual"), so no front end reports a number made without part of its recipe."""
+        parts = {"intervene": self.recipe.intervene, "prepend": self.recipe.prepend, "residual": self.recipe.residual}
+        extra = [name for name, value in parts.items() if value and name not in applies]
+        if extra:
+            what = {"intervene": f"the intervention {self.recipe.intervene}", "prepend": "a BOS control",
+                    "residual": f"the residual variant {self.recipe.residual}"}
+            raise InputError(f"{purpose} does not apply {what[extra[0]]}: leave it out of the recipe")
+        return self
+
+    def forward(self, loaded: "LoadedModel", input_ids: "torch.Tensor", record: set[int] | None = None, **options):
+        """``(logits, hidden_states or None, run)`` of this recipe (see :func:`forward`)."""
+        return forward(loaded, self.variant, input_ids, list(self.architecture.layers), record,
+                       interventions=self.interventions, **options)
+
+
+def build(loaded: "LoadedModel", arch="fwd", intervene=None, prepend: str | None = None,
+          residual: str | None = None) -> Built:
+    """Settings, or a :class:`Recipe` passed as ``arch``, made real on ``loaded``. A recipe's own
+    intervention, BOS control and variant are used; naming them again as well is refused."""
+    from attnviz.core import arch as arch_mod
+    from attnviz.core import interventions as interventions_mod
+    from attnviz.core import residual as residual_mod
+
+    if isinstance(arch, Recipe):
+        given = [name for name, value in (("intervene", intervene), ("prepend", prepend), ("residual", residual))
+                 if value not in (None, "")]
+        if given:
+            raise InputError(f"the recipe already says {', '.join(given)}: change the recipe instead "
+                             f"(dataclasses.replace(recipe, {given[0]}=...))")
+        recipe = arch
+        if recipe.model and recipe.model not in (loaded.model_id, "default"):
+            raise InputError(f"the recipe is for {recipe.model}, but the loaded model is {loaded.model_id}")
+        arch, intervene, prepend, residual = recipe.arch, recipe.intervene, recipe.prepend, recipe.residual
+    architecture = arch_mod.resolve(arch, loaded.n_layers)
+    acts = interventions_mod.resolve(intervene, loaded.n_layers, loaded.n_heads)
+    variant = residual_mod.resolve(loaded, residual)
+    dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
+    recipe = Recipe(loaded.model_id, architecture.spec, acts.spec, prepend or None,
+                    variant.name if variant is not None else None, dtype)
+    return Built(recipe, architecture, acts, variant)
+
+
+def forward(loaded: "LoadedModel", variant, input_ids: "torch.Tensor", masks, record: set[int] | None = None, *,
+            output_hidden_states: bool = False, last_logits_only: bool = False, grad: bool = False, **options):
+    """The one place that picks the forward: a residual variant's own layer loop (docs/methods.md#residual-variants),
+    else the engine's. Returns ``(logits, hidden_states or None, run)``. A variant's loop records no hidden
+    states (refused when asked); ``grad`` keeps the graph (fine-tuning), otherwise no gradients are kept."""
+    import contextlib
+
+    import torch
+
+    from attnviz.core import engine
+    from attnviz.core import residual as residual_mod
+
+    if variant is None and grad:  # the stock module under the run's masks, its graph kept (fine-tuning)
+        run = engine.make_run(loaded.model, input_ids, masks, record=set() if record is None else record, **options)
+        with engine.active(run):
+            output = loaded.model(input_ids=input_ids.to(loaded.model.device),
+                                  position_ids=run.positions.to(loaded.model.device),
+                                  output_hidden_states=output_hidden_states)
+        return output.logits, (output.hidden_states if output_hidden_states else None), run
+    if variant is None:
+        with torch.no_grad():
+            output, run = engine.forward(loaded.model, input_ids, masks, set() if record is None else record,
+                                         output_hidden_states=output_hidden_states,
+                                         last_logits_only=last_logits_only, **options)
+        return output.logits, (output.hidden_states if output_hidden_states else None), run
+    if output_hidden_states:
+        raise InputError(f"hidden states are not recorded under the residual variant {variant.name}")
+    with contextlib.nullcontext() if grad else torch.no_grad():
+        logits, run = residual_mod.forward(loaded.model, variant, input_ids, masks, record, **options)
+    return logits, None, run

@@ -1,0 +1,208 @@
+"""Sink metrics of docs/methods.md#sink-metrics on one layer's probabilities ``A`` of shape (H, n, n) and its allow-set.
+
+Pure numpy, no model: everything here is a function of captured numbers, so it can be tested on
+hand-written matrices and reused by figures and the CLI.
+"""
+
+from __future__ import annotations
+
+import string
+import unicodedata
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+SINK_EPS = 0.3
+ALLOCATION_PARTS = ("first", "delimiter", "diagonal", "other", "discarded")
+
+
+def _f32(probs) -> np.ndarray:
+    return np.asarray(probs, dtype=np.float32)
+
+
+def alpha(probs, allowed) -> np.ndarray:
+    """alpha_k for every key k: mean of A[i, k] over ALL queries i allowed to see k, i = k included.
+
+    Returns (H, n). Under FWD this is Gu et al.'s ``sum_{i>=k} A[i, k] / (n - k)`` exactly (their
+    ``eval_sink_open_source.py``); other masks change only the divisor. NaN where no query other
+    than k itself sees k (docs/methods.md#sink-metrics): a key that only its own query sees says nothing about sinks.
+    """
+    probs, allowed = _f32(probs), np.asarray(allowed, dtype=bool)
+    counts = allowed.sum(0)
+    others = counts - np.diagonal(allowed)
+    sums = np.einsum("hij,ij->hj", probs, allowed.astype(np.float32))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(others > 0, sums / np.maximum(counts, 1), np.nan)
+
+
+def sink_rate(alphas, eps: float = SINK_EPS) -> float:
+    """Fraction of heads with alpha > eps, over the heads where alpha is defined; NaN if none is."""
+    alphas = np.asarray(alphas, dtype=np.float64)
+    defined = np.isfinite(alphas)
+    return float(np.mean(alphas[defined] > eps)) if defined.any() else float("nan")
+
+
+def auto_key(allowed) -> int:
+    """The sink key a mask leaves open (docs/methods.md#auto-key): the first key position j that every
+    later query may see (allowed[i, j] for all i > j), 0 where no key is (BACK, short sliding windows).
+    0 under FWD and BIDIR, m under NoSink-FWD(m) and NoSink-BIDIR(m)."""
+    allowed = np.asarray(allowed, dtype=bool)
+    n_q, n_kv = allowed.shape
+    later = np.tri(n_q, n_kv, -1, dtype=bool)  # (i, j) with i > j
+    open_to_later = (allowed | ~later).all(0) & later.any(0)
+    hits = np.flatnonzero(open_to_later)
+    return int(hits[0]) if hits.size else 0
+
+
+def key_profile(probs, allowed, key: int = 0) -> np.ndarray:
+    """A[i, key] as a function of query position i, per head; NaN where the mask forbids it. (H, n)."""
+    probs = _f32(probs)
+    return np.where(np.asarray(allowed, dtype=bool)[:, key][None, :], probs[:, :, key], np.nan)
+
+
+def column_mean(probs) -> np.ndarray:
+    """(1/n) sum_i A[i, j], masked entries counting as 0. (H, n)."""
+    return _f32(probs).mean(1)
+
+
+def sink_key(probs) -> np.ndarray:
+    """The key with the largest column mean, per head: where each head parks its attention. (H,)."""
+    return column_mean(probs).argmax(-1)
+
+
+def shift_rate(sink_keys_before, sink_keys_after, m: int = 1) -> float:
+    """Fraction of heads whose sink key is 0 under one architecture and m under the other."""
+    before, after = np.asarray(sink_keys_before), np.asarray(sink_keys_after)
+    return float(np.mean((before == 0) & (after == m))) if before.size else float("nan")
+
+
+def entropy(probs, allowed, normalised: bool = False) -> np.ndarray:
+    """Row entropy H_i = -sum_j A log A, optionally divided by log(#allowed keys). (H, n).
+
+    A row with a single allowed key has normalised entropy 0 by convention.
+    """
+    probs = _f32(probs)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        h = -np.where(probs > 0, probs * np.log(probs), 0.0).sum(-1)
+    if not normalised:
+        return h
+    n_allowed = np.asarray(allowed, dtype=bool).sum(-1)
+    norm = np.log(np.maximum(n_allowed, 1))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(norm > 0, h / np.where(norm > 0, norm, 1), 0.0)
+
+
+def discarded_mass(probs) -> np.ndarray:
+    """1 - row sum: the mass StableMask's pseudo-slots or a learned sink took. (H, n)."""
+    return np.clip(1.0 - _f32(probs).sum(-1), 0.0, None)
+
+
+def is_delimiter(token: str) -> bool:
+    """A token made only of punctuation and white space (newlines included)."""
+    return bool(token) and all(
+        ch.isspace() or ch in string.punctuation or unicodedata.category(ch).startswith("P") for ch in token
+    )
+
+
+def delimiter_flags(tokens: list[str]) -> np.ndarray:
+    """(n,) float32: 1 for delimiter tokens (:func:`is_delimiter`), 0 for the first token and the rest.
+
+    Once per text, and each distinct token string is checked once (a text repeats its tokens), not
+    once per token and layer."""
+    lookup = {t: is_delimiter(t) for t in set(tokens)}
+    flags = np.fromiter((lookup[t] for t in tokens), dtype=np.float32, count=len(tokens))
+    if len(flags):
+        flags[0] = 0.0  # the first token counts as first
+    return flags
+
+
+def allocation(probs, tokens: list[str]) -> np.ndarray:
+    """Per head and query, the shares of ``ALLOCATION_PARTS`` (StableMask Fig. 1b). (H, n, 5).
+
+    Each key is counted once, in this order of precedence: the first token, then the query's own
+    key (diagonal), then delimiters, then the rest; with the discarded mass the five sum to 1.
+    Computed with one matrix-vector product per head instead of n x n masks (pages call it on
+    every layer at N = 1024).
+    """
+    probs = _f32(probs)
+    n = probs.shape[-1]
+    delim = delimiter_flags(tokens)
+    rowsum = probs.sum(-1)
+    first = probs[..., 0]
+    diagonal = np.diagonal(probs, axis1=-2, axis2=-1).copy()
+    diagonal[..., 0] = 0.0  # query 0's own key is the first token
+    delimiter = probs @ delim - diagonal * delim[None, :n]
+    other = rowsum - first - diagonal - delimiter
+    return np.stack([first, delimiter, diagonal, other, np.clip(1.0 - rowsum, 0.0, None)], axis=-1)
+
+
+def value_weighted(probs, norms) -> np.ndarray:
+    """||A[i, j] f(v_j)|| = A[i, j] * ||W_O^h v_j^h||: (H, n, n) from probabilities and (H, n) value norms."""
+    return _f32(probs) * np.asarray(norms, dtype=np.float32)[:, None, :]
+
+
+def key_share(matrix, allowed, key: int = 0) -> np.ndarray:
+    """Per head, key's share of each row (row-normalised), averaged over the queries that may see it.
+
+    On attention this is the key's share of attention; on :func:`value_weighted` maps, its share
+    of the output norm: a sink takes much of the first and little of the second. (H,), NaN where no
+    query sees the key.
+    """
+    matrix = _f32(matrix)
+    seen = np.asarray(allowed, dtype=bool)[:, key]
+    if not seen.any():
+        return np.full(matrix.shape[0], np.nan)
+    rows = matrix[:, seen]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.nanmean(rows[:, :, key] / rows.sum(-1), axis=1)
+
+
+def rollout(maps) -> np.ndarray:
+    """Attention rollout (Abnar & Zuidema 2020) over layers, bottom first: each (n, n) head-mean map
+    gets the residual identity, 0.5 A + 0.5 I, rows renormalised (rows of StableMask or learned-sink
+    maps sum below 1), and the layers are multiplied: R = Ã_L ... Ã_1. R[i, j] is how much of
+    position i's top representation traces back to input token j, under the assumption that
+    attention and the residual mix linearly; under a non-causal mask, R mixes in later tokens too.
+    """
+    result = None
+    for a in maps:
+        a = _f32(a)
+        mixed = 0.5 * a + 0.5 * np.eye(a.shape[0], dtype=np.float32)
+        mixed /= mixed.sum(-1, keepdims=True)
+        result = mixed if result is None else mixed @ result
+    return result
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """One per-layer statistic a capture keeps (docs/methods.md#sink-metrics). Declared once, here:
+
+    - ``reference(probs, allowed, tokens)`` is its numpy definition (tests compare every route to it);
+    - the block reducer (:class:`attnviz.stats.reduce.LayerSummary`) and the fused kernel's sums
+      (:func:`attnviz.core.kernels.layer_statistics`) produce an array of this name;
+    - ``floats`` per head and token is what :func:`attnviz.capture.estimate_bytes` counts.
+
+    Adding a statistic: a line here, its accumulation in ``LayerSummary`` and its test; the fused route
+    falls back to the block engine for a statistic its kernel does not compute.
+    """
+
+    name: str
+    floats: int
+    reference: Callable
+
+
+#: Every statistic of a reduced capture, in the order ``reduce.LayerSummary.tensors`` returns them.
+STATISTICS = (
+    Statistic("allocation", len(ALLOCATION_PARTS), lambda p, a, t: allocation(p, t)),
+    Statistic("alpha", 1, lambda p, a, t: alpha(p, a)),
+    Statistic("column_mean", 1, lambda p, a, t: column_mean(p)),
+    Statistic("key0", 1, lambda p, a, t: key_profile(p, a, 0)),
+    Statistic("discarded", 1, lambda p, a, t: discarded_mass(p)),
+    Statistic("entropy", 1, lambda p, a, t: entropy(p, a, normalised=True)),
+)
+
+
+def statistic_floats() -> int:
+    """Floats per head and token that a layer's statistics take (the memory estimate's share)."""
+    return sum(s.floats for s in STATISTICS)

@@ -1,0 +1,127 @@
+"""What one cell computes: the same library calls as the CLI's commands, as table rows.
+
+Each measure returns a list of rows (dicts of plain values); a measure with layers gives one row per
+layer. The driver adds the cell's parameters, versions and timing (:mod:`.store`).
+"""
+
+from __future__ import annotations
+
+from attnviz import corpus as corpus_mod
+from attnviz.core.models import LoadedModel
+from attnviz.sweep.spec import Cell
+
+
+def documents(name: str) -> corpus_mod.Corpus:
+    """A spec's corpus name: "stdlib", "stdlib:TOPIC" or "file:PATH"."""
+    if name.startswith("file:"):
+        return corpus_mod.load(None, name[5:])
+    return corpus_mod.load(name)
+
+
+def sinks(lm: LoadedModel, cell: Cell) -> list[dict]:
+    """Sink rates over a dataset, docs/methods.md#sink-rate (``attnviz sinks --corpus C --max-len T --samples S
+    --eps E --key K``); each row says the key it was read at."""
+    from attnviz.effects import dataset
+
+    o = cell.options
+    result = dataset.sinks(lm, documents(cell.corpus).documents, cell.arch, unit=o["unit"], max_len=o["max_len"],
+                           n_samples=o["samples"], intervene=cell.intervention or None)
+    doc = result.as_json(o["key"], o["eps"])
+    model = doc["model_rate"]
+    rows = []
+    for layer in doc["layers"]:
+        rate = layer["sink_rate"]
+        rows.append({"layer": layer["layer"], "mask": layer["mask"], "key": layer["key"], "sink_rate": rate["mean"],
+                     "ci_low": (rate["ci95"] or [None, None])[0], "ci_high": (rate["ci95"] or [None, None])[1],
+                     "n": rate["n"], "model_rate": model["mean"], "model_ci_low": (model["ci95"] or [None, None])[0],
+                     "model_ci_high": (model["ci95"] or [None, None])[1], "samples": doc["samples"]})
+    return rows
+
+
+def evaluate(lm: LoadedModel, cell: Cell) -> list[dict]:
+    """Perplexity and accuracy, docs/methods.md#perplexity (``attnviz eval --window W --max-tokens N``)."""
+    from attnviz.effects.evaluate import evaluate as run
+    from attnviz.effects.evaluate import token_ids
+
+    o = cell.options
+    ids = token_ids(lm, documents(cell.corpus).text, o["max_tokens"])
+    result = run(lm, ids, cell.arch, window=o["window"], intervene=cell.intervention or None)
+    doc = result.as_json()
+    return [{k: doc[k] for k in ("perplexity", "accuracy", "nll", "tokens", "windows")}]
+
+
+def embed(lm: LoadedModel, cell: Cell) -> list[dict]:
+    """The embedding probe (``attnviz embed --m M --max-docs D``)."""
+    from attnviz.effects import embedding
+
+    o = cell.options
+    result = embedding.probe(lm, documents(cell.corpus).documents, cell.arch, m=o["m"], max_docs=o["max_docs"])
+    return [{"recall_at_1": result.recall_at_1, "mrr": result.mrr, "n_docs": result.n_docs}]
+
+
+def compress(lm: LoadedModel, cell: Cell) -> list[dict]:
+    """KV-cache compression, docs/methods.md#kv-cache-compression (``attnviz compress --press ... --ratios ... --context C --max-tokens N``): one row per
+    (press, ratio), the dense cache as press "dense" at ratio 0."""
+    from attnviz.effects.evaluate import token_ids
+    from attnviz.kv import compress as run
+    from attnviz.kv import presses
+
+    o = cell.options
+    chosen = [presses.parse(p) for p in (o["presses"] or presses.DEFAULTS)]
+    ids = token_ids(lm, documents(cell.corpus).text, o["max_tokens"])
+    doc = run.compress(lm, ids, o["context"], chosen, [float(r) for r in o["ratios"]], cell.arch).as_json()
+    rows = [{"press": "dense", "ratio": 0.0, "perplexity": doc["dense"]["perplexity"],
+             "accuracy": doc["dense"]["accuracy"], "kl": 0.0, "kept_key0": 1.0}]
+    return rows + [dict(r) for r in doc["presses"]]
+
+
+def heads(lm: LoadedModel, cell: Cell) -> list[dict]:
+    """Head classes over a dataset, docs/methods.md#head-classes (``attnviz heads --samples S --max-len T``): per layer, how many heads of
+    each kind."""
+    from attnviz.effects import heads as heads_mod
+
+    o = cell.options
+    texts = heads_mod.dataset_texts(lm, documents(cell.corpus).documents, o["samples"], o["max_len"])
+    result = heads_mod.taxonomy(lm, texts, cell.arch, o["sink"], o["window"], o["eps"], o["tau_stream"],
+                                o["tau_inactive"])
+    sink, streaming, inactive = result.sink, result.streaming, result.inactive
+    return [{"layer": layer, "heads": int(sink.shape[1]), "sink_heads": int(sink[layer].sum()),
+             "streaming_heads": int(streaming[layer].sum()), "inactive_heads": int(inactive[layer].sum())}
+            for layer in range(sink.shape[0])]
+
+
+RUN = {"sinks": sinks, "eval": evaluate, "embed": embed, "compress": compress, "heads": heads}
+
+
+def schema():
+    """The one Arrow schema of every results file: the cell's columns, then every measure's columns,
+    each typed, nulls allowed (a measure leaves the others' columns null). A folder of mixed cells, a
+    cell whose numbers are all undefined among them, reads as one table with any Parquet reader."""
+    import pyarrow as pa
+
+    cell = [("cell", pa.string()), ("measure", pa.string()), ("model", pa.string()), ("arch", pa.string()),
+            ("intervention", pa.string()), ("corpus", pa.string()), ("options", pa.string()),
+            ("recipe", pa.string()), ("recipe_json", pa.string()),
+            ("status", pa.string()), ("error", pa.string()), ("elapsed_s", pa.float64()),
+            ("versions", pa.string()), ("worker", pa.string()), ("finished", pa.string())]
+    columns = {}
+    for measure in COLUMNS.values():
+        for name, kind in measure.items():
+            if columns.setdefault(name, kind) != kind:
+                raise TypeError(f"results column '{name}' is typed twice: {columns[name]} and {kind}")
+    return pa.schema(cell + [(name, getattr(pa, kind)()) for name, kind in columns.items()])
+
+
+#: measure -> its result columns and their Arrow types (pyarrow type names); the rows of RUN's functions
+#: carry exactly these (tests check it), and :func:`schema` unites them.
+COLUMNS = {
+    "sinks": {"layer": "int64", "mask": "string", "key": "int64", "sink_rate": "float64", "ci_low": "float64",
+              "ci_high": "float64", "n": "int64", "model_rate": "float64", "model_ci_low": "float64",
+              "model_ci_high": "float64", "samples": "int64"},
+    "eval": {"perplexity": "float64", "accuracy": "float64", "nll": "float64", "tokens": "int64", "windows": "int64"},
+    "embed": {"recall_at_1": "float64", "mrr": "float64", "n_docs": "int64"},
+    "compress": {"press": "string", "ratio": "float64", "perplexity": "float64", "accuracy": "float64",
+                 "kl": "float64", "kept_key0": "float64"},
+    "heads": {"layer": "int64", "heads": "int64", "sink_heads": "int64", "streaming_heads": "int64",
+              "inactive_heads": "int64"},
+}

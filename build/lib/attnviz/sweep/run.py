@@ -1,0 +1,137 @@
+"""Running a grid: one Ray task per cell, on the local machine or on a Ray cluster.
+
+Each task runs :func:`run_cell` in a Ray worker process. A worker keeps the last model it loaded
+(:func:`model_for`) and the cells are submitted model by model, so a worker loads each model once
+for its run of cells instead of once per cell; a model that fails to load is remembered by the
+worker and every cell of that model is recorded as failed with the reason, the others run on.
+Results are written by the worker itself (:mod:`.store`: one file per cell, atomic), so a sweep
+interrupted anywhere loses at most the cells in flight, and rerunning it skips every finished cell.
+A worker that dies mid-cell has its task retried by Ray (``max_retries``); the retry writes the same
+file name, so no cell is ever duplicated.
+
+``ray.init()`` starts a local Ray with this machine's CPUs (``workers`` caps them) and GPUs; an
+``address`` (or ``RAY_ADDRESS``) joins a cluster, where each task asks for one GPU if the cluster has
+any. ``local=True`` runs the cells in this process without Ray (the benchmark's baseline, and a
+machine without Ray).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from attnviz.errors import AttnvizError
+from attnviz.recipe import Recipe
+from attnviz.sweep import measures, store
+from attnviz.sweep.spec import Cell, Spec
+
+#: environment a worker needs to find the same models offline (a cluster's workers do not inherit ours)
+PASSED_ENV = ("ATTNVIZ_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "ATTNVIZ_DEVICE_MB",
+              "ATTNVIZ_BLOCK_MB", "ATTNVIZ_FUSED")
+
+_MODEL: dict = {}  # this process's model: {name: LoadedModel | AttnvizError}, one at a time (memory)
+
+
+def model_for(name: str):
+    """The worker's model ``name``, loaded once; a load failure is kept and raised again for every cell."""
+    if name not in _MODEL:
+        _MODEL.clear()
+        gc.collect()
+        from attnviz.core.models import load
+
+        try:
+            _MODEL[name] = load(name)
+        except AttnvizError as err:
+            _MODEL[name] = err
+        except Exception as err:  # noqa: BLE001 - any loader failure is this model's, recorded with its cells
+            _MODEL[name] = AttnvizError(f"cannot load model '{name}': {type(err).__name__}: {err}")
+    found = _MODEL[name]
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
+def run_cell(out: str, cell: Cell) -> dict:
+    """Compute one cell and write its file; an error is recorded in the file, never raised."""
+    start = time.perf_counter()
+    try:
+        lm = model_for(cell.model)
+        recipe = Recipe.of(lm, cell.arch, cell.intervention or None)
+        rows = measures.RUN[cell.measure](lm, cell)
+        store.write_cell(out, cell, rows, time.perf_counter() - start, recipe=recipe)
+        return {"cell": cell.id, "status": "ok", "elapsed_s": time.perf_counter() - start}
+    except Exception as err:  # noqa: BLE001 - one failed cell must not stop the others
+        message = str(err) if isinstance(err, AttnvizError) else f"{type(err).__name__}: {err}"
+        store.write_cell(out, cell, [], time.perf_counter() - start, error=message)
+        return {"cell": cell.id, "status": "failed", "error": message, "elapsed_s": time.perf_counter() - start}
+
+
+def _ray_cell(out: str, cell: Cell) -> dict:
+    """A Ray task: torch gets the CPUs Ray gave the task, not every core of the node."""
+    import ray
+    import torch
+
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+    torch.set_num_threads(max(1, int(cpus)))
+    return run_cell(out, cell)
+
+
+@dataclass
+class Summary:
+    total: int
+    skipped: int
+    ok: int = 0
+    failed: int = 0
+    errors: dict[str, str] = field(default_factory=dict)  # cell id -> message
+    elapsed_s: float = 0.0
+    startup_s: float = 0.0  # starting or joining Ray
+
+    def as_json(self, out: str) -> dict:
+        return {"out": out, "cells": self.total, "skipped": self.skipped, "ok": self.ok, "failed": self.failed,
+                "elapsed_s": round(self.elapsed_s, 2), "startup_s": round(self.startup_s, 2), "errors": self.errors}
+
+
+def sweep(spec: Spec, out: str, address: str | None = None, workers: int | None = None, local: bool = False,
+          on_cell=None) -> Summary:
+    """Run every cell of ``spec`` not yet in ``out``. ``on_cell(done, total, result)`` after each cell."""
+    out = str(out) if "://" in str(out) else str(Path(out).expanduser().resolve())
+    cells = spec.cells()
+    finished = store.done(out)
+    todo = [c for c in cells if c.id not in finished]
+    summary = Summary(total=len(cells), skipped=len(cells) - len(todo))
+    start = time.perf_counter()
+
+    def record(result: dict) -> None:
+        if result["status"] == "ok":
+            summary.ok += 1
+        else:
+            summary.failed += 1
+            summary.errors[result["cell"]] = result["error"]
+        if on_cell:
+            on_cell(summary.ok + summary.failed, len(todo), result)
+
+    if local or not todo:
+        for cell in todo:
+            record(run_cell(out, cell))
+    else:
+        import ray
+
+        address = address or os.environ.get("RAY_ADDRESS")
+        env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+        if not ray.is_initialized():
+            # "local": always a new local Ray for this sweep, never one someone else started on the machine
+            ray.init(address=address or "local", num_cpus=None if address else (workers or os.cpu_count()),
+                     include_dashboard=False, log_to_driver=False, configure_logging=False,
+                     runtime_env={"env_vars": env} if env else None)
+        summary.startup_s = time.perf_counter() - start
+        gpus = ray.cluster_resources().get("GPU", 0) > 0
+        task = ray.remote(num_cpus=1, num_gpus=1 if gpus else 0, max_retries=3)(_ray_cell)
+        pending = [task.remote(out, cell) for cell in todo]  # model by model (Spec.cells' order)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            record(ray.get(ready[0]))
+    summary.elapsed_s = time.perf_counter() - start
+    return summary

@@ -1,0 +1,213 @@
+"""A sweep's spec (TOML, read with the stdlib's ``tomllib``) and the grid of cells it names.
+
+```toml
+models = ["default"]                 # required: 'default', Hugging Face ids or local directories
+archs = ["fwd", "nosink-fwd"]        # default ["fwd"]
+interventions = ["", "sinkscale(beta=0.3)@20-29"]   # default [""]: none (sinks and eval only)
+corpora = ["stdlib"]                 # default ["stdlib"]: "stdlib", "stdlib:TOPIC" or "file:PATH"
+[measures.sinks]                     # at least one measure, each with its options (all optional)
+samples = 4
+max_len = 32
+```
+
+The grid is the product models × archs × interventions × corpora × measures; a measure that takes no
+intervention (embed, compress, heads) runs once per (model, arch, corpus). Every key is checked
+before anything runs: an unknown key, measure or option, a value of the wrong type, an architecture
+or intervention that does not parse, an unknown corpus and an empty grid are refused naming the key.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from attnviz.errors import AttnvizError, InputError
+
+#: Syntax checks before any model is loaded: a layer count no model reaches (a k past the real
+#: model's layers fails in its own cells, recorded with the reason).
+ANY_LAYERS = ANY_HEADS = 4096
+
+@functools.cache
+def measures() -> dict[str, dict[str, tuple[type | tuple[type, ...], object]]]:
+    """measure -> {option: (type, default)}: each default read from the library function the measure
+    calls (:mod:`attnviz.defaults`), the same the CLI's options and the app's widgets read."""
+    from attnviz.defaults import of
+    from attnviz.effects import dataset, embedding, evaluate, heads
+    from attnviz.kv import compress
+
+    run, report = of(dataset.sinks), of(dataset.DatasetSinks.as_json)
+    ev, probe, kv = of(evaluate.evaluate), of(embedding.probe), of(compress.compress)
+    tax, texts = of(heads.taxonomy), of(heads.dataset_texts)
+    return {
+        "sinks": {"samples": (int, run["n_samples"]), "max_len": (int, run["max_len"]), "eps": (float, report["eps"]),
+                  "unit": (str, run["unit"]), "key": ((int, str), report["key"])},
+        "eval": {"window": (int, ev["window"]), "max_tokens": (int, ev["max_tokens"])},
+        "embed": {"m": (int, probe["m"]), "max_docs": (int, probe["max_docs"])},
+        "compress": {"presses": (list, None), "ratios": (list, list(kv["ratios"])), "context": (int, kv["context"]),
+                     "max_tokens": (int, compress.MAX_TOKENS)},
+        "heads": {"samples": (int, texts["samples"]), "max_len": (int, texts["max_len"]), "eps": (float, tax["eps"]),
+                  "tau_stream": (float, tax["tau_stream"]), "tau_inactive": (float, tax["tau_inactive"]),
+                  "sink": (int, tax["s"]), "window": (int, tax["w"])},
+    }
+
+
+#: measures whose library call takes an intervention (docs/methods.md#interventions)
+INTERVENES = {"sinks", "eval"}
+TOP_KEYS = {"models", "archs", "interventions", "corpora", "measures"}
+#: The README's example: the sink-rate table of two architectures (the Sweeps page starts from it).
+EXAMPLE = """models = ["default"]
+archs = ["fwd", "nosink-fwd"]
+corpora = ["stdlib"]
+[measures.sinks]
+samples = 4
+max_len = 32
+"""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One task of the grid; ``id`` names its result file."""
+    measure: str
+    model: str
+    arch: str
+    intervention: str
+    corpus: str
+    options: dict = field(hash=False, compare=False)
+
+    @property
+    def params(self) -> dict:
+        return {"measure": self.measure, "model": self.model, "arch": self.arch, "intervention": self.intervention,
+                "corpus": self.corpus, "options": self.options}
+
+    @property
+    def id(self) -> str:
+        return hashlib.sha1(json.dumps(self.params, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Spec:
+    models: list[str]
+    archs: list[str]
+    interventions: list[str]
+    corpora: list[str]
+    measures: dict[str, dict]
+
+    def cells(self) -> list[Cell]:
+        """The grid, model by model (a worker then loads each model once for its run of cells)."""
+        out = []
+        for model in self.models:
+            for measure, options in self.measures.items():
+                acts = self.interventions if measure in INTERVENES else [""]
+                for arch in self.archs:
+                    for act in dict.fromkeys(acts):
+                        for corpus in self.corpora:
+                            out.append(Cell(measure, model, arch, act, corpus, options))
+        return out
+
+
+def _strings(raw: dict, key: str, default: list[str] | None) -> list[str]:
+    value = raw.get(key, default)
+    if value is None:
+        raise InputError(f"spec: '{key}' is required (a list of strings)")
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InputError(f"spec: '{key}' must be a list of strings, got {value!r}")
+    return list(dict.fromkeys(v.strip() for v in value))
+
+
+def _option(measure: str, name: str, value, kind: type):
+    where = f"measures.{measure}.{name}"
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind is list:
+        if not isinstance(value, list):
+            raise InputError(f"spec: '{where}' must be a list, got {value!r}")
+        return value
+    if not isinstance(value, kind) or isinstance(value, bool):
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise InputError(f"spec: '{where}' must be {names}, got {value!r}")
+    if isinstance(value, (int, float)) and value < 0:
+        raise InputError(f"spec: '{where}' must be >= 0, got {value}")
+    return value
+
+
+def _check_corpus(name: str) -> None:
+    from attnviz import corpus
+
+    if name.startswith("file:"):
+        path = Path(name[5:]).expanduser()
+        if not path.is_file():
+            raise InputError(f"spec: corpora: the file '{path}' does not exist")
+        return
+    if name == "stdlib":
+        return
+    if name.startswith("stdlib:"):
+        if name[7:] not in corpus.stdlib_topics():
+            raise InputError(f"spec: corpora: no stdlib topic '{name[7:]}'")
+        return
+    raise InputError(f"spec: corpora: unknown corpus '{name}' (stdlib, stdlib:TOPIC or file:PATH)")
+
+
+def parse(text: str) -> Spec:
+    """A spec from TOML text, every key checked (see the module docstring)."""
+    from attnviz.core import arch as arch_mod
+    from attnviz.core import interventions as interventions_mod
+
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise InputError(f"spec: not valid TOML: {err}") from None
+    unknown = sorted(set(raw) - TOP_KEYS)
+    if unknown:
+        raise InputError(f"spec: unknown key '{unknown[0]}' (expected {', '.join(sorted(TOP_KEYS))})")
+    models = _strings(raw, "models", None)
+    archs = _strings(raw, "archs", ["fwd"])
+    acts = _strings(raw, "interventions", [""])
+    corpora = _strings(raw, "corpora", ["stdlib"])
+    for key, values in (("models", models), ("archs", archs), ("corpora", corpora)):
+        if not values or any(not v for v in values):
+            raise InputError(f"spec: '{key}' is empty: the grid has no cell")
+    for a in archs:
+        try:
+            arch_mod.parse(a, ANY_LAYERS)
+        except AttnvizError as err:
+            raise InputError(f"spec: archs: '{a}': {err}") from None
+    for act in acts:
+        if act:
+            try:
+                interventions_mod.parse(act, ANY_LAYERS, ANY_HEADS)
+            except AttnvizError as err:
+                raise InputError(f"spec: interventions: '{act}': {err}") from None
+    for c in corpora:
+        _check_corpus(c)
+    measures_raw = raw.get("measures")
+    if not isinstance(measures_raw, dict) or not measures_raw:
+        raise InputError("spec: 'measures' is empty: name at least one, e.g. [measures.sinks]")
+    measures = {}
+    for name, options in measures_raw.items():
+        if name not in measures():
+            raise InputError(f"spec: unknown measure 'measures.{name}' (expected {', '.join(measures())})")
+        if not isinstance(options, dict):
+            raise InputError(f"spec: 'measures.{name}' must be a table of options")
+        known = measures()[name]
+        for option in options:
+            if option not in known:
+                raise InputError(f"spec: unknown option 'measures.{name}.{option}' (expected {', '.join(known)})")
+        measures[name] = {option: (_option(name, option, options[option], kind) if option in options else default)
+                          for option, (kind, default) in known.items()}
+    if "sinks" in measures and measures["sinks"]["unit"] not in ("doc", "line"):
+        raise InputError("spec: 'measures.sinks.unit' must be 'doc' or 'line'")
+    if "sinks" in measures and isinstance(measures["sinks"]["key"], str) and measures["sinks"]["key"] != "auto":
+        raise InputError("spec: 'measures.sinks.key' must be a token position or 'auto'")
+    return Spec(models, archs, acts, corpora, measures)
+
+
+def load(path: str | Path) -> Spec:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise InputError(f"cannot read the spec '{path}': {err.strerror}") from None
+    return parse(text)
