@@ -42,16 +42,16 @@ def main() -> None:
     n, side = cap.n_tokens, 96
     where = (args.layer, (n - side, n), (0, side))
     times = {"from_start": [], "resumed": []}
-    regions = {}
+    made = {}
     for _ in range(args.repeat):
         for name, make in (("from_start", lambda: regions.region(lm, text, "fwd", *where)),
                            ("resumed", lambda: regions.of_capture(lm, cap, *where))):
             t0 = time.perf_counter()
-            regions[name] = make()
+            made[name] = make()
             times[name].append(time.perf_counter() - t0)
     # equal to float noise: the capture's recorded layers computed P·V block by block, the plain
     # forward's unrecorded layers by SDPA, so the kept inputs differ from SDPA's by ~1e-6
-    np.testing.assert_allclose(regions["resumed"].values, regions["from_start"].values, atol=1e-5)
+    np.testing.assert_allclose(made["resumed"].values, made["from_start"].values, atol=1e-5)
     a, b = statistics.median(times["from_start"]), statistics.median(times["resumed"])
     kept = len(cap.checkpoints) * checkpoint_bytes(lm, n) / 2**20
     print(f"# kept layer inputs: {sorted(cap.checkpoints)}")

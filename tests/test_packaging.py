@@ -3,6 +3,7 @@
 ``attnviz.show`` on the default model; the app, sweep and test extras are not needed for that."""
 
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -36,9 +37,15 @@ def test_declared_dependencies_cover_the_pins():
 
 
 def test_the_wheel_runs_capture_and_show_with_core_dependencies_only(default_model, model_cache, tmp_path):
-    dist, env = tmp_path / "dist", tmp_path / "fresh"
+    dist, env, source = tmp_path / "dist", tmp_path / "fresh", tmp_path / "source"
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    for name in files:  # the checkout as git sees it, built away from it (setuptools writes build/ beside the source)
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
-                    str(ROOT)], check=True, capture_output=True, text=True)
+                    str(source)], check=True, capture_output=True, text=True)
     (wheel,) = dist.glob("attnviz-*.whl")
     subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
     python = env / "bin" / "python"

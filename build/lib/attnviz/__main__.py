@@ -1,5 +1,0 @@
-import sys
-
-from attnviz.cli import main
-
-sys.exit(main())
