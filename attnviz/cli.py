@@ -371,6 +371,18 @@ def _finetune(args) -> dict:
             "train_loss_last": result.losses[-1]}
 
 
+def _explain(args) -> dict:
+    """Score attribution of one cell, or of one key over every query that sees it (docs/methods.md#score-attribution)."""
+    from attnviz.effects.explain import explain
+
+    text = _text(args)
+    _check_intervene(args)
+    loaded = _load(args)
+    result = explain(loaded, text, args.arch, layer=args.layer, head=args.head, query=args.query, key=args.key,
+                     intervene=args.intervene, prepend=_prepend(args))
+    return result.as_json()
+
+
 def _out_file(arg: str, suffixes: tuple[str, ...], kind: str) -> Path:
     """``--out`` as a file of one of ``suffixes`` (``kind``: "an .html file") in a folder that exists,
     checked before anything runs."""
@@ -648,6 +660,25 @@ def _heads_options(p):
     p.add_argument("--window", type=int, default=run["w"], help="w: recent keys of the streaming pattern (%(default)s)")
 
 
+def _query(text: str):
+    """``--query``: a token position, or 'all'."""
+    if text.strip().lower() == "all":
+        return "all"
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"'{text}' is neither a token position nor 'all'")
+    return int(text)
+
+
+def _explain_options(p):
+    _model_args(p)
+    _intervene_args(p, bos=True)
+    p.add_argument("--layer", type=int, required=True, help="the layer (negative counts from the top)")
+    p.add_argument("--head", type=int, required=True, help="the query head")
+    p.add_argument("--query", type=_query, default="all",
+                   help="the query position, or 'all': the mean over every query the mask lets see the key (%(default)s)")
+    p.add_argument("--key", type=int, required=True, help="the key position")
+
+
 def _linformer_options(p):
     from attnviz import defaults
     from attnviz.effects import linformer
@@ -717,6 +748,8 @@ COMMANDS = {
                  "and ratio", _compress_options, _compress),
     "heads": ("head classes: sink, streaming (DuoAttention) and inactive (AHON) heads, of one text or averaged "
               "over a dataset", _heads_options, _heads),
+    "explain": ("why a head attends there: one score by rotary pair, by dimension and by source (embedding, each "
+                "earlier attention and MLP block), and without rotation", _explain_options, _explain),
     "linformer": ("Linformer what-if on one layer: relative error of the output against k", _linformer_options,
                   _linformer),
     "generate": ("greedy generation with the KV cache under an architecture and a policy", _generate_options,

@@ -63,3 +63,27 @@ def top_activation_rows(cap: Capture, per_layer: int = 2) -> list[dict]:
     return [{"layer boundary": l, "|h|": round(float(acts.top_values[l, r]), 1), "token": int(acts.top_tokens[l, r]),
              "text": cap.tokens[int(acts.top_tokens[l, r])], "dim": int(acts.top_dims[l, r])}
             for l in range(acts.top_values.shape[0]) for r in range(min(per_layer, acts.top_values.shape[1]))]
+
+
+def attribution_figure(explanation) -> go.Figure:
+    """A score's attribution (docs/methods.md#score-attribution): by rotary pair, low frequencies to the
+    right (pair p turns by θ_p radians per token), and by source on the key and the query side."""
+    e = explanation
+    pairs = list(range(len(e.by_pair)))
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.6, 0.4], horizontal_spacing=0.1,
+                        subplot_titles=("by rotary pair", "by source"))
+    fig.add_trace(go.Bar(x=pairs, y=e.by_pair, marker_color="#1f4e9c", name="pair",
+                         customdata=np.array(e.frequencies[:len(pairs)]),
+                         hovertemplate="pair %{x} (θ = %{customdata:.3g} rad/token)<br>%{y:.4g}<extra></extra>"),
+                  row=1, col=1)
+    names = list(dict.fromkeys(list(e.key_sources) + list(e.query_sources)))
+    for side, values, colour in (("key side", e.key_sources, "#c0392b"), ("query side", e.query_sources, "#7f8c8d")):
+        fig.add_trace(go.Bar(x=names, y=[values.get(n, 0.0) for n in names], name=side, marker_color=colour,
+                             hovertemplate=f"{side}: %{{x}}<br>%{{y:.4g}}<extra></extra>"), row=1, col=2)
+    where = f"query {e.query}" if e.query != "all" else f"all {e.queries} queries"
+    layout(fig, f"layer {e.layer} head {e.head}, {where} → key {e.key} ({e.tokens[1]!r}): score {e.score:.3g}, "
+                f"without rotation {e.nope_score:.3g}", height=380)
+    fig.update_xaxes(title="pair p (dimensions p, p + D/2)", row=1, col=1)
+    fig.update_yaxes(title="contribution to the score", row=1, col=1)
+    fig.update_layout(barmode="group")
+    return fig

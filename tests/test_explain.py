@@ -1,0 +1,159 @@
+"""Score attribution (docs/methods.md#score-attribution) against direct computations that do not use the
+attnviz engine: stock transformers with hooks on q_proj / k_proj and on each block's output, the rotary
+rotation applied with the model's own apply_rotary_pos_emb."""
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+from attnviz.effects.explain import explain
+from attnviz.errors import InputError
+
+from tiny import build, loaded
+
+TEXT = "The keeper lit the lamp, and ships passed the rocks."
+
+
+def stock_scores(kind, layer, ids):
+    """(H, n, n) scaled pre-softmax scores of ``layer`` from stock eager hooks, and the stock residual
+    stream's parts: embeddings, each earlier block's attention and MLP outputs."""
+    model = build(kind)
+    module = importlib.import_module(type(model).__module__)
+    attn = model.model.layers[layer].self_attn
+    got, parts = {}, {}
+    hooks = [attn.q_proj.register_forward_hook(lambda m, a, o: got.__setitem__("q", o)),
+             attn.k_proj.register_forward_hook(lambda m, a, o: got.__setitem__("k", o))]
+    for l in range(layer):
+        block = model.model.layers[l]
+        hooks.append(block.self_attn.register_forward_hook(lambda m, a, o, l=l: parts.__setitem__(f"attn.{l}", o[0][0])))
+        hooks.append(block.mlp.register_forward_hook(lambda m, a, o, l=l: parts.__setitem__(f"mlp.{l}", o[0])))
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        n, d = len(ids), attn.head_dim
+        q = got["q"].view(1, n, -1, d).transpose(1, 2)
+        k = got["k"].view(1, n, -1, d).transpose(1, 2)
+        cos, sin = model.model.rotary_emb(out.hidden_states[layer], torch.arange(n)[None])
+        q, k = module.apply_rotary_pos_emb(q, k, cos, sin)
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        scores = (q @ k.transpose(-1, -2))[0] * attn.scaling
+    for hook in hooks:
+        hook.remove()
+    return scores, out.hidden_states, parts
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_the_score_and_its_parts_match_stock_transformers(kind):
+    lm = loaded(kind)
+    ids = lm.tokenizer(TEXT)["input_ids"]
+    layer, head, i, j = 2, 3, 17, 4
+    scores, _, _ = stock_scores(kind, layer, ids)
+    e = explain(lm, TEXT, "fwd", layer=layer, head=head, query=i, key=j)
+    assert e.score == pytest.approx(float(scores[head, i, j]), abs=1e-4)
+    assert sum(e.by_pair) == pytest.approx(e.score, abs=1e-4) and sum(e.by_dim) == pytest.approx(e.score, abs=1e-4)
+    assert len(e.by_pair) * 2 == len(e.by_dim) == lm.model.model.layers[0].self_attn.head_dim
+    assert sum(e.key_sources.values()) == pytest.approx(e.score, abs=1e-4)
+    assert sum(e.query_sources.values()) == pytest.approx(e.score, abs=1e-4)
+    assert set(e.key_sources) >= {"embed", "attn.0", "mlp.0", "attn.1", "mlp.1"}
+    assert ("bias" in e.key_sources) == (kind == "qwen2")  # Qwen2's q/k projections carry a bias
+
+
+def test_a_source_s_contribution_is_its_hand_computation():
+    lm = loaded("llama")
+    ids = lm.tokenizer(TEXT)["input_ids"]
+    layer, head, i, j = 2, 1, 12, 0
+    _, hidden, parts = stock_scores("llama", layer, ids)
+    model = lm.model
+    attn, norm = model.model.layers[layer].self_attn, model.model.layers[layer].input_layernorm
+    d, kv = attn.head_dim, head // (lm.n_heads // lm.n_kv_heads)
+    x = hidden[layer][0]
+    inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    cos, sin = model.model.rotary_emb(x[None], torch.arange(len(ids))[None])
+    module = importlib.import_module(type(model).__module__)
+
+    def rotated(vec, pos):  # R_pos vec with the model's own rotation
+        v = vec.view(1, 1, 1, d)
+        out, _ = module.apply_rotary_pos_emb(v, v, cos[:, pos:pos + 1], sin[:, pos:pos + 1])
+        return out.flatten()
+
+    with torch.no_grad():
+        q = rotated(attn.q_proj(norm(x))[i, head * d:(head + 1) * d], i)
+        for name, source in [("embed", hidden[0][0]), ("attn.0", parts["attn.0"]), ("mlp.1", parts["mlp.1"])]:
+            k_s = rotated((norm.weight * source[j] * inv_rms[j]) @ attn.k_proj.weight[kv * d:(kv + 1) * d].T, j)
+            expected = float(q @ k_s * attn.scaling)
+            e = explain(lm, TEXT, "fwd", layer=layer, head=head, query=i, key=j)
+            assert e.key_sources[name] == pytest.approx(expected, abs=1e-5), name
+
+
+def test_the_counterfactual_is_the_unrotated_product_and_all_averages_the_queries():
+    lm = loaded("llama")
+    ids = lm.tokenizer(TEXT)["input_ids"]
+    layer, head, j = 1, 0, 3
+    model = lm.model
+    attn, norm = model.model.layers[layer].self_attn, model.model.layers[layer].input_layernorm
+    _, hidden, _ = stock_scores("llama", layer, ids)
+    d, kv = attn.head_dim, head // (lm.n_heads // lm.n_kv_heads)
+    with torch.no_grad():
+        normed = norm(hidden[layer][0])
+        q = attn.q_proj(normed)[:, head * d:(head + 1) * d]
+        k = attn.k_proj(normed)[:, kv * d:(kv + 1) * d]
+    e = explain(lm, TEXT, "fwd", layer=layer, head=head, query=9, key=j)
+    assert e.nope_score == pytest.approx(float(q[9] @ k[j] * attn.scaling), abs=1e-5)
+    scores, _, _ = stock_scores("llama", layer, ids)
+    every = explain(lm, TEXT, "fwd", layer=layer, head=head, query="all", key=j)
+    assert every.queries == len(ids) - j  # FWD: queries j .. n-1 see key j
+    assert every.score == pytest.approx(float(scores[head, j:, j].mean()), abs=1e-4)
+    assert sum(every.key_sources.values()) == pytest.approx(every.score, abs=1e-4)
+
+
+def test_the_run_s_own_architecture_and_intervention():
+    lm = loaded("llama")
+    plain = explain(lm, TEXT, "fwd", layer=2, head=0, query=10, key=1)
+    nosink = explain(lm, TEXT, "nosink-fwd", layer=2, head=0, query=10, key=1)
+    acted = explain(lm, TEXT, "fwd", intervene="temperature(t=3)@0-1", layer=2, head=0, query=10, key=1)
+    assert abs(plain.score - nosink.score) > 1e-6 and abs(plain.score - acted.score) > 1e-6
+    # layer 0's residual stream is the embeddings under every architecture: the same score
+    assert explain(lm, TEXT, "nosink-fwd", layer=0, head=0, query=10, key=1).score == pytest.approx(
+        explain(lm, TEXT, "fwd", layer=0, head=0, query=10, key=1).score, abs=1e-6)
+    assert nosink.recipe["arch"] == "nosink-fwd" and acted.recipe["intervene"] == "temperature(t=3)@0-1"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(layer=3, head=0, query=5, key=1), "layer 3 does not exist"),
+    (dict(layer=0, head=4, query=5, key=1), "head 4 does not exist"),
+    (dict(layer=0, head=0, query=99, key=1), "query 99 is outside"),
+    (dict(layer=0, head=0, query=1, key=5), "is masked"),
+])
+def test_bad_cells_are_refused(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        explain(loaded("llama"), TEXT, "fwd", **kwargs)
+    with pytest.raises(InputError, match="gpt2, whose norm"):
+        explain(loaded("gpt2"), TEXT, "fwd", layer=0, head=0, query=5, key=1)
+
+
+def test_the_figure_draws_pairs_and_sources():
+    e = explain(loaded("llama"), TEXT, "fwd", layer=2, head=0, query=10, key=0)
+    fig = e.figure()
+    assert len(fig.data) == 3 and list(fig.data[0].y) == pytest.approx(e.by_pair)
+    assert 0 < e.top_pairs_share(1) <= e.top_pairs_share(4) <= 1
+    assert np.isfinite(e.frequencies).all() and e.frequencies[0] > e.frequencies[-1]  # pair 0 turns fastest
+
+
+def test_cli_explain_contract_and_bad_input(default_model, capsys):
+    import json
+
+    from attnviz.cli import main
+
+    args = ["explain", "--text", "The cat sat on the mat.", "--layer", "29", "--head", "3", "--key", "0", "--json"]
+    assert main(args + ["--query", "all"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {"score", "nope_score", "by_pair", "by_dim", "key_sources", "query_sources", "layer", "head", "query", "key",
+            "recipe"} <= set(doc)
+    assert doc["query"] == "all" and doc["queries_averaged"] > 1 and len(doc["by_pair"]) * 2 == len(doc["by_dim"]) == 64
+    assert sum(doc["by_pair"]) == pytest.approx(doc["score"], abs=1e-3)
+    assert sum(doc["key_sources"].values()) == pytest.approx(doc["score"], abs=1e-3)
+    assert set(doc["key_sources"]) == {"embed", *(f"{b}.{l}" for l in range(29) for b in ("attn", "mlp"))}
+    for bad, message in [(["--layer", "40"], "layer 40 does not exist"), (["--query", "1", "--key", "3"], "masked")]:
+        assert main(args[:2] + args[2:] + bad) == 2
+        assert message in capsys.readouterr().err
