@@ -157,3 +157,38 @@ def test_cli_explain_contract_and_bad_input(default_model, capsys):
     for bad, message in [(["--layer", "40"], "layer 40 does not exist"), (["--query", "1", "--key", "3"], "masked")]:
         assert main(args[:2] + args[2:] + bad) == 2
         assert message in capsys.readouterr().err
+
+
+def test_attentionviz_leaves_every_softmax_unchanged_and_equalises_the_norms():
+    from attnviz.effects.explain import attentionviz
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(20, 16, generator=gen) * 3 + 1, torch.randn(20, 16, generator=gen) * 0.5 - 2
+    q2, k2, c = attentionviz(q, k)
+    before, after = torch.softmax(q @ k.T, -1), torch.softmax(q2 @ k2.T, -1)
+    assert (before - after).abs().max() < 1e-5 and c > 0
+    assert float(q2.norm(dim=-1).mean()) == pytest.approx(float(k2.norm(dim=-1).mean()), rel=1e-5)
+
+
+def test_the_diagnosis_and_the_query_key_view_of_a_layer():
+    from attnviz.effects.explain import Residual, diagnose, query_key_view
+    from attnviz.figures.why import diagnosis_figure, query_key_figure
+
+    lm = loaded("llama")
+    run = Residual(lm, TEXT, "fwd")
+    d = diagnose(run, 2)
+    assert len(d.heads) == lm.n_heads and len(d.key_side) == lm.n_heads and len(d.sources) == 5  # embed + 2 × 2
+    for h in d.heads:
+        probs = run.probabilities(2, h["head"]).numpy()
+        assert h["key"] == int(probs.mean(0).argmax())
+        e = run.explain(2, h["head"], "all", h["key"])
+        assert h["score"] == pytest.approx(e.score, abs=1e-5)
+        assert sum(h["key_split"].values()) == pytest.approx(e.score, abs=1e-4)
+        assert h["pair_share"]["1"] <= h["pair_share"]["4"] <= h["pair_share"]["8"] <= 1
+    name, count = d.leading()
+    assert name in d.sources and 1 <= count <= lm.n_heads
+    assert diagnosis_figure(d).data[0].z.shape == (lm.n_heads, 5)
+    view = query_key_view(run, 2, 1)
+    assert len(view.points) == 2 * run.n_tokens and 0 <= view.sink_key < run.n_tokens
+    fig = query_key_figure(view)
+    assert [t.type for t in fig.data] == ["scatter", "scatter", "scatter"]  # SVG below 2,000 points

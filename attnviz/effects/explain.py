@@ -85,102 +85,244 @@ def _rotate(v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return v * cos + _rotate_half(v) * sin
 
 
+class Residual:
+    """One forward under a recipe, kept for attribution: the residual stream entering each layer and its
+    sources (the embeddings, every attention block's and MLP block's output), float32 on the host."""
+
+    @torch.no_grad()
+    def __init__(self, loaded: LoadedModel, text: str, arch="fwd", intervene=None, prepend: str | None = None,
+                 upto: int | None = None):
+        """``upto``: the highest layer asked about (sources are kept below it; default every layer)."""
+        built = build(loaded, arch, intervene, prepend).only("score attribution", "intervene", "prepend")
+        family = getattr(loaded.config, "model_type", "?")
+        if family not in SUPPORTED:
+            raise InputError(f"score attribution supports {', '.join(SUPPORTED)} models (pre-norm, rotary); "
+                             f"{loaded.model_id} is {family}, whose norm and position scheme is not worked out here")
+        self.loaded, self.built = loaded, built
+        self.ids, self.tokens = tokenize(loaded, text, prepend=built.recipe.prepend)
+        self.upto = loaded.n_layers - 1 if upto is None else upto
+        blocks = loaded.model.model.layers
+        sources: dict[str, torch.Tensor] = {}
+        hooks = []
+        for l in range(self.upto):
+            hooks.append(blocks[l].self_attn.register_forward_hook(
+                lambda m, args, out, l=l: sources.__setitem__(f"attn.{l}", out[0][0].detach().float())))
+            hooks.append(blocks[l].mlp.register_forward_hook(
+                lambda m, args, out, l=l: sources.__setitem__(f"mlp.{l}", out[0].detach().float())))
+        try:
+            _, hidden, _ = built.forward(loaded, torch.tensor([self.ids]), output_hidden_states=True,
+                                         last_logits_only=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        self.hidden = [h[0].float() for h in hidden[:self.upto + 1]]  # the input of layers 0 .. upto
+        self.sources = {"embed": self.hidden[0], **sources}
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.ids)
+
+    def check(self, layer: int, head: int) -> int:
+        loaded = self.loaded
+        if not -loaded.n_layers <= layer < loaded.n_layers:
+            raise InputError(f"layer {layer} does not exist: the model has layers 0..{loaded.n_layers - 1}")
+        layer %= loaded.n_layers
+        if layer > self.upto:
+            raise InputError(f"layer {layer} is above the layers this run kept (0..{self.upto})")
+        if not 0 <= head < loaded.n_heads:
+            raise InputError(f"head {head} does not exist: the model has heads 0..{loaded.n_heads - 1}")
+        return layer
+
+    def allowed(self, layer: int) -> torch.Tensor:
+        """(n, n) the layer's allow-set (its mask; the model's own sliding window is not applied here)."""
+        return torch.from_numpy(self.built.architecture.layers[layer].matrix(self.n_tokens))
+
+    @torch.no_grad()
+    def head(self, layer: int, head: int) -> dict:
+        """Everything one head's scores are made of: weights, norm, rotation, and the plain and rotated q, k."""
+        attn, norm = self.loaded.model.model.layers[layer].self_attn, self.loaded.model.model.layers[layer].input_layernorm
+        d = attn.head_dim
+        kv = head // (self.loaded.n_heads // self.loaded.n_kv_heads)
+        x = self.hidden[layer]
+        part = {"d": d, "scale": float(getattr(attn, "scaling", d ** -0.5)), "gamma": norm.weight.float(),
+                "w_q": attn.q_proj.weight[head * d:(head + 1) * d].float(),
+                "w_k": attn.k_proj.weight[kv * d:(kv + 1) * d].float(),
+                "b_q": attn.q_proj.bias[head * d:(head + 1) * d].float() if attn.q_proj.bias is not None else None,
+                "b_k": attn.k_proj.bias[kv * d:(kv + 1) * d].float() if attn.k_proj.bias is not None else None}
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+        part["inv_rms"] = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # (n, 1): frozen at the run's value
+        cos, sin = self.loaded.model.model.rotary_emb(x[None], torch.arange(self.n_tokens, device=x.device)[None])
+        part["cos"], part["sin"] = cos[0].float(), sin[0].float()
+        normed = part["gamma"] * x * part["inv_rms"]
+        part["q_plain"] = normed @ part["w_q"].T + (part["b_q"] if part["b_q"] is not None else 0)
+        part["k_plain"] = normed @ part["w_k"].T + (part["b_k"] if part["b_k"] is not None else 0)
+        part["q"] = _rotate(part["q_plain"], part["cos"], part["sin"])
+        part["k"] = _rotate(part["k_plain"], part["cos"], part["sin"])
+        return part
+
+    @torch.no_grad()
+    def probabilities(self, layer: int, head: int, part: dict | None = None) -> torch.Tensor:
+        """(n, n) the head's softmax of its scores under the layer's mask (no intervention): what its sink key
+        (docs/methods.md#sink-key-and-shift-rate) is read from."""
+        part = part or self.head(layer, head)
+        scores = (part["q"] @ part["k"].T) * part["scale"]
+        return torch.softmax(scores.masked_fill(~self.allowed(layer), float("-inf")), -1)
+
+    @torch.no_grad()
+    def explain(self, layer: int, head: int, query: int | str, key: int, part: dict | None = None) -> Explanation:
+        layer = self.check(layer, head)
+        n, arch = self.n_tokens, self.built.recipe.arch
+        if not 0 <= key < n:
+            raise InputError(f"key {key} is outside the text's {n} tokens (0..{n - 1})")
+        allowed = self.allowed(layer)
+        if query == "all":
+            rows = torch.nonzero(allowed[:, key]).flatten()
+            if not len(rows):
+                raise InputError(f"no query may see key {key} in layer {layer} under {arch}")
+        else:
+            if not isinstance(query, int) or not 0 <= query < n:
+                raise InputError(f"query {query} is outside the text's {n} tokens (0..{n - 1})")
+            if not allowed[query, key]:
+                raise InputError(f"query {query} may not see key {key} in layer {layer} under {arch}: "
+                                 "that cell is masked, it has no score to explain")
+            rows = torch.tensor([query])
+        p = part or self.head(layer, head)
+        cos, sin, scale, half = p["cos"], p["sin"], p["scale"], p["d"] // 2
+        q, k = p["q"][rows], p["k"][key]
+        by_dim = (q * k[None] * scale).mean(0)
+        nope = float((p["q_plain"][rows] * p["k_plain"][key][None]).sum(-1).mean() * scale)
+        named = {name: s for name, s in self.sources.items() if name == "embed" or int(name.split(".")[1]) < layer}
+        stacked = torch.stack(list(named.values()))  # (S, n, hidden)
+        gamma, inv_rms = p["gamma"], p["inv_rms"]
+        k_src = _rotate((gamma * stacked[:, key] * inv_rms[key]) @ p["w_k"].T, cos[key], sin[key])  # (S, D)
+        key_parts = (q.mean(0)[None] * k_src).sum(-1) * scale
+        q_src = _rotate((gamma * stacked[:, rows] * inv_rms[rows][None]) @ p["w_q"].T, cos[rows], sin[rows])
+        query_parts = (q_src * k[None, None]).sum(-1).mean(-1) * scale
+        key_sources = {name: float(v) for name, v in zip(named, key_parts)}
+        query_sources = {name: float(v) for name, v in zip(named, query_parts)}
+        if p["b_k"] is not None:
+            key_sources["bias"] = float((q.mean(0) * _rotate(p["b_k"], cos[key], sin[key])).sum() * scale)
+        if p["b_q"] is not None:
+            query_sources["bias"] = float((_rotate(p["b_q"][None].expand(len(rows), -1), cos[rows], sin[rows])
+                                           * k[None]).sum(-1).mean() * scale)
+        inv_freq = getattr(self.loaded.model.model.rotary_emb, "inv_freq", torch.full((half,), math.nan))
+        return Explanation(layer, head, "all" if query == "all" else int(query), key, float(by_dim.sum()), nope,
+                           (by_dim[:half] + by_dim[half:]).tolist(), by_dim.tolist(), key_sources, query_sources,
+                           inv_freq.float().tolist()[:half],
+                           ("all" if query == "all" else self.tokens[int(query)], self.tokens[key]), len(rows),
+                           self.built.recipe.to_dict())
+
+
 @torch.no_grad()
 def explain(loaded: LoadedModel, text: str, arch="fwd", *, layer: int, head: int, query: int | str, key: int,
             intervene=None, prepend: str | None = None) -> Explanation:
     """The attribution of s[query, key] of ``head`` in ``layer`` (see the module docstring); ``arch`` is an
     architecture string or a :class:`~attnviz.recipe.Recipe`. ``query="all"`` averages over every query
-    the layer's mask lets see ``key``."""
-    built = build(loaded, arch, intervene, prepend).only("score attribution", "intervene", "prepend")
-    family = getattr(loaded.config, "model_type", "?")
-    if family not in SUPPORTED:
-        raise InputError(f"score attribution supports {', '.join(SUPPORTED)} models (pre-norm, rotary); "
-                         f"{loaded.model_id} is {family}, whose norm and position scheme is not worked out here")
+    the layer's mask lets see ``key``. One forward, up to the layer."""
     if not -loaded.n_layers <= layer < loaded.n_layers:
         raise InputError(f"layer {layer} does not exist: the model has layers 0..{loaded.n_layers - 1}")
-    layer %= loaded.n_layers
-    if not 0 <= head < loaded.n_heads:
-        raise InputError(f"head {head} does not exist: the model has heads 0..{loaded.n_heads - 1}")
-    ids, tokens = tokenize(loaded, text, prepend=built.recipe.prepend)
-    n = len(ids)
-    if not 0 <= key < n:
-        raise InputError(f"key {key} is outside the text's {n} tokens (0..{n - 1})")
-    allowed = torch.from_numpy(built.architecture.layers[layer].matrix(n))
-    if query == "all":
-        rows = torch.nonzero(allowed[:, key]).flatten()
-        if not len(rows):
-            raise InputError(f"no query may see key {key} in layer {layer} under {built.recipe.arch}")
-    else:
-        if not isinstance(query, int) or not 0 <= query < n:
-            raise InputError(f"query {query} is outside the text's {n} tokens (0..{n - 1})")
-        if not allowed[query, key]:
-            raise InputError(f"query {query} may not see key {key} in layer {layer} under {built.recipe.arch}: "
-                             "that cell is masked, it has no score to explain")
-        rows = torch.tensor([query])
+    run = Residual(loaded, text, arch, intervene, prepend, upto=layer % loaded.n_layers)
+    return run.explain(layer, head, query, key)
 
-    base = loaded.model.model
-    blocks = base.layers
-    sources: dict[str, torch.Tensor] = {}
-    hooks = []
-    for l in range(layer):
-        hooks.append(blocks[l].self_attn.register_forward_hook(
-            lambda m, args, out, l=l: sources.__setitem__(f"attn.{l}", out[0][0].detach().float())))
-        hooks.append(blocks[l].mlp.register_forward_hook(
-            lambda m, args, out, l=l: sources.__setitem__(f"mlp.{l}", out[0].detach().float())))
-    try:
-        _, hidden, _ = built.forward(loaded, torch.tensor([ids]), output_hidden_states=True, last_logits_only=True)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    x = hidden[layer][0].float()  # (n, hidden): the residual stream entering the layer
-    named = {"embed": hidden[0][0].float(), **{k: sources[k] for l in range(layer)
-                                                for k in (f"attn.{l}", f"mlp.{l}")}}
 
-    block = blocks[layer]
-    attn = block.self_attn
-    norm = block.input_layernorm
-    d = attn.head_dim
-    group = loaded.n_heads // loaded.n_kv_heads
-    kv = head // group
-    w_q = attn.q_proj.weight[head * d:(head + 1) * d].float()
-    w_k = attn.k_proj.weight[kv * d:(kv + 1) * d].float()
-    b_q = attn.q_proj.bias[head * d:(head + 1) * d].float() if attn.q_proj.bias is not None else None
-    b_k = attn.k_proj.bias[kv * d:(kv + 1) * d].float() if attn.k_proj.bias is not None else None
-    gamma = norm.weight.float()
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-    scale = float(getattr(attn, "scaling", d ** -0.5))
-    positions = torch.arange(n, device=x.device)[None]
-    cos, sin = base.rotary_emb(x[None], positions)
-    cos, sin = cos[0].float(), sin[0].float()  # (n, D)
+@dataclass
+class Diagnosis:
+    """Where every head of one layer gets its sink key's score from (docs/methods.md#the-sinks-diagnosis)."""
 
-    inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # (n, 1): frozen at the run's value
+    layer: int
+    heads: list[dict]  # per head: its sink key, score, top pairs and their share, top sources, the split
+    sources: list[str]
+    key_side: list[list[float]]  # (heads, sources): each source's key-side share of the head's score
+    recipe: dict = field(default_factory=dict)
 
-    normed = gamma * x * inv_rms
-    q_plain = normed[rows] @ w_q.T + (b_q if b_q is not None else 0)  # (I, D), unrotated
-    k_plain = normed[key] @ w_k.T + (b_k if b_k is not None else 0)  # (D,)
-    q = _rotate(q_plain, cos[rows], sin[rows])
-    k = _rotate(k_plain, cos[key], sin[key])
-    products = q * k[None] * scale  # (I, D)
-    by_dim = products.mean(0)
-    half = d // 2
-    by_pair = by_dim[:half] + by_dim[half:]
-    score = float(by_dim.sum())
-    nope = float((q_plain * k_plain[None]).sum(-1).mean() * scale)
+    def leading(self) -> tuple[str, int]:
+        """The source that contributes most to the sink key's score in the most heads, and in how many."""
+        tops = [h["key_sources"][0][0] for h in self.heads]
+        best = max(set(tops), key=tops.count)
+        return best, tops.count(best)
 
-    stacked = torch.stack(list(named.values()))  # (S, n, hidden)
-    k_src = _rotate((gamma * stacked[:, key] * inv_rms[key]) @ w_k.T, cos[key], sin[key])  # (S, D)
-    key_parts = (q.mean(0)[None] * k_src).sum(-1) * scale  # (S,)
-    q_src = _rotate((gamma * stacked[:, rows] * inv_rms[rows][None]) @ w_q.T, cos[rows], sin[rows])  # (S, I, D)
-    query_parts = (q_src * k[None, None]).sum(-1).mean(-1) * scale  # (S,)
-    key_sources = {name: float(v) for name, v in zip(named, key_parts)}
-    query_sources = {name: float(v) for name, v in zip(named, query_parts)}
-    if b_k is not None:
-        key_sources["bias"] = float((q.mean(0) * _rotate(b_k, cos[key], sin[key])).sum() * scale)
-    if b_q is not None:
-        query_sources["bias"] = float((_rotate(b_q[None].expand(len(rows), -1), cos[rows], sin[rows])
-                                       * k[None]).sum(-1).mean() * scale)
-    frequencies = getattr(base.rotary_emb, "inv_freq", torch.full((half,), math.nan)).float().tolist()
-    return Explanation(layer, head, "all" if query == "all" else int(query), key, score, nope, by_pair.tolist(),
-                       by_dim.tolist(), key_sources, query_sources, frequencies[:half],
-                       ("all" if query == "all" else tokens[int(query)], tokens[key]), len(rows),
-                       built.recipe.to_dict())
+    def as_json(self) -> dict:
+        name, count = self.leading()
+        return {"layer": self.layer, "heads": self.heads, "leading_source": name, "leading_heads": count,
+                "recipe": self.recipe}
+
+
+def _split(contributions: dict[str, float]) -> dict[str, float]:
+    out = {"embed": 0.0, "attn": 0.0, "mlp": 0.0, "bias": 0.0}
+    for name, value in contributions.items():
+        out[name.split(".")[0]] += value
+    return out
+
+
+@torch.no_grad()
+def diagnose(run: Residual, layer: int, key: int | str = "sink", top: int = 3) -> Diagnosis:
+    """For every head of ``layer``: its sink key (the argmax of the column mean of its attention under the
+    layer's mask, docs/methods.md#sink-key-and-shift-rate; or ``key`` itself), the attribution of that key
+    averaged over every query that sees it, the share of |score| held by its top 1, 4 and 8 rotary pairs,
+    its ``top`` sources on each side and the embedding / attention / MLP split of the key side."""
+    layer = run.check(layer, 0)
+    heads, matrix, names = [], [], None
+    for h in range(run.loaded.n_heads):
+        part = run.head(layer, h)
+        if key == "sink":
+            j = int(run.probabilities(layer, h, part).mean(0).argmax())
+        else:
+            j = int(key)
+        e = run.explain(layer, h, "all", j, part)
+        order = sorted(range(len(e.by_pair)), key=lambda p: -abs(e.by_pair[p]))
+        ranked = lambda d: sorted(d.items(), key=lambda kv: -abs(kv[1]))[:top]  # noqa: E731
+        heads.append({"head": h, "key": j, "token": e.tokens[1], "score": round(e.score, 6),
+                      "nope_score": round(e.nope_score, 6),
+                      "top_pairs": [{"pair": p, "frequency": round(e.frequencies[p], 6), "contribution": round(e.by_pair[p], 6)}
+                                    for p in order[:8]],
+                      "pair_share": {str(k): round(e.top_pairs_share(k), 4) for k in (1, 4, 8)},
+                      "key_sources": [(n, round(v, 6)) for n, v in ranked(e.key_sources)],
+                      "query_sources": [(n, round(v, 6)) for n, v in ranked(e.query_sources)],
+                      "key_split": {k: round(v, 6) for k, v in _split(e.key_sources).items()}})
+        names = list(e.key_sources)
+        matrix.append([e.key_sources[n] for n in names])
+    return Diagnosis(layer, heads, names, matrix, run.built.recipe.to_dict())
+
+
+@dataclass
+class QueryKeyView:
+    """One head's rotated queries and keys in one 2D picture (docs/methods.md#query-key-view)."""
+
+    layer: int
+    head: int
+    points: list[tuple[float, float]]  # the n queries, then the n keys
+    tokens: list[str]
+    sink_key: int
+    scale: float  # c: queries times c, keys (translated) divided by c
+    method: str = "pca"
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+
+@torch.no_grad()
+def attentionviz(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """AttentionViz's normalisation (Yeh et al., IEEE VIS 2023): keys translated by μ_q − μ_k (every score of
+    a row moves by the same amount: its softmax is unchanged), then queries scaled by
+    c = sqrt(mean‖k‖ / mean‖q‖) and keys by 1/c (every product unchanged; both clouds get one mean norm)."""
+    k = k + (q.mean(0) - k.mean(0))
+    c = float(torch.sqrt(k.norm(dim=-1).mean() / q.norm(dim=-1).mean()))
+    return q * c, k / c, c
+
+
+@torch.no_grad()
+def query_key_view(run: Residual, layer: int, head: int) -> QueryKeyView:
+    """The head's rotated queries and keys after :func:`attentionviz`, projected together onto their two
+    principal components (deterministic: the sign of each component is fixed by its largest entry)."""
+    layer = run.check(layer, head)
+    part = run.head(layer, head)
+    q, k, c = attentionviz(part["q"], part["k"])
+    both = torch.cat([q, k])
+    centred = both - both.mean(0)
+    _, _, v = torch.linalg.svd(centred, full_matrices=False)
+    axes = v[:2]
+    axes = axes * torch.sign(axes.gather(1, axes.abs().argmax(1, keepdim=True)))
+    xy = centred @ axes.T
+    probs = run.probabilities(layer, head)
+    return QueryKeyView(layer, head, [tuple(map(float, p)) for p in xy], list(run.tokens), int(probs.mean(0).argmax()), c)

@@ -87,3 +87,48 @@ def attribution_figure(explanation) -> go.Figure:
     fig.update_yaxes(title="contribution to the score", row=1, col=1)
     fig.update_layout(barmode="group")
     return fig
+
+
+def diagnosis_figure(diagnosis) -> go.Figure:
+    """Heads × sources: each source's key-side contribution to the head's sink-key score (docs/methods.md#the-sinks-diagnosis)."""
+    values = np.asarray(diagnosis.key_side, dtype=np.float64)
+    limit = float(np.abs(values).max()) or 1.0
+    heads = [f"h{h['head']} → {h['key']}" for h in diagnosis.heads]
+    fig = go.Figure(go.Heatmap(z=values, x=diagnosis.sources, y=heads, colorscale="RdBu", zmid=0, zmin=-limit,
+                               zmax=limit, colorbar=dict(title="to the score"),
+                               hovertemplate="%{y}<br>%{x}: %{z:.4g}<extra></extra>"))
+    name, count = diagnosis.leading()
+    layout(fig, f"layer {diagnosis.layer}: where each head's sink-key score comes from (key side) · "
+                f"{name} leads in {count} of {len(heads)} heads", height=max(300, 28 * len(heads) + 140))
+    fig.update_xaxes(title="source", tickangle=-60)
+    fig.update_yaxes(title="head → its sink key", autorange="reversed")
+    return fig
+
+
+WEBGL_ABOVE = 2000  # points: above this the query-key view draws with WebGL (scattergl)
+
+
+def query_key_figure(view) -> go.Figure:
+    """AttentionViz's joint picture of one head's queries (circles) and keys (squares), coloured by
+    position, the sink key ringed; WebGL above ``WEBGL_ABOVE`` points."""
+    n = view.n
+    xy = np.asarray(view.points, dtype=np.float64)
+    trace = go.Scattergl if 2 * n > WEBGL_ABOVE else go.Scatter
+    fig = go.Figure()
+    for kind, rows, symbol in (("query", slice(0, n), "circle"), ("key", slice(n, 2 * n), "square")):
+        fig.add_trace(trace(x=xy[rows, 0], y=xy[rows, 1], mode="markers", name=f"{kind}s",
+                            marker=dict(symbol=symbol, color=list(range(n)), colorscale="Viridis", size=7,
+                                        showscale=kind == "query", colorbar=dict(title="position"),
+                                        line=dict(width=0.5, color="#333")),
+                            customdata=np.array([[i, t] for i, t in enumerate(view.tokens)], dtype=object),
+                            hovertemplate=f"{kind} %{{customdata[0]}} %{{customdata[1]}}<extra></extra>"))
+    j = view.sink_key
+    fig.add_trace(go.Scatter(x=[xy[n + j, 0]], y=[xy[n + j, 1]], mode="markers", name=f"sink key {j}",
+                             marker=dict(symbol="square-open", size=16, color="#c0392b", line=dict(width=2)),
+                             hovertemplate=f"sink key {j} {view.tokens[j]!r}<extra></extra>"))
+    drawn = "WebGL" if trace is go.Scattergl else "SVG"
+    layout(fig, f"layer {view.layer} head {view.head}: queries and keys after AttentionViz's translation and "
+                f"scaling (c = {view.scale:.3g}), {view.method.upper()}, {2 * n} points ({drawn})", height=520)
+    fig.update_xaxes(title="component 1", zeroline=False)
+    fig.update_yaxes(title="component 2", zeroline=False, scaleanchor="x")
+    return fig
