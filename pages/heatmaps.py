@@ -3,6 +3,8 @@
 Encoder-decoder models (T5, BART ...) show encoder, decoder or cross-attention (attnviz.seq2seq).
 """
 
+from pathlib import Path
+
 import streamlit as st
 
 from attnviz.figures import export
@@ -90,6 +92,23 @@ def show(cap, mode: str) -> None:
         (x0, x1), (y0, y1) = sorted(boxes[0]["x"]), sorted(boxes[0]["y"])
         region = ((int(y0 + 0.5), int(y1 + 0.5)), (int(x0 + 0.5), int(x1 + 0.5)))
     zoom_section(cap, layer, head, log, region)
+    explain_links(cap, layer, head, region)
+
+
+def explain_links(cap, layer: int, head: int | None, region) -> None:
+    """Links to the Why page: this head's sink column (every query), and the box's lower-left cell."""
+    if loaded is None or loaded.model.config.model_type not in ("llama", "mistral", "qwen2"):
+        return
+    head = 0 if head is None else int(head)
+    key = int(cap.stat(layer, "column_mean")[head].argmax())
+    why = Path(__file__).resolve().parent / "why.py"
+    c1, c2 = st.columns(2)
+    c1.page_link(str(why), label=f"Explain: why head {head} of layer {layer} attends to key {key}",
+                 icon=":material/help:", query_params={"layer": layer, "head": head, "query": "all", "key": key})
+    if region:
+        (q0, q1), (k0, _) = region
+        c2.page_link(str(why), label=f"Explain this cell: query {q1 - 1}, key {k0}", icon=":material/help:",
+                     query_params={"layer": layer, "head": head, "query": q1 - 1, "key": k0})
 
 
 def show_instant(cap) -> None:
@@ -108,6 +127,7 @@ def show_instant(cap) -> None:
         layer, head = asked["layer"], asked.get("head")
         region = (tuple(asked["queries"]), tuple(asked["keys"]))
     zoom_section(cap, layer, head, log, region)
+    explain_links(cap, layer, head, region)
 
 
 def show_overview(cap) -> None:

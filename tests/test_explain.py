@@ -192,3 +192,26 @@ def test_the_diagnosis_and_the_query_key_view_of_a_layer():
     assert len(view.points) == 2 * run.n_tokens and 0 <= view.sink_key < run.n_tokens
     fig = query_key_figure(view)
     assert [t.type for t in fig.data] == ["scatter", "scatter", "scatter"]  # SVG below 2,000 points
+
+
+def test_the_why_page_opens_at_a_cell_and_a_query_click_updates_it(default_model, tmp_path):
+    from test_app import app_test, charts, on_page, texts
+
+    at = app_test(tmp_path)
+    at.run()
+    at.query_params.update({"layer": "29", "head": "3", "query": "all", "key": "0"})
+    on_page(at, "pages/why.py")
+    assert not at.exception and not at.error, texts(at.error)
+    assert at.slider(key="why_layer").value == 29 and at.selectbox(key="why_head").value == 3
+    figures = charts(at)
+    titles = [str(f["layout"].get("title", {}).get("text", "")) for f in figures]
+    assert any("layer 29 head 3, all" in t for t in titles) and any("sink-key score" in t for t in titles)
+    assert any("AttentionViz" in t for t in titles)
+    from attnviz.effects.explain import explain
+
+    expected = explain(default_model, at.session_state["text"], "fwd", layer=29, head=3, query="all", key=0)
+    bars = next(f for f in figures if "layer 29 head 3, all" in str(f["layout"]["title"]["text"]))["data"][0]
+    np.testing.assert_allclose(bars["y"], expected.by_pair, atol=1e-5)
+    at.selectbox(key="why_query").set_value(5).run()  # the same path as a click on query 5 in the picture
+    assert not at.exception and any("query 5 → key 0" in str(f["layout"].get("title", {}).get("text", ""))
+                                    for f in charts(at))

@@ -264,3 +264,18 @@ def get_seq2seq_capture(loaded: LoadedModel, source: str, target: str, spec: str
                     lambda progress: seq2seq.capture_seq2seq(loaded, source, target, architecture,
                                                              max_tokens=MAX_TOKENS, on_layer=progress),
                     store=_captures())
+
+
+def get_residual(loaded: LoadedModel, text: str, spec: str, intervene: str | None = None, prepend: str | None = None,
+                 residual: str | None = None):
+    """One recorded residual stream (attnviz.effects.explain.Residual) per recipe and text, in the capture
+    cache: the Why page's attribution, diagnosis and query-key view all read it."""
+    from attnviz.effects.explain import Residual
+
+    try:
+        made = Recipe.of(loaded, spec, intervene, prepend, residual)
+    except AttnvizError as err:
+        st.error(str(err))
+        return None
+    return jobs.run(("residual", made.key, text), f"Recording the residual stream under {made.arch}",
+                    lambda progress: Residual(loaded, text, made, on_layer=progress), store=_captures())

@@ -91,8 +91,9 @@ class Residual:
 
     @torch.no_grad()
     def __init__(self, loaded: LoadedModel, text: str, arch="fwd", intervene=None, prepend: str | None = None,
-                 upto: int | None = None):
-        """``upto``: the highest layer asked about (sources are kept below it; default every layer)."""
+                 upto: int | None = None, on_layer=None):
+        """``upto``: the highest layer asked about (sources are kept below it; default every layer);
+        ``on_layer(done, total)`` reports the forward's progress."""
         built = build(loaded, arch, intervene, prepend).only("score attribution", "intervene", "prepend")
         family = getattr(loaded.config, "model_type", "?")
         if family not in SUPPORTED:
@@ -111,7 +112,8 @@ class Residual:
                 lambda m, args, out, l=l: sources.__setitem__(f"mlp.{l}", out[0].detach().float())))
         try:
             _, hidden, _ = built.forward(loaded, torch.tensor([self.ids]), output_hidden_states=True,
-                                         last_logits_only=True)
+                                         last_logits_only=True,
+                                         on_layer=(lambda l: on_layer(l + 1, loaded.n_layers)) if on_layer else None)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -121,6 +123,12 @@ class Residual:
     @property
     def n_tokens(self) -> int:
         return len(self.ids)
+
+    @property
+    def held_bytes(self) -> int:
+        """What this run keeps (the residual streams and sources, not the model): the app's caches count it."""
+        tensors = {id(t): t for t in [*self.hidden, *self.sources.values()]}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def check(self, layer: int, head: int) -> int:
         loaded = self.loaded
