@@ -23,6 +23,7 @@ _EXPORTS = {
     "ModelLoadError": "errors",
     "LoadedModel": "core.models", "load": "core.models",
     "Recipe": "recipe",
+    "explain": "effects.explain",
     "show": "viewer.widget", "show_compare": "viewer.widget",
 }
 
@@ -52,5 +53,5 @@ def __dir__():
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-__all__ = ["show", "show_compare", "Architecture", "parse", "Capture", "capture", "load", "LoadedModel", "Recipe",
+__all__ = ["show", "show_compare", "explain", "Architecture", "parse", "Capture", "capture", "load", "LoadedModel", "Recipe",
            "AttnvizError", "ArchitectureError", "InputError", "MaskError", "ModelLoadError", "__version__"]

@@ -215,3 +215,21 @@ def test_the_why_page_opens_at_a_cell_and_a_query_click_updates_it(default_model
     at.selectbox(key="why_query").set_value(5).run()  # the same path as a click on query 5 in the picture
     assert not at.exception and any("query 5 → key 0" in str(f["layout"].get("title", {}).get("text", ""))
                                     for f in charts(at))
+
+
+def test_the_sweep_s_explain_measure_names_each_layer_s_leading_source():
+    from attnviz.effects.explain import Residual, diagnose
+    from attnviz.sweep import measures
+    from attnviz.sweep.spec import Cell, parse
+
+    lm = loaded("llama")
+    grid = parse('models = ["default"]\narchs = ["fwd"]\n[measures.explain]\nmax_tokens = 40\n')
+    assert grid.cells()[0].options == {"max_tokens": 40}
+    cell = Cell("explain", "tiny", "fwd", "", "stdlib:specialnames", {"max_tokens": 40})
+    rows = measures.explain(lm, cell)
+    assert [r["layer"] for r in rows] == [0, 1, 2] and set(rows[0]) == set(measures.COLUMNS["explain"])
+    from attnviz.effects.evaluate import token_ids
+
+    text = lm.tokenizer.decode(token_ids(lm, measures.documents(cell.corpus).text, 40))
+    d = diagnose(Residual(lm, text, "fwd"), 2)
+    assert rows[2]["top_source"] == d.leading()[0] and rows[2]["top_heads"] == d.leading()[1]

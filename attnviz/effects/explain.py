@@ -29,6 +29,8 @@ from attnviz.core.models import LoadedModel
 from attnviz.errors import InputError
 from attnviz.recipe import build
 
+DIAGNOSIS_TOKENS = 256  # the text a sweep's explain measure diagnoses: its corpus's first tokens
+
 #: families whose attention is q = R·W_Q·RMSNorm(x) (+ bias), k likewise: the decomposition is exact
 SUPPORTED = ("llama", "mistral", "qwen2")
 

@@ -90,7 +90,30 @@ def heads(lm: LoadedModel, cell: Cell) -> list[dict]:
             for layer in range(sink.shape[0])]
 
 
-RUN = {"sinks": sinks, "eval": evaluate, "embed": embed, "compress": compress, "heads": heads}
+def explain(lm: LoadedModel, cell: Cell) -> list[dict]:
+    """The sink's diagnosis per layer (docs/methods.md#the-sinks-diagnosis) on the corpus's first ``max_tokens``
+    tokens: the source that leads the key side of the sink-key score in the most heads, in how many, and
+    its mean share of those heads' scores."""
+    from attnviz.effects.evaluate import token_ids
+    from attnviz.effects.explain import Residual, diagnose
+
+    o = cell.options
+    ids = token_ids(lm, documents(cell.corpus).text, o["max_tokens"])
+    bos = getattr(lm.tokenizer, "bos_token_id", None)
+    run = Residual(lm, lm.tokenizer.decode(ids[1:] if ids and ids[0] == bos else ids),
+                   cell.arch, cell.intervention or None)
+    rows = []
+    for layer in range(lm.n_layers):
+        d = diagnose(run, layer)
+        name, count = d.leading()
+        shares = [dict(h["key_sources"])[name] / h["score"] for h in d.heads
+                  if h["key_sources"][0][0] == name and h["score"]]
+        rows.append({"layer": layer, "top_source": name, "top_heads": count, "heads": len(d.heads),
+                     "top_share": float(sum(shares) / len(shares)) if shares else None})
+    return rows
+
+
+RUN = {"sinks": sinks, "eval": evaluate, "embed": embed, "compress": compress, "heads": heads, "explain": explain}
 
 
 def schema():
@@ -124,4 +147,6 @@ COLUMNS = {
                  "kl": "float64", "kept_key0": "float64"},
     "heads": {"layer": "int64", "heads": "int64", "sink_heads": "int64", "streaming_heads": "int64",
               "inactive_heads": "int64"},
+    "explain": {"layer": "int64", "top_source": "string", "top_heads": "int64", "heads": "int64",
+                "top_share": "float64"},
 }
