@@ -1,1 +1,1 @@
-"""What a mask does to the model: evaluation, streaming, generation, embeddings, Linformer, head classes, sinks over a dataset, A-vs-B measures, fine-tuning, the walkthrough."""
+"""What a mask does to the model: evaluation, streaming, generation, embeddings, Linformer, head classes, sinks over a dataset, A-vs-B measures, score attribution, fine-tuning, the walkthrough."""
