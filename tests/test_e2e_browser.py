@@ -178,3 +178,21 @@ def test_an_abandoned_capture_stops_at_a_layer_boundary(model_cache):
         second = abandoned(2)
         assert len(second) == 2 and 2 <= second[1][0] < 30, second
         no_exception(page)
+
+
+def test_the_why_page_opens_from_a_heatmaps_link_and_draws_its_figures(model_cache):
+    """The Heatmaps page links each head's sink column to the Why page, which opens at that cell in the same
+    session (the sidebar's text kept) and draws the attribution, the layer's diagnosis and the query-key view."""
+    with running_app() as url, browser_page() as page:
+        page.goto(url)
+        page.locator(".avz-canvas").first.wait_for(timeout=120_000)
+        wait_for_app(page)
+        link = page.get_by_text("Explain: why head 0 of layer 29 attends to key", exact=False).first
+        link.wait_for(timeout=60_000)
+        link.click()
+        page.locator('[data-testid="stMain"] h1').filter(has_text="Why: what makes").first.wait_for(timeout=120_000)
+        wait_title(page, "layer 29 head 0, all")
+        wait_title(page, "layer 29: where each head")
+        wait_title(page, "layer 29 head 0: queries and keys")
+        assert "layer=29" in page.url and "head=0" in page.url
+        no_exception(page)
