@@ -474,7 +474,6 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture | 
                                                   **{k: v for k, v in options.items() if k != "interventions"})
     forward_s = time.perf_counter() - t0
     logits = logits[0, -1].float()
-    model_dtype = next(loaded.model.parameters()).dtype
     return Capture(
         text=text, tokens=tokens, token_ids=list(ids), arch=architecture.spec,
         layer_masks=architecture.layer_names, layers=record, kv_groups=loaded.kv_groups,
@@ -490,7 +489,7 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture | 
         qkv={l: QKV(q[0].numpy(), k[0].numpy(), v[0].numpy(), float(scale)) for l, (q, k, v, scale) in run.qkv.items()},
         checkpoints=dict(run.checkpoints), recipe=built.recipe,
         timing={"forward_s": forward_s, "total_s": time.perf_counter() - started},
-        meta={"model": loaded.model_id, "model_file": loaded.model_file, "dtype": str(model_dtype).replace("torch.", ""),
+        meta={"model": loaded.model_id, "model_file": loaded.model_file, "dtype": built.recipe.dtype,
               "storage_dtype": str(storage_dtype).replace("torch.", ""), "device": str(loaded.model.device),
               "n_layers": loaded.n_layers, "n_heads": loaded.n_heads, "n_kv_heads": loaded.n_kv_heads,
               **({"residual": variant.name} if variant is not None else {}),

@@ -471,13 +471,15 @@ def _sweep(args) -> dict:
     return result
 
 
-def _key(text: str):
-    """``--key``: 'auto' or a token position."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    if not text.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"'{text}' is neither a token position nor 'auto'")
-    return int(text)
+def _position_or(word: str):
+    """An argparse type: a token position, or ``word`` ('auto' for --key, 'all' for --query)."""
+    def parse(text: str):
+        if text.strip().lower() == word:
+            return word
+        if not text.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"'{text}' is neither a token position nor '{word}'")
+        return int(text)
+    return parse
 
 
 # --- options ----------------------------------------------------------------------------------
@@ -549,7 +551,7 @@ def _sinks_options(p):
     p.add_argument("--max-len", type=int, default=run["max_len"],
                    help="dataset mode: first N tokens of each sample (%(default)s)")
     p.add_argument("--samples", type=int, default=run["n_samples"], help="dataset mode: at most N samples (%(default)s)")
-    p.add_argument("--key", type=_key, default=report["key"],
+    p.add_argument("--key", type=_position_or("auto"), default=report["key"],
                    help="dataset mode: the key position whose sink rate is read, or 'auto': the first key each "
                         "layer's mask leaves open to its queries (0 under fwd, m under nosink-fwd(m)); "
                         "default %(default)s")
@@ -660,21 +662,12 @@ def _heads_options(p):
     p.add_argument("--window", type=int, default=run["w"], help="w: recent keys of the streaming pattern (%(default)s)")
 
 
-def _query(text: str):
-    """``--query``: a token position, or 'all'."""
-    if text.strip().lower() == "all":
-        return "all"
-    if not text.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"'{text}' is neither a token position nor 'all'")
-    return int(text)
-
-
 def _explain_options(p):
     _model_args(p)
     _intervene_args(p, bos=True)
     p.add_argument("--layer", type=int, required=True, help="the layer (negative counts from the top)")
     p.add_argument("--head", type=int, required=True, help="the query head")
-    p.add_argument("--query", type=_query, default="all",
+    p.add_argument("--query", type=_position_or("all"), default="all",
                    help="the query position, or 'all': the mean over every query the mask lets see the key (%(default)s)")
     p.add_argument("--key", type=int, required=True, help="the key position")
 

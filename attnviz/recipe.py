@@ -157,11 +157,10 @@ def forward(loaded: "LoadedModel", variant, input_ids: "torch.Tensor", masks, re
                                   position_ids=run.positions.to(loaded.model.device),
                                   output_hidden_states=output_hidden_states)
         return output.logits, (output.hidden_states if output_hidden_states else None), run
-    if variant is None:
-        with torch.no_grad():
-            output, run = engine.forward(loaded.model, input_ids, masks, set() if record is None else record,
-                                         output_hidden_states=output_hidden_states,
-                                         last_logits_only=last_logits_only, **options)
+    if variant is None:  # engine.forward runs under inference_mode itself
+        output, run = engine.forward(loaded.model, input_ids, masks, set() if record is None else record,
+                                     output_hidden_states=output_hidden_states, last_logits_only=last_logits_only,
+                                     **options)
         return output.logits, (output.hidden_states if output_hidden_states else None), run
     if output_hidden_states:
         raise InputError(f"hidden states are not recorded under the residual variant {variant.name}")

@@ -48,7 +48,7 @@ if "why_layer" not in st.session_state or (any(asked) and asked != st.session_st
 c1, c2, c3, c4 = st.columns([3, 1, 1, 1])
 layer = c1.slider("Layer", 0, loaded.n_layers - 1, key="why_layer")
 head = c2.selectbox("Head", list(range(loaded.n_heads)), key="why_head")
-sink = int(run.probabilities(layer, head).mean(0).argmax())
+sink = run.sink_key(layer, head)
 if st.session_state.get("why_key", 0) >= n:
     st.session_state["why_key"] = sink
 key = int(c3.number_input("Key", 0, n - 1, sink, key="why_key", help=f"this head's sink key is {sink}"))
@@ -67,7 +67,7 @@ m1.metric("Score s_ij", f"{e.score:.4g}", help="q_i · k_j · scaling, before an
 m2.metric("Without rotation", f"{e.nope_score:.4g}", f"{e.nope_score - e.score:+.3g}", delta_color="off",
           help="the same product with no rotary rotation: how much of the score position makes")
 m3.metric("Top 4 rotary pairs", f"{e.top_pairs_share(4):.0%}", help="their share of Σ_p |c_p|")
-split = {k: sum(v for n_, v in e.key_sources.items() if n_.split(".")[0] == k) for k in ("embed", "attn", "mlp")}
+split = e.key_split
 m4.metric("Key side: MLP / attention / embedding", " / ".join(f"{split[k]:.3g}" for k in ("mlp", "attn", "embed")))
 fig = attribution_figure(e)
 st.plotly_chart(fig, width="stretch", key="why_attribution")

@@ -74,9 +74,9 @@ def test_methods_name_functions_and_tests_that_exist():
     assert not missing, missing
 
 
-@pytest.mark.parametrize("pattern", [r"SPEC §", r"\bissue \d+", r"\bIssue \d+"])
+@pytest.mark.parametrize("pattern", ["SPEC" + " §", r"\b[Ii]ssue" + r" #?\d+"])
 def test_no_tracker_numbers_or_old_citations(pattern):
-    hits = [f"{p.relative_to(ROOT)}:{i + 1}" for p in sources() if p.name != "test_docs.py"
+    hits = [f"{p.relative_to(ROOT)}:{i + 1}" for p in sources()
             for i, line in enumerate(p.read_text(errors="replace").splitlines()) if re.search(pattern, line)]
     assert not hits, hits
 

@@ -109,3 +109,17 @@ def test_every_entry_point_takes_a_recipe_and_refuses_what_it_does_not_apply():
                          (lambda r: heads.taxonomy(lm, [TEXT * 8], r, s=1, w=4), "head classes")]:
         with pytest.raises(InputError, match=f"{purpose} does not apply the intervention temperature"):
             run(acted)
+
+
+def test_a_bos_control_goes_to_generation_s_prompt_and_is_refused_where_no_text_is_tokenized():
+    from attnviz.effects.generate import generate
+    from attnviz.effects.streaming import stream
+
+    lm = loaded("llama")
+    marked = Recipe.of(lm, "fwd", prepend="T")
+    assert generate(lm, TEXT, marked, max_new_tokens=2).new_ids == \
+        generate(lm, "T" + TEXT, "fwd", max_new_tokens=2).new_ids  # "T" is one token, prepended once
+    with pytest.raises(InputError, match="decoding with a KV cache does not apply a BOS control"):
+        stream(lm, lm.tokenizer(TEXT)["input_ids"], "dense", marked)
+    with pytest.raises(InputError, match="a perplexity .* does not apply a BOS control"):
+        evaluate(lm, TEXT, marked, window=8)

@@ -44,32 +44,28 @@ def everything(b, h, q, kv):
     return torch.ones(torch.broadcast_shapes(q.shape, kv.shape), dtype=torch.bool, device=q.device)
 
 
-def and_masks(*predicates: Predicate) -> Predicate:
-    """The intersection of predicates: transformers' ``masking_utils.and_masks``, same signature and result."""
+def _compose(predicates, start: bool, combine, what: str) -> Predicate:
+    """Predicates folded with ``combine`` from ``start``, as transformers' ``masking_utils`` composes them."""
     if not all(callable(p) for p in predicates):
-        raise MaskError(f"every part of and_masks must be a mask predicate, got {predicates}")
+        raise MaskError(f"every part of {what} must be a mask predicate, got {predicates}")
 
-    def both(b, h, q, kv):
-        result = q.new_ones((), dtype=torch.bool)
+    def composed(b, h, q, kv):
+        result = q.new_full((), start, dtype=torch.bool)
         for pred in predicates:
-            result = result & pred(b, h, q, kv).to(result.device)
+            result = combine(result, pred(b, h, q, kv).to(result.device))
         return result
 
-    return both
+    return composed
+
+
+def and_masks(*predicates: Predicate) -> Predicate:
+    """The intersection of predicates: transformers' ``masking_utils.and_masks``, same signature and result."""
+    return _compose(predicates, True, torch.logical_and, "and_masks")
 
 
 def or_masks(*predicates: Predicate) -> Predicate:
     """The union of predicates: transformers' ``masking_utils.or_masks``, same signature and result."""
-    if not all(callable(p) for p in predicates):
-        raise MaskError(f"every part of or_masks must be a mask predicate, got {predicates}")
-
-    def either(b, h, q, kv):
-        result = q.new_zeros((), dtype=torch.bool)
-        for pred in predicates:
-            result = result | pred(b, h, q, kv).to(result.device)
-        return result
-
-    return either
+    return _compose(predicates, False, torch.logical_or, "or_masks")
 
 
 def not_mask(pred: Predicate) -> Predicate:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -164,7 +165,7 @@ class Registry:
 def convert(kind, raw: str, key: str, where: str, error=InputError):
     """``raw`` as the annotated type ``kind`` (Optional unwrapped; tuples of ints split at commas)."""
     args = typing.get_args(kind)
-    if typing.get_origin(kind) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
         kind = next(a for a in args if a is not type(None))
         args = typing.get_args(kind)
     raw = raw.strip()

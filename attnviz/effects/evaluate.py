@@ -95,9 +95,8 @@ def evaluate(loaded: LoadedModel, text_or_ids: str | list[int], arch: str | arch
     """
     from attnviz import recipe as recipe_mod
 
-    built = recipe_mod.build(loaded, arch, intervene, residual=residual)
-    if built.recipe.prepend:
-        raise InputError("a perplexity scores the text as written: evaluate without a BOS control (prepend)")
+    built = recipe_mod.build(loaded, arch, intervene, residual=residual).only(
+        "a perplexity (it scores the text as written)", "intervene", "residual")
     variant, acts = built.variant, built.interventions
     architecture = built.architecture.require_causal("compute a perplexity")
     ids = text_or_ids if isinstance(text_or_ids, list) else token_ids(loaded, text_or_ids, max_tokens)

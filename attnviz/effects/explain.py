@@ -64,6 +64,14 @@ class Explanation:
                 **({"queries_averaged": self.queries} if self.query == "all" else {}),
                 "frequencies": [r6(x) for x in self.frequencies], "recipe": self.recipe}
 
+    @property
+    def key_split(self) -> dict[str, float]:
+        """The key side summed by kind of source: embedding, attention blocks, MLP blocks, bias."""
+        out = {"embed": 0.0, "attn": 0.0, "mlp": 0.0, "bias": 0.0}
+        for name, value in self.key_sources.items():
+            out[name.split(".")[0]] += value
+        return out
+
     def top_pairs_share(self, k: int) -> float:
         """The share of Σ_p |c_p| held by the k pairs of largest |c_p|."""
         magnitudes = sorted((abs(c) for c in self.by_pair), reverse=True)
@@ -85,6 +93,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def _rotate(v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """R_t v for vectors (..., n, D) and the positions' cos/sin (n, D)."""
     return v * cos + _rotate_half(v) * sin
+
+
+def _layer(loaded: LoadedModel, layer: int) -> int:
+    """``layer`` counted from the bottom (negative counts from the top), refused when it does not exist."""
+    if not -loaded.n_layers <= layer < loaded.n_layers:
+        raise InputError(f"layer {layer} does not exist: the model has layers 0..{loaded.n_layers - 1}")
+    return layer % loaded.n_layers
 
 
 class Residual:
@@ -134,9 +149,7 @@ class Residual:
 
     def check(self, layer: int, head: int) -> int:
         loaded = self.loaded
-        if not -loaded.n_layers <= layer < loaded.n_layers:
-            raise InputError(f"layer {layer} does not exist: the model has layers 0..{loaded.n_layers - 1}")
-        layer %= loaded.n_layers
+        layer = _layer(loaded, layer)
         if layer > self.upto:
             raise InputError(f"layer {layer} is above the layers this run kept (0..{self.upto})")
         if not 0 <= head < loaded.n_heads:
@@ -178,6 +191,10 @@ class Residual:
         scores = (part["q"] @ part["k"].T) * part["scale"]
         return torch.softmax(scores.masked_fill(~self.allowed(layer), float("-inf")), -1)
 
+    def sink_key(self, layer: int, head: int, part: dict | None = None) -> int:
+        """The head's sink key: the argmax of the column mean of :meth:`probabilities`."""
+        return int(self.probabilities(layer, head, part).mean(0).argmax())
+
     @torch.no_grad()
     def explain(self, layer: int, head: int, query: int | str, key: int, part: dict | None = None) -> Explanation:
         layer = self.check(layer, head)
@@ -202,11 +219,12 @@ class Residual:
         by_dim = (q * k[None] * scale).mean(0)
         nope = float((p["q_plain"][rows] * p["k_plain"][key][None]).sum(-1).mean() * scale)
         named = {name: s for name, s in self.sources.items() if name == "embed" or int(name.split(".")[1]) < layer}
-        stacked = torch.stack(list(named.values()))  # (S, n, hidden)
         gamma, inv_rms = p["gamma"], p["inv_rms"]
-        k_src = _rotate((gamma * stacked[:, key] * inv_rms[key]) @ p["w_k"].T, cos[key], sin[key])  # (S, D)
+        at_key = torch.stack([s[key] for s in named.values()])  # (S, hidden): only the rows read, not (S, n, hidden)
+        at_rows = torch.stack([s[rows] for s in named.values()])  # (S, I, hidden)
+        k_src = _rotate((gamma * at_key * inv_rms[key]) @ p["w_k"].T, cos[key], sin[key])  # (S, D)
         key_parts = (q.mean(0)[None] * k_src).sum(-1) * scale
-        q_src = _rotate((gamma * stacked[:, rows] * inv_rms[rows][None]) @ p["w_q"].T, cos[rows], sin[rows])
+        q_src = _rotate((gamma * at_rows * inv_rms[rows][None]) @ p["w_q"].T, cos[rows], sin[rows])
         query_parts = (q_src * k[None, None]).sum(-1).mean(-1) * scale
         key_sources = {name: float(v) for name, v in zip(named, key_parts)}
         query_sources = {name: float(v) for name, v in zip(named, query_parts)}
@@ -229,9 +247,7 @@ def explain(loaded: LoadedModel, text: str, arch="fwd", *, layer: int, head: int
     """The attribution of s[query, key] of ``head`` in ``layer`` (see the module docstring); ``arch`` is an
     architecture string or a :class:`~attnviz.recipe.Recipe`. ``query="all"`` averages over every query
     the layer's mask lets see ``key``. One forward, up to the layer."""
-    if not -loaded.n_layers <= layer < loaded.n_layers:
-        raise InputError(f"layer {layer} does not exist: the model has layers 0..{loaded.n_layers - 1}")
-    run = Residual(loaded, text, arch, intervene, prepend, upto=layer % loaded.n_layers)
+    run = Residual(loaded, text, arch, intervene, prepend, upto=_layer(loaded, layer))
     return run.explain(layer, head, query, key)
 
 
@@ -257,13 +273,6 @@ class Diagnosis:
                 "recipe": self.recipe}
 
 
-def _split(contributions: dict[str, float]) -> dict[str, float]:
-    out = {"embed": 0.0, "attn": 0.0, "mlp": 0.0, "bias": 0.0}
-    for name, value in contributions.items():
-        out[name.split(".")[0]] += value
-    return out
-
-
 @torch.no_grad()
 def diagnose(run: Residual, layer: int, key: int | str = "sink", top: int = 3) -> Diagnosis:
     """For every head of ``layer``: its sink key (the argmax of the column mean of its attention under the
@@ -275,7 +284,7 @@ def diagnose(run: Residual, layer: int, key: int | str = "sink", top: int = 3) -
     for h in range(run.loaded.n_heads):
         part = run.head(layer, h)
         if key == "sink":
-            j = int(run.probabilities(layer, h, part).mean(0).argmax())
+            j = run.sink_key(layer, h, part)
         else:
             j = int(key)
         e = run.explain(layer, h, "all", j, part)
@@ -288,7 +297,7 @@ def diagnose(run: Residual, layer: int, key: int | str = "sink", top: int = 3) -
                       "pair_share": {str(k): round(e.top_pairs_share(k), 4) for k in (1, 4, 8)},
                       "key_sources": [(n, round(v, 6)) for n, v in ranked(e.key_sources)],
                       "query_sources": [(n, round(v, 6)) for n, v in ranked(e.query_sources)],
-                      "key_split": {k: round(v, 6) for k, v in _split(e.key_sources).items()}})
+                      "key_split": {k: round(v, 6) for k, v in e.key_split.items()}})
         names = list(e.key_sources)
         matrix.append([e.key_sources[n] for n in names])
     return Diagnosis(layer, heads, names, matrix, run.built.recipe.to_dict())
@@ -334,5 +343,5 @@ def query_key_view(run: Residual, layer: int, head: int) -> QueryKeyView:
     axes = v[:2]
     axes = axes * torch.sign(axes.gather(1, axes.abs().argmax(1, keepdim=True)))
     xy = centred @ axes.T
-    probs = run.probabilities(layer, head)
-    return QueryKeyView(layer, head, [tuple(map(float, p)) for p in xy], list(run.tokens), int(probs.mean(0).argmax()), c)
+    return QueryKeyView(layer, head, [tuple(map(float, p)) for p in xy], list(run.tokens),
+                        run.sink_key(layer, head, part), c)

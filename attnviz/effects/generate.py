@@ -73,9 +73,13 @@ def generate(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture =
     would exceed it, saying which prompt length would fit (the app passes its per-capture limit)."""
     if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
         raise InputError(f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS}, got {max_new_tokens}")
+    import dataclasses
+
     from attnviz.recipe import Recipe
 
-    prepend = arch.prepend if isinstance(arch, Recipe) else None
+    prepend = None
+    if isinstance(arch, Recipe):  # the BOS control applies to the prompt here, not to the decoder
+        prepend, arch = arch.prepend, dataclasses.replace(arch, prepend=None)
     ids, _ = tokenize(loaded, text, loaded.max_tokens - max_new_tokens, prepend)
     decoder = CachedDecoder(loaded, arch, policy, record=set(range(loaded.n_layers)) if record is None else record,
                             intervene=intervene)

@@ -123,7 +123,7 @@ class CachedDecoder:
                  policy: Policy | str = "dense", record: set[int] | frozenset[int] = frozenset(), intervene=None):
         from attnviz.recipe import build
 
-        built = build(loaded, arch, intervene).only("decoding with a KV cache", "intervene", "prepend")
+        built = build(loaded, arch, intervene).only("decoding with a KV cache", "intervene")
         self.loaded, self.recipe = loaded, built.recipe
         self.architecture = built.architecture.require_causal("decode with a KV cache")
         self.policy = as_policy(policy).check(loaded)
