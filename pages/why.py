@@ -4,9 +4,9 @@ counterfactual, the layer's sink diagnosis and the head's query-key view (docs/m
 import pandas as pd
 import streamlit as st
 
-from attnviz.effects.explain import diagnose, query_key_view
+from attnviz.effects.explain import PROJECTIONS, corpus_samples, diagnose, query_key_view
 from attnviz.errors import AttnvizError
-from attnviz.figures.why import attribution_figure, diagnosis_figure, query_key_figure
+from attnviz.figures.why import attention_row_figure, attribution_figure, diagnosis_figure, query_key_figure
 from ui.cache import get_residual
 from ui.docs import definitions
 from ui.export import figure_downloads
@@ -53,6 +53,8 @@ if st.session_state.get("why_key", 0) >= n:
     st.session_state["why_key"] = sink
 key = int(c3.number_input("Key", 0, n - 1, sink, key="why_key", help=f"this head's sink key is {sink}"))
 choices = ["all"] + list(range(n))
+if "why_query_clicked" in st.session_state:  # a click in the query-key view, applied before the widget is drawn
+    st.session_state["why_query"] = st.session_state.pop("why_query_clicked")
 if st.session_state.get("why_query") not in choices:
     st.session_state["why_query"] = "all"
 query = c4.selectbox("Query", choices, key="why_query", help="all: the mean over every query that may see the key")
@@ -64,9 +66,14 @@ except AttnvizError as err:
 meta = {"tool": "attnviz", **e.recipe, "text": settings.text, "layer": layer, "head": head, "query": query, "key": key}
 m1, m2, m3, m4 = st.columns(4)
 m1.metric("Score s_ij", f"{e.score:.4g}", help="q_i · k_j · scaling, before any mask or intervention")
-m2.metric("Without rotation", f"{e.nope_score:.4g}", f"{e.nope_score - e.score:+.3g}", delta_color="off",
-          help="the same product with no rotary rotation: how much of the score position makes")
-m3.metric("Top 4 rotary pairs", f"{e.top_pairs_share(4):.0%}", help="their share of Σ_p |c_p|")
+rotary = e.position == "rotary"
+m2.metric("Without rotation" if rotary else "Without the position embedding", f"{e.nope_score:.4g}",
+          f"{e.nope_score - e.score:+.3g}", delta_color="off",
+          help=("the same product with no rotary rotation" if rotary else
+                "the same product with the learned position embedding taken out of the sources")
+          + ": how much of the score position makes")
+m3.metric("Top 4 rotary pairs", f"{e.top_pairs_share(4):.0%}" if rotary else "none (learned positions)",
+          help="their share of Σ_p |c_p|")
 split = e.key_split
 m4.metric("Key side: MLP / attention / embedding", " / ".join(f"{split[k]:.3g}" for k in ("mlp", "attn", "embed")))
 fig = attribution_figure(e)
@@ -77,6 +84,7 @@ st.caption(f"Key {key} is {e.tokens[1]!r}; averaged over {e.queries} quer{'y' if
 with st.expander("Numbers (CSV)"):
     rows = pd.DataFrame([{"part": f"pair {p}", "frequency": e.frequencies[p], "contribution": c}
                          for p, c in enumerate(e.by_pair)]
+                        + [{"part": f"dim {d}", "contribution": c} for d, c in enumerate(e.by_dim)]
                         + [{"part": f"key side {s}", "contribution": v} for s, v in e.key_sources.items()]
                         + [{"part": f"query side {s}", "contribution": v} for s, v in e.query_sources.items()])
     st.dataframe(rows, hide_index=True, height=240)
@@ -90,15 +98,55 @@ st.plotly_chart(fig_d, width="stretch", key="why_diagnosis")
 figure_downloads(fig_d, {**meta, "figure": "diagnosis"}, key="why_diagnosis_x")
 
 st.subheader("Queries and keys of this head (AttentionViz)")
-view = query_key_view(run, layer, head)
+v1, v2 = st.columns([1, 2])
+pooled = v1.slider("Pool corpus samples", 0, 8, 0, key="why_pool",
+                   help="add the first texts of the default corpus (Python's pydoc topics, 96 tokens each) to the "
+                        "picture, as AttentionViz pools a corpus's samples")
+method = v2.radio("Projection", list(PROJECTIONS), horizontal=True, key="why_method",
+                  format_func={"pca": "PCA", "tsne": "t-SNE", "umap": "UMAP"}.get,
+                  help="PCA needs nothing and is deterministic; t-SNE and UMAP need scikit-learn / umap-learn")
+runs = [run]
+for sample in corpus_samples(loaded, pooled):
+    extra = get_residual(loaded, sample, settings.arch, settings.intervene, settings.prepend, settings.residual)
+    if extra is None:
+        st.stop()
+    runs.append(extra)
+try:
+    with st.spinner(f"Projecting {2 * sum(r.n_tokens for r in runs)} points ({method})…"):
+        view = query_key_view(runs, layer, head, method)
+except AttnvizError as err:
+    st.error(str(err))
+    st.stop()
 fig_q = query_key_figure(view)
 picked = st.plotly_chart(fig_q, width="stretch", key="why_qk", on_select="rerun", selection_mode="points")
-figure_downloads(fig_q, {**meta, "figure": "query-key"}, key="why_qk_x")
+figure_downloads(fig_q, {**meta, "figure": "query-key", "projection": method, "texts": len(runs)}, key="why_qk_x")
 points = (picked or {}).get("selection", {}).get("points", []) if picked else []
-if points and points[0].get("curve_number") == 0:  # a query: its attention row and its attribution above
-    chosen = int(points[0]["point_index"])
-    if chosen != st.session_state.get("why_query") and run.allowed(layer)[chosen, key]:
-        st.session_state["why_query"] = chosen
-        st.rerun()
-st.caption("Click a query (a circle) to explain its score on the key above; its attention row is the map's row "
-           "on the Heatmaps page.")
+point = (points[0].get("curve_number"), points[0].get("point_index")) if points else None
+if point is not None and point != st.session_state.get("why_last_point"):  # a new click, handled once
+    st.session_state["why_last_point"] = point
+    if point[0] == 0:  # a query: its attention row, and its attribution
+        _, sample, position = view.where(int(point[1]))
+        st.session_state["why_clicked"] = (sample, position)
+        if sample == 0 and position != query and run.allowed(layer)[position, key]:
+            st.session_state["why_query_clicked"] = position  # the attribution above follows the click
+            st.rerun()
+clicked = st.session_state.get("why_clicked")
+if clicked is None or clicked[0] == 0 or clicked[0] >= len(runs) or clicked[1] >= runs[clicked[0]].n_tokens:
+    clicked = (0, query) if query != "all" else None  # the first text's row is the query picked above
+if clicked is None:
+    st.caption("Click a query (a circle) to see its attention row and its attribution.")
+else:
+    sample, position = clicked
+    chosen = runs[sample]
+    row = chosen.probabilities(layer, head)[position]
+    shown = key if sample == 0 else chosen.sink_key(layer, head)
+    where = "" if sample == 0 else f" of pooled text {sample}"
+    fig_r = attention_row_figure(row.numpy(), list(chosen.tokens), position, shown,
+                                 f"layer {layer} head {head}: the attention row of query {position}{where} "
+                                 f"({chosen.tokens[position]!r}); key {shown} marked")
+    st.plotly_chart(fig_r, width="stretch", key="why_row")
+    figure_downloads(fig_r, {**meta, "figure": "attention-row", "query": position, "text_index": sample},
+                     key="why_row_x")
+    if sample > 0 and chosen.allowed(layer)[position, shown]:  # the page's attribution is the first text's
+        fig_e = attribution_figure(chosen.explain(layer, head, position, shown))
+        st.plotly_chart(fig_e, width="stretch", key="why_pooled_attribution")

@@ -1,7 +1,6 @@
 """KV-cache compression what-if (docs/methods.md#kv-cache-compression): each press's scores against the formula on hand-made
 attention, and the protocol against eval and a really compressed DynamicCache."""
 
-import math
 
 import numpy as np
 import pytest

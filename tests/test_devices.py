@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from attnviz.core import devices, engine
 from attnviz.stats import metrics
 from attnviz.core import masks as M
-from attnviz.stats.reduce import LayerSummary, PooledMap, Summaries
+from attnviz.stats.reduce import LayerSummary, Summaries
 from attnviz.regions import _Crop
 
 META = torch.device("meta")

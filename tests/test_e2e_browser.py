@@ -196,3 +196,27 @@ def test_the_why_page_opens_from_a_heatmaps_link_and_draws_its_figures(model_cac
         wait_title(page, "layer 29 head 0: queries and keys")
         assert "layer=29" in page.url and "head=0" in page.url
         no_exception(page)
+
+        # a click on a query in the query-key view draws its attention row and moves the attribution to it
+        chart = page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"]').filter(
+            has_text="queries and keys after").first
+        chart.scroll_into_view_if_needed()
+        target = chart.evaluate("""(el) => {
+            const gd = el.querySelector('.js-plotly-plot'), L = gd._fullLayout, box = gd.querySelector('.nsewdrag').getBoundingClientRect();
+            const px = (t, i) => [box.left + L.xaxis.l2p(t.x[i]), box.top + L.yaxis.l2p(t.y[i])];
+            const all = gd._fullData.flatMap(t => Array.from(t.x, (_, i) => px(t, i)));
+            let best = [-1, -1];  // the query farthest from every other point: a click cannot pick another
+            Array.from(gd._fullData[0].x, (_, i) => {
+                const [x, y] = px(gd._fullData[0], i);
+                const gap = Math.min(...all.map(([a, b]) => Math.hypot(a - x, b - y)).filter(d => d > 0.01));
+                if (i > 0 && gap > best[1]) best = [i, gap];
+            });
+            return [best[0], ...px(gd._fullData[0], best[0])];
+        }""")
+        query, x, y = target
+        page.mouse.move(x, y)
+        page.wait_for_timeout(300)
+        page.mouse.click(x, y)
+        wait_title(page, f"layer 29 head 0: the attention row of query {query} ")
+        wait_title(page, f"layer 29 head 0, query {query} → key 0")
+        no_exception(page)

@@ -12,7 +12,7 @@ from attnviz.core.arch import parse
 from attnviz.capture import capture
 from attnviz.errors import ModelLoadError
 
-from tiny import ARCHS, build, loaded, pair
+from tiny import ARCHS, loaded, pair
 
 N = 12
 

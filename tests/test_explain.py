@@ -17,46 +17,122 @@ TEXT = "The keeper lit the lamp, and ships passed the rocks."
 
 
 def stock_scores(kind, layer, ids):
-    """(H, n, n) scaled pre-softmax scores of ``layer`` from stock eager hooks, and the stock residual
-    stream's parts: embeddings, each earlier block's attention and MLP outputs."""
+    """(H, n, n) scaled pre-softmax scores of ``layer`` from stock eager hooks (before any soft-capping),
+    and the stock residual stream's parts: embeddings, each earlier block's attention and MLP outputs
+    (Gemma 2's after their post-norms: what the block adds to the stream)."""
     model = build(kind)
     module = importlib.import_module(type(model).__module__)
-    attn = model.model.layers[layer].self_attn
     got, parts = {}, {}
-    hooks = [attn.q_proj.register_forward_hook(lambda m, a, o: got.__setitem__("q", o)),
-             attn.k_proj.register_forward_hook(lambda m, a, o: got.__setitem__("k", o))]
+    keep = lambda name: (lambda m, a, o: got.__setitem__(name, o))  # noqa: E731
+    row = lambda name: (lambda m, a, o: parts.__setitem__(name, (o[0] if isinstance(o, tuple) else o)[0]))  # noqa: E731
+    if kind == "gpt2":
+        blocks = model.transformer.h
+        attn = blocks[layer].attn
+        hooks = [attn.c_attn.register_forward_hook(keep("qkv"))]
+    else:
+        blocks = model.model.layers
+        attn = blocks[layer].self_attn
+        hooks = ([attn.qkv_proj.register_forward_hook(keep("qkv"))] if kind == "phi3" else
+                 [attn.q_proj.register_forward_hook(keep("q")), attn.k_proj.register_forward_hook(keep("k"))])
     for l in range(layer):
-        block = model.model.layers[l]
-        hooks.append(block.self_attn.register_forward_hook(lambda m, a, o, l=l: parts.__setitem__(f"attn.{l}", o[0][0])))
-        hooks.append(block.mlp.register_forward_hook(lambda m, a, o, l=l: parts.__setitem__(f"mlp.{l}", o[0])))
+        block = blocks[l]
+        a, m = ((block.post_attention_layernorm, block.post_feedforward_layernorm) if kind == "gemma2" else
+                (block.attn, block.mlp) if kind == "gpt2" else (block.self_attn, block.mlp))
+        hooks += [a.register_forward_hook(row(f"attn.{l}")), m.register_forward_hook(row(f"mlp.{l}"))]
     with torch.no_grad():
         out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
         n, d = len(ids), attn.head_dim
+        heads = model.config.n_head if kind == "gpt2" else model.config.num_attention_heads
+        if "qkv" in got:
+            width = heads * d
+            got["q"], got["k"] = got["qkv"][..., :width], got["qkv"][..., width:width + (
+                width if kind == "gpt2" else model.config.num_key_value_heads * d)]
         q = got["q"].view(1, n, -1, d).transpose(1, 2)
         k = got["k"].view(1, n, -1, d).transpose(1, 2)
-        cos, sin = model.model.rotary_emb(out.hidden_states[layer], torch.arange(n)[None])
-        q, k = module.apply_rotary_pos_emb(q, k, cos, sin)
+        if kind != "gpt2":
+            cos, sin = model.model.rotary_emb(out.hidden_states[layer], torch.arange(n)[None])
+            q, k = module.apply_rotary_pos_emb(q, k, cos, sin)
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        scores = (q @ k.transpose(-1, -2))[0] * attn.scaling
+        scale = d ** -0.5 if kind == "gpt2" else attn.scaling
+        scores = (q @ k.transpose(-1, -2))[0] * scale
     for hook in hooks:
         hook.remove()
     return scores, out.hidden_states, parts
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+FAMILIES = ["llama", "qwen2", "mistral", "phi3", "gemma2", "gpt_oss", "gpt2"]
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
 def test_the_score_and_its_parts_match_stock_transformers(kind):
     lm = loaded(kind)
     ids = lm.tokenizer(TEXT)["input_ids"]
     layer, head, i, j = 2, 3, 17, 4
-    scores, _, _ = stock_scores(kind, layer, ids)
+    scores, hidden, parts = stock_scores(kind, layer, ids)
     e = explain(lm, TEXT, "fwd", layer=layer, head=head, query=i, key=j)
     assert e.score == pytest.approx(float(scores[head, i, j]), abs=1e-4)
-    assert sum(e.by_pair) == pytest.approx(e.score, abs=1e-4) and sum(e.by_dim) == pytest.approx(e.score, abs=1e-4)
-    assert len(e.by_pair) * 2 == len(e.by_dim) == lm.model.model.layers[0].self_attn.head_dim
+    assert sum(e.by_dim) == pytest.approx(e.score, abs=1e-4)
+    assert len(e.by_dim) == (lm.model.config.n_embd // lm.n_heads if kind == "gpt2" else
+                             lm.model.model.layers[0].self_attn.head_dim)
     assert sum(e.key_sources.values()) == pytest.approx(e.score, abs=1e-4)
     assert sum(e.query_sources.values()) == pytest.approx(e.score, abs=1e-4)
     assert set(e.key_sources) >= {"embed", "attn.0", "mlp.0", "attn.1", "mlp.1"}
-    assert ("bias" in e.key_sources) == (kind == "qwen2")  # Qwen2's q/k projections carry a bias
+    assert ("bias" in e.key_sources) == (kind in ("qwen2", "gpt_oss", "gpt2"))  # q/k bias (GPT-2: and LayerNorm's β)
+    # the stream's parts are the stock model's: the sources (and the embeddings) sum to its hidden state
+    total = sum(parts[f"{b}.{l}"] for l in range(layer) for b in ("attn", "mlp")) + hidden[0][0]
+    torch.testing.assert_close(total, hidden[layer][0], atol=1e-4, rtol=1e-4)
+    if kind == "gpt2":  # learned positions: no rotary pairs; the position embedding is a source of its own
+        assert e.by_pair == [] and e.frequencies == [] and "pos" in e.key_sources and e.position == "learned absolute"
+    else:
+        assert sum(e.by_pair) == pytest.approx(e.score, abs=1e-4) and len(e.by_pair) * 2 == len(e.by_dim)
+    if kind == "gemma2":  # the softmax sees cap · tanh(s / cap), as the stock eager forward computes it
+        cap = lm.model.config.attn_logit_softcapping
+        assert e.softcapped_score == pytest.approx(cap * float(torch.tanh(scores[head, i, j] / cap)), abs=1e-5)
+    else:
+        assert e.softcapped_score is None
+
+
+def test_gpt2_s_counterfactual_is_the_score_without_the_position_embedding():
+    lm = loaded("gpt2")
+    model = lm.model
+    ids = lm.tokenizer(TEXT)["input_ids"]
+    layer, head, i, j = 1, 2, 14, 3
+    _, hidden, _ = stock_scores("gpt2", layer, ids)
+    block = model.transformer.h[layer]
+    x = hidden[layer][0]
+    pos = model.transformer.wpe(torch.arange(len(ids)))
+    with torch.no_grad():
+        centred = x - x.mean(-1, keepdim=True)
+        sigma = torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + block.ln_1.eps)  # frozen at the run's value
+        y = x - pos
+        normed = block.ln_1.weight * (y - y.mean(-1, keepdim=True)) / sigma + block.ln_1.bias
+        qkv = block.attn.c_attn(normed)
+        d, width = block.attn.head_dim, model.config.n_embd
+        q, k = qkv[:, head * d:(head + 1) * d], qkv[:, width + head * d:width + (head + 1) * d]
+    e = explain(lm, TEXT, "fwd", layer=layer, head=head, query=i, key=j)
+    assert e.nope_score == pytest.approx(float(q[i] @ k[j]) / d ** 0.5, abs=1e-5)
+    assert e.as_json()["nope_means"] == "the score without the position embedding in the sources"
+
+
+def test_gpt_oss_s_sink_key_counts_its_learned_sink():
+    from attnviz.effects.explain import Residual
+
+    lm = loaded("gpt_oss")
+    run = Residual(lm, TEXT)
+    probs = run.probabilities(1, 2)
+    sink = float(lm.model.model.layers[1].self_attn.sinks[2].detach())
+    part = run.head(1, 2)
+    logits = ((part["q"] @ part["k"].T) * part["scale"]).masked_fill(~run.allowed(1), float("-inf"))
+    expected = torch.exp(logits) / (torch.exp(logits).sum(-1, keepdim=True) + np.exp(sink))
+    torch.testing.assert_close(probs, expected, atol=1e-6, rtol=1e-5)
+    assert float(probs.sum(-1).max()) < 1  # the learned sink takes its share of every row
+
+
+def test_a_partial_rotation_is_refused_in_one_line():
+    lm = loaded("phi3")
+    lm.model.config.partial_rotary_factor = 0.5
+    with pytest.raises(InputError, match="partial rotary"):
+        explain(lm, TEXT, "fwd", layer=0, head=0, query=5, key=1)
 
 
 def test_a_source_s_contribution_is_its_hand_computation():
@@ -128,8 +204,10 @@ def test_the_run_s_own_architecture_and_intervention():
 def test_bad_cells_are_refused(kwargs, message):
     with pytest.raises(InputError, match=message):
         explain(loaded("llama"), TEXT, "fwd", **kwargs)
-    with pytest.raises(InputError, match="gpt2, whose norm"):
-        explain(loaded("gpt2"), TEXT, "fwd", layer=0, head=0, query=5, key=1)
+    falcon = loaded("llama")
+    falcon.model.config.model_type = "falcon"  # a family whose scheme is not worked out
+    with pytest.raises(InputError, match="falcon, whose norm and position scheme is not worked out"):
+        explain(falcon, TEXT, "fwd", layer=0, head=0, query=5, key=1)
 
 
 def test_the_figure_draws_pairs_and_sources():
@@ -194,6 +272,60 @@ def test_the_diagnosis_and_the_query_key_view_of_a_layer():
     assert [t.type for t in fig.data] == ["scatter", "scatter", "scatter"]  # SVG below 2,000 points
 
 
+def test_the_query_key_view_pools_several_texts_and_keeps_every_softmax():
+    from attnviz.effects.explain import Residual, attentionviz, corpus_samples, query_key_view
+    from attnviz.figures.why import query_key_figure
+
+    lm = loaded("llama")
+    samples = corpus_samples(lm, 2, tokens=20)
+    assert len(samples) == 2 and all(samples)
+    runs = [Residual(lm, TEXT)] + [Residual(lm, t) for t in samples]
+    view = query_key_view(runs, 1, 2)
+    sizes = [r.n_tokens for r in runs]
+    assert view.n == sum(sizes) and len(view.points) == 2 * view.n and view.samples.count(2) == sizes[2]
+    for s, run in enumerate(runs):  # each text's sink key, as an index into the pooled tokens
+        kind, sample, position = view.where(view.n + view.sink_keys[s])
+        assert (kind, sample, position) == ("key", s, run.sink_key(1, 2))
+    assert view.where(sizes[0] + 3) == ("query", 1, 3)
+    # the pooled transform keeps each text's rows: the translation uses the pooled means
+    q = torch.cat([r.head(1, 2)["q"] for r in runs])
+    k = torch.cat([r.head(1, 2)["k"] for r in runs])
+    q2, k2, _ = attentionviz(q, k)
+    assert (torch.softmax(q @ k.T, -1) - torch.softmax(q2 @ k2.T, -1)).abs().max() < 1e-5
+    fig = query_key_figure(view)
+    assert "3 texts pooled" in fig.layout.title.text and len(fig.data[2].x) == 3  # three sink keys ringed
+
+
+def test_t_sne_is_an_option_and_a_missing_projection_library_is_one_line(monkeypatch):
+    from attnviz.effects.explain import Residual, project, query_key_view
+
+    run = Residual(loaded("llama"), TEXT)
+    pytest.importorskip("sklearn")
+    view = query_key_view(run, 2, 1, "tsne")
+    again = query_key_view(run, 2, 1, "tsne")
+    assert view.method == "tsne" and len(view.points) == 2 * run.n_tokens and view.points == again.points  # seeded
+    with pytest.raises(InputError, match="unknown projection 'mds'"):
+        project(torch.zeros(4, 3), "mds")
+    import builtins
+
+    real = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
+                        if name == "umap" else real(name, *a, **k))
+    with pytest.raises(InputError, match="needs umap-learn, which is not installed"):
+        query_key_view(run, 2, 1, "umap")
+
+
+def test_an_attention_row_figure_marks_the_explained_key():
+    from attnviz.effects.explain import Residual
+    from attnviz.figures.why import attention_row_figure
+
+    run = Residual(loaded("llama"), TEXT)
+    row = run.probabilities(2, 1)[12]
+    fig = attention_row_figure(row.numpy(), list(run.tokens), 12, 0)
+    assert list(fig.data[0].y) == pytest.approx(row.tolist()) and fig.data[0].marker.color[0] == "#c0392b"
+    assert sum(fig.data[0].y) == pytest.approx(1.0, abs=1e-5) and fig.data[0].y[13] == 0  # causal: no later key
+
+
 def test_the_why_page_opens_at_a_cell_and_a_query_click_updates_it(default_model, tmp_path):
     from test_app import app_test, charts, on_page, texts
 
@@ -213,8 +345,12 @@ def test_the_why_page_opens_at_a_cell_and_a_query_click_updates_it(default_model
     bars = next(f for f in figures if "layer 29 head 3, all" in str(f["layout"]["title"]["text"]))["data"][0]
     np.testing.assert_allclose(bars["y"], expected.by_pair, atol=1e-5)
     at.selectbox(key="why_query").set_value(5).run()  # the same path as a click on query 5 in the picture
-    assert not at.exception and any("query 5 → key 0" in str(f["layout"].get("title", {}).get("text", ""))
-                                    for f in charts(at))
+    titles = [str(f["layout"].get("title", {}).get("text", "")) for f in charts(at)]
+    assert not at.exception and any("query 5 → key 0" in t for t in titles)
+    assert any("the attention row of query 5" in t for t in titles)  # the picked query's row beside its attribution
+    at.slider(key="why_pool").set_value(2).run()  # two corpus samples pooled into the query-key view
+    assert not at.exception and not at.error, texts(at.error)
+    assert any("3 texts pooled" in str(f["layout"].get("title", {}).get("text", "")) for f in charts(at))
 
 
 def test_the_sweep_s_explain_measure_names_each_layer_s_leading_source():

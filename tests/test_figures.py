@@ -10,7 +10,7 @@ from attnviz.core.arch import parse
 from attnviz.capture import capture
 from attnviz.figures import (allocation_bars, architecture_masks, heatmap, key_profile, overview, panels,
                              shift_panels, sink_grid, stablemask_pseudo, tile_at)
-from attnviz.figures.style import HOVER_MAX, LOG_FLOOR, MASKED, max_pool
+from attnviz.figures.style import LOG_FLOOR, MASKED, max_pool
 
 from tiny import loaded
 

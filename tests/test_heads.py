@@ -4,7 +4,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from attnviz.effects import heads
 from attnviz.errors import InputError

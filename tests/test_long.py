@@ -1,6 +1,5 @@
 """Long texts: pooled maps, zoomed regions, size estimates and the memory budget."""
 
-import os
 
 import numpy as np
 import pytest

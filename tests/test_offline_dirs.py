@@ -2,7 +2,6 @@
 types it; only names that are not directories go to the Hub. The Hub is made unreachable here."""
 
 import json
-import os
 
 import pytest
 import torch

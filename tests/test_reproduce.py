@@ -1,7 +1,6 @@
 """`attnviz reproduce`: one PDF, a page per paper's headline figure, each with its
 claim, the number measured here, the published number and the command; parsed back with pypdf."""
 
-import io
 import json
 
 import pytest

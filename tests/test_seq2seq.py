@@ -174,7 +174,7 @@ def test_cli_cross_attention_of_a_decoder_only_model_is_refused(model_cache, tmp
 
 
 def test_heatmaps_page_shows_the_three_kinds_of_an_encoder_decoder(t5_dir, tmp_path, model_cache):
-    from test_app import ROOT, app_test, arr, charts, on_page, texts
+    from test_app import app_test, arr, charts, on_page, texts
 
     at = app_test(tmp_path)
     at.run()

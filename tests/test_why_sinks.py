@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from attnviz.effects import dataset
-from attnviz.core import engine
 from attnviz.stats import metrics
 from attnviz.capture import Capture, capture
 from attnviz.errors import AttnvizError, InputError, ModelLoadError

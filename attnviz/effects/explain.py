@@ -13,26 +13,29 @@ For one layer, head, query i and key j (or every query that may see key j, avera
 
 One forward under the recipe records the residual stream and the blocks' outputs (forward hooks on
 the attention and MLP modules, removed after the pass; no modelling code is patched); the products are
-float32 on the device the layer ran on. Llama, Mistral and Qwen2 (SmolLM2 is a Llama) are exact;
-other families are refused with one line that names them.
+float32 on the device the layer ran on. Llama, Mistral, Qwen2 (SmolLM2 is a Llama), Phi-3, Gemma 2,
+gpt-oss and GPT-2 are exact, each with its own norm and position scheme (:mod:`attnviz.effects.schemes`);
+other families are refused with one line that names them. GPT-2 has learned absolute positions: its
+counterfactual is the score without the position embedding in the sources (source "pos"), and it has
+no rotary pairs.
 """
 
 from __future__ import annotations
 
-import math
+import importlib
 from dataclasses import dataclass, field
 
 import torch
 
 from attnviz.capture import tokenize
 from attnviz.core.models import LoadedModel
+from attnviz.effects import schemes
 from attnviz.errors import InputError
 from attnviz.recipe import build
 
 DIAGNOSIS_TOKENS = 256  # the text a sweep's explain measure diagnoses: its corpus's first tokens
 
-#: families whose attention is q = R·W_Q·RMSNorm(x) (+ bias), k likewise: the decomposition is exact
-SUPPORTED = ("llama", "mistral", "qwen2")
+SUPPORTED = schemes.FAMILIES  # families whose scores decompose exactly (their schemes are in schemes.py)
 
 
 @dataclass
@@ -44,15 +47,17 @@ class Explanation:
     query: int | str  # a position, or "all": the mean over every query the mask lets see the key
     key: int
     score: float
-    nope_score: float
-    by_pair: list[float]  # D/2 contributions, pair p = dimensions (p, p + D/2)
+    nope_score: float  # without rotation; with learned positions, without the position embedding
+    by_pair: list[float]  # D/2 contributions, pair p = dimensions (p, p + D/2); none without rotary positions
     by_dim: list[float]  # D contributions
-    key_sources: dict[str, float]  # "embed", "attn.L", "mlp.L", "bias": sums to score
+    key_sources: dict[str, float]  # "embed", ("pos",) "attn.L", "mlp.L", "bias": sums to score
     query_sources: dict[str, float]
     frequencies: list[float]  # the rotary frequency of each pair (radians per token)
     tokens: tuple[str, str]  # the query's (or "all") and the key's token
     queries: int = 1  # how many queries were averaged
     recipe: dict = field(default_factory=dict)
+    position: str = "rotary"  # or "learned absolute"
+    softcapped_score: float | None = None  # what the softmax sees, where the family soft-caps its logits
 
     def as_json(self) -> dict:
         r6 = lambda x: round(float(x), 6)  # noqa: E731
@@ -62,14 +67,19 @@ class Explanation:
                 "query_sources": {k: r6(v) for k, v in self.query_sources.items()},
                 "layer": self.layer, "head": self.head, "query": self.query, "key": self.key,
                 **({"queries_averaged": self.queries} if self.query == "all" else {}),
-                "frequencies": [r6(x) for x in self.frequencies], "recipe": self.recipe}
+                "frequencies": [r6(x) for x in self.frequencies], "position": self.position,
+                "nope_means": ("the score without the rotary rotation" if self.position == "rotary"
+                               else "the score without the position embedding in the sources"),
+                **({"softcapped_score": r6(self.softcapped_score)} if self.softcapped_score is not None else {}),
+                "recipe": self.recipe}
 
     @property
     def key_split(self) -> dict[str, float]:
         """The key side summed by kind of source: embedding, attention blocks, MLP blocks, bias."""
         out = {"embed": 0.0, "attn": 0.0, "mlp": 0.0, "bias": 0.0}
         for name, value in self.key_sources.items():
-            out[name.split(".")[0]] += value
+            kind = name.split(".")[0]
+            out[kind] = out.get(kind, 0.0) + value
         return out
 
     def top_pairs_share(self, k: int) -> float:
@@ -112,21 +122,16 @@ class Residual:
         """``upto``: the highest layer asked about (sources are kept below it; default every layer);
         ``on_layer(done, total)`` reports the forward's progress."""
         built = build(loaded, arch, intervene, prepend).only("score attribution", "intervene", "prepend")
-        family = getattr(loaded.config, "model_type", "?")
-        if family not in SUPPORTED:
-            raise InputError(f"score attribution supports {', '.join(SUPPORTED)} models (pre-norm, rotary); "
-                             f"{loaded.model_id} is {family}, whose norm and position scheme is not worked out here")
+        self.scheme = schemes.scheme(loaded)
         self.loaded, self.built = loaded, built
         self.ids, self.tokens = tokenize(loaded, text, prepend=built.recipe.prepend)
         self.upto = loaded.n_layers - 1 if upto is None else upto
-        blocks = loaded.model.model.layers
         sources: dict[str, torch.Tensor] = {}
         hooks = []
         for l in range(self.upto):
-            hooks.append(blocks[l].self_attn.register_forward_hook(
-                lambda m, args, out, l=l: sources.__setitem__(f"attn.{l}", out[0][0].detach().float())))
-            hooks.append(blocks[l].mlp.register_forward_hook(
-                lambda m, args, out, l=l: sources.__setitem__(f"mlp.{l}", out[0].detach().float())))
+            for kind, module in zip(("attn", "mlp"), schemes.source_modules(loaded.model, self.scheme, l)):
+                hooks.append(module.register_forward_hook(
+                    lambda m, args, out, name=f"{kind}.{l}": sources.__setitem__(name, schemes.first_row(out))))
         try:
             _, hidden, _ = built.forward(loaded, torch.tensor([self.ids]), output_hidden_states=True,
                                          last_logits_only=True,
@@ -135,7 +140,8 @@ class Residual:
             for hook in hooks:
                 hook.remove()
         self.hidden = [h[0].float() for h in hidden[:self.upto + 1]]  # the input of layers 0 .. upto
-        self.sources = {"embed": self.hidden[0], **sources}
+        self.sources = {**schemes.embeddings(loaded.model, self.scheme, self.ids, self.hidden[0]),
+                        **dict(sorted(sources.items(), key=lambda kv: (int(kv[0].split(".")[1]), kv[0]))),}
 
     @property
     def n_tokens(self) -> int:
@@ -160,36 +166,51 @@ class Residual:
         """(n, n) the layer's allow-set (its mask; the model's own sliding window is not applied here)."""
         return torch.from_numpy(self.built.architecture.layers[layer].matrix(self.n_tokens))
 
+    def _before(self, layer: int) -> dict[str, torch.Tensor]:
+        """The sources of the residual stream entering ``layer``."""
+        return {name: s for name, s in self.sources.items() if "." not in name or int(name.split(".")[1]) < layer}
+
     @torch.no_grad()
     def head(self, layer: int, head: int) -> dict:
-        """Everything one head's scores are made of: weights, norm, rotation, and the plain and rotated q, k."""
-        attn, norm = self.loaded.model.model.layers[layer].self_attn, self.loaded.model.model.layers[layer].input_layernorm
-        d = attn.head_dim
-        kv = head // (self.loaded.n_heads // self.loaded.n_kv_heads)
+        """Everything one head's scores are made of: weights, norm, rotation, and the plain and rotated q, k
+        (with learned positions, also q and k without the position embedding: the counterfactual's)."""
+        model, s = self.loaded.model, self.scheme
         x = self.hidden[layer]
-        part = {"d": d, "scale": float(getattr(attn, "scaling", d ** -0.5)), "gamma": norm.weight.float(),
-                "w_q": attn.q_proj.weight[head * d:(head + 1) * d].float(),
-                "w_k": attn.k_proj.weight[kv * d:(kv + 1) * d].float(),
-                "b_q": attn.q_proj.bias[head * d:(head + 1) * d].float() if attn.q_proj.bias is not None else None,
-                "b_k": attn.k_proj.bias[kv * d:(kv + 1) * d].float() if attn.k_proj.bias is not None else None}
-        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-        part["inv_rms"] = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # (n, 1): frozen at the run's value
-        cos, sin = self.loaded.model.model.rotary_emb(x[None], torch.arange(self.n_tokens, device=x.device)[None])
-        part["cos"], part["sin"] = cos[0].float(), sin[0].float()
-        normed = part["gamma"] * x * part["inv_rms"]
-        part["q_plain"] = normed @ part["w_q"].T + (part["b_q"] if part["b_q"] is not None else 0)
-        part["k_plain"] = normed @ part["w_k"].T + (part["b_k"] if part["b_k"] is not None else 0)
-        part["q"] = _rotate(part["q_plain"], part["cos"], part["sin"])
-        part["k"] = _rotate(part["k_plain"], part["cos"], part["sin"])
+        part = schemes.head_parts(model, s, layer, head, self.loaded.n_heads, self.loaded.n_kv_heads, x)
+        part["b_q_all"], part["b_k_all"] = schemes.effective_bias(part, "q"), schemes.effective_bias(part, "k")
+        part["rotation"] = schemes.rotation(model, s, x, self.n_tokens)
+        n = schemes.normed(part, x, part["inv"])
+        part["q_plain"] = n @ part["w_q"].T + (part["b_q_all"] if part["b_q_all"] is not None else 0)
+        part["k_plain"] = n @ part["w_k"].T + (part["b_k_all"] if part["b_k_all"] is not None else 0)
+        part["q"], part["k"] = self._rotate(part, part["q_plain"]), self._rotate(part, part["k_plain"])
+        if s.rotary:
+            part["q_nope"], part["k_nope"] = part["q_plain"], part["k_plain"]
+        else:
+            pos = schemes.normed(part, self.sources["pos"], part["inv"])
+            part["q_nope"] = part["q_plain"] - pos @ part["w_q"].T
+            part["k_nope"] = part["k_plain"] - pos @ part["w_k"].T
         return part
+
+    @staticmethod
+    def _rotate(part: dict, v: torch.Tensor, rows=slice(None)) -> torch.Tensor:
+        """R_t v at the positions ``rows`` (identity with learned positions)."""
+        if part["rotation"] is None:
+            return v
+        cos, sin = part["rotation"]
+        return _rotate(v, cos[rows], sin[rows])
 
     @torch.no_grad()
     def probabilities(self, layer: int, head: int, part: dict | None = None) -> torch.Tensor:
-        """(n, n) the head's softmax of its scores under the layer's mask (no intervention): what its sink key
+        """(n, n) the head's softmax of its scores under the layer's mask (no intervention; soft-capped and
+        with its learned sink logit where the family has them): what its sink key
         (docs/methods.md#sink-key-and-shift-rate) is read from."""
         part = part or self.head(layer, head)
-        scores = (part["q"] @ part["k"].T) * part["scale"]
-        return torch.softmax(scores.masked_fill(~self.allowed(layer), float("-inf")), -1)
+        logits = schemes.softmax_logits(part, (part["q"] @ part["k"].T) * part["scale"])
+        logits = logits.masked_fill(~self.allowed(layer), float("-inf"))
+        if part["sink"] is not None:  # gpt-oss: the sink takes its share of each row, then is dropped
+            sink = torch.full((logits.shape[0], 1), part["sink"], dtype=logits.dtype)
+            return torch.softmax(torch.cat([logits, sink], -1), -1)[:, :-1]
+        return torch.softmax(logits, -1)
 
     def sink_key(self, layer: int, head: int, part: dict | None = None) -> int:
         """The head's sink key: the argmax of the column mean of :meth:`probabilities`."""
@@ -199,7 +220,7 @@ class Residual:
     def explain(self, layer: int, head: int, query: int | str, key: int, part: dict | None = None) -> Explanation:
         layer = self.check(layer, head)
         n, arch = self.n_tokens, self.built.recipe.arch
-        if not 0 <= key < n:
+        if not isinstance(key, int) or not 0 <= key < n:
             raise InputError(f"key {key} is outside the text's {n} tokens (0..{n - 1})")
         allowed = self.allowed(layer)
         if query == "all":
@@ -214,31 +235,35 @@ class Residual:
                                  "that cell is masked, it has no score to explain")
             rows = torch.tensor([query])
         p = part or self.head(layer, head)
-        cos, sin, scale, half = p["cos"], p["sin"], p["scale"], p["d"] // 2
+        scale, half = p["scale"], p["d"] // 2
         q, k = p["q"][rows], p["k"][key]
         by_dim = (q * k[None] * scale).mean(0)
-        nope = float((p["q_plain"][rows] * p["k_plain"][key][None]).sum(-1).mean() * scale)
-        named = {name: s for name, s in self.sources.items() if name == "embed" or int(name.split(".")[1]) < layer}
-        gamma, inv_rms = p["gamma"], p["inv_rms"]
+        score = float(by_dim.sum())
+        nope = float((p["q_nope"][rows] * p["k_nope"][key][None]).sum(-1).mean() * scale)
+        named = self._before(layer)
+        inv = p["inv"]
         at_key = torch.stack([s[key] for s in named.values()])  # (S, hidden): only the rows read, not (S, n, hidden)
         at_rows = torch.stack([s[rows] for s in named.values()])  # (S, I, hidden)
-        k_src = _rotate((gamma * at_key * inv_rms[key]) @ p["w_k"].T, cos[key], sin[key])  # (S, D)
+        k_src = self._rotate(p, schemes.normed(p, at_key, inv[key]) @ p["w_k"].T, key)  # (S, D)
         key_parts = (q.mean(0)[None] * k_src).sum(-1) * scale
-        q_src = _rotate((gamma * at_rows * inv_rms[rows][None]) @ p["w_q"].T, cos[rows], sin[rows])
+        q_src = self._rotate(p, schemes.normed(p, at_rows, inv[rows][None]) @ p["w_q"].T, rows)
         query_parts = (q_src * k[None, None]).sum(-1).mean(-1) * scale
         key_sources = {name: float(v) for name, v in zip(named, key_parts)}
         query_sources = {name: float(v) for name, v in zip(named, query_parts)}
-        if p["b_k"] is not None:
-            key_sources["bias"] = float((q.mean(0) * _rotate(p["b_k"], cos[key], sin[key])).sum() * scale)
-        if p["b_q"] is not None:
-            query_sources["bias"] = float((_rotate(p["b_q"][None].expand(len(rows), -1), cos[rows], sin[rows])
+        if p["b_k_all"] is not None:
+            key_sources["bias"] = float((q.mean(0) * self._rotate(p, p["b_k_all"], key)).sum() * scale)
+        if p["b_q_all"] is not None:
+            query_sources["bias"] = float((self._rotate(p, p["b_q_all"][None].expand(len(rows), -1), rows)
                                            * k[None]).sum(-1).mean() * scale)
-        inv_freq = getattr(self.loaded.model.model.rotary_emb, "inv_freq", torch.full((half,), math.nan))
-        return Explanation(layer, head, "all" if query == "all" else int(query), key, float(by_dim.sum()), nope,
-                           (by_dim[:half] + by_dim[half:]).tolist(), by_dim.tolist(), key_sources, query_sources,
-                           inv_freq.float().tolist()[:half],
+        rotary = self.scheme.rotary
+        capped = None
+        if p["softcap"]:
+            capped = float(schemes.softmax_logits(p, (q * k[None]).sum(-1) * scale).mean())
+        return Explanation(layer, head, "all" if query == "all" else int(query), key, score, nope,
+                           (by_dim[:half] + by_dim[half:]).tolist() if rotary else [], by_dim.tolist(), key_sources,
+                           query_sources, schemes.frequencies(self.loaded.model, self.scheme, half),
                            ("all" if query == "all" else self.tokens[int(query)], self.tokens[key]), len(rows),
-                           self.built.recipe.to_dict())
+                           self.built.recipe.to_dict(), self.scheme.position, capped)
 
 
 @torch.no_grad()
@@ -294,7 +319,7 @@ def diagnose(run: Residual, layer: int, key: int | str = "sink", top: int = 3) -
                       "nope_score": round(e.nope_score, 6),
                       "top_pairs": [{"pair": p, "frequency": round(e.frequencies[p], 6), "contribution": round(e.by_pair[p], 6)}
                                     for p in order[:8]],
-                      "pair_share": {str(k): round(e.top_pairs_share(k), 4) for k in (1, 4, 8)},
+                      "pair_share": {str(k): round(e.top_pairs_share(k), 4) for k in (1, 4, 8)} if e.by_pair else None,
                       "key_sources": [(n, round(v, 6)) for n, v in ranked(e.key_sources)],
                       "query_sources": [(n, round(v, 6)) for n, v in ranked(e.query_sources)],
                       "key_split": {k: round(v, 6) for k, v in e.key_split.items()}})
@@ -305,19 +330,36 @@ def diagnose(run: Residual, layer: int, key: int | str = "sink", top: int = 3) -
 
 @dataclass
 class QueryKeyView:
-    """One head's rotated queries and keys in one 2D picture (docs/methods.md#query-key-view)."""
+    """One head's rotated queries and keys, of one text or of several pooled, in one 2D picture
+    (docs/methods.md#query-key-view)."""
 
     layer: int
     head: int
-    points: list[tuple[float, float]]  # the n queries, then the n keys
+    points: list[tuple[float, float]]  # the n queries, then the n keys (n: all texts' tokens, text by text)
     tokens: list[str]
-    sink_key: int
+    sink_keys: list[int]  # each text's sink key, as an index into ``tokens``
     scale: float  # c: queries times c, keys (translated) divided by c
     method: str = "pca"
+    positions: list[int] = field(default_factory=list)  # each token's position in its text
+    samples: list[int] = field(default_factory=list)  # each token's text (0: the first)
+
+    def __post_init__(self):
+        self.positions = self.positions or list(range(len(self.tokens)))
+        self.samples = self.samples or [0] * len(self.tokens)
 
     @property
     def n(self) -> int:
         return len(self.tokens)
+
+    @property
+    def sink_key(self) -> int:
+        """The first text's sink key."""
+        return self.sink_keys[0]
+
+    def where(self, point: int) -> tuple[str, int, int]:
+        """A point's kind ("query" or "key"), its text and its position in that text."""
+        kind, index = ("query", point) if point < self.n else ("key", point - self.n)
+        return kind, self.samples[index], self.positions[index]
 
 
 @torch.no_grad()
@@ -330,18 +372,61 @@ def attentionviz(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.
     return q * c, k / c, c
 
 
+PROJECTIONS = {"pca": None, "tsne": ("sklearn.manifold", "scikit-learn"), "umap": ("umap", "umap-learn")}
+
+
+def project(points: torch.Tensor, method: str = "pca") -> torch.Tensor:
+    """(N, D) to (N, 2). PCA is deterministic (each component's sign fixed by its largest entry); t-SNE
+    (scikit-learn) and UMAP (umap-learn) run where those are installed (``pip install 'attnviz[projection]'``),
+    seeded, so the same points give the same picture."""
+    if method not in PROJECTIONS:
+        raise InputError(f"unknown projection '{method}'; expected one of {', '.join(PROJECTIONS)}")
+    if method == "pca":
+        centred = points - points.mean(0)
+        _, _, v = torch.linalg.svd(centred, full_matrices=False)
+        axes = v[:2]
+        axes = axes * torch.sign(axes.gather(1, axes.abs().argmax(1, keepdim=True)))
+        return centred @ axes.T
+    module, package = PROJECTIONS[method]
+    try:
+        lib = importlib.import_module(module)
+    except ImportError:
+        raise InputError(f"the {method} projection needs {package}, which is not installed: "
+                         f"pip install {package} (or attnviz[projection]); PCA needs nothing") from None
+    data = points.double().cpu().numpy()
+    if method == "tsne":
+        fitted = lib.TSNE(n_components=2, init="pca", random_state=0,
+                          perplexity=float(min(30.0, max(2.0, (len(data) - 1) / 3)))).fit_transform(data)
+    else:
+        fitted = lib.UMAP(n_components=2, random_state=0, n_neighbors=min(15, len(data) - 1)).fit_transform(data)
+    return torch.from_numpy(fitted).float()
+
+
 @torch.no_grad()
-def query_key_view(run: Residual, layer: int, head: int) -> QueryKeyView:
-    """The head's rotated queries and keys after :func:`attentionviz`, projected together onto their two
-    principal components (deterministic: the sign of each component is fixed by its largest entry)."""
-    layer = run.check(layer, head)
-    part = run.head(layer, head)
-    q, k, c = attentionviz(part["q"], part["k"])
-    both = torch.cat([q, k])
-    centred = both - both.mean(0)
-    _, _, v = torch.linalg.svd(centred, full_matrices=False)
-    axes = v[:2]
-    axes = axes * torch.sign(axes.gather(1, axes.abs().argmax(1, keepdim=True)))
-    xy = centred @ axes.T
-    return QueryKeyView(layer, head, [tuple(map(float, p)) for p in xy], list(run.tokens),
-                        run.sink_key(layer, head, part), c)
+def query_key_view(runs: "Residual | list[Residual]", layer: int, head: int, method: str = "pca") -> QueryKeyView:
+    """The head's rotated queries and keys after :func:`attentionviz` (means over every point shown), of one
+    run or of several pooled (as AttentionViz pools a corpus's samples), projected together by ``method``."""
+    runs = [runs] if isinstance(runs, Residual) else list(runs)
+    if not runs:
+        raise InputError("the query-key view needs at least one text")
+    qs, ks, tokens, sinks, positions, samples = [], [], [], [], [], []
+    for s, run in enumerate(runs):
+        layer = run.check(layer, head)
+        part = run.head(layer, head)
+        sinks.append(len(tokens) + run.sink_key(layer, head, part))
+        qs.append(part["q"]), ks.append(part["k"])
+        tokens += list(run.tokens)
+        positions += list(range(run.n_tokens))
+        samples += [s] * run.n_tokens
+    q, k, c = attentionviz(torch.cat(qs), torch.cat(ks))
+    xy = project(torch.cat([q, k]), method)
+    return QueryKeyView(layer, head, [tuple(map(float, p)) for p in xy], tokens, sinks, c, method, positions, samples)
+
+
+def corpus_samples(loaded: LoadedModel, count: int, tokens: int = 96) -> list[str]:
+    """The first ``count`` topics of the default corpus (Python's own ``pydoc_data.topics``), each cut to its
+    first ``tokens`` tokens: the samples the query-key view pools beside a text."""
+    from attnviz import corpus
+
+    return [loaded.tokenizer.decode(corpus.head_ids(loaded.tokenizer, text, tokens))
+            for text in corpus.stdlib().documents[:count]]

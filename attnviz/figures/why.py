@@ -67,23 +67,31 @@ def top_activation_rows(cap: Capture, per_layer: int = 2) -> list[dict]:
 
 def attribution_figure(explanation) -> go.Figure:
     """A score's attribution (docs/methods.md#score-attribution): by rotary pair, low frequencies to the
-    right (pair p turns by θ_p radians per token), and by source on the key and the query side."""
+    right (pair p turns by θ_p radians per token), or by dimension where positions are learned, and by
+    source on the key and the query side."""
     e = explanation
-    pairs = list(range(len(e.by_pair)))
+    rotary = bool(e.by_pair)
     fig = make_subplots(rows=1, cols=2, column_widths=[0.6, 0.4], horizontal_spacing=0.1,
-                        subplot_titles=("by rotary pair", "by source"))
-    fig.add_trace(go.Bar(x=pairs, y=e.by_pair, marker_color="#1f4e9c", name="pair",
-                         customdata=np.array(e.frequencies[:len(pairs)]),
-                         hovertemplate="pair %{x} (θ = %{customdata:.3g} rad/token)<br>%{y:.4g}<extra></extra>"),
-                  row=1, col=1)
+                        subplot_titles=("by rotary pair" if rotary else "by dimension (learned positions: no pairs)",
+                                        "by source"))
+    if rotary:
+        fig.add_trace(go.Bar(x=list(range(len(e.by_pair))), y=e.by_pair, marker_color="#1f4e9c", name="pair",
+                             customdata=np.array(e.frequencies[:len(e.by_pair)]),
+                             hovertemplate="pair %{x} (θ = %{customdata:.3g} rad/token)<br>%{y:.4g}<extra></extra>"),
+                      row=1, col=1)
+    else:
+        fig.add_trace(go.Bar(x=list(range(len(e.by_dim))), y=e.by_dim, marker_color="#1f4e9c", name="dimension",
+                             hovertemplate="dimension %{x}<br>%{y:.4g}<extra></extra>"), row=1, col=1)
     names = list(dict.fromkeys(list(e.key_sources) + list(e.query_sources)))
     for side, values, colour in (("key side", e.key_sources, "#c0392b"), ("query side", e.query_sources, "#7f8c8d")):
         fig.add_trace(go.Bar(x=names, y=[values.get(n, 0.0) for n in names], name=side, marker_color=colour,
                              hovertemplate=f"{side}: %{{x}}<br>%{{y:.4g}}<extra></extra>"), row=1, col=2)
     where = f"query {e.query}" if e.query != "all" else f"all {e.queries} queries"
-    layout(fig, f"layer {e.layer} head {e.head}, {where} → key {e.key} ({e.tokens[1]!r}): score {e.score:.3g}, "
-                f"without rotation {e.nope_score:.3g}", height=380)
-    fig.update_xaxes(title="pair p (dimensions p, p + D/2)", row=1, col=1)
+    without = "without rotation" if rotary else "without the position embedding"
+    capped = f" (soft-capped {e.softcapped_score:.3g})" if e.softcapped_score is not None else ""
+    layout(fig, f"layer {e.layer} head {e.head}, {where} → key {e.key} ({e.tokens[1]!r}): score {e.score:.3g}{capped}, "
+                f"{without} {e.nope_score:.3g}", height=380)
+    fig.update_xaxes(title="pair p (dimensions p, p + D/2)" if rotary else "dimension d", row=1, col=1)
     fig.update_yaxes(title="contribution to the score", row=1, col=1)
     fig.update_layout(barmode="group")
     return fig
@@ -110,25 +118,48 @@ WEBGL_ABOVE = 2000  # points: above this the query-key view draws with WebGL (sc
 
 def query_key_figure(view) -> go.Figure:
     """AttentionViz's joint picture of one head's queries (circles) and keys (squares), coloured by
-    position, the sink key ringed; WebGL above ``WEBGL_ABOVE`` points."""
+    position in their text, each text's sink key ringed; WebGL above ``WEBGL_ABOVE`` points. Trace 0 holds
+    the queries and trace 1 the keys, point i of each being token i of ``view.tokens``."""
     n = view.n
     xy = np.asarray(view.points, dtype=np.float64)
     trace = go.Scattergl if 2 * n > WEBGL_ABOVE else go.Scatter
+    texts = max(view.samples) + 1
     fig = go.Figure()
+    where = np.array([[p, t, s] for p, t, s in zip(view.positions, view.tokens, view.samples)], dtype=object)
     for kind, rows, symbol in (("query", slice(0, n), "circle"), ("key", slice(n, 2 * n), "square")):
         fig.add_trace(trace(x=xy[rows, 0], y=xy[rows, 1], mode="markers", name=f"{kind}s",
-                            marker=dict(symbol=symbol, color=list(range(n)), colorscale="Viridis", size=7,
+                            marker=dict(symbol=symbol, color=view.positions, colorscale="Viridis", size=7,
                                         showscale=kind == "query", colorbar=dict(title="position"),
                                         line=dict(width=0.5, color="#333")),
-                            customdata=np.array([[i, t] for i, t in enumerate(view.tokens)], dtype=object),
-                            hovertemplate=f"{kind} %{{customdata[0]}} %{{customdata[1]}}<extra></extra>"))
-    j = view.sink_key
-    fig.add_trace(go.Scatter(x=[xy[n + j, 0]], y=[xy[n + j, 1]], mode="markers", name=f"sink key {j}",
+                            customdata=where,
+                            hovertemplate=f"{kind} %{{customdata[0]}} %{{customdata[1]}}"
+                                          + (" (text %{customdata[2]})" if texts > 1 else "") + "<extra></extra>"))
+    sinks = list(view.sink_keys)
+    fig.add_trace(go.Scatter(x=xy[[n + j for j in sinks], 0], y=xy[[n + j for j in sinks], 1], mode="markers",
+                             name="sink key" + ("s" if len(sinks) > 1 else f" {view.positions[sinks[0]]}"),
                              marker=dict(symbol="square-open", size=16, color="#c0392b", line=dict(width=2)),
-                             hovertemplate=f"sink key {j} {view.tokens[j]!r}<extra></extra>"))
+                             customdata=where[sinks],
+                             hovertemplate="sink key %{customdata[0]} %{customdata[1]}"
+                                           + (" (text %{customdata[2]})" if texts > 1 else "") + "<extra></extra>"))
     drawn = "WebGL" if trace is go.Scattergl else "SVG"
+    pooled = f", {texts} texts pooled" if texts > 1 else ""
     layout(fig, f"layer {view.layer} head {view.head}: queries and keys after AttentionViz's translation and "
-                f"scaling (c = {view.scale:.3g}), {view.method.upper()}, {2 * n} points ({drawn})", height=520)
+                f"scaling (c = {view.scale:.3g}), {view.method.upper()}, {2 * n} points{pooled} ({drawn})", height=520)
     fig.update_xaxes(title="component 1", zeroline=False)
-    fig.update_yaxes(title="component 2", zeroline=False, scaleanchor="x")
+    fig.update_yaxes(title="component 2", zeroline=False, scaleanchor="x" if view.method == "pca" else None)
+    return fig
+
+
+def attention_row_figure(row, tokens: list[str], query: int, key: int | None = None, title: str = "") -> go.Figure:
+    """One query's attention row (the probabilities over the keys it may see), the explained key marked."""
+    row = np.asarray(row, dtype=np.float64)
+    seen = np.arange(len(row))
+    colours = ["#c0392b" if j == key else "#1f4e9c" for j in seen]
+    fig = go.Figure(go.Bar(x=seen, y=row, marker_color=colours,
+                           customdata=np.array(tokens[:len(row)], dtype=object),
+                           hovertemplate="key %{x} %{customdata}<br>p = %{y:.4f}<extra></extra>"))
+    layout(fig, title or f"the attention row of query {query} ({tokens[query]!r})", height=300)
+    fig.update_xaxes(**token_axis(tokens[:len(row)]))
+    fig.update_xaxes(title="key")
+    fig.update_yaxes(title="probability", rangemode="tozero")
     return fig
