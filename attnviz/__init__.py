@@ -24,7 +24,8 @@ _EXPORTS = {
     "LoadedModel": "core.models", "load": "core.models",
     "Recipe": "recipe",
     "explain": "effects.explain",
-    "show": "viewer.widget", "show_compare": "viewer.widget",
+    "show": "viewer.widget", "show_compare": "viewer.widget", "save_html": "viewer.static",
+    "from_attention": "viewer.tensors",
 }
 
 
@@ -53,5 +54,5 @@ def __dir__():
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-__all__ = ["show", "show_compare", "explain", "Architecture", "parse", "Capture", "capture", "load", "LoadedModel", "Recipe",
+__all__ = ["show", "show_compare", "save_html", "from_attention", "explain", "Architecture", "parse", "Capture", "capture", "load", "LoadedModel", "Recipe",
            "AttnvizError", "ArchitectureError", "InputError", "MaskError", "ModelLoadError", "__version__"]

@@ -383,6 +383,21 @@ def _explain(args) -> dict:
     return result.as_json()
 
 
+def _doctor(args) -> int:
+    """Environment, equivalence on this model and device, speed: one line per check (attnviz.doctor)."""
+    from attnviz import doctor
+
+    if args.tokens < 16:
+        raise AttnvizError(f"--tokens must be at least 16, got {args.tokens}")
+    device = doctor.pick_device(args.device)
+    args.device = device
+    loaded = _load(args)
+    say = (lambda message: print(f"doctor: {message}…", file=sys.stderr)) if sys.stderr.isatty() else None
+    report = doctor.run(loaded, args.tokens, progress=say)
+    print(json.dumps(report.as_json()) if args.json else report.text())
+    return 0 if report.ok else 1
+
+
 def _out_file(arg: str, suffixes: tuple[str, ...], kind: str) -> Path:
     """``--out`` as a file of one of ``suffixes`` (``kind``: "an .html file") in a folder that exists,
     checked before anything runs."""
@@ -672,6 +687,19 @@ def _explain_options(p):
     p.add_argument("--key", type=int, required=True, help="the key position")
 
 
+def _doctor_options(p):
+    from attnviz import defaults, doctor
+
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                   help="where to check (auto: CUDA, else MPS, else the CPU)")
+    p.add_argument("--model", default="default", help="'default', a Hugging Face id or a local directory")
+    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--tokens", type=int, default=defaults.one(doctor.run, "tokens"),
+                   help="the speed checks' text length in tokens (%(default)s)")
+    p.add_argument("--json", action="store_true", help="the whole report as JSON, to paste into a bug report")
+    p.set_defaults(device_map=None, trust_remote_code=False)
+
+
 def _linformer_options(p):
     from attnviz import defaults
     from attnviz.effects import linformer
@@ -743,6 +771,8 @@ COMMANDS = {
               "over a dataset", _heads_options, _heads),
     "explain": ("why a head attends there: one score by rotary pair, by dimension and by source (embedding, each "
                 "earlier attention and MLP block), and without rotation", _explain_options, _explain),
+    "doctor": ("check attnviz on this machine: versions and devices, every route against stock transformers, "
+               "speed against a plain forward; exits 1 if a check fails", _doctor_options, _doctor),
     "linformer": ("Linformer what-if on one layer: relative error of the output against k", _linformer_options,
                   _linformer),
     "generate": ("greedy generation with the KV cache under an architecture and a policy", _generate_options,
@@ -788,6 +818,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"attnviz: internal error: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
+    if isinstance(result, int):  # the command printed its output and chose its exit status (doctor)
+        return result
     if result is not None:  # None: the command printed its rows itself (JSON lines)
         print(json.dumps(result))
     return 0

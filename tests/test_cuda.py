@@ -77,3 +77,29 @@ def test_full_maps_come_back_through_pinned_memory():
     lm = _on("llama", "cuda", torch.float32)
     _, run = engine.forward(lm.model, torch.tensor([CharTokenizer()(TEXT)["input_ids"]]), list(parse("fwd", 3).layers))
     assert all(p.device.type == "cpu" and p.is_pinned() for p in run.probs.values())
+
+
+def test_doctor_passes_on_the_gpu_and_names_the_fallback_when_the_kernel_fails(monkeypatch):
+    """On CUDA: the fused kernel against the block engine, and its speed; a kernel that will not compile is a
+    FAIL that names the block engine as the fallback."""
+    from attnviz import doctor
+    from attnviz.core import kernels
+
+    lm = loaded("llama")
+    lm.model.to("cuda", torch.bfloat16)
+    report = doctor.run(lm, tokens=1024)
+    by_name = {c.name: c for c in report.checks}
+    assert report.ok, report.text()
+    assert by_name["statistics, fused kernel vs block engine"].status == "PASS"
+    assert by_name["maps of every layer vs stock eager (float32)"].status == "PASS"  # the bf16 model cast for it
+    assert "speed: fused kernel vs block engine" in by_name
+
+    def broken():
+        raise RuntimeError("PTX .version 9.9 does not support .target sm_99")
+
+    monkeypatch.setattr(kernels, "_kernel", broken)
+    kernels._disabled.clear()
+    report = doctor.run(lm, tokens=1024)
+    fused = next(c for c in report.checks if c.name == "statistics, fused kernel vs block engine")
+    assert fused.status == "FAIL" and "falls back to the block engine" in fused.detail and not report.ok
+    kernels._disabled.clear()

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from attnviz.effects import dataset, embedding, evaluate, finetune, generate, heads, linformer, streaming
-from attnviz import defaults
+from attnviz import defaults, doctor
 from attnviz.stats import metrics
 from attnviz.cli import ALL, COMMANDS, build_parser
 from attnviz.kv import compress
@@ -21,7 +21,7 @@ TAX, TEXTS = D(heads.taxonomy), D(heads.dataset_texts)
 #: (command, option dest) -> the library's default
 LIBRARY = {
     ("sinks", "eps"): REPORT["eps"], ("sinks", "key"): REPORT["key"], ("sinks", "max_len"): SINKS["max_len"],
-    ("sinks", "samples"): SINKS["n_samples"],
+    ("sinks", "samples"): SINKS["n_samples"], ("doctor", "tokens"): D(doctor.run)["tokens"],
     ("eval", "max_tokens"): D(evaluate.evaluate)["max_tokens"],
     ("finetune", "steps"): D(finetune.finetune)["steps"], ("finetune", "seq_len"): D(finetune.finetune)["seq_len"],
     ("finetune", "batch"): D(finetune.finetune)["batch"], ("finetune", "lr"): D(finetune.finetune)["lr"],

@@ -160,7 +160,9 @@ def payload(caps: list[Capture], titles: list[str] | None = None, layers: list[i
                                   for k, v in images.items()}})
     # what makes each capture (model, text, mask, intervention, BOS, residual variant, attention kind):
     # the viewer merges a new payload into the one it holds only when this is the same
-    identity = hashlib.sha1(json.dumps([describe(c) for c in caps] + [size, image_format, quality], sort_keys=True,
+    # (given tensors carry a digest of their values: two tensors of the same tokens are not one capture)
+    identity = hashlib.sha1(json.dumps([describe(c) for c in caps] + [c.meta.get("digest") for c in caps]
+                                       + [size, image_format, quality], sort_keys=True,
                                        default=str).encode()).hexdigest()[:16]
     return {
         "id": identity, "n_tokens": first.n_tokens, "tokens": first.tokens,

@@ -31,3 +31,24 @@ def standalone_html(data: dict, title: str = "attnviz") -> str:
     """A whole page with one viewer of ``data`` (:func:`attnviz.viewer.payload.payload`)."""
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>\n"
             f"{head()}</head><body>\n{viewer_block(data, 'attnviz-viewer')}</body></html>\n")
+
+
+def save_html(attention, tokens=None, path="attention.html", *, query_tokens=None, batch: int = 0,
+              layer: int | None = None, head: int | None = None, log: bool | None = None, size: int = 256,
+              title: str = "attnviz") -> "Path":
+    """One self-contained HTML file of the viewer (no server, no network) of a capture or of any attention
+    tensors (:func:`attnviz.viewer.tensors.from_attention`): every layer's maps, max-pooled to ``size``
+    pixels a side (sinks stay visible; exact 16-bit hover values up to 256 tokens). Returns the path."""
+    from pathlib import Path
+
+    from attnviz.reports import write_atomic
+    from attnviz.viewer.payload import payload
+    from attnviz.viewer.tensors import from_attention
+
+    cap = from_attention(attention, tokens, query_tokens=query_tokens, batch=batch)
+    data = payload([cap], layer=layer, head=head, log=log, size=size, note=cap.meta.get("note", ""),
+                   regions_note="A region at full resolution: attnviz.show(attention, tokens) in a notebook "
+                                "(a box drag there cuts it from the tensors the kernel holds).")
+    path = Path(path)
+    write_atomic(path, standalone_html(data, title).encode())
+    return path

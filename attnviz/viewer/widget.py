@@ -21,6 +21,7 @@ from attnviz.capture import Capture
 from attnviz.errors import AttnvizError
 from attnviz.viewer import asset
 from attnviz.viewer import payload as payload_mod
+from attnviz.viewer.tensors import from_attention
 
 ADAPTER = """
 export default {
@@ -62,6 +63,7 @@ class Heatmap(anywidget.AnyWidget):
         start = self._caps[0].layers[-1] if layer is None else layer
         full = all(l in c.probs for c in self._caps for l in c.layers)
         self._options = dict(titles=titles, layer=layer, head=head, log=log, size=size,
+                             note=" ".join(c.meta.get("note", "") for c in self._caps).strip(),
                              regions="host" if full else "off",
                              regions_note="" if full else "A region of a long text at full resolution: "
                                                           "attnviz.regions.region(model, text, arch, layer, queries, keys).")
@@ -89,9 +91,16 @@ class Heatmap(anywidget.AnyWidget):
             self.region = None
 
 
-def show(cap: Capture, layer: int | None = None, head: int | None = None, log: bool | None = None) -> Heatmap:
-    """The viewer of one capture in a notebook: layer and head sliders, log/linear, row
-    normalisation, hover values, PNG download, all in the browser."""
+def show(attention, tokens=None, *, layer: int | None = None, head: int | None = None, log: bool | None = None,
+         query_tokens=None, batch: int = 0) -> Heatmap:
+    """The viewer in a notebook: layer and head sliders, log/linear, row normalisation, hover values, a box
+    drag for a full-resolution region, PNG download, all in the browser.
+
+    ``attention`` is a capture, or any attention tensors (BertViz's call: ``show(attention, tokens)``):
+    a transformers ``output_attentions`` tuple (``batch`` picks the text), a TransformerLens
+    ``ActivationCache``, an array or tensor of (layers, heads, q, k), (heads, q, k) or (q, k); for
+    cross-attention ``query_tokens`` label the rows (:func:`attnviz.viewer.tensors.from_attention`)."""
+    cap = from_attention(attention, tokens, query_tokens=query_tokens, batch=batch)
     return Heatmap([cap], None, layer, head, log)
 
 
