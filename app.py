@@ -5,6 +5,7 @@ from pathlib import Path
 
 import streamlit as st
 
+from ui.shared import gate
 from ui.sidebar import sidebar
 
 st.set_page_config(page_title="attnviz", page_icon=":material/blur_on:", layout="wide")
@@ -27,6 +28,7 @@ PAGES = [
 NO_MODEL = {"designer", "walkthrough", "sweeps", "definitions"}  # url paths of pages that work without a model: they never wait for one
 
 page = st.navigation(PAGES)
+gate()  # sign-in where the server configures it, before any page (docs/sharing.md)
 # Drawn on every page, the walkthrough too: widgets Streamlit does not draw in a run lose their state.
 st.session_state["settings"], st.session_state["loaded"] = sidebar(needs_model=page.url_path not in NO_MODEL)
 page.run()

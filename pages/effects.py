@@ -18,7 +18,7 @@ from attnviz.kv import compress, presses
 from attnviz.effects.generate import generate
 from attnviz.core.models import cache_dir
 from attnviz.reports import reproduce as repro
-from ui import jobs
+from ui import jobs, shared
 from ui.export import figure_downloads
 from ui.cache import full_maps_limit
 from ui.sidebar import page_context
@@ -30,7 +30,7 @@ definitions("evaluation", "cache-policies", "kv-cache-compression", "residual-va
 SECTIONS = ["Perplexity", "Streaming (KV cache)", "KV compression", "Embedding k-sweep", "Generation",
             "Linformer what-if", "Residual methods", "Paper reproductions"]
 SOURCES = {"Python reference docs (all topics)": "stdlib", "Python docs: special method names": "stdlib:specialnames",
-           "The sidebar text": None}
+           "The sidebar text": None, "A text file on the server": "file"}
 
 
 def split(text: str) -> list[str]:
@@ -43,6 +43,13 @@ def source(key: str) -> tuple[str, corpus.Corpus] | None:
     try:
         if SOURCES[choice] is None:
             return "sidebar", corpus.from_text(settings.text, "the sidebar text")
+        if SOURCES[choice] == "file":
+            path = st.text_input("Text file (UTF-8) on the server", key=f"{key}_file",
+                                 help="paragraphs separated by blank lines are the documents")
+            if not path.strip():
+                st.info("Type the path of a text file on the server.")
+                return None
+            return path, corpus.from_file(shared.access().readable(path, "text file"))
         return SOURCES[choice], corpus.load(SOURCES[choice])
     except AttnvizError as err:
         st.error(str(err))
@@ -230,6 +237,8 @@ def residual_section() -> None:
                 "(and `--out .../baseline` without `--residual`); their held-out metrics appear here beside the "
                 "seed's reported numbers.")
     folder = st.text_input("Folder of fine-tuned directories", str(cache_dir() / "finetune"), key="fx_res_dir")
+    if shared.checked(shared.access().readable, folder, "folder of fine-tuned directories") is None:
+        return  # outside the server's roots: nothing is read or listed
     rows = residual.results_table(folder)
     st.dataframe(rows, hide_index=True)
     if not any(r["ours ppl"] is not None for r in rows):

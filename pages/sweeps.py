@@ -10,13 +10,15 @@ from attnviz.figures.sweeps import compression, recall_by_k, sink_rates, summary
 from attnviz.core.models import cache_dir
 from attnviz.sweep import spec as spec_mod
 from attnviz.sweep import store
-from ui import jobs
+from ui import jobs, shared
 from ui.export import figure_downloads
 from ui.cache import sweep_room
 from ui.sidebar import page_context
 from ui.docs import definitions
 
 MAX_CELLS = 12  # a sweep started from the page: a few cells on this machine; bigger grids: `attnviz sweep`
+rules = shared.access()
+max_cells = shared.cap("max_cells") if rules.shared else MAX_CELLS
 
 settings, loaded = page_context()
 st.title("Sweeps")
@@ -37,9 +39,13 @@ with st.expander("Run a small sweep here (local Ray)", expanded=False):
             refused = sweep_room(grid.models)
             if refused:
                 st.error(f"Not run: {refused}.")
-            elif len(cells) > MAX_CELLS:
-                st.error(f"{len(cells)} cells: the page runs at most {MAX_CELLS} (each loads a model in a Ray worker "
+            elif len(cells) > max_cells:
+                st.error(f"{len(cells)} cells: the page runs at most {max_cells} (each loads a model in a Ray worker "
                          "beside this server's memory budget). Run bigger grids with `attnviz sweep`.")
+            elif shared.checked(rules.writable, folder, "results folder") is None:
+                pass  # refused before anything is created
+            elif rules.shared and any(shared.checked(rules.model, m) is None for m in grid.models):
+                pass  # a model this server does not load for visitors
             else:
                 from attnviz.sweep import run
 
@@ -53,6 +59,8 @@ with st.expander("Run a small sweep here (local Ray)", expanded=False):
                     st.success(f"{result['ok']} cells done, {result['skipped']} already on disk, {result['failed']} "
                                f"failed ({result['elapsed_s']:.0f} s)")
 
+if folder.strip() and shared.checked(rules.readable, folder, "results folder") is None:
+    st.stop()  # outside the server's roots: nothing is read or listed
 try:
     frame = store.read(folder) if folder.strip() else None
 except (OSError, ValueError) as err:

@@ -220,3 +220,32 @@ def test_the_why_page_opens_from_a_heatmaps_link_and_draws_its_figures(model_cac
         wait_title(page, f"layer 29 head 0: the attention row of query {query} ")
         wait_title(page, f"layer 29 head 0, query {query} → key 0")
         no_exception(page)
+
+
+def test_a_shared_server_refuses_paths_outside_its_roots(model_cache, tmp_path, monkeypatch):
+    """Shared mode in a real browser: a model directory and a results folder outside the roots get one line
+    each, and nothing is read; the remote-code switch is not there."""
+    root = tmp_path / "root"
+    (root / "results").mkdir(parents=True)
+    monkeypatch.setenv("ATTNVIZ_SHARED", "1")
+    monkeypatch.setenv("ATTNVIZ_ROOTS", str(root))
+    with running_app() as url, browser_page() as page:
+        page.goto(url)
+        wait_for_app(page)
+        sidebar = page.locator('[data-testid="stSidebar"]')
+        assert sidebar.get_by_text("trust remote code").count() == 0
+        assert sidebar.get_by_text("anyone who reaches this port", exact=False).count() == 1
+        model = sidebar.get_by_label("Model", exact=True).and_(sidebar.locator("input"))
+        model.fill("/etc")
+        model.press("Enter")
+        sidebar.get_by_text("reads only under", exact=False).first.wait_for(timeout=60_000)
+        page.locator('[data-testid="stSidebarNav"]').get_by_text("Sweeps", exact=True).click()
+        page.locator('[data-testid="stMain"] h1').filter(has_text="Sweeps").first.wait_for(timeout=60_000)
+        folder = page.locator('[data-testid="stMain"] input[aria-label="Results folder"]')
+        folder.fill("../..")
+        folder.press("Enter")
+        page.locator('[data-testid="stMain"]').get_by_text("reads only under", exact=False).first.wait_for(timeout=60_000)
+        folder.fill(str(root / "results"))
+        folder.press("Enter")
+        page.locator('[data-testid="stMain"]').get_by_text("No results in", exact=False).first.wait_for(timeout=60_000)
+        no_exception(page)

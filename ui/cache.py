@@ -19,7 +19,7 @@ from attnviz.errors import AttnvizError
 from attnviz.core.lru import ByteLRU
 from attnviz.core.models import LoadedModel, load
 from attnviz.recipe import Recipe
-from ui import jobs
+from ui import jobs, shared
 
 MAX_TOKENS = int(os.environ.get("ATTNVIZ_MAX_TOKENS", "0")) or None  # None: the model's own context
 
@@ -200,6 +200,16 @@ def fits_full_maps(loaded: LoadedModel, text: str, hidden: bool = True) -> bool:
     return full <= limit
 
 
+def within_token_cap(n_tokens: int) -> bool:
+    """A shared server's per-job cap on tokens (``max_tokens`` in secrets.toml, docs/sharing.md); refused with
+    ``st.error`` above it. No cap on a server of one's own (the memory plan still applies)."""
+    if shared.access().shared and n_tokens > shared.cap("max_tokens"):
+        st.error(f"{n_tokens:,} tokens: this shared server runs at most {shared.cap('max_tokens'):,} tokens a job. "
+                 "Shorten the text, or run it on your own machine (`attnviz capture`).")
+        return False
+    return True
+
+
 def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
                 extras: tuple[str, ...] = (), residual: str | None = None, intervene: str | None = None,
                 prepend: str | None = None) -> Capture | None:
@@ -225,6 +235,8 @@ def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
         n_tokens = token_count(loaded, text, prepend)
     except AttnvizError as err:
         st.error(f"Capturing {architecture.spec}: {err}")
+        return None
+    if not within_token_cap(n_tokens):
         return None
     extras = tuple(sorted(extras))
     hidden = hidden and not residual  # a variant's own layer loop records no hidden states
@@ -274,8 +286,11 @@ def get_residual(loaded: LoadedModel, text: str, spec: str, intervene: str | Non
 
     try:
         made = Recipe.of(loaded, spec, intervene, prepend, residual)
+        n_tokens = token_count(loaded, text, prepend)
     except AttnvizError as err:
         st.error(str(err))
+        return None
+    if not within_token_cap(n_tokens):
         return None
     return jobs.run(("residual", made.key, text), f"Recording the residual stream under {made.arch}",
                     lambda progress: Residual(loaded, text, made, on_layer=progress), store=_captures())

@@ -16,6 +16,7 @@ import streamlit as st
 from attnviz.core import devices
 from attnviz.errors import AttnvizError
 from attnviz.core.lru import ByteLRU
+from ui import shared
 
 T = TypeVar("T")
 BUDGET_MB = int(os.environ.get("ATTNVIZ_RESULTS_MB", "64"))  # results are curves and scores: small
@@ -75,7 +76,7 @@ def run(key: Hashable, label: str, compute: Callable[[Callable[[int, int], None]
     found = store.get(key)
     if found is not None:
         return found
-    with _one_at_a_time(key):
+    with shared.turn(label), _one_at_a_time(key):  # shared server: this session's turn first (ui/shared.py)
         found = store.get(key)  # computed by another session while this one waited
         if found is not None:
             return found

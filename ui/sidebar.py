@@ -12,6 +12,7 @@ from attnviz.capture import Capture
 from attnviz.core.models import DEFAULT, LoadedModel
 from attnviz.core.residual import METHODS
 
+from ui import shared
 from ui.cache import get_capture, get_model
 
 EXAMPLES = {
@@ -123,10 +124,17 @@ def sidebar(needs_model: bool = True) -> tuple[Settings, LoadedModel | None]:
     mask designer) uses the model only if it is already loaded."""
     with st.sidebar:
         st.markdown("### attnviz")
+        rules = shared.access()
         model = st.text_input("Model", DEFAULT, key="model",
-                              help="'default' (SmolLM2-135M-Instruct, offline), a Hugging Face id or a local path")
-        trust = st.toggle("trust remote code", False, key="trust_remote_code",
-                          help="Only for models you trust: runs the model repository's own Python code")
+                              help="'default' (SmolLM2-135M-Instruct, offline), a Hugging Face id or a local path"
+                                   + (f"; this shared server loads {', '.join(rules.models)} and model directories "
+                                      f"under {', '.join(map(str, rules.roots))}" if rules.shared else ""))
+        if rules.shared:  # a visitor who turns it on runs code on the server: only its own configuration may
+            trust = rules.remote_code(False)
+        else:
+            trust = st.toggle("trust remote code", False, key="trust_remote_code",
+                              help="Only for models you trust: runs the model repository's own Python code")
+        allowed = shared.checked(rules.model, model)
         spread = st.selectbox("Device map", ["none", "auto"], key="device_map",
                               help="'auto' spreads a model larger than one GPU over the GPUs, the CPU and disk "
                                    "(accelerate); attnviz keeps each layer's statistics on that layer's device")
@@ -135,8 +143,8 @@ def sidebar(needs_model: bool = True) -> tuple[Settings, LoadedModel | None]:
             st.session_state["text"] = EXAMPLES[example]
             st.session_state["_example_shown"] = example
         text = st.text_area("Text", key="text", height=150)
-        loaded = get_model(model.strip() or DEFAULT, trust, wait=needs_model,
-                           device_map=None if spread == "none" else spread)
+        loaded = None if allowed is None else get_model(allowed, trust, wait=needs_model,
+                                                        device_map=None if spread == "none" else spread)
         if loaded is not None:
             st.caption(f"runs on `{devices.describe(loaded.model)}` · statistics in float32")
         n_layers = loaded.n_layers if loaded else 30

@@ -4,6 +4,7 @@ network, no CDN."""
 from __future__ import annotations
 
 import html
+from pathlib import Path
 import json
 
 from attnviz.viewer import asset
@@ -35,11 +36,10 @@ def standalone_html(data: dict, title: str = "attnviz") -> str:
 
 def save_html(attention, tokens=None, path="attention.html", *, query_tokens=None, batch: int = 0,
               layer: int | None = None, head: int | None = None, log: bool | None = None, size: int = 256,
-              title: str = "attnviz") -> "Path":
+              title: str = "attnviz") -> Path:
     """One self-contained HTML file of the viewer (no server, no network) of a capture or of any attention
     tensors (:func:`attnviz.viewer.tensors.from_attention`): every layer's maps, max-pooled to ``size``
     pixels a side (sinks stay visible; exact 16-bit hover values up to 256 tokens). Returns the path."""
-    from pathlib import Path
 
     from attnviz.reports import write_atomic
     from attnviz.viewer.payload import payload
