@@ -112,7 +112,11 @@ def environment(loaded: LoadedModel | None = None) -> dict:
         except PackageNotFoundError:
             return None
 
-    found = [{"name": "cpu", "free_mb": None}]
+    try:  # the host's available memory (Linux, macOS); None where the system does not say
+        free_cpu = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2**20
+    except (ValueError, OSError, AttributeError):
+        free_cpu = None
+    found = [{"name": "cpu", "free_mb": free_cpu, "cores": os.cpu_count()}]
     for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
         free, total = torch.cuda.mem_get_info(i)
         found.append({"name": f"cuda:{i} {torch.cuda.get_device_name(i)}", "free_mb": free // 2**20,

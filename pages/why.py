@@ -150,3 +150,5 @@ else:
     if sample > 0 and chosen.allowed(layer)[position, shown]:  # the page's attribution is the first text's
         fig_e = attribution_figure(chosen.explain(layer, head, position, shown))
         st.plotly_chart(fig_e, width="stretch", key="why_pooled_attribution")
+        figure_downloads(fig_e, {**meta, "figure": "attribution", "query": position, "key": shown,
+                                 "text_index": sample}, key="why_pooled_attribution_x")
