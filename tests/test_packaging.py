@@ -26,7 +26,7 @@ print("OK", cap.n_tokens, cap.recipe.describe(), type(view).__name__, sorted(mis
 
 def test_declared_dependencies_cover_the_pins():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    pinned = {line.split("==")[0].strip().lower() for name in ("requirements.txt", "requirements-dev.txt")
+    pinned = {line.split("==")[0].strip().lower() for name in ("requirements.txt", "requirements-dev.txt", "requirements-bench.txt")
               for line in (ROOT / name).read_text().splitlines() if "==" in line and not line.startswith("#")}
     declared = {d.split(">")[0].split("<")[0].split("=")[0].split(";")[0].strip().lower()
                 for d in project["dependencies"] + [x for extra in project["optional-dependencies"].values() for x in extra]

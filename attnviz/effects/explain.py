@@ -141,7 +141,7 @@ class Residual:
                 hook.remove()
         self.hidden = [h[0].float() for h in hidden[:self.upto + 1]]  # the input of layers 0 .. upto
         self.sources = {**schemes.embeddings(loaded.model, self.scheme, self.ids, self.hidden[0]),
-                        **dict(sorted(sources.items(), key=lambda kv: (int(kv[0].split(".")[1]), kv[0]))),}
+                        **dict(sorted(sources.items(), key=lambda kv: (int(kv[0].split(".")[1]), kv[0])))}
 
     @property
     def n_tokens(self) -> int:
@@ -377,8 +377,8 @@ PROJECTIONS = {"pca": None, "tsne": ("sklearn.manifold", "scikit-learn"), "umap"
 
 def project(points: torch.Tensor, method: str = "pca") -> torch.Tensor:
     """(N, D) to (N, 2). PCA is deterministic (each component's sign fixed by its largest entry); t-SNE
-    (scikit-learn) and UMAP (umap-learn) run where those are installed (``pip install 'attnviz[projection]'``),
-    seeded, so the same points give the same picture."""
+    (scikit-learn: ``pip install 'attnviz[projection]'``) and UMAP (``pip install umap-learn``; not pinned or
+    tested here, it pulls numba) run where those are installed, seeded, so the same points give the same picture."""
     if method not in PROJECTIONS:
         raise InputError(f"unknown projection '{method}'; expected one of {', '.join(PROJECTIONS)}")
     if method == "pca":
@@ -391,8 +391,9 @@ def project(points: torch.Tensor, method: str = "pca") -> torch.Tensor:
     try:
         lib = importlib.import_module(module)
     except ImportError:
+        extra = " (or attnviz[projection])" if method == "tsne" else ""
         raise InputError(f"the {method} projection needs {package}, which is not installed: "
-                         f"pip install {package} (or attnviz[projection]); PCA needs nothing") from None
+                         f"pip install {package}{extra}; PCA needs nothing") from None
     data = points.double().cpu().numpy()
     if method == "tsne":
         fitted = lib.TSNE(n_components=2, init="pca", random_state=0,
