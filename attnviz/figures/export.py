@@ -31,6 +31,15 @@ class ExportError(AttnvizError):
     """A static export that cannot be made here."""
 
 
+def write_atomic(path: str | Path, data: bytes) -> Path:
+    """``data`` to ``path`` through a temporary name beside it: never a half-written file."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".part")
+    partial.write_bytes(data)
+    partial.replace(path)
+    return path
+
+
 def describe(cap: Capture, layer: int | None = None, head: int | None = None, **extra) -> dict:
     """The metadata every exported file carries: the capture's recipe (its fields, and its one-line
     ``provenance``), the text, and what the view shows."""

@@ -41,7 +41,7 @@ def save_html(attention, tokens=None, path="attention.html", *, query_tokens=Non
     tensors (:func:`attnviz.viewer.tensors.from_attention`): every layer's maps, max-pooled to ``size``
     pixels a side (sinks stay visible; exact 16-bit hover values up to 256 tokens). Returns the path."""
 
-    from attnviz.reports import write_atomic
+    from attnviz.figures.export import write_atomic
     from attnviz.viewer.payload import payload
     from attnviz.viewer.tensors import from_attention
 
