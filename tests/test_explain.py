@@ -351,6 +351,11 @@ def test_the_why_page_opens_at_a_cell_and_a_query_click_updates_it(default_model
     at.slider(key="why_pool").set_value(2).run()  # two corpus samples pooled into the query-key view
     assert not at.exception and not at.error, texts(at.error)
     assert any("3 texts pooled" in str(f["layout"].get("title", {}).get("text", "")) for f in charts(at))
+    at.session_state["why_clicked"] = (1, 5)  # what a click on query 5 of the first pooled text leaves
+    at.run()
+    titles = [str(f["layout"].get("title", {}).get("text", "")) for f in charts(at)]
+    assert not at.exception and any("the attention row of query 5 of pooled text 1" in t for t in titles)
+    assert sum("head 3, query 5 →" in t for t in titles) == 2  # the page's text's query 5, and the pooled text's
 
 
 def test_the_sweep_s_explain_measure_names_each_layer_s_leading_source():
