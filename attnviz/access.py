@@ -33,9 +33,10 @@ LOOPBACK = ("localhost", "127.0.0.1", "::1")
 def is_shared(address: str | None, environ=os.environ) -> bool:
     """Shared mode: ``ATTNVIZ_SHARED=1``, or a server address beyond the loopback (an empty address listens
     on every interface)."""
-    if environ.get("ATTNVIZ_SHARED", "").strip() in ("1", "true", "yes"):
+    flag = environ.get("ATTNVIZ_SHARED", "").strip()
+    if flag in ("1", "true", "yes"):
         return True
-    if environ.get("ATTNVIZ_SHARED", "").strip() in ("0", "false", "no"):
+    if flag in ("0", "false", "no"):
         return False
     return (address or "").strip() not in LOOPBACK
 

@@ -79,6 +79,13 @@ def head_ids(tokenizer, text: str, n: int | None = None) -> list[int]:
     return list(ids[:n] if n else ids)
 
 
+def text_of(tokenizer, ids: list[int]) -> str:
+    """``ids`` decoded so that tokenizing the text again gives them: a leading BOS that the tokenizer adds by
+    itself is left out (it would come back twice)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return tokenizer.decode(ids[1:] if ids and bos is not None and ids[0] == bos else ids)
+
+
 def load(corpus: str | None = None, text_file: str | Path | None = None) -> Corpus:
     """``corpus`` is ``stdlib`` or ``stdlib:TOPIC``; ``text_file`` a UTF-8 file; the file wins if both."""
     if text_file:

@@ -54,6 +54,11 @@ class Check:
     detail: str = ""
     ratio: float | None = None  # speed checks
 
+    @classmethod
+    def against(cls, name: str, measured: float, limit: float, **more) -> "Check":
+        """PASS when ``measured`` is within ``limit``, else FAIL."""
+        return cls(name, "PASS" if measured <= limit else "FAIL", measured, limit, **more)
+
     def line(self) -> str:
         numbers = "" if self.measured is None else f": measured {self.measured:.3g} (limit {self.limit:.3g})"
         return f"{self.status:4} {self.name}{numbers}{' · ' + self.detail if self.detail else ''}"
@@ -128,7 +133,7 @@ def environment(loaded: LoadedModel | None = None) -> dict:
            "triton": v("triton"), "python": platform.python_version(), "platform": platform.platform(terse=True),
            "devices": found, "fused_kernel": os.environ.get("ATTNVIZ_FUSED", "auto")}
     if loaded is not None:
-        env.update(model=loaded.model_id, device=str(loaded.model.device), dtype=str(loaded.model.dtype).replace("torch.", ""),
+        env.update(model=loaded.model_id, device=str(loaded.model.device), dtype=_dtype_name(loaded.model.dtype),
                    layers=loaded.n_layers, heads=loaded.n_heads)
     return env
 
@@ -149,17 +154,27 @@ def _setting(name: str, value: str | None):
             os.environ[name] = old
 
 
-@torch.no_grad()
-def stock_attentions(loaded: LoadedModel, ids: list[int]) -> list[np.ndarray]:
-    """Stock transformers' eager ``output_attentions`` of ``ids``, (H, n, n) float32 per layer: the model's
-    attention is switched to eager for the call and back after it."""
-    model = loaded.model
+@contextlib.contextmanager
+def _implementation(model, name: str):
+    """The model's attention switched to transformers' ``name`` ("eager", "sdpa") inside, and back after."""
     before = model.config._attn_implementation
-    model.set_attn_implementation("eager")
+    model.set_attn_implementation(name)
     try:
-        out = model(torch.tensor([ids], device=model.device), output_attentions=True)
+        yield
     finally:
         model.set_attn_implementation(before)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@torch.no_grad()
+def stock_attentions(loaded: LoadedModel, ids: list[int]) -> list[np.ndarray]:
+    """Stock transformers' eager ``output_attentions`` of ``ids``, (H, n, n) float32 per layer."""
+    model = loaded.model
+    with _implementation(model, "eager"):
+        out = model(torch.tensor([ids], device=model.device), output_attentions=True)
     return [a[0].float().cpu().numpy() for a in out.attentions]
 
 
@@ -187,9 +202,7 @@ def _timed(fn, device: str, repeat: int = 3) -> float:
 def _text(loaded: LoadedModel, n: int) -> str:
     from attnviz import corpus
 
-    ids = corpus.head_ids(loaded.tokenizer, corpus.stdlib().text, n)
-    bos = getattr(loaded.tokenizer, "bos_token_id", None)
-    return loaded.tokenizer.decode(ids[1:] if ids and ids[0] == bos else ids)
+    return corpus.text_of(loaded.tokenizer, corpus.head_ids(loaded.tokenizer, corpus.stdlib().text, n))
 
 
 def equivalence(loaded: LoadedModel, text: str) -> list[Check]:
@@ -205,13 +218,12 @@ def equivalence(loaded: LoadedModel, text: str) -> list[Check]:
     cap = capture(loaded, text, "fwd", storage_dtype=torch.float32)
     stock = stock_attentions(loaded, cap.token_ids)
     worst = max(_max_diff(cap.layer_probs(l), stock[l], cap.allowed[l]) for l in cap.layers)
-    name = f"maps of every layer vs stock eager ({str(dtype).replace('torch.', '')}, block engine)"
-    checks.append(Check(name, "PASS" if worst <= limit else "FAIL", worst, limit))
+    checks.append(Check.against(f"maps of every layer vs stock eager ({_dtype_name(dtype)}, block engine)", worst, limit))
 
     top = loaded.n_layers - 1
     only = capture(loaded, text, "fwd", layers=[top], storage_dtype=torch.float32)
     worst = _max_diff(only.layer_probs(top), stock[top], only.allowed[top])
-    checks.append(Check("top layer after SDPA layers vs stock eager", "PASS" if worst <= limit else "FAIL", worst, limit))
+    checks.append(Check.against("top layer after SDPA layers vs stock eager", worst, limit))
 
     if half:  # the same in float32: the model cast for the check, then back (bf16 -> fp32 -> bf16 is exact)
         loaded.model.float()
@@ -221,17 +233,15 @@ def equivalence(loaded: LoadedModel, text: str) -> list[Check]:
         finally:
             loaded.model.to(dtype)
         worst = max(_max_diff(cap32.layer_probs(l), stock32[l], cap32.allowed[l]) for l in cap32.layers)
-        checks.append(Check("maps of every layer vs stock eager (float32)", "PASS" if worst <= FP32_TOLERANCE else "FAIL",
-                            worst, FP32_TOLERANCE))
+        checks.append(Check.against("maps of every layer vs stock eager (float32)", worst, FP32_TOLERANCE))
     else:
         checks.append(Check("maps in a half-precision dtype", "SKIP",
-                            detail=f"the model runs in {str(dtype).replace('torch.', '')} here"))
+                            detail=f"the model runs in {_dtype_name(dtype)} here"))
 
     with _setting("ATTNVIZ_FUSED", "0"):
         blocks = capture(loaded, text, "fwd", reduce=True, pool=8, storage_dtype=torch.float32)
     worst = max(_max_diff(blocks.stat(l, s), cap.stat(l, s)) for l in cap.layers for s in STATISTICS)
-    checks.append(Check("statistics, block engine vs full maps", "PASS" if worst <= FP32_TOLERANCE else "FAIL",
-                        worst, FP32_TOLERANCE))
+    checks.append(Check.against("statistics, block engine vs full maps", worst, FP32_TOLERANCE))
     worst = 0.0  # pooled maps are kept in float16 (docs/methods.md#devices): relative error, one float16 step
     for l in cap.layers:
         pooled, _ = blocks.layer_view(l)
@@ -241,8 +251,7 @@ def equivalence(loaded: LoadedModel, text: str) -> list[Check]:
         if big.any():
             worst = max(worst, float(np.max(np.abs(pooled[big] - expected[big]) / expected[big])))
     limit_pooled = max(limit, FP16_STEP)
-    checks.append(Check("long mode: pooled maps vs max-pooled full maps (relative)",
-                        "PASS" if worst <= limit_pooled else "FAIL", worst, limit_pooled))
+    checks.append(Check.against("long mode: pooled maps vs max-pooled full maps (relative)", worst, limit_pooled))
 
     if str(loaded.model.device).startswith("cuda") and kernels.available():
         kernels._disabled.clear()
@@ -259,8 +268,7 @@ def equivalence(loaded: LoadedModel, text: str) -> list[Check]:
                                        "to the block engine, which computes the same statistics, slower"))
         else:
             worst = max(_max_diff(fused.stat(l, s), blocks.stat(l, s)) for l in cap.layers for s in STATISTICS)
-            checks.append(Check("statistics, fused kernel vs block engine", "PASS" if worst <= limit else "FAIL",
-                                worst, limit))
+            checks.append(Check.against("statistics, fused kernel vs block engine", worst, limit))
     else:
         checks.append(Check("statistics, fused kernel vs block engine", "SKIP",
                             detail="needs CUDA and Triton (on a CPU the tests run it through Triton's interpreter)"))
@@ -274,35 +282,28 @@ def speed(loaded: LoadedModel, text: str, device: str) -> list[Check]:
 
     ids, _ = tokenize(loaded, text)
     model = loaded.model
-    before = model.config._attn_implementation
     stock = "sdpa"
     try:  # a family without an SDPA path in transformers (Gemma 2) is timed against its eager forward
-        model.set_attn_implementation("sdpa")
+        with _implementation(model, stock):
+            pass
     except ValueError:
         stock = "eager"
-    finally:
-        model.set_attn_implementation(before)
 
     def plain():
-        model.set_attn_implementation(stock)
-        try:
-            with torch.inference_mode():
-                model(torch.tensor([ids], device=model.device), logits_to_keep=1)
-        finally:
-            model.set_attn_implementation(before)
+        with _implementation(model, stock), torch.inference_mode():
+            model(torch.tensor([ids], device=model.device), logits_to_keep=1)
 
     base = _timed(plain, device)
     stats = _timed(lambda: capture(loaded, text, "fwd", reduce=True), device)
     limit = SPEED_LIMIT.get(device, 3.0)
     ratio = stats / base
+    name = f"speed: statistics of {len(ids)} tokens vs a plain {'SDPA' if stock == 'sdpa' else stock} forward"
     if base < MIN_TIMED_S:
-        return [Check(f"speed: statistics of {len(ids)} tokens vs a plain {stock} forward", "SKIP", ratio=ratio,
+        return [Check(name, "SKIP", ratio=ratio,
                       detail=f"too small to time: the plain forward takes {base * 1000:.0f} ms (< "
                              f"{MIN_TIMED_S * 1000:.0f} ms), so the ratio {ratio:.2f} is fixed overhead; "
                              "give more --tokens")]
-    checks = [Check(f"speed: statistics of {len(ids)} tokens vs a plain {stock.upper() if stock == 'sdpa' else stock} forward",
-                    "PASS" if ratio <= limit else "FAIL",
-                    ratio, limit, f"{stats:.2f} s vs {base:.2f} s", ratio=ratio)]
+    checks = [Check.against(name, ratio, limit, detail=f"{stats:.2f} s vs {base:.2f} s", ratio=ratio)]
     if device == "cuda":
         from attnviz.core import kernels
 
@@ -312,8 +313,8 @@ def speed(loaded: LoadedModel, text: str, device: str) -> list[Check]:
             with _setting("ATTNVIZ_FUSED", "0"):
                 blocks = _timed(lambda: capture(loaded, text, "fwd", reduce=True), device)
             ratio = fused / blocks
-            checks.append(Check("speed: fused kernel vs block engine", "PASS" if ratio <= 1.0 else "FAIL", ratio, 1.0,
-                                f"{fused:.2f} s vs {blocks:.2f} s", ratio=ratio))
+            checks.append(Check.against("speed: fused kernel vs block engine", ratio, 1.0,
+                                        detail=f"{fused:.2f} s vs {blocks:.2f} s", ratio=ratio))
         else:
             checks.append(Check("speed: fused kernel vs block engine", "SKIP", detail="the fused kernel is not in use"))
     return checks

@@ -45,7 +45,7 @@ def text_of(n: int) -> str:
 
     lm = load("default")
     ids = corpus.head_ids(lm.tokenizer, corpus.stdlib().text, n)
-    return lm.tokenizer.decode(ids[1:] if ids[0] == lm.tokenizer.bos_token_id else ids)
+    return corpus.text_of(lm.tokenizer, ids)
 
 
 def main() -> None:

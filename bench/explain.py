@@ -38,7 +38,7 @@ def main() -> None:
 
     lm = attnviz.load("default")
     ids = corpus.head_ids(lm.tokenizer, corpus.stdlib().text, args.n)
-    text = lm.tokenizer.decode(ids[1:] if ids[0] == lm.tokenizer.bos_token_id else ids)
+    text = corpus.text_of(lm.tokenizer, ids)
     attnviz.capture(lm, "warm up", "fwd")
     times: dict[str, list[float]] = {"capture": [], "cell": [], "key": [], "view": []}
     for _ in range(args.repeat):

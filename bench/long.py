@@ -45,7 +45,7 @@ def child(side: str, n: int) -> dict:
         capture(lm, "warm up", "fwd", reduce=True)
     before = rss_mb()
     ids = corpus.head_ids(lm.tokenizer, corpus.stdlib().text, n)
-    text = lm.tokenizer.decode(ids[1:] if ids[0] == lm.tokenizer.bos_token_id else ids)
+    text = corpus.text_of(lm.tokenizer, ids)
     start = time.perf_counter()
     if side == "sdpa":  # stock transformers SDPA: is_causal, the fused kernel, no n x n mask
         with torch.inference_mode():

@@ -35,7 +35,7 @@ def main() -> None:
 
     lm = load("default")
     ids = corpus.head_ids(lm.tokenizer, corpus.stdlib().text, args.n)
-    text = lm.tokenizer.decode(ids[1:] if ids[0] == lm.tokenizer.bos_token_id else ids)
+    text = corpus.text_of(lm.tokenizer, ids)
     start = time.perf_counter()
     cap = capture(lm, text, "fwd", reduce=True, pool=512, checkpoints=args.checkpoints)
     capture_s = time.perf_counter() - start

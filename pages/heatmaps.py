@@ -9,6 +9,7 @@ import streamlit as st
 
 from attnviz.figures import export
 from attnviz import regions
+from attnviz.effects import schemes
 from attnviz.errors import AttnvizError
 from attnviz.figures import heatmap, overview, region_heatmap, tile_at
 from ui import jobs
@@ -97,7 +98,11 @@ def show(cap, mode: str) -> None:
 
 def explain_links(cap, layer: int, head: int | None, region) -> None:
     """Links to the Why page: this head's sink column (every query), and the box's lower-left cell."""
-    if loaded is None or loaded.model.config.model_type not in ("llama", "mistral", "qwen2"):
+    if loaded is None:
+        return
+    try:  # only where score attribution is worked out for the family (attnviz/effects/schemes.py)
+        schemes.scheme(loaded)
+    except AttnvizError:
         return
     head = 0 if head is None else int(head)
     key = int(cap.stat(layer, "column_mean")[head].argmax())

@@ -16,9 +16,9 @@ from ui.cache import sweep_room
 from ui.sidebar import page_context
 from ui.docs import definitions
 
-MAX_CELLS = 12  # a sweep started from the page: a few cells on this machine; bigger grids: `attnviz sweep`
+MAX_CELLS = shared.CAPS["max_cells"]  # a sweep started from the page: a few cells here; bigger: `attnviz sweep`
 rules = shared.access()
-max_cells = shared.cap("max_cells") if rules.shared else MAX_CELLS
+max_cells = shared.cap("max_cells") if rules.shared else MAX_CELLS  # a shared server's own cap (secrets.toml)
 
 settings, loaded = page_context()
 st.title("Sweeps")
@@ -44,7 +44,7 @@ with st.expander("Run a small sweep here (local Ray)", expanded=False):
                          "beside this server's memory budget). Run bigger grids with `attnviz sweep`.")
             elif shared.checked(rules.writable, folder, "results folder") is None:
                 pass  # refused before anything is created
-            elif rules.shared and any(shared.checked(rules.model, m) is None for m in grid.models):
+            elif any(shared.checked(rules.model, m) is None for m in grid.models):
                 pass  # a model this server does not load for visitors
             else:
                 from attnviz.sweep import run

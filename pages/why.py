@@ -48,7 +48,8 @@ if "why_layer" not in st.session_state or (any(asked) and asked != st.session_st
 c1, c2, c3, c4 = st.columns([3, 1, 1, 1])
 layer = c1.slider("Layer", 0, loaded.n_layers - 1, key="why_layer")
 head = c2.selectbox("Head", list(range(loaded.n_heads)), key="why_head")
-sink = run.sink_key(layer, head)
+part = run.head(layer, head)  # the head's weights, norm and q, k: every number below reads them
+sink = run.sink_key(layer, head, part)
 if st.session_state.get("why_key", 0) >= n:
     st.session_state["why_key"] = sink
 key = int(c3.number_input("Key", 0, n - 1, sink, key="why_key", help=f"this head's sink key is {sink}"))
@@ -59,7 +60,7 @@ if st.session_state.get("why_query") not in choices:
     st.session_state["why_query"] = "all"
 query = c4.selectbox("Query", choices, key="why_query", help="all: the mean over every query that may see the key")
 try:
-    e = run.explain(layer, head, query, key)
+    e = run.explain(layer, head, query, key, part)
 except AttnvizError as err:
     st.error(str(err))
     st.stop()
@@ -138,8 +139,9 @@ if clicked is None:
 else:
     sample, position = clicked
     chosen = runs[sample]
-    row = chosen.probabilities(layer, head)[position]
-    shown = key if sample == 0 else chosen.sink_key(layer, head)
+    chosen_part = part if sample == 0 else chosen.head(layer, head)
+    row = chosen.probabilities(layer, head, chosen_part)[position]
+    shown = key if sample == 0 else chosen.sink_key(layer, head, chosen_part)
     where = "" if sample == 0 else f" of pooled text {sample}"
     fig_r = attention_row_figure(row.numpy(), list(chosen.tokens), position, shown,
                                  f"layer {layer} head {head}: the attention row of query {position}{where} "
@@ -148,7 +150,7 @@ else:
     figure_downloads(fig_r, {**meta, "figure": "attention-row", "query": position, "text_index": sample},
                      key="why_row_x")
     if sample > 0 and chosen.allowed(layer)[position, shown]:  # the page's attribution is the first text's
-        fig_e = attribution_figure(chosen.explain(layer, head, position, shown))
+        fig_e = attribution_figure(chosen.explain(layer, head, position, shown, chosen_part))
         st.plotly_chart(fig_e, width="stretch", key="why_pooled_attribution")
         figure_downloads(fig_e, {**meta, "figure": "attribution", "query": position, "key": shown,
                                  "text_index": sample}, key="why_pooled_attribution_x")

@@ -108,6 +108,13 @@ def test_bad_input_is_one_line(attention, tokens, message):
     assert "\n" not in str(err.value)
 
 
+def test_a_capture_keeps_its_own_tokens(eager):
+    cap = from_attention(eager, TOKENS)
+    assert from_attention(cap) is cap
+    with pytest.raises(InputError, match="a capture carries its own tokens"):
+        attnviz.show(cap, 5)  # the old positional layer argument is refused, not silently ignored
+
+
 def test_rows_that_do_not_sum_to_one_are_shown_and_said_once(eager):
     dropped = [a * 0.8 for a in eager]  # a learned sink's share taken from every row
     with warnings.catch_warnings(record=True) as caught:

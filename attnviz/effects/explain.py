@@ -22,6 +22,7 @@ no rotary pairs.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass, field
 
@@ -140,8 +141,8 @@ class Residual:
             for hook in hooks:
                 hook.remove()
         self.hidden = [h[0].float() for h in hidden[:self.upto + 1]]  # the input of layers 0 .. upto
-        self.sources = {**schemes.embeddings(loaded.model, self.scheme, self.ids, self.hidden[0]),
-                        **dict(sorted(sources.items(), key=lambda kv: (int(kv[0].split(".")[1]), kv[0])))}
+        # the hooks fire in forward order: attn.0, mlp.0, attn.1, ... (the order of every figure and table)
+        self.sources = {**schemes.embeddings(loaded.model, self.scheme, self.ids, self.hidden[0]), **sources}
 
     @property
     def n_tokens(self) -> int:
@@ -178,11 +179,11 @@ class Residual:
         x = self.hidden[layer]
         part = schemes.head_parts(model, s, layer, head, self.loaded.n_heads, self.loaded.n_kv_heads, x)
         part["b_q_all"], part["b_k_all"] = schemes.effective_bias(part, "q"), schemes.effective_bias(part, "k")
-        part["rotation"] = schemes.rotation(model, s, x, self.n_tokens)
+        part["rotation"] = self.rotation
         n = schemes.normed(part, x, part["inv"])
         part["q_plain"] = n @ part["w_q"].T + (part["b_q_all"] if part["b_q_all"] is not None else 0)
         part["k_plain"] = n @ part["w_k"].T + (part["b_k_all"] if part["b_k_all"] is not None else 0)
-        part["q"], part["k"] = self._rotate(part, part["q_plain"]), self._rotate(part, part["k_plain"])
+        part["q"], part["k"] = self._rotated(part, part["q_plain"]), self._rotated(part, part["k_plain"])
         if s.rotary:
             part["q_nope"], part["k_nope"] = part["q_plain"], part["k_plain"]
         else:
@@ -191,8 +192,13 @@ class Residual:
             part["k_nope"] = part["k_plain"] - pos @ part["w_k"].T
         return part
 
+    @functools.cached_property
+    def rotation(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cos, sin) of every position, the same for every layer and head (None with learned positions)."""
+        return schemes.rotation(self.loaded.model, self.scheme, self.hidden[0], self.n_tokens)
+
     @staticmethod
-    def _rotate(part: dict, v: torch.Tensor, rows=slice(None)) -> torch.Tensor:
+    def _rotated(part: dict, v: torch.Tensor, rows=slice(None)) -> torch.Tensor:
         """R_t v at the positions ``rows`` (identity with learned positions)."""
         if part["rotation"] is None:
             return v
@@ -244,16 +250,16 @@ class Residual:
         inv = p["inv"]
         at_key = torch.stack([s[key] for s in named.values()])  # (S, hidden): only the rows read, not (S, n, hidden)
         at_rows = torch.stack([s[rows] for s in named.values()])  # (S, I, hidden)
-        k_src = self._rotate(p, schemes.normed(p, at_key, inv[key]) @ p["w_k"].T, key)  # (S, D)
+        k_src = self._rotated(p, schemes.normed(p, at_key, inv[key]) @ p["w_k"].T, key)  # (S, D)
         key_parts = (q.mean(0)[None] * k_src).sum(-1) * scale
-        q_src = self._rotate(p, schemes.normed(p, at_rows, inv[rows][None]) @ p["w_q"].T, rows)
+        q_src = self._rotated(p, schemes.normed(p, at_rows, inv[rows][None]) @ p["w_q"].T, rows)
         query_parts = (q_src * k[None, None]).sum(-1).mean(-1) * scale
         key_sources = {name: float(v) for name, v in zip(named, key_parts)}
         query_sources = {name: float(v) for name, v in zip(named, query_parts)}
         if p["b_k_all"] is not None:
-            key_sources["bias"] = float((q.mean(0) * self._rotate(p, p["b_k_all"], key)).sum() * scale)
+            key_sources["bias"] = float((q.mean(0) * self._rotated(p, p["b_k_all"], key)).sum() * scale)
         if p["b_q_all"] is not None:
-            query_sources["bias"] = float((self._rotate(p, p["b_q_all"][None].expand(len(rows), -1), rows)
+            query_sources["bias"] = float((self._rotated(p, p["b_q_all"][None].expand(len(rows), -1), rows)
                                            * k[None]).sum(-1).mean() * scale)
         rotary = self.scheme.rotary
         capped = None
@@ -337,15 +343,11 @@ class QueryKeyView:
     head: int
     points: list[tuple[float, float]]  # the n queries, then the n keys (n: all texts' tokens, text by text)
     tokens: list[str]
+    positions: list[int]  # each token's position in its text
+    samples: list[int]  # each token's text (0: the first)
     sink_keys: list[int]  # each text's sink key, as an index into ``tokens``
     scale: float  # c: queries times c, keys (translated) divided by c
     method: str = "pca"
-    positions: list[int] = field(default_factory=list)  # each token's position in its text
-    samples: list[int] = field(default_factory=list)  # each token's text (0: the first)
-
-    def __post_init__(self):
-        self.positions = self.positions or list(range(len(self.tokens)))
-        self.samples = self.samples or [0] * len(self.tokens)
 
     @property
     def n(self) -> int:
@@ -421,7 +423,7 @@ def query_key_view(runs: "Residual | list[Residual]", layer: int, head: int, met
         samples += [s] * run.n_tokens
     q, k, c = attentionviz(torch.cat(qs), torch.cat(ks))
     xy = project(torch.cat([q, k]), method)
-    return QueryKeyView(layer, head, [tuple(map(float, p)) for p in xy], tokens, sinks, c, method, positions, samples)
+    return QueryKeyView(layer, head, [tuple(map(float, p)) for p in xy], tokens, positions, samples, sinks, c, method)
 
 
 def corpus_samples(loaded: LoadedModel, count: int, tokens: int = 96) -> list[str]:
@@ -429,5 +431,5 @@ def corpus_samples(loaded: LoadedModel, count: int, tokens: int = 96) -> list[st
     first ``tokens`` tokens: the samples the query-key view pools beside a text."""
     from attnviz import corpus
 
-    return [loaded.tokenizer.decode(corpus.head_ids(loaded.tokenizer, text, tokens))
+    return [corpus.text_of(loaded.tokenizer, corpus.head_ids(loaded.tokenizer, text, tokens))
             for text in corpus.stdlib().documents[:count]]

@@ -97,11 +97,8 @@ def explain(lm: LoadedModel, cell: Cell) -> list[dict]:
     from attnviz.effects.evaluate import token_ids
     from attnviz.effects.explain import Residual, diagnose
 
-    o = cell.options
-    ids = token_ids(lm, documents(cell.corpus).text, o["max_tokens"])
-    bos = getattr(lm.tokenizer, "bos_token_id", None)
-    run = Residual(lm, lm.tokenizer.decode(ids[1:] if ids and ids[0] == bos else ids),
-                   cell.arch, cell.intervention or None)
+    ids = token_ids(lm, documents(cell.corpus).text, cell.options["max_tokens"])
+    run = Residual(lm, corpus_mod.text_of(lm.tokenizer, ids), cell.arch, cell.intervention or None)
     rows = []
     for layer in range(lm.n_layers):
         d = diagnose(run, layer)

@@ -4,8 +4,8 @@ network, no CDN."""
 from __future__ import annotations
 
 import html
-from pathlib import Path
 import json
+from pathlib import Path
 
 from attnviz.viewer import asset
 
@@ -40,7 +40,6 @@ def save_html(attention, tokens=None, path="attention.html", *, query_tokens=Non
     """One self-contained HTML file of the viewer (no server, no network) of a capture or of any attention
     tensors (:func:`attnviz.viewer.tensors.from_attention`): every layer's maps, max-pooled to ``size``
     pixels a side (sinks stay visible; exact 16-bit hover values up to 256 tokens). Returns the path."""
-
     from attnviz.figures.export import write_atomic
     from attnviz.viewer.payload import payload
     from attnviz.viewer.tensors import from_attention

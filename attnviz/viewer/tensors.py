@@ -40,11 +40,8 @@ def _array(x, where: str) -> np.ndarray:
     if x is None:
         raise InputError(f"{where} is None: the model returned no attention weights (load it with "
                          "attn_implementation='eager' and pass output_attentions=True)")
-    if hasattr(x, "detach"):  # torch
-        x = x.detach()
-        if x.dtype != __import__("torch").float32:
-            x = x.float()
-        x = x.cpu().numpy()
+    if hasattr(x, "detach"):  # torch: .float() and .cpu() return the tensor itself where nothing changes
+        x = x.detach().float().cpu().numpy()
     try:
         out = np.asarray(x, dtype=np.float32)
     except (TypeError, ValueError):
@@ -96,8 +93,10 @@ def _layers(attention, batch: int) -> tuple[list[np.ndarray], str]:
 def from_attention(attention, tokens=None, *, query_tokens=None, batch: int = 0, name: str = "attention") -> Capture:
     """A :class:`Capture` of given attention maps (see the module docstring); ``tokens`` label the keys
     (default: their positions), ``query_tokens`` the queries where they are not the keys; ``name`` is
-    what the viewer and exported files call the source. A Capture is returned as it is."""
+    what the viewer and exported files call the source. A Capture is returned as it is (it has its tokens)."""
     if isinstance(attention, Capture):
+        if tokens is not None or query_tokens is not None:  # e.g. show(cap, 5): the old positional layer
+            raise InputError("a capture carries its own tokens: call show(cap) (layer=, head= by keyword)")
         return attention
     maps, kind = _layers(attention, batch)
     heads, q, k = maps[0].shape
@@ -126,9 +125,9 @@ def from_attention(attention, tokens=None, *, query_tokens=None, batch: int = 0,
         if (m < 0).any():
             raise InputError(f"layer {l} holds negative values: attention weights are probabilities")
         sums = m.sum(-1)
-        live = sums > 0
-        if live.any():
-            far = float(sums[live].flat[np.abs(sums[live] - 1).argmax()])
+        live = sums[sums > 0]  # rows with any weight (a fully masked row sums to 0)
+        if live.size:
+            far = float(live.flat[np.abs(live - 1).argmax()])
             if abs(far - 1) > max(ROW_SUM_TOLERANCE, abs(worst - 1)):
                 worst = far
         digest.update(m[:, ::max(1, q // 64), ::max(1, k // 64)].tobytes())
