@@ -15,7 +15,9 @@ from tiny import ARCHS, CharTokenizer, build, loaded
 
 pytestmark = pytest.mark.cuda
 N = 40
-TEXT = "The keeper lit the lamp, and the ships passed the rocks all night long; " * 3  # 228 tokens
+TEXT = "The keeper lit the lamp, and the ships passed the rocks all night long; " * 3
+N_TEXT = len(CharTokenizer()(TEXT)["input_ids"])  # the text's real length in tokens
+QUERIES = (N_TEXT - 66, N_TEXT)  # the last 66 queries
 MASKS = ["fwd", "back*3", "bidir*3", "nosink-fwd*3", "mask0-bidir(k=2)", "mask0&bidir(k=2, k0=1)", "sliding(w=5)*3",
          "stablemask(gamma=0.5)", "stablemask(slopes=alibi, T=512)"]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # docs/methods.md#devices
@@ -67,8 +69,8 @@ def test_long_mode_statistics_and_pooled_maps_on_cuda_equal_the_cpu(spec):
 
 @pytest.mark.parametrize("spec", ["fwd", "stablemask(gamma=0.5)", "mask0-bidir(k=2)"])
 def test_regions_on_cuda_equal_the_cpu(spec):
-    cpu = regions.region(_on("llama", "cpu", torch.float32), TEXT, spec, 1, (150, 228), (3, 70))
-    gpu = regions.region(_on("llama", "cuda", torch.float32), TEXT, spec, 1, (150, 228), (3, 70))
+    cpu = regions.region(_on("llama", "cpu", torch.float32), TEXT, spec, 1, QUERIES, (3, 70))
+    gpu = regions.region(_on("llama", "cuda", torch.float32), TEXT, spec, 1, QUERIES, (3, 70))
     np.testing.assert_allclose(gpu.values, cpu.values, atol=1e-4)
     np.testing.assert_array_equal(gpu.allowed, cpu.allowed)
 
@@ -89,10 +91,13 @@ def test_doctor_passes_on_the_gpu_and_names_the_fallback_when_the_kernel_fails(m
     lm.model.to("cuda", torch.bfloat16)
     report = doctor.run(lm, tokens=1024)
     by_name = {c.name: c for c in report.checks}
-    assert report.ok, report.text()
-    assert by_name["statistics, fused kernel vs block engine"].status == "PASS"
-    assert by_name["maps of every layer vs stock eager (float32)"].status == "PASS"  # the bf16 model cast for it
-    assert "speed: fused kernel vs block engine" in by_name
+    for check in report.checks:  # every equivalence check passes in bfloat16; no verdict of a timing is asserted
+        if not check.name.startswith("speed:"):
+            assert check.status == "PASS", report.text()
+    assert by_name["statistics, fused kernel vs their definitions on the full maps"].status == "PASS"
+    assert by_name["maps of every layer vs stock eager (float32, end to end)"].status == "PASS"  # cast for it
+    speed = by_name["speed: fused kernel vs block engine"]  # reported on a GPU, never skipped
+    assert speed.status in ("PASS", "FAIL") and speed.ratio > 0
 
     def broken():
         raise RuntimeError("PTX .version 9.9 does not support .target sm_99")
@@ -100,6 +105,6 @@ def test_doctor_passes_on_the_gpu_and_names_the_fallback_when_the_kernel_fails(m
     monkeypatch.setattr(kernels, "_kernel", broken)
     kernels._disabled.clear()
     report = doctor.run(lm, tokens=1024)
-    fused = next(c for c in report.checks if c.name == "statistics, fused kernel vs block engine")
+    fused = next(c for c in report.checks if c.name == "statistics, fused kernel vs their definitions on the full maps")
     assert fused.status == "FAIL" and "falls back to the block engine" in fused.detail and not report.ok
     kernels._disabled.clear()

@@ -44,12 +44,14 @@ def test_fp32_models_compile_for_sm90(used):
     assert 0 < got["registers"] <= 255 and got["shared"] > 0
 
 
-def test_more_warps_means_fewer_registers_a_thread(used):
-    """NUM_WARPS = 8 spreads each tile over twice the threads: fewer registers each, so the heavier
-    variants (every pooled output) stay clear of spilling."""
-    four, eight = (used[repr(v)] for v in WARPS)
-    assert four["spill_stores"] == 0 and eight["spill_stores"] == 0
-    assert eight["registers"] < four["registers"]
+def test_the_heaviest_variant_compiles_without_spilling_at_either_warp_count(used):
+    """The heaviest variant (every pooled output, a packed mask, head dim 128) at 4 and at NUM_WARPS = 8 warps:
+    it compiles, spills nothing and stays within the register file. How many registers each takes changes
+    with Triton's version (8 warps took fewer than 4 on one, more on another), so the figures themselves
+    are printed by bench/kernel_regs.py, not asserted."""
+    for got in (used[repr(v)] for v in WARPS):
+        assert got["spill_stores"] == 0 and got["spill_loads"] == 0, got
+        assert 0 < got["registers"] <= 255 and 0 < got["shared"] <= 100 * 1024, got
 
 
 def test_a_kernel_that_does_not_compile_says_why():
