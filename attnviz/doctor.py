@@ -123,12 +123,15 @@ class Report:
 
 
 def pick_device(asked: str = "auto") -> str:
-    """``auto``: CUDA, else MPS, else the CPU; an asked device that is not here is refused in one line."""
+    """``auto``: ``ATTNVIZ_DEVICE`` when set, else CUDA, else MPS, else the CPU; an asked device that is not here
+    is refused in one line."""
     from attnviz.errors import InputError
 
     have = {"cpu": True, "cuda": torch.cuda.is_available(),
             "mps": bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())}
     if asked == "auto":
+        if os.environ.get("ATTNVIZ_DEVICE"):
+            return devices.default_device()
         return "cuda" if have["cuda"] else "mps" if have["mps"] else "cpu"
     if asked not in have:
         raise InputError(f"unknown device '{asked}': expected auto, cpu, cuda or mps")

@@ -7,6 +7,10 @@ import pytest
 # Nothing in the tests may reach a hub: the default model comes from an installed PyPI wheel.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# No test depends on the device the machine would pick: models load on the CPU unless a test names a device
+# (CPU references, the app's captions and budgets, the CLI's subprocesses and the app's server all inherit
+# this). Tests marked ``cuda`` name CUDA themselves; tests of the choice itself clear it (tests/test_devices.py).
+os.environ["ATTNVIZ_DEVICE"] = "cpu"
 sys.path.insert(0, str(Path(__file__).parent))
 
 
@@ -39,7 +43,7 @@ def model_cache(tmp_path_factory):
 def default_model(model_cache):
     from attnviz import load
 
-    return load("default")
+    return load("default", device="cpu")
 
 
 def pytest_collection_modifyitems(config, items):

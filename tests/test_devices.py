@@ -174,3 +174,36 @@ def test_a_decoding_step_neither_copies_nor_reads_back(layers):
         assert step.logprobs.device == META and len(step.kv_positions) == min(t + 2, 6)  # the kept five and itself
     assert decoder.positions == [0, 1, 6, 7, 8]  # the sinks and the window, at their own positions
     assert all(layer.keys.shape[-2] == 5 for layer in decoder.cache.layers)
+
+
+def test_the_default_device_is_chosen_without_needing_a_gpu(monkeypatch):
+    """The choice itself, on any machine: ATTNVIZ_DEVICE when set, else CUDA when torch sees it, else the CPU;
+    and the dtype each choice loads in."""
+    from attnviz.core.models import _resolve_dtype
+
+    monkeypatch.delenv("ATTNVIZ_DEVICE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert devices.default_device() == "cuda" and _resolve_dtype(None, "cuda") == torch.bfloat16
+    assert _resolve_dtype(None, "cuda:1") == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert devices.default_device() == "cpu" and _resolve_dtype(None, "cpu") == torch.float32
+    monkeypatch.setenv("ATTNVIZ_DEVICE", "cuda:1")
+    assert devices.default_device() == "cuda:1"
+
+
+@pytest.mark.parametrize("device_map,cuda,expected", [
+    ({"model": "cpu", "lm_head": "disk"}, True, "cpu"),
+    ({"model": 0, "lm_head": "cpu"}, False, "cuda"),
+    ({"model": "cuda:1", "lm_head": "disk"}, True, "cuda"),
+    ({"model": "mps"}, False, "mps"),
+    ("auto", True, "cuda"),
+    ("auto", False, "cpu"),
+    ("balanced", True, "cuda"),
+    ("cpu", True, "cpu"),
+])
+def test_where_a_device_map_puts_a_model_decides_its_dtype(device_map, cuda, expected, monkeypatch):
+    from attnviz.core.models import _resolve_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert devices.mapped_device(device_map) == expected
+    assert _resolve_dtype(None, expected) == (torch.float32 if expected == "cpu" else torch.bfloat16)

@@ -31,6 +31,26 @@ class DeviceMemoryError(AttnvizError):
     """The device ran out of memory during a capture: its cache has been emptied, nothing is kept."""
 
 
+def default_device() -> str:
+    """Where a model loads when no device is named: ``ATTNVIZ_DEVICE`` when set (``cpu``, ``cuda``,
+    ``cuda:1``, ``mps``: a shared server that keeps its GPU for other work, or a test suite that must give
+    the same results on any machine), else CUDA when this machine has it, else the CPU."""
+    return os.environ.get("ATTNVIZ_DEVICE", "").strip() or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def mapped_device(device_map) -> str:
+    """The kind of device a model loaded with accelerate's ``device_map`` computes on, which decides its dtype:
+    a dict that places any module on a GPU ("cuda:0", an index) or on MPS computes there; one that places
+    everything on the CPU and disk computes on the CPU. A named strategy ("auto", "balanced", "sequential")
+    fills the GPUs first when there are any; "cpu" is the CPU."""
+    if isinstance(device_map, dict):
+        kinds = {"cuda" if isinstance(d, int) else str(d).split(":")[0] for d in device_map.values()}
+        return "cuda" if "cuda" in kinds else "mps" if "mps" in kinds else "cpu"
+    if str(device_map) in ("cpu", "disk"):
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def mb(n: int) -> str:
     return f"{n / MB:,.0f} MB"
 

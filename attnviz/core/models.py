@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from attnviz.core import devices
 from attnviz.errors import ModelLoadError
 
 DEFAULT = "default"
@@ -180,7 +181,7 @@ def _resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        return torch.float32 if device == "cpu" else torch.bfloat16
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     try:
         return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
                 "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
@@ -193,7 +194,8 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
          progress: Progress | None = None, offload_folder: str | Path | None = None) -> LoadedModel:
     """Load ``"default"``, a Hugging Face id or a local directory as a :class:`LoadedModel`.
 
-    Device defaults to CUDA when present, in bfloat16 there and float32 on the CPU (statistics are
+    Device defaults to ``ATTNVIZ_DEVICE`` when set, else CUDA when present (:func:`devices.default_device`),
+    in bfloat16 there and float32 on the CPU (statistics are
     float32 on either, docs/methods.md#devices). ``device_map`` ("auto", "balanced", ... or a dict of module → device)
     loads through accelerate across GPUs, the CPU and disk (``"disk"`` entries are offloaded to
     ``offload_folder``, by default a folder of the cache directory); attnviz keeps each layer's state
@@ -218,8 +220,9 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
         device_map = None
     if device_map is not None and device is not None:
         raise ModelLoadError("give either a device or a device map, not both")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    torch_dtype = _resolve_dtype(dtype, device)
+    device = device or devices.default_device()
+    # a mapped model's dtype follows where the map puts it: float32 on the CPU and disk, even on a GPU machine
+    torch_dtype = _resolve_dtype(dtype, devices.mapped_device(device_map) if device_map else device)
     name = (model or "").strip() or DEFAULT
     model_file = None
     if name == DEFAULT:

@@ -163,9 +163,15 @@ class Residual:
             raise InputError(f"head {head} does not exist: the model has heads 0..{loaded.n_heads - 1}")
         return layer
 
+    @property
+    def device(self) -> torch.device:
+        """Where this run's residual stream is, and so every tensor computed from it."""
+        return self.hidden[0].device
+
     def allowed(self, layer: int) -> torch.Tensor:
-        """(n, n) the layer's allow-set (its mask; the model's own sliding window is not applied here)."""
-        return torch.from_numpy(self.built.architecture.layers[layer].matrix(self.n_tokens))
+        """(n, n) the layer's allow-set (its mask; the model's own sliding window is not applied here), on the
+        run's device."""
+        return torch.from_numpy(self.built.architecture.layers[layer].matrix(self.n_tokens)).to(self.device)
 
     def _before(self, layer: int) -> dict[str, torch.Tensor]:
         """The sources of the residual stream entering ``layer``."""
@@ -214,7 +220,7 @@ class Residual:
         logits = schemes.softmax_logits(part, (part["q"] @ part["k"].T) * part["scale"])
         logits = logits.masked_fill(~self.allowed(layer), float("-inf"))
         if part["sink"] is not None:  # gpt-oss: the sink takes its share of each row, then is dropped
-            sink = torch.full((logits.shape[0], 1), part["sink"], dtype=logits.dtype)
+            sink = torch.full((logits.shape[0], 1), part["sink"], dtype=logits.dtype, device=logits.device)
             return torch.softmax(torch.cat([logits, sink], -1), -1)[:, :-1]
         return torch.softmax(logits, -1)
 
@@ -239,7 +245,7 @@ class Residual:
             if not allowed[query, key]:
                 raise InputError(f"query {query} may not see key {key} in layer {layer} under {arch}: "
                                  "that cell is masked, it has no score to explain")
-            rows = torch.tensor([query])
+            rows = torch.tensor([query], device=self.device)
         p = part or self.head(layer, head)
         scale, half = p["scale"], p["d"] // 2
         q, k = p["q"][rows], p["k"][key]
