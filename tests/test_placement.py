@@ -1,0 +1,126 @@
+"""Where attnviz puts its tensors, proven on the CPU for every entry point (docs/gpu.md#placement).
+
+Each entry point runs twice on the same tiny model: on the CPU, and with the model's weights on a simulated
+second device (tests/elsewhere.py) on which any operation that mixes a CPU tensor with the model's tensors
+fails, as it does on CUDA. The second run must finish and give the first run's numbers. A mask, index or
+buffer made on the CPU and used with the model's tensors (the Why page's crash on a GPU: its mask was made on
+the CPU) fails here."""
+
+import numpy as np
+import pytest
+import torch
+
+from attnviz import capture, regions
+from attnviz.effects import dataset, embedding, evaluate, explain, generate, heads, streaming
+from attnviz.kv import compress
+
+from elsewhere import Misplaced, elsewhere, to_host
+from tiny import loaded
+
+TEXT = "The keeper lit the lamp, and the ships passed the rocks all night long."
+DOCS = [TEXT, "A second lamp burned in the window until the dawn came up over the sea.",
+        "The storm broke the old pier in two, and the keeper rowed out to mend it."]
+
+
+def both(run, kind: str = "llama"):
+    """``run(loaded)`` on the CPU, then with the model elsewhere: both results (the second on the host)."""
+    on_cpu = run(loaded(kind))
+    lm = loaded(kind)
+    with elsewhere(lm.model):
+        assert lm.model.device.type == "meta"
+        there = to_host(run(lm))
+    return on_cpu, there
+
+
+def test_the_simulated_device_fails_where_a_gpu_would():
+    lm = loaded("llama")
+    with elsewhere(lm.model):
+        weight = lm.model.model.embed_tokens.weight.detach()
+        with pytest.raises(Misplaced):
+            weight.masked_fill(torch.ones(weight.shape, dtype=torch.bool), 0.0)  # a mask made on the CPU
+        with pytest.raises(Misplaced):
+            weight + torch.ones(weight.shape[-1])
+        made = torch.zeros(3, device=lm.model.device)  # made on the model's device: fine
+        assert (weight[:3, 0] + made).device == lm.model.device
+        assert float(weight[0, 0] + torch.tensor(1.0)) == pytest.approx(float(weight[0, 0]) + 1)  # a CPU scalar: fine
+        with pytest.raises((TypeError, RuntimeError, NotImplementedError)):
+            weight.numpy()  # as on a GPU: copy to the host first
+        np.testing.assert_array_equal(weight.cpu().numpy(), to_host(weight).numpy())
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "gpt_oss", "gpt2"])
+@pytest.mark.parametrize("options", [dict(), dict(reduce=True, pool=8, scores=True, value_norms=True),
+                                     dict(scores=True, value_norms=True, qkv=True, hidden_states=True, activations=True),
+                                     dict(checkpoints=2)], ids=["maps", "statistics", "extras", "checkpoints"])
+def test_capture(kind, options):
+    if options.get("checkpoints") and kind == "gpt2":
+        pytest.skip("GPT-2 cannot resume a forward from a layer's input")
+    if kind == "gpt2":  # its Conv1D projection has no value-weighted view (a clear refusal, tested elsewhere)
+        options = {k: v for k, v in options.items() if k != "value_norms"}
+    a, b = both(lambda lm: capture(lm, TEXT, "mask0-bidir(k=2)", storage_dtype=torch.float32, **options), kind)
+    for layer in a.layers:
+        if options.get("reduce"):
+            for name, value in a.stats[layer].items():
+                np.testing.assert_allclose(b.stats[layer][name], value, atol=1e-5, equal_nan=True, err_msg=name)
+        else:
+            np.testing.assert_allclose(b.layer_probs(layer), a.layer_probs(layer), atol=1e-5)
+    np.testing.assert_allclose(b.next_logprobs, a.next_logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("spec", ["fwd", "stablemask(gamma=0.5)", "nosink-fwd*3"])
+def test_regions(spec):
+    a, b = both(lambda lm: regions.region(lm, TEXT, spec, 1, (40, 70), (0, 30)))
+    np.testing.assert_allclose(b.values, a.values, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "gpt_oss", "gpt2"])
+def test_explain_probabilities_sink_key_diagnosis_and_query_key_view(kind):
+    def why(lm):
+        run = explain.Residual(lm, TEXT, "fwd", None, None, upto=2)
+        return (run.probabilities(2, 1), run.sink_key(2, 1), run.explain(2, 1, "all", 0).score,
+                explain.diagnose(run, 2).key_side, explain.query_key_view(run, 2, 1).points)
+
+    a, b = both(why, kind)
+    np.testing.assert_allclose(b[0].numpy(), a[0].numpy(), atol=1e-5)
+    assert b[1] == a[1] and b[2] == pytest.approx(a[2], abs=1e-4)
+    np.testing.assert_allclose(np.asarray(b[3]), np.asarray(a[3]), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(b[4]), np.asarray(a[4]), atol=1e-4)
+
+
+def test_heads():
+    a, b = both(lambda lm: heads.taxonomy(lm, [TEXT], s=2, w=8))
+    np.testing.assert_allclose(b.alpha0, a.alpha0, atol=1e-5)
+    np.testing.assert_allclose(b.ahon, a.ahon, atol=1e-4)
+
+
+def test_compress():
+    ids = [3 + (i * 7) % 87 for i in range(200)]
+    a, b = both(lambda lm: compress.compress(lm, ids, context=100, ratios=(0.5,)))
+    assert [r["press"] for r in b.as_json()["presses"]] == [r["press"] for r in a.as_json()["presses"]]
+    assert b.dense.perplexity == pytest.approx(a.dense.perplexity, rel=1e-5)
+    for mine, theirs in zip(b.rows, a.rows):
+        assert mine.perplexity == pytest.approx(theirs.perplexity, rel=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["dense", "sink(s=2, w=8)", "window(w=8)"])
+def test_streaming(policy):
+    ids = list(range(3, 60))
+    a, b = both(lambda lm: streaming.stream(lm, ids, policy))
+    np.testing.assert_allclose(b.token_nll, a.token_nll, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["dense", "sink(s=2, w=8)"])
+def test_generation(policy):
+    a, b = both(lambda lm: generate.generate(lm, TEXT, policy=policy, max_new_tokens=6))
+    assert b.new_ids == a.new_ids
+
+
+def test_evaluation():
+    a, b = both(lambda lm: evaluate.evaluate(lm, TEXT, "nosink-fwd*3", window=32, stride=16))
+    np.testing.assert_allclose(b.token_nll, a.token_nll, atol=1e-4)
+
+
+def test_embeddings_and_dataset_sinks():
+    a, b = both(lambda lm: (embedding.probe(lm, DOCS, m=4), dataset.sinks(lm, DOCS, max_len=16, n_samples=4)))
+    assert b[0].recall_at_1 == a[0].recall_at_1 and b[0].mrr == pytest.approx(a[0].mrr)
+    np.testing.assert_allclose(b[1].alpha, a[1].alpha, atol=1e-5, equal_nan=True)
