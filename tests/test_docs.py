@@ -103,3 +103,16 @@ def test_the_definitions_page_renders_the_document(tmp_path):
     assert not at.exception
     text = " ".join(m.value for m in at.markdown)
     assert "## Sink metrics" in text and "### Auto key" in text and "tests/test_metrics.py" in text
+
+
+def test_the_readme_says_what_is_true():
+    """The number of commands it names, its screenshots shown once, and what each heatmap view sends."""
+    from attnviz.cli import COMMANDS
+
+    readme = (ROOT / "README.md").read_text()
+    words = {14: "Fourteen", 15: "Fifteen", 16: "Sixteen", 17: "Seventeen", 18: "Eighteen", 19: "Nineteen", 20: "Twenty"}
+    assert f"{words[len(COMMANDS)]} commands" in readme
+    for shot in ("heatmaps", "shifting", "sinks", "effects"):
+        assert readme.count(f"assets/screenshots/{shot}.png") == 1, shot
+    assert readme.count("scripts/screenshots.py") == 1
+    assert "instant viewer" in readme and "docs/viewer.md" in readme
