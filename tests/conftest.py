@@ -14,6 +14,19 @@ os.environ["ATTNVIZ_DEVICE"] = "cpu"
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+def _pretend_cuda() -> None:
+    """``ATTNVIZ_TEST_PRETEND_CUDA=1``: torch says CUDA is available although it is not, so that a CPU machine
+    shows which tests would depend on it (docs/gpu.md#running-on-a-gpu). Run it with ``-m "not cuda"``:
+    the tests marked ``cuda`` need a real GPU."""
+    if os.environ.get("ATTNVIZ_TEST_PRETEND_CUDA") == "1":
+        import torch
+
+        torch.cuda.is_available = lambda: True
+
+
+_pretend_cuda()
+
+
 def _interpret_triton_without_a_gpu() -> None:
     """Triton kernels run in Triton's interpreter on a machine without a GPU (tests/test_fused.py). The
     flag must be set before anything imports ``triton.language`` (some imports do, early), so it is
