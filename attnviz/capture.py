@@ -395,9 +395,10 @@ def host_allowed(run, layers) -> dict[int, np.ndarray]:
     out = {}
     for layer in layers:
         allow = run.allowed[layer]
-        if id(allow) not in copies:
-            copies[id(allow)] = allow[0, 0].cpu().numpy()
-        out[layer] = copies[id(allow)]
+        key = allow if isinstance(allow, engine.CausalAllow) else id(allow)
+        if key not in copies:
+            copies[key] = allow.host() if isinstance(allow, engine.CausalAllow) else allow[0, 0].cpu().numpy()
+        out[layer] = copies[key]
     return out
 
 

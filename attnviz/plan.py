@@ -29,6 +29,7 @@ class Plan:
 
     options: dict = field(default_factory=dict)
     estimate: int = 0
+    notes: tuple[str, ...] = ()  # what the user should know about how it runs (a statistic the fused kernel lacks)
 
     @property
     def full_maps(self) -> bool:
@@ -69,4 +70,22 @@ def plan(loaded: LoadedModel, n_tokens: int, per_capture: int, left: int, hidden
     # layer inputs to resume a region's forward from (regions.of_capture): they only speed regions up
     count = checkpoint_count(loaded, n_tokens, min(checkpoint_bytes, left - stats))
     return Plan({"reduce": True, "pool": POOL, "hidden_states": False, "checkpoints": count},
-                estimate_bytes(loaded, n_tokens, **long_options, checkpoints=count))
+                estimate_bytes(loaded, n_tokens, **long_options, checkpoints=count), route_notes())
+
+
+def route_notes(statistics=None) -> tuple[str, ...]:
+    """What a statistics capture's route will be, where it matters: statistics finished from sums the fused
+    kernel does not compute take the block engine on every device (slower on a GPU, never a statistic left
+    at zero)."""
+    from attnviz.core import kernels
+    from attnviz.stats.metrics import RowSum
+    from attnviz.stats.reduce import Summaries
+
+    reducer = Summaries(["."], statistics=statistics)
+    missing = reducer.missing_sums(kernels.SUMS)
+    if not missing:
+        return ()
+    names = sorted(s.name for s in reducer.statistics
+                   if any((x.name if isinstance(x, RowSum) else x) in missing for x in s.sums))
+    return (f"{', '.join(names)} need{'s' if len(names) == 1 else ''} {', '.join(missing)}, which the fused kernel "
+            "does not compute: statistics captures take the block engine",)

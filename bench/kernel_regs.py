@@ -5,11 +5,12 @@
 Compiles every variant the engine launches with Triton's CUDA backend and reads ptxas's report:
 registers a thread, spill bytes a thread (stores/loads to local memory inside the tile loops: the
 first thing that makes a kernel slow), shared memory a program. Prints one line a variant:
-``kernel sm=<cc> dtype=<dtype> d=<head dim> mask=<causal|packed> outputs=<...> warps=<w>
+``kernel sm=<cc> dtype=<dtype> d=<head dim> mask=<causal|packed> outputs=<...> passes=<1|2> warps=<w>
 registers=<r> spill_stores=<B> spill_loads=<B> shared=<B>``.
 
 The baseline is the kernel's own alternatives in the same run: 4 warps against the chosen 8
-(``attnviz.core.kernels.NUM_WARPS``). These are compiler figures, not timings: timings need a GPU
+(``attnviz.core.kernels.NUM_WARPS``), and at 8 warps one pass over QKᵀ (the row log-sum-exp read from the
+attention kernel, what the engine launches) against two (the kernel finds it itself: the fallback). These are compiler figures, not timings: timings need a GPU
 (bench/gpu.py).
 """
 
@@ -28,14 +29,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--capability", type=int, nargs="+", default=[90, 80])
     args = parser.parse_args()
-    rows = [dict(capability=cc, dtype=dtype, head_dim=d, causal=causal, num_warps=warps, **OUTPUTS[outputs])
+    rows = [dict(capability=cc, dtype=dtype, head_dim=d, causal=causal, num_warps=warps, lse=lse, **OUTPUTS[outputs])
             | {"_outputs": outputs}
-            for cc, dtype, d, causal, outputs, warps in itertools.product(
-                args.capability, ("bf16", "fp32"), (64, 128), (True, False), OUTPUTS, (4, kernels.NUM_WARPS))]
+            for cc, dtype, d, causal, outputs, warps, lse in itertools.product(
+                args.capability, ("bf16", "fp32"), (64, 128), (True, False), OUTPUTS, (4, kernels.NUM_WARPS),
+                (True, False))
+            if lse or warps == kernels.NUM_WARPS]
     results = kernels.compiled_resources(*({k: v for k, v in row.items() if k != "_outputs"} for row in rows))
     for row, got in zip(rows, results):
         print(f"kernel sm={row['capability']} dtype={row['dtype']} d={row['head_dim']} "
-              f"mask={'causal' if row['causal'] else 'packed'} outputs={row['_outputs']} warps={row['num_warps']} "
+              f"mask={'causal' if row['causal'] else 'packed'} outputs={row['_outputs']} passes={1 if row['lse'] else 2} "
+              f"warps={row['num_warps']} "
               + " ".join(f"{k}={v}" for k, v in got.items()), flush=True)
 
 

@@ -29,6 +29,11 @@ HOST_INDICES = {aten.index.Tensor, aten.index_put_.default, aten.index_put.defau
 COPIES = {aten.copy_.default}
 
 
+#: every copy from the simulated device to the host, in order: ("wait", op) for one that waits for the device
+#: (``.cpu()``, ``.item()``, ``.tolist()``, a blocking ``copy_``), ("async", op) for a ``copy_(non_blocking=True)``
+TRANSFERS: list[tuple[str, str]] = []
+
+
 class Misplaced(RuntimeError):
     """A CPU tensor met tensors on the model's device: on a GPU this operation would fail."""
 
@@ -47,6 +52,7 @@ class OnDevice(torch.Tensor):
         self._host = host
 
     def tolist(self):  # like a GPU tensor's: a copy to the host
+        TRANSFERS.append(("wait", "tolist"))
         return self._host.tolist()
 
     def __repr__(self):
@@ -81,6 +87,10 @@ def _run(func, args, kwargs):
             return CPU
         return value
 
+    if func is aten._local_scalar_dense.default or (on and named and named[-1].type == "cpu" and func not in COPIES):
+        TRANSFERS.append(("wait", str(func)))
+    elif func in COPIES and not isinstance(args[0], OnDevice) and isinstance(args[1], OnDevice):
+        TRANSFERS.append(("async" if (args[2] if len(args) > 2 else kwargs.get("non_blocking")) else "wait", str(func)))
     args2, kwargs2 = tree_map(unwrap, args), tree_map(unwrap, kwargs)
     if isinstance(kwargs2.get("device"), str) and torch.device(kwargs2["device"]).type == DEVICE.type:
         kwargs2["device"] = CPU

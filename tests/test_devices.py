@@ -41,9 +41,10 @@ def test_summaries_keep_every_state_on_the_meta_device():
         summaries.add(7, q0, probs, allow, n_q=N, k0=k0, n_kv=N, value_norms=norms)
         summaries.add_scores(7, q0, probs, allow, N, N, k0)
     layer = summaries.layers[7]
-    state = _tensors(layer)
-    assert {"masked_sum", "plain_sum", "counts", "self_seen", "key0", "entropy", "discarded", "allocation",
-            "delim"} <= set(state)
+    state = {**{f"sum {k}": v for k, v in layer.sums.items()}, **_tensors(layer),
+             **{k: v for k, v in layer.facts.items() if isinstance(v, torch.Tensor)}}
+    assert {"sum colsum", "sum colsum_allowed", "sum rowsum", "sum plogp", "sum diag", "sum key0", "sum delim",
+            "col_counts", "row_counts", "self_seen", "key0_allowed", "delim_q", "delim"} <= set(state)
     assert all(t.device == META for t in state.values()), {k: t.device for k, t in state.items()}
     for pooled in (summaries.pooled[7], summaries.pooled_value[7], summaries.pooled_scores[7]):
         assert pooled.values.device == META and pooled.seen.device == META

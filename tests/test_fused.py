@@ -61,6 +61,33 @@ def test_kernel_sums_equal_the_full_probabilities(spec):
         np.testing.assert_allclose(got[seen], ref[seen], atol=1e-6, rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("spec", ["fwd", "bidir", "sliding(w=9)", "global(w=5, g=2)"])
+def test_one_pass_with_the_forwards_log_sum_exp_gives_the_two_pass_sums(spec):
+    """Given every row's log-sum-exp (the attention kernel's, attention_with_lse), the kernel passes over QK^T
+    once and its sums equal the two-pass kernel's and the definitions'; the attention output is SDPA's."""
+    q, k, allow, scores, probs = _reference(spec)
+    v = torch.randn(H_KV, N, D)
+    causal = spec == "fwd"
+    out, lse = kernels.attention_with_lse(q[None], k[None], v[None], None if causal else allow[None, None],
+                                          D ** -0.5, causal)
+    torch.testing.assert_close(lse[0], torch.logsumexp(scores.masked_fill(~allow, float("-inf")), -1),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[0], probs @ v.repeat_interleave(H // H_KV, 0), atol=1e-5, rtol=1e-5)
+    delim = torch.from_numpy((np.arange(N) % 7 == 3).astype(np.float32))
+    f = pool_factor(N, 9)
+    options = dict(pool_factor=f, pooled_shape=(-(-N // f), -(-N // f)), norms=torch.rand(H, N) + 0.5, scores=True,
+                   block=(32, 32), causal=causal)
+    ranges = engine._block_ranges(allow[None, None], 32)
+    mask = None if causal else allow
+    two = kernels.layer_statistics(q, k, mask, ranges, D ** -0.5, delim, **options)
+    one = kernels.layer_statistics(q, k, mask, ranges, D ** -0.5, delim, lse=lse[0], **options)
+    for name in two:
+        torch.testing.assert_close(one[name], two[name], atol=2e-6, rtol=1e-5, msg=name)
+    torch.testing.assert_close(one["colsum"].double(), probs.double().sum(1), atol=2e-6, rtol=1e-5)
+    shifted = kernels.layer_statistics(q, k, mask, ranges, D ** -0.5, delim, lse=lse[0] + 1.0, **options)
+    torch.testing.assert_close(shifted["rowsum"], torch.full((H, N), float(np.exp(-1.0))), atol=1e-5, rtol=1e-5)
+
+
 def test_pack_allow_puts_key_j_in_bit_j_mod_32_of_word_j_div_32():
     torch.manual_seed(1)
     allow = torch.rand(5, 70) < 0.5
@@ -98,11 +125,13 @@ def test_a_capture_by_the_fused_route_equals_the_block_engine(spec, monkeypatch)
     blocks = capture(lm, TEXT, spec, **options)
     calls = []
     real = kernels.layer_statistics
-    monkeypatch.setattr(kernels, "layer_statistics", lambda *a, **k: calls.append(k["causal"]) or real(*a, **k))
+    monkeypatch.setattr(kernels, "layer_statistics",
+                        lambda *a, **k: calls.append((k["causal"], k["lse"] is not None)) or real(*a, **k))
     monkeypatch.setenv("ATTNVIZ_FUSED", "1")
     fused = capture(lm, TEXT, spec, **options)
     assert len(calls) == 3  # every layer took the fused route
-    assert calls == [m.name == "fwd" for m in parse(spec, 3).layers]  # plain causal layers compute their mask
+    assert [c for c, _ in calls] == [m.name == "fwd" for m in parse(spec, 3).layers]  # plain causal: mask from indices
+    assert all(lse for _, lse in calls)  # one pass over QK^T: the attention kernel gave every row's log-sum-exp
     np.testing.assert_allclose(fused.next_logprobs, blocks.next_logprobs, atol=1e-5)
     for layer in range(3):
         for name, value in blocks.stats[layer].items():  # pooled maps are kept in fp16: one ulp apart at most
@@ -155,3 +184,93 @@ def test_a_kernel_that_fails_falls_back_to_the_block_engine(monkeypatch, caplog)
     for layer in range(3):
         np.testing.assert_allclose(fell_back.stats[layer]["alpha"], blocks.stats[layer]["alpha"], atol=1e-6,
                                    equal_nan=True)
+
+
+class _Largest(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every tensor an operation makes inside, by element count."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.made.append((t.numel(), str(func)))
+        return out
+
+
+@pytest.mark.parametrize("pool", [None, 24])
+def test_a_causal_statistics_capture_makes_nothing_of_n_squared_elements(pool, monkeypatch):
+    """The fused route under the plain causal mask: the counts of allowed keys per row and per column, the
+    diagonal and the pooled grid of seen cells are arithmetic (reduce.Layout.causal), the key ranges too, and
+    SDPA runs is_causal, so no tensor of n_q × n_kv elements exists on the device (it was 8 GB of int64 sums
+    and a 1 GB allow-set per layer at 32,768 tokens). The statistics stay the block engine's."""
+    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
+    kernels._disabled.clear()
+    lm = loaded("llama")
+    n = len(lm.tokenizer(TEXT)["input_ids"])
+    with _Largest() as seen:
+        fused = capture(lm, TEXT, "fwd", reduce=True, pool=pool)
+    assert not kernels._disabled
+    biggest = max(seen.made)
+    assert biggest[0] < n * n, f"{biggest[1]} made {biggest[0]} elements, n² = {n * n}"
+    monkeypatch.setenv("ATTNVIZ_FUSED", "0")
+    blocks = capture(lm, TEXT, "fwd", reduce=True, pool=pool)
+    for layer in fused.layers:
+        for name, value in blocks.stats[layer].items():
+            np.testing.assert_allclose(np.asarray(fused.stats[layer][name], np.float32),
+                                       np.asarray(value, np.float32), atol=1e-4, equal_nan=True, err_msg=name)
+    np.testing.assert_array_equal(fused.allowed[0], np.tri(n, dtype=bool))
+
+
+@pytest.mark.parametrize("spec", ["nosink-fwd(m=2)", "back", "sliding(w=9)", "global(w=5, g=2)"])
+def test_a_masks_layout_counted_by_chunks_equals_its_sums(spec, monkeypatch):
+    """Any other mask's counts come from its allow-set a chunk of rows at a time, never as one n × n temporary."""
+    from attnviz.stats import reduce
+
+    monkeypatch.setattr(reduce, "CHUNK_ELEMENTS", 5 * 75)  # five rows a chunk
+    allow = _reference(spec)[2]
+    layout = reduce.Layout.of(allow)
+    torch.testing.assert_close(layout.col_counts, allow.sum(0).float())
+    torch.testing.assert_close(layout.row_counts, allow.sum(-1).float())
+    assert torch.equal(layout.diagonal, torch.diagonal(allow)) and torch.equal(layout.key0, allow[:, 0])
+    for f in (1, 4, 16):
+        expected = torch.from_numpy(~np.isnan(max_pool(np.where(allow.numpy(), 1.0, np.nan), 512, factor=f)))
+        assert torch.equal(layout.seen(f), expected), f
+    causal = reduce.Layout.causal(75, "cpu")
+    tri = torch.ones(75, 75, dtype=torch.bool).tril()
+    torch.testing.assert_close(causal.col_counts, tri.sum(0).float())
+    torch.testing.assert_close(causal.row_counts, tri.sum(-1).float())
+    for f in (1, 4, 16):
+        expected = torch.from_numpy(~np.isnan(max_pool(np.where(tri.numpy(), 1.0, np.nan), 512, factor=f)))
+        assert torch.equal(causal.seen(f), expected), f
+
+
+def test_a_statistic_the_kernel_does_not_compute_takes_the_block_engine_never_a_zero(monkeypatch):
+    """Adding a statistic is one declaration: a new per-query sum (the largest probability of each row) that
+    the fused kernel does not compute sends the capture to the block engine, which finishes it from its
+    declaration; the plan says so; nothing comes back as a zero-filled buffer."""
+    from attnviz import plan
+    from attnviz.stats.metrics import RowSum, Statistic
+
+    peak = Statistic("peak", 1, lambda p, a, t: np.asarray(p, np.float32).max(-1),
+                     (RowSum("rowmax", lambda probs, allow: probs.amax(-1)),), lambda s, xp: s["rowmax"])
+    monkeypatch.setattr(metrics, "STATISTICS", metrics.STATISTICS + (peak,))
+    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
+    calls = []
+    real = kernels.layer_statistics
+    monkeypatch.setattr(kernels, "layer_statistics", lambda *a, **k: calls.append(1) or real(*a, **k))
+    lm = loaded("llama")
+    cap = capture(lm, TEXT, "fwd", reduce=True, pool=24)
+    assert calls == []  # the block engine ran
+    full = capture(lm, TEXT, "fwd", storage_dtype=torch.float32)
+    for layer in cap.layers:
+        np.testing.assert_allclose(cap.stats[layer]["peak"], full.layer_probs(layer).max(-1), atol=1e-6)
+        assert cap.stats[layer]["peak"].min() > 0
+    assert any("peak needs rowmax" in note and "block engine" in note for note in plan.route_notes())
+    monkeypatch.setattr(metrics, "STATISTICS", metrics.STATISTICS[:-1])
+    assert plan.route_notes() == ()
+    capture(lm, TEXT, "fwd", reduce=True, pool=24)
+    assert calls  # without it, the fused route again

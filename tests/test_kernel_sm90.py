@@ -23,17 +23,28 @@ HALF = [dict(capability=cap, dtype="bf16", head_dim=d, causal=causal, **outputs)
             (90, 80), (64, 128), (True, False), (dict(pool=True, value=True, scores=True), dict(pool=False)))]
 FP32 = [dict(capability=90, dtype="fp32", head_dim=64, causal=False)]
 WARPS = [dict(capability=90, dtype="bf16", head_dim=128, causal=False, num_warps=w) for w in (4, kernels.NUM_WARPS)]
+# the two-pass fallback (no log-sum-exp from the attention kernel), at its heaviest
+TWO_PASSES = [dict(capability=cap, dtype="bf16", head_dim=128, causal=False, pool=True, value=True, scores=True,
+                   lse=False) for cap in (90, 80)]
 
 
 @pytest.fixture(scope="module")
 def used():
     """Every variant compiled in one child process (Triton's import is the slow part)."""
-    return dict(zip(map(repr, HALF + FP32 + WARPS), kernels.compiled_resources(*HALF, *FP32, *WARPS)))
+    variants = HALF + FP32 + WARPS + TWO_PASSES
+    return dict(zip(map(repr, variants), kernels.compiled_resources(*variants)))
 
 
 @pytest.mark.parametrize("variant", HALF, ids=lambda v: "sm{capability}-d{head_dim}-{causal}-{pool}{value}{scores}"
                          .format(**{"value": False, "scores": False, **v}))
 def test_half_precision_variants_compile_without_spilling(used, variant):
+    got = used[repr(variant)]
+    assert got["spill_stores"] == 0 and got["spill_loads"] == 0, got
+    assert got["registers"] <= 255 and 0 < got["shared"] <= 100 * 1024, got
+
+
+@pytest.mark.parametrize("variant", TWO_PASSES, ids=lambda v: f"sm{v['capability']}")
+def test_the_two_pass_fallback_compiles_without_spilling(used, variant):
     got = used[repr(variant)]
     assert got["spill_stores"] == 0 and got["spill_loads"] == 0, got
     assert got["registers"] <= 255 and 0 < got["shared"] <= 100 * 1024, got

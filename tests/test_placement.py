@@ -124,3 +124,23 @@ def test_embeddings_and_dataset_sinks():
     a, b = both(lambda lm: (embedding.probe(lm, DOCS, m=4), dataset.sinks(lm, DOCS, max_len=16, n_samples=4)))
     assert b[0].recall_at_1 == a[0].recall_at_1 and b[0].mrr == pytest.approx(a[0].mrr)
     np.testing.assert_allclose(b[1].alpha, a[1].alpha, atol=1e-5, equal_nan=True)
+
+
+def test_a_statistics_capture_sends_its_results_to_the_host_without_waiting():
+    """During the forward, each finished layer's statistics and pooled maps leave the device by asynchronous
+    copies (pinned memory on a GPU) and nothing waits on a copy but the key ranges' one read per mask; the run
+    waits once, after the forward (docs/gpu.md#placement)."""
+    import elsewhere
+
+    lm = loaded("llama")
+    phases = []
+    lm.model.register_forward_pre_hook(lambda *a: phases.append(len(elsewhere.TRANSFERS)))
+    lm.model.register_forward_hook(lambda *a: phases.append(len(elsewhere.TRANSFERS)))
+    with elsewhere.elsewhere(lm.model):
+        elsewhere.TRANSFERS.clear()
+        cap = capture(lm, TEXT, "fwd", reduce=True, pool=8)
+        during = elsewhere.TRANSFERS[phases[0]:phases[1]]
+    waits = [t for t in during if t[0] == "wait"]
+    assert len(waits) <= 1, waits  # the key ranges of the one mask, read once
+    assert sum(t[0] == "async" for t in during) >= len(cap.layers) * 2  # statistics and pooled maps, every layer
+    assert set(cap.stats[0]) >= {"alpha", "entropy", "pooled"} and isinstance(cap.stats[0]["alpha"], np.ndarray)

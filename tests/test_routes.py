@@ -63,7 +63,8 @@ def test_every_declared_statistic_is_computed_and_equals_its_reference():
         np.testing.assert_allclose(got[stat.name], stat.reference(probs, allowed, tokens), rtol=1e-5, atol=1e-6,
                                    equal_nan=True, err_msg=stat.name)
         assert got[stat.name].size == heads * n * stat.floats, stat.name
-    assert metrics.statistic_floats() == sum(s.floats for s in metrics.STATISTICS) == 10
+    # the memory estimate's share is what the declarations say, and what every statistic really takes
+    assert metrics.statistic_floats() * heads * n == sum(got[s.name].size for s in metrics.STATISTICS)
 
 
 def test_no_import_cycle_between_the_reference_and_the_reducers():

@@ -30,16 +30,17 @@ def scores_tile(q, k_ptr, allow_ptr, rows, row_ok, dims, start, n_kv, dim, scale
 
 
 @triton.jit
-def layer_stats(q_ptr, k_ptr, allow_ptr, ranges_ptr, delim_ptr, norms_ptr,
+def layer_stats(q_ptr, k_ptr, allow_ptr, ranges_ptr, delim_ptr, norms_ptr, lse_ptr,
                 rowsum_ptr, plogp_ptr, diag_ptr, key0_ptr, delimacc_ptr, colsum_ptr,
                 pooled_ptr, pooled_value_ptr, pooled_scores_ptr,
                 n_q, n_kv, dim, group, scale, q_offset, factor, pooled_rows, pooled_cols,
                 stride_qh, stride_qn, stride_kh, stride_kn,
                 BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                 POOL: tl.constexpr, VALUE: tl.constexpr, SCORES: tl.constexpr, PRECISION: tl.constexpr,
-                CAUSAL: tl.constexpr):
-    """One program: BM query rows of one head. Pass 1 finds each row's log-sum-exp over its allowed
-    keys, pass 2 recomputes every tile and accumulates the statistics (see attnviz.core.kernels). Heads
+                CAUSAL: tl.constexpr, LSE: tl.constexpr):
+    """One program: BM query rows of one head. With ``LSE`` each row's log-sum-exp over its allowed keys is
+    read (the forward's own attention computed it), else pass 1 finds it; then one pass over every tile
+    accumulates the statistics (see attnviz.core.kernels). Heads
     are the grid's fast axis: the heads of one row block run side by side and share their K tiles
     (grouped-query attention) and allow tiles in the L2 cache."""
     head = tl.program_id(0)
@@ -53,19 +54,21 @@ def layer_stats(q_ptr, k_ptr, allow_ptr, ranges_ptr, delim_ptr, norms_ptr,
     k_lo = tl.load(ranges_ptr + 2 * block)
     k_hi = tl.load(ranges_ptr + 2 * block + 1)
     k_lo = (k_lo // BN) * BN  # tiles on the global BN grid: pooled cells stay aligned
-    m_i = tl.full([BM], float("-inf"), tl.float32)
-    l_i = tl.zeros([BM], tl.float32)
-    # pass 1: every row's log-sum-exp over its allowed keys (online, as flash attention)
-    for start in range(k_lo, k_hi, BN):
-        cols, col_ok, s, ok = scores_tile(q, k_ptr + kv_head * stride_kh, allow_ptr, rows, row_ok, dims, start,
-                                          n_kv, dim, scale, q_offset, stride_kn, BN, PRECISION, CAUSAL)
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
-        m_i = m_new
-    lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), 0.0)
-    # pass 2: the probabilities tile by tile, every statistic accumulated from registers
+    if LSE:  # the forward's attention already computed every row's log-sum-exp: one pass over QK^T
+        lse = tl.load(lse_ptr + head * n_q + rows, mask=row_ok, other=0.0)
+    else:  # pass 1: every row's log-sum-exp over its allowed keys (online, as flash attention)
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        for start in range(k_lo, k_hi, BN):
+            cols, col_ok, s, ok = scores_tile(q, k_ptr + kv_head * stride_kh, allow_ptr, rows, row_ok, dims, start,
+                                              n_kv, dim, scale, q_offset, stride_kn, BN, PRECISION, CAUSAL)
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
+            m_i = m_new
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), 0.0)
+    # the probabilities tile by tile, every statistic accumulated from registers
     rowsum = tl.zeros([BM], tl.float32)
     plogp = tl.zeros([BM], tl.float32)
     diag = tl.zeros([BM], tl.float32)

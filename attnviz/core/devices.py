@@ -87,6 +87,44 @@ def host_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, pin_memory=pinned)
 
 
+class HostCopy:
+    """A finished result on its way to the host. From a GPU it goes into pinned memory with one asynchronous
+    copy, queued on the device's stream after the kernels that made it, so the next layer is queued without
+    waiting for it; :meth:`result` waits for it (once, after the forward: :meth:`attnviz.core.engine.Run.collect`)
+    and gives the numpy array. A CPU tensor is its own host copy."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.event = None
+        if tensor.device.type == "cpu":
+            self.host = tensor
+            return
+        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
+        self.host.copy_(tensor, non_blocking=True)
+        if tensor.device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(tensor.device))
+
+    def result(self):
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return self.host.numpy()
+
+
+def host_copies(values: dict) -> dict:
+    """Every tensor of a finished layer's results sent to the host (:class:`HostCopy`), the rest as it is."""
+    return {k: HostCopy(v) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+
+
+def landed(values):
+    """``values`` (a dict of results, or one) with every :class:`HostCopy` waited for, as numpy arrays."""
+    if isinstance(values, HostCopy):
+        return values.result()
+    if isinstance(values, dict):
+        return {k: v.result() if isinstance(v, HostCopy) else v for k, v in values.items()}
+    return values
+
+
 def synchronize(device) -> None:
     """Wait for a GPU's queued work (host copies made with ``non_blocking``); nothing on the CPU."""
     device = torch.device(device)

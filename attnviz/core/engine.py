@@ -159,11 +159,14 @@ class Run(Recorded, Cached, Asked):
         return self._device_cache[key]
 
     def collect(self) -> None:
-        """After the forward: wait for the asynchronous host copies of full maps, and keep the host arrays."""
+        """After the forward: wait for the asynchronous host copies of full maps and of every layer's finished
+        statistics (:class:`devices.HostCopy`), and keep the host arrays. Nothing during the forward waits."""
         for store in (self.probs, self.scores):
             for layer, maps in store.items():
                 if isinstance(maps, FullMaps):
                     store[layer] = maps.host()
+        for layer, values in self.reduced.items():
+            self.reduced[layer] = devices.landed(values)
 
     def query_positions(self, n_q: int, device) -> torch.Tensor:
         source = self.positions if self.q_positions is None else self.q_positions
@@ -275,7 +278,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     recorded = layer in run.record
     plain_causal = mask.name == "fwd" and not sliding_window and n_q == n_kv and run.unpadded and bias is None
     streamed = recorded and isinstance(run.reducer, reduce.BlockReducer)  # statistics without full maps
-    fused = streamed and isinstance(run.reducer, reduce.FusedReducer)
+    fused = streamed and isinstance(run.reducer, reduce.FusedReducer) and run.reducer.fusable()
     route = choose_route(Facts(
         recorded=recorded, keep_graph=run.keep_graph, stablemask=mask.stable is not None, softcap=softcap is not None,
         sink_logits=s_aux is not None, reshapes=reshaped, head_mask=layer in run.head_masks, plain_causal=plain_causal,
@@ -285,7 +288,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         # plain causal: let SDPA pick its fused causal kernel instead of reading an n x n mask
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
         return run.finish(layer, out)
-    allow = run.allow(layer, n_q, n_kv, sliding_window, query.device)
+    # the fused route under a plain causal mask makes no allow-set: its counts, key ranges and pooled cells
+    # are arithmetic (reduce.Layout.causal), and SDPA runs is_causal
+    allow = None if route is Route.FUSED and plain_causal else run.allow(layer, n_q, n_kv, sliding_window, query.device)
     if layer in run.head_masks:
         allow = keep_self_if_empty(allow & run.head_masks[layer](n_q, n_kv, query.device)[None])
     if route is Route.SDPA_MASKED:
@@ -307,6 +312,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             if devices.is_out_of_memory(err):
                 raise
             kernels.disable(err)
+        if allow is None:  # the block engine reads the allow-set
+            allow = run.allow(layer, n_q, n_kv, sliding_window, query.device)
     rows = n_q if run.keep_graph or torch.is_grad_enabled() or (recorded and run.reducer is not None and not streamed) \
         else run.block_rows(batch * n_heads * n_kv, query.device)
     maps = scores_out = None
@@ -357,30 +364,48 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
 
 
 def _fused_layer(run: Run, layer: int, query, key, value, allow, scaling: float, plain_causal: bool):
-    """A recorded layer of a statistics capture by the fused route (:mod:`attnviz.core.kernels`): the
-    Triton kernel computes its statistics and pooled maps from Q and K, SDPA its output."""
+    """A recorded layer of a statistics capture by the fused route (:mod:`attnviz.core.kernels`): one attention
+    kernel gives its output and every row's log-sum-exp, and the Triton kernel its statistics and pooled maps
+    from Q, K and that log-sum-exp."""
     batch, n_heads, n_q, _ = query.shape
-    n_kv, group = key.shape[2], n_heads // key.shape[1]
+    n_kv = key.shape[2]
     reducer = run.reducer
-    allow_2d = allow[0, 0]
-    ranges = run.key_range_tensor(allow, kernels.BLOCK_M)
+    if plain_causal:  # nothing n_q x n_kv: a block of rows q0.. sees keys 0 .. q0 + BLOCK_M - 1
+        ends = torch.arange(kernels.BLOCK_M, n_q + kernels.BLOCK_M, kernels.BLOCK_M, device=query.device)
+        ranges = torch.stack([torch.zeros_like(ends), ends.clamp(max=n_kv)], dim=-1).to(torch.int32)
+        layout = reduce.Layout.causal(n_q, query.device)
+    else:
+        ranges = run.key_range_tensor(allow, kernels.BLOCK_M)
+        layout = reduce.Layout.of(allow[0, 0])
     factor = pooled_shape = None
     if reducer.pool:
         factor = pool_factor(max(n_q, n_kv), reducer.pool)
         pooled_shape = (-(-n_q // factor), -(-n_kv // factor))
     delim = reducer.delim if reducer.delim is not None else torch.zeros(n_kv)
+    # the layer's output and every row's log-sum-exp from one attention kernel: the statistics pass once over QK^T
+    out, lse = kernels.attention_with_lse(query, key, value, None if plain_causal else allow, scaling, plain_causal)
     raw = kernels.layer_statistics(query[0], key[0], None if plain_causal else run.allow_bits(allow), ranges,
                                    scaling, delim[-n_kv:], factor, pooled_shape,
                                    run.value_norms[layer][0] if layer in run.value_norms else None,
-                                   scores=run.record_scores, causal=plain_causal)
-    reducer.add_fused(layer, raw, allow_2d, n_q, n_kv)
-    if plain_causal:
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
-    else:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=allow, scale=scaling, enable_gqa=group > 1)
+                                   scores=run.record_scores, causal=plain_causal, lse=None if lse is None else lse[0])
+    reducer.add_fused(layer, raw, layout)
     run.reduced[layer] = reducer.finish(layer)
-    run.allowed[layer] = allow
+    run.allowed[layer] = CausalAllow(n_q) if plain_causal else allow
     return run.finish(layer, out)
+
+
+@dataclass(frozen=True)
+class CausalAllow:
+    """A recorded layer's plain causal allow-set of ``n`` tokens, not made on the device: the fused route
+    needs none (:class:`attnviz.stats.reduce.Layout`); the host's copy is made once per length
+    (:func:`attnviz.capture.host_allowed`)."""
+
+    n: int
+
+    def host(self):
+        import numpy as np
+
+        return np.tri(self.n, dtype=bool)
 
 
 class FullMaps:

@@ -6,10 +6,12 @@ is written, then read and rewritten by about ten elementwise passes (mask, max, 
 entropy, column sums, pooling, the cast for P·V). At 32k tokens on a Llama-3-8B shape that is ~40 TB
 of traffic, ten times the SDPA forward. The alternative the issue names, SDPA for the output plus a
 torch pass over the log-sum-exp, saves only the max/sum/divide passes. A kernel keeps each 64 × 64
-tile of scores in registers: pass 1 finds each row's log-sum-exp (as flash attention does), pass 2
-recomputes the tile and accumulates every statistic from it, so the cost is two QKᵀ products,
-compute-bound like the forward itself. The layer output then comes from SDPA (flash/efficient
-kernels), which is what the model runs anyway.
+tile of scores in registers and accumulates every statistic from it, given each row's log-sum-exp.
+That log-sum-exp comes from the layer's own attention kernel (:func:`attention_with_lse`: flash or
+memory-efficient attention compute it anyway, for their backward), which also gives the layer's output,
+so the statistics cost one more QKᵀ product, compute-bound like the forward itself. Where no such kernel
+runs, the statistics kernel finds the log-sum-exp itself in a first pass (as flash attention does) and
+SDPA gives the output: two QKᵀ products.
 
 Which layers take it: a recorded layer of a statistics capture (``capture(reduce=True)``) on a CUDA
 device with Triton available, batch 1, no StableMask/SM-I pseudo-logits, learned sinks, softcapping or
@@ -106,20 +108,69 @@ def pack_allow(allow: torch.Tensor) -> torch.Tensor:
     return words
 
 
+#: The sums of attnviz.stats.metrics.SUMS the kernel computes (the probabilities are 0 wherever the mask forbids,
+#: so its column sums are the allowed-only ones too). A statistic finished from any other sum takes the block engine.
+SUMS = frozenset({"rowsum", "plogp", "diag", "key0", "delim", "colsum", "colsum_allowed"})
+
+
 def _constants(bm: int, bn: int, head_dim: int, fp32: bool, g: int, pool: bool, value: bool,
-               scores: bool, causal: bool) -> dict:
+               scores: bool, causal: bool, lse: bool = True) -> dict:
     """The kernel's compile-time constants, one definition for the launch and for
     :func:`compiled_resources`, so the variants checked for spills are the ones launched."""
     return dict(BM=bm, BN=bn, D=max(16, 1 << (head_dim - 1).bit_length()), G=g, POOL=pool, VALUE=value,
-                SCORES=scores, CAUSAL=causal,
+                SCORES=scores, CAUSAL=causal, LSE=lse,
                 PRECISION="ieee" if fp32 else "tf32")  # fp32 models: no TF32 rounding (docs/methods.md#devices)
+
+
+def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allow: torch.Tensor | None,
+                       scaling: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's attention output (B, H, n_q, d) and every row's log-sum-exp (B, H, n_q) from one attention
+    kernel, the one the forward runs anyway: on the CPU ``_scaled_dot_product_flash_attention_for_cpu``; on
+    CUDA flash attention (causal, half precision) or the memory-efficient kernel (any mask, any dtype), both
+    of which compute the log-sum-exp for their backward. The statistics kernel then reads it and passes over
+    QKᵀ once. ``allow`` (B, 1, n_q, n_kv) bool, or None with ``causal``. Where no such kernel runs (another
+    device, a shape it refuses) or ``ATTNVIZ_FUSED_LSE=0``, the output comes from SDPA and the log-sum-exp is
+    None: the statistics kernel finds it itself, in a first pass."""
+    import torch.nn.functional as F
+
+    heads, kv_heads = query.shape[1], key.shape[1]
+    n_q = query.shape[2]
+
+    def plain():
+        mask = None if causal else allow
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scaling,
+                                              enable_gqa=heads != kv_heads), None
+
+    if os.environ.get("ATTNVIZ_FUSED_LSE", "") == "0" or query.device.type not in ("cpu", "cuda"):
+        return plain()
+    if heads != kv_heads:  # these kernels take one key head per query head
+        key = key.repeat_interleave(heads // kv_heads, dim=1)
+        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    bias = None
+    if not causal:
+        bias = torch.zeros(allow.shape, dtype=query.dtype, device=query.device).masked_fill_(~allow, float("-inf"))
+    ops = torch.ops.aten
+    try:
+        if query.device.type == "cpu":
+            out, lse = ops._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal, attn_mask=bias,
+                                                                      scale=scaling)[:2]
+        elif causal and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
+            out, lse = ops._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False, scale=scaling)[:2]
+        else:
+            if bias is not None and bias.shape[-1] % 16:  # the kernel reads the bias in aligned rows
+                bias = F.pad(bias, (0, -bias.shape[-1] % 16), value=float("-inf"))[..., :allow.shape[-1]]
+            out, lse = ops._scaled_dot_product_efficient_attention(query, key, value, bias, True, 0.0, causal,
+                                                                  scale=scaling)[:2]
+    except (RuntimeError, NotImplementedError):  # a shape or dtype this build's kernels refuse
+        return plain()
+    return out, lse[..., :n_q].float()
 
 
 def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor | None, ranges: torch.Tensor,
                      scaling: float, delim: torch.Tensor, pool_factor: int | None = None,
                      pooled_shape: tuple[int, int] | None = None, norms: torch.Tensor | None = None,
                      scores: bool = False, block: tuple[int, int] = (BLOCK_M, BLOCK_N),
-                     causal: bool = False) -> dict[str, torch.Tensor]:
+                     causal: bool = False, lse: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Raw per-row, per-column and pooled sums of one layer (batch of one) on the layer's device.
 
     ``query`` (H, n_q, d), ``key`` (H_kv, n_kv, d), ``allow`` (n_q, n_kv) bool or packed by
@@ -127,7 +178,9 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     with ``causal``: the plain causal mask with queries at the last n_q positions, computed inside the
     kernel from the indices instead of read from n_q x n_kv bytes; square only), ``ranges`` the
     (blocks, 2) key range of every block of ``block[0]`` query rows (the engine's ``_block_ranges``),
-    ``delim`` (n_kv,) delimiter flags, ``norms`` (H, n_kv) value norms for pooled A·‖W_O v‖.
+    ``delim`` (n_kv,) delimiter flags, ``norms`` (H, n_kv) value norms for pooled A·‖W_O v‖, ``lse`` (H, n_q)
+    every row's log-sum-exp of its scaled allowed scores (natural log, float32) when the forward's attention
+    computed it (:func:`attention_with_lse`): the kernel then passes over QKᵀ once instead of twice.
     Returns fp32 ``rowsum``, ``plogp`` (Σ p·log p), ``diag``, ``key0``, ``delim`` (H, n_q),
     ``colsum`` (H, n_kv) and, with a pool, ``pooled`` (and ``pooled_value`` / ``pooled_scores``)
     (H, rows, cols), NaN-free: cells no query may see hold 0 (-inf for scores).
@@ -161,11 +214,13 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
         query, key, packed,
         ranges.to(device, torch.int32).contiguous(),
         delim.to(**f32).contiguous(), dummy if norms is None else norms.to(**f32).contiguous(),
+        dummy if lse is None else lse.to(**f32).contiguous(),
         out["rowsum"], out["plogp"], out["diag"], out["key0"], out["delim"], out["colsum"],
         pooled, pooled_value, pooled_scores,
         n_q, n_kv, dim, heads // key.shape[0], float(scaling), 0, pool_factor or 1, rows, cols,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-        **_constants(bm, bn, dim, query.dtype == torch.float32, g, pool, norms is not None, scores, causal),
+        **_constants(bm, bn, dim, query.dtype == torch.float32, g, pool, norms is not None, scores, causal,
+                     lse is not None),
         num_warps=NUM_WARPS)
     if pool:
         out["pooled"] = pooled
@@ -206,7 +261,7 @@ def compiled_resources(*variants: dict) -> list[dict[str, int]]:
 
 def _resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, pool: bool = True,
                value: bool = False, scores: bool = False, causal: bool = True, granularity: int = 16,
-               num_warps: int = NUM_WARPS) -> dict[str, int]:
+               num_warps: int = NUM_WARPS, lse: bool = True) -> dict[str, int]:
     """One variant of :func:`compiled_resources`, in this process (its Triton interpreter off)."""
     import re
     import subprocess
@@ -218,7 +273,7 @@ def _resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, p
     from triton.compiler import ASTSource
 
     kernel = _kernel()
-    constants = _constants(BLOCK_M, BLOCK_N, head_dim, dtype == "fp32", granularity, pool, value, scores, causal)
+    constants = _constants(BLOCK_M, BLOCK_N, head_dim, dtype == "fp32", granularity, pool, value, scores, causal, lse)
     pointers = {"q_ptr": dtype, "k_ptr": dtype, "allow_ptr": "i32", "ranges_ptr": "i32"}
     signature = {name: "constexpr" if name in constants else
                  "*" + pointers.get(name, "fp32") if name.endswith("_ptr") else

@@ -174,33 +174,94 @@ def rollout(maps) -> np.ndarray:
     return result
 
 
+#: What a statistic is finished from (:class:`Statistic`): sums over one layer's probabilities A (float32, on
+#: the layer's device), accumulated block by block by the block engine (attnviz.stats.reduce) or in one pass
+#: by the fused kernel (attnviz.core.kernels.SUMS says which it provides), and facts of the layer's mask.
+SUMS = {
+    "rowsum": "Σ_j A[i, j], per head and query",
+    "plogp": "Σ_j A[i, j] log A[i, j], per head and query",
+    "diag": "A[i, i], per head and query",
+    "key0": "A[i, 0], per head and query (0 where the mask forbids it)",
+    "delim": "Σ_j A[i, j] · delimiter_j, per head and query",
+    "colsum": "Σ_i A[i, j], per head and key",
+    "colsum_allowed": "Σ_i allowed[i, j] · A[i, j], per head and key",
+}
+MASK_FACTS = {
+    "col_counts": "how many queries may see key j",
+    "row_counts": "how many keys query i may see",
+    "self_seen": "1 where query j may see key j, per key",
+    "key0_allowed": "whether query i may see key 0",
+    "delim_q": "the delimiter flag of query i's own key",
+    "query_index": "i, per query",
+    "n_q": "the number of queries",
+}
+
+
+@dataclass(frozen=True)
+class RowSum:
+    """A per-query sum a statistic needs that is not in :data:`SUMS`: ``of(probs, allow)`` reduces a block of
+    probabilities (H, b, w) with its allow-set (b, w) over its keys to (H, b). Every row's keys fall in one
+    block, so the block engine computes it; the fused kernel does not, so a capture that keeps such a
+    statistic takes the block engine (and its plan says so)."""
+
+    name: str
+    of: Callable
+
+
 @dataclass(frozen=True)
 class Statistic:
-    """One per-layer statistic a capture keeps (docs/methods.md#sink-metrics). Declared once, here:
+    """One per-layer statistic a capture keeps (docs/methods.md#sink-metrics), declared once, here:
 
-    - ``reference(probs, allowed, tokens)`` is its numpy definition (tests compare every route to it);
-    - the block reducer (:class:`attnviz.stats.reduce.LayerSummary`) and the fused kernel's sums
-      (:func:`attnviz.core.kernels.layer_statistics`) produce an array of this name;
+    - ``reference(probs, allowed, tokens)`` is its numpy definition (tests and ``attnviz doctor`` compare
+      every route to it);
+    - ``sums`` are what it is finished from: names of :data:`SUMS` and :data:`MASK_FACTS`, or a
+      :class:`RowSum` of its own;
+    - ``finish(sums, xp)`` makes it from those (``xp`` is torch on the layer's device);
     - ``floats`` per head and token is what :func:`attnviz.capture.estimate_bytes` counts.
 
-    Adding a statistic: a line here, its accumulation in ``LayerSummary`` and its test; the fused route
-    falls back to the block engine for a statistic its kernel does not compute.
+    Adding a statistic is one declaration here and its test: the block engine accumulates whatever sums it
+    names; the fused route runs only when its kernel provides them all (``attnviz.core.kernels.SUMS``), else the
+    layer takes the block engine: never a statistic left at zero.
     """
 
     name: str
     floats: int
     reference: Callable
+    sums: tuple = ()
+    finish: Callable = None
 
 
-#: Every statistic of a reduced capture, in the order ``reduce.LayerSummary.tensors`` returns them.
+def _allocation(s, xp):
+    diagonal = xp.where(s["query_index"] > 0, s["diag"], 0.0)  # query 0's own key is the first token: "first"
+    delimiter = s["delim"] - diagonal * s["delim_q"]
+    other = s["rowsum"] - s["key0"] - diagonal - delimiter
+    return xp.stack([s["key0"], delimiter, diagonal, other, xp.clip(1.0 - s["rowsum"], 0.0, None)], axis=-1)
+
+
+def _entropy(s, xp):
+    norm = xp.log(xp.clip(s["row_counts"], 1, None))
+    return xp.where(norm > 0, -s["plogp"] / xp.where(norm > 0, norm, 1.0), 0.0)
+
+
+#: Every statistic of a reduced capture.
 STATISTICS = (
-    Statistic("allocation", len(ALLOCATION_PARTS), lambda p, a, t: allocation(p, t)),
-    Statistic("alpha", 1, lambda p, a, t: alpha(p, a)),
-    Statistic("column_mean", 1, lambda p, a, t: column_mean(p)),
-    Statistic("key0", 1, lambda p, a, t: key_profile(p, a, 0)),
-    Statistic("discarded", 1, lambda p, a, t: discarded_mass(p)),
-    Statistic("entropy", 1, lambda p, a, t: entropy(p, a, normalised=True)),
+    Statistic("allocation", len(ALLOCATION_PARTS), lambda p, a, t: allocation(p, t),
+              ("rowsum", "key0", "diag", "delim", "delim_q", "query_index"), _allocation),
+    Statistic("alpha", 1, lambda p, a, t: alpha(p, a), ("colsum_allowed", "col_counts", "self_seen"),
+              lambda s, xp: xp.where(s["col_counts"] - s["self_seen"] > 0,
+                                     s["colsum_allowed"] / xp.clip(s["col_counts"], 1, None), float("nan"))),
+    Statistic("column_mean", 1, lambda p, a, t: column_mean(p), ("colsum", "n_q"), lambda s, xp: s["colsum"] / s["n_q"]),
+    Statistic("key0", 1, lambda p, a, t: key_profile(p, a, 0), ("key0", "key0_allowed"),
+              lambda s, xp: xp.where(s["key0_allowed"], s["key0"], float("nan"))),
+    Statistic("discarded", 1, lambda p, a, t: discarded_mass(p), ("rowsum",),
+              lambda s, xp: xp.clip(1.0 - s["rowsum"], 0.0, None)),
+    Statistic("entropy", 1, lambda p, a, t: entropy(p, a, normalised=True), ("plogp", "row_counts"), _entropy),
 )
+
+
+def needed_sums(statistics) -> set:
+    """The sums (names of :data:`SUMS`, and every :class:`RowSum`) that ``statistics`` are finished from."""
+    return {x for s in statistics for x in s.sums if isinstance(x, RowSum) or x in SUMS}
 
 
 def statistic_floats() -> int:

@@ -13,7 +13,67 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from attnviz.core import devices
 from attnviz.stats import metrics
+
+
+CHUNK_ELEMENTS = 1 << 24  # allow-set cells read at once when a layout is counted from a mask (16 MB of bools)
+
+
+class Layout:
+    """What the statistics need of a layer's (n_q, n_kv) allow-set, without a temporary of n_q × n_kv
+    elements: how many queries see each key (``col_counts``), how many keys each query sees
+    (``row_counts``), whether query i sees key i (``diagonal``) and key 0 (``key0``), and the pooled grid of cells under which anything is allowed
+    (:meth:`seen`). The plain causal mask's are arithmetic (:meth:`causal`); any other mask's are counted
+    from its allow-set a chunk of rows at a time (:meth:`of`), on the allow-set's device."""
+
+    def __init__(self, n_q: int, n_kv: int, col_counts, row_counts, diagonal, key0, seen_of):
+        self.n_q, self.n_kv = n_q, n_kv
+        self.col_counts, self.row_counts, self.diagonal, self.key0 = col_counts, row_counts, diagonal, key0
+        self._seen_of = seen_of
+
+    def seen(self, factor: int) -> torch.Tensor:
+        """(⌈n_q / f⌉, ⌈n_kv / f⌉) bool: the f × f cells under which the mask allows anything."""
+        return self._seen_of(factor)
+
+    @classmethod
+    def causal(cls, n: int, device) -> "Layout":
+        """The plain causal mask of n queries over the same n keys: query i sees keys 0..i."""
+        index = torch.arange(n, device=device, dtype=torch.float32)
+        ones = torch.ones(n, dtype=torch.bool, device=device)
+
+        def seen_of(f: int) -> torch.Tensor:  # a cell (a, b) holds some k ≤ i exactly when b ≤ a
+            cells = -(-n // f)
+            return torch.ones(cells, cells, dtype=torch.bool, device=device).tril_()
+
+        return cls(n, n, n - index, index + 1, ones, ones, seen_of)
+
+    @classmethod
+    def of(cls, allow: torch.Tensor) -> "Layout":
+        """Counted from an (n_q, n_kv) bool allow-set, ``CHUNK_ELEMENTS`` cells at a time."""
+        n_q, n_kv = allow.shape
+        rows = max(1, CHUNK_ELEMENTS // max(n_kv, 1))
+        col_counts = torch.zeros(n_kv, dtype=torch.int32, device=allow.device)
+        row_counts = torch.empty(n_q, dtype=torch.int32, device=allow.device)
+        for r0 in range(0, n_q, rows):
+            chunk = allow[r0:r0 + rows]
+            col_counts += chunk.sum(0, dtype=torch.int32)
+            row_counts[r0:r0 + rows] = chunk.sum(-1, dtype=torch.int32)
+        n = min(n_q, n_kv)
+        diagonal = torch.zeros(n_q, dtype=torch.bool, device=allow.device)
+        diagonal[:n] = torch.diagonal(allow[:n, :n])  # query i and key i, as LayerSummary.add reads them
+
+        def seen_of(f: int) -> torch.Tensor:
+            step = max(f, rows // f * f)  # whole cells of f rows at a time
+            grid = torch.zeros(-(-n_q // f), -(-n_kv // f), dtype=torch.bool, device=allow.device)
+            for r0 in range(0, n_q, step):
+                chunk = allow[r0:r0 + step]
+                pad = (0, -n_kv % f, 0, -chunk.shape[0] % f)
+                cells = torch.nn.functional.pad(chunk, pad).view(-1, f, grid.shape[1], f)
+                grid[r0 // f:r0 // f + cells.shape[0]] = cells.any(3).any(1)
+            return grid
+
+        return cls(n_q, n_kv, col_counts.float(), row_counts.float(), diagonal, allow[:, 0].clone(), seen_of)
 
 
 class BlockReducer:
@@ -38,7 +98,11 @@ class FusedReducer(BlockReducer):
     pool: int | None = None
     delim: torch.Tensor | None = None
 
-    def add_fused(self, layer: int, raw: dict[str, torch.Tensor], allow: torch.Tensor, n_q: int, n_kv: int) -> None:
+    def fusable(self) -> bool:
+        """Whether the fused kernel provides every sum this reducer needs (else the engine feeds it blocks)."""
+        return True
+
+    def add_fused(self, layer: int, raw: dict[str, torch.Tensor], layout: Layout) -> None:
         raise NotImplementedError
 
     def add_scores(self, layer: int, q0: int, scores: torch.Tensor, allow: torch.Tensor, n_q: int, n_kv: int,
@@ -48,37 +112,46 @@ class FusedReducer(BlockReducer):
 
 
 class LayerSummary:
-    """Accumulates one layer's statistics from ``add(q0, probs, allow)`` calls covering every query row.
+    """Accumulates one layer's statistics from ``add(q0, probs, allow)`` calls covering every query row, or from
+    the fused kernel's sums in one call (:meth:`add_fused`), then finishes each from its declaration
+    (:class:`attnviz.stats.metrics.Statistic`): only the sums the wanted statistics name are accumulated.
 
     Its state lives on the device of the first block it is fed, in float32 (docs/methods.md#devices), and every
     update is a tensor operation on that device: no host synchronisation per block. ``delim`` are the
     text's delimiter flags (:func:`metrics.delimiter_flags`, computed once per text); ``tokens`` is
-    the convenience form that computes them here.
+    the convenience form that computes them here. ``statistics``: the :class:`~attnviz.stats.metrics.Statistic`
+    declarations to keep (default: all, allocation only with delimiters).
     """
 
     def __init__(self, n_heads: int, n_q: int, n_kv: int, tokens: list[str] | None = None,
-                 delim: torch.Tensor | None = None, entropy: bool = True):
+                 delim: torch.Tensor | None = None, statistics=None):
         self.n_heads, self.n_q, self.n_kv = n_heads, n_q, n_kv
         if delim is None and tokens is not None:
             delim = torch.from_numpy(metrics.delimiter_flags(tokens))
         self.delim = delim  # None: no allocation (it needs the text's delimiters)
-        self.with_entropy = entropy  # False: no entropy (a log over every probability of the layer)
+        if statistics is None:
+            statistics = [s for s in metrics.STATISTICS if s.name != "allocation" or delim is not None]
+        self.statistics = tuple(statistics)
+        self.sums_needed = metrics.needed_sums(self.statistics)
+        if "delim" in self.sums_needed and delim is None:
+            raise ValueError("allocation needs the text's delimiters: give tokens or delim")
         self.device = None
 
     def _start(self, device: torch.device) -> None:
         f32 = {"dtype": torch.float32, "device": device}
         h, n_q, n_kv = self.n_heads, self.n_q, self.n_kv
         self.device = device
-        self.masked_sum = torch.zeros(h, n_kv, **f32)  # sum_i allowed[i,k] A[i,k]
-        self.plain_sum = torch.zeros(h, n_kv, **f32)  # sum_i A[i,k]
-        self.counts = torch.zeros(n_kv, **f32)  # queries allowed to see k
-        self.self_seen = torch.zeros(n_kv, **f32)  # 1 where k's own query sees k
-        self.key0 = torch.full((h, n_q), float("nan"), **f32)
-        self.discarded = torch.zeros(h, n_q, **f32)
-        self.entropy = torch.zeros(h, n_q, **f32)
+        per_key = {"colsum", "colsum_allowed"}
+        self.sums = {(x.name if isinstance(x, metrics.RowSum) else x): torch.zeros(h, n_kv if x in per_key else n_q, **f32)
+                     for x in self.sums_needed}
+        self.facts = {"col_counts": torch.zeros(n_kv, **f32), "row_counts": torch.zeros(n_q, **f32),
+                      "self_seen": torch.zeros(n_kv, **f32), "key0_allowed": torch.zeros(n_q, dtype=torch.bool, device=device),
+                      "query_index": torch.arange(n_q, **f32), "n_q": n_q}
         if self.delim is not None:
             self.delim = self.delim.to(**f32)
-            self.allocation = torch.zeros(h, n_q, len(metrics.ALLOCATION_PARTS), **f32)
+            delim_q = torch.zeros(n_q, **f32)  # the delimiter flag of query i's own key i
+            delim_q[:min(n_q, n_kv)] = self.delim[:min(n_q, n_kv)]
+            self.facts["delim_q"] = delim_q
 
     def add(self, q0: int, probs: torch.Tensor, allow: torch.Tensor, k0: int = 0, zero_outside: bool = False) -> None:
         """``probs`` (H, b, w) and ``allow`` (b, w) bool for queries q0 .. q0 + b - 1 and keys
@@ -90,82 +163,63 @@ class LayerSummary:
         probs = probs.float()
         allow = allow.to(probs.device)
         b, w = probs.shape[1], probs.shape[2]
-        cols = slice(k0, k0 + w)
-        column = probs.sum(1)
-        self.plain_sum[:, cols] += column
-        self.masked_sum[:, cols] += column if zero_outside else (probs * allow).sum(1)
-        self.counts[cols] += allow.sum(0)
+        rows, cols = slice(q0, q0 + b), slice(k0, k0 + w)
+        sums, facts = self.sums, self.facts
+        facts["col_counts"][cols] += allow.sum(0)
+        facts["row_counts"][rows] = allow.sum(-1).float()
+        if k0 == 0:
+            facts["key0_allowed"][rows] = allow[:, 0]
         # The diagonal (query q0 + r sees its own key) within this block: rows r_lo .. r_hi - 1, whose
         # keys q0 + r - k0 fall inside the block's key range. Plain slices: no boolean indexing, no sync.
         r_lo, r_hi = max(0, k0 - q0), min(b, k0 + w - q0)
-        diag_p = diag_a = None
         if r_lo < r_hi:
-            c_lo = q0 + r_lo - k0
-            square = slice(c_lo, c_lo + r_hi - r_lo)
-            diag_p = torch.diagonal(probs[:, r_lo:r_hi, square], dim1=-2, dim2=-1)  # (H, r_hi - r_lo)
-            diag_a = torch.diagonal(allow[r_lo:r_hi, square])
-            self.self_seen[q0 + r_lo:q0 + r_hi] = diag_a.float()
-        key0 = probs[:, :, 0] if k0 == 0 else None
-        diagonal = probs.new_zeros(probs.shape[0], b)
-        delim_q = probs.new_zeros(b)
-        if diag_p is not None:
-            diagonal[:, r_lo:r_hi] = diag_p
-            if self.delim is not None:
-                delim_q[r_lo:r_hi] = self.delim[q0 + r_lo:q0 + r_hi]
-        delim_sum = probs @ self.delim[cols] if self.delim is not None else None
-        plogp = torch.special.xlogy(probs, probs).sum(-1) if self.with_entropy else None
-        self._rows(q0, allow[:, 0] if k0 == 0 else None, allow.sum(-1), probs.sum(-1), plogp, key0, diagonal,
-                   delim_sum, delim_q)
+            square = slice(q0 + r_lo - k0, q0 + r_hi - k0)
+            facts["self_seen"][q0 + r_lo:q0 + r_hi] = torch.diagonal(allow[r_lo:r_hi, square]).float()
+            if "diag" in sums:
+                sums["diag"][:, q0 + r_lo:q0 + r_hi] = torch.diagonal(probs[:, r_lo:r_hi, square], dim1=-2, dim2=-1)
+        if "colsum" in sums or "colsum_allowed" in sums:
+            column = probs.sum(1)
+            if "colsum" in sums:
+                sums["colsum"][:, cols] += column
+            if "colsum_allowed" in sums:
+                sums["colsum_allowed"][:, cols] += column if zero_outside else (probs * allow).sum(1)
+        if "rowsum" in sums:
+            sums["rowsum"][:, rows] = probs.sum(-1)
+        if "key0" in sums and k0 == 0:
+            sums["key0"][:, rows] = probs[:, :, 0]
+        if "delim" in sums:
+            sums["delim"][:, rows] = probs @ self.delim[cols]
+        if "plogp" in sums:
+            sums["plogp"][:, rows] = torch.special.xlogy(probs, probs).sum(-1)
+        for extra in self.sums_needed:
+            if isinstance(extra, metrics.RowSum):
+                sums[extra.name][:, rows] = extra.of(probs, allow)
 
-    def _rows(self, q0: int, key0_allowed, allowed_count, rowsum, plogp, key0, diagonal, delim_sum, delim_q) -> None:
-        """Every per-query statistic of rows q0 .. q0 + b - 1 from their sums (H, b): row sum, Σ p log p,
-        p of key 0 (None when these rows' keys start past it), of the query's own key, and Σ p·delim.
-        One formula for the block engine and the fused kernel."""
-        rows = slice(q0, q0 + rowsum.shape[1])
-        if key0 is not None:
-            self.key0[:, rows] = torch.where(key0_allowed[None, :], key0, float("nan"))
-        self.discarded[:, rows] = (1.0 - rowsum).clamp(min=0.0)
-        if plogp is not None:
-            norm = torch.log(allowed_count.clamp(min=1).float())[None, :]
-            self.entropy[:, rows] = torch.where(norm > 0, -plogp / torch.where(norm > 0, norm, 1.0), 0.0)
-        if self.delim is not None:
-            if q0 == 0:
-                diagonal = diagonal.clone()
-                diagonal[:, 0] = 0.0  # query 0's own key is the first token
-            first = key0 if key0 is not None else torch.zeros_like(rowsum)
-            delimiter = delim_sum - diagonal * delim_q[None, :]
-            other = rowsum - first - diagonal - delimiter
-            self.allocation[:, rows] = torch.stack([first, delimiter, diagonal, other, (1.0 - rowsum).clamp(min=0.0)],
-                                                   dim=-1)
-
-    def add_fused(self, raw: dict[str, torch.Tensor], allow: torch.Tensor) -> None:
-        """A whole layer from :func:`attnviz.core.kernels.layer_statistics`' sums and its (n_q, n_kv) allow-set."""
+    def add_fused(self, raw: dict[str, torch.Tensor], layout: Layout) -> None:
+        """A whole layer from :func:`attnviz.core.kernels.layer_statistics`' sums and its mask's :class:`Layout`."""
         self._start(raw["rowsum"].device)
-        allow = allow.to(self.device)
-        self.plain_sum += raw["colsum"]
-        self.masked_sum += raw["colsum"]  # the kernel's probabilities are 0 wherever the mask forbids
-        self.counts += allow.sum(0)
+        for name in self.sums:
+            self.sums[name] = raw["colsum" if name == "colsum_allowed" else name].float()  # 0 wherever forbidden
+        facts = self.facts
+        facts["col_counts"] = layout.col_counts.to(self.device).float()
+        facts["row_counts"] = layout.row_counts.to(self.device).float()
         n = min(self.n_q, self.n_kv)
-        self.self_seen[:n] = torch.diagonal(allow[:n, :n]).float()
-        delim_q = self.delim[:self.n_q] if self.delim is not None and self.n_q <= self.n_kv else None
-        self._rows(0, allow[:, 0], allow.sum(-1), raw["rowsum"], raw["plogp"], raw["key0"], raw["diag"],
-                   raw["delim"], delim_q)
+        facts["self_seen"][:n] = layout.diagonal[:n].to(self.device).float()
+        facts["key0_allowed"] = layout.key0.to(self.device)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The finished statistics, still on the layer's device."""
+        """The finished statistics, still on the layer's device: each from its declaration's sums."""
         if self.device is None:
             raise ValueError("no block was added to this layer summary")
-        others = self.counts - self.self_seen
-        alpha = torch.where(others > 0, self.masked_sum / self.counts.clamp(min=1), float("nan"))
-        out = {"alpha": alpha, "column_mean": self.plain_sum / self.n_q, "key0": self.key0,
-               "discarded": self.discarded, **({"entropy": self.entropy} if self.with_entropy else {})}
-        if self.delim is not None:
-            out = {"allocation": self.allocation, **out}
-        return out
+        known = {**self.facts, **self.sums}
+        return {s.name: s.finish(known, torch) for s in self.statistics}
 
     def result(self) -> dict[str, np.ndarray]:
         """The finished statistics on the host: the one copy per layer."""
         return to_host(self.tensors())
+
+
+CHOSEN = {"entropy", "allocation"}  # statistics that cost a pass over every block: kept only when named
 
 
 class Summaries(FusedReducer):
@@ -182,8 +236,11 @@ class Summaries(FusedReducer):
         wanted = names if statistics is None else set(statistics)
         if wanted - names:
             raise ValueError(f"unknown statistics {sorted(wanted - names)}: choose from {sorted(names)}")
+        if tokens is None:
+            wanted.discard("allocation")
         self.tokens = tokens
-        self.entropy = "entropy" in wanted
+        # the cheap ones come from sums the engine makes anyway and are always kept
+        self.statistics = tuple(s for s in metrics.STATISTICS if s.name in wanted or s.name not in CHOSEN)
         self.delim = (torch.from_numpy(metrics.delimiter_flags(tokens))  # once per text
                       if tokens is not None and "allocation" in wanted else None)
         self.pool = pool  # also keep max-pooled maps of at most pool cells a side (stats "pooled", "pool_factor")
@@ -191,6 +248,18 @@ class Summaries(FusedReducer):
         self.pooled: dict[int, PooledMap] = {}
         self.pooled_value: dict[int, PooledMap] = {}
         self.pooled_scores: dict[int, PooledMap] = {}
+
+    def fusable(self) -> bool:
+        """The fused kernel provides every sum the kept statistics are finished from (``kernels.SUMS``)."""
+        from attnviz.core import kernels
+
+        return not self.missing_sums(kernels.SUMS)
+
+    def missing_sums(self, provided) -> list[str]:
+        """The sums these statistics need that ``provided`` lacks (names; a statistic's own RowSum by its name)."""
+        needed = metrics.needed_sums(self.statistics)
+        return sorted(x.name if isinstance(x, metrics.RowSum) else x for x in needed
+                      if isinstance(x, metrics.RowSum) or x not in provided)
 
     def add_scores(self, layer: int, q0: int, scores: torch.Tensor, allow: torch.Tensor, n_q: int, n_kv: int,
                    k0: int = 0) -> None:
@@ -209,7 +278,7 @@ class Summaries(FusedReducer):
         pool, the value-weighted maps A[i, j]·||W_O v_j|| are max-pooled too (stats "pooled_value")."""
         if layer not in self.layers:
             heads, n_kv = probs.shape[1], n_kv or probs.shape[-1]
-            self.layers[layer] = LayerSummary(heads, n_q, n_kv, delim=self.delim, entropy=self.entropy)
+            self.layers[layer] = LayerSummary(heads, n_q, n_kv, delim=self.delim, statistics=self.statistics)
             if self.pool:
                 self.pooled[layer] = PooledMap(heads, n_q, n_kv, self.pool)
                 if value_norms is not None:
@@ -221,14 +290,15 @@ class Summaries(FusedReducer):
                 norms = value_norms[0, :, k0:k0 + probs.shape[-1]].to(probs.device, torch.float32)
                 self.pooled_value[layer].add(q0, probs[0].float() * norms[:, None, :], allow[0, 0], k0)
 
-    def add_fused(self, layer: int, raw: dict[str, torch.Tensor], allow: torch.Tensor, n_q: int, n_kv: int) -> None:
+    def add_fused(self, layer: int, raw: dict[str, torch.Tensor], layout: Layout) -> None:
         """A whole layer at once from :func:`attnviz.core.kernels.layer_statistics` (the fused route) and its
-        (n_q, n_kv) allow-set: the same statistics and pooled maps as the blocks would give."""
-        heads = raw["rowsum"].shape[0]
-        self.layers[layer] = summary = LayerSummary(heads, n_q, n_kv, delim=self.delim, entropy=self.entropy)
-        summary.add_fused(raw, allow)
+        mask's :class:`Layout`: the same statistics and pooled maps as the blocks would give."""
+        heads, n_q, n_kv = raw["rowsum"].shape[0], layout.n_q, layout.n_kv
+        self.layers[layer] = summary = LayerSummary(heads, n_q, n_kv, delim=self.delim, statistics=self.statistics)
+        summary.add_fused(raw, layout)
         if self.pool:
-            seen = PooledMap(heads, n_q, n_kv, self.pool).seen_of(allow)  # one grid for every pooled kind
+            factor = PooledMap(heads, n_q, n_kv, self.pool).factor
+            seen = layout.seen(factor)  # one grid for every pooled kind
             for name, store in (("pooled", self.pooled), ("pooled_value", self.pooled_value),
                                 ("pooled_scores", self.pooled_scores)):
                 if name in raw:
@@ -243,7 +313,7 @@ class Summaries(FusedReducer):
                 out["pooled_value"] = self.pooled_value.pop(layer).tensor()
             if layer in self.pooled_scores:
                 out["pooled_scores"] = self.pooled_scores.pop(layer).tensor()
-        return to_host(out)
+        return devices.host_copies(out)  # on their way to the host: the run collects them after the forward
 
 
 def pool_factor(n: int, size: int) -> int:
@@ -292,13 +362,9 @@ class PooledMap:
         seen, _, _ = self._pool(allow.to(probs.device, torch.uint8)[None], q0, k0, 0)
         self.seen[r:r + seen.shape[1], c:c + seen.shape[2]] |= seen[0].bool()
 
-    def seen_of(self, allow: torch.Tensor) -> torch.Tensor:
-        """The pooled cells under which ``allow`` (n_q, n_kv) allows anything, as a bool grid."""
-        seen, _, _ = self._pool(allow.to(torch.uint8)[None], 0, 0, 0)
-        return seen[0].bool()
-
     def set(self, values: torch.Tensor, seen: torch.Tensor) -> "PooledMap":
-        """The whole pooled grid at once (the fused kernel's), with its :meth:`seen_of` cells."""
+        """The whole pooled grid at once (the fused kernel's), with the cells its mask allows anything under
+        (:meth:`Layout.seen`)."""
         self.values, self.seen = values.float(), seen.to(values.device)
         return self
 
