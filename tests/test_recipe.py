@@ -123,3 +123,21 @@ def test_a_bos_control_goes_to_generation_s_prompt_and_is_refused_where_no_text_
         stream(lm, lm.tokenizer(TEXT)["input_ids"], "dense", marked)
     with pytest.raises(InputError, match="a perplexity .* does not apply a BOS control"):
         evaluate(lm, TEXT, marked, window=8)
+
+
+def test_dataset_sinks_and_the_streaming_heads_perplexity_take_a_recipe():
+    """Both took only an architecture string (arch.resolve refused a Recipe); now a recipe gives its numbers."""
+    from attnviz.effects import dataset, heads
+
+    lm = loaded("llama")
+    docs = [TEXT * 3, TEXT[::-1] * 3, TEXT.upper() * 3]
+    acted = Recipe.of(lm, "nosink-fwd", "temperature(t=2)")
+    by_recipe = dataset.sinks(lm, docs, acted, max_len=16, n_samples=3)
+    by_settings = dataset.sinks(lm, docs, "nosink-fwd", max_len=16, n_samples=3, intervene="temperature(t=2)")
+    np.testing.assert_array_equal(by_recipe.alpha, by_settings.alpha)
+    tax = heads.taxonomy(lm, [TEXT * 8], "fwd", s=1, w=4)
+    dense, streaming = heads.streaming_only_perplexity(lm, TEXT * 4, tax, Recipe.of(lm, "fwd"))
+    assert (dense.as_json(), streaming.as_json()) == tuple(e.as_json() for e in
+                                                           heads.streaming_only_perplexity(lm, TEXT * 4, tax, "fwd"))
+    with pytest.raises(InputError, match="does not apply the intervention"):
+        heads.streaming_only_perplexity(lm, TEXT * 4, tax, acted)

@@ -176,15 +176,15 @@ def _matrix(mask, n: int) -> np.ndarray:
         return np.ones((n, n), dtype=bool)
 
 
-def sinks(loaded: LoadedModel, documents: Sequence[str], arch: str | arch_mod.Architecture = "fwd",
+def sinks(loaded: LoadedModel, documents: Sequence[str], arch: "str | arch_mod.Architecture | Recipe" = "fwd",
           unit: str = "doc", max_len: int = 64, n_samples: int | None = 100,
           on_progress: Callable[[int, int], None] | None = None, intervene=None) -> DatasetSinks:
     """Run every sample under ``arch`` (and ``intervene``, docs/methods.md#interventions) in equal-length batches and keep
     alpha and map moments."""
-    from attnviz.core import interventions as interventions_mod
+    from attnviz.recipe import build
 
-    architecture = arch_mod.resolve(arch, loaded.n_layers)
-    acts = interventions_mod.resolve(intervene, loaded.n_layers, loaded.n_heads)
+    built = build(loaded, arch, intervene).only("a dataset's sink statistics", "intervene")  # a string or a Recipe
+    architecture, acts = built.architecture, built.interventions
     ids, skipped = samples(loaded, documents, unit, max_len, n_samples)
     L, H = loaded.n_layers, loaded.n_heads
     alpha = np.full((len(ids), L, H, max_len), np.nan, dtype=np.float32)

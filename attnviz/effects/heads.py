@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from attnviz.capture import capture
-from attnviz.core import arch as arch_mod
 from attnviz.core import engine
 from attnviz.core.models import LoadedModel
 from attnviz.effects.evaluate import Evaluation, evaluate
@@ -187,7 +186,10 @@ def dataset_texts(loaded: LoadedModel, documents: Sequence[str], samples: int = 
 def streaming_only_perplexity(loaded: LoadedModel, text: str, tax: Taxonomy, arch="fwd") -> tuple[Evaluation, Evaluation]:
     """(dense, streaming heads on sink(s, w)) perplexity of ``text``: the first claim of docs/methods.md#head-classes.
     Only the streaming heads get the sink + window mask (per head); every other head stays dense."""
-    architecture = arch_mod.resolve(arch, loaded.n_layers).require_causal("compute a perplexity")
+    from attnviz.recipe import build
+
+    built = build(loaded, arch).only("the streaming heads' perplexity")  # an architecture string or a Recipe
+    architecture = built.architecture.require_causal("compute a perplexity")
     ids = loaded.tokenizer(text, add_special_tokens=True)["input_ids"]
     if len(ids) > loaded.max_tokens:
         raise InputError(f"the text is {len(ids)} tokens, longer than {loaded.model_id}'s context")
