@@ -6,7 +6,8 @@ more dimensions fails, as it does on a GPU ("expected all tensors to be on the s
 allows stays allowed: CPU scalars (0-d tensors), indexing with CPU indices, copies between the two
 (``.to``, ``.cpu()``, ``copy_``), ``.tolist()`` and ``.item()``. Factory calls that name the device
 (``torch.zeros(..., device=model.device)``) make tensors on it; calls that name none make CPU tensors, as
-they would next to a GPU model. ``.numpy()`` of a tensor on the device fails, as on a GPU.
+they would next to a GPU model. ``.numpy()`` of a tensor on the device fails, as on a GPU. Its copies to the
+host may be queued, as CUDA's (``devices.ASYNC_COPIES``).
 
 So an entry point that builds a mask, an index or a buffer on the CPU and uses it with the model's tensors
 fails here exactly where it would fail on CUDA, while the numbers stay real and every result can be
@@ -146,7 +147,10 @@ def elsewhere(model: torch.nn.Module):
     """The model's weights on the simulated device inside (and every operation checked); back on the CPU after."""
     before = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
+    from attnviz.core import devices
+
     factories = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
+    devices.ASYNC_COPIES.add(DEVICE.type)  # the simulated device copies to the host as CUDA does
     try:
         model._apply(lambda t: t if isinstance(t, OnDevice) else OnDevice(t.detach()))
         for name, make in factories.items():
@@ -154,6 +158,7 @@ def elsewhere(model: torch.nn.Module):
         with _Factories():
             yield model
     finally:
+        devices.ASYNC_COPIES.discard(DEVICE.type)
         for name, make in factories.items():
             setattr(torch, name, make)
         try:

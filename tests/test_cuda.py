@@ -108,3 +108,19 @@ def test_doctor_passes_on_the_gpu_and_names_the_fallback_when_the_kernel_fails(m
     fused = next(c for c in report.checks if c.name == "statistics, fused kernel vs their definitions on the full maps")
     assert fused.status == "FAIL" and "falls back to the block engine" in fused.detail and not report.ok
     kernels._disabled.clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("spec", ["fwd", "bidir", "sliding(w=9)"])
+def test_every_fused_layer_gets_its_log_sum_exp_from_the_attention_kernel(spec, dtype, monkeypatch):
+    """One pass over QK^T on a GPU too: flash (causal, half precision) or memory-efficient attention (any mask)
+    gives each row's log-sum-exp; none falls back to two passes."""
+    from attnviz.core import kernels
+
+    calls = []
+    real = kernels.layer_statistics
+    monkeypatch.setattr(kernels, "layer_statistics", lambda *a, **k: calls.append(k["lse"] is not None) or real(*a, **k))
+    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
+    kernels._disabled.clear()
+    capture(_on("llama", "cuda", dtype), TEXT, spec, reduce=True, pool=24)
+    assert calls and all(calls), calls

@@ -144,3 +144,21 @@ def test_a_statistics_capture_sends_its_results_to_the_host_without_waiting():
     assert len(waits) <= 1, waits  # the key ranges of the one mask, read once
     assert sum(t[0] == "async" for t in during) >= len(cap.layers) * 2  # statistics and pooled maps, every layer
     assert set(cap.stats[0]) >= {"alpha", "entropy", "pooled"} and isinstance(cap.stats[0]["alpha"], np.ndarray)
+
+
+def test_other_accelerators_copy_to_the_host_and_wait(monkeypatch):
+    """Only CUDA's copies are queued (an event says when they land); on MPS or XPU a queued copy to the host may be
+    read before it lands, so there the copy waits."""
+    import elsewhere
+    from attnviz.core import devices
+
+    lm = loaded("llama")
+    with elsewhere.elsewhere(lm.model):
+        made = torch.arange(4.0, device=lm.model.device)
+        elsewhere.TRANSFERS.clear()
+        assert devices.HostCopy(made).result().tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert [kind for kind, _ in elsewhere.TRANSFERS] == ["async"]  # the simulated device copies as CUDA does
+        monkeypatch.setattr(devices, "ASYNC_COPIES", {"cuda"})  # as MPS or XPU
+        elsewhere.TRANSFERS.clear()
+        assert devices.HostCopy(made).result().tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert [kind for kind, _ in elsewhere.TRANSFERS] == ["wait"]

@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
     (Facts(recorded=True, block_reducer=True, fused_reducer=True, kernel=True, reshapes=True), R.BLOCKS),
     (Facts(recorded=True, block_reducer=True, fused_reducer=True, kernel=True, grad=True), R.BLOCKS),
     (Facts(recorded=True, block_reducer=True, fused_reducer=True, kernel=True, position_bias=True), R.BLOCKS),
+    # per-head masks: the kernel reads one allow-set for every head
+    (Facts(recorded=True, block_reducer=True, fused_reducer=True, kernel=True, head_mask=True), R.BLOCKS),
     (Facts(recorded=False, block_reducer=True, fused_reducer=True, kernel=True), R.SDPA_MASKED),
 ])
 def test_route_table(facts, route):

@@ -87,10 +87,16 @@ def host_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, pin_memory=pinned)
 
 
+#: device types whose copies to the host may be queued without waiting (``non_blocking`` into pinned memory,
+#: an event to wait on): CUDA's. Elsewhere (MPS, XPU) a queued copy to the host is not safe to read without a
+#: synchronisation those backends do not give per copy, so the copy waits there.
+ASYNC_COPIES = {"cuda"}
+
+
 class HostCopy:
-    """A finished result on its way to the host. From a GPU it goes into pinned memory with one asynchronous
+    """A finished result on its way to the host. From a CUDA GPU it goes into pinned memory with one asynchronous
     copy, queued on the device's stream after the kernels that made it, so the next layer is queued without
-    waiting for it; :meth:`result` waits for it (once, after the forward: :meth:`attnviz.core.engine.Run.collect`)
+    waiting for it (other accelerators copy and wait, :data:`ASYNC_COPIES`); :meth:`result` waits for it (once, after the forward: :meth:`attnviz.core.engine.Run.collect`)
     and gives the numpy array. A CPU tensor is its own host copy."""
 
     def __init__(self, tensor: torch.Tensor):
@@ -98,8 +104,9 @@ class HostCopy:
         if tensor.device.type == "cpu":
             self.host = tensor
             return
+        queued = tensor.device.type in ASYNC_COPIES
         self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
-        self.host.copy_(tensor, non_blocking=True)
+        self.host.copy_(tensor, non_blocking=queued)
         if tensor.device.type == "cuda":
             self.event = torch.cuda.Event()
             self.event.record(torch.cuda.current_stream(tensor.device))

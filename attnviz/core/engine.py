@@ -248,7 +248,7 @@ def choose_route(f: Facts) -> Route:
         return Route.SDPA_CAUSAL if f.plain_causal else Route.SDPA_MASKED
     if (f.recorded and f.block_reducer and f.fused_reducer and f.batch_one and not f.stablemask and not f.softcap
             and not f.sink_logits and not f.position_bias and not f.keep_graph and not f.grad and not f.reshapes
-            and f.kernel):
+            and not f.head_mask and f.kernel):
         return Route.FUSED
     return Route.BLOCKS
 

@@ -141,29 +141,39 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scaling,
                                               enable_gqa=heads != kv_heads), None
 
-    if os.environ.get("ATTNVIZ_FUSED_LSE", "") == "0" or query.device.type not in ("cpu", "cuda"):
+    # ROCm reports "cuda" too, and whether its kernels' log-sum-exp is natural was not checked: two passes there
+    if (os.environ.get("ATTNVIZ_FUSED_LSE", "") == "0" or query.device.type not in ("cpu", "cuda")
+            or getattr(torch.version, "hip", None)):
         return plain()
     if heads != kv_heads:  # these kernels take one key head per query head
         key = key.repeat_interleave(heads // kv_heads, dim=1)
         value = value.repeat_interleave(heads // kv_heads, dim=1)
     bias = None
-    if not causal:
-        bias = torch.zeros(allow.shape, dtype=query.dtype, device=query.device).masked_fill_(~allow, float("-inf"))
+    if not causal:  # an additive mask, one row of keys per query, expanded (not copied) over the heads
+        n_kv = allow.shape[-1]
+        bias = torch.zeros(allow.shape[0], 1, n_q, n_kv + (-n_kv % 16), dtype=query.dtype, device=query.device)
+        bias[..., n_kv:] = float("-inf")  # rows padded to 16 keys: the memory-efficient kernel reads aligned rows
+        bias = bias[..., :n_kv].masked_fill_(~allow, float("-inf")).expand(-1, heads, -1, -1)
     ops = torch.ops.aten
-    try:
-        if query.device.type == "cpu":
-            out, lse = ops._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal, attn_mask=bias,
-                                                                      scale=scaling)[:2]
-        elif causal and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
-            out, lse = ops._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False, scale=scaling)[:2]
-        else:
-            if bias is not None and bias.shape[-1] % 16:  # the kernel reads the bias in aligned rows
-                bias = F.pad(bias, (0, -bias.shape[-1] % 16), value=float("-inf"))[..., :allow.shape[-1]]
-            out, lse = ops._scaled_dot_product_efficient_attention(query, key, value, bias, True, 0.0, causal,
-                                                                  scale=scaling)[:2]
-    except (RuntimeError, NotImplementedError):  # a shape or dtype this build's kernels refuse
-        return plain()
-    return out, lse[..., :n_q].float()
+    if query.device.type == "cpu":
+        tries = [lambda: ops._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal, attn_mask=bias,
+                                                                         scale=scaling)]
+    else:
+        tries = []
+        if causal and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
+            tries.append(lambda: ops._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False,
+                                                                        scale=scaling))
+        tries.append(lambda: ops._scaled_dot_product_efficient_attention(query, key, value, bias, True, 0.0, causal,
+                                                                        scale=scaling))
+    for attempt in tries:  # flash where it applies, else (or where this GPU refuses it) memory-efficient attention
+        try:
+            out, lse = attempt()[:2]
+        except (RuntimeError, NotImplementedError) as err:  # a shape, dtype or GPU this build's kernels refuse
+            if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
+                raise
+            continue
+        return out, lse[..., :n_q].float()
+    return plain()
 
 
 def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor | None, ranges: torch.Tensor,
