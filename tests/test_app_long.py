@@ -14,6 +14,17 @@ LONG = " ".join([ENGLISH] * 14)  # ~600 tokens
 
 
 def _rss_mb() -> float:
+    """What the process holds: its resident size after Python's garbage is collected and glibc has given back
+    the heap it keeps free (``malloc_trim``). Without the trim, freed-but-kept heap from every test before this
+    one in the same process counts as held, and the figure depends on the order the suite ran in."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the plain resident size
+        pass
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
