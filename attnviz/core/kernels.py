@@ -36,6 +36,8 @@ import os
 
 import torch
 
+from attnviz.core import devices
+
 BLOCK_M = 64  # query rows per program
 BLOCK_N = 64  # keys per tile
 # Warps per program. With 4, ptxas spills for every bf16 and fp32 variant on sm_90 (255 registers and
@@ -169,7 +171,7 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         try:
             out, lse = attempt()[:2]
         except (RuntimeError, NotImplementedError) as err:  # a shape, dtype or GPU this build's kernels refuse
-            if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
+            if devices.is_out_of_memory(err):
                 raise
             continue
         return out, lse[..., :n_q].float()
