@@ -1,6 +1,7 @@
 """attnviz: see what a real language model attends to, under any attention mask, layer by layer.
 
-Flow: text → tokens → :func:`capture` (a :class:`Recipe`: model, architecture, intervention, …) →
+Flow: text → tokens → :func:`capture` (a :class:`Recipe`: model, architecture, intervention, …;
+a :class:`Keep`: what to keep) →
 :class:`Capture` → metrics → figures → pages. The library never imports Streamlit.
 
 Every name below is imported when first used, so ``import attnviz`` and ``attnviz --help`` stay fast
@@ -22,7 +23,7 @@ _EXPORTS = {
     "AttnvizError": "errors", "ArchitectureError": "errors", "InputError": "errors", "MaskError": "errors",
     "ModelLoadError": "errors",
     "LoadedModel": "core.models", "load": "core.models",
-    "Recipe": "recipe",
+    "Recipe": "recipe", "Keep": "plan",
     "explain": "effects.explain",
     "show": "viewer.widget", "show_compare": "viewer.widget", "save_html": "viewer.static",
     "from_attention": "viewer.tensors",
@@ -54,5 +55,6 @@ def __dir__():
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-__all__ = ["show", "show_compare", "save_html", "from_attention", "explain", "Architecture", "parse", "Capture", "capture", "load", "LoadedModel", "Recipe",
+__all__ = ["show", "show_compare", "save_html", "from_attention", "explain", "Architecture", "parse", "Capture", "capture", "load",
+           "LoadedModel", "Recipe", "Keep",
            "AttnvizError", "ArchitectureError", "InputError", "MaskError", "ModelLoadError", "__version__"]

@@ -1,4 +1,4 @@
-"""``capture(loaded, text, arch)`` → a :class:`Capture`: the one object metrics, figures and pages read.
+"""``capture(loaded, text, recipe, keep)`` → a :class:`Capture`: the one object metrics, figures and pages read.
 
 A capture holds the tokens, the architecture and each layer's mask name, the recorded
 probabilities (fp16 by default, softmax done in fp32), the allow-set of every recorded layer, the
@@ -17,14 +17,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from attnviz import plan as plan_mod
 from attnviz import recipe as recipe_mod
 from attnviz.core import arch as arch_mod
 from attnviz.core import devices, engine, syntax
 from attnviz.core.models import LoadedModel
 from attnviz.errors import AttnvizError, InputError
+from attnviz.plan import Keep
 from attnviz.recipe import Recipe
 from attnviz.stats import metrics
-from attnviz.stats.reduce import Summaries, summarise
+from attnviz.stats.reduce import summarise
 
 FORMAT = "attnviz-capture/1"
 TOP_ACTIVATIONS = 8
@@ -121,17 +123,17 @@ class Capture:
 
     def layer_view(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """((H, m, m') values, (m, m') allowed) of a layer: the full maps, or a long capture's
-        max-pooled ones (``capture(pool=...)``), whichever this capture kept."""
+        max-pooled ones (``Keep(statistics=True, pool=...)``), whichever this capture kept."""
         return self._pooled_or(layer, "pooled", lambda: (self.layer_probs(layer), self.allowed[layer]))
 
     def value_view(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Like :meth:`layer_view` for the value-weighted maps ||A[i, j] W_O^h v_j^h||: full, or a long
-        capture's max-pooled ones (``capture(reduce=True, pool=..., value_norms=True)``)."""
+        capture's max-pooled ones (``Keep(statistics=True, pool=..., value_norms=True)``)."""
         return self._pooled_or(layer, "pooled_value", lambda: (self.value_weighted(layer), self.allowed[layer]))
 
     def scores_view(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Like :meth:`layer_view` for the pre-softmax scores: full, or a long capture's max-pooled
-        ones over the allowed cells (``capture(reduce=True, pool=..., scores=True)``)."""
+        ones over the allowed cells (``Keep(statistics=True, pool=..., scores=True)``)."""
         return self._pooled_or(layer, "pooled_scores", lambda: (self.layer_scores(layer), self.allowed[layer]))
 
     def _pooled_or(self, layer: int, name: str, full):
@@ -145,7 +147,8 @@ class Capture:
 
     def _recorded(self, store: dict, layer: int, what: str, flag: str) -> np.ndarray:
         if layer not in store:
-            raise AttnvizError(f"no {what} for layer {layer}: capture with {flag}=True (recorded layers: {self.layers})")
+            raise AttnvizError(f"no {what} for layer {layer}: capture with Keep({flag}=True) "
+                               f"(recorded layers: {self.layers})")
         return store[layer].astype(np.float32)
 
     def layer_scores(self, layer: int) -> np.ndarray:
@@ -158,7 +161,7 @@ class Capture:
 
     def layer_qkv(self, layer: int) -> QKV:
         if layer not in self.qkv:
-            raise AttnvizError(f"no queries/keys/values for layer {layer}: capture with qkv=True")
+            raise AttnvizError(f"no queries/keys/values for layer {layer}: capture with Keep(qkv=True)")
         return self.qkv[layer]
 
     def value_weighted(self, layer: int) -> np.ndarray:
@@ -170,7 +173,7 @@ class Capture:
         if layer in self.stats:
             if name not in self.stats[layer]:
                 raise AttnvizError(f"this capture kept the statistics {sorted(self.stats[layer])}, not {name}: "
-                                   "capture with reduce=True for all of them")
+                                   "capture with Keep(statistics=True) for all of them")
             return self.stats[layer][name]
         if layer not in self._summaries:  # computed once per layer: pages ask for several statistics
             self._summaries[layer] = summarise(self.layer_probs(layer), self.allowed[layer], self.tokens)
@@ -292,102 +295,6 @@ def tokenize(loaded: LoadedModel, text: str, max_tokens: int | None = None,
     return ids, [loaded.tokenizer.decode([i]) for i in ids]
 
 
-def estimate_bytes(loaded: LoadedModel, n_tokens: int, layers: int | None = None, reduce: bool = False,
-                   pool: int | None = None, hidden_states: bool = False, value_norms: bool = False,
-                   scores: bool = False, checkpoints: int = 0) -> int:
-    """What a capture of ``n_tokens`` will hold (as :func:`attnviz.core.lru.nbytes` counts it), before it runs.
-
-    Full maps: fp16 (H, n, n) per recorded layer plus one n × n allow-set per mask; statistics only
-    (``reduce``): :func:`metrics.statistic_floats` per head and token per layer, plus the pooled maps (and pooled
-    value-weighted maps and scores when ``value_norms`` / ``scores`` ask for them).
-    """
-    n, heads = int(n_tokens), loaded.n_heads
-    count = loaded.n_layers if layers is None else int(layers)
-    masks = min(count, 4) * n * n  # allow-sets: one per distinct mask, rarely more than a few
-    if reduce:
-        side = min(n, pool) if pool else 0
-        pooled_maps = 1 + value_norms + scores  # weights, and value-weighted maps / scores when asked
-        per_layer = heads * n * 4 * metrics.statistic_floats() + heads * side * side * 2 * pooled_maps
-    else:
-        per_layer = heads * n * n * 2
-    per_layer += heads * n * 4 if value_norms else 0
-    hidden = (loaded.n_layers + 1) * n * int(getattr(loaded.config, "hidden_size", 0) or 0) * 2 if hidden_states else 0
-    kept = len(checkpoint_layers(loaded, checkpoints)) * checkpoint_bytes(loaded, n)
-    return count * per_layer + masks + hidden + kept + 4 * loaded.config.vocab_size
-
-
-def checkpoint_bytes(loaded: LoadedModel, n_tokens: int) -> int:
-    """One kept layer input: (n, hidden size) in the model's dtype."""
-    itemsize = next(loaded.model.parameters()).element_size()
-    return int(n_tokens) * int(getattr(loaded.config, "hidden_size", 0) or 0) * itemsize
-
-
-def checkpoint_layers(loaded: LoadedModel, count: int) -> frozenset[int]:
-    """The layers whose inputs a capture asked for ``count`` checkpoints keeps: evenly spaced above
-    layer 0 (whose input is the embeddings, cheap to recompute), so a region of any layer resumes at
-    most ceil(L / (count + 1)) - 1 layers below it. Empty where the family cannot resume
-    (:func:`engine.decoder_layers`); :func:`capture` keeps none under a residual variant (its own layer loop)."""
-    if count <= 0 or engine.decoder_layers(loaded.model) is None:
-        return frozenset()
-    stride = -(-loaded.n_layers // (min(count, loaded.n_layers - 1) + 1))
-    return frozenset(range(stride, loaded.n_layers, stride))
-
-
-def checkpoint_count(loaded: LoadedModel, n_tokens: int, budget: int, most: int = 8) -> int:
-    """How many checkpoints of ``n_tokens`` fit ``budget`` bytes (at most ``most``: eight put every
-    region within ceil(L / 9) layers of one)."""
-    one = checkpoint_bytes(loaded, n_tokens)
-    return 0 if one <= 0 else max(0, min(most, budget // one))
-
-
-def device_bytes(loaded: LoadedModel, n_tokens: int, reduce: bool = False, pool: int | None = None,
-                 hidden_states: bool = False, value_norms: bool = False, scores: bool = False,
-                 block_bytes: int | None = None, masks: int = 2) -> int:
-    """What a capture needs on the model's device beyond the weights, before it runs:
-
-    - the working set of one query block: about four fp32 copies of its scores (scores/probabilities,
-      the entropy's temporary, the pooled copy, the cast for P·V) at the run's block size;
-    - the allow-sets, one n × n bool per distinct mask (``masks``);
-    - one layer's forward activations (hidden, MLP and q/k/v projections, in the model's dtype) and,
-      when asked, every layer's hidden states;
-    - one layer's statistics and pooled maps (finished layers go to the host);
-    - the last position's logits.
-    Full maps go to the host as they are made (staged on the device only where there is room), so
-    they count against host memory (:func:`estimate_bytes`), not here.
-    """
-    n, cfg = int(n_tokens), loaded.config
-    heads = loaded.n_heads
-    device = loaded.model.device
-    block = block_bytes or devices.block_bytes(device)
-    rows = max(1, block // (4 * heads * n))
-    working = 4 * 4 * heads * min(rows, n) * n
-    itemsize = next(loaded.model.parameters()).element_size()
-    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
-    inner = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
-    activations = n * (4 * hidden + 3 * inner) * itemsize
-    states = (loaded.n_layers + 1) * n * hidden * itemsize if hidden_states else 0
-    stats = heads * n * 4 * metrics.statistic_floats() if reduce else 0
-    pooled = heads * min(n, pool) ** 2 * 4 * (1 + value_norms + scores) if reduce and pool else 0
-    return working + masks * n * n + activations + states + stats + pooled + 4 * cfg.vocab_size
-
-
-def check_device(loaded: LoadedModel, n_tokens: int, what: str = "this capture", **options) -> None:
-    """Refuse, before running, a capture whose device working set (:func:`device_bytes`) exceeds the
-    device's free memory (``torch.cuda.mem_get_info``, or ``ATTNVIZ_DEVICE_MB``), saying what would fit."""
-    free = devices.free_bytes(loaded.model.device)
-    need = device_bytes(loaded, n_tokens, **options)
-    if free is None or need <= free:
-        return
-    fit = devices.largest(n_tokens, lambda n: device_bytes(loaded, n, **options) <= free)
-    smaller = device_bytes(loaded, n_tokens, **dict(options, block_bytes=4 * devices.MB))
-    hint = f"; with ATTNVIZ_BLOCK_MB=4, ~{devices.mb(smaller)}" if smaller < need else ""
-    raise devices.DeviceMemoryError(
-        f"{what} needs ~{devices.mb(need)} on {loaded.model.device} for {n_tokens} tokens, more than the "
-        f"{devices.mb(free)} free there{hint}. What would fit: "
-        + (f"a text of at most ~{fit} tokens" if fit else "nothing until memory is freed on that device")
-        + ("" if options.get("reduce") else ", or statistics only (`attnviz sinks`, a lower ATTNVIZ_FULL_MAPS_MB)"))
-
-
 def host_allowed(run, layers) -> dict[int, np.ndarray]:
     """Every recorded layer's (n_q, n_kv) allow-set on the host; layers that share a mask share one
     array (one copy from the device per mask, not per layer: 1 GB each at 32k tokens)."""
@@ -411,68 +318,41 @@ def _versions() -> dict[str, str]:
             "numpy": np.__version__, "python": platform.python_version()}
 
 
-def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture | Recipe = "fwd", layers=None,
-            reduce: bool | tuple[str, ...] = False, storage_dtype: torch.dtype = torch.float16,
-            hidden_states: bool = False, max_tokens: int | None = None, on_layer=None,
-            scores: bool = False, value_norms: bool = False, activations: bool = False,
-            qkv: bool = False, residual: str | None = None, block_bytes: int | None = None,
-            pool: int | None = None, intervene=None, prepend: str | None = None, checkpoints: int = 0) -> Capture:
-    """Run ``text`` through the model under ``arch`` and record attention.
+def capture(loaded: LoadedModel, text: str, recipe: "str | arch_mod.Architecture | Recipe" = "fwd",
+            keep: Keep | None = None, max_tokens: int | None = None, on_layer=None) -> Capture:
+    """Run ``text`` through the model under ``recipe`` and keep what ``keep`` asks (full maps of every
+    layer by default).
 
-    ``arch`` is an architecture string, or a whole :class:`~attnviz.recipe.Recipe` (architecture,
-    intervention, BOS control and residual variant together); the capture carries its recipe.
-
-    ``layers`` picks the recorded layers (the others run through SDPA); ``reduce=True`` keeps only
-    the per-layer statistics of :data:`metrics.STATISTICS` instead of full maps, ``reduce=("alpha", ...)``
-    only those named (entropy and allocation cost a pass over every block; the rest are kept anyway). ``on_layer(i)`` is
-    called after each layer (progress); ``max_tokens`` caps the text below the model's own limit.
-    Asked for, the same pass also keeps the recorded layers' pre-softmax ``scores`` and
-    ``value_norms`` (||W_O^h v_j||), and the residual stream's ``activations`` (norms, top values).
-    ``pool`` (with ``reduce``) also keeps each layer's maps max-pooled to at most ``pool`` cells a side:
-    what a long text's heatmaps show (:meth:`Capture.layer_view`).
-    ``intervene`` is an intervention string (docs/methods.md#interventions, :mod:`attnviz.core.interventions`), applied with any
-    mask; ``prepend`` the BOS control ("bos" or a token, :func:`prefix_ids`).
-    ``residual`` runs a seed-003 variant (a fine-tuned directory's own variant when none is named);
-    its layer loop has no hidden-state outputs, so ``hidden_states``/``activations`` are refused with it.
-    ``checkpoints`` keeps that many evenly spaced layers' inputs on the host (:func:`checkpoint_layers`),
-    from which a region of a long capture resumes its forward (``regions.of_capture``).
+    ``recipe`` is a :class:`~attnviz.recipe.Recipe` (architecture, intervention, BOS control and residual
+    variant together: ``Recipe.of(loaded, arch, intervene=..., prepend=..., residual=...)``) or an
+    architecture string; the capture carries its recipe. ``keep`` (:class:`attnviz.plan.Keep`) says what to
+    keep: layers, full maps or statistics, pooled maps, extras, checkpoints, storage dtype; the plan sizes it
+    (:func:`attnviz.plan.check_device` refuses, before running, what the device cannot hold).
+    ``on_layer(i)`` is called after each layer (progress); ``max_tokens`` caps the text below the model's own
+    limit. A residual variant's layer loop has no hidden-state outputs, so hidden states and activations are
+    refused with it, and it keeps no checkpoints.
     """
-    if reduce and scores and not pool:
-        raise InputError("a reduced capture keeps pre-softmax scores only as pooled maps: give pool= as well")
-    built = recipe_mod.build(loaded, arch, intervene, prepend, residual)
+    keep = Keep() if keep is None else keep
+    built = recipe_mod.build(loaded, recipe)
     variant, architecture, acts, prepend = built.variant, built.architecture, built.interventions, built.recipe.prepend
-    if variant is not None and (hidden_states or activations):
+    if variant is not None and (keep.hidden_states or keep.activations):
         raise InputError(f"hidden states are not recorded under the residual variant {variant.name}")
     started = time.perf_counter()
-    record = parse_layers(layers, loaded.n_layers)
+    record = keep.recorded(loaded.n_layers)
     ids, tokens = tokenize(loaded, text, max_tokens, prepend)
     input_ids = torch.tensor([ids])
-
-    # statistics block by block, never a full map; a tuple of names keeps only those (and the cheap ones)
-    reducer = Summaries(tokens, pool, None if reduce is True else reduce) if reduce else None
-
-    check_device(loaded, len(ids), f"a capture of {len(record)} layers", reduce=reduce, pool=pool,
-                 hidden_states=hidden_states or activations, value_norms=value_norms, scores=scores,
-                 block_bytes=block_bytes, masks=min(len(set(architecture.layer_names)), 4))
+    plan_mod.check_device(loaded, len(ids), keep, f"a capture of {len(record)} layers",
+                          masks=min(len(set(architecture.layer_names)), 4))
     t0 = time.perf_counter()
-    if value_norms:  # refuse before running: the model's output projection must be readable
+    if keep.value_norms:  # refuse before running: the model's output projection must be readable
         for module in engine.attention_modules(loaded.model)[:1]:
             engine.output_projection(module)
-    if block_bytes is None and reduce and (value_norms or scores):
-        # each block then also makes value-weighted and masked-score copies of itself to pool: a quarter
-        # of the usual block keeps that working set down (8,177 tokens on the CPU: peak 1.9 GB above the
-        # model with 64 MB blocks, 1.4 GB with 16 MB, and no slower; 4 MB as fast as 16 MB)
-        block_bytes = devices.block_bytes(loaded.model.device) // 4
-    kept = checkpoint_layers(loaded, checkpoints) if variant is None else frozenset()
-    options = dict(storage_dtype=storage_dtype, reducer=reducer, on_layer=on_layer, record_scores=scores,
-                   checkpoint_layers=kept,
-                   **({} if block_bytes is None else {"block_bytes": block_bytes}),
-                   record_value_norms=value_norms, record_qkv=qkv, interventions=acts)
-    with devices.out_of_memory_explained(f"a capture of {len(ids)} tokens, {len(record)} layers recorded"
-                                         f"{' (statistics)' if reduce else ' (full maps)'}"):
-        logits, layer_states, run = built.forward(loaded, input_ids, set(record), last_logits_only=variant is None,
-                                                  output_hidden_states=hidden_states or activations,
-                                                  **{k: v for k, v in options.items() if k != "interventions"})
+    recorders = keep.record(loaded, tokens, on_layer, kept=None if variant is None else ())
+    states = keep.hidden_states or keep.activations
+    with devices.out_of_memory_explained(f"a capture of {len(ids)} tokens, {len(record)} layers recorded "
+                                         f"({keep.describe()})"):
+        logits, layer_states, run = built.forward(
+            loaded, input_ids, recorders, engine.Feed(hidden_states=states, last_logits_only=variant is None))
     forward_s = time.perf_counter() - t0
     logits = logits[0, -1].float()
     return Capture(
@@ -483,15 +363,15 @@ def capture(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture | 
         stats={l: run.reduced[l] for l in run.reduced},
         next_logprobs=torch.log_softmax(logits, -1).cpu().numpy(),
         hidden=(torch.stack([h[0] for h in layer_states]).to(torch.float16).cpu().numpy()
-                if hidden_states else None),
+                if keep.hidden_states else None),
         scores={l: run.scores[l][0].numpy() for l in run.scores},
         value_norm={l: run.value_norms[l][0].cpu().numpy() for l in run.value_norms},
-        activations=Activations.from_hidden(layer_states) if activations else None,
+        activations=Activations.from_hidden(layer_states) if keep.activations else None,
         qkv={l: QKV(q[0].numpy(), k[0].numpy(), v[0].numpy(), float(scale)) for l, (q, k, v, scale) in run.qkv.items()},
         checkpoints=dict(run.checkpoints), recipe=built.recipe,
         timing={"forward_s": forward_s, "total_s": time.perf_counter() - started},
         meta={"model": loaded.model_id, "model_file": loaded.model_file, "dtype": built.recipe.dtype,
-              "storage_dtype": str(storage_dtype).replace("torch.", ""), "device": str(loaded.model.device),
+              "storage_dtype": str(keep.storage_dtype).replace("torch.", ""), "device": str(loaded.model.device),
               "n_layers": loaded.n_layers, "n_heads": loaded.n_heads, "n_kv_heads": loaded.n_kv_heads,
               **({"residual": variant.name} if variant is not None else {}),
               **({"intervene": acts.spec} if acts else {}), **({"prepend": prepend} if prepend else {}),

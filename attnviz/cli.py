@@ -139,6 +139,8 @@ def sinks_report(capture, eps: float) -> dict:
 
 def _sinks(args) -> dict:
     from attnviz.capture import capture
+    from attnviz.recipe import Recipe
+    from attnviz.plan import Keep
 
     if not 0 <= args.eps <= 1:
         raise AttnvizError(f"--eps must be between 0 and 1, got {args.eps}")
@@ -147,8 +149,8 @@ def _sinks(args) -> dict:
     text = _text(args)
     _check_intervene(args)
     loaded = _load(args)
-    return sinks_report(capture(loaded, text, args.arch, reduce=SINKS_REPORT, residual=args.residual,
-                                intervene=args.intervene, prepend=_prepend(args)), args.eps)
+    recipe = Recipe.of(loaded, args.arch, args.intervene, _prepend(args), args.residual)
+    return sinks_report(capture(loaded, text, recipe, Keep(statistics=SINKS_REPORT)), args.eps)
 
 
 def _dataset_sinks(args) -> dict:
@@ -173,6 +175,8 @@ def _dataset_sinks(args) -> dict:
 
 def _capture(args) -> dict:
     from attnviz.capture import capture
+    from attnviz.recipe import Recipe
+    from attnviz.plan import Keep
 
     text = _text(args)
     _check_intervene(args)
@@ -181,8 +185,8 @@ def _capture(args) -> dict:
         if args.intervene or _prepend(args):
             raise AttnvizError("--intervene, --bos and --prepend are for decoder-only models")
         return _capture_seq2seq(args, loaded, text)
-    result = capture(loaded, text, args.arch or "fwd", layers=args.layers, hidden_states=args.hidden,
-                     residual=args.residual, intervene=args.intervene, prepend=_prepend(args))
+    recipe = Recipe.of(loaded, args.arch or "fwd", args.intervene, _prepend(args), args.residual)
+    result = capture(loaded, text, recipe, Keep(layers=args.layers, hidden_states=args.hidden))
     path = result.save(args.out)
     return {"out": str(path), "model": result.meta["model"], "arch": result.arch,
             **({"intervene": result.meta["intervene"]} if result.meta.get("intervene") else {}),
@@ -329,6 +333,8 @@ def _heads(args) -> dict:
 def _linformer(args) -> dict:
     """Linformer what-if on one layer of a real capture (docs/methods.md#linformer-what-if)."""
     from attnviz.capture import capture, parse_layers
+    from attnviz.recipe import Recipe
+    from attnviz.plan import Keep
     from attnviz.effects import linformer
 
     try:
@@ -338,7 +344,7 @@ def _linformer(args) -> dict:
     text = _text(args)
     loaded = _load(args)
     layer = parse_layers(str(args.layer), loaded.n_layers)[0]
-    cap = capture(loaded, text, args.arch, layers=[layer], qkv=True, reduce=True)  # q, k, v: no n × n map needed
+    cap = capture(loaded, text, args.arch, Keep(layers=[layer], qkv=True, statistics=True))  # q, k, v: no n × n map
     results = linformer.error_curve(cap.layer_qkv(layer), cap.allowed[layer],
                                     [linformer.check_k(k, cap.n_tokens) for k in ks], args.projection)
     return {"model": loaded.model_id, "arch": cap.arch, "layer": layer, "n_tokens": cap.n_tokens,

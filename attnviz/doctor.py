@@ -307,6 +307,7 @@ def equivalence(loaded: LoadedModel, text: str) -> list[Check]:
     """Every route that can run here, layer by layer with the same layer input, against stock eager attention
     or the statistics' definitions; and the whole forward in float32 (see the module docstring)."""
     from attnviz.capture import capture
+    from attnviz.plan import Keep
     from attnviz.core import kernels
     from attnviz.figures.style import max_pool
 
@@ -322,7 +323,7 @@ def equivalence(loaded: LoadedModel, text: str) -> list[Check]:
     same = "fed the same layer input"
 
     with layer_io(model) as ours:
-        cap = capture(loaded, text, "fwd", storage_dtype=torch.float32)
+        cap = capture(loaded, text, "fwd", Keep(storage_dtype=torch.float32))
     maps, theirs = stock(loaded, cap.token_ids, feed=ours.inputs)
     worst = max(_max_diff(cap.layer_probs(l), maps[l], cap.allowed[l]) for l in cap.layers)
     checks.append(Check.against(f"maps of every layer vs stock eager ({name}, block engine)", worst, limit, why=why,
@@ -334,7 +335,7 @@ def equivalence(loaded: LoadedModel, text: str) -> list[Check]:
 
     top = loaded.n_layers - 1
     with layer_io(model) as ours_top:
-        only = capture(loaded, text, "fwd", layers=[top], storage_dtype=torch.float32)
+        only = capture(loaded, text, "fwd", Keep(layers=[top], storage_dtype=torch.float32))
     maps_top, theirs_top = stock(loaded, only.token_ids, feed=ours_top.inputs)
     worst = _max_diff(only.layer_probs(top), maps_top[top], only.allowed[top])
     checks.append(Check.against("top layer after SDPA layers vs stock eager", worst, limit, why=why,
@@ -347,7 +348,7 @@ def equivalence(loaded: LoadedModel, text: str) -> list[Check]:
                                                       f"runs through SDPA, and stock eager's, {same}"))
 
     with _setting("ATTNVIZ_FUSED", "0"), layer_io(model, feed=ours.inputs):
-        blocks = capture(loaded, text, "fwd", reduce=True, pool=8, storage_dtype=torch.float32)
+        blocks = capture(loaded, text, "fwd", Keep(statistics=True, pool=8, storage_dtype=torch.float32))
     worst, where = _statistics_error(blocks, cap, cap.layers)
     checks.append(Check.against("statistics, block engine vs their definitions on the full maps", worst, limit,
                                 detail=where, why=why,
@@ -380,7 +381,7 @@ def equivalence(loaded: LoadedModel, text: str) -> list[Check]:
         kernels._disabled.clear()
         try:
             with _setting("ATTNVIZ_FUSED", "1"), layer_io(model, feed=ours.inputs):
-                fused = capture(loaded, text, "fwd", reduce=True, pool=8, storage_dtype=torch.float32)
+                fused = capture(loaded, text, "fwd", Keep(statistics=True, pool=8, storage_dtype=torch.float32))
         except Exception as err:  # noqa: BLE001 - a kernel that fails here is the finding
             kernels.disable(err)
             fused = None
@@ -406,6 +407,7 @@ def _float32_end_to_end(loaded: LoadedModel, text: str) -> Check:
     """The whole forward in float32, no layer input fed: attnviz's full maps of every layer against stock
     eager's, within 1e-4. A half-precision model is cast for it and back (bf16 → fp32 → bf16 is exact)."""
     from attnviz.capture import capture
+    from attnviz.plan import Keep
 
     model = loaded.model
     dtype = model.dtype
@@ -414,7 +416,7 @@ def _float32_end_to_end(loaded: LoadedModel, text: str) -> Check:
     if getattr(model, "hf_device_map", None) and dtype != torch.float32:
         return Check(name, "SKIP", detail="a model spread by a device map is not cast to float32 here")
     with _in_float32(model):
-        cap = capture(loaded, text, "fwd", storage_dtype=torch.float32)
+        cap = capture(loaded, text, "fwd", Keep(storage_dtype=torch.float32))
         maps, _ = stock(loaded, cap.token_ids)
     worst = max(_max_diff(cap.layer_probs(l), maps[l], cap.allowed[l]) for l in cap.layers)
     return Check.against(name, worst, FP32_TOLERANCE, compared=compared,
@@ -486,6 +488,7 @@ def speed(loaded: LoadedModel, text: str, device: str) -> list[Check]:
     """A statistics capture against a plain SDPA forward of the same tokens; on CUDA the fused kernel
     against the block engine. Never skipped: a short forward is repeated inside each timed window."""
     from attnviz.capture import capture, tokenize
+    from attnviz.plan import Keep
 
     ids, _ = tokenize(loaded, text)
     model = loaded.model
@@ -503,7 +506,7 @@ def speed(loaded: LoadedModel, text: str, device: str) -> list[Check]:
 
     repeats = repeats_for(_timed(plain, device, 1, windows=1))
     base = _timed(plain, device, repeats)
-    stats = _timed(lambda: capture(loaded, text, "fwd", reduce=True), device, repeats)
+    stats = _timed(lambda: capture(loaded, text, "fwd", Keep(statistics=True)), device, repeats)
     limit = SPEED_LIMIT.get(device, 3.0)
     ratio = stats / base
     name = f"speed: statistics of {len(ids)} tokens vs a plain {'SDPA' if reference == 'sdpa' else reference} forward"
@@ -517,9 +520,9 @@ def speed(loaded: LoadedModel, text: str, device: str) -> list[Check]:
 
         if kernels.available() and not kernels._disabled:
             with _setting("ATTNVIZ_FUSED", "1"):
-                fused = _timed(lambda: capture(loaded, text, "fwd", reduce=True), device, repeats)
+                fused = _timed(lambda: capture(loaded, text, "fwd", Keep(statistics=True)), device, repeats)
             with _setting("ATTNVIZ_FUSED", "0"):
-                blocks = _timed(lambda: capture(loaded, text, "fwd", reduce=True), device, repeats)
+                blocks = _timed(lambda: capture(loaded, text, "fwd", Keep(statistics=True)), device, repeats)
             ratio = fused / blocks
             checks.append(Check.against("speed: fused kernel vs block engine", ratio, 1.0, ratio=ratio,
                                         detail=f"{fused * 1000:.1f} ms vs {blocks * 1000:.1f} ms a call",

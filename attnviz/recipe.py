@@ -42,8 +42,9 @@ class Recipe:
     @classmethod
     def of(cls, loaded: "LoadedModel", arch="fwd", intervene=None, prepend: str | None = None,
            residual: str | None = None) -> "Recipe":
-        """The canonical recipe of these settings on a loaded model (bad strings refused here)."""
-        return build(loaded, arch, intervene, prepend, residual).recipe
+        """The canonical recipe of these settings on a loaded model (bad strings refused here). Nothing is
+        made on the model's device: a residual variant is named, not built (:func:`build` builds it)."""
+        return _canonical(loaded, arch, intervene, prepend, residual)[0]
 
     @property
     def key(self) -> str:
@@ -105,16 +106,32 @@ class Built:
             raise InputError(f"{purpose} does not apply {what[extra[0]]}: leave it out of the recipe")
         return self
 
-    def forward(self, loaded: "LoadedModel", input_ids: "torch.Tensor", record: set[int] | None = None, **options):
-        """``(logits, hidden_states or None, run)`` of this recipe (see :func:`forward`)."""
-        return forward(loaded, self.variant, input_ids, list(self.architecture.layers), record,
-                       interventions=self.interventions, **options)
+    @property
+    def computes(self):
+        """The engine's half of this recipe (:class:`attnviz.core.engine.Computes`): masks and interventions."""
+        from attnviz.core.engine import Computes
+
+        return Computes(tuple(self.architecture.layers), self.interventions)
+
+    def forward(self, loaded: "LoadedModel", input_ids: "torch.Tensor", record=None, feed=None):
+        """``(logits, hidden_states or None, run)`` of this recipe (see :func:`forward`); ``record`` (an
+        :class:`attnviz.core.engine.Record`) says what to record, none of it by default."""
+        return forward(loaded, self.variant, input_ids, self.computes, record, feed)
 
 
 def build(loaded: "LoadedModel", arch="fwd", intervene=None, prepend: str | None = None,
           residual: str | None = None) -> Built:
     """Settings, or a :class:`Recipe` passed as ``arch``, made real on ``loaded``. A recipe's own
     intervention, BOS control and variant are used; naming them again as well is refused."""
+    from attnviz.core import residual as residual_mod
+
+    recipe, architecture, acts, residual = _canonical(loaded, arch, intervene, prepend, residual)
+    return Built(recipe, architecture, acts, residual_mod.resolve(loaded, residual))
+
+
+def _canonical(loaded: "LoadedModel", arch, intervene, prepend, residual):
+    """(canonical recipe, architecture, interventions, residual name as given) of these settings on ``loaded``,
+    parsed and checked; nothing made on the device."""
     from attnviz.core import arch as arch_mod
     from attnviz.core import interventions as interventions_mod
     from attnviz.core import residual as residual_mod
@@ -131,18 +148,23 @@ def build(loaded: "LoadedModel", arch="fwd", intervene=None, prepend: str | None
         arch, intervene, prepend, residual = recipe.arch, recipe.intervene, recipe.prepend, recipe.residual
     architecture = arch_mod.resolve(arch, loaded.n_layers)
     acts = interventions_mod.resolve(intervene, loaded.n_layers, loaded.n_heads)
-    variant = residual_mod.resolve(loaded, residual)
+    saved = getattr(loaded, "residual", None)  # a fine-tuned directory's own variant
+    if residual:
+        residual_mod.check_family(loaded.model)
+        name = residual_mod.method(residual).name
+    else:
+        name = saved.name if saved is not None else None
     dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
-    recipe = Recipe(loaded.model_id, architecture.spec, acts.spec, prepend or None,
-                    variant.name if variant is not None else None, dtype)
-    return Built(recipe, architecture, acts, variant)
+    recipe = Recipe(loaded.model_id, architecture.spec, acts.spec, prepend or None, name, dtype)
+    return recipe, architecture, acts, residual
 
 
-def forward(loaded: "LoadedModel", variant, input_ids: "torch.Tensor", masks, record: set[int] | None = None, *,
-            output_hidden_states: bool = False, last_logits_only: bool = False, grad: bool = False, **options):
+def forward(loaded: "LoadedModel", variant, input_ids: "torch.Tensor", computes, record=None, feed=None):
     """The one place that picks the forward: a residual variant's own layer loop (docs/methods.md#residual-variants),
-    else the engine's. Returns ``(logits, hidden_states or None, run)``. A variant's loop records no hidden
-    states (refused when asked); ``grad`` keeps the graph (fine-tuning), otherwise no gradients are kept."""
+    else the engine's. ``record`` and ``feed`` are :class:`attnviz.core.engine.Record` (default: record nothing)
+    and :class:`~attnviz.core.engine.Feed`. Returns ``(logits, hidden_states or None, run)``. A variant's loop
+    records no hidden states (refused when asked); ``feed.grad`` keeps the graph (fine-tuning), otherwise no
+    gradients are kept."""
     import contextlib
 
     import torch
@@ -150,20 +172,13 @@ def forward(loaded: "LoadedModel", variant, input_ids: "torch.Tensor", masks, re
     from attnviz.core import engine
     from attnviz.core import residual as residual_mod
 
-    if variant is None and grad:  # the stock module under the run's masks, its graph kept (fine-tuning)
-        run = engine.make_run(loaded.model, input_ids, masks, record=set() if record is None else record, **options)
-        with engine.active(run):
-            output = loaded.model(input_ids=input_ids.to(loaded.model.device),
-                                  position_ids=run.positions.to(loaded.model.device),
-                                  output_hidden_states=output_hidden_states)
-        return output.logits, (output.hidden_states if output_hidden_states else None), run
-    if variant is None:  # engine.forward runs under inference_mode itself
-        output, run = engine.forward(loaded.model, input_ids, masks, set() if record is None else record,
-                                     output_hidden_states=output_hidden_states, last_logits_only=last_logits_only,
-                                     **options)
-        return output.logits, (output.hidden_states if output_hidden_states else None), run
-    if output_hidden_states:
+    record = engine.NOTHING if record is None else record
+    feed = engine.Feed() if feed is None else feed
+    if variant is None:
+        output, run = engine.forward(loaded.model, input_ids, computes, record, feed)
+        return output.logits, (output.hidden_states if feed.hidden_states else None), run
+    if feed.hidden_states:
         raise InputError(f"hidden states are not recorded under the residual variant {variant.name}")
-    with contextlib.nullcontext() if grad else torch.no_grad():
-        logits, run = residual_mod.forward(loaded.model, variant, input_ids, masks, record, **options)
+    with contextlib.nullcontext() if feed.grad else torch.no_grad():
+        logits, run = residual_mod.forward(loaded.model, variant, input_ids, computes, record)
     return logits, None, run

@@ -107,18 +107,17 @@ def region(loaded: LoadedModel, text: str, arch: "str | Recipe", layer: int, que
     # only on the tokens up to the last of them: the rest of the text is not run (a region near the
     # start of a 32k-token text costs a short forward). Other masks need the whole text.
     upto = max(queries[1], keys[1]) if all(m.causal_compatible for m in architecture.layers[:layer + 1]) else len(ids)
-    input_ids, masks = torch.tensor([ids[:upto]]), list(architecture.layers)
-    options = dict(reducer=crop, on_layer=step, block_bytes=block_bytes)
+    input_ids = torch.tensor([ids[:upto]])
+    record = engine.Record(frozenset({layer}), reducer=crop, on_layer=step, block_bytes=block_bytes)
     if resume_from is not None and not (variant is None and resume_from[0] <= layer
                                         and resume_from[1].shape[0] == len(ids)):
         resume_from = None  # not this text's, not below the layer, or a residual variant: run from the start
     try:
         if resume_from is not None:
             start, hidden = resume_from
-            engine.resume(loaded.model, hidden[:upto], start, input_ids, masks, {layer},
-                          interventions=built.interventions, **options)
+            engine.resume(loaded.model, hidden[:upto], start, input_ids, built.computes, record)
         else:
-            built.forward(loaded, input_ids, {layer}, last_logits_only=True, **options)
+            built.forward(loaded, input_ids, record, engine.Feed(last_logits_only=True))
     except _Done:
         pass
     values, allowed = crop.finish(layer)

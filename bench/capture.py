@@ -89,7 +89,8 @@ def main() -> None:
         return engine.forward(loaded.model, input_ids, fwd)[1].probs
 
     def capture_one():
-        return engine.forward(loaded.model, input_ids, fwd, record={loaded.n_layers - 1})[1].probs
+        top = engine.Record(layers=frozenset({loaded.n_layers - 1}))
+        return engine.forward(loaded.model, input_ids, fwd, top)[1].probs
 
     short = input_ids[:, :32]
     with torch.inference_mode():  # warm-up: allocator, kernels, lazy imports

@@ -38,6 +38,7 @@ from attnviz.core import engine
 from attnviz.effects import streaming
 from attnviz import regions
 from attnviz.capture import capture
+from attnviz.plan import Keep
 from attnviz.core.models import LoadedModel
 
 SHAPES = {  # (layers, heads, kv heads, hidden, intermediate, vocab, max positions)
@@ -130,7 +131,7 @@ def stats_case(loaded: LoadedModel, shape: str, n: int, device: str, repeat: int
     text, ids = text_of(loaded, n)
     ids = ids.to(device)
     sdpa_s, _ = timed(lambda: stock(loaded, "sdpa", ids), device, repeat)
-    stats_s, peak = timed(lambda: capture(loaded, text, "fwd", reduce=True, pool=512), device, repeat)
+    stats_s, peak = timed(lambda: capture(loaded, text, "fwd", Keep(statistics=True, pool=512)), device, repeat)
     eager_s = "skipped"
     if eager:
         try:
@@ -151,7 +152,7 @@ def region_case(loaded: LoadedModel, shape: str, n: int, device: str, repeat: in
     text, _ = text_of(loaded, n)
     layer = loaded.n_layers - 1
     where = (layer, (n - 96, n), (0, 96))
-    cap = capture(loaded, text, "fwd", reduce=True, pool=512, checkpoints=8)
+    cap = capture(loaded, text, "fwd", Keep(statistics=True, pool=512, checkpoints=8))
     seconds, peak = timed(lambda: regions.of_capture(loaded, cap, *where), device, repeat)
     start_s, _ = timed(lambda: regions.region(loaded, text, "fwd", *where), device, repeat)
     print(f"gpu region shape={shape} n={n} side=96 layer={layer} region_s={seconds:.3f} from_start_s={start_s:.3f} "

@@ -33,6 +33,7 @@ def child(side: str, n: int) -> dict:
 
     from attnviz import corpus, load
     from attnviz.capture import capture
+    from attnviz.plan import Keep
 
     lm = load("default")
     # One short pass first: the first forward of a process pages in torch's kernels (~500 MB of
@@ -42,7 +43,7 @@ def child(side: str, n: int) -> dict:
         with torch.inference_mode():
             lm.model(input_ids=torch.tensor([[1, 2, 3]]))
     else:
-        capture(lm, "warm up", "fwd", reduce=True)
+        capture(lm, "warm up", "fwd", Keep(statistics=True))
     before = rss_mb()
     ids = corpus.head_ids(lm.tokenizer, corpus.stdlib().text, n)
     text = corpus.text_of(lm.tokenizer, ids)
@@ -52,7 +53,7 @@ def child(side: str, n: int) -> dict:
             lm.model(input_ids=torch.tensor([ids]))
         tokens = len(ids)
     else:
-        cap = capture(lm, text, "fwd", reduce=True)
+        cap = capture(lm, text, "fwd", Keep(statistics=True))
         tokens = cap.n_tokens
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -32,12 +32,13 @@ def main() -> None:
 
     from attnviz import corpus, load, regions
     from attnviz.capture import capture, checkpoint_bytes
+    from attnviz.plan import Keep
 
     lm = load("default")
     ids = corpus.head_ids(lm.tokenizer, corpus.stdlib().text, args.n)
     text = corpus.text_of(lm.tokenizer, ids)
     start = time.perf_counter()
-    cap = capture(lm, text, "fwd", reduce=True, pool=512, checkpoints=args.checkpoints)
+    cap = capture(lm, text, "fwd", Keep(statistics=True, pool=512, checkpoints=args.checkpoints))
     capture_s = time.perf_counter() - start
     n, side = cap.n_tokens, 96
     where = (args.layer, (n - side, n), (0, side))

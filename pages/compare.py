@@ -33,8 +33,8 @@ if loaded is not None and settings.text.strip():
                             settings.intervene or f"sinkscale(beta=0.3)@{max(0, loaded.n_layers - 10)}-{loaded.n_layers - 1}",
                             key="cmp_intervene")
         sides = [(spec, None, settings.prepend), (spec, act, settings.prepend)]
-    a, b = (get_capture(loaded, settings.text, spec, residual=settings.residual, intervene=act, prepend=first)
-            for spec, act, first in sides)
+    recipes = [settings.recipe(loaded, spec, intervene=act, prepend=first) for spec, act, first in sides]
+    a, b = (None if r is None else get_capture(loaded, settings.text, r) for r in recipes)
     if a is not None and b is not None:
         c1, c2 = st.columns([3, 2])
         layer = c1.slider("Layer", 0, loaded.n_layers - 1, loaded.n_layers - 1, key="cmp_layer")

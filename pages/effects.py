@@ -10,6 +10,7 @@ from attnviz.figures import export
 from attnviz.core import residual
 from attnviz.core.arch import parse, with_k
 from attnviz.capture import capture
+from attnviz.plan import Keep
 from attnviz.errors import AttnvizError
 from attnviz.effects.evaluate import evaluate, token_ids
 from attnviz.figures import (compression_curves, generation_view, k_sweep, kept_keys, linformer_errors,
@@ -330,7 +331,7 @@ def linformer_section() -> None:
     job = ("linformer", loaded.model_id, settings.text, settings.arch, layer, tuple(ks), kind)
 
     def compute(progress):
-        cap = capture(loaded, settings.text, settings.arch, layers=[layer], qkv=True, reduce=True)  # no n × n map
+        cap = capture(loaded, settings.text, settings.arch, Keep(layers=[layer], qkv=True, statistics=True))  # no n × n map
         progress(1, 2)
         return linformer.error_curve(cap.layer_qkv(layer), cap.allowed[layer], ks, kind), cap.tokens
 

@@ -68,8 +68,8 @@ else:
 
         if "hd_open" in st.session_state:
             layer, head = st.session_state["hd_open"]
-            cap = get_capture(loaded, text, settings.arch, residual=settings.residual, intervene=settings.intervene,
-                              prepend=settings.prepend)
+            recipe = settings.recipe(loaded)
+            cap = None if recipe is None else get_capture(loaded, text, recipe)
             if cap is not None and layer in cap.layers and head < cap.n_heads:
                 opened = heatmap(cap, layer, head, log=cap.n_tokens > 256)
                 st.plotly_chart(opened, width="stretch", key="hd_heatmap")

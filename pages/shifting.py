@@ -24,8 +24,8 @@ if loaded is not None and settings.text.strip():
     if not 2 <= len(specs) <= 4:
         st.error(f"Give 2 to 4 architectures separated by ';' (got {len(specs)}).")
     else:
-        caps = [get_capture(loaded, settings.text, s, residual=settings.residual, intervene=settings.intervene,
-                            prepend=settings.prepend) for s in specs]
+        recipes = [settings.recipe(loaded, s) for s in specs]
+        caps = [None if r is None else get_capture(loaded, settings.text, r) for r in recipes]
         if all(c is not None for c in caps):
             layer = st.slider("Layer", 0, loaded.n_layers - 1, loaded.n_layers - 1, key="sh_layer")
             titles = [c.arch for c in caps]

@@ -28,7 +28,8 @@ def _param(name: str, default):
 if loaded is None:
     st.warning("Load a model in the sidebar.")
     st.stop()
-run = get_residual(loaded, settings.text, settings.arch, settings.intervene, settings.prepend, settings.residual)
+recipe = settings.recipe(loaded)
+run = None if recipe is None else get_residual(loaded, settings.text, recipe)
 if run is None:
     st.stop()
 n = run.n_tokens
@@ -108,7 +109,7 @@ method = v2.radio("Projection", list(PROJECTIONS), horizontal=True, key="why_met
                   help="PCA needs nothing and is deterministic; t-SNE and UMAP need scikit-learn / umap-learn")
 runs = [run]
 for sample in corpus_samples(loaded, pooled):
-    extra = get_residual(loaded, sample, settings.arch, settings.intervene, settings.prepend, settings.residual)
+    extra = get_residual(loaded, sample, recipe)
     if extra is None:
         st.stop()
     runs.append(extra)

@@ -275,6 +275,7 @@ def test_effects_generation_replays_steps(app):
 
 def test_heatmap_modes_value_logits_rollout(app, default_model):
     from attnviz import capture
+    from attnviz.plan import Keep
     from attnviz.stats import metrics
 
     weight = arr(charts(app)[0]["data"][0]["customdata"])
@@ -282,7 +283,7 @@ def test_heatmap_modes_value_logits_rollout(app, default_model):
     assert not app.exception
     first = charts(app)[0]
     assert "value-weighted" in title(first) and "||A·f(v)||" in first["data"][0]["colorbar"]["title"]["text"]
-    cap = capture(default_model, app.session_state["text"], "fwd", value_norms=True, storage_dtype=torch.float32)
+    cap = capture(default_model, app.session_state["text"], "fwd", Keep(value_norms=True, storage_dtype=torch.float32))
     expected = np.where(cap.allowed[29], cap.value_weighted(29).mean(0), np.nan)
     np.testing.assert_allclose(arr(first["data"][0]["customdata"]), expected, rtol=2e-3, atol=1e-4)
     app.radio(key="hm_mode").set_value("logits").run()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from attnviz import capture
+from attnviz.plan import Keep
 from attnviz.core import devices, engine
 from attnviz.errors import AttnvizError
 
@@ -68,9 +69,9 @@ def test_out_of_memory_during_a_capture_is_explained_and_the_server_goes_on(mode
 def test_library_refusal_and_recovery_with_a_small_device_budget(default_model, monkeypatch):
     monkeypatch.setenv("ATTNVIZ_DEVICE_MB", "4")
     with pytest.raises(devices.DeviceMemoryError, match="What would fit: a text of at most ~\\d+ tokens"):
-        capture(default_model, " ".join([ENGLISH] * 10), "fwd", reduce=True)
+        capture(default_model, " ".join([ENGLISH] * 10), "fwd", Keep(statistics=True))
     monkeypatch.setenv("ATTNVIZ_DEVICE_MB", "4000")
-    assert capture(default_model, ENGLISH, "fwd", reduce=True).stats
+    assert capture(default_model, ENGLISH, "fwd", Keep(statistics=True)).stats
 
 
 def test_out_of_memory_in_the_library_becomes_one_clear_error(default_model, monkeypatch):
@@ -79,7 +80,7 @@ def test_out_of_memory_in_the_library_becomes_one_clear_error(default_model, mon
 
     monkeypatch.setattr(engine, "_block_probs", out_of_memory)
     with pytest.raises(AttnvizError, match="ran out of memory during a capture of .* tokens"):
-        capture(default_model, ENGLISH, "fwd", reduce=True)
+        capture(default_model, ENGLISH, "fwd", Keep(statistics=True))
 
 
 def test_cli_refuses_what_the_device_cannot_hold(model_cache):

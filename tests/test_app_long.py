@@ -36,6 +36,7 @@ def env(monkeypatch):
 
 def test_a_long_text_gets_pooled_maps_and_full_resolution_regions(model_cache, default_model, tmp_path, env):
     from attnviz.capture import capture
+    from attnviz.plan import Keep
 
     env("ATTNVIZ_FULL_MAPS_MB", "8")  # ~600 tokens would take ~200 MB of full maps: statistics + pooled maps
     at = app_test(tmp_path)
@@ -54,7 +55,7 @@ def test_a_long_text_gets_pooled_maps_and_full_resolution_regions(model_cache, d
     assert not at.exception and not at.error, texts(at.error)
     region = [c for c in charts(at) if "queries" in str(c["layout"].get("title", ""))][0]
     values = arr(region["data"][0]["customdata"])
-    full = capture(default_model, LONG, "fwd", layers=[29]).layer_probs(29).mean(0)
+    full = capture(default_model, LONG, "fwd", Keep(layers=[29])).layer_probs(29).mean(0)
     np.testing.assert_allclose(values, np.where(np.tril(np.ones((n, n), bool))[n - 30:, :20],
                                                 full[n - 30:, :20], np.nan), atol=2e-3, equal_nan=True)
     on_page(at, "pages/sinks.py")  # statistics pages work on the same long capture

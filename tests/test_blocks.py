@@ -9,6 +9,7 @@ from attnviz.core import engine
 from attnviz.stats import metrics
 from attnviz.core.arch import parse
 from attnviz.capture import capture
+from attnviz.plan import Keep
 from attnviz.stats.reduce import LayerSummary
 
 from tiny import build, loaded
@@ -38,10 +39,9 @@ def test_blocks_equal_the_whole_layer(kind, spec, rows, scores, monkeypatch):
     block_probs = engine._block_probs
     monkeypatch.setattr(engine, "_block_probs", lambda *a, **k: calls.append(a[3].shape[2]) or block_probs(*a, **k))
     masks = list(parse(spec, 3).layers)
-    whole, run_w = engine.forward(model, _ids(), masks, storage_dtype=torch.float32, record_scores=True)
+    whole, run_w = engine.forward(model, _ids(), masks, engine.Record(storage_dtype=torch.float32, scores=True))
     heads = model.config.num_attention_heads
-    parts, run_b = engine.forward(model, _ids(), masks, storage_dtype=torch.float32, record_scores=scores,
-                                  block_bytes=_rows_to_bytes(rows, heads))
+    parts, run_b = engine.forward(model, _ids(), masks, engine.Record(storage_dtype=torch.float32, scores=scores, block_bytes=_rows_to_bytes(rows, heads)))
     assert calls[:3] == [N, N, N] and calls[3:] == ([rows] * (N // rows) + [N % rows][:N % rows]) * 3
     assert (parts.logits - whole.logits).abs().max().item() <= 1e-5
     for layer in range(3):
@@ -57,8 +57,8 @@ def test_blocks_equal_the_whole_layer(kind, spec, rows, scores, monkeypatch):
 @pytest.mark.parametrize("rows", [2, 5])
 def test_streamed_statistics_equal_the_definitions_on_full_maps(spec, rows):
     lm = loaded("llama")
-    full = capture(lm, TEXT, spec, storage_dtype=torch.float32)
-    reduced = capture(lm, TEXT, spec, reduce=True, block_bytes=_rows_to_bytes(rows, n=len(TEXT)))
+    full = capture(lm, TEXT, spec, Keep(storage_dtype=torch.float32))
+    reduced = capture(lm, TEXT, spec, Keep(statistics=True, block_bytes=_rows_to_bytes(rows, n=len(TEXT))))
     assert reduced.reduced and not reduced.probs
     for layer in range(3):
         probs, allowed = full.layer_probs(layer), full.allowed[layer]

@@ -10,6 +10,7 @@ from attnviz.core import engine
 from attnviz import regions
 from attnviz.core.arch import parse
 from attnviz.capture import capture
+from attnviz.plan import Keep
 
 from tiny import ARCHS, CharTokenizer, build, loaded
 
@@ -41,7 +42,7 @@ def test_fwd_equals_stock_eager_on_cuda(kind, dtype):
     ids = _ids().cuda()
     with torch.no_grad():
         ref = stock(input_ids=ids, output_attentions=True)
-    _, run = engine.forward(ours, ids, list(parse("fwd", 3).layers), storage_dtype=torch.float32)
+    _, run = engine.forward(ours, ids, list(parse("fwd", 3).layers), engine.Record(storage_dtype=torch.float32))
     for layer, ref_probs in enumerate(ref.attentions):
         assert (run.probs[layer] - ref_probs.float().cpu()).abs().max().item() <= TOL[dtype], f"layer {layer}"
 
@@ -49,8 +50,8 @@ def test_fwd_equals_stock_eager_on_cuda(kind, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("spec", MASKS)
 def test_every_mask_type_gives_the_cpu_maps_on_cuda(spec, dtype):
-    cpu = capture(_on("llama", "cpu", torch.float32), TEXT, spec, storage_dtype=torch.float32)
-    gpu = capture(_on("llama", "cuda", dtype), TEXT, spec, storage_dtype=torch.float32)
+    cpu = capture(_on("llama", "cpu", torch.float32), TEXT, spec, Keep(storage_dtype=torch.float32))
+    gpu = capture(_on("llama", "cuda", dtype), TEXT, spec, Keep(storage_dtype=torch.float32))
     for layer in cpu.layers:
         np.testing.assert_allclose(gpu.layer_probs(layer), cpu.layer_probs(layer), atol=TOL[dtype])
         np.testing.assert_array_equal(gpu.allowed[layer], cpu.allowed[layer])
@@ -58,9 +59,9 @@ def test_every_mask_type_gives_the_cpu_maps_on_cuda(spec, dtype):
 
 @pytest.mark.parametrize("spec", MASKS)
 def test_long_mode_statistics_and_pooled_maps_on_cuda_equal_the_cpu(spec):
-    options = dict(reduce=True, pool=24, value_norms=True, scores=True, block_bytes=4 * 4 * len(TEXT) * 7)
-    cpu = capture(_on("llama", "cpu", torch.float32), TEXT, spec, **options)
-    gpu = capture(_on("llama", "cuda", torch.float32), TEXT, spec, **options)
+    keep = Keep(statistics=True, pool=24, value_norms=True, scores=True, block_bytes=4 * 4 * len(TEXT) * 7)
+    cpu = capture(_on("llama", "cpu", torch.float32), TEXT, spec, keep)
+    gpu = capture(_on("llama", "cuda", torch.float32), TEXT, spec, keep)
     for layer in cpu.layers:
         for name, value in cpu.stats[layer].items():
             np.testing.assert_allclose(gpu.stats[layer][name].astype(np.float32), value.astype(np.float32),
@@ -122,5 +123,5 @@ def test_every_fused_layer_gets_its_log_sum_exp_from_the_attention_kernel(spec, 
     monkeypatch.setattr(kernels, "layer_statistics", lambda *a, **k: calls.append(k["lse"] is not None) or real(*a, **k))
     monkeypatch.setenv("ATTNVIZ_FUSED", "1")
     kernels._disabled.clear()
-    capture(_on("llama", "cuda", dtype), TEXT, spec, reduce=True, pool=24)
+    capture(_on("llama", "cuda", dtype), TEXT, spec, Keep(statistics=True, pool=24))
     assert calls and all(calls), calls

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from attnviz import capture, load
+from attnviz.plan import Keep
 from attnviz.stats import metrics
 from attnviz.errors import InputError, ModelLoadError
 from attnviz.core.models import DEFAULT_GGUF, default_gguf
@@ -70,7 +71,7 @@ def test_mask0_bidir_removes_the_sink_in_the_top_layers(captures):
 
 
 def test_reduced_capture_matches_full_maps(default_model, captures):
-    reduced = capture(default_model, ENGLISH, "fwd", reduce=True)
+    reduced = capture(default_model, ENGLISH, "fwd", Keep(statistics=True))
     assert reduced.reduced and not reduced.probs
     full = captures["fwd"]
     for layer in (0, 29):
@@ -78,7 +79,7 @@ def test_reduced_capture_matches_full_maps(default_model, captures):
 
 
 def test_save_and_load_round_trip(default_model, tmp_path):
-    cap = capture(default_model, "Attention sinks, shown.", "mask0-bidir(k=8)", layers=[0, 29], hidden_states=True)
+    cap = capture(default_model, "Attention sinks, shown.", "mask0-bidir(k=8)", Keep(layers=[0, 29], hidden_states=True))
     path = cap.save(tmp_path / "cap")
     assert path.suffix == ".npz"
     back = type(cap).load(path)
@@ -97,7 +98,7 @@ def test_bad_input(default_model, tmp_path):
     with pytest.raises(InputError, match="at most 8192"):
         capture(default_model, "word " * 9000, "fwd")
     with pytest.raises(InputError, match="layers 0..29"):
-        capture(default_model, "hi", "fwd", layers=[30])
+        capture(default_model, "hi", "fwd", Keep(layers=[30]))
     with pytest.raises(ModelLoadError, match="cannot find model"):
         load("no-such-org/no-such-model")
     with pytest.raises(ModelLoadError, match="not a model directory"):
@@ -152,7 +153,7 @@ def test_sink_rate_equals_gu_et_al_on_stock_eager_attentions(default_model):
         finally:
             model.set_attn_implementation("attnviz")
         gu = np.array([[float(a[0, h, :, 0].sum() / len(ids)) for h in range(a.shape[1])] for a in attentions])
-        cap = capture(default_model, default_model.tokenizer.decode(ids), "fwd", reduce=True)
+        cap = capture(default_model, default_model.tokenizer.decode(ids), "fwd", Keep(statistics=True))
         assert cap.token_ids == ids
         ours = np.stack([cap.stat(l, "alpha")[:, 0] for l in cap.layers])
         np.testing.assert_allclose(ours, gu, atol=2e-3)  # fp16-free reducer; fp32 softmax on both sides

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz import capture, load
+from attnviz import Keep, capture, load
 from attnviz.errors import ModelLoadError
 
 TEXT = "The keeper climbed the stairs, lit the lamp, and watched the ships pass the rocks all night."
@@ -39,8 +39,8 @@ def test_cpu_and_disk_offload_give_the_statistics_of_a_plain_load(model_dir, tmp
     assert mapped.model.hf_device_map["model.layers.1"] == "disk"
     layers = mapped.model.model.layers  # disk layers hold no weights until accelerate's hook loads them
     assert layers[1].self_attn.q_proj.weight.device.type == "meta" and layers[0].self_attn.q_proj.weight.device.type == "cpu"
-    options = dict(reduce=True, pool=8, value_norms=True, block_bytes=4 * 4 * 30 * 5)  # several blocks a layer
-    a, b = capture(plain, TEXT, arch, **options), capture(mapped, TEXT, arch, **options)
+    keep = Keep(statistics=True, pool=8, value_norms=True, block_bytes=4 * 4 * 30 * 5)  # several blocks a layer
+    a, b = capture(plain, TEXT, arch, keep), capture(mapped, TEXT, arch, keep)
     assert a.layers == b.layers == [0, 1, 2, 3]
     for layer in a.layers:
         for name, value in a.stats[layer].items():

@@ -181,8 +181,7 @@ def test_per_step_maps_equal_the_rows_of_a_full_capture():
     lm = loaded("llama")
     result = generate(lm, "rows of a map", "nosink-fwd", max_new_tokens=5)
     fed = result.prompt_ids + result.new_ids[:-1]
-    _, run = engine.forward(lm.model, torch.tensor([fed]), list(parse("nosink-fwd", 3).layers),
-                            storage_dtype=torch.float32)
+    _, run = engine.forward(lm.model, torch.tensor([fed]), list(parse("nosink-fwd", 3).layers), engine.Record(storage_dtype=torch.float32))
     for layer in range(3):
         for step in result.steps:
             np.testing.assert_allclose(step.maps[layer], run.probs[layer][0, :, step.position, :step.position + 1],

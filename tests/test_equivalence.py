@@ -28,7 +28,7 @@ def test_fwd_reproduces_stock_eager(kind):
     ids = _ids()
     with torch.no_grad():
         ref = stock(input_ids=ids, output_attentions=True)
-    out, run = engine.forward(ours, ids, list(parse("fwd", 3).layers), storage_dtype=torch.float32)
+    out, run = engine.forward(ours, ids, list(parse("fwd", 3).layers), engine.Record(storage_dtype=torch.float32))
     assert (out.logits - ref.logits).abs().max().item() <= 1e-5
     for layer, ref_probs in enumerate(ref.attentions):
         assert (run.probs[layer] - ref_probs).abs().max().item() <= 1e-5, f"layer {layer}"
@@ -40,7 +40,7 @@ def test_fwd_reproduces_stock_eager(kind):
 @pytest.mark.parametrize("kind", ["qwen2", "gemma2", "mistral"])
 def test_model_sliding_window_is_kept(kind):
     _, ours = pair(kind)
-    _, run = engine.forward(ours, _ids(), list(parse("fwd", 3).layers), storage_dtype=torch.float32)
+    _, run = engine.forward(ours, _ids(), list(parse("fwd", 3).layers), engine.Record(storage_dtype=torch.float32))
     window = {"qwen2": 4, "gemma2": 4, "mistral": 5}[kind]
     sliding_layers = [l for l in range(3) if getattr(ours.model.layers[l].self_attn, "sliding_window", None)
                       or kind == "mistral"]
@@ -64,7 +64,7 @@ def test_model_window_bounds_only_causal_type_layers(kind):
                 "stablemask(gamma=0.5)": (j <= i) & (i - j < window)}
     for spec, allowed in expected.items():
         masks = [M.fwd()] * 2 + [parse(spec, 3).layers[0]]
-        _, run = engine.forward(ours, _ids(), masks, record={layer}, storage_dtype=torch.float32)
+        _, run = engine.forward(ours, _ids(), masks, engine.Record(layers=frozenset({layer}), storage_dtype=torch.float32))
         np.testing.assert_array_equal(run.allowed[layer][0, 0].numpy(), allowed, err_msg=spec)
 
 
@@ -72,8 +72,8 @@ def test_model_window_bounds_only_causal_type_layers(kind):
 def test_changing_one_layer_changes_only_that_layer_and_above(kind):
     _, ours = pair(kind)
     ids = _ids()
-    base, _ = engine.forward(ours, ids, [M.fwd()] * 3, output_hidden_states=True)
-    changed, _ = engine.forward(ours, ids, [M.fwd(), M.bidir(), M.fwd()], output_hidden_states=True)
+    base, _ = engine.forward(ours, ids, [M.fwd()] * 3, engine.Record(), engine.Feed(hidden_states=True))
+    changed, _ = engine.forward(ours, ids, [M.fwd(), M.bidir(), M.fwd()], engine.Record(), engine.Feed(hidden_states=True))
     # hidden_states[l] is the input of layer l; [l + 1] its output
     for l in (0, 1):
         assert torch.equal(base.hidden_states[l], changed.hidden_states[l]), f"hidden {l} changed"
@@ -87,7 +87,7 @@ def test_unrecorded_layers_run_through_sdpa_and_match():
     ids = _ids()
     arch = list(parse("mask0-bidir(k=2)", 3).layers)
     full, run_full = engine.forward(ours, ids, arch)
-    one, run_one = engine.forward(ours, ids, arch, record={2})
+    one, run_one = engine.forward(ours, ids, arch, engine.Record(layers=frozenset({2})))
     assert set(run_one.probs) == {2}
     assert (full.logits - one.logits).abs().max().item() <= 1e-5
     assert torch.equal(run_full.probs[2], run_one.probs[2])
@@ -106,8 +106,8 @@ def test_padding_does_not_move_masks(side):
         attention[0, : N - 7] = 0
     else:
         attention[0, 7:] = 0
-    _, batched = engine.forward(ours, batch, masks, attention_mask=attention, storage_dtype=torch.float32)
-    _, alone = engine.forward(ours, short, masks, storage_dtype=torch.float32)
+    _, batched = engine.forward(ours, batch, masks, engine.Record(storage_dtype=torch.float32), engine.Feed(attention_mask=attention))
+    _, alone = engine.forward(ours, short, masks, engine.Record(storage_dtype=torch.float32))
     real = slice(N - 7, N) if side == "left" else slice(0, 7)
     for layer in range(3):
         got = batched.probs[layer][0][:, real, real]
@@ -193,14 +193,14 @@ def test_sm_i_at_n_equal_t_is_stablemask(spec):
     ids = _ids()
     full_arch = list(parse(spec, 3).layers)
     sm_i = list(parse(spec[:-1] + f", T={N})", 3).layers)
-    full, run_full = engine.forward(ours, ids, full_arch, storage_dtype=torch.float32)
-    inf, run_inf = engine.forward(ours, ids, sm_i, storage_dtype=torch.float32)
+    full, run_full = engine.forward(ours, ids, full_arch, engine.Record(storage_dtype=torch.float32))
+    inf, run_inf = engine.forward(ours, ids, sm_i, engine.Record(storage_dtype=torch.float32))
     for layer in range(3):
         torch.testing.assert_close(run_inf.probs[layer], run_full.probs[layer], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(inf.logits, full.logits, atol=1e-5, rtol=1e-5)
-    shorter, _ = engine.forward(ours, ids[:, :8], sm_i, storage_dtype=torch.float32)
+    shorter, _ = engine.forward(ours, ids[:, :8], sm_i, engine.Record(storage_dtype=torch.float32))
     longer_t = list(parse(spec[:-1] + f", T={N + 4})", 3).layers)
-    other, _ = engine.forward(ours, ids, longer_t, storage_dtype=torch.float32)
+    other, _ = engine.forward(ours, ids, longer_t, engine.Record(storage_dtype=torch.float32))
     assert (other.logits - full.logits).abs().max() > 1e-4  # T matters; n does not
     torch.testing.assert_close(shorter.logits[0, :8], inf.logits[0, :8], atol=1e-5, rtol=1e-5)
 

@@ -8,6 +8,7 @@ from attnviz.effects import compare
 from attnviz.figures import export
 from attnviz.core.arch import parse
 from attnviz.capture import capture
+from attnviz.plan import Keep
 from attnviz.figures import (allocation_bars, architecture_masks, heatmap, key_profile, overview, panels,
                              shift_panels, sink_grid, stablemask_pseudo, tile_at)
 from attnviz.figures.style import LOG_FLOOR, MASKED, max_pool
@@ -36,7 +37,7 @@ def test_heatmap_marks_masked_cells_apart_from_zero(lm):
 
 
 def test_large_heatmaps_ship_an_image_not_numbers(lm):
-    cap = capture(lm, "x" * 300, "fwd", layers=[1])
+    cap = capture(lm, "x" * 300, "fwd", Keep(layers=[1]))
     fig = heatmap(cap, 1)
     assert isinstance(fig.data[0], go.Image) and fig.data[0].source.startswith("data:image/png;base64,")
     assert fig.data[0].z is None
@@ -92,7 +93,7 @@ def test_heatmap_image_colours_are_the_colour_scale_and_masked_grey(lm):
 
     from PIL import Image
 
-    cap = capture(lm, "x" * 300, "fwd", layers=[1])
+    cap = capture(lm, "x" * 300, "fwd", Keep(layers=[1]))
     fig = heatmap(cap, 1, head=0)
     rgb = np.asarray(Image.open(io.BytesIO(base64.b64decode(fig.data[0].source.split(",")[1]))).convert("RGB"))
     values = max_pool(np.where(cap.allowed[1], cap.layer_probs(1)[0], np.nan), 512)
@@ -113,7 +114,7 @@ def test_sink_figures(lm):
     curves, bar = many.data[:-1], many.data[-1]
     assert len(curves) == 9 and not any(t.showlegend for t in many.data)
     assert bar.marker.showscale and bar.marker.colorbar.title.text == "layer" and (bar.marker.cmin, bar.marker.cmax) == (0, 2)
-    reduced = capture(lm, "sinks, everywhere.", "fwd", reduce=True)
+    reduced = capture(lm, "sinks, everywhere.", "fwd", Keep(statistics=True))
     assert not key_profile(reduced, 1).data and "Only key 0" in key_profile(reduced, 1).layout.annotations[0].text
     bars = allocation_bars(cap)
     total = sum(np.asarray(t.y) for t in bars.data)
@@ -133,9 +134,9 @@ def test_shift_panels_and_rates(lm):
 
 
 def test_compare_metrics(lm):
-    a = capture(lm, "compare me", "fwd", hidden_states=True)
-    same = capture(lm, "compare me", "fwd", hidden_states=True)
-    b = capture(lm, "compare me", "bidir", hidden_states=True)
+    a = capture(lm, "compare me", "fwd", Keep(hidden_states=True))
+    same = capture(lm, "compare me", "fwd", Keep(hidden_states=True))
+    b = capture(lm, "compare me", "bidir", Keep(hidden_states=True))
     assert compare.kl_divergence(a, same) == pytest.approx(0, abs=1e-9)
     assert compare.kl_divergence(a, b) > 0
     cos = compare.hidden_cosine(a, b)

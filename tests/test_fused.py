@@ -17,6 +17,7 @@ from attnviz.core import engine, kernels  # noqa: E402
 from attnviz.stats import metrics
 from attnviz.core.arch import parse  # noqa: E402
 from attnviz.capture import capture  # noqa: E402
+from attnviz.plan import Keep
 from attnviz.figures.style import max_pool  # noqa: E402
 from attnviz.core.masks import keep_self_if_empty  # noqa: E402
 from attnviz.stats.reduce import pool_factor  # noqa: E402
@@ -120,15 +121,15 @@ def test_the_causal_route_computes_the_mask_from_indices():
 @pytest.mark.parametrize("spec", ["fwd", "nosink-fwd*2 + bidir", "back*3", "sliding(w=9)*3", "mask0-bidir(k=1)"])
 def test_a_capture_by_the_fused_route_equals_the_block_engine(spec, monkeypatch):
     lm = loaded("llama")
-    options = dict(reduce=True, pool=24, value_norms=True, scores=True)
+    keep = Keep(statistics=True, pool=24, value_norms=True, scores=True)
     monkeypatch.setenv("ATTNVIZ_FUSED", "0")
-    blocks = capture(lm, TEXT, spec, **options)
+    blocks = capture(lm, TEXT, spec, keep)
     calls = []
     real = kernels.layer_statistics
     monkeypatch.setattr(kernels, "layer_statistics",
                         lambda *a, **k: calls.append((k["causal"], k["lse"] is not None)) or real(*a, **k))
     monkeypatch.setenv("ATTNVIZ_FUSED", "1")
-    fused = capture(lm, TEXT, spec, **options)
+    fused = capture(lm, TEXT, spec, keep)
     assert len(calls) == 3  # every layer took the fused route
     assert [c for c, _ in calls] == [m.name == "fwd" for m in parse(spec, 3).layers]  # plain causal: mask from indices
     assert all(lse for _, lse in calls)  # one pass over QK^T: the attention kernel gave every row's log-sum-exp
@@ -138,7 +139,7 @@ def test_a_capture_by_the_fused_route_equals_the_block_engine(spec, monkeypatch)
             np.testing.assert_allclose(fused.stats[layer][name].astype(np.float32), value.astype(np.float32),
                                        atol=2e-5, rtol=1e-3 if name.startswith("pooled") else 1e-4, equal_nan=True,
                                        err_msg=f"{name} L{layer}")
-    full = capture(lm, TEXT, spec, storage_dtype=torch.float32)
+    full = capture(lm, TEXT, spec, Keep(storage_dtype=torch.float32))
     for layer in range(3):  # and the definitions themselves (docs/methods.md#sink-metrics)
         a, allowed = full.layer_probs(layer), full.allowed[layer]
         np.testing.assert_allclose(fused.stats[layer]["alpha"], metrics.alpha(a, allowed), atol=1e-5, equal_nan=True)
@@ -152,7 +153,7 @@ def test_masks_the_kernel_cannot_express_keep_the_block_engine(monkeypatch):
     calls = []
     real = kernels.layer_statistics
     monkeypatch.setattr(kernels, "layer_statistics", lambda *a, **k: calls.append(1) or real(*a, **k))
-    cap = capture(loaded("llama"), TEXT, "stablemask(gamma=0.5)", reduce=True, pool=24)
+    cap = capture(loaded("llama"), TEXT, "stablemask(gamma=0.5)", Keep(statistics=True, pool=24))
     assert calls == [] and cap.stats[0]["discarded"].max() > 0  # pseudo-slots took mass: the block engine ran
 
 
@@ -169,7 +170,7 @@ def test_a_kernel_that_fails_falls_back_to_the_block_engine(monkeypatch, caplog)
     by the block engine and the route is switched off for the process, said once on the log."""
     lm = loaded("llama")
     monkeypatch.setenv("ATTNVIZ_FUSED", "0")
-    blocks = capture(lm, TEXT, "fwd", reduce=True, pool=24)
+    blocks = capture(lm, TEXT, "fwd", Keep(statistics=True, pool=24))
     monkeypatch.setenv("ATTNVIZ_FUSED", "1")
     monkeypatch.setattr(kernels, "_disabled", [])
 
@@ -178,7 +179,7 @@ def test_a_kernel_that_fails_falls_back_to_the_block_engine(monkeypatch, caplog)
 
     monkeypatch.setattr(kernels, "layer_statistics", broken)
     with caplog.at_level("WARNING"):
-        fell_back = capture(lm, TEXT, "fwd", reduce=True, pool=24)
+        fell_back = capture(lm, TEXT, "fwd", Keep(statistics=True, pool=24))
     assert kernels._disabled and "PTX assembly failed" in caplog.text
     assert not kernels.wanted(torch.device("cpu"))
     for layer in range(3):
@@ -212,12 +213,12 @@ def test_a_causal_statistics_capture_makes_nothing_of_n_squared_elements(pool, m
     lm = loaded("llama")
     n = len(lm.tokenizer(TEXT)["input_ids"])
     with _Largest() as seen:
-        fused = capture(lm, TEXT, "fwd", reduce=True, pool=pool)
+        fused = capture(lm, TEXT, "fwd", Keep(statistics=True, pool=pool))
     assert not kernels._disabled
     biggest = max(seen.made)
     assert biggest[0] < n * n, f"{biggest[1]} made {biggest[0]} elements, n² = {n * n}"
     monkeypatch.setenv("ATTNVIZ_FUSED", "0")
-    blocks = capture(lm, TEXT, "fwd", reduce=True, pool=pool)
+    blocks = capture(lm, TEXT, "fwd", Keep(statistics=True, pool=pool))
     for layer in fused.layers:
         for name, value in blocks.stats[layer].items():
             np.testing.assert_allclose(np.asarray(fused.stats[layer][name], np.float32),
@@ -263,14 +264,14 @@ def test_a_statistic_the_kernel_does_not_compute_takes_the_block_engine_never_a_
     real = kernels.layer_statistics
     monkeypatch.setattr(kernels, "layer_statistics", lambda *a, **k: calls.append(1) or real(*a, **k))
     lm = loaded("llama")
-    cap = capture(lm, TEXT, "fwd", reduce=True, pool=24)
+    cap = capture(lm, TEXT, "fwd", Keep(statistics=True, pool=24))
     assert calls == []  # the block engine ran
-    full = capture(lm, TEXT, "fwd", storage_dtype=torch.float32)
+    full = capture(lm, TEXT, "fwd", Keep(storage_dtype=torch.float32))
     for layer in cap.layers:
         np.testing.assert_allclose(cap.stats[layer]["peak"], full.layer_probs(layer).max(-1), atol=1e-6)
         assert cap.stats[layer]["peak"].min() > 0
     assert any("peak needs rowmax" in note and "block engine" in note for note in plan.route_notes())
     monkeypatch.setattr(metrics, "STATISTICS", metrics.STATISTICS[:-1])
     assert plan.route_notes() == ()
-    capture(lm, TEXT, "fwd", reduce=True, pool=24)
+    capture(lm, TEXT, "fwd", Keep(statistics=True, pool=24))
     assert calls  # without it, the fused route again

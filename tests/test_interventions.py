@@ -8,6 +8,8 @@ from attnviz.core import engine
 from attnviz.core import interventions as I
 from attnviz.core.arch import parse
 from attnviz.capture import capture
+from attnviz.recipe import Recipe
+from attnviz.plan import Keep
 from attnviz.errors import InputError
 
 from tiny import build, loaded, pair
@@ -22,7 +24,7 @@ def _ids(n=N):
 
 def _ours(model, spec, arch="fwd"):
     acts = I.parse(spec, 3, 4)
-    return engine.forward(model, _ids(), list(parse(arch, 3).layers), storage_dtype=torch.float32, interventions=acts)
+    return engine.forward(model, _ids(), engine.Computes(tuple(list(parse(arch, 3).layers)), acts), engine.Record(storage_dtype=torch.float32))
 
 
 def test_temperature_equals_stock_eager_with_the_scaling_divided_by_t():
@@ -80,8 +82,7 @@ def test_sinkscale_beta_1_is_the_identity_and_beta_moves_mass_as_defined():
 @pytest.mark.parametrize("b", [0.0, 2.0])
 def test_sinklogit_rows_sum_to_one_minus_the_discarded_mass(b):
     model = build("llama")
-    _, plain = engine.forward(model, _ids(), list(parse("fwd", 3).layers), storage_dtype=torch.float32,
-                              record_scores=True)
+    _, plain = engine.forward(model, _ids(), list(parse("fwd", 3).layers), engine.Record(storage_dtype=torch.float32, scores=True))
     _, sunk = _ours(model, f"sinklogit(b={b})@0")
     s = plain.scores[0][0].double()  # layer 0's scaled scores: the same input with or without it
     allowed = torch.ones(N, N, dtype=torch.bool).tril()
@@ -95,9 +96,9 @@ def test_every_intervention_composes_with_masks_and_the_long_mode():
     lm = loaded("llama")
     spec = "sinkscale(beta=0.2)@1-2; temperature(t=1.5)@0; sinklogit(b=0)@2; ablate(heads=1)@1"
     for arch in ("mask0-bidir(k=2)", "sliding(w=7)*3"):
-        full = capture(lm, TEXT, arch, storage_dtype=torch.float32, intervene=spec)
-        long = capture(lm, TEXT, arch, reduce=True, pool=24, intervene=spec, block_bytes=4 * 4 * len(TEXT) * 5)
-        plain = capture(lm, TEXT, arch, storage_dtype=torch.float32)
+        full = capture(lm, TEXT, Recipe.of(lm, arch, intervene=spec), Keep(storage_dtype=torch.float32))
+        long = capture(lm, TEXT, Recipe.of(lm, arch, intervene=spec), Keep(statistics=True, pool=24, block_bytes=4 * 4 * len(TEXT) * 5))
+        plain = capture(lm, TEXT, arch, Keep(storage_dtype=torch.float32))
         assert full.meta["intervene"] == long.meta["intervene"] == I.parse(spec, 3, 4).spec
         for layer in range(3):
             np.testing.assert_allclose(long.stats[layer]["discarded"], full.stat(layer, "discarded"), atol=1e-6)
@@ -186,6 +187,8 @@ def test_cli_intervene_on_capture_stream_and_generate(default_model, tmp_path):
 
     from attnviz.figures import export
     from attnviz.capture import Capture
+    from attnviz.recipe import Recipe
+    from attnviz.plan import Keep
     from test_cli import run
 
     spec = "sinkscale(beta=0.5)@25-29; ablate(heads=1)@3"

@@ -7,7 +7,10 @@ import torch
 
 from attnviz.core import engine
 from attnviz import regions
-from attnviz.capture import capture, checkpoint_bytes, checkpoint_count, checkpoint_layers, estimate_bytes
+from attnviz.capture import capture
+from attnviz.plan import checkpoint_bytes, checkpoint_count, checkpoint_layers
+from attnviz.plan import Keep
+from attnviz.recipe import Recipe
 from attnviz.errors import InputError
 from attnviz.figures.style import max_pool
 from attnviz.core.lru import ByteLRU, nbytes
@@ -21,8 +24,8 @@ SPECS = ["fwd", "nosink-fwd*2 + bidir", "back*3", "stablemask(gamma=0.5)", "slid
 @pytest.mark.parametrize("spec", SPECS)
 def test_pooled_maps_are_the_max_pool_of_the_full_maps(spec):
     lm = loaded("llama")
-    full = capture(lm, TEXT, spec, storage_dtype=torch.float32)
-    long = capture(lm, TEXT, spec, reduce=True, pool=24, block_bytes=4 * 4 * len(TEXT) * 7)  # 7-row blocks
+    full = capture(lm, TEXT, spec, Keep(storage_dtype=torch.float32))
+    long = capture(lm, TEXT, spec, Keep(statistics=True, pool=24, block_bytes=4 * 4 * len(TEXT) * 7))  # 7-row blocks
     assert not long.probs and long.pool_factor(0) == 16  # ceil(208 / 24) = 9, rounded up to a power of two
     for layer in range(3):
         values, allowed = long.layer_view(layer)
@@ -34,9 +37,8 @@ def test_pooled_maps_are_the_max_pool_of_the_full_maps(spec):
 
 def test_pooled_value_weighted_maps_and_scores_are_the_max_pool_of_the_full_ones():
     lm = loaded("llama")
-    full = capture(lm, TEXT, "fwd + back + bidir", storage_dtype=torch.float32, value_norms=True, scores=True)
-    long = capture(lm, TEXT, "fwd + back + bidir", reduce=True, pool=24, value_norms=True, scores=True,
-                   block_bytes=4 * 4 * len(TEXT) * 7)  # 7-row blocks
+    full = capture(lm, TEXT, "fwd + back + bidir", Keep(storage_dtype=torch.float32, value_norms=True, scores=True))
+    long = capture(lm, TEXT, "fwd + back + bidir", Keep(statistics=True, pool=24, value_norms=True, scores=True, block_bytes=4 * 4 * len(TEXT) * 7))  # 7-row blocks
     for layer in range(3):
         for view, maps in ((long.value_view, full.value_weighted), (long.scores_view, full.layer_scores)):
             values, allowed = view(layer)
@@ -48,14 +50,14 @@ def test_pooled_value_weighted_maps_and_scores_are_the_max_pool_of_the_full_ones
 
 
 def test_reduced_scores_need_a_pool():
-    with pytest.raises(InputError, match="give pool= as well"):
-        capture(loaded("llama"), TEXT, "fwd", reduce=True, scores=True)
+    with pytest.raises(InputError, match="give a pool size as well"):
+        capture(loaded("llama"), TEXT, "fwd", Keep(statistics=True, scores=True))
 
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_a_region_equals_the_slice_of_the_full_map(spec):
     lm = loaded("llama")
-    full = capture(lm, TEXT, spec, storage_dtype=torch.float32)
+    full = capture(lm, TEXT, spec, Keep(storage_dtype=torch.float32))
     steps = []
     region = regions.region(lm, TEXT, spec, 1, (150, 208), (3, 70), on_layer=lambda d, t: steps.append((d, t)),
                          block_bytes=4 * 4 * len(TEXT) * 11)  # 11-row blocks: the region crosses several
@@ -73,7 +75,7 @@ def test_a_causal_region_runs_only_the_text_up_to_its_last_token(spec, runs, mon
     """Rows 40..90 and keys 10..60 of layer 1: where no query sees a later key up to that layer, the
     forward gets the first 90 tokens only, and the region still equals the full map's slice."""
     lm = loaded("llama")
-    full = capture(lm, TEXT, spec, storage_dtype=torch.float32)
+    full = capture(lm, TEXT, spec, Keep(storage_dtype=torch.float32))
     lengths = []
     real = engine.forward
     monkeypatch.setattr(engine, "forward", lambda model, ids, *a, **k: lengths.append(ids.shape[1]) or
@@ -93,8 +95,9 @@ def test_a_long_captures_region_is_made_with_what_the_capture_was_made_with(made
     the capture's own intervention, BOS control and residual variant: its cells are the full capture's
     (before, it was recomputed without them: other values, and rows shifted by the prefix)."""
     lm = loaded("llama")
-    full = capture(lm, TEXT, "fwd", storage_dtype=torch.float32, **made_with)
-    reduced = capture(lm, TEXT, "fwd", reduce=True, pool=24, **made_with)
+    recipe = Recipe.of(lm, "fwd", **made_with)
+    full = capture(lm, TEXT, recipe, Keep(storage_dtype=torch.float32))
+    reduced = capture(lm, TEXT, recipe, Keep(statistics=True, pool=24))
     assert 2 not in reduced.probs
     region = regions.of_capture(lm, reduced, 2, (150, 200), (0, 60))
     np.testing.assert_allclose(region.values, full.layer_probs(2)[:, 150:200, 0:60], atol=1e-6)
@@ -111,9 +114,9 @@ def test_a_region_resumes_from_the_captures_nearest_kept_layer_input(kind):
     """A long capture with checkpoints keeps layer inputs; a region of layer 2 then runs layer 2 only
     (its progress starts there) and its cells are the full capture's, bit for bit in fp32."""
     lm = loaded(kind)
-    cap = capture(lm, TEXT, "fwd", reduce=True, pool=24, checkpoints=2)
+    cap = capture(lm, TEXT, "fwd", Keep(statistics=True, pool=24, checkpoints=2))
     assert sorted(cap.checkpoints) == [1, 2] and cap.checkpoints[1].shape == (len(TEXT), lm.config.hidden_size)
-    full = capture(lm, TEXT, "fwd", storage_dtype=torch.float32)
+    full = capture(lm, TEXT, "fwd", Keep(storage_dtype=torch.float32))
     for layer, runs in ((2, [(3, 3)]), (1, [(2, 2)]), (0, [(1, 1)])):
         steps = []
         region = regions.of_capture(lm, cap, layer, (150, 208), (0, 60), on_layer=lambda d, t: steps.append((d, t)))
@@ -124,9 +127,10 @@ def test_a_region_resumes_from_the_captures_nearest_kept_layer_input(kind):
 def test_resuming_keeps_the_captures_intervention_prefix_and_mask():
     lm = loaded("llama")
     made_with = dict(intervene="temperature(t=2)@0,2; ablate(heads=1)@1", prepend="#")
-    cap = capture(lm, TEXT, "nosink-fwd + sliding(w=9) + fwd", reduce=True, pool=24, checkpoints=1, **made_with)
+    recipe = Recipe.of(lm, "nosink-fwd + sliding(w=9) + fwd", **made_with)
+    cap = capture(lm, TEXT, recipe, Keep(statistics=True, pool=24, checkpoints=1))
     assert sorted(cap.checkpoints) == [2]  # one checkpoint: every ceil(3 / 2) = 2 layers
-    full = capture(lm, TEXT, "nosink-fwd + sliding(w=9) + fwd", storage_dtype=torch.float32, **made_with)
+    full = capture(lm, TEXT, recipe, Keep(storage_dtype=torch.float32))
     steps = []
     region = regions.of_capture(lm, cap, 2, (40, 90), (10, 60), on_layer=lambda d, t: steps.append(d))
     assert steps == [3]
@@ -135,7 +139,7 @@ def test_resuming_keeps_the_captures_intervention_prefix_and_mask():
 
 def test_families_that_cannot_resume_keep_no_checkpoints_and_run_from_the_start():
     lm = loaded("gpt2")
-    cap = capture(lm, TEXT, "fwd", reduce=True, pool=24, checkpoints=2)
+    cap = capture(lm, TEXT, "fwd", Keep(statistics=True, pool=24, checkpoints=2))
     assert cap.checkpoints == {}
     steps = []
     regions.of_capture(lm, cap, 2, (150, 208), (0, 60), on_layer=lambda d, t: steps.append(d))
@@ -145,13 +149,13 @@ def test_families_that_cannot_resume_keep_no_checkpoints_and_run_from_the_start(
 def test_checkpoints_are_counted_and_only_kept_by_the_run_that_asked():
     lm = loaded("llama")
     assert [sorted(checkpoint_layers(lm, k)) for k in (0, 1, 2, 9)] == [[], [2], [1, 2], [1, 2]]
-    plain = capture(lm, TEXT, "fwd", reduce=True, pool=24)
-    kept = capture(lm, TEXT, "fwd", reduce=True, pool=24, checkpoints=2)
+    plain = capture(lm, TEXT, "fwd", Keep(statistics=True, pool=24))
+    kept = capture(lm, TEXT, "fwd", Keep(statistics=True, pool=24, checkpoints=2))
     assert checkpoint_bytes(lm, len(TEXT)) == len(TEXT) * 32 * 4  # (n, hidden) in the model's fp32
     assert 0 <= nbytes(kept) - nbytes(plain) - 2 * checkpoint_bytes(lm, len(TEXT)) < 256  # + the dict's keys
-    assert (estimate_bytes(lm, len(TEXT), reduce=True, pool=24, checkpoints=2)
-            - estimate_bytes(lm, len(TEXT), reduce=True, pool=24)) == 2 * checkpoint_bytes(lm, len(TEXT))
-    assert capture(lm, TEXT, "fwd", reduce=True, pool=24).checkpoints == {}  # the hooks stay, idle
+    assert (Keep(statistics=True, pool=24, checkpoints=2).host_bytes(lm, len(TEXT))
+            - Keep(statistics=True, pool=24).host_bytes(lm, len(TEXT))) == 2 * checkpoint_bytes(lm, len(TEXT))
+    assert capture(lm, TEXT, "fwd", Keep(statistics=True, pool=24)).checkpoints == {}  # the hooks stay, idle
     assert checkpoint_count(lm, len(TEXT), 3 * checkpoint_bytes(lm, len(TEXT)) + 1) == 3
     assert checkpoint_count(lm, len(TEXT), 10**12) == 8
 
@@ -165,12 +169,12 @@ def test_bad_regions_are_refused(queries, keys, message):
         regions.region(loaded("llama"), TEXT, "fwd", 0, queries, keys)
 
 
-@pytest.mark.parametrize("options", [{}, {"reduce": True, "pool": 32}, {"hidden_states": True},
-                                     {"reduce": True}, {"reduce": True, "pool": 32, "value_norms": True, "scores": True}])
-def test_size_estimates_bound_what_a_capture_holds(options):
+@pytest.mark.parametrize("keep", [Keep(), Keep(statistics=True, pool=32), Keep(hidden_states=True), Keep(scores=True),
+                                  Keep(statistics=True), Keep(statistics=True, pool=32, value_norms=True, scores=True)])
+def test_size_estimates_bound_what_a_capture_holds(keep):
     lm = loaded("llama")
-    cap = capture(lm, TEXT, "fwd*2 + bidir", **options)
-    estimate = estimate_bytes(lm, cap.n_tokens, **options)
+    cap = capture(lm, TEXT, "fwd*2 + bidir", keep)
+    estimate = keep.host_bytes(lm, cap.n_tokens)
     assert nbytes(cap) <= estimate <= 1.6 * nbytes(cap) + 64 * 1024
 
 

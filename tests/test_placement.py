@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from attnviz import capture, regions
+from attnviz.plan import Keep
 from attnviz.effects import dataset, embedding, evaluate, explain, generate, heads, streaming
 from attnviz.kv import compress
 
@@ -49,7 +50,7 @@ def test_the_simulated_device_fails_where_a_gpu_would():
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma2", "gpt_oss", "gpt2"])
-@pytest.mark.parametrize("options", [dict(), dict(reduce=True, pool=8, scores=True, value_norms=True),
+@pytest.mark.parametrize("options", [dict(), dict(statistics=True, pool=8, scores=True, value_norms=True),
                                      dict(scores=True, value_norms=True, qkv=True, hidden_states=True, activations=True),
                                      dict(checkpoints=2)], ids=["maps", "statistics", "extras", "checkpoints"])
 def test_capture(kind, options):
@@ -57,9 +58,9 @@ def test_capture(kind, options):
         pytest.skip("GPT-2 cannot resume a forward from a layer's input")
     if kind == "gpt2":  # its Conv1D projection has no value-weighted view (a clear refusal, tested elsewhere)
         options = {k: v for k, v in options.items() if k != "value_norms"}
-    a, b = both(lambda lm: capture(lm, TEXT, "mask0-bidir(k=2)", storage_dtype=torch.float32, **options), kind)
+    a, b = both(lambda lm: capture(lm, TEXT, "mask0-bidir(k=2)", Keep(storage_dtype=torch.float32, **options)), kind)
     for layer in a.layers:
-        if options.get("reduce"):
+        if options.get("statistics"):
             for name, value in a.stats[layer].items():
                 np.testing.assert_allclose(b.stats[layer][name], value, atol=1e-5, equal_nan=True, err_msg=name)
         else:
@@ -138,7 +139,7 @@ def test_a_statistics_capture_sends_its_results_to_the_host_without_waiting():
     lm.model.register_forward_hook(lambda *a: phases.append(len(elsewhere.TRANSFERS)))
     with elsewhere.elsewhere(lm.model):
         elsewhere.TRANSFERS.clear()
-        cap = capture(lm, TEXT, "fwd", reduce=True, pool=8)
+        cap = capture(lm, TEXT, "fwd", Keep(statistics=True, pool=8))
         during = elsewhere.TRANSFERS[phases[0]:phases[1]]
     waits = [t for t in during if t[0] == "wait"]
     assert len(waits) <= 1, waits  # the key ranges of the one mask, read once

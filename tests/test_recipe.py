@@ -10,6 +10,7 @@ import torch
 
 from attnviz.figures import export
 from attnviz import regions
+from attnviz.core import engine
 from attnviz.capture import Capture, capture
 from attnviz.errors import InputError
 from attnviz.effects.evaluate import evaluate
@@ -44,7 +45,7 @@ def test_a_capture_carries_its_recipe_through_save_and_load(tmp_path):
     meta = export.describe(back, 1, 0)
     assert meta["recipe"] == recipe.key and meta["provenance"] == recipe.describe() and meta["intervene"] == "temperature(t=2)@2"
     # the same settings given one by one make the same capture
-    same = capture(lm, TEXT, "mask0-bidir(k=1)", intervene="temperature(t=2)@2", prepend="T")
+    same = capture(lm, TEXT, Recipe.of(lm, "mask0-bidir(k=1)", intervene="temperature(t=2)@2", prepend="T"))
     assert same.recipe == recipe
     np.testing.assert_array_equal(same.probs[2], cap.probs[2])
 
@@ -53,7 +54,7 @@ def test_naming_a_setting_twice_is_refused():
     lm = loaded("llama")
     recipe = Recipe.of(lm, "fwd", "temperature(t=2)")
     with pytest.raises(InputError, match="the recipe already says intervene"):
-        capture(lm, TEXT, recipe, intervene="temperature(t=3)")
+        capture(lm, TEXT, Recipe.of(lm, recipe, intervene="temperature(t=3)"))
     with pytest.raises(InputError, match="the recipe is for"):
         capture(lm, TEXT, dataclasses.replace(recipe, model="someone/else"))
 
@@ -75,7 +76,7 @@ def test_the_forward_choice_is_made_once():
     lm = loaded("llama")
     ids = torch.tensor([lm.tokenizer(TEXT)["input_ids"]])
     built = build(lm, "fwd")
-    logits, hidden, _ = built.forward(lm, ids, output_hidden_states=True)
+    logits, hidden, _ = built.forward(lm, ids, None, engine.Feed(hidden_states=True))
     with torch.no_grad():
         stock = lm.model(input_ids=ids)
     torch.testing.assert_close(logits, stock.logits, atol=1e-5, rtol=1e-5)
@@ -83,7 +84,7 @@ def test_the_forward_choice_is_made_once():
     variant = build(lm, "fwd", residual="method1")
     assert variant.recipe.residual == "method1" and variant.recipe.key != built.recipe.key
     with pytest.raises(InputError, match="hidden states are not recorded"):
-        variant.forward(lm, ids, output_hidden_states=True)
+        variant.forward(lm, ids, None, engine.Feed(hidden_states=True))
     assert variant.forward(lm, ids)[0].shape == logits.shape
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz.core import residual
+from attnviz.core import engine, residual
 from attnviz.core.arch import parse
 from attnviz.errors import ArchitectureError, InputError, ModelLoadError
 from attnviz.effects.finetune import finetune
@@ -80,7 +80,7 @@ def test_residual_forward_records_attention_and_follows_the_mask():
     _, ours = pair("llama")
     masks = list(parse("nosink-fwd", 3).layers)
     with torch.no_grad():
-        _, run = residual.forward(ours, residual.Variant("method2", 3), _ids(), masks, record={1})
+        _, run = residual.forward(ours, residual.Variant("method2", 3), _ids(), masks, engine.Record(layers=frozenset({1})))
     assert set(run.probs) == {1} and (run.probs[1][0, :, 1:, 0] == 0).all()  # key 0 hidden from later queries
 
 
@@ -159,19 +159,19 @@ def test_an_interrupted_finetune_leaves_the_last_complete_checkpoint(tmp_path):
 def test_capture_under_a_variant_records_its_attention_and_names_it():
     from attnviz.figures import export
     from attnviz.capture import capture
+    from attnviz.recipe import Recipe
+    from attnviz.plan import Keep
 
     lm = loaded("llama")
-    cap = capture(lm, "variant maps", "nosink-fwd", residual="method2", storage_dtype=torch.float32)
+    cap = capture(lm, "variant maps", Recipe.of(lm, "nosink-fwd", residual="method2"), Keep(storage_dtype=torch.float32))
     with torch.no_grad():
-        logits, run = residual.forward(lm.model, residual.Variant("method2", 3), torch.tensor([cap.token_ids]),
-                                       list(parse("nosink-fwd", 3).layers), record={0, 1, 2},
-                                       storage_dtype=torch.float32)
+        logits, run = residual.forward(lm.model, residual.Variant("method2", 3), torch.tensor([cap.token_ids]), list(parse("nosink-fwd", 3).layers), engine.Record(layers=frozenset({0, 1, 2}), storage_dtype=torch.float32))
     for layer in range(3):
         torch.testing.assert_close(torch.from_numpy(cap.layer_probs(layer)), run.probs[layer][0])
     np.testing.assert_allclose(cap.next_logprobs, torch.log_softmax(logits[0, -1], -1).numpy(), atol=1e-5)
     meta = export.describe(cap, 2, 1)
     assert meta["residual"] == "method2" and "_method2_" in export.filename(meta, "pdf")
     with pytest.raises(InputError, match="hidden states are not recorded"):
-        capture(lm, "variant maps", "fwd", residual="method1", hidden_states=True)
+        capture(lm, "variant maps", Recipe.of(lm, "fwd", residual="method1"), Keep(hidden_states=True))
     with pytest.raises(ModelLoadError, match="Llama-family"):
-        capture(loaded("gpt2"), "no", "fwd", residual="method1")
+        capture(loaded("gpt2"), "no", Recipe.of(loaded("gpt2"), "fwd", residual="method1"))

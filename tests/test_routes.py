@@ -78,14 +78,15 @@ def test_no_import_cycle_between_the_reference_and_the_reducers():
 
 def test_a_capture_keeps_only_the_statistics_it_names():
     from attnviz.capture import capture
+    from attnviz.plan import Keep
     from attnviz.errors import AttnvizError
 
     from tiny import loaded
 
     lm = loaded("llama")
     text = "The keeper lit the lamp, and the ships passed the rocks."
-    full = capture(lm, text, "nosink-fwd", reduce=True)
-    some = capture(lm, text, "nosink-fwd", reduce=("alpha", "column_mean", "discarded"))
+    full = capture(lm, text, "nosink-fwd", Keep(statistics=True))
+    some = capture(lm, text, "nosink-fwd", Keep(statistics=("alpha", "column_mean", "discarded")))
     assert set(full.stats[1]) == {s.name for s in metrics.STATISTICS}
     assert set(some.stats[1]) == {"alpha", "column_mean", "key0", "discarded"}
     for name in some.stats[1]:
@@ -93,4 +94,4 @@ def test_a_capture_keeps_only_the_statistics_it_names():
     with pytest.raises(AttnvizError, match="not entropy"):
         some.stat(1, "entropy")
     with pytest.raises(ValueError, match="unknown statistics"):
-        capture(lm, text, "fwd", reduce=("alpha", "beta"))
+        capture(lm, text, "fwd", Keep(statistics=("alpha", "beta")))

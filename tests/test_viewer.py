@@ -26,6 +26,8 @@ TEXT = "The cat sat on the mat. The dog sat on the log."
 @pytest.fixture(scope="module")
 def cap(default_model):
     from attnviz import capture
+    from attnviz.recipe import Recipe
+    from attnviz.plan import Keep
 
     return capture(default_model, TEXT, "fwd")
 
@@ -76,6 +78,8 @@ def test_the_window_takes_the_nearest_layers_the_budget_holds():
 
 def test_side_by_side_captures_must_share_their_tokens(cap, default_model):
     from attnviz import capture
+    from attnviz.recipe import Recipe
+    from attnviz.plan import Keep
 
     other = capture(default_model, "Another text.", "fwd")
     with pytest.raises(ValueError, match="same tokens"):
@@ -197,6 +201,8 @@ def test_the_heatmaps_page_sends_the_viewer_the_capture_s_maps(model_cache, defa
     from test_app import app_test
 
     from attnviz import capture
+    from attnviz.recipe import Recipe
+    from attnviz.plan import Keep
     from conftest import ENGLISH
 
     at = app_test(tmp_path, instant=True)
@@ -207,7 +213,7 @@ def test_the_heatmaps_page_sends_the_viewer_the_capture_s_maps(model_cache, defa
     assert data["regions"] == "host" and data["layers"] == list(range(30))
     assert sorted(int(k) for k in data["panels"][0]["layers"]) == list(range(30))  # a short text: all at once
     assert data["view"]["layer"] is None or data["view"]["layer"] == 29
-    full = capture(default_model, ENGLISH, "fwd", layers=[7]).layer_probs(7)
+    full = capture(default_model, ENGLISH, "fwd", Keep(layers=[7])).layer_probs(7)
     values = payload_mod.decode(data["panels"][0]["layers"]["7"]["heads"][3], **data["encoding"])  # head 2
     ok = np.tril(np.ones_like(full[2], bool)) & (full[2] > 1e-6)
     np.testing.assert_allclose(values[ok], full[2][ok], rtol=2e-3)  # the app's fp16 storage, then 16-bit codes
@@ -217,9 +223,11 @@ def test_a_payload_names_its_captures_so_the_viewer_never_merges_another_one(cap
     """The viewer merges a payload into the one it holds when their ids match: the same capture again,
     never the same text under another intervention or with a BOS token in front."""
     from attnviz import capture
+    from attnviz.recipe import Recipe
+    from attnviz.plan import Keep
 
     same = payload_mod.payload([cap], layers=[0])["id"]
     assert payload_mod.payload([cap], layers=[29])["id"] == same
-    others = [capture(default_model, TEXT, "fwd", intervene="temperature(t=2)"),
-              capture(default_model, TEXT, "fwd", prepend="bos")]
+    others = [capture(default_model, TEXT, Recipe.of(default_model, "fwd", intervene="temperature(t=2)")),
+              capture(default_model, TEXT, Recipe.of(default_model, "fwd", prepend="bos"))]
     assert all(payload_mod.payload([o], layers=[0])["id"] != same for o in others)

@@ -8,6 +8,7 @@ import torch
 from attnviz.effects import dataset
 from attnviz.stats import metrics
 from attnviz.capture import Capture, capture
+from attnviz.plan import Keep
 from attnviz.errors import AttnvizError, InputError, ModelLoadError
 
 from tiny import loaded, pair
@@ -22,7 +23,7 @@ def test_dataset_statistics_equal_a_loop_over_single_captures():
     result = dataset.sinks(lm, DOCS, "nosink-fwd", unit="doc", max_len=20)
     assert result.skipped == 1  # "x" has one token: no alpha
     assert result.n_samples == 4 and result.short_samples == 1  # "short one" has 9 tokens: used as it is
-    singles = [capture(lm, d[:20], "nosink-fwd", storage_dtype=torch.float32) for d in DOCS if len(d) >= 2]
+    singles = [capture(lm, d[:20], "nosink-fwd", Keep(storage_dtype=torch.float32)) for d in DOCS if len(d) >= 2]
     for s, cap in enumerate(singles):
         n = cap.n_tokens
         for layer in range(3):
@@ -70,7 +71,7 @@ def test_line_samples_and_limits():
 def test_value_norms_equal_a_direct_computation():
     stock, _ = pair("llama")
     lm = loaded("llama")
-    cap = capture(lm, "value norms, directly", "fwd", value_norms=True)
+    cap = capture(lm, "value norms, directly", "fwd", Keep(value_norms=True))
     ids = torch.tensor([cap.token_ids])
     with torch.no_grad():
         hidden = stock(ids, output_hidden_states=True).hidden_states
@@ -88,7 +89,7 @@ def test_value_norms_equal_a_direct_computation():
 
 def test_scores_are_the_pre_softmax_logits():
     lm = loaded("llama")
-    cap = capture(lm, "pre-softmax", "fwd", scores=True, storage_dtype=torch.float32)
+    cap = capture(lm, "pre-softmax", "fwd", Keep(scores=True, storage_dtype=torch.float32))
     for layer in range(3):
         scores = cap.layer_scores(layer)
         masked = np.where(cap.allowed[layer], scores, -np.inf)
@@ -99,7 +100,7 @@ def test_scores_are_the_pre_softmax_logits():
 def test_activations_equal_output_hidden_states():
     stock, _ = pair("qwen2")
     lm = loaded("qwen2")
-    cap = capture(lm, "massive activations", "fwd", activations=True, layers=[0])
+    cap = capture(lm, "massive activations", "fwd", Keep(activations=True, layers=[0]))
     with torch.no_grad():
         hidden = torch.stack(stock(torch.tensor([cap.token_ids]), output_hidden_states=True).hidden_states)[:, 0]
     np.testing.assert_allclose(cap.activations.norms, hidden.norm(dim=-1).numpy(), rtol=1e-5)
@@ -112,7 +113,7 @@ def test_activations_equal_output_hidden_states():
 
 
 def test_extras_survive_save_and_load(tmp_path):
-    cap = capture(loaded("llama"), "saved", "fwd", scores=True, value_norms=True, activations=True)
+    cap = capture(loaded("llama"), "saved", "fwd", Keep(scores=True, value_norms=True, activations=True))
     back = Capture.load(cap.save(tmp_path / "c.npz"))
     np.testing.assert_array_equal(back.layer_scores(1), cap.layer_scores(1))
     np.testing.assert_array_equal(back.layer_value_norms(2), cap.layer_value_norms(2))
@@ -126,7 +127,7 @@ def test_extras_survive_save_and_load(tmp_path):
 def test_value_norms_refused_where_the_output_projection_cannot_be_read():
     lm = loaded("gpt2")  # GPT-2's c_proj is a Conv1D, not a Linear o_proj
     with pytest.raises(ModelLoadError, match="cannot read the output projection"):
-        capture(lm, "no", "fwd", value_norms=True)
+        capture(lm, "no", "fwd", Keep(value_norms=True))
 
 
 def test_rollout_on_a_hand_example():
@@ -165,7 +166,7 @@ def test_dataset_keeps_the_allow_set_of_full_samples():
 def test_linformer_error_is_zero_at_k_equal_n_with_identity_projections():
     from attnviz.effects import linformer
 
-    cap = capture(loaded("llama"), "linformer what-if", "fwd", layers=[1], qkv=True)
+    cap = capture(loaded("llama"), "linformer what-if", "fwd", Keep(layers=[1], qkv=True))
     qkv, n = cap.layer_qkv(1), cap.n_tokens
     np.testing.assert_array_equal(linformer.projection(n, n, "segment"), np.eye(n))  # segments of one: identity
     exact = linformer.whatif(qkv, cap.allowed[1], n, "segment", layer=1)

@@ -3,6 +3,7 @@ memory budget they live in, and the library's capture plan under that budget."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import threading
@@ -12,12 +13,13 @@ from collections import OrderedDict
 import streamlit as st
 
 from attnviz.core import arch as arch_mod
-from attnviz.core import devices, interventions
+from attnviz.core import devices
 from attnviz import plan as plan_mod
-from attnviz.capture import Capture, capture, estimate_bytes, tokenize
+from attnviz.capture import Capture, capture, tokenize
 from attnviz.errors import AttnvizError
 from attnviz.core.lru import ByteLRU
 from attnviz.core.models import LoadedModel, load
+from attnviz.plan import Keep
 from attnviz.recipe import Recipe
 from ui import jobs, shared
 
@@ -153,23 +155,16 @@ def captures_left() -> int:
     return store.budget
 
 
-def _full_maps(loaded: LoadedModel, n_tokens: int, hidden: bool) -> tuple[int, int]:
-    """(estimated bytes of a capture with full maps of every layer, the per-capture limit they must fit)."""
-    return estimate_bytes(loaded, n_tokens, hidden_states=hidden), min(captures_left(), full_maps_limit())
-
-
-def plan_capture(loaded: LoadedModel, n_tokens: int, hidden: bool, extras: tuple,
-                 residual) -> tuple[dict, int] | None:
-    """The library's plan (:func:`attnviz.plan.plan`) under this server's memory budget, as (capture
-    options, estimated bytes); its refusal is shown with the budget it was measured against."""
+def plan_capture(loaded: LoadedModel, n_tokens: int, keep: Keep, residual) -> plan_mod.Plan | None:
+    """The library's plan (:func:`attnviz.plan.plan`) of a capture keeping ``keep`` under this server's memory
+    budget; its refusal is shown with the budget it was measured against."""
     try:
-        planned = plan_mod.plan(loaded, n_tokens, full_maps_limit(), captures_left(), hidden, extras, residual,
-                                checkpoint_bytes=setting_mb("checkpoint", 512) * 2**20)
+        return plan_mod.plan(loaded, n_tokens, full_maps_limit(), captures_left(), keep, residual,
+                             checkpoint_bytes=setting_mb("checkpoint", 512) * 2**20)
     except plan_mod.CaptureTooLarge as err:
         st.error(f"{err} The memory budget: ATTNVIZ_MEMORY_MB {devices.mb(capture_budget())}, of which the model "
                  f"weights take {devices.mb(models_bytes())}.")
         return None
-    return planned.options, planned.estimate
 
 
 _counts: OrderedDict = OrderedDict()  # (model, text) -> token count: plans ask on every rerun, decoding 8k tokens each
@@ -196,8 +191,7 @@ def fits_full_maps(loaded: LoadedModel, text: str, hidden: bool = True) -> bool:
         n_tokens = token_count(loaded, text)
     except AttnvizError:
         return True  # get_capture says what is wrong
-    full, limit = _full_maps(loaded, n_tokens, hidden)
-    return full <= limit
+    return Keep(hidden_states=hidden).host_bytes(loaded, n_tokens) <= min(captures_left(), full_maps_limit())
 
 
 def within_token_cap(n_tokens: int) -> bool:
@@ -210,55 +204,42 @@ def within_token_cap(n_tokens: int) -> bool:
     return True
 
 
-def get_capture(loaded: LoadedModel, text: str, spec: str, hidden: bool = True,
-                extras: tuple[str, ...] = (), residual: str | None = None, intervene: str | None = None,
-                prepend: str | None = None) -> Capture | None:
-    """Cached by (model, text, architecture): moving a layer or head slider never re-runs the model.
+def get_capture(loaded: LoadedModel, text: str, recipe: Recipe, hidden: bool = True,
+                extras: tuple[str, ...] = ()) -> Capture | None:
+    """The capture of ``text`` under ``recipe`` (the sidebar's :meth:`ui.sidebar.Settings.recipe`), cached by
+    (recipe key, text, keep): moving a layer or head slider never re-runs the model.
 
-    ``extras`` names what else the pass records, only for the views that ask: "scores" (pre-softmax),
-    "value_norms", "activations"; the default capture stays as cheap as it was. Long texts get
-    statistics and pooled maps (:func:`plan_capture`); older captures leave the cache before a new
-    one is computed, so the server's resident size stays near its budget.
+    ``extras`` names what else the pass keeps, only for the views that ask: "scores" (pre-softmax),
+    "value_norms", "activations"; the default capture stays as cheap as it was. The library's plan decides
+    what a long text keeps (statistics and pooled maps, :func:`plan_capture`); older captures leave the
+    cache before a new one is computed, so the server's resident size stays near its budget.
     """
     try:
-        architecture = arch_mod.parse(spec, loaded.n_layers)
+        n_tokens = token_count(loaded, text, recipe.prepend)
     except AttnvizError as err:
-        st.error(f"Architecture: {err}")
-        return None
-    try:
-        acts = interventions.parse(intervene, loaded.n_layers, loaded.n_heads)
-    except AttnvizError as err:
-        st.error(f"Intervention: {err}")
-        return None
-    try:
-        made_with = Recipe.of(loaded, architecture, acts, prepend, residual)
-        n_tokens = token_count(loaded, text, prepend)
-    except AttnvizError as err:
-        st.error(f"Capturing {architecture.spec}: {err}")
+        st.error(f"Capturing {recipe.arch}: {err}")
         return None
     if not within_token_cap(n_tokens):
         return None
-    extras = tuple(sorted(extras))
-    hidden = hidden and not residual  # a variant's own layer loop records no hidden states
-    planned = plan_capture(loaded, n_tokens, hidden, extras, residual)
+    asked = Keep.of(tuple(sorted(extras)), hidden_states=hidden and not recipe.residual)  # a variant keeps none
+    planned = plan_capture(loaded, n_tokens, asked, recipe.residual)
     if planned is None:
         return None
-    plan, estimate = planned
-    options = {"hidden_states": hidden, **plan, **{name: True for name in extras}}
-    key = (made_with.key, text, tuple(sorted((k, v) for k, v in options.items() if k != "checkpoints")))
+    keep = planned.keep
+    key = (recipe.key, text, dataclasses.replace(keep, checkpoints=0))
     store = _captures()
     if key not in store:
-        store.reserve(estimate)
+        store.reserve(planned.estimate)
         # Evicted captures can sit in reference cycles (Streamlit's script frames and callbacks) that
         # only the cycle collector frees, and their large buffers never trigger it: collect now, so
         # their memory is back before the new capture is built (measured: +4 GB after five captures
         # without this, +90 MB with it).
         gc.collect()
-    label = (f"Capturing {architecture.spec}" + (f" with {acts.spec}" if acts else "")
-             + (" (long text: statistics and pooled maps)" if plan else ""))
+    label = (f"Capturing {recipe.arch}" + (f" with {recipe.intervene}" if recipe.intervene else "")
+             + ("" if keep.full_maps else " (long text: statistics and pooled maps)"))
     return jobs.run(key, label, lambda progress: capture(
-        loaded, text, made_with, max_tokens=MAX_TOKENS,
-        on_layer=lambda layer: progress(layer + 1, loaded.n_layers), **options), store=store)
+        loaded, text, recipe, keep, max_tokens=MAX_TOKENS,
+        on_layer=lambda layer: progress(layer + 1, loaded.n_layers)), store=store)
 
 
 def get_seq2seq_capture(loaded: LoadedModel, source: str, target: str, spec: str):
@@ -278,15 +259,13 @@ def get_seq2seq_capture(loaded: LoadedModel, source: str, target: str, spec: str
                     store=_captures())
 
 
-def get_residual(loaded: LoadedModel, text: str, spec: str, intervene: str | None = None, prepend: str | None = None,
-                 residual: str | None = None):
+def get_residual(loaded: LoadedModel, text: str, made: Recipe):
     """One recorded residual stream (attnviz.effects.explain.Residual) per recipe and text, in the capture
     cache: the Why page's attribution, diagnosis and query-key view all read it."""
     from attnviz.effects.explain import Residual
 
     try:
-        made = Recipe.of(loaded, spec, intervene, prepend, residual)
-        n_tokens = token_count(loaded, text, prepend)
+        n_tokens = token_count(loaded, text, made.prepend)
     except AttnvizError as err:
         st.error(str(err))
         return None

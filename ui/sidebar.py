@@ -7,8 +7,11 @@ from dataclasses import dataclass
 
 import streamlit as st
 
-from attnviz.core import devices
 from attnviz.capture import Capture
+from attnviz.core import arch as arch_mod
+from attnviz.core import devices, interventions
+from attnviz.errors import AttnvizError
+from attnviz.recipe import Recipe
 from attnviz.core.models import DEFAULT, LoadedModel
 from attnviz.core.residual import METHODS
 
@@ -40,6 +43,26 @@ class Settings:
     residual: str | None = None  # a seed-003 variant (docs/methods.md#residual-variants), or None
     intervene: str | None = None  # interventions beside the architecture (docs/methods.md#interventions), or None
     prepend: str | None = None  # the BOS control: "bos", or None
+
+    def recipe(self, loaded: LoadedModel, arch: str | None = None, **changes) -> Recipe | None:
+        """The recipe these settings make on ``loaded`` (:class:`attnviz.recipe.Recipe`): a page may change the
+        architecture (``arch``) or ``intervene`` / ``prepend``. A bad string is shown with ``st.error``, labelled
+        with the control it came from, and gives None. Nothing runs on the model's device."""
+        fields = {"arch": arch or self.arch, "intervene": self.intervene, "prepend": self.prepend,
+                  "residual": self.residual, **changes}
+        for label, check in (("Architecture", lambda: arch_mod.parse(fields["arch"], loaded.n_layers)),
+                             ("Intervention", lambda: interventions.parse(fields["intervene"], loaded.n_layers,
+                                                                          loaded.n_heads))):
+            try:
+                check()
+            except AttnvizError as err:
+                st.error(f"{label}: {err}")
+                return None
+        try:
+            return Recipe.of(loaded, **fields)
+        except AttnvizError as err:
+            st.error(f"Capturing {fields['arch']}: {err}")
+            return None
 
 
 def _arch_controls(n_layers: int) -> str:
@@ -91,7 +114,7 @@ INTERVENTIONS = ["none", "sinkscale (ACT)", "sinklogit", "temperature", "ablate 
 
 def _intervention_controls(n_layers: int, n_heads: int) -> str | None:
     """The sidebar's "Intervention" (docs/methods.md#interventions): a picker with its parameters, or a free string. The
-    string is checked where it is used (get_capture), which shows what is wrong."""
+    string is checked where it is used (Settings.recipe), which shows what is wrong."""
     pick = st.selectbox("Intervention", INTERVENTIONS, key="iv_pick",
                         help="Beyond the mask: turn the sink down (ACT), give attention somewhere else to go (a sink "
                              "logit), sharpen or flatten it, or remove heads; composes with any architecture")
@@ -190,5 +213,5 @@ def current_capture(settings: Settings, loaded: LoadedModel | None, spec: str | 
         st.error(f"{loaded.model_id} is an encoder-decoder model: this page takes decoder-only models. Its encoder, "
                  "decoder and cross-attention are on the Heatmaps page.")
         return None
-    return get_capture(loaded, settings.text, spec or settings.arch, extras=extras, residual=settings.residual,
-                       intervene=settings.intervene, prepend=settings.prepend)
+    recipe = settings.recipe(loaded, spec)
+    return None if recipe is None else get_capture(loaded, settings.text, recipe, extras=extras)

@@ -10,6 +10,7 @@ as stock (SDPA, or the model's own eager function where SDPA cannot express it).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import enum
 import functools
@@ -34,6 +35,72 @@ from attnviz.stats.reduce import pool_factor
 
 KEY = "attnviz"
 _RUN: contextvars.ContextVar["Run | None"] = contextvars.ContextVar("attnviz_run", default=None)
+
+
+@dataclass(frozen=True)
+class Computes:
+    """What a forward computes, the engine's half of a recipe (:class:`attnviz.recipe.Built` makes one): one
+    mask per layer and the interventions (docs/methods.md#interventions). A plain list of masks stands for
+    ``Computes(masks)`` wherever the engine takes one."""
+
+    masks: tuple[Mask, ...]
+    interventions: Interventions = NONE
+
+    @classmethod
+    def of(cls, value) -> "Computes":
+        return value if isinstance(value, Computes) else cls(tuple(value))
+
+
+@dataclass(frozen=True)
+class Record:
+    """What a forward records of its recorded layers, and how: the engine's side of a capture's
+    :class:`attnviz.plan.Keep` (``Keep.record`` makes one).
+
+    ``layers``: the recorded layers (None: all). ``reducer``: with ``add``/``finish`` (:mod:`attnviz.stats.reduce`)
+    it is fed block by block and no layer's full map ever exists; a plain ``reducer(layer, probs, allow)`` runs on
+    each recorded layer's fp32 probabilities and only its result is kept; None keeps full maps in
+    ``storage_dtype``. ``scores`` / ``value_norms`` / ``qkv`` also keep, for recorded layers, the pre-softmax
+    scores, the value-output norms and the queries, keys and values (only when asked: they cost memory the
+    default capture does not pay). ``block_bytes`` bounds one query block's fp32 scores (None:
+    :func:`devices.block_bytes`). ``checkpoints``: the layers whose inputs are kept on the host to resume a
+    later forward from (:func:`resume`). ``on_layer(i)`` is called after each layer's attention (progress;
+    it may stop the forward by raising). ``keep_graph`` keeps every layer's fp32 probabilities with their
+    autograd graph (residual variants)."""
+
+    layers: frozenset[int] | None = None
+    storage_dtype: torch.dtype = torch.float16
+    reducer: object = None
+    on_layer: Callable[[int], None] | None = None
+    scores: bool = False
+    value_norms: bool = False
+    qkv: bool = False
+    block_bytes: int | None = None
+    checkpoints: frozenset[int] = frozenset()
+    keep_graph: bool = False
+
+
+NOTHING = Record(layers=frozenset())  # record no layer: the forward's output only
+
+
+@dataclass(frozen=True)
+class Feed:
+    """What a forward is fed besides its tokens, and what it gives back besides the run.
+
+    ``attention_mask`` (B, n): padding of a batch. With ``past_key_values`` (a transformers ``Cache``) the
+    inputs are new tokens appended to that cache, and ``kv_positions`` (B, n_cached + n_new) gives the position
+    every cache entry was encoded at, the new tokens' last: masks then follow positions, not cache slots, so a
+    cache that dropped entries (StreamingLLM) keeps every mask exact. ``lm_head=False`` runs only the base
+    model (``last_hidden_state``, after the final norm). ``last_logits_only`` projects only the last position
+    onto the vocabulary (``logits_to_keep=1``: 800 MB less at 4,096 tokens on a 49k vocabulary).
+    ``hidden_states`` returns every layer's hidden states; ``grad`` keeps the autograd graph (fine-tuning)."""
+
+    attention_mask: torch.Tensor | None = None
+    past_key_values: object = None
+    kv_positions: torch.Tensor | None = None
+    lm_head: bool = True
+    hidden_states: bool = False
+    last_logits_only: bool = False
+    grad: bool = False
 
 
 @dataclass
@@ -624,14 +691,14 @@ def _keep_layer_inputs(model) -> None:
         model._attnviz_keeps_inputs = True
 
 
-def resume(model, hidden: torch.Tensor, start: int, input_ids: torch.Tensor, masks: list[Mask],
-           record: set[int] | None = None, **options) -> Run:
+def resume(model, hidden: torch.Tensor, start: int, input_ids: torch.Tensor, computes,
+           record: Record = Record()) -> Run:
     """Layers ``start``.. of :func:`forward` of ``input_ids`` (1, n), run from ``hidden`` (n, d): the
     input of layer ``start`` that an earlier forward of the same tokens, masks and interventions kept
-    (``Run.checkpoints``). The layers below are not run again; like :func:`forward`, ``on_layer`` may
+    (``Run.checkpoints``). The layers below are not run again; like :func:`forward`, ``record.on_layer`` may
     stop it after any layer. Returns the run (what it recorded)."""
     layers = _resumable_layers(model)
-    run = make_run(model, input_ids, masks, record, **options)
+    run = make_run(model, input_ids, computes, record)
     base = model.base_model
     with active(run), torch.inference_mode():
         h = hidden[None].to(model.device)
@@ -648,58 +715,30 @@ def n_layers(model) -> int:
     return int(model.config.get_text_config().num_hidden_layers)
 
 
-@torch.inference_mode()
-def forward(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] | None = None,
-            attention_mask: torch.Tensor | None = None, storage_dtype=torch.float16,
-            reducer=None, output_hidden_states: bool = False, on_layer=None,
-            past_key_values=None, kv_positions: torch.Tensor | None = None, lm_head: bool = True,
-            record_scores: bool = False, record_value_norms: bool = False, record_qkv: bool = False,
-            block_bytes: int | None = None, last_logits_only: bool = False,
-            interventions: Interventions = NONE, checkpoint_layers: frozenset[int] = frozenset()):
-    """One forward pass under per-layer ``masks`` (and ``interventions``, docs/methods.md#interventions); returns
-    ``(model_output, run)``.
-
-    ``record`` is the set of layers whose probabilities are kept (default: all). With ``reducer``,
-    ``reducer(layer, probs, allow)`` runs on each recorded layer's fp32 probabilities and only its
-    result is kept (e.g. column means instead of full maps).
-
-    With ``past_key_values`` (a transformers ``Cache``) the inputs are new tokens appended to that
-    cache, and ``kv_positions`` (B, n_cached + n_new) gives the position every cache entry was
-    encoded at, the new tokens' last: masks then follow positions, not cache slots, so a cache
-    that dropped entries (StreamingLLM) keeps every mask exact. ``lm_head=False`` runs only the
-    base model (``last_hidden_state``, after the final norm) and skips the vocabulary projection.
-    ``record_scores`` / ``record_value_norms`` also keep, for recorded layers, the pre-softmax scores
-    and the value-output norms (only when asked: they cost memory the default capture does not pay).
-    Recorded layers compute their softmax in blocks of query rows whose fp32 scores take at most
-    ``block_bytes`` (default :func:`devices.block_bytes`); a reducer with ``add``/``finish`` (:mod:`attnviz.stats.reduce`) is fed
-    block by block, so no layer's full map ever exists. ``last_logits_only`` projects only the last
-    position onto the vocabulary (``logits_to_keep=1``: 800 MB less at 4,096 tokens on a 49k vocabulary).
-    """
-    extra = {} if block_bytes is None else {"block_bytes": block_bytes}
-    run = make_run(model, input_ids, masks, record, attention_mask, kv_positions, storage_dtype=storage_dtype,
-                   reducer=reducer, on_layer=on_layer, record_scores=record_scores,
-                   record_value_norms=record_value_norms, record_qkv=record_qkv, interventions=interventions,
-                   checkpoint_layers=frozenset(checkpoint_layers), **extra)
-    cached = past_key_values is not None
-    if cached != (kv_positions is not None):
-        raise ValueError("a cached forward takes past_key_values and kv_positions together")
-    new_positions = run.positions[:, -input_ids.shape[1]:] if cached else run.positions
-    target = model if lm_head else model.base_model
-    keep = {"logits_to_keep": 1} if last_logits_only and lm_head and "logits_to_keep" in inspect.signature(
-        model.forward).parameters else {}
-    if run.checkpoint_layers:
-        _keep_layer_inputs(model)
-    with active(run):
-        output = target(input_ids=input_ids.to(model.device), position_ids=new_positions.to(model.device),
-                        attention_mask=None if cached else run.valid.long().to(model.device),
-                        past_key_values=past_key_values, use_cache=cached,
-                        output_hidden_states=output_hidden_states, **keep)
+def forward(model, input_ids: torch.Tensor, computes, record: Record = Record(), feed: Feed = Feed()):
+    """One forward pass under per-layer masks and interventions (``computes``: a :class:`Computes` or a list
+    of masks), recording what ``record`` asks; returns ``(model_output, run)``. Recorded layers compute
+    their softmax in blocks of query rows (``record.block_bytes``)."""
+    with contextlib.nullcontext() if feed.grad else torch.inference_mode():
+        run = make_run(model, input_ids, computes, record, feed)
+        cached = feed.past_key_values is not None
+        if cached != (feed.kv_positions is not None):
+            raise ValueError("a cached forward takes past_key_values and kv_positions together")
+        new_positions = run.positions[:, -input_ids.shape[1]:] if cached else run.positions
+        target = model if feed.lm_head else model.base_model
+        keep = {"logits_to_keep": 1} if feed.last_logits_only and feed.lm_head and "logits_to_keep" in \
+            inspect.signature(model.forward).parameters else {}
+        if run.checkpoint_layers:
+            _keep_layer_inputs(model)
+        with active(run):
+            output = target(input_ids=input_ids.to(model.device), position_ids=new_positions.to(model.device),
+                            attention_mask=None if cached else run.valid.long().to(model.device),
+                            past_key_values=feed.past_key_values, use_cache=cached,
+                            output_hidden_states=feed.hidden_states, **keep)
     return output, run
 
 
-def make_run(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int] | None = None,
-             attention_mask: torch.Tensor | None = None, kv_positions: torch.Tensor | None = None,
-             **options) -> Run:
+def make_run(model, input_ids: torch.Tensor, computes, record: Record = Record(), feed: Feed = Feed()) -> Run:
     """The per-call state of :func:`forward` (positions, masks, what to record), checked.
 
     Code that runs the layers itself (residual variants) makes one and enters :func:`active`.
@@ -708,9 +747,11 @@ def make_run(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int]
         raise InputError(f"{type(model).__name__} is an encoder-decoder model: this view takes decoder-only models "
                          "(encoder-decoders are captured on the heatmaps page or with `attnviz capture`)")
     prepare(model)
-    total = n_layers(model)
+    computes = Computes.of(computes)
+    masks, total = list(computes.masks), n_layers(model)
     if len(masks) != total:
         raise ValueError(f"{len(masks)} masks for a model with {total} layers")
+    attention_mask, kv_positions = feed.attention_mask, feed.kv_positions
     if kv_positions is not None:
         if attention_mask is not None:
             raise ValueError("a cached forward takes kv_positions and no attention_mask")
@@ -723,8 +764,12 @@ def make_run(model, input_ids: torch.Tensor, masks: list[Mask], record: set[int]
         if mask.horizon is not None and int(positions.max()) + 1 > mask.horizon:
             raise InputError(f"{mask.name} was set for at most T={mask.horizon} tokens but the text reaches "
                              f"{int(positions.max()) + 1}: raise T or shorten the text")
-    return Run(list(masks), frozenset(range(total) if record is None else record), positions, valid,
-               unpadded=True if kv_positions is not None or attention_mask is None else None, **options)
+    return Run(masks, frozenset(range(total) if record.layers is None else record.layers), positions, valid,
+               storage_dtype=record.storage_dtype, reducer=record.reducer, on_layer=record.on_layer,
+               record_scores=record.scores, record_value_norms=record.value_norms, record_qkv=record.qkv,
+               keep_graph=record.keep_graph, interventions=computes.interventions, block_bytes=record.block_bytes,
+               unpadded=True if kv_positions is not None or attention_mask is None else None,
+               checkpoint_layers=frozenset(record.checkpoints))
 
 
 @contextmanager

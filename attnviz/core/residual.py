@@ -17,6 +17,8 @@ v_proj / o_proj) are supported; others are refused with that reason.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,15 +140,14 @@ def _recompute_attention(attn, x_normed: torch.Tensor, probs: torch.Tensor) -> t
     return attn.o_proj(mixed.transpose(1, 2).reshape(batch, n, -1))
 
 
-def forward(model, variant: Variant, input_ids: torch.Tensor, masks, record: set[int] | None = None,
-            **options):
-    """The variant's forward under per-layer ``masks``: ``(logits, run)``; differentiable outside
-    ``torch.no_grad``. Recorded layers' probabilities (and what ``options`` ask the run to record,
-    as in :func:`engine.forward`) are kept in the run as usual."""
+def forward(model, variant: Variant, input_ids: torch.Tensor, computes, record: "engine.Record | None" = None):
+    """The variant's forward under per-layer masks (``computes``, as in :func:`engine.forward`): ``(logits, run)``;
+    differentiable outside ``torch.no_grad``. Recorded layers' probabilities (and what ``record`` asks the
+    run to record) are kept in the run as usual; by default nothing is recorded."""
     check_family(model)
     total = engine.n_layers(model)
-    run = engine.make_run(model, input_ids, masks, record=set() if record is None else record, keep_graph=True,
-                          **options)
+    record = dataclasses.replace(engine.NOTHING if record is None else record, keep_graph=True)
+    run = engine.make_run(model, input_ids, computes, record)
     base = model.model
     ids = input_ids.to(model.device)
     positions = run.positions.to(model.device)

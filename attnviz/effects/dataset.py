@@ -213,8 +213,9 @@ def sinks(loaded: LoadedModel, documents: Sequence[str], arch: "str | arch_mod.A
                 map_sq[layer] += (p * p).sum(0).cpu().numpy()
             return _alpha(probs, allow).cpu().numpy()
 
-        _, run = engine.forward(loaded.model, torch.tensor([ids[i] for i in batch]), list(architecture.layers),
-                                reducer=reducer, storage_dtype=torch.float32, interventions=acts)
+        _, run = engine.forward(loaded.model, torch.tensor([ids[i] for i in batch]),
+                                engine.Computes(tuple(architecture.layers), acts),
+                                engine.Record(reducer=reducer, storage_dtype=torch.float32))
         for layer, values in run.reduced.items():
             alpha[batch, layer, :, :n] = values
         done += len(batch)

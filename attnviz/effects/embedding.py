@@ -70,8 +70,8 @@ def embed(loaded: LoadedModel, ids: torch.Tensor, architecture: arch_mod.Archite
     """Mean-pooled last hidden state of each row of ``ids`` (all rows the same length, no padding)."""
     out = []
     for start in range(0, len(ids), BATCH):
-        output, _ = engine.forward(loaded.model, ids[start:start + BATCH], list(architecture.layers),
-                                   record=set(), lm_head=False)
+        output, _ = engine.forward(loaded.model, ids[start:start + BATCH], architecture.layers, engine.NOTHING,
+                                   engine.Feed(lm_head=False))
         out.append(output.last_hidden_state.float().mean(1).cpu())
         if on_batch:
             on_batch(min(start + BATCH, len(ids)))

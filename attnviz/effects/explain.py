@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnviz.capture import tokenize
+from attnviz.core import engine
 from attnviz.core.models import LoadedModel
 from attnviz.effects import schemes
 from attnviz.errors import InputError
@@ -134,9 +135,10 @@ class Residual:
                 hooks.append(module.register_forward_hook(
                     lambda m, args, out, name=f"{kind}.{l}": sources.__setitem__(name, schemes.first_row(out))))
         try:
-            _, hidden, _ = built.forward(loaded, torch.tensor([self.ids]), output_hidden_states=True,
-                                         last_logits_only=True,
-                                         on_layer=(lambda l: on_layer(l + 1, loaded.n_layers)) if on_layer else None)
+            progress = (lambda l: on_layer(l + 1, loaded.n_layers)) if on_layer else None
+            _, hidden, _ = built.forward(loaded, torch.tensor([self.ids]),
+                                         engine.Record(frozenset(), on_layer=progress),
+                                         engine.Feed(hidden_states=True, last_logits_only=True))
         finally:
             for hook in hooks:
                 hook.remove()

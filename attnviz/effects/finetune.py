@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from attnviz import recipe
-from attnviz.core import residual
+from attnviz.core import engine, residual
 from attnviz.core.models import LoadedModel
 from attnviz.errors import InputError
 
@@ -59,7 +59,7 @@ def chunks(ids: list[int], seq_len: int, eval_fraction: float) -> tuple[torch.Te
 
 def logits_of(loaded: LoadedModel, variant, ids: torch.Tensor, masks) -> torch.Tensor:
     """Logits under the architecture, with the variant if any; differentiable outside no_grad."""
-    return recipe.forward(loaded, variant, ids, masks, grad=True)[0]
+    return recipe.forward(loaded, variant, ids, masks, None, engine.Feed(grad=True))[0]
 
 
 def _loss_and_hits(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from attnviz.capture import capture
+from attnviz.plan import Keep
 from attnviz.core import engine
 from attnviz.core.models import LoadedModel
 from attnviz.effects.evaluate import Evaluation, evaluate
@@ -126,7 +127,8 @@ class Taxonomy:
 
 
 def _one(loaded: LoadedModel, text: str, architecture, s: int, w: int):
-    cap = capture(loaded, text, architecture, storage_dtype=torch.float32, qkv=True, max_tokens=max_tokens(loaded))
+    cap = capture(loaded, text, architecture, Keep(storage_dtype=torch.float32, qkv=True),
+                  max_tokens=max_tokens(loaded))
     modules = engine.attention_modules(loaded.model)
     alpha0, stream, norms = [], [], []
     for layer in cap.layers:
@@ -199,7 +201,7 @@ def streaming_only_perplexity(loaded: LoadedModel, text: str, tax: Taxonomy, arc
     window = torch.from_numpy((j < tax.s) | ((j <= i) & (j > i - tax.w)))
     masks = {layer: torch.where(torch.from_numpy(tax.streaming[layer])[:, None, None], window, True)
              for layer in range(loaded.n_layers) if tax.streaming[layer].any()}
-    run = engine.make_run(loaded.model, torch.tensor([ids]), list(architecture.layers), record=set())
+    run = engine.make_run(loaded.model, torch.tensor([ids]), architecture.layers, engine.NOTHING)
     run.head_masks = {layer: lambda n_q, n_kv, device, m=m: m[..., -n_q:, -n_kv:].to(device)
                       for layer, m in masks.items()}
     with torch.inference_mode(), engine.active(run):

@@ -5,7 +5,7 @@ step the cache is cut back to the policy's size, as StreamingLLM's ``eval_long_p
 its ``StartRecentKVCache``: the next token then attends to at most ``cache_size`` kept entries plus
 itself. Kept entries keep the positions they were encoded with (keys are cached after RoPE), and the
 new token gets its true position, so texts shorter than the model's context need no re-indexing.
-Masks follow those positions (``engine.forward(kv_positions=...)``), so a causal-compatible
+Masks follow those positions (``engine.Feed(kv_positions=...)``), so a causal-compatible
 architecture such as NoSink-FWD stays exact under eviction.
 
 The next token's log-probability is read before it enters the cache.
@@ -145,9 +145,9 @@ class CachedDecoder:
         new = torch.full((1, 1), position, dtype=torch.long, device=device)
         kv = new if self.kv is None else torch.cat([self.kv, new], 1)
         output, run = engine.forward(self.loaded.model, torch.full((1, 1), token, dtype=torch.long, device=device),
-                                     list(self.architecture.layers), record=self.record,
-                                     storage_dtype=torch.float32, past_key_values=self.cache, kv_positions=kv,
-                                     interventions=self.interventions)
+                                     engine.Computes(tuple(self.architecture.layers), self.interventions),
+                                     engine.Record(layers=frozenset(self.record), storage_dtype=torch.float32),
+                                     engine.Feed(past_key_values=self.cache, kv_positions=kv))
         seen = self.positions + [position]
         step = Step(token, position, torch.log_softmax(output.logits[0, -1].float(), -1), seen,
                     {layer: probs[0, :, 0].numpy() for layer, probs in run.probs.items()})

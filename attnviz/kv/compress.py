@@ -103,8 +103,8 @@ def prefill(loaded: LoadedModel, ids: list[int], context: int, arch) -> Prefill:
     def reducer(layer, probs, allow):
         kept[layer] = (probs[0].float().cpu(), allow[0, 0].cpu())
 
-    _, run = engine.forward(loaded.model, torch.tensor([ids[:context]]), list(architecture.layers), reducer=reducer,
-                            record_qkv=True, last_logits_only=True)
+    _, run = engine.forward(loaded.model, torch.tensor([ids[:context]]), architecture.layers,
+                            engine.Record(reducer=reducer, qkv=True), engine.Feed(last_logits_only=True))
     layers = [Context(layer, kept[layer][0], kept[layer][1], run.qkv[layer][1][0]) for layer in range(loaded.n_layers)]
     return Prefill(list(ids), context, layers)
 
@@ -113,7 +113,7 @@ def _continuation(loaded: LoadedModel, ids: list[int], context: int, architectur
     """Log-probabilities (n - context - 1, V) of the continuation's rows C .. n - 2, under ``kept``
     (layer -> (H_kv, C) bool) or the dense cache."""
     group = loaded.n_heads // loaded.n_kv_heads
-    run = engine.make_run(loaded.model, torch.tensor([ids]), list(architecture.layers), record=set())
+    run = engine.make_run(loaded.model, torch.tensor([ids]), architecture.layers, engine.NOTHING)
     if kept is not None:
         run.head_masks = {layer: partial(kept_mask, keep.repeat_interleave(group, dim=0), context)
                           for layer, keep in kept.items()}
@@ -185,8 +185,8 @@ def decode_compressed(loaded: LoadedModel, ids: list[int], context: int, kept: d
     architecture = arch_mod.resolve(arch, loaded.n_layers).require_causal("compress a KV cache")
     cache = DynamicCache()
     positions = torch.arange(context)[None]
-    engine.forward(loaded.model, torch.tensor([ids[:context]]), list(architecture.layers), record=set(),
-                   past_key_values=cache, kv_positions=positions)
+    engine.forward(loaded.model, torch.tensor([ids[:context]]), architecture.layers, engine.NOTHING,
+                   engine.Feed(past_key_values=cache, kv_positions=positions))
     count = int(next(iter(kept.values())).sum(-1)[0])
     for layer, entry in enumerate(cache.layers):
         index = torch.stack([k.nonzero()[:, 0] for k in kept[layer]])  # (H_kv, count): kept positions, sorted
@@ -196,6 +196,6 @@ def decode_compressed(loaded: LoadedModel, ids: list[int], context: int, kept: d
     # masks follow positions; under a causal-compatible mask every kept context key precedes the
     # continuation, so any increasing stand-in positions for the cache entries give the same mask
     kv_positions = torch.cat([torch.arange(count), torch.arange(context, len(ids) - 1)])[None]
-    output, _ = engine.forward(loaded.model, torch.tensor([ids[context:len(ids) - 1]]), list(architecture.layers),
-                               record=set(), past_key_values=cache, kv_positions=kv_positions)
+    output, _ = engine.forward(loaded.model, torch.tensor([ids[context:len(ids) - 1]]), architecture.layers,
+                               engine.NOTHING, engine.Feed(past_key_values=cache, kv_positions=kv_positions))
     return torch.log_softmax(output.logits[0].float(), -1).cpu()

@@ -25,6 +25,8 @@ import json
 
 from attnviz import __version__
 from attnviz.capture import Capture, capture
+from attnviz.recipe import Recipe
+from attnviz.plan import Keep
 from attnviz.core.arch import resolve as resolve_arch
 from attnviz.core.models import LoadedModel
 from attnviz.errors import InputError
@@ -64,8 +66,8 @@ def captures(loaded: LoadedModel, text: str, archs: list[str], intervene: str | 
     caps, total = [], len(archs) * loaded.n_layers
     for i, arch in enumerate(archs):
         step = (lambda layer, i=i: on_progress(i * loaded.n_layers + layer + 1, total)) if on_progress else None
-        caps.append(capture(loaded, text, arch, reduce=True, pool=payload_mod.MAX_PX, intervene=intervene,
-                            max_tokens=max_tokens, on_layer=step))
+        caps.append(capture(loaded, text, Recipe.of(loaded, arch, intervene=intervene),
+                            Keep(statistics=True, pool=payload_mod.MAX_PX), max_tokens=max_tokens, on_layer=step))
     return caps
 
 
