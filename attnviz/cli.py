@@ -103,6 +103,15 @@ def _prepend(args) -> str | None:
     return "bos" if getattr(args, "bos", False) else getattr(args, "prepend", None)
 
 
+def _recipe(args, loaded, arch: str | None = None):
+    """The recipe a command's options make: ``--arch`` (or ``arch``), ``--intervene``, ``--bos`` / ``--prepend``
+    and ``--residual``, where the command has them."""
+    from attnviz.recipe import Recipe
+
+    return Recipe.of(loaded, arch or getattr(args, "arch", None) or "fwd", getattr(args, "intervene", None),
+                     _prepend(args), getattr(args, "residual", None))
+
+
 def _null(x: float):
     return None if math.isnan(x) else round(float(x), 6)
 
@@ -139,7 +148,6 @@ def sinks_report(capture, eps: float) -> dict:
 
 def _sinks(args) -> dict:
     from attnviz.capture import capture
-    from attnviz.recipe import Recipe
     from attnviz.plan import Keep
 
     if not 0 <= args.eps <= 1:
@@ -149,7 +157,7 @@ def _sinks(args) -> dict:
     text = _text(args)
     _check_intervene(args)
     loaded = _load(args)
-    recipe = Recipe.of(loaded, args.arch, args.intervene, _prepend(args), args.residual)
+    recipe = _recipe(args, loaded)
     return sinks_report(capture(loaded, text, recipe, Keep(statistics=SINKS_REPORT)), args.eps)
 
 
@@ -168,14 +176,13 @@ def _dataset_sinks(args) -> dict:
     loaded = _load(args)
     bar, update = _progress(f"sinks {args.arch}")
     with bar:
-        result = dataset.sinks(loaded, documents, args.arch, "line" if args.per_line else "doc", args.max_len,
-                               args.samples, on_progress=update, intervene=args.intervene)
+        result = dataset.sinks(loaded, documents, _recipe(args, loaded), "line" if args.per_line else "doc",
+                               args.max_len, args.samples, on_progress=update)
     return result.as_json(args.key, eps=args.eps) | _intervene_json(args, loaded)
 
 
 def _capture(args) -> dict:
     from attnviz.capture import capture
-    from attnviz.recipe import Recipe
     from attnviz.plan import Keep
 
     text = _text(args)
@@ -185,7 +192,7 @@ def _capture(args) -> dict:
         if args.intervene or _prepend(args):
             raise AttnvizError("--intervene, --bos and --prepend are for decoder-only models")
         return _capture_seq2seq(args, loaded, text)
-    recipe = Recipe.of(loaded, args.arch or "fwd", args.intervene, _prepend(args), args.residual)
+    recipe = _recipe(args, loaded)
     result = capture(loaded, text, recipe, Keep(layers=args.layers, hidden_states=args.hidden))
     path = result.save(args.out)
     return {"out": str(path), "model": result.meta["model"], "arch": result.arch,
@@ -224,8 +231,7 @@ def _eval(args) -> dict:
     bar, update = _progress(f"eval {args.arch}")
     with bar:
         window = min(DEFAULT_WINDOW, len(ids)) if args.window is None else args.window
-        result = evaluate(loaded, ids, args.arch, window=window, stride=args.stride, on_window=update,
-                          residual=args.residual, intervene=args.intervene)
+        result = evaluate(loaded, ids, _recipe(args, loaded), window=window, stride=args.stride, on_window=update)
     return result.as_json()
 
 
@@ -266,7 +272,7 @@ def _stream(args) -> dict:
     for policy in policies:
         bar, update = _progress(f"stream {policy.spec}")
         with bar:
-            results.append(stream(loaded, ids, policy, args.arch, on_step=update, intervene=args.intervene))
+            results.append(stream(loaded, ids, policy, _recipe(args, loaded), on_step=update))
     if not args.compare:
         return results[0].as_json()
     return {"model": loaded.model_id, "arch": results[0].arch, "tokens": results[0].tokens,
@@ -281,8 +287,8 @@ def _generate(args) -> dict:
     loaded = _load(args)
     bar, update = _progress("generate")
     with bar:
-        result = generate(loaded, text, args.arch, args.policy, args.max_new_tokens, record=set(),
-                          on_step=update, intervene=args.intervene)
+        result = generate(loaded, text, _recipe(args, loaded), args.policy, args.max_new_tokens, record=set(),
+                          on_step=update)
     return {"model": loaded.model_id, "arch": result.arch, "policy": result.policy, "text": result.text,
             **_intervene_json(args, loaded),
             "new_ids": result.new_ids, "prompt_tokens": len(result.prompt_ids)}
@@ -333,7 +339,6 @@ def _heads(args) -> dict:
 def _linformer(args) -> dict:
     """Linformer what-if on one layer of a real capture (docs/methods.md#linformer-what-if)."""
     from attnviz.capture import capture, parse_layers
-    from attnviz.recipe import Recipe
     from attnviz.plan import Keep
     from attnviz.effects import linformer
 
@@ -384,8 +389,8 @@ def _explain(args) -> dict:
     text = _text(args)
     _check_intervene(args)
     loaded = _load(args)
-    result = explain(loaded, text, args.arch, layer=args.layer, head=args.head, query=args.query, key=args.key,
-                     intervene=args.intervene, prepend=_prepend(args))
+    result = explain(loaded, text, _recipe(args, loaded), layer=args.layer, head=args.head, query=args.query,
+                     key=args.key)
     return result.as_json()
 
 

@@ -79,17 +79,17 @@ def check_range(name: str, span: tuple[int, int], n: int) -> tuple[int, int]:
 
 
 def region(loaded: LoadedModel, text: str, arch: "str | Recipe", layer: int, queries: tuple[int, int], keys: tuple[int, int],
-           on_layer=None, block_bytes: int | None = None, intervene=None, prepend: str | None = None,
-           residual: str | None = None, resume_from: tuple[int, torch.Tensor] | None = None) -> Region:
+           on_layer=None, block_bytes: int | None = None,
+           resume_from: tuple[int, torch.Tensor] | None = None) -> Region:
     """Layer ``layer``'s probabilities for ``queries`` × ``keys`` (half-open token ranges) at full
-    resolution; ``on_layer(done, total)`` reports progress up to that layer. ``intervene``,
-    ``prepend`` and ``residual`` are :func:`attnviz.capture.capture`'s: a region of a capture made
-    with them must be made with them too (:func:`of_capture` passes a capture's own).
+    resolution, under ``arch`` (an architecture string or a recipe: a region of a capture is made with the
+    capture's own recipe, which :func:`of_capture` passes); ``on_layer(done, total)`` reports progress up
+    to that layer.
     ``resume_from`` (layer c <= ``layer``, its input hidden states (n, d)), kept by a forward of the
     same text under the same settings, runs only layers c..``layer`` (:func:`engine.resume`)."""
     from attnviz import recipe as recipe_mod
 
-    built = recipe_mod.build(loaded, arch, intervene, prepend, residual)
+    built = recipe_mod.build(loaded, arch)
     architecture, variant = built.architecture, built.variant
     if not 0 <= layer < loaded.n_layers:
         raise InputError(f"layer {layer} does not exist: the model has layers 0..{loaded.n_layers - 1}")
@@ -130,7 +130,7 @@ def of_capture(loaded: LoadedModel, cap, layer: int, queries: tuple[int, int], k
     """The region of a capture's layer: cut from its full maps when it kept them, else recomputed
     with everything the capture was made with (architecture, intervention, BOS control, residual
     variant), so its cells are the capture's own, from the capture's nearest kept layer input below
-    the layer when it kept some (``capture(checkpoints=...)``)."""
+    the layer when it kept some (``Keep(checkpoints=...)``)."""
     if layer in cap.probs:
         return from_capture(cap, layer, queries, keys)
     start = resumes_at(cap, layer)

@@ -18,7 +18,7 @@ import torch
 
 from attnviz.capture import Capture, _versions, host_allowed, tokenize
 from attnviz.core import arch as arch_mod
-from attnviz.core import engine
+from attnviz.core import engine, recorders
 from attnviz.core.models import LoadedModel
 from attnviz.errors import InputError, ModelLoadError
 
@@ -93,7 +93,8 @@ def _runs(model, src_ids: torch.Tensor, tgt_len: int, encoder_masks: list, stora
         positions, valid = (tgt_pos, torch.ones_like(tgt_pos, dtype=torch.bool)) if kind == "decoder" \
             else (src_pos, src_valid)
         runs[kind] = engine.Run(masks[kind], frozenset(range(len(masks[kind])) if record else ()), positions, valid,
-                                storage_dtype=storage_dtype, on_layer=step, q_positions=q_pos)
+                                recorders=recorders.for_record(engine.Record(storage_dtype=storage_dtype)),
+                                on_layer=step, q_positions=q_pos)
     routes = {id(m): (kind, i) for kind in kinds for i, m in enumerate(stacks[kind])}
     return engine.Stacks(runs, routes)
 

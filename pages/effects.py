@@ -11,6 +11,7 @@ from attnviz.core import residual
 from attnviz.core.arch import parse, with_k
 from attnviz.capture import capture
 from attnviz.plan import Keep
+from attnviz.recipe import Recipe
 from attnviz.errors import AttnvizError
 from attnviz.effects.evaluate import evaluate, token_ids
 from attnviz.figures import (compression_curves, generation_view, k_sweep, kept_keys, linformer_errors,
@@ -103,7 +104,8 @@ def perplexity_section() -> None:
         st.error(str(err))
         return
     results = [jobs.run(key, f"Perplexity under {a}", lambda progress, a=a: evaluate(
-        loaded, ids, a, window=min(window, len(ids)), on_window=progress, residual=settings.residual),
+        loaded, ids, Recipe.of(loaded, a, residual=settings.residual), window=min(window, len(ids)),
+        on_window=progress),
         units=len(ids)) for key, a in zip(keys, archs)]
     if all(results):
         fig = perplexity_bars(results)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from attnviz.core import devices, engine
+from attnviz.core import devices, engine, recorders
 from attnviz.stats import metrics
 from attnviz.core import masks as M
 from attnviz.stats.reduce import LayerSummary, Summaries
@@ -76,7 +76,7 @@ def test_block_probabilities_of_every_mask_kind_run_on_the_meta_device(mask):
 
 
 def test_full_maps_are_written_on_the_host_from_any_device():
-    maps = engine.FullMaps((1, H, N, N), torch.float16, torch.device("cpu"))
+    maps = recorders.FullMaps((1, H, N, N), torch.float16, torch.device("cpu"))
     block = torch.rand(1, H, 4, 6)
     maps.put(4, 2, block)
     maps.finish()

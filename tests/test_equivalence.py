@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz.core import engine
+from attnviz.core import engine, recorders
 from attnviz.core import masks as M
 from attnviz.core.arch import parse
 from attnviz.capture import capture
@@ -125,7 +125,8 @@ def test_stablemask_closed_form():
     module = type("Attn", (), {"layer_idx": 0})()
     mask = M.stablemask(gamma)
     pos = torch.arange(n)[None]
-    run = engine.Run([mask], frozenset({0}), pos, torch.ones(1, n, dtype=torch.bool), storage_dtype=torch.float32)
+    run = engine.Run([mask], frozenset({0}), pos, torch.ones(1, n, dtype=torch.bool),
+                     recorders=recorders.for_record(engine.Record(storage_dtype=torch.float32)))
     with engine.active(run):
         engine.attention(module, query, key, value, None, scaling=dim ** -0.5)
     probs = run.probs[0][0]

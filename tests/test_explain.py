@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from attnviz.effects.explain import explain
+from attnviz.recipe import Recipe
 from attnviz.errors import InputError
 
 from tiny import build, loaded
@@ -187,7 +188,7 @@ def test_the_run_s_own_architecture_and_intervention():
     lm = loaded("llama")
     plain = explain(lm, TEXT, "fwd", layer=2, head=0, query=10, key=1)
     nosink = explain(lm, TEXT, "nosink-fwd", layer=2, head=0, query=10, key=1)
-    acted = explain(lm, TEXT, "fwd", intervene="temperature(t=3)@0-1", layer=2, head=0, query=10, key=1)
+    acted = explain(lm, TEXT, Recipe.of(lm, "fwd", "temperature(t=3)@0-1"), layer=2, head=0, query=10, key=1)
     assert abs(plain.score - nosink.score) > 1e-6 and abs(plain.score - acted.score) > 1e-6
     # layer 0's residual stream is the embeddings under every architecture: the same score
     assert explain(lm, TEXT, "nosink-fwd", layer=0, head=0, query=10, key=1).score == pytest.approx(

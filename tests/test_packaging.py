@@ -17,7 +17,7 @@ pytestmark = pytest.mark.model
 SCRIPT = """
 import importlib.util, attnviz
 lm = attnviz.load("default")
-cap = attnviz.capture(lm, "The cat sat on the mat.", "nosink-fwd", intervene="temperature(t=2)@29")
+cap = attnviz.capture(lm, "The cat sat on the mat.", attnviz.Recipe.of(lm, "nosink-fwd", "temperature(t=2)@29"))
 view = attnviz.show(cap)
 missing = [m for m in ("streamlit", "ray", "pytest") if importlib.util.find_spec(m) is None]
 print("OK", cap.n_tokens, cap.recipe.describe(), type(view).__name__, sorted(missing))

@@ -120,7 +120,7 @@ def test_extras_survive_save_and_load(tmp_path):
     np.testing.assert_array_equal(back.activations.top_dims, cap.activations.top_dims)
     plain = capture(loaded("llama"), "saved", "fwd")
     assert not plain.scores and not plain.value_norm and plain.activations is None  # only when asked
-    with pytest.raises(AttnvizError, match="capture with scores=True"):
+    with pytest.raises(AttnvizError, match=r"capture with Keep\(scores=True\)"):
         plain.layer_scores(0)
 
 

@@ -27,6 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from attnviz.core import devices, kernels
+from attnviz.core import recorders as recorders_mod
 from attnviz.core.interventions import NONE, Interventions
 from attnviz.core.masks import Mask, keep_self_if_empty
 from attnviz.errors import InputError, ModelLoadError
@@ -111,12 +112,9 @@ class Asked:
     record: frozenset[int]
     positions: torch.Tensor  # (B, n_kv) long, counted from each row's first real token: padding never shifts a mask
     valid: torch.Tensor  # (B, n_kv) bool: real (non-padding) keys
-    storage_dtype: torch.dtype = torch.float16
-    reducer: reduce.BlockReducer | Callable[[int, torch.Tensor, torch.Tensor], object] | None = None
+    # what every recorded layer keeps (attnviz.core.recorders): fed by the engine, which never knows which
+    recorders: tuple[recorders_mod.Recorder, ...] = ()
     on_layer: Callable[[int], None] | None = None  # progress: called after each layer's attention
-    record_scores: bool = False  # keep pre-softmax QK^T/sqrt(d) of recorded layers
-    record_value_norms: bool = False  # keep ||W_O^h v_j^h|| of recorded layers (Kobayashi et al.)
-    record_qkv: bool = False  # keep the recorded layers' queries, keys and values (Linformer what-if)
     keep_graph: bool = False  # keep every layer's fp32 probabilities, autograd graph and all (residual variants)
     q_positions: torch.Tensor | None = None  # (B, n_q): query positions when queries are not the keys (cross-attention)
     interventions: Interventions = NONE  # docs/methods.md#interventions: applied here, never by patching the model
@@ -230,7 +228,7 @@ class Run(Recorded, Cached, Asked):
         statistics (:class:`devices.HostCopy`), and keep the host arrays. Nothing during the forward waits."""
         for store in (self.probs, self.scores):
             for layer, maps in store.items():
-                if isinstance(maps, FullMaps):
+                if isinstance(maps, recorders_mod.FullMaps):
                     store[layer] = maps.host()
         for layer, values in self.reduced.items():
             self.reduced[layer] = devices.landed(values)
@@ -238,6 +236,12 @@ class Run(Recorded, Cached, Asked):
     def query_positions(self, n_q: int, device) -> torch.Tensor:
         source = self.positions if self.q_positions is None else self.q_positions
         return source[:, -n_q:].to(device)
+
+    def recorders_at(self, layer: int) -> tuple:
+        """The recorders fed by ``layer``: the run's own for a recorded layer, and the live probabilities of every
+        layer when the graph is kept (residual variants)."""
+        kept = self.recorders if layer in self.record else ()
+        return kept + (recorders_mod.LIVE,) if self.keep_graph else kept
 
     def route(self, module) -> tuple["Run", int]:
         """The run and layer index an attention module belongs to (see :class:`Stacks`)."""
@@ -344,13 +348,15 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     reshaped = any(a.changes_probabilities for a in run.interventions.at(layer))  # scores or probabilities
     recorded = layer in run.record
     plain_causal = mask.name == "fwd" and not sliding_window and n_q == n_kv and run.unpadded and bias is None
-    streamed = recorded and isinstance(run.reducer, reduce.BlockReducer)  # statistics without full maps
-    fused = streamed and isinstance(run.reducer, reduce.FusedReducer) and run.reducer.fusable()
+    recs = run.recorders_at(layer)
+    fusable = bool(recs) and all(r.fusable for r in recs)
     route = choose_route(Facts(
-        recorded=recorded, keep_graph=run.keep_graph, stablemask=mask.stable is not None, softcap=softcap is not None,
-        sink_logits=s_aux is not None, reshapes=reshaped, head_mask=layer in run.head_masks, plain_causal=plain_causal,
-        block_reducer=streamed, fused_reducer=fused, batch_one=batch == 1, position_bias=bias is not None,
-        grad=torch.is_grad_enabled(), kernel=fused and kernels.wanted(query.device)))
+        recorded=bool(recs), keep_graph=run.keep_graph, stablemask=mask.stable is not None,
+        softcap=softcap is not None, sink_logits=s_aux is not None, reshapes=reshaped,
+        head_mask=layer in run.head_masks, plain_causal=plain_causal,
+        block_reducer=bool(recs) and not any(r.whole_layer for r in recs), fused_reducer=fusable,
+        batch_one=batch == 1, position_bias=bias is not None, grad=torch.is_grad_enabled(),
+        kernel=fusable and kernels.wanted(query.device)))
     if route is Route.SDPA_CAUSAL:
         # plain causal: let SDPA pick its fused causal kernel instead of reading an n x n mask
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
@@ -366,37 +372,30 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                                              enable_gqa=group > 1)
         return run.finish(layer, out)
 
-    if run.record_value_norms and recorded:
-        run.value_norms[layer] = value_norms(module, value, n_heads)  # on the layer's device
-    if run.record_qkv and recorded:
-        run.qkv[layer] = (query.float().cpu(), key.float().cpu(), value.float().cpu(), scaling)
+    inputs = recorders_mod.LayerIn(module, query, key, value, scaling)
+    for recorder in recs:
+        recorder.start(run, layer, inputs)
     kv_pos = run.positions[:, -n_kv:].to(query.device)
     q_pos = run.query_positions(n_q, query.device)
     if route is Route.FUSED:
         try:
-            return _fused_layer(run, layer, query, key, value, allow, scaling, plain_causal)
+            return _fused_layer(run, layer, recs, query, key, value, allow, scaling, plain_causal)
         except Exception as err:  # noqa: BLE001 - a kernel that cannot compile or launch here: the block engine
             if devices.is_out_of_memory(err):
                 raise
             kernels.disable(err)
         if allow is None:  # the block engine reads the allow-set
             allow = run.allow(layer, n_q, n_kv, sliding_window, query.device)
-    rows = n_q if run.keep_graph or torch.is_grad_enabled() or (recorded and run.reducer is not None and not streamed) \
+    rows = n_q if run.keep_graph or torch.is_grad_enabled() or any(r.whole_layer for r in recs) \
         else run.block_rows(batch * n_heads * n_kv, query.device)
-    maps = scores_out = None
-    if recorded and run.reducer is None:  # full maps, filled block by block, copied to the host once per layer
-        maps = run.probs[layer] = FullMaps((batch, n_heads, n_q, n_kv), run.storage_dtype, query.device)
-        if run.record_scores:
-            scores_out = run.scores[layer] = FullMaps((batch, n_heads, n_q, n_kv), run.storage_dtype, query.device)
     # Each block computes only the keys some of its rows may see (half the work under a causal mask).
-    # Not under StableMask (its pseudo-slots sit on forbidden keys) nor when scores are kept whole.
-    # Pooled scores (a block reducer) need only the allowed cells; full score maps need every key.
-    narrow = (mask.stable is None and not (run.record_scores and not streamed) and not run.keep_graph
-              and (streamed or run.reducer is None))
+    # Not under StableMask (its pseudo-slots sit on forbidden keys) nor for a recorder that keeps every key.
+    narrow = mask.stable is None and not any(r.all_keys for r in recs)
     ranges = run.key_ranges(layer, allow, rows, narrow)  # every block's key range, one host sync per mask
-    # A reducer may need only some rows of a layer whose output nobody reads (a region: the forward
+    # Recorders may need only some rows of a layer whose output nobody reads (a region: the forward
     # stops after its layer): the other blocks are skipped, their output left zero.
-    only = run.reducer.only_rows if streamed else None
+    wanted = {r.only_rows for r in recs}
+    only = next(iter(wanted)) if len(wanted) == 1 else None
     outs = []
     for q0, (k0, k1) in zip(range(0, n_q, rows), ranges):
         q1 = min(q0 + rows, n_q)
@@ -406,37 +405,29 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         block_allow = allow[:, :, q0:q1, k0:k1]
         probs = _block_probs(run, layer, mask, query[:, :, q0:q1], key[:, :, k0:k1], scaling, block_allow,
                              None if bias is None else bias[:, :, q0:q1, k0:k1], softcap, s_aux, q_pos[:, q0:q1],
-                             kv_pos[:, k0:k1], q0, n_total=(n_q, n_kv, k0), scores_out=scores_out)
-        if run.keep_graph:
-            run.live[layer] = probs
-        if streamed:
-            run.reducer.add(layer, q0, probs, block_allow, n_q=n_q, k0=k0, n_kv=n_kv,
-                            **({"value_norms": run.value_norms[layer]} if layer in run.value_norms else {}))
-        elif recorded and run.reducer is not None:
-            run.reduced[layer] = run.reducer(layer, probs, allow)
-        elif maps is not None:
-            maps.put(q0, k0, probs)
+                             kv_pos[:, k0:k1], q0, k0, recs)
+        for recorder in recs:
+            recorder.block(run, layer, q0, k0, probs, block_allow)
         b = q1 - q0
         out = torch.matmul(probs.to(value.dtype).view(batch, n_kv_heads, group * b, k1 - k0), value[:, :, k0:k1])
         outs.append(out.view(batch, n_heads, b, -1))
         del probs
-    if streamed:
-        run.reduced[layer] = run.reducer.finish(layer)
-    for full in (maps, scores_out):
-        if full is not None:
-            full.finish()
+    for recorder in recs:
+        recorder.finish(run, layer)
     if recorded:
         run.allowed[layer] = allow
     return run.finish(layer, outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))
 
 
-def _fused_layer(run: Run, layer: int, query, key, value, allow, scaling: float, plain_causal: bool):
-    """A recorded layer of a statistics capture by the fused route (:mod:`attnviz.core.kernels`): one attention
-    kernel gives its output and every row's log-sum-exp, and the Triton kernel its statistics and pooled maps
-    from Q, K and that log-sum-exp."""
+def _fused_layer(run: Run, layer: int, recs, query, key, value, allow, scaling: float, plain_causal: bool):
+    """A recorded layer whose recorders all take the fused route (:mod:`attnviz.core.kernels`): one attention
+    kernel gives its output and every row's log-sum-exp, and the Triton kernel the sums and pooled maps the
+    recorders ask for (:meth:`~attnviz.core.recorders.Recorder.fused_needs`) from Q, K and that log-sum-exp."""
     batch, n_heads, n_q, _ = query.shape
     n_kv = key.shape[2]
-    reducer = run.reducer
+    needs: dict = {}
+    for recorder in recs:
+        needs.update(recorder.fused_needs(run, layer))
     if plain_causal:  # nothing n_q x n_kv: a block of rows q0.. sees keys 0 .. q0 + BLOCK_M - 1
         ends = torch.arange(kernels.BLOCK_M, n_q + kernels.BLOCK_M, kernels.BLOCK_M, device=query.device)
         ranges = torch.stack([torch.zeros_like(ends), ends.clamp(max=n_kv)], dim=-1).to(torch.int32)
@@ -445,18 +436,19 @@ def _fused_layer(run: Run, layer: int, query, key, value, allow, scaling: float,
         ranges = run.key_range_tensor(allow, kernels.BLOCK_M)
         layout = reduce.Layout.of(allow[0, 0])
     factor = pooled_shape = None
-    if reducer.pool:
-        factor = pool_factor(max(n_q, n_kv), reducer.pool)
+    if needs.get("pool"):
+        factor = pool_factor(max(n_q, n_kv), needs["pool"])
         pooled_shape = (-(-n_q // factor), -(-n_kv // factor))
-    delim = reducer.delim if reducer.delim is not None else torch.zeros(n_kv)
+    delim = needs["delim"] if needs.get("delim") is not None else torch.zeros(n_kv)
     # the layer's output and every row's log-sum-exp from one attention kernel: the statistics pass once over QK^T
     out, lse = kernels.attention_with_lse(query, key, value, None if plain_causal else allow, scaling, plain_causal)
     raw = kernels.layer_statistics(query[0], key[0], None if plain_causal else run.allow_bits(allow), ranges,
                                    scaling, delim[-n_kv:], factor, pooled_shape,
-                                   run.value_norms[layer][0] if layer in run.value_norms else None,
-                                   scores=run.record_scores, causal=plain_causal, lse=None if lse is None else lse[0])
-    reducer.add_fused(layer, raw, layout)
-    run.reduced[layer] = reducer.finish(layer)
+                                   needs.get("value_norms"), scores=bool(needs.get("scores")), causal=plain_causal,
+                                   lse=None if lse is None else lse[0])
+    for recorder in recs:
+        recorder.fused(run, layer, raw, layout)
+        recorder.finish(run, layer)
     run.allowed[layer] = CausalAllow(n_q) if plain_causal else allow
     return run.finish(layer, out)
 
@@ -475,38 +467,6 @@ class CausalAllow:
         return np.tri(self.n, dtype=bool)
 
 
-class FullMaps:
-    """A recorded layer's full (B, H, n_q, n_kv) maps in the storage dtype, filled block by block.
-
-    On the CPU the blocks are written straight into the host array. On an accelerator they are
-    gathered on the device (when a quarter of its free memory holds the layer) and go to pinned host
-    memory in one asynchronous copy per layer, not one small synchronous copy per block;
-    :func:`forward` waits for the copies before it returns. :meth:`host` is the host array."""
-
-    def __init__(self, shape, dtype: torch.dtype, device: torch.device):
-        self.host_array = devices.host_buffer(shape, dtype, device)
-        size = self.host_array.numel() * self.host_array.element_size()
-        free = None if device.type == "cpu" else devices.free_bytes(device)
-        self.stage = torch.zeros(shape, dtype=dtype, device=device) if free is not None and size <= free // 4 else None
-        self.device, self.copying = device, False
-
-    def put(self, q0: int, k0: int, block: torch.Tensor) -> None:
-        target = self.host_array if self.stage is None else self.stage
-        target[:, :, q0:q0 + block.shape[2], k0:k0 + block.shape[3]] = block
-
-    def finish(self) -> None:
-        if self.stage is not None:
-            self.host_array.copy_(self.stage, non_blocking=True)
-            self.stage, self.copying = None, True
-
-    def host(self) -> torch.Tensor:
-        """The host array, once the copy to it has landed."""
-        if self.copying:
-            devices.synchronize(self.device)
-            self.copying = False
-        return self.host_array
-
-
 def _block_ranges(allow: torch.Tensor, rows: int) -> torch.Tensor:
     """(blocks, 2) [first, last + 1) of the keys any row of each block of ``rows`` query rows of a
     (B, 1, n_q, n_kv) allow-set may see (every key for a block that sees none), on allow's device."""
@@ -520,10 +480,9 @@ def _block_ranges(allow: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _block_probs(run: Run, layer: int, mask: Mask, query, key, scaling, allow, bias, softcap, s_aux, q_pos, kv_pos,
-                 q0: int, n_total: tuple[int, int, int] | None = None, scores_out: "FullMaps | None" = None
-                 ) -> torch.Tensor:
-    """(B, H, b, n_kv) fp32 probabilities of one block of b query rows (every row sees every key);
-    ``n_total``: the layer's (queries, keys) and this block's first key, for a reducer's pooled scores."""
+                 q0: int = 0, k0: int = 0, recs=()) -> torch.Tensor:
+    """(B, H, b, w) fp32 probabilities of one block of b query rows and w keys (the block's first: q0, k0);
+    recorders that ask for the block's pre-softmax scores (``recs``) get them before the softmax."""
     batch, n_heads, n_q, dim = query.shape
     n_kv_heads, n_kv = key.shape[1], key.shape[2]
     group = n_heads // n_kv_heads
@@ -538,11 +497,10 @@ def _block_probs(run: Run, layer: int, mask: Mask, query, key, scaling, allow, b
     acts = run.interventions.at(layer)
     for intervention in acts:  # temperature: what the softmax sees (and what is recorded as its scores)
         scores = intervention.scores(scores)
-    if run.record_scores and layer in run.record:
-        if scores_out is not None:  # full maps
-            scores_out.put(q0, 0, scores)
-        else:  # a block reducer (reduce=True): max-pooled scores of the allowed cells
-            run.reducer.add_scores(layer, q0, scores.masked_fill(~allow, float("-inf")), allow, *n_total)
+    for recorder in recs:  # the scores as the softmax sees them: every key, or -inf where forbidden
+        if recorder.scores is not None:
+            kept = scores if recorder.scores == "raw" else scores.masked_fill(~allow, float("-inf"))
+            recorder.block_scores(run, layer, q0, k0, kept, allow)
     extra = []  # logits that take part in the softmax and are dropped after it
     if mask.stable is not None and mask.horizon is None:  # StableMask: pseudo-logits on the future slots
         future = (kv_pos[:, None, None, :] > q_pos[:, None, :, None]) & run.valid_on(query.device)[:, None, None, -n_kv:]
@@ -571,7 +529,7 @@ def _block_probs(run: Run, layer: int, mask: Mask, query, key, scaling, allow, b
     if mask.stable is not None and mask.horizon is None:  # zeroed after the softmax, not renormalised
         probs = probs * allow if probs.requires_grad else probs.mul_(allow)
     for intervention in acts:  # sinkscale: after the softmax
-        probs = intervention.probabilities(probs, 0 if n_total is None else n_total[2])  # the block's first key
+        probs = intervention.probabilities(probs, k0)  # the block's first key
     return probs
 
 
@@ -765,8 +723,7 @@ def make_run(model, input_ids: torch.Tensor, computes, record: Record = Record()
             raise InputError(f"{mask.name} was set for at most T={mask.horizon} tokens but the text reaches "
                              f"{int(positions.max()) + 1}: raise T or shorten the text")
     return Run(masks, frozenset(range(total) if record.layers is None else record.layers), positions, valid,
-               storage_dtype=record.storage_dtype, reducer=record.reducer, on_layer=record.on_layer,
-               record_scores=record.scores, record_value_norms=record.value_norms, record_qkv=record.qkv,
+               recorders=recorders_mod.for_record(record), on_layer=record.on_layer,
                keep_graph=record.keep_graph, interventions=computes.interventions, block_bytes=record.block_bytes,
                unpadded=True if kv_positions is not None or attention_mask is None else None,
                checkpoint_layers=frozenset(record.checkpoints))

@@ -85,17 +85,16 @@ def check_window(window: int, stride: int, n: int, loaded: LoadedModel) -> None:
 
 def evaluate(loaded: LoadedModel, text_or_ids: str | list[int], arch: str | arch_mod.Architecture = "fwd",
              window: int = DEFAULT_WINDOW, stride: int | None = None, max_tokens: int | None = DEFAULT_MAX_TOKENS,
-             on_window: Callable[[int, int], None] | None = None, residual: str | None = None,
-             intervene=None) -> Evaluation:
-    """Perplexity, accuracy and mean NLL of a text (or token ids) under ``arch``.
+             on_window: Callable[[int, int], None] | None = None) -> Evaluation:
+    """Perplexity, accuracy and mean NLL of a text (or token ids) under ``arch``: an architecture string, or a
+    recipe with its interventions (docs/methods.md#interventions, applied throughout) and residual variant (a
+    fine-tuned directory's own variant is used when none is named).
 
-    ``on_window(done, total)`` reports progress after each window. ``residual`` names a seed-003
-    variant (a fine-tuned directory's own variant is used when none is named). ``intervene``:
-    interventions (docs/methods.md#interventions) applied throughout.
+    ``on_window(done, total)`` reports progress after each window.
     """
     from attnviz import recipe as recipe_mod
 
-    built = recipe_mod.build(loaded, arch, intervene, residual=residual).only(
+    built = recipe_mod.build(loaded, arch).only(
         "a perplexity (it scores the text as written)", "intervene", "residual")
     variant, acts = built.variant, built.interventions
     architecture = built.architecture.require_causal("compute a perplexity")

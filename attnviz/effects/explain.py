@@ -119,11 +119,10 @@ class Residual:
     sources (the embeddings, every attention block's and MLP block's output), float32 on the host."""
 
     @torch.no_grad()
-    def __init__(self, loaded: LoadedModel, text: str, arch="fwd", intervene=None, prepend: str | None = None,
-                 upto: int | None = None, on_layer=None):
-        """``upto``: the highest layer asked about (sources are kept below it; default every layer);
-        ``on_layer(done, total)`` reports the forward's progress."""
-        built = build(loaded, arch, intervene, prepend).only("score attribution", "intervene", "prepend")
+    def __init__(self, loaded: LoadedModel, text: str, arch="fwd", upto: int | None = None, on_layer=None):
+        """``arch``: an architecture string or a recipe; ``upto``: the highest layer asked about (sources are kept
+        below it; default every layer); ``on_layer(done, total)`` reports the forward's progress."""
+        built = build(loaded, arch).only("score attribution", "intervene", "prepend")
         self.scheme = schemes.scheme(loaded)
         self.loaded, self.built = loaded, built
         self.ids, self.tokens = tokenize(loaded, text, prepend=built.recipe.prepend)
@@ -281,12 +280,12 @@ class Residual:
 
 
 @torch.no_grad()
-def explain(loaded: LoadedModel, text: str, arch="fwd", *, layer: int, head: int, query: int | str, key: int,
-            intervene=None, prepend: str | None = None) -> Explanation:
+def explain(loaded: LoadedModel, text: str, arch="fwd", *, layer: int, head: int, query: int | str,
+            key: int) -> Explanation:
     """The attribution of s[query, key] of ``head`` in ``layer`` (see the module docstring); ``arch`` is an
     architecture string or a :class:`~attnviz.recipe.Recipe`. ``query="all"`` averages over every query
     the layer's mask lets see ``key``. One forward, up to the layer."""
-    run = Residual(loaded, text, arch, intervene, prepend, upto=_layer(loaded, layer))
+    run = Residual(loaded, text, arch, upto=_layer(loaded, layer))
     return run.explain(layer, head, query, key)
 
 

@@ -15,7 +15,7 @@ window cache (a per-head mask, :attr:`attnviz.core.engine.Run.head_masks`), and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -23,6 +23,7 @@ import torch
 
 from attnviz.capture import capture
 from attnviz.plan import Keep
+from attnviz.recipe import Recipe
 from attnviz.core import engine
 from attnviz.core.models import LoadedModel
 from attnviz.effects.evaluate import Evaluation, evaluate
@@ -99,7 +100,6 @@ class Taxonomy:
         return self.ahon < self.tau_inactive
 
     def with_thresholds(self, eps=None, tau_stream=None, tau_inactive=None) -> "Taxonomy":
-        from dataclasses import replace
 
         return replace(self, eps=self.eps if eps is None else eps,
                        tau_stream=self.tau_stream if tau_stream is None else tau_stream,
@@ -227,5 +227,7 @@ def ablate_inactive(loaded: LoadedModel, text: str, tax: Taxonomy, arch="fwd") -
     ids = loaded.tokenizer(text, add_special_tokens=True)["input_ids"]
     base = evaluate(loaded, ids, arch, window=len(ids))
     spec = ablation_spec(tax)
-    ablated = evaluate(loaded, ids, arch, window=len(ids), intervene=spec or None)
+    recipe = Recipe.of(loaded, arch)  # the inactive heads ablated on top of the recipe's own interventions
+    both = "; ".join(part for part in (recipe.intervene, spec) if part)
+    ablated = evaluate(loaded, ids, Recipe.of(loaded, replace(recipe, intervene=both)), window=len(ids))
     return base, ablated, float(tax.inactive.mean())

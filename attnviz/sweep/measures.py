@@ -18,14 +18,21 @@ def documents(name: str) -> corpus_mod.Corpus:
     return corpus_mod.load(name)
 
 
+def recipe(lm: LoadedModel, cell: Cell):
+    """The cell's recipe: its architecture and intervention on the loaded model."""
+    from attnviz.recipe import Recipe
+
+    return Recipe.of(lm, cell.arch, cell.intervention or None)
+
+
 def sinks(lm: LoadedModel, cell: Cell) -> list[dict]:
     """Sink rates over a dataset, docs/methods.md#sink-rate (``attnviz sinks --corpus C --max-len T --samples S
     --eps E --key K``); each row says the key it was read at."""
     from attnviz.effects import dataset
 
     o = cell.options
-    result = dataset.sinks(lm, documents(cell.corpus).documents, cell.arch, unit=o["unit"], max_len=o["max_len"],
-                           n_samples=o["samples"], intervene=cell.intervention or None)
+    result = dataset.sinks(lm, documents(cell.corpus).documents, recipe(lm, cell), unit=o["unit"],
+                           max_len=o["max_len"], n_samples=o["samples"])
     doc = result.as_json(o["key"], o["eps"])
     model = doc["model_rate"]
     rows = []
@@ -45,7 +52,7 @@ def evaluate(lm: LoadedModel, cell: Cell) -> list[dict]:
 
     o = cell.options
     ids = token_ids(lm, documents(cell.corpus).text, o["max_tokens"])
-    result = run(lm, ids, cell.arch, window=o["window"], intervene=cell.intervention or None)
+    result = run(lm, ids, recipe(lm, cell), window=o["window"])
     doc = result.as_json()
     return [{k: doc[k] for k in ("perplexity", "accuracy", "nll", "tokens", "windows")}]
 
@@ -98,7 +105,7 @@ def explain(lm: LoadedModel, cell: Cell) -> list[dict]:
     from attnviz.effects.explain import Residual, diagnose
 
     ids = token_ids(lm, documents(cell.corpus).text, cell.options["max_tokens"])
-    run = Residual(lm, corpus_mod.text_of(lm.tokenizer, ids), cell.arch, cell.intervention or None)
+    run = Residual(lm, corpus_mod.text_of(lm.tokenizer, ids), recipe(lm, cell))
     rows = []
     for layer in range(lm.n_layers):
         d = diagnose(run, layer)

@@ -59,7 +59,7 @@ def run_cell(out: str, cell: Cell) -> dict:
     start = time.perf_counter()
     try:
         lm = model_for(cell.model)
-        recipe = Recipe.of(lm, cell.arch, cell.intervention or None)
+        recipe = measures.recipe(lm, cell)
         rows = measures.RUN[cell.measure](lm, cell)
         store.write_cell(out, cell, rows, time.perf_counter() - start, recipe=recipe)
         return {"cell": cell.id, "status": "ok", "elapsed_s": time.perf_counter() - start}
