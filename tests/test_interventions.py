@@ -24,7 +24,8 @@ def _ids(n=N):
 
 def _ours(model, spec, arch="fwd"):
     acts = I.parse(spec, 3, 4)
-    return engine.forward(model, _ids(), engine.Computes(tuple(list(parse(arch, 3).layers)), acts), engine.Record(storage_dtype=torch.float32))
+    return engine.forward(model, _ids(), engine.Computes(tuple(parse(arch, 3).layers), acts),
+                          engine.Record(storage_dtype=torch.float32))
 
 
 def test_temperature_equals_stock_eager_with_the_scaling_divided_by_t():
@@ -97,7 +98,8 @@ def test_every_intervention_composes_with_masks_and_the_long_mode():
     spec = "sinkscale(beta=0.2)@1-2; temperature(t=1.5)@0; sinklogit(b=0)@2; ablate(heads=1)@1"
     for arch in ("mask0-bidir(k=2)", "sliding(w=7)*3"):
         full = capture(lm, TEXT, Recipe.of(lm, arch, intervene=spec), Keep(storage_dtype=torch.float32))
-        long = capture(lm, TEXT, Recipe.of(lm, arch, intervene=spec), Keep(statistics=True, pool=24, block_bytes=4 * 4 * len(TEXT) * 5))
+        long = capture(lm, TEXT, Recipe.of(lm, arch, intervene=spec),
+                       Keep(statistics=True, pool=24, block_bytes=4 * 4 * len(TEXT) * 5))
         plain = capture(lm, TEXT, arch, Keep(storage_dtype=torch.float32))
         assert full.meta["intervene"] == long.meta["intervene"] == I.parse(spec, 3, 4).spec
         for layer in range(3):
@@ -106,6 +108,23 @@ def test_every_intervention_composes_with_masks_and_the_long_mode():
         assert full.stat(2, "discarded").min() > 0  # the sink logit took mass in layer 2 only
         assert np.allclose(full.stat(0, "discarded"), 0, atol=1e-6)
         assert not np.allclose(full.layer_probs(1), plain.layer_probs(1))
+
+
+def test_headwindow_is_the_global_mask_on_the_heads_it_names():
+    """headwindow on every head is global(w=W, g=S) under FWD, and the heads it does not name keep FWD: maps and
+    the layer's output both (the per-head mask enters the softmax, not only what is recorded)."""
+    lm = loaded("llama")
+    keep = Keep(storage_dtype=torch.float32)
+    every = capture(lm, TEXT, Recipe.of(lm, "fwd", "headwindow(heads=0,1,2,3, s=2, w=5)"), keep)
+    glob = capture(lm, TEXT, "global(w=5, g=2)*3", keep)
+    for layer in range(3):
+        np.testing.assert_allclose(every.layer_probs(layer), glob.layer_probs(layer), atol=1e-6)
+    np.testing.assert_allclose(every.next_logprobs, glob.next_logprobs, atol=1e-5)
+    some = capture(lm, TEXT, Recipe.of(lm, "fwd", "headwindow(heads=1,3, s=2, w=5)@0"), keep)
+    plain = capture(lm, TEXT, "fwd", keep)
+    np.testing.assert_allclose(some.layer_probs(0)[[0, 2]], plain.layer_probs(0)[[0, 2]], atol=1e-6)
+    np.testing.assert_allclose(some.layer_probs(0)[[1, 3]], glob.layer_probs(0)[[1, 3]], atol=1e-6)
+    assert not np.allclose(some.layer_probs(1), plain.layer_probs(1), atol=1e-4)  # layer 1 sees layer 0's change
 
 
 def test_spec_is_canonical_and_round_trips():
@@ -125,6 +144,8 @@ def test_spec_is_canonical_and_round_trips():
     ("temperature(t=0)", "t must be > 0"),
     ("temperature(tau=2)", "temperature takes t, not tau"),
     ("ablate(how=zero)", "ablate needs heads"),
+    ("headwindow(heads=9)", "head 9 does not exist"),
+    ("headwindow(heads=1, w=0)", "s >= 0 and w >= 1"),
     ("sinkscale(beta=x)", "beta must be a number"),
 ])
 def test_bad_interventions_are_refused_clearly(spec, message):

@@ -28,13 +28,14 @@ from transformers.masking_utils import sdpa_mask
 
 from attnviz.core import devices, kernels
 from attnviz.core import recorders as recorders_mod
-from attnviz.core.interventions import NONE, Interventions
+from attnviz.core.interventions import NONE, Intervention, Interventions
 from attnviz.core.masks import Mask, keep_self_if_empty
 from attnviz.errors import InputError, ModelLoadError
 from attnviz.stats import reduce
 from attnviz.stats.reduce import pool_factor
 
 KEY = "attnviz"
+_NO_KEY_MASK = Intervention.key_mask
 _RUN: contextvars.ContextVar["Run | None"] = contextvars.ContextVar("attnviz_run", default=None)
 
 
@@ -196,7 +197,7 @@ class Run(Recorded, Cached, Asked):
         n_q, n_kv = allow.shape[-2], allow.shape[-1]
         if not narrow:
             return [(0, n_kv)] * -(-n_q // rows)
-        key = ("ranges", id(allow), rows, layer if layer in self.head_masks else None)  # head masks: per layer
+        key = ("ranges", id(allow), rows, layer if self.has_head_mask(layer) else None)  # head masks: per layer
         if key not in self._allow_cache:
             self._allow_cache[key] = [tuple(r) for r in _block_ranges(allow, rows).tolist()]
         return self._allow_cache[key]
@@ -236,6 +237,25 @@ class Run(Recorded, Cached, Asked):
     def query_positions(self, n_q: int, device) -> torch.Tensor:
         source = self.positions if self.q_positions is None else self.q_positions
         return source[:, -n_q:].to(device)
+
+    def has_head_mask(self, layer: int) -> bool:
+        """Whether some heads of ``layer`` see fewer keys than its mask allows: a compressed cache's kept keys
+        (``head_masks``) or an intervention's per-head key mask (``headwindow``)."""
+        return layer in self.head_masks or any(type(a).key_mask is not _NO_KEY_MASK
+                                               for a in self.interventions.at(layer))
+
+    def head_mask(self, layer: int, n_heads: int, n_q: int, n_kv: int, device) -> torch.Tensor:
+        """The (H, n_q, n_kv) per-head allow-set of ``layer``: every head mask of the layer and-ed together."""
+        masks = [self.head_masks[layer](n_q, n_kv, device)] if layer in self.head_masks else []
+        kv_pos, q_pos = self.positions[0, -n_kv:].to(device), self.query_positions(n_q, device)[0]
+        for intervention in self.interventions.at(layer):
+            made = intervention.key_mask(q_pos, kv_pos, n_heads)
+            if made is not None:
+                masks.append(made)
+        out = masks[0]
+        for more in masks[1:]:
+            out = out & more
+        return out
 
     def recorders_at(self, layer: int) -> tuple:
         """The recorders fed by ``layer``: the run's own for a recorded layer, and the live probabilities of every
@@ -301,7 +321,7 @@ class Facts:
     softcap: bool = False  # Gemma 2's score softcap
     sink_logits: bool = False  # gpt-oss's learned sink logits
     reshapes: bool = False  # an intervention changes its scores or probabilities
-    head_mask: bool = False  # a per-head key mask (compressed cache, streaming heads)
+    head_mask: bool = False  # a per-head key mask (a compressed cache, a headwindow intervention)
     plain_causal: bool = False  # fwd, no window, no padding, self-attention, no position bias
     block_reducer: bool = False  # the recorder takes statistics block by block (attnviz.stats.reduce)
     fused_reducer: bool = False  # ... and can take the fused kernel's outputs
@@ -353,7 +373,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     route = choose_route(Facts(
         recorded=bool(recs), keep_graph=run.keep_graph, stablemask=mask.stable is not None,
         softcap=softcap is not None, sink_logits=s_aux is not None, reshapes=reshaped,
-        head_mask=layer in run.head_masks, plain_causal=plain_causal,
+        head_mask=run.has_head_mask(layer), plain_causal=plain_causal,
         block_reducer=bool(recs) and not any(r.whole_layer for r in recs), fused_reducer=fusable,
         batch_one=batch == 1, position_bias=bias is not None, grad=torch.is_grad_enabled(),
         kernel=fusable and kernels.wanted(query.device)))
@@ -364,8 +384,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     # the fused route under a plain causal mask makes no allow-set: its counts, key ranges and pooled cells
     # are arithmetic (reduce.Layout.causal), and SDPA runs is_causal
     allow = None if route is Route.FUSED and plain_causal else run.allow(layer, n_q, n_kv, sliding_window, query.device)
-    if layer in run.head_masks:
-        allow = keep_self_if_empty(allow & run.head_masks[layer](n_q, n_kv, query.device)[None])
+    if run.has_head_mask(layer):
+        allow = keep_self_if_empty(allow & run.head_mask(layer, n_heads, n_q, n_kv, query.device)[None])
     if route is Route.SDPA_MASKED:
         attn_mask = allow if bias is None else bias.to(query.dtype).masked_fill(~allow, float("-inf"))
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scaling,

@@ -16,6 +16,8 @@ with ``;``, each with ``@LAYERS`` (``20-29``, ``0,5,7``; every layer when left o
 - ``temperature(t=T)``: scores divided by T before the softmax.
 - ``ablate(heads=H…, how=zero|mean)``: those heads' outputs (before W_O) replaced by zero or by
   their mean over the forward's positions.
+- ``headwindow(heads=H…, s=S, w=W)``: those heads see only the first S keys and the last W (StreamingLLM's
+  sink + window cache, per head); the others keep the layer's mask.
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ class Intervention:
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """Every head's attention output (B, H, n, d), before the output projection W_O."""
         return out
+
+    def key_mask(self, q_pos: torch.Tensor, kv_pos: torch.Tensor, n_heads: int) -> torch.Tensor | None:
+        """A per-head allow-set (H, n_q, n_kv) and-ed with the layer's mask, from the positions (n_q,) and (n_kv,)
+        of the queries and keys; None: every key the mask allows."""
+        return None
 
     def arguments(self) -> str:
         call = KINDS.spec(self)
@@ -158,8 +165,38 @@ class Ablate(Intervention):
         return torch.where(chosen[None, :, None, None], replacement, out)
 
 
-USAGE = ("sinklogit(b=B), sinkscale(key=K, beta=B), temperature(t=T) or ablate(heads=H,..., how=zero|mean), "
-         "each with an optional @LAYERS (20-29, 0,5,7), joined with ';'")
+@KINDS.register()
+@dataclass(frozen=True, kw_only=True)
+class HeadWindow(Intervention):
+    """Those heads see only the first ``s`` keys and the last ``w`` (docs/methods.md#headwindow)."""
+
+    name: ClassVar[str] = "headwindow"
+    heads: tuple[int, ...]
+    s: int = 4
+    w: int = 64
+
+    def __post_init__(self):
+        object.__setattr__(self, "heads", tuple(sorted(set(int(h) for h in self.heads))))
+        if not self.heads:
+            raise InputError("headwindow needs heads=..., e.g. headwindow(heads=0,3, s=4, w=64)")
+        if self.s < 0 or self.w < 1:
+            raise InputError(f"headwindow needs s >= 0 and w >= 1, got s={self.s}, w={self.w}")
+
+    def check(self, n_layers: int, n_heads: int) -> None:
+        bad = [h for h in self.heads if not 0 <= h < n_heads]
+        if bad:
+            raise InputError(f"head {bad[0]} does not exist: the model has heads 0..{n_heads - 1}")
+
+    def key_mask(self, q_pos: torch.Tensor, kv_pos: torch.Tensor, n_heads: int) -> torch.Tensor:
+        i, j = q_pos[:, None], kv_pos[None, :]
+        window = (j < self.s) | ((j <= i) & (j > i - self.w))  # (n_q, n_kv)
+        chosen = torch.zeros(n_heads, dtype=torch.bool, device=q_pos.device)
+        chosen[list(self.heads)] = True
+        return window[None] | ~chosen[:, None, None]
+
+
+USAGE = ("sinklogit(b=B), sinkscale(key=K, beta=B), temperature(t=T), ablate(heads=H,..., how=zero|mean) or "
+         "headwindow(heads=H,..., s=S, w=W), each with an optional @LAYERS (20-29, 0,5,7), joined with ';'")
 
 
 @dataclass(frozen=True)

@@ -187,32 +187,27 @@ def dataset_texts(loaded: LoadedModel, documents: Sequence[str], samples: int = 
 
 def streaming_only_perplexity(loaded: LoadedModel, text: str, tax: Taxonomy, arch="fwd") -> tuple[Evaluation, Evaluation]:
     """(dense, streaming heads on sink(s, w)) perplexity of ``text``: the first claim of docs/methods.md#head-classes.
-    Only the streaming heads get the sink + window mask (per head); every other head stays dense."""
+    Only the streaming heads get the sink + window mask (:func:`streaming_spec`, a ``headwindow`` intervention
+    in the recipe); every other head stays dense."""
     from attnviz.recipe import build
 
     built = build(loaded, arch).only("the streaming heads' perplexity")  # an architecture string or a Recipe
-    architecture = built.architecture.require_causal("compute a perplexity")
+    built.architecture.require_causal("compute a perplexity")
     ids = loaded.tokenizer(text, add_special_tokens=True)["input_ids"]
     if len(ids) > loaded.max_tokens:
         raise InputError(f"the text is {len(ids)} tokens, longer than {loaded.model_id}'s context")
-    dense = evaluate(loaded, ids, architecture, window=len(ids))
-    n = len(ids)
-    i, j = np.indices((n, n))
-    window = torch.from_numpy((j < tax.s) | ((j <= i) & (j > i - tax.w)))
-    masks = {layer: torch.where(torch.from_numpy(tax.streaming[layer])[:, None, None], window, True)
-             for layer in range(loaded.n_layers) if tax.streaming[layer].any()}
-    run = engine.make_run(loaded.model, torch.tensor([ids]), architecture.layers, engine.NOTHING)
-    run.head_masks = {layer: lambda n_q, n_kv, device, m=m: m[..., -n_q:, -n_kv:].to(device)
-                      for layer, m in masks.items()}
-    with torch.inference_mode(), engine.active(run):
-        logits = loaded.model(input_ids=torch.tensor([ids]).to(loaded.model.device), use_cache=False).logits
-    logprobs = torch.log_softmax(logits[0, :-1].float(), -1).cpu()
-    targets = torch.tensor(ids[1:])
-    nll = -logprobs.gather(-1, targets[:, None])[:, 0].double()
-    windowed = Evaluation(loaded.model_id, f"{architecture.spec} · streaming heads sink(s={tax.s}, w={tax.w})",
-                          float(nll.mean()), float((logprobs.argmax(-1) == targets).float().mean()), n - 1, 1,
-                          nll.numpy(), np.arange(1, n))
+    dense = evaluate(loaded, ids, built.recipe, window=len(ids))
+    windowed = evaluate(loaded, ids, Recipe.of(loaded, replace(built.recipe, intervene=streaming_spec(tax))),
+                        window=len(ids))
     return dense, windowed
+
+
+def streaming_spec(tax: Taxonomy) -> str:
+    """The ``headwindow`` intervention (docs/methods.md#headwindow) that puts every streaming head on the sink and
+    window cache sink(s, w) of the taxonomy, layer by layer."""
+    parts = [f"headwindow(heads={','.join(map(str, np.flatnonzero(tax.streaming[layer])))}, s={tax.s}, w={tax.w})"
+             f"@{layer}" for layer in range(tax.streaming.shape[0]) if tax.streaming[layer].any()]
+    return "; ".join(parts)
 
 
 def ablation_spec(tax: Taxonomy) -> str:
