@@ -24,6 +24,7 @@ from attnviz.core import devices, engine, syntax
 from attnviz.core.models import LoadedModel
 from attnviz.errors import AttnvizError, InputError
 from attnviz.plan import Keep
+from attnviz.tokens import prefix_ids, tokenize  # noqa: F401 - text → tokens, the flow's first step
 from attnviz.recipe import Recipe
 from attnviz.stats import metrics
 from attnviz.stats.reduce import summarise
@@ -256,43 +257,6 @@ def parse_layers(layers, n_layers: int) -> list[int]:
     """The recorded layers, in the one layer-list syntax (:func:`attnviz.core.syntax.layers`): ``None``/"all"
     → every layer; "0,5,-1", "20-29" or a list → those layers (negative counts from the top)."""
     return syntax.layers(layers, n_layers)
-
-
-def prefix_ids(loaded: LoadedModel, prepend: str | None) -> list[int]:
-    """The BOS control (docs/methods.md#interventions): ``"bos"`` → the tokenizer's BOS token, any other string → its
-    tokens, None → nothing. Refused clearly when the tokenizer has no BOS token."""
-    if not prepend:
-        return []
-    if prepend == "bos":
-        bos = getattr(loaded.tokenizer, "bos_token_id", None)
-        if bos is None:
-            raise InputError(f"{loaded.model_id}'s tokenizer has no BOS token: prepend a token of your own (--prepend)")
-        return [int(bos)]
-    ids = loaded.tokenizer(prepend, add_special_tokens=False)["input_ids"]
-    if not ids:
-        raise InputError(f"'{prepend}' gives no token to prepend")
-    return list(ids)
-
-
-def tokenize(loaded: LoadedModel, text: str, max_tokens: int | None = None,
-             prepend: str | None = None) -> tuple[list[int], list[str]]:
-    """Token ids and their display strings; refuses empty text and text over the limit. ``prepend``:
-    the BOS control (:func:`prefix_ids`), added once (a text that already starts with it is left so)."""
-    if not isinstance(text, str) or not text.strip():
-        raise InputError("the text is empty: type or pick a text to capture")
-    ids = loaded.tokenizer(text, add_special_tokens=True)["input_ids"]
-    prefix = prefix_ids(loaded, prepend)
-    if prefix and list(ids[:len(prefix)]) != prefix:
-        ids = prefix + list(ids)
-    if len(ids) > loaded.max_tokens:
-        raise InputError(
-            f"the text is {len(ids)} tokens long but {loaded.model_id} takes at most {loaded.max_tokens}: shorten it"
-        )
-    if max_tokens is not None and len(ids) > max_tokens:
-        raise InputError(f"the text is {len(ids)} tokens long; this view captures at most {max_tokens}: shorten it")
-    if len(ids) < 1:
-        raise InputError("the text produced no tokens")
-    return ids, [loaded.tokenizer.decode([i]) for i in ids]
 
 
 def host_allowed(run, layers) -> dict[int, np.ndarray]:

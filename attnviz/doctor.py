@@ -487,7 +487,8 @@ def repeats_for(one_call_s: float) -> int:
 def speed(loaded: LoadedModel, text: str, device: str) -> list[Check]:
     """A statistics capture against a plain SDPA forward of the same tokens; on CUDA the fused kernel
     against the block engine. Never skipped: a short forward is repeated inside each timed window."""
-    from attnviz.capture import capture, tokenize
+    from attnviz.capture import capture
+    from attnviz.tokens import tokenize
     from attnviz.plan import Keep
 
     ids, _ = tokenize(loaded, text)

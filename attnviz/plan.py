@@ -22,6 +22,7 @@ from attnviz.core import devices, engine, syntax
 from attnviz.core.models import LoadedModel
 from attnviz.errors import InputError
 from attnviz.stats import metrics
+from attnviz.tokens import tokenize
 
 POOL = 512  # cells a side of a long capture's pooled maps: what a heatmap image shows anyway
 POOLED_EXTRAS = frozenset({"value_norms", "scores"})  # views a long capture serves as pooled maps too
@@ -222,6 +223,7 @@ class Plan:
     keep: Keep = field(default_factory=Keep)
     estimate: int = 0
     notes: tuple[str, ...] = ()  # what the user should know about how it runs (a statistic the fused kernel lacks)
+    n_tokens: int = 0
 
     @property
     def full_maps(self) -> bool:
@@ -237,7 +239,7 @@ def plan(loaded: LoadedModel, n_tokens: int, per_capture: int, left: int, keep: 
     limit = min(per_capture, left)
     full = keep.host_bytes(loaded, n_tokens)
     if full <= limit:
-        return Plan(keep, full)
+        return Plan(keep, full, n_tokens=n_tokens)
     extras = {name for name in EXTRAS if getattr(keep, name) and name != "hidden_states"}
     if not extras <= POOLED_EXTRAS or residual:
         what = "a residual variant" if residual else "this view"
@@ -261,7 +263,17 @@ def plan(loaded: LoadedModel, n_tokens: int, per_capture: int, left: int, keep: 
             f"left for captures. What would fit: a text of at most ~{fit} tokens.")
     # layer inputs to resume a region's forward from (regions.of_capture): they only speed regions up
     long = replace(long, checkpoints=checkpoint_count(loaded, n_tokens, min(checkpoint_bytes, left - stats)))
-    return Plan(long, long.host_bytes(loaded, n_tokens), route_notes())
+    return Plan(long, long.host_bytes(loaded, n_tokens), route_notes(), n_tokens)
+
+
+def for_text(loaded: LoadedModel, text: str, recipe, per_capture: int, left: int, keep: Keep = Keep(),
+             checkpoint_bytes: int = CHECKPOINT_BYTES, max_tokens: int | None = None) -> Plan:
+    """:func:`plan` of a capture of ``text`` under ``recipe`` (a :class:`~attnviz.recipe.Recipe`: its BOS control
+    counts tokens, its residual variant needs full maps): the text is tokenized here, once for the plan and the
+    capture that follows (:func:`attnviz.tokens.tokenize` remembers it). Refusals of the text (empty, too long)
+    are :class:`~attnviz.errors.InputError` too."""
+    n_tokens = len(tokenize(loaded, text, max_tokens, recipe.prepend)[0])
+    return plan(loaded, n_tokens, per_capture, left, keep, recipe.residual, checkpoint_bytes)
 
 
 def route_notes(statistics=None) -> tuple[str, ...]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from attnviz.capture import tokenize
+from attnviz.tokens import tokenize
 from attnviz.core import engine
 from attnviz.core.models import LoadedModel
 from attnviz.errors import InputError

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnviz.capture import Capture, _versions, host_allowed, tokenize
+from attnviz.capture import Capture, _versions, host_allowed
+from attnviz.tokens import tokenize
 from attnviz.core import arch as arch_mod
 from attnviz.core import engine, recorders
 from attnviz.core.models import LoadedModel

@@ -8,14 +8,14 @@ import gc
 import os
 import threading
 import time
-from collections import OrderedDict
 
 import streamlit as st
 
 from attnviz.core import arch as arch_mod
 from attnviz.core import devices
 from attnviz import plan as plan_mod
-from attnviz.capture import Capture, capture, tokenize
+from attnviz.capture import Capture, capture
+from attnviz.tokens import tokenize
 from attnviz.errors import AttnvizError
 from attnviz.core.lru import ByteLRU
 from attnviz.core.models import LoadedModel, load
@@ -155,43 +155,28 @@ def captures_left() -> int:
     return store.budget
 
 
-def plan_capture(loaded: LoadedModel, n_tokens: int, keep: Keep, residual) -> plan_mod.Plan | None:
-    """The library's plan (:func:`attnviz.plan.plan`) of a capture keeping ``keep`` under this server's memory
-    budget; its refusal is shown with the budget it was measured against."""
+def plan_capture(loaded: LoadedModel, text: str, recipe: Recipe, keep: Keep) -> plan_mod.Plan | None:
+    """The library's plan of a capture of ``text`` keeping ``keep`` (:func:`attnviz.plan.for_text`) under this
+    server's memory budget: asked once, its answer shown. A refusal is shown with the budget it was measured
+    against; a bad text with what is wrong."""
     try:
-        return plan_mod.plan(loaded, n_tokens, full_maps_limit(), captures_left(), keep, residual,
-                             checkpoint_bytes=setting_mb("checkpoint", 512) * 2**20)
+        return plan_mod.for_text(loaded, text, recipe, full_maps_limit(), captures_left(), keep,
+                                 checkpoint_bytes=setting_mb("checkpoint", 512) * 2**20, max_tokens=MAX_TOKENS)
     except plan_mod.CaptureTooLarge as err:
         st.error(f"{err} The memory budget: ATTNVIZ_MEMORY_MB {devices.mb(capture_budget())}, of which the model "
                  f"weights take {devices.mb(models_bytes())}.")
-        return None
-
-
-_counts: OrderedDict = OrderedDict()  # (model, text) -> token count: plans ask on every rerun, decoding 8k tokens each
-
-
-def token_count(loaded: LoadedModel, text: str, prepend: str | None = None) -> int:
-    """The number of tokens ``capture`` will see (raising its refusals: empty text, too long), remembered
-    for the last 32 texts that passed."""
-    key = (loaded.model_id, text, prepend)
-    with _lock:
-        n = _counts.get(key)
-    if n is None:
-        n = len(tokenize(loaded, text, MAX_TOKENS, prepend)[0])
-        with _lock:
-            _counts[key] = n
-            while len(_counts) > 32:
-                _counts.popitem(last=False)
-    return n
+    except AttnvizError as err:
+        st.error(f"Capturing {recipe.arch}: {err}")
+    return None
 
 
 def fits_full_maps(loaded: LoadedModel, text: str, hidden: bool = True) -> bool:
     """Whether a capture of ``text`` keeps full maps of every layer (else statistics and pooled maps)."""
     try:
-        n_tokens = token_count(loaded, text)
+        return plan_mod.for_text(loaded, text, Recipe(loaded.model_id), full_maps_limit(), captures_left(),
+                                 Keep(hidden_states=hidden), max_tokens=MAX_TOKENS).full_maps
     except AttnvizError:
         return True  # get_capture says what is wrong
-    return Keep(hidden_states=hidden).host_bytes(loaded, n_tokens) <= min(captures_left(), full_maps_limit())
 
 
 def within_token_cap(n_tokens: int) -> bool:
@@ -214,16 +199,9 @@ def get_capture(loaded: LoadedModel, text: str, recipe: Recipe, hidden: bool = T
     what a long text keeps (statistics and pooled maps, :func:`plan_capture`); older captures leave the
     cache before a new one is computed, so the server's resident size stays near its budget.
     """
-    try:
-        n_tokens = token_count(loaded, text, recipe.prepend)
-    except AttnvizError as err:
-        st.error(f"Capturing {recipe.arch}: {err}")
-        return None
-    if not within_token_cap(n_tokens):
-        return None
     asked = Keep.of(tuple(sorted(extras)), hidden_states=hidden and not recipe.residual)  # a variant keeps none
-    planned = plan_capture(loaded, n_tokens, asked, recipe.residual)
-    if planned is None:
+    planned = plan_capture(loaded, text, recipe, asked)
+    if planned is None or not within_token_cap(planned.n_tokens):
         return None
     keep = planned.keep
     key = (recipe.key, text, dataclasses.replace(keep, checkpoints=0))
@@ -265,7 +243,7 @@ def get_residual(loaded: LoadedModel, text: str, made: Recipe):
     from attnviz.effects.explain import Residual
 
     try:
-        n_tokens = token_count(loaded, text, made.prepend)
+        n_tokens = len(tokenize(loaded, text, MAX_TOKENS, made.prepend)[0])
     except AttnvizError as err:
         st.error(str(err))
         return None

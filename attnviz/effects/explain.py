@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnviz.capture import tokenize
+from attnviz.tokens import tokenize
 from attnviz.core import engine
 from attnviz.core.models import LoadedModel
 from attnviz.effects import schemes

@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from attnviz.capture import tokenize
+from attnviz.tokens import tokenize
 from attnviz.core import arch as arch_mod
 from attnviz.core.models import LoadedModel
 from attnviz.effects.streaming import CachedDecoder, Policy, Step

@@ -1,0 +1,71 @@
+"""Text → tokens, the flow's first step: the token ids and display strings a capture, a plan or a page sees.
+
+The last texts tokenized are remembered (per tokenizer, text, BOS control and cap): the plan, the page and the
+capture of one text ask for its tokens in turn, and an 8,000-token text takes a noticeable time to decode.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from attnviz.core.models import LoadedModel
+from attnviz.errors import InputError
+
+REMEMBERED = 32  # texts
+_memo: OrderedDict = OrderedDict()
+_lock = threading.Lock()
+
+
+def prefix_ids(loaded: LoadedModel, prepend: str | None) -> list[int]:
+    """The BOS control (docs/methods.md#interventions): ``"bos"`` → the tokenizer's BOS token, any other string → its
+    tokens, None → nothing. Refused clearly when the tokenizer has no BOS token."""
+    if not prepend:
+        return []
+    if prepend == "bos":
+        bos = getattr(loaded.tokenizer, "bos_token_id", None)
+        if bos is None:
+            raise InputError(f"{loaded.model_id}'s tokenizer has no BOS token: prepend a token of your own (--prepend)")
+        return [int(bos)]
+    ids = loaded.tokenizer(prepend, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise InputError(f"'{prepend}' gives no token to prepend")
+    return list(ids)
+
+
+def tokenize(loaded: LoadedModel, text: str, max_tokens: int | None = None,
+             prepend: str | None = None) -> tuple[list[int], list[str]]:
+    """Token ids and their display strings of ``text`` (:func:`_tokenize`), remembered for the last texts."""
+    key = (id(loaded.tokenizer), loaded.model_id, text, max_tokens, prepend)
+    with _lock:
+        hit = _memo.get(key)
+        if hit is not None:
+            _memo.move_to_end(key)
+    if hit is None:
+        hit = _tokenize(loaded, text, max_tokens, prepend)
+        with _lock:
+            _memo[key] = hit
+            while len(_memo) > REMEMBERED:
+                _memo.popitem(last=False)
+    return list(hit[0]), list(hit[1])
+
+
+def _tokenize(loaded: LoadedModel, text: str, max_tokens: int | None,
+              prepend: str | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Token ids and their display strings; refuses empty text and text over the limit. ``prepend``:
+    the BOS control (:func:`prefix_ids`), added once (a text that already starts with it is left so)."""
+    if not isinstance(text, str) or not text.strip():
+        raise InputError("the text is empty: type or pick a text to capture")
+    ids = loaded.tokenizer(text, add_special_tokens=True)["input_ids"]
+    prefix = prefix_ids(loaded, prepend)
+    if prefix and list(ids[:len(prefix)]) != prefix:
+        ids = prefix + list(ids)
+    if len(ids) > loaded.max_tokens:
+        raise InputError(
+            f"the text is {len(ids)} tokens long but {loaded.model_id} takes at most {loaded.max_tokens}: shorten it"
+        )
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise InputError(f"the text is {len(ids)} tokens long; this view captures at most {max_tokens}: shorten it")
+    if len(ids) < 1:
+        raise InputError("the text produced no tokens")
+    return tuple(ids), tuple(loaded.tokenizer.decode([i]) for i in ids)
