@@ -26,7 +26,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from attnviz.core import devices, kernels
+from attnviz.core import blocks, devices, kernels
 from attnviz.core import recorders as recorders_mod
 from attnviz.core.interventions import NONE, Intervention, Interventions
 from attnviz.core.masks import Mask, keep_self_if_empty
@@ -237,6 +237,13 @@ class Run(Recorded, Cached, Asked):
     def query_positions(self, n_q: int, device) -> torch.Tensor:
         source = self.positions if self.q_positions is None else self.q_positions
         return source[:, -n_q:].to(device)
+
+    def sink_key(self, layer: int) -> int:
+        """The layer's sink key under its mask (:func:`auto_key`), over the run's positions; once per layer."""
+        key = ("sink key", layer)
+        if key not in self._allow_cache:
+            self._allow_cache[key] = auto_key(self.masks[layer], self.positions[0])
+        return self._allow_cache[key]
 
     def has_head_mask(self, layer: int) -> bool:
         """Whether some heads of ``layer`` see fewer keys than its mask allows: a compressed cache's kept keys
@@ -645,6 +652,47 @@ def decoder_layers(model) -> "torch.nn.ModuleList | None":
     return None
 
 
+def _patch_block(layer: int, kind: str, module, args, out):
+    """A forward hook on a block's output module (:mod:`attnviz.core.blocks`): the active run's ``patch``
+    interventions of that layer and block replace the output where the residual stream adds it."""
+    run = _RUN.get()
+    if not isinstance(run, Run):
+        return None
+    acts = [a for a in run.interventions.at(layer) if a.patches(kind)]
+    if not acts:
+        return None
+    value = blocks.output_tensor(out)
+    n = value.shape[1]
+    positions = run.positions[:, -n:].to(value.device)
+    valid = run.valid_on(value.device)[:, -n:]
+    for intervention in acts:
+        value = intervention.block_output(value, positions, valid, run.sink_key(layer))
+    return blocks.with_output(out, value)
+
+
+def _hook_blocks(model) -> None:
+    """Hook every layer's attention and MLP output modules once, so that a run's ``patch`` interventions
+    apply; the hooks read the active run, so runs of other sessions on the same model are untouched. A family
+    whose blocks are not mapped is refused here, with one line (:func:`attnviz.core.blocks.family`)."""
+    if getattr(model, "_attnviz_patches_blocks", False):
+        return
+    for index in range(n_layers(model)):
+        for kind, module in zip(blocks.KINDS, blocks.source_modules(model, index)):
+            module.register_forward_hook(functools.partial(_patch_block, index, kind))
+    model._attnviz_patches_blocks = True
+
+
+def auto_key(mask: Mask, positions: torch.Tensor, most: int = 64) -> int:
+    """The sink key ``mask`` leaves open over these positions (docs/methods.md#auto-key): the first key that every
+    later query may see, looked for among the first ``most`` keys; 0 where none is. One column at a time:
+    nothing n × n."""
+    for j in range(min(most, positions.shape[0] - 1)):
+        later = positions[j + 1:]
+        if bool(mask.allow(later[None, None, :, None], positions[j].view(1, 1, 1, 1)).all()):
+            return j
+    return 0
+
+
 def _keep_input(index: int, module, args, kwargs) -> None:
     run = _RUN.get()
     if isinstance(run, Run) and index in run.checkpoint_layers:
@@ -738,6 +786,8 @@ def make_run(model, input_ids: torch.Tensor, computes, record: Record = Record()
     else:
         valid = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).bool()
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    if any(a.patches(block) for a in computes.interventions.items for block in blocks.KINDS):
+        _hook_blocks(model)
     for mask in {id(m): m for m in masks}.values():
         if mask.horizon is not None and int(positions.max()) + 1 > mask.horizon:
             raise InputError(f"{mask.name} was set for at most T={mask.horizon} tokens but the text reaches "

@@ -18,6 +18,9 @@ with ``;``, each with ``@LAYERS`` (``20-29``, ``0,5,7``; every layer when left o
   their mean over the forward's positions.
 - ``headwindow(heads=H…, s=S, w=W)``: those heads see only the first S keys and the last W (StreamingLLM's
   sink + window cache, per head); the others keep the layer's mask.
+- ``patch(block=mlp|attn, tokens=T, value=zero|mean)``: the block's output, where the residual stream adds it,
+  replaced at the token positions T (``0``, ``0,1`` or ``sink``, the layer's own sink key) by zero or by its
+  mean over the other positions (activation patching, :mod:`attnviz.core.blocks`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,16 @@ class Intervention:
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """Every head's attention output (B, H, n, d), before the output projection W_O."""
+        return out
+
+    def patches(self, block: str) -> bool:
+        """Whether it replaces the output of ``block`` ("attn" or "mlp") where the residual stream adds it."""
+        return False
+
+    def block_output(self, out: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                     sink_key: int) -> torch.Tensor:
+        """A block's output (B, n, d) as the residual stream adds it, for rows at ``positions`` (B, n) of which
+        ``valid`` (B, n) are real tokens; ``sink_key`` is the layer's own sink key (docs/methods.md#auto-key)."""
         return out
 
     def key_mask(self, q_pos: torch.Tensor, kv_pos: torch.Tensor, n_heads: int) -> torch.Tensor | None:
@@ -195,8 +208,61 @@ class HeadWindow(Intervention):
         return window[None] | ~chosen[:, None, None]
 
 
-USAGE = ("sinklogit(b=B), sinkscale(key=K, beta=B), temperature(t=T), ablate(heads=H,..., how=zero|mean) or "
-         "headwindow(heads=H,..., s=S, w=W), each with an optional @LAYERS (20-29, 0,5,7), joined with ';'")
+@KINDS.register()
+@dataclass(frozen=True, kw_only=True)
+class Patch(Intervention):
+    """A block's output replaced at some tokens by zero or its mean elsewhere (docs/methods.md#patch)."""
+
+    name: ClassVar[str] = "patch"
+    changes_probabilities: ClassVar[bool] = False  # its own layer's attention is untouched: SDPA may compute it
+    block: str = "mlp"
+    tokens: str = "0"
+    value: str = "zero"
+
+    def __post_init__(self):
+        object.__setattr__(self, "block", str(self.block).strip().lower())
+        object.__setattr__(self, "value", str(self.value).strip().lower())
+        if self.block not in ("mlp", "attn"):
+            raise InputError(f"patch block must be mlp or attn, got '{self.block}'")
+        if self.value not in ("zero", "mean"):
+            raise InputError(f"patch value must be zero or mean, got '{self.value}'")
+        text = str(self.tokens).replace(" ", "").lower()
+        if text != "sink":
+            try:
+                chosen = sorted({int(t) for t in text.split(",") if t})
+            except ValueError:
+                chosen = []
+            if not chosen or chosen[0] < 0:
+                raise InputError(f"patch tokens must be positions such as 0 or 0,1, or sink; got '{self.tokens}'")
+            text = ",".join(map(str, chosen))
+        object.__setattr__(self, "tokens", text)
+
+    def patches(self, block: str) -> bool:
+        return block == self.block
+
+    def positions(self, sink_key: int) -> list[int]:
+        """The patched token positions: the listed ones, or the layer's sink key."""
+        return [sink_key] if self.tokens == "sink" else [int(t) for t in self.tokens.split(",")]
+
+    def block_output(self, out, positions, valid, sink_key):
+        chosen = torch.isin(positions, torch.tensor(self.positions(sink_key), device=positions.device))  # (B, n)
+        if not bool(chosen.any()):
+            return out
+        if self.value == "zero":
+            replacement = torch.zeros_like(out)
+        else:
+            others = (valid & ~chosen).to(out.dtype)[..., None]  # (B, n, 1)
+            count = others.sum(1, keepdim=True)
+            if not bool((count > 0).all()):
+                raise InputError("patch(value=mean) needs other positions in the same forward to average over; a "
+                                 "token fed alone (decoding with a KV cache) has none: use value=zero there")
+            replacement = ((out * others).sum(1, keepdim=True) / count).expand_as(out)
+        return torch.where(chosen[..., None], replacement, out)
+
+
+USAGE = ("sinklogit(b=B), sinkscale(key=K, beta=B), temperature(t=T), ablate(heads=H,..., how=zero|mean), "
+         "headwindow(heads=H,..., s=S, w=W) or patch(block=mlp|attn, tokens=0|0,1|sink, value=zero|mean), "
+         "each with an optional @LAYERS (20-29, 0,5,7), joined with ';'")
 
 
 @dataclass(frozen=True)

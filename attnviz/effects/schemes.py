@@ -29,10 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
+from attnviz.core import blocks as core_blocks
 from attnviz.errors import InputError
 
 ROTARY = ("llama", "mistral", "qwen2", "phi3", "gemma2", "gpt_oss")
-FAMILIES = (*ROTARY, "gpt2")
+FAMILIES = core_blocks.FAMILIES
 
 
 @dataclass(frozen=True)
@@ -63,23 +64,18 @@ def scheme(loaded) -> Scheme:
 
 
 def blocks(model, s: Scheme) -> torch.nn.ModuleList:
-    return model.transformer.h if s.family == "gpt2" else model.model.layers
+    return core_blocks.layers(model)
 
 
 def source_modules(model, s: Scheme, layer: int) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The modules whose outputs are the attention and the MLP source of ``layer``: what the layer adds
-    to the residual stream (Gemma 2 adds its blocks' outputs after their post-norms)."""
-    block = blocks(model, s)[layer]
-    if s.family == "gemma2":
-        return block.post_attention_layernorm, block.post_feedforward_layernorm
-    if s.family == "gpt2":
-        return block.attn, block.mlp
-    return block.self_attn, block.mlp
+    to the residual stream (:func:`attnviz.core.blocks.source_modules`)."""
+    return core_blocks.source_modules(model, layer)
 
 
 def first_row(out) -> torch.Tensor:
     """A hooked module's output for the batch's one text: attention and MoE blocks return tuples."""
-    return (out[0] if isinstance(out, tuple) else out)[0].detach().float()
+    return core_blocks.output_tensor(out)[0].detach().float()
 
 
 @torch.no_grad()
