@@ -388,10 +388,33 @@ def _explain(args) -> dict:
 
     text = _text(args)
     _check_intervene(args)
+    if args.test:
+        return _causal(args, text)
+    missing = [f"--{name}" for name in ("layer", "head", "key") if getattr(args, name) is None]
+    if missing:
+        raise AttnvizError(f"give {', '.join(missing)} (one cell's attribution), or --test (the causal check)")
     loaded = _load(args)
     result = explain(loaded, text, _recipe(args, loaded), layer=args.layer, head=args.head, query=args.query,
                      key=args.key)
     return result.as_json()
+
+
+def _causal(args, text: str) -> dict:
+    """The causal check (docs/methods.md#the-causal-check): each leading source patched at the sink token."""
+    from attnviz.effects import causal
+
+    sources = [s.strip() for s in args.sources.split(",") if s.strip()] if args.sources else None
+    for source in sources or []:
+        causal.patch_spec(source)  # a bad source refused before the model loads
+    loaded = _load(args)
+    recipe = _recipe(args, loaded)
+    bar, update = _progress("causal check")
+    with bar:
+        checks = causal.check(loaded, text, recipe, sources, args.value, on_step=update)
+    if not checks:
+        raise AttnvizError("no block leads the sink key's score in any layer of this text (the embeddings do): "
+                           "nothing to patch; name blocks with --sources")
+    return causal.Report(recipe.to_dict(), checks[0].before.tokens, checks).as_json()
 
 
 def _doctor(args) -> int:
@@ -691,11 +714,18 @@ def _heads_options(p):
 def _explain_options(p):
     _model_args(p)
     _intervene_args(p, bos=True)
-    p.add_argument("--layer", type=int, required=True, help="the layer (negative counts from the top)")
-    p.add_argument("--head", type=int, required=True, help="the query head")
+    p.add_argument("--layer", type=int, help="the layer (negative counts from the top)")
+    p.add_argument("--head", type=int, help="the query head")
     p.add_argument("--query", type=_position_or("all"), default="all",
                    help="the query position, or 'all': the mean over every query the mask lets see the key (%(default)s)")
-    p.add_argument("--key", type=int, required=True, help="the key position")
+    p.add_argument("--key", type=int, help="the key position")
+    p.add_argument("--test", action="store_true",
+                   help="the causal check instead: patch each layer's leading source at the sink token and report "
+                        "the sink's attention and the perplexity before and after (docs/methods.md#the-causal-check)")
+    p.add_argument("--sources", default=None,
+                   help="with --test: the sources to patch, e.g. mlp.2,mlp.11 (default: every leading block)")
+    p.add_argument("--value", choices=["zero", "mean"], default="zero",
+                   help="with --test: what replaces the source's output at the sink token (%(default)s)")
 
 
 def _doctor_options(p):

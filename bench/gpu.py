@@ -11,7 +11,7 @@ For each case and in the same process:
 
 - ``sdpa_s``: one stock forward with transformers' SDPA attention (no maps), the baseline;
 - ``eager_s``: stock eager attention with ``output_attentions=True`` (``oom`` where it does not fit);
-- ``stats_s``: ``capture(reduce=True, pool=512)``, what the app and ``attnviz sinks`` run on a long
+- ``stats_s``: ``capture(keep=Keep(statistics=True, pool=512))``, what the app and ``attnviz sinks`` run on a long
   text: every layer's statistics and 512-px max-pooled maps, finished results on the host;
 - ``stats_peak_mb``: ``torch.cuda.max_memory_allocated`` during the capture above what the model holds.
 

@@ -4,9 +4,12 @@ counterfactual, the layer's sink diagnosis and the head's query-key view (docs/m
 import pandas as pd
 import streamlit as st
 
+from attnviz.effects import causal
 from attnviz.effects.explain import PROJECTIONS, corpus_samples, diagnose, query_key_view
 from attnviz.errors import AttnvizError
-from attnviz.figures.why import attention_row_figure, attribution_figure, diagnosis_figure, query_key_figure
+from attnviz.figures.why import (attention_row_figure, attribution_figure, causal_figure, diagnosis_figure,
+                                 query_key_figure)
+from ui import jobs
 from ui.cache import get_residual
 from ui.docs import definitions
 from ui.export import figure_downloads
@@ -77,12 +80,14 @@ m2.metric("Without rotation" if rotary else "Without the position embedding", f"
 m3.metric("Top 4 rotary pairs", f"{e.top_pairs_share(4):.0%}" if rotary else "none (learned positions)",
           help="their share of Σ_p |c_p|")
 split = e.key_split
-m4.metric("Key side: MLP / attention / embedding", " / ".join(f"{split[k]:.3g}" for k in ("mlp", "attn", "embed")))
+m4.metric("Key side from MLPs", f"{split['mlp']:.3g}",
+          help="the key side's sources summed by kind; all three are in the caption below the chart")
 fig = attribution_figure(e)
 st.plotly_chart(fig, width="stretch", key="why_attribution")
 figure_downloads(fig, {**meta, "figure": "attribution"}, key="why_attribution_x")
 st.caption(f"Key {key} is {e.tokens[1]!r}; averaged over {e.queries} quer{'y' if e.queries == 1 else 'ies'}. Each "
-           "bar chart sums to the score: the pairs exactly, each side's sources with the layer's norm scale frozen.")
+           "bar chart sums to the score: the pairs exactly, each side's sources with the layer's norm scale frozen. "
+           f"Key side by kind: MLP {split['mlp']:.3g} · attention {split['attn']:.3g} · embedding {split['embed']:.3g}.")
 with st.expander("Numbers (CSV)"):
     rows = pd.DataFrame([{"part": f"pair {p}", "frequency": e.frequencies[p], "contribution": c}
                          for p, c in enumerate(e.by_pair)]
@@ -92,6 +97,43 @@ with st.expander("Numbers (CSV)"):
     st.dataframe(rows, hide_index=True, height=240)
     st.download_button("Attribution (.csv)", rows.to_csv(index=False).encode(), key="why_csv", mime="text/csv",
                        file_name=f"attnviz_why_L{layer}_h{head}_q{query}_k{key}.csv")
+
+st.subheader("Test it: remove a source at the sink token")
+definitions("the-causal-check", "patch")
+blocks_first = [s for s, _ in sorted(e.key_sources.items(), key=lambda kv: -abs(kv[1])) if causal.patchable(s)]
+if not blocks_first:
+    st.caption("No block writes into this key's score here (the embeddings do): nothing to patch.")
+else:
+    t1, t2, t3 = st.columns([2, 2, 1])
+    source = t1.selectbox("Source", blocks_first, key="why_test_source",
+                          help="default: the block that adds most to this head's score on the key side")
+    value = t2.radio("Its output at the sink token becomes", ["zero", "mean"], horizontal=True, key="why_test_value",
+                     help="mean: the block's mean output over the text's other positions")
+    test_key = ("causal", recipe.key, settings.text, source, value)
+    if t3.button("Test it", key="why_test", type="primary") or jobs.cached(test_key):
+        try:
+            checks = jobs.run(test_key, f"Patching {source} at the sink token", lambda progress: causal.check(
+                loaded, settings.text, recipe, [source], value, on_step=progress))
+        except AttnvizError as err:
+            st.error(str(err))
+            checks = None
+        if checks:
+            check = checks[0]
+            r1, r2 = st.columns(2)
+            above = list(range(check.layer + 1, loaded.n_layers))
+            r1.metric(f"Sink attention, layers {above[0]}–{above[-1]}" if above else "Sink attention",
+                      f"{sum(check.after.attention[l] for l in above) / max(len(above), 1):.3f}",
+                      f"{-check.drop(above):+.0%} of {sum(check.before.attention[l] for l in above) / max(len(above), 1):.3f}"
+                      if above else None, delta_color="off")
+            r2.metric("Perplexity of this text", f"{check.after.perplexity:.3f}",
+                      f"{check.after.perplexity - check.before.perplexity:+.3f} vs {check.before.perplexity:.3f}",
+                      delta_color="inverse")
+            fig_c = causal_figure(check)
+            st.plotly_chart(fig_c, width="stretch", key="why_causal")
+            figure_downloads(fig_c, {**meta, "figure": "causal", "patch": check.patch}, key="why_causal_x")
+    else:
+        st.caption(f"One click runs the text twice more (with and without {source}'s write at each layer's sink key, "
+                   "`patch(block=..., tokens=sink)`): the attention on the sink key per layer, and the perplexity.")
 
 st.subheader("The sink's diagnosis of this layer")
 diagnosis = diagnose(run, layer)

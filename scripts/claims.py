@@ -15,6 +15,8 @@ from attnviz import corpus, load
 from attnviz.effects import heads
 from attnviz.stats import metrics
 from attnviz.capture import capture
+from attnviz.plan import Keep
+from attnviz.recipe import Recipe
 from attnviz.effects.evaluate import evaluate, token_ids
 from attnviz.kv import compress
 
@@ -33,8 +35,9 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     for spec in (None, "sinklogit(b=0)", "sinkscale(beta=0)", f"sinkscale(beta=0.3){top}"):
-        ev = evaluate(lm, text_ids, "fwd", window=512, intervene=spec)
-        cap = capture(lm, text[:2000], "fwd", reduce=True, intervene=spec)
+        recipe = Recipe.of(lm, "fwd", spec)
+        ev = evaluate(lm, text_ids, recipe, window=512)
+        cap = capture(lm, text[:2000], recipe, Keep(statistics=True))
         rate = float(np.nanmean([metrics.sink_rate(cap.stats[l]["alpha"][:, 0]) for l in cap.layers]))
         emit(what="intervention", intervene=spec or "none", perplexity=round(ev.perplexity, 4),
              accuracy=round(ev.accuracy, 4), sink_rate_key0=round(rate, 4))

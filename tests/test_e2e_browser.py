@@ -221,6 +221,24 @@ def test_the_why_page_opens_from_a_heatmaps_link_and_draws_its_figures(model_cac
         wait_title(page, f"layer 29 head 0, query {query} → key 0")
         no_exception(page)
 
+        # at 1,500 px every metric shows its whole value, and the query-key view's legend keeps off its colour bar
+        shown = page.evaluate("""() => [...document.querySelectorAll('[data-testid="stMetricValue"] div')]
+            .map(e => [e.textContent, e.scrollWidth > e.clientWidth + 1])""")
+        assert len(shown) >= 4 and not [text for text, cut in shown if cut], shown
+        overlap = chart.evaluate("""(el) => {
+            const a = el.querySelector('.legend').getBoundingClientRect(), b = el.querySelector('.colorbar').getBoundingClientRect();
+            return !(a.right <= b.left || b.right <= a.left || a.bottom <= b.top || b.bottom <= a.top);
+        }""")
+        assert not overlap
+
+        # "Test it": the picked source patched at the sink token, the sink's attention per layer before and after
+        button = page.locator('[data-testid="stMain"] button').filter(has_text="Test it").first
+        button.scroll_into_view_if_needed()
+        button.click()
+        wait_title(page, "Attention on the sink key, per layer, with ")
+        page.locator('[data-testid="stMetricLabel"]').filter(has_text="Perplexity of this text").first.wait_for()
+        no_exception(page)
+
 
 def test_a_shared_server_refuses_paths_outside_its_roots(model_cache, tmp_path, monkeypatch):
     """Shared mode in a real browser: a model directory and a results folder outside the roots get one line

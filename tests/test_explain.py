@@ -375,3 +375,34 @@ def test_the_sweep_s_explain_measure_names_each_layer_s_leading_source():
     text = lm.tokenizer.decode(token_ids(lm, measures.documents(cell.corpus).text, 40))
     d = diagnose(Residual(lm, text, "fwd"), 2)
     assert rows[2]["top_source"] == d.leading()[0] and rows[2]["top_heads"] == d.leading()[1]
+
+
+def test_the_why_page_tests_a_source(default_model, tmp_path):
+    """"Test it" patches the source picked beside the head's attribution (by default the block adding most to the
+    score on the key side) at the sink token: the page's chart and perplexity are the causal check's own numbers,
+    and any other source can be tested the same way."""
+    from test_app import app_test, charts, on_page, texts
+
+    from attnviz.effects import causal
+
+    at = app_test(tmp_path)
+    at.run()
+    at.query_params.update({"layer": "29", "head": "3", "query": "all", "key": "0"})
+    on_page(at, "pages/why.py")
+    assert not at.exception and not at.error, texts(at.error)
+    picker = at.selectbox(key="why_test_source")
+    expected = explain(default_model, at.session_state["text"], "fwd", layer=29, head=3, query="all", key=0)
+    ranked = [s for s, _ in sorted(expected.key_sources.items(), key=lambda kv: -abs(kv[1])) if causal.patchable(s)]
+    assert picker.value == ranked[0] and list(picker.options) == ranked
+    at.button(key="why_test").click().run()
+    assert not at.exception and not at.error, texts(at.error)
+    [check] = causal.check(default_model, at.session_state["text"], "fwd", [ranked[0]])
+    figure = next(f for f in charts(at) if "Attention on the sink key" in str(f["layout"]["title"]["text"]))
+    np.testing.assert_allclose(figure["data"][0]["y"], check.before.attention, atol=1e-6)
+    np.testing.assert_allclose(figure["data"][1]["y"], check.after.attention, atol=1e-6)
+    assert f"{check.after.perplexity:.3f}" in [m.value for m in at.metric]
+    other = ranked[1]
+    at.selectbox(key="why_test_source").set_value(other).run()
+    at.button(key="why_test").click().run()
+    titles = [str(f["layout"].get("title", {}).get("text", "")) for f in charts(at)]
+    assert not at.exception and any(f"with {other}'s write at the sink token removed" in t for t in titles)

@@ -35,8 +35,8 @@ def _first_importers(code: str) -> dict:
 
 
 def test_a_capture_imports_torchs_compiler_and_distributed_tensors_only_through_transformers():
-    first = _first_importers("from tiny import loaded\nfrom attnviz import capture\n"
-                             "capture(loaded('llama'), 'The keeper lit the lamp.', 'fwd', reduce=True, pool=8)")
+    first = _first_importers("from tiny import loaded\nfrom attnviz import Keep, capture\n"
+                             "capture(loaded('llama'), 'The keeper lit the lamp.', 'fwd', Keep(statistics=True, pool=8))")
     for name in HEAVY:
         if name in first:
             assert "/transformers/" in first[name] and "/attnviz/" not in first[name], (name, first[name])

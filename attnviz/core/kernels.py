@@ -13,7 +13,7 @@ so the statistics cost one more QKᵀ product, compute-bound like the forward it
 runs, the statistics kernel finds the log-sum-exp itself in a first pass (as flash attention does) and
 SDPA gives the output: two QKᵀ products.
 
-Which layers take it: a recorded layer of a statistics capture (``capture(reduce=True)``) on a CUDA
+Which layers take it: a recorded layer of a statistics capture (``Keep(statistics=True)``) on a CUDA
 device with Triton available, batch 1, no StableMask/SM-I pseudo-logits, learned sinks, softcapping or
 position bias (those keep the block engine, which handles every case). ``ATTNVIZ_FUSED=0`` turns the
 route off; ``ATTNVIZ_FUSED=1`` forces it on any device, which with ``TRITON_INTERPRET=1`` runs the

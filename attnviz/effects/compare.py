@@ -29,7 +29,7 @@ def kl_divergence(a: Capture, b: Capture) -> float:
 def hidden_cosine(a: Capture, b: Capture) -> np.ndarray:
     """Per layer (embeddings first), the mean over tokens of the cosine similarity of hidden states."""
     if a.hidden is None or b.hidden is None:
-        raise AttnvizError("hidden states were not kept; capture with hidden_states=True")
+        raise AttnvizError("hidden states were not kept; capture with Keep(hidden_states=True)")
     ha, hb = a.hidden.astype(np.float32), b.hidden.astype(np.float32)
     num = (ha * hb).sum(-1)
     den = np.linalg.norm(ha, axis=-1) * np.linalg.norm(hb, axis=-1)

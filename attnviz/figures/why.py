@@ -141,10 +141,13 @@ def query_key_figure(view) -> go.Figure:
                              customdata=where[sinks],
                              hovertemplate="sink key %{customdata[0]} %{customdata[1]}"
                                            + (" (text %{customdata[2]})" if texts > 1 else "") + "<extra></extra>"))
+    # the legend below the plot, apart from the position colour bar and its title on the right
+    fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.14, xanchor="left", x=0))
     drawn = "WebGL" if trace is go.Scattergl else "SVG"
     pooled = f", {texts} texts pooled" if texts > 1 else ""
     layout(fig, f"layer {view.layer} head {view.head}: queries and keys after AttentionViz's translation and "
                 f"scaling (c = {view.scale:.3g}), {view.method.upper()}, {2 * n} points{pooled} ({drawn})", height=520)
+    fig.update_layout(margin=dict(b=110))  # room for the legend below the axis title
     fig.update_xaxes(title="component 1", zeroline=False)
     fig.update_yaxes(title="component 2", zeroline=False, scaleanchor="x" if view.method == "pca" else None)
     return fig
@@ -163,3 +166,37 @@ def attention_row_figure(row, tokens: list[str], query: int, key: int | None = N
     fig.update_xaxes(title="key")
     fig.update_yaxes(title="probability", rangemode="tozero")
     return fig
+
+
+def causal_figure(check) -> go.Figure:
+    """The causal check of one source (docs/methods.md#the-causal-check): the attention on each layer's sink key
+    before and after its write at the sink token is removed, the layers it leads shaded."""
+    before, after = check.before.attention, check.after.attention
+    layers = list(range(len(before)))
+    fig = go.Figure()
+    for start, stop in _runs(check.leads):
+        fig.add_vrect(x0=start - 0.5, x1=stop + 0.5, fillcolor="#f6c89f", opacity=0.35, line_width=0, layer="below")
+    fig.add_trace(go.Scatter(x=layers, y=before, mode="lines+markers", name="as the model runs",
+                             line=dict(color="#555555"), hovertemplate="layer %{x}: %{y:.3f}<extra>before</extra>"))
+    fig.add_trace(go.Scatter(x=layers, y=after, mode="lines+markers", name=f"{check.source} removed at the sink token",
+                             line=dict(color="#c0392b"), hovertemplate="layer %{x}: %{y:.3f}<extra>after</extra>"))
+    fig.add_vline(x=check.layer, line_dash="dot", line_color="#888888")
+    led = f" · shaded: the layers it leads ({', '.join(f'{a}–{b}' if a != b else str(a) for a, b in _runs(check.leads))})" \
+        if check.leads else ""
+    layout(fig, f"Attention on the sink key, per layer, with {check.source}'s write at the sink token removed · "
+                f"perplexity {check.before.perplexity:.3f} → {check.after.perplexity:.3f}{led}", height=420)
+    fig.update_xaxes(title="layer", dtick=max(1, len(layers) // 15))
+    fig.update_yaxes(title="attention on the sink key (mean over heads)", rangemode="tozero")
+    fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.18, xanchor="left", x=0), margin=dict(b=110))
+    return fig
+
+
+def _runs(layers) -> list[tuple[int, int]]:
+    """[3, 4, 5, 9] → [(3, 5), (9, 9)]."""
+    out: list[tuple[int, int]] = []
+    for layer in sorted(layers):
+        if out and layer == out[-1][1] + 1:
+            out[-1] = (out[-1][0], layer)
+        else:
+            out.append((layer, layer))
+    return out

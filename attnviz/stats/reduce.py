@@ -107,7 +107,7 @@ class FusedReducer(BlockReducer):
 
     def add_scores(self, layer: int, q0: int, scores: torch.Tensor, allow: torch.Tensor, n_q: int, n_kv: int,
                    k0: int = 0) -> None:
-        """Pre-softmax scores of a block, when the capture keeps them (``capture(scores=True)``)."""
+        """Pre-softmax scores of a block, when the capture keeps them (``Keep(scores=True)``)."""
         raise NotImplementedError
 
 
@@ -223,7 +223,7 @@ CHOSEN = {"entropy", "allocation"}  # statistics that cost a pass over every blo
 
 
 class Summaries(FusedReducer):
-    """The engine's block reducer for ``capture(reduce=True)``: one :class:`LayerSummary` per layer
+    """The engine's block reducer for ``Keep(statistics=True)``: one :class:`LayerSummary` per layer
     (batch of one), started on a layer's first block and finished after its last. Every layer's
     state lives on that layer's own device (a device map may spread layers over several); its
     finished results go to the host once, in :meth:`finish`."""
@@ -266,7 +266,7 @@ class Summaries(FusedReducer):
         """Pre-softmax scores (B, H, b, w) of a block (keys k0 .. k0 + w - 1), -inf where forbidden:
         max-pooled like the maps (stats "pooled_scores"), for a long text's pre-softmax view."""
         if not self.pool:
-            raise ValueError("pooled scores need a pool size: capture(reduce=True, pool=..., scores=True)")
+            raise ValueError("pooled scores need a pool size: Keep(statistics=True, pool=..., scores=True)")
         if layer not in self.pooled_scores:
             self.pooled_scores[layer] = PooledMap(scores.shape[1], n_q, n_kv, self.pool)
         self.pooled_scores[layer].add(q0, scores[0], allow[0, 0], k0)

@@ -117,7 +117,23 @@ def explain(lm: LoadedModel, cell: Cell) -> list[dict]:
     return rows
 
 
-RUN = {"sinks": sinks, "eval": evaluate, "embed": embed, "compress": compress, "heads": heads, "explain": explain}
+def causal(lm: LoadedModel, cell: Cell) -> list[dict]:
+    """The causal check (docs/methods.md#the-causal-check) on the corpus's first ``max_tokens`` tokens: each block
+    that leads the sink key's score in some layer, patched at the sink token; per source and layer above it, the
+    sink's attention before and after, and the perplexity before and after (``attnviz explain --test``)."""
+    from attnviz.core.syntax import ranges
+    from attnviz.effects import causal as causal_mod
+    from attnviz.effects.evaluate import token_ids
+
+    ids = token_ids(lm, documents(cell.corpus).text, cell.options["max_tokens"])
+    checks = causal_mod.check(lm, corpus_mod.text_of(lm.tokenizer, ids), recipe(lm, cell), value=cell.options["value"])
+    return [{"source": c.source, "leads": ranges(c.leads), "patch": c.patch, "layer": row["layer"], "key": row["key"],
+             "sink_before": row["before"], "sink_after": row["after"], "perplexity_before": c.before.perplexity,
+             "perplexity_after": c.after.perplexity} for c in checks for row in c.as_json()["layers"]]
+
+
+RUN = {"sinks": sinks, "eval": evaluate, "embed": embed, "compress": compress, "heads": heads, "explain": explain,
+       "causal": causal}
 
 
 def schema():
@@ -153,4 +169,7 @@ COLUMNS = {
               "inactive_heads": "int64"},
     "explain": {"layer": "int64", "top_source": "string", "top_heads": "int64", "heads": "int64",
                 "top_share": "float64"},
+    "causal": {"source": "string", "leads": "string", "patch": "string", "layer": "int64", "key": "int64",
+               "sink_before": "float64", "sink_after": "float64", "perplexity_before": "float64",
+               "perplexity_after": "float64"},
 }

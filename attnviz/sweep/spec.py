@@ -36,7 +36,7 @@ def measure_options() -> dict[str, dict[str, tuple[type | tuple[type, ...], obje
     """measure -> {option: (type, default)}: each default read from the library function the measure
     calls (:mod:`attnviz.defaults`), the same the CLI's options and the app's widgets read."""
     from attnviz.defaults import of
-    from attnviz.effects import dataset, embedding, evaluate, explain, heads
+    from attnviz.effects import causal, dataset, embedding, evaluate, explain, heads
     from attnviz.kv import compress
 
     run, report = of(dataset.sinks), of(dataset.DatasetSinks.as_json)
@@ -53,11 +53,12 @@ def measure_options() -> dict[str, dict[str, tuple[type | tuple[type, ...], obje
                   "tau_stream": (float, tax["tau_stream"]), "tau_inactive": (float, tax["tau_inactive"]),
                   "sink": (int, tax["s"]), "window": (int, tax["w"])},
         "explain": {"max_tokens": (int, explain.DIAGNOSIS_TOKENS)},
+        "causal": {"max_tokens": (int, explain.DIAGNOSIS_TOKENS), "value": (str, of(causal.check)["value"])},
     }
 
 
 #: measures whose library call takes an intervention (docs/methods.md#interventions)
-INTERVENES = {"sinks", "eval", "explain"}
+INTERVENES = {"sinks", "eval", "explain", "causal"}
 TOP_KEYS = {"models", "archs", "interventions", "corpora", "measures"}
 #: The README's example: the sink-rate table of two architectures (the Sweeps page starts from it).
 EXAMPLE = """models = ["default"]
