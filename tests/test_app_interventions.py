@@ -67,3 +67,25 @@ def test_compare_without_and_with_a_bos_token(model_cache, tmp_path):
     names = [a["text"] for a in charts(at)[0]["layout"]["annotations"]]
     assert "A: fwd" in names and "B: fwd · BOS first" in names
     assert "one more token" in texts(at.caption)
+
+
+def test_the_sidebar_patches_a_block_and_the_sink_goes(model_cache, default_model, tmp_path):
+    """The sidebar's "patch a block": MLP 11's write at the sink token removed, the top layer's sink on the
+    heatmap falls to the value a capture of the same recipe gives."""
+    from attnviz.capture import capture
+    from attnviz.recipe import Recipe
+
+    at = app_test(tmp_path)
+    at.run()
+    before = charts(at)[0]
+    at.sidebar.selectbox(key="iv_pick").set_value("patch a block").run()
+    at.sidebar.text_input(key="iv_layers").input("11").run()
+    assert not at.exception and not at.error, texts(at.error)
+    spec = "patch(block=mlp, tokens=sink, value=zero)@11"
+    assert f"intervention `{spec}`" in texts(at.sidebar.caption)
+    after = charts(at)[0]
+    sink_before = np.nanmean(arr(before["data"][0]["customdata"])[1:, 0])
+    sink_after = np.nanmean(arr(after["data"][0]["customdata"])[1:, 0])
+    cap = capture(default_model, at.session_state["text"], Recipe.of(default_model, "fwd", spec))
+    expected = np.nanmean(cap.layer_probs(29).mean(0)[1:, 0])
+    assert abs(sink_after - expected) < 2e-3 and sink_after < sink_before / 2

@@ -109,3 +109,35 @@ def test_patch_in_decoding_with_a_cache_and_its_refusals():
 def test_bad_patches_are_refused(spec, message):
     with pytest.raises(InputError, match=message):
         I.parse(spec, 30, 9)
+
+
+def test_patch_in_every_entry_point_that_takes_an_intervention():
+    from attnviz.effects import dataset
+    from attnviz.effects.evaluate import evaluate
+    from attnviz.effects.generate import generate
+
+    lm = loaded("llama")
+    patched, plain = Recipe.of(lm, "fwd", "patch(block=mlp, tokens=0, value=mean)@0"), Recipe.of(lm, "fwd")
+    docs = [TEXT * 2, TEXT[::-1] * 2, TEXT.upper() * 2]
+    a, b = (dataset.sinks(lm, docs, r, max_len=16, n_samples=3) for r in (patched, plain))  # batches of several
+    assert a.alpha.shape == b.alpha.shape and not np.allclose(a.alpha[:, 1:], b.alpha[:, 1:], equal_nan=True)
+    np.testing.assert_allclose(a.alpha[:, 0], b.alpha[:, 0], equal_nan=True)  # layer 0's own attention: untouched
+    one = capture(lm, docs[0][:16], patched, FULL)  # a batch row is the text alone
+    np.testing.assert_allclose(a.alpha[0, 1], one.stat(1, "alpha")[:, :16], atol=1e-5, equal_nan=True)
+    assert evaluate(lm, TEXT, patched, window=16).nll != pytest.approx(evaluate(lm, TEXT, plain, window=16).nll)
+    zero = Recipe.of(lm, "fwd", "patch(block=attn, tokens=0)@0")
+    assert generate(lm, TEXT, zero, max_new_tokens=3).new_ids is not None
+
+
+def test_cli_capture_with_a_patch_is_the_librarys(default_model, tmp_path):
+    from test_cli import run
+
+    from attnviz.capture import Capture
+
+    spec = "patch(block=mlp, tokens=0, value=zero)@11"
+    out = run("capture", "--intervene", spec, "--text", "The cat sat on the mat.", "--out", str(tmp_path / "x.npz"))
+    assert out.returncode == 0, out.stderr
+    saved = Capture.load(tmp_path / "x.npz")
+    assert saved.meta["intervene"] == spec
+    ours = capture(default_model, "The cat sat on the mat.", Recipe.of(default_model, "fwd", spec))
+    np.testing.assert_allclose(saved.layer_probs(20), ours.layer_probs(20), atol=2e-3)  # fp16 storage

@@ -109,7 +109,8 @@ def _arch_controls(n_layers: int) -> str:
     return pick.lower()
 
 
-INTERVENTIONS = ["none", "sinkscale (ACT)", "sinklogit", "temperature", "ablate heads", "Advanced (string)"]
+INTERVENTIONS = ["none", "sinkscale (ACT)", "sinklogit", "temperature", "ablate heads", "patch a block",
+                 "Advanced (string)"]
 
 
 def _intervention_controls(n_layers: int, n_heads: int) -> str | None:
@@ -117,13 +118,13 @@ def _intervention_controls(n_layers: int, n_heads: int) -> str | None:
     string is checked where it is used (Settings.recipe), which shows what is wrong."""
     pick = st.selectbox("Intervention", INTERVENTIONS, key="iv_pick",
                         help="Beyond the mask: turn the sink down (ACT), give attention somewhere else to go (a sink "
-                             "logit), sharpen or flatten it, or remove heads; composes with any architecture")
+                             "logit), sharpen or flatten it, remove heads, or remove a block's write at some tokens "
+                             "(patch); composes with any architecture")
     if pick == "none":
         return None
     if pick == "Advanced (string)":
         return st.text_input("Intervention string (docs/methods.md#interventions)", "sinkscale(beta=0.3)@20-29; ablate(heads=0,3)@5",
-                             key="iv_text", help="sinklogit(b=B), sinkscale(key=K, beta=B), temperature(t=T), "
-                                                 "ablate(heads=..., how=zero|mean), each @LAYERS, joined with ';'")
+                             key="iv_text", help=interventions.USAGE)
     top = f"{max(0, n_layers - 10)}-{n_layers - 1}"
     layers = st.text_input("in layers (e.g. 20-29 or 0,5,7; empty: all)", top, key="iv_layers").strip()
     where = f"@{layers}" if layers else ""
@@ -137,6 +138,11 @@ def _intervention_controls(n_layers: int, n_heads: int) -> str | None:
     if pick == "temperature":
         t = st.number_input("t: scores divided by t", 0.05, 20.0, 2.0, 0.05, key="iv_t")
         return f"temperature(t={t:g}){where}"
+    if pick == "patch a block":
+        block = st.radio("block", ["mlp", "attn"], horizontal=True, key="iv_block")
+        tokens = st.text_input("at tokens (0, 0,1 or sink: each layer's sink key)", "sink", key="iv_tokens").strip()
+        value = st.radio("its output there becomes", ["zero", "mean"], horizontal=True, key="iv_value")
+        return f"patch(block={block}, tokens={tokens or 'sink'}, value={value}){where}"
     heads = st.multiselect("heads", list(range(n_heads)), [0], key="iv_heads")
     how = st.radio("replaced by", ["zero", "mean"], horizontal=True, key="iv_how")
     return f"ablate(heads={','.join(map(str, heads))}, how={how}){where}" if heads else None
