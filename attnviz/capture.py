@@ -261,14 +261,15 @@ def parse_layers(layers, n_layers: int) -> list[int]:
 
 def host_allowed(run, layers) -> dict[int, np.ndarray]:
     """Every recorded layer's (n_q, n_kv) allow-set on the host; layers that share a mask share one
-    array (one copy from the device per mask, not per layer: 1 GB each at 32k tokens)."""
+    array (one copy from the device per mask, not per layer: 1 GB each at 32k tokens). An allow-set that was
+    never made whole (a plain causal one, one made a block of rows at a time) is made on the host."""
     copies: dict[int, np.ndarray] = {}
     out = {}
     for layer in layers:
         allow = run.allowed[layer]
         key = allow if isinstance(allow, engine.CausalAllow) else id(allow)
         if key not in copies:
-            copies[key] = allow.host() if isinstance(allow, engine.CausalAllow) else allow[0, 0].cpu().numpy()
+            copies[key] = allow.host() if hasattr(allow, "host") else allow[0, 0].cpu().numpy()
         out[layer] = copies[key]
     return out
 

@@ -31,7 +31,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from attnviz import corpus, load, regions
-    from attnviz.capture import capture, checkpoint_bytes
+    from attnviz.capture import capture
+    from attnviz.plan import checkpoint_bytes
     from attnviz.plan import Keep
 
     lm = load("default")

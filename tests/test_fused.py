@@ -226,6 +226,34 @@ def test_a_causal_statistics_capture_makes_nothing_of_n_squared_elements(pool, m
     np.testing.assert_array_equal(fused.allowed[0], np.tri(n, dtype=bool))
 
 
+@pytest.mark.parametrize("spec", ["nosink-fwd(m=2)*3", "bidir*3", "sliding(w=9)*3", "mask0-bidir(k=1)"])
+@pytest.mark.parametrize("pool", [None, 24])
+def test_the_block_route_makes_each_blocks_allow_set_alone(spec, pool, monkeypatch):
+    """Any mask on the block route (the CPU's statistics route): each block of query rows gets its own rows of the
+    allow-set, so no tensor of n_q × n_kv elements exists during a statistics capture (before, one whole allow-set
+    per mask); the host's copy the capture keeps is made a chunk of rows at a time. Statistics, pooled maps and the
+    kept allow-set equal the whole-allow-set route's (full maps, which keep it whole)."""
+    from attnviz.stats import reduce
+
+    monkeypatch.setenv("ATTNVIZ_FUSED", "0")
+    monkeypatch.setattr(reduce, "CHUNK_ELEMENTS", 256)
+    lm = loaded("llama")
+    n = len(lm.tokenizer(TEXT)["input_ids"])
+    keep = Keep(statistics=True, pool=pool, block_bytes=4 * 4 * n * 7)  # several blocks a layer
+    with _Largest() as seen:
+        stats = capture(lm, TEXT, spec, keep)
+    biggest = max(seen.made)
+    assert biggest[0] < n * n, f"{biggest[1]} made {biggest[0]} elements, n² = {n * n}"
+    full = capture(lm, TEXT, spec, Keep(storage_dtype=torch.float32))
+    for layer in full.layers:
+        np.testing.assert_array_equal(stats.allowed[layer], full.allowed[layer])
+        for name, value in stats.stats[layer].items():
+            if name.startswith("pool"):
+                continue
+            np.testing.assert_allclose(np.asarray(value, np.float32), np.asarray(full.stat(layer, name), np.float32),
+                                       atol=1e-5, equal_nan=True, err_msg=f"{spec} {name}")
+
+
 @pytest.mark.parametrize("spec", ["nosink-fwd(m=2)", "back", "sliding(w=9)", "global(w=5, g=2)"])
 def test_a_masks_layout_counted_by_chunks_equals_its_sums(spec, monkeypatch):
     """Any other mask's counts come from its allow-set a chunk of rows at a time, never as one n × n temporary."""

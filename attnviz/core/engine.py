@@ -170,13 +170,28 @@ class Run(Recorded, Cached, Asked):
         mask = self.masks[layer]
         key = (id(mask), n_q, n_kv, window, torch.device(device))  # a device map puts layers on several devices
         if key not in self._allow_cache:
-            kv_pos = self.positions[:, -n_kv:].to(device)
-            q_pos = self.query_positions(n_q, device)
-            allow = mask.allow(q_pos[:, None, :, None], kv_pos[:, None, None, :])
-            if window and mask.causal_type:
-                allow = allow & ((q_pos[:, None, :, None] - kv_pos[:, None, None, :]) < window)
-            allow = allow & self.valid[:, -n_kv:].to(device)[:, None, None, :]
-            self._allow_cache[key] = keep_self_if_empty(allow)
+            self._allow_cache[key] = self.allow_rows(layer, n_q, n_kv, window, device, 0, n_q)
+        return self._allow_cache[key]
+
+    def allow_rows(self, layer: int, n_q: int, n_kv: int, window: int | None, device, q0: int,
+                   q1: int) -> torch.Tensor:
+        """(B, 1, q1 - q0, n_kv): query rows q0 .. q1 - 1 of :meth:`allow`, made alone (a row's allowed keys
+        depend on that row only, keep-self included)."""
+        mask = self.masks[layer]
+        kv_pos = self.positions[:, -n_kv:].to(device)
+        q_pos = self.query_positions(n_q, device)[:, q0:q1]
+        allow = mask.allow(q_pos[:, None, :, None], kv_pos[:, None, None, :])
+        if window and mask.causal_type:
+            allow = allow & ((q_pos[:, None, :, None] - kv_pos[:, None, None, :]) < window)
+        allow = allow & self.valid[:, -n_kv:].to(device)[:, None, None, :]
+        return keep_self_if_empty(allow, n_kv - n_q + q0)
+
+    def rowwise(self, layer: int, n_q: int, n_kv: int, window: int | None, device) -> "RowwiseAllow":
+        """The layer's allow-set as a :class:`RowwiseAllow` (made a block of rows at a time, never n_q × n_kv
+        at once), shared by layers with the same mask like :meth:`allow`."""
+        key = ("rowwise", id(self.masks[layer]), n_q, n_kv, window, torch.device(device))
+        if key not in self._allow_cache:
+            self._allow_cache[key] = RowwiseAllow(self, layer, n_q, n_kv, window, torch.device(device))
         return self._allow_cache[key]
 
     def block_rows(self, row_elements: int, device=None) -> int:
@@ -390,7 +405,17 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         return run.finish(layer, out)
     # the fused route under a plain causal mask makes no allow-set: its counts, key ranges and pooled cells
     # are arithmetic (reduce.Layout.causal), and SDPA runs is_causal
-    allow = None if route is Route.FUSED and plain_causal else run.allow(layer, n_q, n_kv, sliding_window, query.device)
+    # the block route with recorders that all take the layer a block of rows at a time makes each block's rows
+    # of the allow-set as it goes: nothing n_q x n_kv on the device (a plain causal fused layer makes none)
+    rowwise = (route is Route.BLOCKS and bool(recs) and mask.stable is None and not run.keep_graph
+               and not run.has_head_mask(layer) and not torch.is_grad_enabled()
+               and not any(r.whole_layer or r.all_keys for r in recs))
+    if route is Route.FUSED and plain_causal:
+        allow = None
+    elif rowwise:
+        allow = run.rowwise(layer, n_q, n_kv, sliding_window, query.device)
+    else:
+        allow = run.allow(layer, n_q, n_kv, sliding_window, query.device)
     if run.has_head_mask(layer):
         allow = keep_self_if_empty(allow & run.head_mask(layer, n_heads, n_q, n_kv, query.device)[None])
     if route is Route.SDPA_MASKED:
@@ -429,7 +454,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         if only is not None and (q1 <= only[0] or q0 >= only[1]):
             outs.append(query.new_zeros(batch, n_heads, q1 - q0, value.shape[-1]))
             continue
-        block_allow = allow[:, :, q0:q1, k0:k1]
+        block_allow = _rows(allow, q0, q1)[..., k0:k1]
         probs = _block_probs(run, layer, mask, query[:, :, q0:q1], key[:, :, k0:k1], scaling, block_allow,
                              None if bias is None else bias[:, :, q0:q1, k0:k1], softcap, s_aux, q_pos[:, q0:q1],
                              kv_pos[:, k0:k1], q0, k0, recs)
@@ -480,6 +505,41 @@ def _fused_layer(run: Run, layer: int, recs, query, key, value, allow, scaling: 
     return run.finish(layer, out)
 
 
+class RowwiseAllow:
+    """A layer's (B, 1, n_q, n_kv) allow-set that is never made whole: :meth:`rows` makes a block of query rows
+    on the layer's device (the block route asks for each block's rows as it goes), :meth:`host` the whole set
+    on the host, a chunk of rows at a time (what a capture keeps). Used by the block route when every
+    recorder takes the layer block by block: nothing n_q × n_kv is then made on the device."""
+
+    def __init__(self, run: "Run", layer: int, n_q: int, n_kv: int, window: int | None, device: torch.device):
+        self.run, self.layer, self.window, self.device = run, layer, window, device
+        self.shape = (run.valid.shape[0], 1, n_q, n_kv)
+
+    def rows(self, q0: int, q1: int) -> torch.Tensor:
+        return self.run.allow_rows(self.layer, self.shape[2], self.shape[3], self.window, self.device, q0, q1)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        """Indexing makes the whole set (B, 1, n_q, n_kv) first, as :meth:`Run.allow` would have: for a reader
+        of ``run.allowed`` that wants it whole (the capture reads :meth:`host` instead)."""
+        return self.rows(0, self.shape[2])[index]
+
+    def host(self):
+        import numpy as np
+
+        n_q, n_kv = self.shape[2], self.shape[3]
+        out = np.empty((n_q, n_kv), dtype=bool)
+        step = max(1, reduce.CHUNK_ELEMENTS // max(n_kv, 1))
+        for q0 in range(0, n_q, step):
+            out[q0:q0 + step] = self.run.allow_rows(self.layer, n_q, n_kv, self.window, "cpu", q0,
+                                                    min(q0 + step, n_q))[0, 0].numpy()
+        return out
+
+
+def _rows(allow, q0: int, q1: int) -> torch.Tensor:
+    """Rows q0 .. q1 - 1 of an allow-set, whole (a tensor) or :class:`RowwiseAllow`."""
+    return allow.rows(q0, q1) if isinstance(allow, RowwiseAllow) else allow[:, :, q0:q1]
+
+
 @dataclass(frozen=True)
 class CausalAllow:
     """A recorded layer's plain causal allow-set of ``n`` tokens, not made on the device: the fused route
@@ -498,8 +558,9 @@ def _block_ranges(allow: torch.Tensor, rows: int) -> torch.Tensor:
     """(blocks, 2) [first, last + 1) of the keys any row of each block of ``rows`` query rows of a
     (B, 1, n_q, n_kv) allow-set may see (every key for a block that sees none), on allow's device."""
     n_q, n_kv = allow.shape[-2], allow.shape[-1]
-    seen = torch.stack([allow[:, :, q0:q0 + rows].any(2).any(1).any(0) for q0 in range(0, n_q, rows)])  # (blocks, n_kv)
-    index = torch.arange(n_kv, device=allow.device)
+    seen = torch.stack([_rows(allow, q0, min(q0 + rows, n_q)).any(2).any(1).any(0)
+                        for q0 in range(0, n_q, rows)])  # (blocks, n_kv)
+    index = torch.arange(n_kv, device=seen.device)
     first = torch.where(seen, index, n_kv).amin(-1)
     last = torch.where(seen, index, -1).amax(-1) + 1
     none = ~seen.any(-1)

@@ -170,20 +170,22 @@ class Mask:
 _SMALL_ALLOW = 1 << 16  # allow-sets up to this many cells are fixed without asking the device first
 
 
-def keep_self_if_empty(allow: torch.Tensor) -> torch.Tensor:
-    """A query whose every key is masked keeps its own key (the last ``n_q`` keys are the queries').
+def keep_self_if_empty(allow: torch.Tensor, first: int | None = None) -> torch.Tensor:
+    """A query whose every key is masked keeps its own key (the last ``n_q`` keys are the queries'; for some
+    rows of a larger allow-set, ``first`` is the key of the first row's own).
 
     This is what seed 000's reference code does for row 0 under NoSink: no NaN, and no silent
     uniform leak over future keys as a -inf-everywhere row would give.
     """
     n_q, n_k = allow.shape[-2], allow.shape[-1]
+    first = n_k - n_q if first is None else first
     empty = ~allow.any(-1, keepdim=True)
     # Whether any row is empty is a host read (on a GPU, a wait for the device): worth it to skip two
     # n x n passes on a long text, not on a decoding step's single row, which stays sync-free.
     if allow.numel() > _SMALL_ALLOW and not bool(empty.any()):
         return allow
     diagonal = torch.zeros(n_q, n_k, dtype=torch.bool, device=allow.device)
-    diagonal[torch.arange(n_q, device=allow.device), torch.arange(n_k - n_q, n_k, device=allow.device)] = True
+    diagonal[torch.arange(n_q, device=allow.device), torch.arange(first, first + n_q, device=allow.device)] = True
     return allow | (empty & diagonal)
 
 
