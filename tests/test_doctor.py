@@ -125,13 +125,13 @@ def _wrong_scale(monkeypatch):
 
 
 def _mask_off_by_one_key(monkeypatch):
-    real = engine.Run.allow
+    real = engine.Run.allow_rows  # where every allow-set is made, whole or a block of rows at a time
 
     def wrong(self, *args, **kwargs):  # every query also sees the key after its last allowed one
         allow = real(self, *args, **kwargs)
         return allow | torch.roll(allow, 1, dims=-1)
 
-    monkeypatch.setattr(engine.Run, "allow", wrong)
+    monkeypatch.setattr(engine.Run, "allow_rows", wrong)
 
 
 def _statistic_from_the_wrong_row(monkeypatch):

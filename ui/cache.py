@@ -204,6 +204,8 @@ def get_capture(loaded: LoadedModel, text: str, recipe: Recipe, hidden: bool = T
     if planned is None or not within_token_cap(planned.n_tokens):
         return None
     keep = planned.keep
+    for note in planned.notes:  # how it runs, where that matters (a statistic the fused kernel lacks)
+        st.caption(note)
     key = (recipe.key, text, dataclasses.replace(keep, checkpoints=0))
     store = _captures()
     if key not in store:
