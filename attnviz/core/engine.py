@@ -15,6 +15,7 @@ import contextvars
 import enum
 import functools
 import inspect
+import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,6 +36,10 @@ from attnviz.stats import reduce
 from attnviz.stats.reduce import pool_factor
 
 KEY = "attnviz"
+# Allow-sets up to this size are made whole, once per mask, and shared by every layer with that mask (at 8,192
+# tokens, 64 MB: making each block's rows for every layer instead cost 10 % of a statistics capture on the CPU);
+# larger ones (1 GB at 32,768 tokens) are made a block of rows at a time (RowwiseAllow) where the route allows.
+WHOLE_ALLOW_BYTES = int(os.environ.get("ATTNVIZ_WHOLE_ALLOW_MB", "256")) * 2**20
 _NO_KEY_MASK = Intervention.key_mask
 _RUN: contextvars.ContextVar["Run | None"] = contextvars.ContextVar("attnviz_run", default=None)
 
@@ -406,8 +411,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     # the fused route under a plain causal mask makes no allow-set: its counts, key ranges and pooled cells
     # are arithmetic (reduce.Layout.causal), and SDPA runs is_causal
     # the block route with recorders that all take the layer a block of rows at a time makes each block's rows
-    # of the allow-set as it goes: nothing n_q x n_kv on the device (a plain causal fused layer makes none)
-    rowwise = (route is Route.BLOCKS and bool(recs) and mask.stable is None and not run.keep_graph
+    # of a large allow-set as it goes: nothing n_q x n_kv on the device (a plain causal fused layer makes none)
+    rowwise = (route is Route.BLOCKS and batch * n_q * n_kv > WHOLE_ALLOW_BYTES and bool(recs)
+               and mask.stable is None and not run.keep_graph
                and not run.has_head_mask(layer) and not torch.is_grad_enabled()
                and not any(r.whole_layer or r.all_keys for r in recs))
     if route is Route.FUSED and plain_causal:
