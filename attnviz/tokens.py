@@ -42,7 +42,8 @@ def tokenize(loaded: LoadedModel, text: str, max_tokens: int | None = None,
         if hit is not None:
             _memo.move_to_end(key)
     if hit is None:
-        hit = _tokenize(loaded, text, max_tokens, prepend)
+        # the entry holds the tokenizer itself: while it is remembered, no other object can take its id
+        hit = (*_tokenize(loaded, text, max_tokens, prepend), loaded.tokenizer)
         with _lock:
             _memo[key] = hit
             while len(_memo) > REMEMBERED:

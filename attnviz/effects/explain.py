@@ -302,7 +302,7 @@ class Diagnosis:
     def leading(self) -> tuple[str, int]:
         """The source that contributes most to the sink key's score in the most heads, and in how many."""
         tops = [h["key_sources"][0][0] for h in self.heads]
-        best = max(set(tops), key=tops.count)
+        best = max(tops, key=tops.count)  # a tie goes to the lowest head's source: the same in every process
         return best, tops.count(best)
 
     def as_json(self) -> dict:
