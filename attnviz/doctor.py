@@ -1,8 +1,12 @@
 """``attnviz doctor``: whether attnviz is right, and how fast, on this machine and this model.
 
-Run it first on a GPU (docs/gpu.md). Every check is PASS, FAIL or SKIP (with why), and carries what it
-compared, what it measured, its limit and why the limit is what it is; the command exits 0 only when
-nothing failed. ``--json`` prints the whole report, to paste into a bug report.
+Run it first on a GPU (docs/gpu.md). Every correctness check is PASS, FAIL or SKIP (with why), and carries
+what it compared, what it measured, its limit and why the limit is what it is; the command exits 0 only when
+no correctness check failed. Speed is reported, never judged: a speed check is TIME, with its ratio and the
+ratio attnviz is built to stay under, and a plain "slower than expected" when the ratio is above it. A slow
+machine is not a broken install (a 2-core Xeon with AMX runs stock bfloat16 SDPA several times faster than
+the statistics route, which has no AMX path), so no timing can make the command exit non-zero.
+``--json`` prints the whole report, to paste into a bug report.
 
 1. **Environment**: torch, transformers, Triton and attnviz versions; every device with its free
    memory; the device and dtype the model runs in.
@@ -24,7 +28,8 @@ nothing failed. ``--json`` prints the whole report, to paste into a bug report.
 3. **Speed** on a ``tokens``-long text (at most the model's own limit): a statistics capture against a
    plain SDPA forward of the same tokens. Each timed window repeats the call until the plain forward has
    run for at least a quarter of a second (a small model's forward on a GPU takes milliseconds), timed
-   with CUDA events on a GPU; on CUDA also the fused kernel against the block engine.
+   with CUDA events on a GPU; on CUDA also the fused kernel against the block engine. Each is a TIME line
+   (ratio, expected ratio, and "slower than expected" above it), never a FAIL.
 
 Tolerances (:func:`tolerance`): 1e-4 in float32 (docs/methods.md#devices); two steps of the dtype at 1 in
 bfloat16 (0.0156) and float16 (0.00195): each route rounds a layer's probabilities once in the dtype (half
@@ -52,7 +57,7 @@ FP16_STEP = 2.0 ** -10  # one float16 step, relative: what a pooled map (kept in
 MIN_WINDOW_S = 0.25  # a timed window runs the plain forward at least this long (repetitions fill it)
 MAX_REPEATS = 200
 EQUIVALENCE_TOKENS = 48
-SPEED_LIMIT = {"cpu": 3.0, "cuda": 2.0, "mps": 3.0}  # statistics capture / plain SDPA forward
+SPEED_EXPECTED = {"cpu": 3.0, "cuda": 2.0, "mps": 3.0}  # statistics capture / plain SDPA forward: what we aim for
 
 
 def tolerance(dtype: torch.dtype) -> tuple[float, str]:
@@ -69,7 +74,7 @@ def tolerance(dtype: torch.dtype) -> tuple[float, str]:
 @dataclass
 class Check:
     name: str
-    status: str  # "PASS" | "FAIL" | "SKIP"
+    status: str  # "PASS" | "FAIL" | "SKIP" for correctness; "TIME" for a speed report (never a verdict)
     measured: float | None = None
     limit: float | None = None
     detail: str = ""
@@ -82,9 +87,23 @@ class Check:
         """PASS when ``measured`` is within ``limit`` (NaN is not), else FAIL."""
         return cls(name, "PASS" if measured <= limit else "FAIL", measured, limit, **more)
 
+    @classmethod
+    def timed(cls, name: str, ratio: float, expected: float, **more) -> "Check":
+        """A speed report: ``ratio`` against the ratio attnviz aims for. Its status is TIME whatever the ratio;
+        above ``expected`` its detail says "slower than expected" (a machine's speed is not a defect)."""
+        slow = not ratio <= expected
+        detail = more.pop("detail", "")
+        note = f"slower than expected (aimed for at most {expected:g}x)" if slow else f"as expected (at most {expected:g}x)"
+        return cls(name, "TIME", ratio, expected, detail=f"{detail} · {note}" if detail else note, ratio=ratio, **more)
+
     def line(self, say_why: bool = True) -> str:
         """``PASS name: measured … (limit …)``, and under it what was compared and why the limit is what it is."""
-        numbers = "" if self.measured is None else f": measured {self.measured:.3g} (limit {self.limit:.3g})"
+        if self.measured is None:
+            numbers = ""
+        elif self.status == "TIME":
+            numbers = f": ratio {self.measured:.3g}"
+        else:
+            numbers = f": measured {self.measured:.3g} (limit {self.limit:.3g})"
         head = f"{self.status:4} {self.name}{numbers}{' · ' + self.detail if self.detail else ''}"
         said = "; ".join(part for part in (self.compared, self.why and say_why and f"limit: {self.why}") if part)
         return head + (f"\n       {said}" if said else "")
@@ -100,7 +119,7 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return all(c.status != "FAIL" for c in self.checks)
+        return all(c.status != "FAIL" for c in self.checks)  # a TIME line is never a verdict
 
     def as_json(self) -> dict:
         return {"environment": self.environment, "checks": [c.as_json() for c in self.checks], "ok": self.ok}
@@ -119,7 +138,8 @@ class Report:
                          + [f"{'all checks passed' if self.ok else 'FAILED'}: "
                             f"{sum(c.status == 'PASS' for c in self.checks)} passed, "
                             f"{sum(c.status == 'FAIL' for c in self.checks)} failed, "
-                            f"{sum(c.status == 'SKIP' for c in self.checks)} skipped"])
+                            f"{sum(c.status == 'SKIP' for c in self.checks)} skipped, "
+                            f"{sum(c.status == 'TIME' for c in self.checks)} timed"])
 
 
 def pick_device(asked: str = "auto") -> str:
@@ -508,14 +528,15 @@ def speed(loaded: LoadedModel, text: str, device: str) -> list[Check]:
     repeats = repeats_for(_timed(plain, device, 1, windows=1))
     base = _timed(plain, device, repeats)
     stats = _timed(lambda: capture(loaded, text, "fwd", Keep(statistics=True)), device, repeats)
-    limit = SPEED_LIMIT.get(device, 3.0)
+    expected = SPEED_EXPECTED.get(device, 3.0)
     ratio = stats / base
     name = f"speed: statistics of {len(ids)} tokens vs a plain {'SDPA' if reference == 'sdpa' else reference} forward"
     timing = f"{repeats} call{'s' if repeats > 1 else ''} a window, median of 3 windows"
-    checks = [Check.against(name, ratio, limit, ratio=ratio, detail=f"{stats * 1000:.1f} ms vs {base * 1000:.1f} ms a call",
-                            compared=f"a statistics capture and a plain forward of the same tokens ({timing}"
-                                     f"{', CUDA events' if device == 'cuda' else ''})",
-                            why=f"{limit:g}x on {device}: the statistics route's budget over the forward it records")]
+    checks = [Check.timed(name, ratio, expected, detail=f"{stats * 1000:.1f} ms vs {base * 1000:.1f} ms a call",
+                          compared=f"a statistics capture and a plain forward of the same tokens ({timing}"
+                                   f"{', CUDA events' if device == 'cuda' else ''})",
+                          why=f"{expected:g}x on {device}: what the statistics route aims for over the forward it "
+                              "records; a report, not a verdict (stock kernels may be much faster on some CPUs)")]
     if device == "cuda":
         from attnviz.core import kernels
 
@@ -525,10 +546,10 @@ def speed(loaded: LoadedModel, text: str, device: str) -> list[Check]:
             with _setting("ATTNVIZ_FUSED", "0"):
                 blocks = _timed(lambda: capture(loaded, text, "fwd", Keep(statistics=True)), device, repeats)
             ratio = fused / blocks
-            checks.append(Check.against("speed: fused kernel vs block engine", ratio, 1.0, ratio=ratio,
-                                        detail=f"{fused * 1000:.1f} ms vs {blocks * 1000:.1f} ms a call",
-                                        compared=f"a statistics capture through each route ({timing})",
-                                        why="the fused kernel exists to be faster than the block engine"))
+            checks.append(Check.timed("speed: fused kernel vs block engine", ratio, 1.0,
+                                      detail=f"{fused * 1000:.1f} ms vs {blocks * 1000:.1f} ms a call",
+                                      compared=f"a statistics capture through each route ({timing})",
+                                      why="the fused kernel exists to be faster than the block engine"))
         else:
             checks.append(Check("speed: fused kernel vs block engine", "SKIP", detail="the fused kernel is not in use"))
     return checks

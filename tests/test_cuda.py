@@ -98,7 +98,7 @@ def test_doctor_passes_on_the_gpu_and_names_the_fallback_when_the_kernel_fails(m
     assert by_name["statistics, fused kernel vs their definitions on the full maps"].status == "PASS"
     assert by_name["maps of every layer vs stock eager (float32, end to end)"].status == "PASS"  # cast for it
     speed = by_name["speed: fused kernel vs block engine"]  # reported on a GPU, never skipped
-    assert speed.status in ("PASS", "FAIL") and speed.ratio > 0
+    assert speed.status == "TIME" and speed.ratio > 0
 
     def broken():
         raise RuntimeError("PTX .version 9.9 does not support .target sm_99")
