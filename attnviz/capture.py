@@ -73,7 +73,7 @@ class Capture:
     layer_masks: list[str]
     layers: list[int]
     kv_groups: list[int]
-    allowed: dict[int, np.ndarray]
+    allowed: dict[int, np.ndarray]  # (n_q, n_kv) per layer: the cells some head may see
     probs: dict[int, np.ndarray] = field(default_factory=dict)
     stats: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     next_logprobs: np.ndarray | None = None
@@ -89,6 +89,9 @@ class Capture:
     # layer -> that layer's input hidden states (n, d) on the host, in the model's dtype: a region of a
     # long capture resumes its forward from the nearest one below it (regions.of_capture). Not saved.
     checkpoints: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    # layer -> (H, n_q, n_kv): each head's own allow-set, for layers whose heads have masks of their own
+    # (a headwindow intervention, a compressed cache); ``allowed`` holds the cells some head may see
+    head_allowed: dict[int, np.ndarray] = field(default_factory=dict)
     _summaries: dict[int, dict[str, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -122,10 +125,22 @@ class Capture:
             return 1
         return int(self.stats[layer]["pool_factor"])
 
+    def allowed_of(self, layer: int, head: int | None = None) -> np.ndarray:
+        """The cells ``head`` of ``layer`` may see (n_q, n_kv): its own mask where the layer's heads have their
+        own (a headwindow intervention), else the layer's; ``head=None``: the cells some head may see."""
+        own = self.head_allowed.get(layer)
+        return self.allowed[layer] if own is None or head is None else own[head]
+
+    def layer_allowed(self, layer: int) -> np.ndarray:
+        """(n_q, n_kv), or (H, n_q, n_kv) where the layer's heads have masks of their own: what every
+        statistic of the layer is read through (each head through its own mask)."""
+        return self.head_allowed.get(layer, self.allowed[layer])
+
     def layer_view(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """((H, m, m') values, (m, m') allowed) of a layer: the full maps, or a long capture's
-        max-pooled ones (``Keep(statistics=True, pool=...)``), whichever this capture kept."""
-        return self._pooled_or(layer, "pooled", lambda: (self.layer_probs(layer), self.allowed[layer]))
+        """((H, m, m') values, allowed) of a layer: the full maps, or a long capture's max-pooled ones
+        (``Keep(statistics=True, pool=...)``), whichever this capture kept. ``allowed`` is (m, m'), or
+        (H, m, m') for full maps of a layer whose heads have masks of their own (:func:`head_cells` picks one)."""
+        return self._pooled_or(layer, "pooled", lambda: (self.layer_probs(layer), self.layer_allowed(layer)))
 
     def value_view(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Like :meth:`layer_view` for the value-weighted maps ||A[i, j] W_O^h v_j^h||: full, or a long
@@ -177,7 +192,7 @@ class Capture:
                                    "capture with Keep(statistics=True) for all of them")
             return self.stats[layer][name]
         if layer not in self._summaries:  # computed once per layer: pages ask for several statistics
-            self._summaries[layer] = summarise(self.layer_probs(layer), self.allowed[layer], self.tokens)
+            self._summaries[layer] = summarise(self.layer_probs(layer), self.layer_allowed(layer), self.tokens)
         return self._summaries[layer][name]
 
     def memo(self, key, compute):
@@ -194,6 +209,8 @@ class Capture:
         arrays: dict[str, np.ndarray] = {"token_ids": np.asarray(self.token_ids, dtype=np.int64)}
         for layer in self.layers:
             arrays[f"allowed_{layer}"] = self.allowed[layer]
+            if layer in self.head_allowed:
+                arrays[f"headallowed_{layer}"] = self.head_allowed[layer]
             if layer in self.probs:
                 arrays[f"probs_{layer}"] = self.probs[layer]
             for name, value in self.stats.get(layer, {}).items():
@@ -240,6 +257,7 @@ class Capture:
             text=header["text"], tokens=header["tokens"], token_ids=data["token_ids"].tolist(),
             arch=header["arch"], layer_masks=header["layer_masks"], layers=layers,
             kv_groups=header["kv_groups"], allowed={l: data[f"allowed_{l}"] for l in layers},
+            head_allowed={l: data[f"headallowed_{l}"] for l in layers if f"headallowed_{l}" in data.files},
             probs={l: data[f"probs_{l}"] for l in layers if f"probs_{l}" in data.files}, stats=stats,
             next_logprobs=data["next_logprobs"] if "next_logprobs" in data.files else None,
             hidden=data["hidden"] if "hidden" in data.files else None,
@@ -262,16 +280,26 @@ def parse_layers(layers, n_layers: int) -> list[int]:
 def host_allowed(run, layers) -> dict[int, np.ndarray]:
     """Every recorded layer's (n_q, n_kv) allow-set on the host; layers that share a mask share one
     array (one copy from the device per mask, not per layer: 1 GB each at 32k tokens). An allow-set that was
-    never made whole (a plain causal one, one made a block of rows at a time) is made on the host."""
+    never made whole (a plain causal one, one made a block of rows at a time) is made on the host. A layer whose
+    heads have masks of their own gets the cells some head may see here, and each head's own in
+    :func:`head_allowed`."""
     copies: dict[int, np.ndarray] = {}
     out = {}
     for layer in layers:
         allow = run.allowed[layer]
         key = allow if isinstance(allow, engine.CausalAllow) else id(allow)
         if key not in copies:
-            copies[key] = allow.host() if hasattr(allow, "host") else allow[0, 0].cpu().numpy()
+            copies[key] = (allow.host() if hasattr(allow, "host")
+                           else allow[0].any(0).cpu().numpy() if allow.shape[1] > 1 else allow[0, 0].cpu().numpy())
         out[layer] = copies[key]
     return out
+
+
+def head_allowed(run, layers) -> dict[int, np.ndarray]:
+    """The (H, n_q, n_kv) allow-set of every recorded layer whose heads have masks of their own (a headwindow
+    intervention, a compressed cache): what each head may see. Other layers are not here (one mask for all)."""
+    return {layer: run.allowed[layer][0].cpu().numpy() for layer in layers
+            if isinstance(run.allowed[layer], torch.Tensor) and run.allowed[layer].shape[1] > 1}
 
 
 def _versions() -> dict[str, str]:
@@ -323,7 +351,7 @@ def capture(loaded: LoadedModel, text: str, recipe: "str | arch_mod.Architecture
     return Capture(
         text=text, tokens=tokens, token_ids=list(ids), arch=architecture.spec,
         layer_masks=architecture.layer_names, layers=record, kv_groups=loaded.kv_groups,
-        allowed=host_allowed(run, record),
+        allowed=host_allowed(run, record), head_allowed=head_allowed(run, record),
         probs={l: run.probs[l][0].numpy() for l in run.probs},
         stats={l: run.reduced[l] for l in run.reduced},
         next_logprobs=torch.log_softmax(logits, -1).cpu().numpy(),

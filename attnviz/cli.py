@@ -575,7 +575,7 @@ def _intervene_args(p, bos: bool = False):
 
 
 RESIDUAL_HELP = "a residual variant (docs/methods.md#residual-variants): method1, method2, method3.1, method3.2, " \
-                "method4.1, method4.2 (Llama-family models)"
+                "method4.1, method4.2 (sequential pre-norm decoders: docs/methods.md#residual-variants)"
 
 
 def _masks_options(p):

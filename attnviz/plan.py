@@ -254,7 +254,8 @@ def plan(loaded: LoadedModel, n_tokens: int, per_capture: int, left: int, keep: 
             f"than the {devices.mb(limit)} allowed per capture. What would fit: a text of at most ~{fit} tokens{fewer}, "
             f"or the plain attention weights (statistics and pooled maps, any length). One layer alone would take "
             f"~{devices.mb(one)}.")
-    long = replace(keep, statistics=True, pool=POOL, hidden_states=False)
+    # the statistics the caller chose, if it chose some: every statistic only when it asked for full maps
+    long = replace(keep, statistics=keep.statistics or True, pool=POOL, hidden_states=False)
     stats = long.host_bytes(loaded, n_tokens)
     if stats > left:
         fit = devices.largest(n_tokens, lambda n: long.host_bytes(loaded, n) <= left, step=256)
@@ -263,7 +264,8 @@ def plan(loaded: LoadedModel, n_tokens: int, per_capture: int, left: int, keep: 
             f"left for captures. What would fit: a text of at most ~{fit} tokens.")
     # layer inputs to resume a region's forward from (regions.of_capture): they only speed regions up
     long = replace(long, checkpoints=checkpoint_count(loaded, n_tokens, min(checkpoint_bytes, left - stats)))
-    return Plan(long, long.host_bytes(loaded, n_tokens), route_notes(), n_tokens)
+    return Plan(long, long.host_bytes(loaded, n_tokens),
+                route_notes(None if long.statistics is True else long.statistics), n_tokens)
 
 
 def for_text(loaded: LoadedModel, text: str, recipe, per_capture: int, left: int, keep: Keep = Keep(),

@@ -154,6 +154,11 @@ def _canonical(loaded: "LoadedModel", arch, intervene, prepend, residual):
         name = residual_mod.method(residual).name
     else:
         name = saved.name if saved is not None else None
+    if name and any(a.name == "patch" for a in acts.items):
+        # a variant runs each block twice (the first pass, then recomputed from the embeddings): which write a
+        # patch replaces is not defined there (docs/methods.md#patch), so it is refused rather than applied twice
+        raise InputError(f"patch is not defined under the residual variant {name}, which recomputes every block's "
+                         "write from the embeddings: leave out the patch or the residual variant")
     dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
     recipe = Recipe(loaded.model_id, architecture.spec, acts.spec, prepend or None, name, dtype)
     return recipe, architecture, acts, residual

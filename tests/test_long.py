@@ -137,8 +137,27 @@ def test_resuming_keeps_the_captures_intervention_prefix_and_mask():
     np.testing.assert_allclose(region.values, full.layer_probs(2)[:, 40:90, 10:60], atol=1e-6)
 
 
-def test_families_that_cannot_resume_keep_no_checkpoints_and_run_from_the_start():
+def test_learned_positions_resume_too():
+    """GPT-2 adds its learned positions before the first layer, so a layer's input holds them: its regions resume
+    from a checkpoint like a rotary model's, and equal the full maps."""
     lm = loaded("gpt2")
+    cap = capture(lm, TEXT, "fwd", Keep(statistics=True, pool=24, checkpoints=1))
+    assert sorted(cap.checkpoints) == [2]
+    full = capture(lm, TEXT, "fwd", Keep(storage_dtype=torch.float32))
+    steps = []
+    region = regions.of_capture(lm, cap, 2, (150, 208), (0, 60), on_layer=lambda d, t: steps.append(d))
+    assert steps == [3]
+    np.testing.assert_allclose(region.values, full.layer_probs(2)[:, 150:208, 0:60], atol=1e-5)
+
+
+def test_families_that_cannot_resume_keep_no_checkpoints_and_run_from_the_start():
+    import dataclasses
+
+    from attnviz.core import anatomy
+
+    lm = loaded("gpt2")  # its anatomy made to say it cannot (as for a layer called with arguments attnviz cannot make)
+    found = anatomy.of(lm.model)
+    lm.model.__dict__["_attnviz_anatomy"] = dataclasses.replace(found, resumable="gpt2 cannot resume: a test")
     cap = capture(lm, TEXT, "fwd", Keep(statistics=True, pool=24, checkpoints=2))
     assert cap.checkpoints == {}
     steps = []

@@ -94,9 +94,9 @@ def test_patch_in_decoding_with_a_cache_and_its_refusals():
     assert patched.perplexity != pytest.approx(plain.perplexity)
     with pytest.raises(InputError, match="value=zero there"):
         stream(lm, ids, "dense", Recipe.of(lm, "fwd", "patch(block=mlp, tokens=0, value=mean)@0"))
-    odd = loaded("llama")
-    odd.model.config.model_type = "somethingelse"
-    with pytest.raises(InputError, match="blocks are not worked out here"):
+    odd = loaded("llama")  # a layer whose output is not its input plus its writes: its blocks cannot be mapped
+    odd.model.model.layers[1].register_forward_hook(lambda module, args, out: out * 2)
+    with pytest.raises(InputError, match="layer 1: its output is not its input plus its attention and MLP writes"):
         capture(odd, TEXT, Recipe.of(odd, "fwd", "patch(block=mlp)@0"))
 
 

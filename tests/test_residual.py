@@ -87,8 +87,12 @@ def test_residual_forward_records_attention_and_follows_the_mask():
 def test_refusals():
     with pytest.raises(ArchitectureError, match="unknown residual variant"):
         residual.method("method5")
-    with pytest.raises(ModelLoadError, match="Llama-family"):
+    with pytest.raises(ModelLoadError, match="need sequential pre-norm layers.*'gpt2' is not such a decoder: it has no "
+                                              "rotary embedding"):
         residual.check_family(loaded("gpt2").model)
+    with pytest.raises(ModelLoadError, match="'gemma2' is not such a decoder: the residual stream adds its blocks' "
+                                              "outputs after post-norms"):
+        residual.check_family(loaded("gemma2").model)
     with pytest.raises(ArchitectureError, match="cannot fine-tune"):
         finetune(loaded("llama"), list(range(3, 90)), "/tmp/never", "method1", arch="bidir", steps=1)
     with pytest.raises(InputError, match="--steps must be positive"):
@@ -173,5 +177,5 @@ def test_capture_under_a_variant_records_its_attention_and_names_it():
     assert meta["residual"] == "method2" and "_method2_" in export.filename(meta, "pdf")
     with pytest.raises(InputError, match="hidden states are not recorded"):
         capture(lm, "variant maps", Recipe.of(lm, "fwd", residual="method1"), Keep(hidden_states=True))
-    with pytest.raises(ModelLoadError, match="Llama-family"):
+    with pytest.raises(ModelLoadError, match="need sequential pre-norm layers"):
         capture(loaded("gpt2"), "no", Recipe.of(loaded("gpt2"), "fwd", residual="method1"))

@@ -1,49 +1,35 @@
 """A decoder layer's two blocks, attention and MLP, and the modules whose outputs the residual stream adds.
 
 Score attribution reads these outputs as the residual stream's sources (:mod:`attnviz.effects.schemes`); the
-``patch`` intervention replaces them (docs/methods.md#patch). Gemma 2 adds its blocks' outputs after their
-post-norms, so those norms are the modules here; GPT-2's blocks are ``attn`` and ``mlp`` of ``transformer.h``;
-the others' are ``self_attn`` and ``mlp`` of ``model.layers``. A family not listed is refused with one line.
+``patch`` intervention replaces them (docs/methods.md#patch). Which modules they are is the model's anatomy
+(:mod:`attnviz.core.anatomy`): the block itself, or its post-norm where the stream adds the norm's output
+(Gemma 2 and 3, OLMo 2 and 3, Exaone 4, GLM-4). A model whose layers do not add up is refused with one line.
 """
 
 from __future__ import annotations
 
 import torch
 
-from attnviz.errors import InputError
+from attnviz.core import anatomy
+from attnviz.core.anatomy import output_tensor  # noqa: F401 - a block's output as the residual stream adds it
 
-FAMILIES = ("llama", "mistral", "qwen2", "phi3", "gemma2", "gpt_oss", "gpt2")
 KINDS = ("attn", "mlp")
 
 
 def family(model) -> str:
-    """The model's family, or an :class:`InputError` when its blocks are not mapped here."""
-    name = getattr(model.config, "model_type", "?")
-    if name not in FAMILIES:
-        raise InputError(f"block outputs are mapped for {', '.join(FAMILIES)} models; this model is {name}, "
-                         "whose blocks are not worked out here")
-    return name
+    """The model's family label, or an :class:`~attnviz.errors.InputError` when its blocks cannot be mapped."""
+    return anatomy.of(model).family
 
 
 def layers(model) -> torch.nn.ModuleList:
     """The decoder layers, bottom first."""
-    return model.transformer.h if family(model) == "gpt2" else model.model.layers
+    return anatomy.of(model).layer_list
 
 
 def source_modules(model, layer: int) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The modules whose outputs are ``layer``'s attention and MLP writes into the residual stream."""
-    block = layers(model)[layer]
-    kind = family(model)
-    if kind == "gemma2":
-        return block.post_attention_layernorm, block.post_feedforward_layernorm
-    if kind == "gpt2":
-        return block.attn, block.mlp
-    return block.self_attn, block.mlp
-
-
-def output_tensor(out) -> torch.Tensor:
-    """A block's output as the residual stream adds it: attention and MoE blocks return tuples."""
-    return out[0] if isinstance(out, tuple) else out
+    found = anatomy.of(model)[layer]
+    return found.attn_write, found.mlp_write
 
 
 def with_output(out, value: torch.Tensor):

@@ -17,6 +17,7 @@ import functools
 import inspect
 import os
 import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
@@ -42,6 +43,8 @@ KEY = "attnviz"
 WHOLE_ALLOW_BYTES = int(os.environ.get("ATTNVIZ_WHOLE_ALLOW_MB", "256")) * 2**20
 _NO_KEY_MASK = Intervention.key_mask
 _RUN: contextvars.ContextVar["Run | None"] = contextvars.ContextVar("attnviz_run", default=None)
+# The shared server's sessions share one loaded model: hooks are registered on it once, under this lock
+_HOOKS = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,7 @@ class Cached:
 
     _allow_cache: dict = field(default_factory=dict)
     _device_cache: dict = field(default_factory=dict)
+    windows: dict = field(default_factory=dict)  # layer -> the model's own sliding window there (None: none)
 
 
 @dataclass
@@ -259,10 +263,13 @@ class Run(Recorded, Cached, Asked):
         return source[:, -n_q:].to(device)
 
     def sink_key(self, layer: int) -> int:
-        """The layer's sink key under its mask (:func:`auto_key`), over the run's positions; once per layer."""
+        """The position of the layer's sink key under its mask and the model's window there (:func:`auto_key`),
+        over the run's longest row; once per layer. The window is the one the layer's attention was called
+        with (a block's output hook runs after its attention)."""
         key = ("sink key", layer)
         if key not in self._allow_cache:
-            self._allow_cache[key] = auto_key(self.masks[layer], self.positions[0])
+            n = int(self.positions.max()) + 1
+            self._allow_cache[key] = auto_key(self.masks[layer], n, self.windows.get(layer))
         return self._allow_cache[key]
 
     def has_head_mask(self, layer: int) -> bool:
@@ -376,7 +383,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     """The registered attention function: explicit softmax where we record or must, SDPA elsewhere."""
     run = _RUN.get()
     if run is None:  # not inside attnviz: behave as stock
-        if softcap is not None or s_aux is not None:
+        # SDPA gives no weights: a caller asking for them (output_attentions=True) gets stock eager's, as it
+        # would from a model loaded eager (after a capture too)
+        if softcap is not None or s_aux is not None or kwargs.get("output_attentions"):
             if attention_mask is not None and attention_mask.dtype == torch.bool:
                 attention_mask = torch.where(attention_mask, 0.0, torch.finfo(query.dtype).min).to(query.dtype)
             return _stock_eager(module)(module, query, key, value, attention_mask, scaling=scaling,
@@ -386,6 +395,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                                       scaling=scaling, **kwargs)
 
     run, layer = run.route(module)
+    run.windows[layer] = sliding_window
     mask = run.masks[layer]
     bias = kwargs.get("position_bias")  # T5's relative position bias: added to the scores
     batch, n_heads, n_q, dim = query.shape
@@ -704,19 +714,18 @@ def prepare(model) -> None:
     model.set_attn_implementation(KEY)
 
 
-# Families whose base model keeps its decoder layers as ``layers``, calls each with the same keyword
-# arguments and one ``rotary_emb``: a forward can resume at any layer from that layer's input.
-RESUMABLE = ("llama", "mistral", "qwen2", "phi3", "gemma2", "gpt_oss")
-
-
 def decoder_layers(model) -> "torch.nn.ModuleList | None":
-    """The decoder layers a forward can resume from (:func:`resume`), or None for a family that
-    must run from its embeddings (GPT-2, encoder-decoders, anything not in ``RESUMABLE``)."""
-    base = model.base_model
-    layers = getattr(base, "layers", None)
-    if model.config.model_type in RESUMABLE and isinstance(layers, torch.nn.ModuleList) and hasattr(base, "rotary_emb"):
-        return layers
-    return None
+    """The decoder layers a forward can resume from (:func:`resume`), or None for a model that must run from its
+    embeddings (its anatomy says why: :attr:`attnviz.core.anatomy.Anatomy.resumable`)."""
+    from attnviz.core import anatomy
+
+    if getattr(model.config, "is_encoder_decoder", False):
+        return None
+    try:
+        found = anatomy.of(model)
+    except InputError:
+        return None
+    return None if found.resumable else found.layer_list
 
 
 def _patch_block(layer: int, kind: str, module, args, out):
@@ -741,23 +750,29 @@ def _hook_blocks(model) -> None:
     """Hook every layer's attention and MLP output modules once, so that a run's ``patch`` interventions
     apply; the hooks read the active run, so runs of other sessions on the same model are untouched. A family
     whose blocks are not mapped is refused here, with one line (:func:`attnviz.core.blocks.family`)."""
-    if getattr(model, "_attnviz_patches_blocks", False):
-        return
-    for index in range(n_layers(model)):
-        for kind, module in zip(blocks.KINDS, blocks.source_modules(model, index)):
-            module.register_forward_hook(functools.partial(_patch_block, index, kind))
-    model._attnviz_patches_blocks = True
+    with _HOOKS:  # once, however many sessions ask at the same time
+        if getattr(model, "_attnviz_patches_blocks", False):
+            return
+        for index in range(n_layers(model)):
+            for kind, module in zip(blocks.KINDS, blocks.source_modules(model, index)):
+                module.register_forward_hook(functools.partial(_patch_block, index, kind))
+        model._attnviz_patches_blocks = True
 
 
-def auto_key(mask: Mask, positions: torch.Tensor, most: int = 64) -> int:
-    """The sink key ``mask`` leaves open over these positions (docs/methods.md#auto-key): the first key that every
-    later query may see, looked for among the first ``most`` keys; 0 where none is. One column at a time:
-    nothing n × n."""
-    for j in range(min(most, positions.shape[0] - 1)):
-        later = positions[j + 1:]
-        if bool(mask.allow(later[None, None, :, None], positions[j].view(1, 1, 1, 1)).all()):
-            return j
-    return 0
+def auto_key(mask: Mask, n: int, window: int | None = None) -> int:
+    """The sink key's position under ``mask`` (and the model's own sliding ``window`` on causal-type layers, as the
+    attention applies it) over a text of ``n`` tokens: :func:`attnviz.stats.metrics.auto_key`, the one
+    definition (docs/methods.md#auto-key), read from the allow-set's first columns only (n × 64 at most, nothing
+    n × n). A position counted from a row's first real token, as ``patch`` compares it: in a left-padded batch
+    it is the same token of every row."""
+    from attnviz.stats import metrics
+
+    columns = metrics.auto_key_limit(n)
+    i, j = torch.arange(n)[:, None], torch.arange(columns)[None, :]
+    allow = mask.allow(i[None, None], j[None, None])[0, 0]
+    if window and mask.causal_type:
+        allow = allow & ((i - j) < window)
+    return metrics.auto_key(allow.numpy())
 
 
 def _keep_input(index: int, module, args, kwargs) -> None:
@@ -770,7 +785,10 @@ def _keep_input(index: int, module, args, kwargs) -> None:
 def _resumable_layers(model) -> torch.nn.ModuleList:
     layers = decoder_layers(model)
     if layers is None:
-        raise ValueError(f"{model.config.model_type} models cannot resume a forward from a layer's input")
+        from attnviz.core import anatomy
+
+        raise ValueError(anatomy.of(model).resumable if not getattr(model.config, "is_encoder_decoder", False)
+                         else f"{model.config.model_type} models cannot resume a forward from a layer's input")
     return layers
 
 
@@ -778,10 +796,11 @@ def _keep_layer_inputs(model) -> None:
     """Hook every decoder layer once, so that a run asking for ``checkpoint_layers`` keeps their inputs;
     the hook reads the active run, so runs of other sessions on the same model are untouched."""
     layers = _resumable_layers(model)
-    if not getattr(model, "_attnviz_keeps_inputs", False):
-        for index, layer in enumerate(layers):
-            layer.register_forward_pre_hook(functools.partial(_keep_input, index), with_kwargs=True)
-        model._attnviz_keeps_inputs = True
+    with _HOOKS:  # once, however many sessions ask at the same time
+        if not getattr(model, "_attnviz_keeps_inputs", False):
+            for index, layer in enumerate(layers):
+                layer.register_forward_pre_hook(functools.partial(_keep_input, index), with_kwargs=True)
+            model._attnviz_keeps_inputs = True
 
 
 def resume(model, hidden: torch.Tensor, start: int, input_ids: torch.Tensor, computes,
@@ -790,16 +809,23 @@ def resume(model, hidden: torch.Tensor, start: int, input_ids: torch.Tensor, com
     input of layer ``start`` that an earlier forward of the same tokens, masks and interventions kept
     (``Run.checkpoints``). The layers below are not run again; like :func:`forward`, ``record.on_layer`` may
     stop it after any layer. Returns the run (what it recorded)."""
-    layers = _resumable_layers(model)
+    from attnviz.core import anatomy
+
+    _resumable_layers(model)
+    found = anatomy.of(model)
     run = make_run(model, input_ids, computes, record)
-    base = model.base_model
     with active(run), torch.inference_mode():
         h = hidden[None].to(model.device)
         positions = run.positions.to(model.device)
-        position_embeddings = base.rotary_emb(h, positions)
-        for layer in layers[start:n_layers(model)]:
-            out = layer(h, attention_mask=None, position_ids=positions, past_key_values=None, use_cache=False,
-                        position_embeddings=position_embeddings)
+        # the keyword arguments the base model calls a layer with (the anatomy's probe saw them), made again;
+        # the masks come from the run, so the attention mask is None as in every attnviz forward
+        made = {"position_ids": positions, "use_cache": False, "output_attentions": False,
+                "cache_position": torch.arange(positions.shape[-1], device=positions.device)}
+        for layer in found.layers[start:n_layers(model)]:
+            kwargs = {name: made.get(name) for name in found.layer_kwargs}
+            if "position_embeddings" in kwargs:
+                kwargs["position_embeddings"] = found.position_embeddings(h, positions, layer)
+            out = layer.module(h, **kwargs)
             h = out[0] if isinstance(out, tuple) else out
     return run
 

@@ -251,12 +251,13 @@ class Patch(Intervention):
         if self.value == "zero":
             replacement = torch.zeros_like(out)
         else:
-            others = (valid & ~chosen).to(out.dtype)[..., None]  # (B, n, 1)
+            # counted and summed in float32: in bfloat16 a count of 3,000 reads 3,008 (docs/methods.md#devices)
+            others = (valid & ~chosen).to(torch.float32)[..., None]  # (B, n, 1)
             count = others.sum(1, keepdim=True)
             if not bool((count > 0).all()):
                 raise InputError("patch(value=mean) needs other positions in the same forward to average over; a "
                                  "token fed alone (decoding with a KV cache) has none: use value=zero there")
-            replacement = ((out * others).sum(1, keepdim=True) / count).expand_as(out)
+            replacement = ((out.float() * others).sum(1, keepdim=True) / count).to(out.dtype).expand_as(out)
         return torch.where(chosen[..., None], replacement, out)
 
 

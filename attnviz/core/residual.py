@@ -11,8 +11,10 @@ its own first-pass probabilities P_p (from the attnviz run, under the layer's ma
 
 Our reading of the seed (its Chinese text says "the residual becomes the accumulated recomputed
 outputs of the previous layers"): X is part of the sum, as the first layer's residual is X, and
-for l = 0 the sum is X alone. Only Llama-family decoders (Llama, Mistral, Qwen2: pre-norm, separate
-v_proj / o_proj) are supported; others are refused with that reason.
+for l = 0 the sum is X alone. The recomputation is defined on sequential pre-norm layers whose writes the
+stream adds as they are, with separate v_proj / o_proj and unscaled embeddings: the model's anatomy
+(:mod:`attnviz.core.anatomy`) says whether a model's layers are such (Llama, Mistral, Qwen2 and 3, SmolLM3,
+Mixtral and other MoE decoders among them); others are refused with the reason (docs/methods.md#residual-variants).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from attnviz.core import engine
 from attnviz.errors import ArchitectureError, ModelLoadError
 
 METHODS = ("method1", "method2", "method3.1", "method3.2", "method4.1", "method4.2")
-FAMILIES = ("llama", "mistral", "qwen2")
 CONFIG_FILE = "attnviz_residual.json"
 WEIGHTS_FILE = "attnviz_residual.safetensors"
 
@@ -66,17 +67,39 @@ def method(name: str) -> Method:
     return Method(key)
 
 
+def why_not(found) -> str:
+    """Why seed 003's recomputation is not defined on a model of this anatomy ("" when it is)."""
+    layers = found.layers
+    if any(l.parallel for l in layers):
+        return "its attention and MLP read the same input (parallel blocks)"
+    if any(l.post_norms for l in layers):
+        return "the residual stream adds its blocks' outputs after post-norms"
+    if any(l.attn_norm is None or l.mlp_norm is None for l in layers):
+        return "its blocks have no pre-norm"
+    if any(l.scale != 1.0 for l in layers):
+        return "its residual writes are scaled"
+    if found.embed_scaled:
+        return "its first layer's input is not the token embedding (scaled embeddings)"
+    if found.rotary is None:
+        return "it has no rotary embedding"
+    if not all(isinstance(getattr(l.attn, name, None), nn.Linear) for l in layers for name in ("v_proj", "o_proj")):
+        return "its attention has no separate v_proj and o_proj"
+    return ""
+
+
 def check_family(model) -> None:
+    """Refuse, in one line, a model on which the recomputation is not defined (:func:`why_not`)."""
+    from attnviz.core import anatomy
+    from attnviz.errors import InputError
+
     config = model.config.get_text_config()
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    ok = config.model_type in FAMILIES and layers is not None and all(
-        hasattr(layer, name) for layer in layers[:1]
-        for name in ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp"))
-    if not ok:
-        raise ModelLoadError(
-            f"residual variants need a Llama-family decoder ({', '.join(FAMILIES)}: pre-norm layers with "
-            f"separate v_proj and o_proj); '{config.model_type}' is not one"
-        )
+    try:
+        why = why_not(anatomy.of(model))
+    except InputError as err:
+        why = str(err)
+    if why:
+        raise ModelLoadError(f"residual variants need sequential pre-norm layers with separate v_proj and o_proj; "
+                             f"'{config.model_type}' is not such a decoder: {why}")
 
 
 class Variant(nn.Module):
@@ -147,31 +170,32 @@ def forward(model, variant: Variant, input_ids: torch.Tensor, computes, record: 
     check_family(model)
     total = engine.n_layers(model)
     record = dataclasses.replace(engine.NOTHING if record is None else record, keep_graph=True)
+    from attnviz.core import anatomy
+
+    found = anatomy.of(model)
     run = engine.make_run(model, input_ids, computes, record)
-    base = model.model
     ids = input_ids.to(model.device)
     positions = run.positions.to(model.device)
     with engine.active(run):
-        x = base.embed_tokens(ids)
-        position_embeddings = base.rotary_emb(x, positions)
+        x = found.embed(ids)
         h, recomputed = x, []
         weights = variant.weights.to(x.device, x.dtype)
-        for l, layer in enumerate(base.layers[:total]):
-            a, _ = layer.self_attn(layer.input_layernorm(h), position_embeddings=position_embeddings,
-                                   attention_mask=None)
+        for l, layer in enumerate(found.layers[:total]):
+            position_embeddings = found.position_embeddings(x, positions, layer)
+            a, _ = layer.attn(layer.attn_norm(h), position_embeddings=position_embeddings, attention_mask=None)
             probs = run.live.pop(l)
-            a_tilde = _recompute_attention(layer.self_attn, layer.input_layernorm(x), probs)
+            a_tilde = _recompute_attention(layer.attn, layer.attn_norm(x), probs)
             # a running sum of scaled terms: autograd keeps no stacked copy per layer (memory O(L), not O(L^2))
             past = x + sum(weights[l, p] * r for p, r in enumerate(recomputed)) if recomputed else x
             u = (past if variant.method.target == "attn" else h) + a
-            f = layer.mlp(layer.post_attention_layernorm(u))
+            f = anatomy.output_tensor(layer.mlp(layer.mlp_norm(u)))
             if variant.method.target == "mlp":
                 h = past + f
-                recomputed.append(layer.mlp(layer.post_attention_layernorm(x + a_tilde)))
+                recomputed.append(anatomy.output_tensor(layer.mlp(layer.mlp_norm(x + a_tilde))))
             else:
                 h = u + f
                 recomputed.append(a_tilde)
-        logits = model.lm_head(base.norm(h))
+        logits = model.get_output_embeddings()(found.final_norm(h))
     return logits, run
 
 

@@ -133,7 +133,7 @@ def _one(loaded: LoadedModel, text: str, architecture, s: int, w: int):
     alpha0, stream, norms = [], [], []
     for layer in cap.layers:
         probs = cap.layer_probs(layer)
-        alpha0.append(metrics.alpha(probs, cap.allowed[layer])[:, 0])
+        alpha0.append(metrics.alpha(probs, cap.layer_allowed(layer))[:, 0])
         stream.append(streaming_score(probs, s, w))
         w_o = engine.output_projection(modules[layer]).detach().float().cpu().numpy()
         norms.append(ahon(output_norms(probs, cap.layer_qkv(layer).v, w_o)))

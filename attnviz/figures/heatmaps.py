@@ -53,8 +53,9 @@ def layer_matrix(cap: Capture, layer: int, head: int | None = None, row_normalis
                  mode: str = "weight") -> np.ndarray:
     """(n, n) values of one head (or the head mean) with NaN where the mask forbids the cell."""
     probs, allowed = mode_values(cap, layer, mode)
-    values = probs.mean(0) if head is None or len(probs) == 1 else probs[head]
-    values = np.where(allowed, values, np.nan)
+    one = head is None or len(probs) == 1
+    values = probs.mean(0) if one else probs[head]
+    values = np.where(metrics.head_cells(allowed, None if one else head), values, np.nan)
     if row_normalise:
         with np.errstate(invalid="ignore", divide="ignore"):
             values = values / np.nanmax(values, axis=1, keepdims=True)
@@ -141,7 +142,7 @@ def overview_tiles(cap: Capture, tile: int = 12) -> np.ndarray:
         probs, allowed = cap.layer_view(layer)
         row = []
         for head in range(cap.n_heads):
-            pooled = max_pool(np.where(allowed, probs[head], np.nan), tile)
+            pooled = max_pool(np.where(metrics.head_cells(allowed, head), probs[head], np.nan), tile)
             full = np.full((tile, tile), np.nan)
             full[: pooled.shape[0], : pooled.shape[1]] = pooled
             row.append(full)

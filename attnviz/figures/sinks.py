@@ -45,7 +45,7 @@ def key_profile(cap: Capture, key: int = 0, layers: list[int] | None = None) -> 
                                              colorbar=dict(title="layer", len=0.8))))
     layout(fig, f"attention to key {key} ({cap.tokens[key]!r}) by query position", height=420)
     fig.update_xaxes(title="query position")
-    fig.update_yaxes(title="A[i, {key}] (mean over heads)", range=[0, 1])
+    fig.update_yaxes(title=f"A[i, {key}] (mean over heads)", range=[0, 1])
     return fig
 
 

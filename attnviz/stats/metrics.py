@@ -21,6 +21,15 @@ def _f32(probs) -> np.ndarray:
     return np.asarray(probs, dtype=np.float32)
 
 
+def head_cells(allowed, head: int | None = None) -> np.ndarray:
+    """The (n_q, n_kv) cells of ``head`` from a layer's allow-set: the set itself when it is one for all heads
+    (n_q, n_kv); the head's own from a per-head set (H, n_q, n_kv); ``head=None``: the cells some head sees."""
+    allowed = np.asarray(allowed, dtype=bool)
+    if allowed.ndim == 2:
+        return allowed
+    return allowed.any(0) if head is None else allowed[head]
+
+
 def alpha(probs, allowed) -> np.ndarray:
     """alpha_k for every key k: mean of A[i, k] over ALL queries i allowed to see k, i = k included.
 
@@ -28,10 +37,10 @@ def alpha(probs, allowed) -> np.ndarray:
     ``eval_sink_open_source.py``); other masks change only the divisor. NaN where no query other
     than k itself sees k (docs/methods.md#sink-metrics): a key that only its own query sees says nothing about sinks.
     """
-    probs, allowed = _f32(probs), np.asarray(allowed, dtype=bool)
-    counts = allowed.sum(0)
-    others = counts - np.diagonal(allowed)
-    sums = np.einsum("hij,ij->hj", probs, allowed.astype(np.float32))
+    probs, allowed = _f32(probs), np.asarray(allowed, dtype=bool)  # allowed (n, n), or (H, n, n) per head
+    counts = allowed.sum(-2)
+    others = counts - np.diagonal(allowed, axis1=-2, axis2=-1)
+    sums = np.einsum("hij,ij->hj" if allowed.ndim == 2 else "hij,hij->hj", probs, allowed.astype(np.float32))
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(others > 0, sums / np.maximum(counts, 1), np.nan)
 
@@ -43,13 +52,30 @@ def sink_rate(alphas, eps: float = SINK_EPS) -> float:
     return float(np.mean(alphas[defined] > eps)) if defined.any() else float("nan")
 
 
+AUTO_KEY_MOST = 64  # the auto key is looked for among the first 64 keys (docs/methods.md#auto-key)
+
+
+def auto_key_limit(n: int) -> int:
+    """How many of a text's first keys the auto key is looked for among: the first :data:`AUTO_KEY_MOST`, and the
+    first half of the text (a key near the end is seen by every later query only because few queries follow it,
+    as under a sliding window shorter than the text: no sink)."""
+    return max(1, min(AUTO_KEY_MOST, (n + 1) // 2))
+
+
 def auto_key(allowed) -> int:
-    """The sink key a mask leaves open (docs/methods.md#auto-key): the first key position j that every
-    later query may see (allowed[i, j] for all i > j), 0 where no key is (BACK, short sliding windows).
-    0 under FWD and BIDIR, m under NoSink-FWD(m) and NoSink-BIDIR(m)."""
+    """The sink key a mask leaves open (docs/methods.md#auto-key): the first key position j, among the first
+    :func:`auto_key_limit` keys, that every later query may see (allowed[i, j] for all i > j); 0 where no key
+    is (BACK, sliding windows shorter than the text). 0 under FWD and BIDIR, m under NoSink-FWD(m) and
+    NoSink-BIDIR(m). ``allowed`` is (n, n) or its first columns (n, m): the engine's patch asks with a layer's
+    first columns only (:func:`attnviz.core.engine.auto_key`), so both read one definition. A per-head allow-set
+    (H, n, n) is read where every head leaves the key open."""
     allowed = np.asarray(allowed, dtype=bool)
-    n_q, n_kv = allowed.shape
-    later = np.tri(n_q, n_kv, -1, dtype=bool)  # (i, j) with i > j
+    if allowed.ndim == 3:
+        allowed = allowed.all(0)
+    n_q = allowed.shape[0]
+    columns = min(allowed.shape[1], auto_key_limit(n_q))
+    allowed = allowed[:, :columns]
+    later = np.tri(n_q, columns, -1, dtype=bool)  # (i, j) with i > j
     open_to_later = (allowed | ~later).all(0) & later.any(0)
     hits = np.flatnonzero(open_to_later)
     return int(hits[0]) if hits.size else 0
@@ -58,7 +84,8 @@ def auto_key(allowed) -> int:
 def key_profile(probs, allowed, key: int = 0) -> np.ndarray:
     """A[i, key] as a function of query position i, per head; NaN where the mask forbids it. (H, n)."""
     probs = _f32(probs)
-    return np.where(np.asarray(allowed, dtype=bool)[:, key][None, :], probs[:, :, key], np.nan)
+    seen = np.asarray(allowed, dtype=bool)[..., :, key]  # (n,), or (H, n) where each head has its own mask
+    return np.where(seen if seen.ndim == 2 else seen[None, :], probs[:, :, key], np.nan)
 
 
 def column_mean(probs) -> np.ndarray:

@@ -137,15 +137,19 @@ class LayerSummary:
             raise ValueError("allocation needs the text's delimiters: give tokens or delim")
         self.device = None
 
-    def _start(self, device: torch.device) -> None:
+    def _start(self, device: torch.device, per_head: bool = False) -> None:
+        """The sums on ``device``; the mask's facts per key and query, or per head as well where the layer's
+        heads have masks of their own (``per_head``: a headwindow intervention, a compressed cache)."""
         f32 = {"dtype": torch.float32, "device": device}
         h, n_q, n_kv = self.n_heads, self.n_q, self.n_kv
         self.device = device
         per_key = {"colsum", "colsum_allowed"}
         self.sums = {(x.name if isinstance(x, metrics.RowSum) else x): torch.zeros(h, n_kv if x in per_key else n_q, **f32)
                      for x in self.sums_needed}
-        self.facts = {"col_counts": torch.zeros(n_kv, **f32), "row_counts": torch.zeros(n_q, **f32),
-                      "self_seen": torch.zeros(n_kv, **f32), "key0_allowed": torch.zeros(n_q, dtype=torch.bool, device=device),
+        heads = (h,) if per_head else ()
+        self.facts = {"col_counts": torch.zeros(*heads, n_kv, **f32), "row_counts": torch.zeros(*heads, n_q, **f32),
+                      "self_seen": torch.zeros(*heads, n_kv, **f32),
+                      "key0_allowed": torch.zeros(*heads, n_q, dtype=torch.bool, device=device),
                       "query_index": torch.arange(n_q, **f32), "n_q": n_q}
         if self.delim is not None:
             self.delim = self.delim.to(**f32)
@@ -154,27 +158,28 @@ class LayerSummary:
             self.facts["delim_q"] = delim_q
 
     def add(self, q0: int, probs: torch.Tensor, allow: torch.Tensor, k0: int = 0, zero_outside: bool = False) -> None:
-        """``probs`` (H, b, w) and ``allow`` (b, w) bool for queries q0 .. q0 + b - 1 and keys
-        k0 .. k0 + w - 1; keys outside that range are forbidden to these rows and get nothing.
-        ``zero_outside``: probs are exactly 0 wherever ``allow`` is False (as the engine's are), so
-        the allowed-only column sum is the plain one and costs no extra pass."""
+        """``probs`` (H, b, w) and ``allow`` (b, w) bool, or (H, b, w) where each head has its own mask, for
+        queries q0 .. q0 + b - 1 and keys k0 .. k0 + w - 1; keys outside that range are forbidden to these rows
+        and get nothing. ``zero_outside``: probs are exactly 0 wherever ``allow`` is False (as the engine's
+        are), so the allowed-only column sum is the plain one and costs no extra pass."""
         if self.device is None:
-            self._start(probs.device)
+            self._start(probs.device, per_head=allow.dim() == 3)
         probs = probs.float()
         allow = allow.to(probs.device)
         b, w = probs.shape[1], probs.shape[2]
         rows, cols = slice(q0, q0 + b), slice(k0, k0 + w)
         sums, facts = self.sums, self.facts
-        facts["col_counts"][cols] += allow.sum(0)
-        facts["row_counts"][rows] = allow.sum(-1).float()
+        facts["col_counts"][..., cols] += allow.sum(-2)
+        facts["row_counts"][..., rows] = allow.sum(-1).float()
         if k0 == 0:
-            facts["key0_allowed"][rows] = allow[:, 0]
+            facts["key0_allowed"][..., rows] = allow[..., :, 0]
         # The diagonal (query q0 + r sees its own key) within this block: rows r_lo .. r_hi - 1, whose
         # keys q0 + r - k0 fall inside the block's key range. Plain slices: no boolean indexing, no sync.
         r_lo, r_hi = max(0, k0 - q0), min(b, k0 + w - q0)
         if r_lo < r_hi:
             square = slice(q0 + r_lo - k0, q0 + r_hi - k0)
-            facts["self_seen"][q0 + r_lo:q0 + r_hi] = torch.diagonal(allow[r_lo:r_hi, square]).float()
+            facts["self_seen"][..., q0 + r_lo:q0 + r_hi] = torch.diagonal(allow[..., r_lo:r_hi, square],
+                                                                          dim1=-2, dim2=-1).float()
             if "diag" in sums:
                 sums["diag"][:, q0 + r_lo:q0 + r_hi] = torch.diagonal(probs[:, r_lo:r_hi, square], dim1=-2, dim2=-1)
         if "colsum" in sums or "colsum_allowed" in sums:
@@ -182,7 +187,7 @@ class LayerSummary:
             if "colsum" in sums:
                 sums["colsum"][:, cols] += column
             if "colsum_allowed" in sums:
-                sums["colsum_allowed"][:, cols] += column if zero_outside else (probs * allow).sum(1)
+                sums["colsum_allowed"][:, cols] += column if zero_outside else (probs * allow).sum(-2)
         if "rowsum" in sums:
             sums["rowsum"][:, rows] = probs.sum(-1)
         if "key0" in sums and k0 == 0:
@@ -217,6 +222,12 @@ class LayerSummary:
     def result(self) -> dict[str, np.ndarray]:
         """The finished statistics on the host: the one copy per layer."""
         return to_host(self.tensors())
+
+
+def _layer_allow(allow: torch.Tensor) -> torch.Tensor:
+    """Batch row 0 of a block's allow-set (B, 1 or H, b, w): (b, w) for the layer, or (H, b, w) where its heads
+    have masks of their own (each head's statistics read through its own mask)."""
+    return allow[0, 0] if allow.shape[1] == 1 else allow[0]
 
 
 CHOSEN = {"entropy", "allocation"}  # statistics that cost a pass over every block: kept only when named
@@ -269,7 +280,7 @@ class Summaries(FusedReducer):
             raise ValueError("pooled scores need a pool size: Keep(statistics=True, pool=..., scores=True)")
         if layer not in self.pooled_scores:
             self.pooled_scores[layer] = PooledMap(scores.shape[1], n_q, n_kv, self.pool)
-        self.pooled_scores[layer].add(q0, scores[0], allow[0, 0], k0)
+        self.pooled_scores[layer].add(q0, scores[0], _layer_allow(allow).any(0) if allow.shape[1] > 1 else allow[0, 0], k0)
 
     def add(self, layer: int, q0: int, probs: torch.Tensor, allow: torch.Tensor, n_q: int, k0: int = 0,
             n_kv: int | None = None, value_norms: torch.Tensor | None = None) -> None:
@@ -283,12 +294,14 @@ class Summaries(FusedReducer):
                 self.pooled[layer] = PooledMap(heads, n_q, n_kv, self.pool)
                 if value_norms is not None:
                     self.pooled_value[layer] = PooledMap(heads, n_q, n_kv, self.pool)
-        self.layers[layer].add(q0, probs[0], allow[0, 0], k0, zero_outside=True)
+        own = _layer_allow(allow)  # (b, w), or (H, b, w) where heads have masks of their own
+        self.layers[layer].add(q0, probs[0], own, k0, zero_outside=True)
         if self.pool:
-            self.pooled[layer].add(q0, probs[0], allow[0, 0], k0)
+            seen = own.any(0) if own.dim() == 3 else own  # a pooled cell is shown where some head may look
+            self.pooled[layer].add(q0, probs[0], seen, k0)
             if layer in self.pooled_value:
                 norms = value_norms[0, :, k0:k0 + probs.shape[-1]].to(probs.device, torch.float32)
-                self.pooled_value[layer].add(q0, probs[0].float() * norms[:, None, :], allow[0, 0], k0)
+                self.pooled_value[layer].add(q0, probs[0].float() * norms[:, None, :], seen, k0)
 
     def add_fused(self, layer: int, raw: dict[str, torch.Tensor], layout: Layout) -> None:
         """A whole layer at once from :func:`attnviz.core.kernels.layer_statistics` (the fused route) and its

@@ -32,6 +32,7 @@ from attnviz.capture import Capture
 from attnviz.figures.export import describe
 from attnviz.figures.heatmaps import head_label
 from attnviz.figures.style import COLORSCALE, LOG_FLOOR, MASKED, MAX_PX, max_pool
+from attnviz.stats import metrics
 
 #: Full-resolution maps up to this many tokens are sent with 16-bit codes (exact hover values).
 EXACT_TOKENS = 256
@@ -119,7 +120,8 @@ def layer_images(cap: Capture, layer: int, code: dict, size: int = MAX_PX, image
         stored = cap.pool_factor(layer)
         extra = int(np.ceil(max(values.shape[1:]) / size))  # pooled further to fit ``size``
         maps = [values.mean(0)] + list(values)
-        pooled = [max_pool(np.where(allowed, m, np.nan), size, extra) for m in maps]
+        heads = [None] + list(range(len(values)))  # each head's own cells where the heads have masks of their own
+        pooled = [max_pool(np.where(metrics.head_cells(allowed, h), m, np.nan), size, extra) for h, m in zip(heads, maps)]
         heads = [encode(m, code["lo"], code["hi"], code["bits"], image_format, quality) for m in pooled]
         mask = mask_uri(~np.isnan(pooled[0]))
         return {"mask": mask, "heads": heads, "factor": stored * max(extra, 1),
