@@ -31,9 +31,52 @@ def _configs():
 ARCHS = tuple(_configs())
 
 
+def _more_configs():
+    """Tiny random configs of the decoder families beyond :data:`ARCHS` that transformers builds: the conformance
+    matrix's (tests/test_conformance.py). Each family's own options are set so its particular case is exercised:
+    windows, q/k norms, post-norms, parallel blocks, partial rotary, NoPE layers, a residual multiplier, experts and
+    multi-head latent attention."""
+    from transformers import AutoConfig
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    own = {
+        "qwen3": dict(head_dim=8),
+        "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8),
+        "gemma3_text": dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=8,
+                            layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+        "olmo2": {},
+        "olmo3": dict(sliding_window=4),
+        "gpt_neox": dict(rotary_pct=0.5),
+        "smollm3": dict(no_rope_layer_interval=2, pad_token_id=0),
+        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+        "granite": dict(residual_multiplier=0.5, embedding_multiplier=2.0, attention_multiplier=0.3, logits_scaling=2.0),
+        "starcoder2": dict(sliding_window=4),
+        "cohere2": dict(sliding_window=4),
+        "phi": dict(partial_rotary_factor=0.5),
+        "gemma": dict(head_dim=8),
+        "glm4": dict(head_dim=8, pad_token_id=0),
+        "exaone4": dict(sliding_window=4),
+        "seed_oss": dict(head_dim=8),
+        "apertus": {},
+        "ernie4_5": {},
+        "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+        "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                            first_k_dense_replace=1, n_group=1, topk_group=1),
+    }
+    return {name: AutoConfig.for_model(name, **{**common, **extra}) for name, extra in own.items()}
+
+
+MORE = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "gpt_neox", "smollm3", "mixtral", "granite",
+        "starcoder2", "cohere2", "phi", "gemma", "glm4", "exaone4", "seed_oss", "apertus", "ernie4_5", "olmoe",
+        "deepseek_v3")
+FAMILIES = tuple(a for a in ARCHS if a != "gpt2") + MORE + ("gpt2",)  # every decoder family the matrix covers
+
+
 def build(kind: str, attn: str = "eager", seed: int = 0):
     torch.manual_seed(seed)
-    config = _configs()[kind]
+    config = _configs()[kind] if kind in ARCHS else _more_configs()[kind]
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
     model.eval()
     if kind == "gpt_oss":  # random sinks far from 0 so the learned sink visibly takes mass

@@ -76,6 +76,7 @@ class Anatomy:
     rotary: torch.nn.Module | None  # the base model's rotary embedding (None: learned or no positions)
     rotary_takes_type: bool = False  # rotary(x, positions, layer_type) (Gemma 3: local and global frequencies)
     layer_kwargs: frozenset = frozenset()  # the keyword arguments the base model calls a layer with
+    attn_kwargs: frozenset = frozenset()  # ... and a layer calls its attention with
     resumable: str = ""  # "" when a forward can resume at any layer from its input, else why not
     embed_scaled: bool = False  # the first layer's input is not the embedding table's row (Gemma: × √d)
 
@@ -201,6 +202,8 @@ def _probe(model, base, layer_list, n_layers):
             if key == "layer":
                 seen[index]["kwargs"] = {k for k, v in kwargs.items() if v is not None and v is not False}
                 seen[index]["names"] = set(kwargs)
+            if key == "attn":
+                seen[index]["attn_names"] = set(kwargs)
                 seen[index]["position_embeddings"] = kwargs.get("position_embeddings")
 
         def post(module, args, kwargs, out):
@@ -356,5 +359,6 @@ def _with_resume(anatomy: Anatomy, seen, ids) -> Anatomy:
                 why = "its layers' position embeddings are not its rotary embedding's"
                 break
     names = frozenset().union(*(r.get("names", set()) for r in seen)) - {"hidden_states"}
+    attn_names = frozenset().union(*(r.get("attn_names", set()) for r in seen)) - {"hidden_states"}
     return replace(anatomy, resumable=why and f"{anatomy.family} cannot resume a forward from a layer: {why}",
-                   layer_kwargs=names)
+                   layer_kwargs=names, attn_kwargs=attn_names)

@@ -45,6 +45,24 @@ _NO_KEY_MASK = Intervention.key_mask
 _RUN: contextvars.ContextVar["Run | None"] = contextvars.ContextVar("attnviz_run", default=None)
 # The shared server's sessions share one loaded model: hooks are registered on it once, under this lock
 _HOOKS = threading.Lock()
+_CATCH: contextvars.ContextVar["dict | None"] = contextvars.ContextVar("attnviz_catch", default=None)
+
+
+class Caught(Exception):
+    """Raised by the attention function inside :func:`catching`, once it has recorded what it was given."""
+
+
+@contextmanager
+def catching():
+    """Inside, the attention function records what it is called with (queries, keys, scaling, soft-cap, learned
+    sink logits) into the dict it yields and raises :class:`Caught` instead of attending: how score attribution
+    reads a layer's projections and rotation from the model's own attention module (attnviz.effects.schemes)."""
+    caught: dict = {}
+    token = _CATCH.set(caught)
+    try:
+        yield caught
+    finally:
+        _CATCH.reset(token)
 
 
 @dataclass(frozen=True)
@@ -381,6 +399,12 @@ def choose_route(f: Facts) -> Route:
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
               sliding_window=None, softcap=None, s_aux=None, **kwargs):
     """The registered attention function: explicit softmax where we record or must, SDPA elsewhere."""
+    caught = _CATCH.get()
+    if caught is not None:  # score attribution reading the module's queries and keys (catching)
+        caught.update(query=query.detach().float(), key=key.detach().float(),
+                      scaling=query.shape[-1] ** -0.5 if scaling is None else scaling, softcap=softcap,
+                      s_aux=None if s_aux is None else s_aux.detach())
+        raise Caught()
     run = _RUN.get()
     if run is None:  # not inside attnviz: behave as stock
         # SDPA gives no weights: a caller asking for them (output_attentions=True) gets stock eager's, as it

@@ -12,17 +12,17 @@ For one layer, head, query i and key j (or every query that may see key j, avera
   ``decompose_resid``), q and k are linear in those sources, so each side sums to s_ij on its own.
 
 One forward under the recipe records the residual stream and the blocks' outputs (forward hooks on
-the attention and MLP modules, removed after the pass; no modelling code is patched); the products are
-float32 on the device the layer ran on. Llama, Mistral, Qwen2 (SmolLM2 is a Llama), Phi-3, Gemma 2,
-gpt-oss and GPT-2 are exact, each with its own norm and position scheme (:mod:`attnviz.effects.schemes`);
-other families are refused with one line that names them. GPT-2 has learned absolute positions: its
+the modules whose outputs the stream adds, removed after the pass; no modelling code is patched); the
+products are float32 on the device the layer ran on. Every family whose layer's queries and keys are a
+linear map of its input with frozen norms and a rotation is exact: the pieces are read from the model's own
+modules and checked against them (:mod:`attnviz.effects.schemes`); a layer that is not such a map
+(DeepSeek's latent attention) is refused with one line. GPT-2 has learned absolute positions: its
 counterfactual is the score without the position embedding in the sources (source "pos"), and it has
-no rotary pairs.
+no rotary pairs. Under a partial rotation (GPT-NeoX, Phi, GLM-4) the pairs are the rotated dimensions'.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 from dataclasses import dataclass, field
 
@@ -37,7 +37,6 @@ from attnviz.recipe import build
 
 DIAGNOSIS_TOKENS = 256  # the text a sweep's explain measure diagnoses: its corpus's first tokens
 
-SUPPORTED = schemes.FAMILIES  # families whose scores decompose exactly (their schemes are in schemes.py)
 
 
 @dataclass
@@ -97,16 +96,6 @@ class Explanation:
         return attribution_figure(self)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rotate(v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """R_t v for vectors (..., n, D) and the positions' cos/sin (n, D)."""
-    return v * cos + _rotate_half(v) * sin
-
-
 def _layer(loaded: LoadedModel, layer: int) -> int:
     """``layer`` counted from the bottom (negative counts from the top), refused when it does not exist."""
     if not -loaded.n_layers <= layer < loaded.n_layers:
@@ -130,9 +119,11 @@ class Residual:
         sources: dict[str, torch.Tensor] = {}
         hooks = []
         for l in range(self.upto):
+            scale = self.scheme.anatomy[l].scale  # the stream adds scale × the write (Granite's residual multiplier)
             for kind, module in zip(("attn", "mlp"), schemes.source_modules(loaded.model, self.scheme, l)):
                 hooks.append(module.register_forward_hook(
-                    lambda m, args, out, name=f"{kind}.{l}": sources.__setitem__(name, schemes.first_row(out))))
+                    lambda m, args, out, name=f"{kind}.{l}", scale=scale:
+                    sources.__setitem__(name, schemes.first_row(out) * scale)))
         try:
             progress = (lambda l: on_layer(l + 1, loaded.n_layers)) if on_layer else None
             _, hidden, _ = built.forward(loaded, torch.tensor([self.ids]),
@@ -142,6 +133,7 @@ class Residual:
             for hook in hooks:
                 hook.remove()
         self.hidden = [h[0].float() for h in hidden[:self.upto + 1]]  # the input of layers 0 .. upto
+        self._parts: dict[int, schemes.LayerParts] = {}
         # the hooks fire in forward order: attn.0, mlp.0, attn.1, ... (the order of every figure and table)
         self.sources = {**schemes.embeddings(loaded.model, self.scheme, self.ids, self.hidden[0]), **sources}
 
@@ -178,39 +170,58 @@ class Residual:
         """The sources of the residual stream entering ``layer``."""
         return {name: s for name, s in self.sources.items() if "." not in name or int(name.split(".")[1]) < layer}
 
+    def layer_parts(self, layer: int) -> schemes.LayerParts:
+        """Every head's pieces of ``layer``'s scores, read from the model once per layer and run."""
+        if layer not in self._parts:
+            self._parts[layer] = schemes.LayerParts(self.loaded.model, self.scheme, layer, self.hidden[layer],
+                                                    self.loaded.n_heads)
+        return self._parts[layer]
+
     @torch.no_grad()
     def head(self, layer: int, head: int) -> dict:
-        """Everything one head's scores are made of: weights, norm, rotation, and the plain and rotated q, k
-        (with learned positions, also q and k without the position embedding: the counterfactual's)."""
-        model, s = self.loaded.model, self.scheme
-        x = self.hidden[layer]
-        part = schemes.head_parts(model, s, layer, head, self.loaded.n_heads, self.loaded.n_kv_heads, x)
-        part["b_q_all"], part["b_k_all"] = schemes.effective_bias(part, "q"), schemes.effective_bias(part, "k")
-        part["rotation"] = self.rotation
-        n = schemes.normed(part, x, part["inv"])
-        part["q_plain"] = n @ part["w_q"].T + (part["b_q_all"] if part["b_q_all"] is not None else 0)
-        part["k_plain"] = n @ part["w_k"].T + (part["b_k_all"] if part["b_k_all"] is not None else 0)
-        part["q"], part["k"] = self._rotated(part, part["q_plain"]), self._rotated(part, part["k_plain"])
-        if s.rotary:
+        """Everything one head's scores are made of: its layer's pieces (:class:`schemes.LayerParts`), and the
+        plain and rotated q, k (with learned positions, also q and k without the position embedding: the
+        counterfactual's)."""
+        parts = self.layer_parts(layer)
+        kv = head // parts.group
+        normed = parts._normed_full(self.hidden[layer])
+        part = {"parts": parts, "head": head, "kv": kv, "d": parts.d, "scale": parts.scale, "softcap": parts.softcap,
+                "sink": None if parts.sinks is None else parts.sinks[head], "inv": parts.inv}
+        part["q_plain"] = parts.unrotated("q", normed)[head]
+        part["k_plain"] = parts.unrotated("k", normed)[kv]
+        part["q"], part["k"] = parts.rotated(part["q_plain"], slice(None)), parts.rotated(part["k_plain"], slice(None))
+        if "pos" not in self.sources:
             part["q_nope"], part["k_nope"] = part["q_plain"], part["k_plain"]
         else:
-            pos = schemes.normed(part, self.sources["pos"], part["inv"])
-            part["q_nope"] = part["q_plain"] - pos @ part["w_q"].T
-            part["k_nope"] = part["k_plain"] - pos @ part["w_k"].T
+            pos = self._source_side(part, "q", self.sources["pos"], slice(None), rotate=False)
+            part["q_nope"] = part["q_plain"] - pos
+            part["k_nope"] = part["k_plain"] - self._source_side(part, "k", self.sources["pos"], slice(None),
+                                                                 rotate=False)
         return part
 
-    @functools.cached_property
-    def rotation(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(cos, sin) of every position, the same for every layer and head (None with learned positions)."""
-        return schemes.rotation(self.loaded.model, self.scheme, self.hidden[0], self.n_tokens)
+    @staticmethod
+    def _source_side(part: dict, side: str, sources: torch.Tensor, rows, rotate: bool = True) -> torch.Tensor:
+        """One side's part of each source (..., m, width) at the positions ``rows`` (m of them): its frozen input
+        norm's linear part, the head's projection, the frozen q/k norm and, where ``rotate``, the rotation."""
+        parts = part["parts"]
+        inv = parts.inv[rows]
+        lin = parts.norm.linear(sources, inv) if parts.norm is not None else sources
+        h = part["head"] if side == "q" else part["kv"]
+        w, f = (parts.w_q, parts.fq) if side == "q" else (parts.w_k, parts.fk)
+        out = (lin @ w[h].T) * f[h][rows]
+        return parts.rotated(out, rows) if rotate else out
 
     @staticmethod
-    def _rotated(part: dict, v: torch.Tensor, rows=slice(None)) -> torch.Tensor:
-        """R_t v at the positions ``rows`` (identity with learned positions)."""
-        if part["rotation"] is None:
-            return v
-        cos, sin = part["rotation"]
-        return _rotate(v, cos[rows], sin[rows])
+    def _bias_side(part: dict, side: str, rows) -> torch.Tensor | None:
+        """One side's constant at the positions ``rows``: the projection's bias plus the projected input-norm β,
+        through the frozen q/k norm and the rotation. None where it is zero."""
+        parts = part["parts"]
+        h = part["head"] if side == "q" else part["kv"]
+        w, b, f = (parts.w_q, parts.b_q, parts.fq) if side == "q" else (parts.w_k, parts.b_k, parts.fk)
+        if not parts.has_bias:
+            return None
+        total = b[h] + (w[h] @ parts.norm.beta if parts.norm is not None and parts.norm.beta is not None else 0)
+        return parts.rotated(f[h][rows] * total, rows)
 
     @torch.no_grad()
     def probabilities(self, layer: int, head: int, part: dict | None = None) -> torch.Tensor:
@@ -248,33 +259,32 @@ class Residual:
                                  "that cell is masked, it has no score to explain")
             rows = torch.tensor([query], device=self.device)
         p = part or self.head(layer, head)
-        scale, half = p["scale"], p["d"] // 2
+        scale, parts = p["scale"], p["parts"]
         q, k = p["q"][rows], p["k"][key]
         by_dim = (q * k[None] * scale).mean(0)
         score = float(by_dim.sum())
         nope = float((p["q_nope"][rows] * p["k_nope"][key][None]).sum(-1).mean() * scale)
         named = self._before(layer)
-        inv = p["inv"]
-        at_key = torch.stack([s[key] for s in named.values()])  # (S, hidden): only the rows read, not (S, n, hidden)
+        at_key = torch.stack([s[key:key + 1] for s in named.values()])  # (S, 1, hidden): only the rows read
         at_rows = torch.stack([s[rows] for s in named.values()])  # (S, I, hidden)
-        k_src = self._rotated(p, schemes.normed(p, at_key, inv[key]) @ p["w_k"].T, key)  # (S, D)
+        k_src = self._source_side(p, "k", at_key, slice(key, key + 1))[:, 0]  # (S, D)
         key_parts = (q.mean(0)[None] * k_src).sum(-1) * scale
-        q_src = self._rotated(p, schemes.normed(p, at_rows, inv[rows][None]) @ p["w_q"].T, rows)
+        q_src = self._source_side(p, "q", at_rows, rows)  # (S, I, D)
         query_parts = (q_src * k[None, None]).sum(-1).mean(-1) * scale
         key_sources = {name: float(v) for name, v in zip(named, key_parts)}
         query_sources = {name: float(v) for name, v in zip(named, query_parts)}
-        if p["b_k_all"] is not None:
-            key_sources["bias"] = float((q.mean(0) * self._rotated(p, p["b_k_all"], key)).sum() * scale)
-        if p["b_q_all"] is not None:
-            query_sources["bias"] = float((self._rotated(p, p["b_q_all"][None].expand(len(rows), -1), rows)
-                                           * k[None]).sum(-1).mean() * scale)
-        rotary = self.scheme.rotary
+        k_bias = self._bias_side(p, "k", slice(key, key + 1))
+        if k_bias is not None:
+            key_sources["bias"] = float((q.mean(0) * k_bias[0]).sum() * scale)
+        q_bias = self._bias_side(p, "q", rows)
+        if q_bias is not None:
+            query_sources["bias"] = float((q_bias * k[None]).sum(-1).mean() * scale)
         capped = None
         if p["softcap"]:
             capped = float(schemes.softmax_logits(p, (q * k[None]).sum(-1) * scale).mean())
+        by_pair = [float(by_dim[a] + by_dim[b]) for a, b in parts.pairs]
         return Explanation(layer, head, "all" if query == "all" else int(query), key, score, nope,
-                           (by_dim[:half] + by_dim[half:]).tolist() if rotary else [], by_dim.tolist(), key_sources,
-                           query_sources, schemes.frequencies(self.loaded.model, self.scheme, half),
+                           by_pair, by_dim.tolist(), key_sources, query_sources, list(parts.frequencies),
                            ("all" if query == "all" else self.tokens[int(query)], self.tokens[key]), len(rows),
                            self.built.recipe.to_dict(), self.scheme.position, capped)
 

@@ -1,49 +1,48 @@
-"""How each family makes a head's score, for score attribution (docs/methods.md#score-attribution).
+"""How a head makes its score, for score attribution (docs/methods.md#score-attribution), read from the model.
 
-A score is q_i · k_j · scaling with q = R_i (W_Q n(x_i) + b_Q) and k likewise; what differs between
-families is the norm n, where the weights live, the rotation R and what the softmax sees of the score:
+A score is q_i · k_j · scaling with, on each side,
 
-=========  ==========================  ====================  ============================================
-family     norm n (scale frozen)       position              what else
-=========  ==========================  ====================  ============================================
-llama      γ ⊙ x / rms(x)              rotary, rotate_half   (SmolLM2 is one); Mistral and Qwen2 (q/k
-mistral                                                      bias) alike
-qwen2
-phi3       γ ⊙ x / rms(x)              rotary (full only)    q and k are rows of the fused ``qkv_proj``
-gemma2     (1 + γ) ⊙ x / rms(x)        rotary                the sources are the blocks' outputs after
-                                                             their post-norms; the softmax sees
-                                                             cap · tanh(s / cap) (logit soft-capping)
-gpt_oss    γ ⊙ x / rms(x)              rotary, two halves    a learned sink logit per head joins each
-                                       (the same pairing)    row's softmax; the MoE block is one source
-gpt2       γ ⊙ (x − mean x) / σ(x) + β learned absolute      the position embedding is its own source,
-                                                             "pos"; β's projection joins the bias
-=========  ==========================  ====================  ============================================
+    q_i = R_i( g_q ⊙ inv_q(i) ⊙ (W_q · n(x_i) + b_q) + β_q )         n(x) = γ ⊙ c(x) · inv(i) + β
 
-Each scheme is read from the model's own modules; nothing is patched. A family not in the table,
-or a variant of one whose scheme differs (a partial rotary dimension), is refused with one line.
+where n is the layer's input norm (RMS, Gemma's 1 + w, or LayerNorm with its centring c; none in OLMo 2 and
+Exaone 4), W_q, b_q the head's rows of the query projection (whatever its layout: separate, fused as Phi-3's
+``qkv_proj`` or GPT-NeoX's ``query_key_value``, a Conv1D as GPT-2's), g_q, β_q a q/k norm (Qwen3, Gemma 3,
+OLMo 2 over all heads) and R_i the rotation at position i (full, partial, interleaved, or none in a NoPE layer).
+With the norms' scales inv and inv_q frozen at their values in the run (direct attribution, as TransformerLens'
+``decompose_resid``), q is linear in the residual stream's sources plus a constant: each source's part and the
+bias sum to q_i exactly. Nothing of this is a table of families:
+
+- W and b are read by running the layer's own attention module once on the identity (and on zero), with its
+  q/k norms passed through and its rotation set to the identity, while the attention function records the
+  queries and keys it is given (:func:`attnviz.core.engine.catching`);
+- a norm's form (which of RMS, 1 + w, LayerNorm) is read by applying it to test vectors;
+- the rotation is the family's own ``apply_rotary_pos_emb`` on the rotated dimensions;
+- the scaling, soft-cap and learned sink logits are what the attention function is called with.
+
+Then the parts are checked against the queries and keys the module makes on the run's own input: a layer
+whose pieces do not give back its queries and keys within 1e-4 is refused with one line (a low-rank
+attention such as DeepSeek's latent attention, whose projections have a norm between them, is one).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
 
+from attnviz.core import anatomy as anatomy_mod
 from attnviz.core import blocks as core_blocks
 from attnviz.errors import InputError
 
-ROTARY = ("llama", "mistral", "qwen2", "phi3", "gemma2", "gpt_oss")
-FAMILIES = core_blocks.FAMILIES
+TOLERANCE = 1e-4  # relative: the pieces must give back the module's own queries and keys
 
 
 @dataclass(frozen=True)
 class Scheme:
     family: str
-
-    @property
-    def rotary(self) -> bool:
-        """Rotary positions (else learned absolute positions, a source of their own)."""
-        return self.family in ROTARY
+    anatomy: object  # attnviz.core.anatomy.Anatomy
+    rotary: bool  # rotary positions; else learned absolute positions, a source of their own ("pos")
 
     @property
     def position(self) -> str:
@@ -51,16 +50,24 @@ class Scheme:
 
 
 def scheme(loaded) -> Scheme:
-    """The model's scheme, or an :class:`InputError` naming what is not supported."""
-    config = loaded.model.config
-    family = getattr(config, "model_type", "?")
-    if family not in FAMILIES:
-        raise InputError(f"score attribution supports {', '.join(FAMILIES)} models; {loaded.model_id} is {family}, "
-                         "whose norm and position scheme is not worked out here")
-    if family in ROTARY and float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
-        raise InputError(f"score attribution needs the rotation on every head dimension; {loaded.model_id} rotates "
-                         f"only {config.partial_rotary_factor:.0%} of them (partial rotary), which is not worked out here")
-    return Scheme(family)
+    """The model's scheme, or an :class:`InputError` naming what cannot be attributed."""
+    from attnviz.core import engine
+
+    engine.prepare(loaded.model)  # the attention function reads the module's queries and keys (catching)
+    found = anatomy_mod.of(loaded.model)
+    if _position_embedding(found) is None and found.rotary is None:
+        raise InputError(f"score attribution needs rotary or learned absolute positions; {loaded.model_id} "
+                         f"({found.family}) has neither that attnviz can read")
+    return Scheme(found.family, found, found.rotary is not None)
+
+
+def _position_embedding(found) -> torch.nn.Module | None:
+    """A learned absolute position table (GPT-2's ``wpe``): an embedding of the base model other than the token
+    table, where there is no rotary embedding."""
+    if found.rotary is not None:
+        return None
+    tables = [m for m in found.base.children() if isinstance(m, torch.nn.Embedding) and m is not found.embed]
+    return tables[0] if len(tables) == 1 else None
 
 
 def blocks(model, s: Scheme) -> torch.nn.ModuleList:
@@ -69,7 +76,7 @@ def blocks(model, s: Scheme) -> torch.nn.ModuleList:
 
 def source_modules(model, s: Scheme, layer: int) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The modules whose outputs are the attention and the MLP source of ``layer``: what the layer adds
-    to the residual stream (:func:`attnviz.core.blocks.source_modules`)."""
+    to the residual stream (:func:`attnviz.core.blocks.source_modules`), times its residual scale."""
     return core_blocks.source_modules(model, layer)
 
 
@@ -82,96 +89,257 @@ def first_row(out) -> torch.Tensor:
 def embeddings(model, s: Scheme, ids: list[int], hidden0: torch.Tensor) -> dict[str, torch.Tensor]:
     """The sources the residual stream starts from: the (scaled) token embedding, and for learned
     positions the token and the position embeddings apart (they sum to ``hidden0``)."""
-    if s.family != "gpt2":
+    table = _position_embedding(s.anatomy)
+    if table is None:
         return {"embed": hidden0}
-    wte, wpe = model.transformer.wte, model.transformer.wpe
-    device = wte.weight.device
-    return {"embed": wte(torch.tensor(ids, device=device)).float(),
-            "pos": wpe(torch.arange(len(ids), device=device)).float()}
+    device = table.weight.device
+    pos = table(torch.arange(len(ids), device=device)).float().to(hidden0.device)
+    return {"embed": hidden0 - pos, "pos": pos}
+
+
+# --- a norm's form -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NormForm:
+    """A norm as γ ⊙ c(v) / sqrt(mean(c(v)²) + eps) + β, c the centring where ``centre``."""
+
+    gamma: torch.Tensor
+    beta: torch.Tensor | None
+    centre: bool
+    eps: float
+
+    def inv(self, v: torch.Tensor) -> torch.Tensor:
+        """1 / scale of each row of ``v`` (..., width): what attribution freezes."""
+        c = v - v.mean(-1, keepdim=True) if self.centre else v
+        return torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def linear(self, v: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+        """The norm's linear part with a frozen scale (β left out: a constant)."""
+        return self.gamma * (v - v.mean(-1, keepdim=True) if self.centre else v) * inv
+
+
+IDENTITY = None  # a block with no norm before it (OLMo 2): n(x) = x
 
 
 @torch.no_grad()
-def head_parts(model, s: Scheme, layer: int, head: int, n_heads: int, n_kv_heads: int, x: torch.Tensor) -> dict:
-    """One head's weights and the layer's norm at its input ``x`` (n, hidden), float32:
-    ``w_q``/``w_k`` (D, hidden), ``b_q``/``b_k`` (D or None), ``gamma``, ``beta`` (None but for LayerNorm),
-    ``centre`` (LayerNorm subtracts each vector's mean), ``inv`` (n, 1) the norm's frozen 1/scale,
-    ``scale`` the score's scaling, ``softcap`` (or None) and ``sink`` (the head's learned sink logit or None)."""
-    block = blocks(model, s)[layer]
-    part = {"softcap": None, "sink": None, "beta": None, "centre": False}
-    if s.family == "gpt2":
-        attn, norm = block.attn, block.ln_1
-        d = attn.head_dim
-        w, b = attn.c_attn.weight.float(), attn.c_attn.bias.float()  # Conv1D: (hidden, 3·hidden), y = x W + b
-        hidden = w.shape[0]
-        q_cols, k_cols = slice(head * d, (head + 1) * d), slice(hidden + head * d, hidden + (head + 1) * d)
-        part.update(w_q=w[:, q_cols].T, w_k=w[:, k_cols].T, b_q=b[q_cols], b_k=b[k_cols],
-                    gamma=norm.weight.float(), beta=norm.bias.float(), centre=True)
-        scale = d ** -0.5 if attn.scale_attn_weights else 1.0
-        if attn.scale_attn_by_inverse_layer_idx:
-            scale /= float(layer + 1)
-        part["scale"] = scale
-        centred = x - x.mean(-1, keepdim=True)
-        part["inv"] = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + norm.eps)
-    else:
-        attn, norm = block.self_attn, block.input_layernorm
-        d = attn.head_dim
-        kv = head // (n_heads // n_kv_heads)
-        rows_q, rows_k = slice(head * d, (head + 1) * d), slice(kv * d, (kv + 1) * d)
-        if s.family == "phi3":
-            w = attn.qkv_proj.weight.float()
-            w_q, w_k = w[:n_heads * d][rows_q], w[n_heads * d:(n_heads + n_kv_heads) * d][rows_k]
-            b_q = b_k = None
-        else:
-            w_q, w_k = attn.q_proj.weight[rows_q].float(), attn.k_proj.weight[rows_k].float()
-            b_q = attn.q_proj.bias[rows_q].float() if attn.q_proj.bias is not None else None
-            b_k = attn.k_proj.bias[rows_k].float() if attn.k_proj.bias is not None else None
-        gamma = norm.weight.float() + (1.0 if s.family == "gemma2" else 0.0)
-        part.update(w_q=w_q, w_k=w_k, b_q=b_q, b_k=b_k, gamma=gamma, scale=float(getattr(attn, "scaling", d ** -0.5)))
-        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-        part["inv"] = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        if s.family == "gemma2":
-            part["softcap"] = getattr(attn, "attn_logit_softcapping", None)
-        if s.family == "gpt_oss":
-            part["sink"] = float(attn.sinks[head].detach())
-    part["d"] = d
-    return part
+def norm_form(module: torch.nn.Module, width: int, where: str) -> NormForm:
+    """Which of RMSNorm (γ or Gemma's 1 + γ) and LayerNorm ``module`` computes, read by applying it to test
+    vectors; refused in one line when it is none of them."""
+    weight = getattr(module, "weight", None)
+    param = next(module.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    v = (torch.randn(6, width, generator=gen) * 3 + 0.7).to(device)
+    dtype = param.dtype if param is not None else torch.float32
+    out = module(v.to(dtype)).float()
+    eps = float(next((getattr(module, n) for n in ("variance_epsilon", "eps", "epsilon") if hasattr(module, n)), 1e-6))
+    w = weight.detach().float() if weight is not None else torch.ones(width, device=device)
+    bias = getattr(module, "bias", None)
+    b = bias.detach().float() if isinstance(bias, torch.Tensor) else None
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    for gamma, centre, beta in ((w, False, None), (1.0 + w, False, None), (w, True, b)):
+        form = NormForm(gamma, beta, centre, eps)
+        made = form.linear(v, form.inv(v)) + (beta if beta is not None else 0)
+        if (made - out).norm() <= tolerance * out.norm():
+            return form
+    raise InputError(f"score attribution: {where} ({type(module).__name__}) is neither an RMSNorm nor a LayerNorm")
 
 
-def normed(part: dict, v: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-    """The norm's linear part applied to a source ``v`` with the run's frozen scale ``inv`` (β not added:
-    it is a constant, attributed to the bias)."""
-    if part["centre"]:
-        v = v - v.mean(-1, keepdim=True)
-    return part["gamma"] * v * inv
+# --- a layer's queries and keys ----------------------------------------------------------------------------
+
+def _qk_norms(attn) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    children = dict(attn.named_children())
+    find = lambda side: next((m for n, m in children.items()  # noqa: E731
+                              if n in (f"{side}_norm", f"{side}_layernorm", f"{side}_ln")), None)
+    return find("q"), find("k")
 
 
-def effective_bias(part: dict, side: str) -> torch.Tensor | None:
-    """The constant of q (``side`` "q") or k: the projection's bias plus the projected norm bias β."""
-    w, b = part[f"w_{side}"], part[f"b_{side}"]
-    if part["beta"] is not None:
-        b = w @ part["beta"] + (b if b is not None else 0)
-    return b
+def _call(found, layer, hidden: torch.Tensor, rotation: str, pass_norms: bool) -> dict:
+    """Run the layer's attention module on ``hidden`` (1, T, width) and return what its attention function is
+    given: queries, keys (float32), scaling, soft-cap, learned sinks. ``rotation``: "run" (the positions'),
+    "identity" (cos 1, sin 0). ``pass_norms``: the q/k norms give back their input."""
+    from attnviz.core import engine
+
+    attn = layer.attn
+    positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
+    kwargs = {"attention_mask": None}
+    names = found.attn_kwargs
+    if "position_ids" in names:
+        kwargs["position_ids"] = positions
+    if "cache_position" in names:
+        kwargs["cache_position"] = positions[0]
+    if "position_embeddings" in names:
+        made = found.position_embeddings(hidden, positions, layer)
+        if made is not None and rotation == "identity":
+            cos, sin = made
+            made = (torch.ones_like(cos), torch.zeros_like(sin))
+        kwargs["position_embeddings"] = made
+    hooks = []
+    if pass_norms:
+        for norm in _qk_norms(attn):
+            if norm is not None:
+                hooks.append(norm.register_forward_hook(lambda m, args, out: args[0]))
+    try:
+        with engine.catching() as caught:
+            try:
+                attn(hidden_states=hidden, **kwargs)
+            except engine.Caught:
+                pass
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if "query" not in caught:
+        raise InputError(f"score attribution: {found.family}'s attention module did not call the attention "
+                         "function with its queries and keys")
+    return caught
 
 
-@torch.no_grad()
-def rotation(model, s: Scheme, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(cos, sin), each (n, D), in the ``rotate_half`` convention (gpt-oss's two-halves form has the same
-    pairing: its (n, D/2) tables are repeated), or None for learned positions."""
-    if not s.rotary:
+def _rotation(attn, cos: torch.Tensor, sin: torch.Tensor, d: int):
+    """R(v, rows): the family's own ``apply_rotary_pos_emb`` at the positions ``rows``; v is (..., m, D) with m the
+    rows' count. On the whole head where the function takes it (it may rotate only some dimensions itself, as
+    GPT-NeoX's and GLM-4's do, or take half-width tables, as gpt-oss's), else on the first ``cos.shape[-1]``
+    dimensions with the rest passed (Phi splits them in its attention, not in the function)."""
+    fn = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
+    if fn is None:
         return None
-    cos, sin = model.model.rotary_emb(x[None], torch.arange(n, device=x.device)[None])
-    cos, sin = cos[0].float(), sin[0].float()
-    if s.family == "gpt_oss":
-        cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
-    return cos, sin
+    width = d
+    try:
+        probe = torch.zeros(1, 1, 1, d, device=cos.device)
+        fn(probe, probe, cos[:, :1], sin[:, :1])
+    except RuntimeError:
+        width = cos.shape[-1]
+
+    def rotate(v: torch.Tensor, rows) -> torch.Tensor:
+        shape = v.shape
+        flat = v.reshape(1, -1, shape[-2], shape[-1]) if v.dim() != 4 else v
+        c, s = cos[:, rows].to(v.dtype), sin[:, rows].to(v.dtype)
+        if c.dim() == 2:  # one row
+            c, s = c[:, None], s[:, None]
+        turned, _ = fn(flat[..., :width], flat[..., :width], c, s)
+        out = torch.cat([turned.to(v.dtype), flat[..., width:]], -1) if width < shape[-1] else turned.to(v.dtype)
+        return out.reshape(shape)
+    return rotate
 
 
-def frequencies(model, s: Scheme, half: int) -> list[float]:
-    """θ_p of each rotary pair (radians per token, after the model's rope scaling); none for learned positions."""
-    if not s.rotary:
-        return []
-    inv_freq = getattr(model.model.rotary_emb, "inv_freq", None)
-    return inv_freq.float().tolist()[:half] if inv_freq is not None else [float("nan")] * half
+class LayerParts:
+    """Every head's pieces of one layer's scores (see the module docstring), made once per layer and run."""
+
+    @torch.no_grad()
+    def __init__(self, model, s: Scheme, layer_index: int, x: torch.Tensor, n_heads: int):
+        found = s.anatomy
+        layer = found[layer_index]
+        where = f"{found.family} layer {layer_index}"
+        self.where = where
+        dtype = next(model.parameters()).dtype
+        device = x.device
+        param_device = next(layer.attn.parameters()).device
+        width = x.shape[-1]
+        # the input norm and its frozen scale
+        self.norm = norm_form(layer.attn_norm, width, f"{where}'s input norm") if layer.attn_norm is not None else None
+        self.inv = self.norm.inv(x) if self.norm is not None else torch.ones(x.shape[0], 1, device=device)
+        normed_run = self._normed_full(x)
+        # the projections, read from the module: identity rows, then zero
+        probe = torch.cat([torch.eye(width), torch.zeros(1, width)]).to(param_device, dtype)[None]
+        plain = _call(found, layer, probe, "identity", pass_norms=True)
+        self.scale, self.softcap = float(plain["scaling"]), plain["softcap"]
+        sinks = plain["s_aux"]
+        self.sinks = None if sinks is None else sinks.detach().float().flatten().tolist()
+        q, k = plain["query"][0].to(device), plain["key"][0].to(device)  # (H, width + 1, D), (KV, width + 1, D)
+        self.d = q.shape[-1]
+        self.w_q, self.b_q = (q[:, :width] - q[:, width:]).transpose(1, 2), q[:, width]  # (H, D, width), (H, D)
+        self.w_k, self.b_k = (k[:, :width] - k[:, width:]).transpose(1, 2), k[:, width]
+        self.group = q.shape[0] // k.shape[0]
+        # a constant on either side: a projection's bias (whatever its value), or the input norm's β
+        self.has_bias = any(name.endswith("bias") for name, _ in layer.attn.named_parameters()) or bool(
+            self.norm is not None and self.norm.beta is not None)
+        # the q/k norms' frozen factors, from the pre-norm queries and keys of the run
+        self.fq, self.aq = self._qk_factor(layer, "q", normed_run, self.w_q, self.b_q, n_heads, where)
+        self.fk, self.ak = self._qk_factor(layer, "k", normed_run, self.w_k, self.b_k, n_heads, where)
+        # the rotation, read from the module, and checked: the pieces give back the module's own queries and keys
+        real = _call(found, layer, self._input(layer, x).to(param_device, dtype)[None], "run", pass_norms=False)
+        q_real, k_real = real["query"][0].float().to(device), real["key"][0].float().to(device)
+        self.rotate, self.pairs, self.frequencies = None, [], []
+        pe = None
+        if s.rotary and found.rotary is not None:
+            pe = found.position_embeddings(x[None].to(param_device, dtype),
+                                           torch.arange(x.shape[0], device=param_device)[None], layer)
+        q_flat = self.unrotated("q", normed_run)
+        k_flat = self.unrotated("k", normed_run)
+        if pe is not None and not _close(q_flat, q_real):
+            cos, sin = (t.float().to(device) for t in pe)
+            self.rotate = _rotation(layer.attn, cos, sin, self.d)
+            if self.rotate is not None:
+                self.pairs, self.frequencies = _pairs(layer.attn, cos.shape[-1], self.d, found.rotary, device)
+        rows = slice(None)
+        if not (_close(self.rotated(q_flat, rows), q_real) and _close(self.rotated(k_flat, rows), k_real)):
+            raise InputError(f"score attribution: {where}'s queries and keys are not a linear map of its input "
+                             "with frozen norms and a rotation (a low-rank attention with a norm inside, as "
+                             "DeepSeek's latent attention, is one), so its scores cannot be split by source")
+
+    def _input(self, layer, x):
+        return (layer.attn_norm(x.to(next(layer.attn.parameters()).dtype)).float()
+                if layer.attn_norm is not None else x)
+
+    def _normed_full(self, x):
+        if self.norm is None:
+            return x
+        return self.norm.linear(x, self.inv) + (self.norm.beta if self.norm.beta is not None else 0)
+
+    def _qk_factor(self, layer, side, normed, w, b, n_heads, where):
+        """(multiplicative (H or KV, n, D), additive (H or KV, D) or None) of the side's q/k norm, frozen."""
+        norm = _qk_norms(layer.attn)[0 if side == "q" else 1]
+        heads, d, n = w.shape[0], w.shape[1], normed.shape[0]
+        if norm is None:
+            return torch.ones(heads, n, d, device=normed.device), None
+        pre = torch.einsum("nw,hdw->hnd", normed, w) + b[:, None]  # (heads, n, D) before the norm
+        size = norm.weight.numel() if getattr(norm, "weight", None) is not None else d
+        over_all = size == heads * d  # OLMo 2: one norm over every head's queries
+        form = norm_form(norm, size, f"{where}'s {side}_norm")
+        if form.centre:
+            raise InputError(f"score attribution: {where}'s {side}_norm centres its input (a LayerNorm), which mixes "
+                             "the dimensions: not worked out")
+        if over_all:
+            flat = pre.transpose(0, 1).reshape(n, heads * d)
+            factor = (form.gamma * form.inv(flat)).reshape(n, heads, d).transpose(0, 1)
+        else:
+            factor = form.gamma * form.inv(pre)
+        return factor, None
+
+    # the pieces, for one head (``h``: a query head; its key head is h // group)
+    def unrotated(self, side: str, normed: torch.Tensor, heads=slice(None)) -> torch.Tensor:
+        """Every head's (side's) vectors, before rotation, from the full normed input: (H, n, D)."""
+        w, b, f = (self.w_q, self.b_q, self.fq) if side == "q" else (self.w_k, self.b_k, self.fk)
+        return f * (torch.einsum("nw,hdw->hnd", normed, w) + b[:, None])
+
+    def rotated(self, v: torch.Tensor, rows) -> torch.Tensor:
+        return v if self.rotate is None else self.rotate(v, rows)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool((a - b).norm() <= TOLERANCE * max(float(b.norm()), 1e-6))
+
+
+@torch.no_grad()
+def _pairs(attn, width: int, d: int, rotary, device) -> tuple[list[tuple[int, int]], list[float]]:
+    """The rotary pairs (dimensions turned together) and each pair's frequency (radians per token): read by
+    turning every basis vector a quarter turn (cos 0, sin 1: every pair, whatever its frequency, swaps)."""
+    quarter = _rotation(attn, torch.zeros(1, 1, width, device=device), torch.ones(1, 1, width, device=device), d)
+    basis = torch.eye(d, device=device)
+    turned = quarter(basis[None, :, None, :].contiguous(), slice(0, 1))[0, :, 0]  # (d, d): row a is R e_a
+    pairs, seen = [], set()
+    for a in range(d):
+        if a in seen:
+            continue
+        partners = [b for b in range(d) if b != a and abs(float(turned[a, b])) > 1e-6]
+        if len(partners) == 1:
+            pairs.append((a, partners[0]))
+            seen.update((a, partners[0]))
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if inv_freq is None:
+        inv_freq = getattr(rotary, "original_inv_freq", None)
+    freqs = inv_freq.float().tolist() if inv_freq is not None else []
+    frequencies = [freqs[i] if i < len(freqs) else float("nan") for i in range(len(pairs))]
+    return pairs, frequencies
 
 
 def softmax_logits(part: dict, scores: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,164 @@
+"""The conformance matrix: every capability on every decoder family, on tiny random configs in float32, against
+stock transformers with hand-written hooks (docs/support.md is generated from the same checks).
+
+Where each family's blocks write into the residual stream is written out by hand here (``WRITES``), from reading
+each family's modeling code, not read from attnviz: the anatomy must find the same modules.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from attnviz import regions
+from attnviz import recipe as recipe_mod
+from attnviz.capture import capture
+from attnviz.core import anatomy, engine
+from attnviz.core.models import LoadedModel
+from attnviz.plan import Keep
+from attnviz.recipe import Recipe
+from attnviz.stats import metrics
+
+from tiny import FAMILIES, CharTokenizer, pair
+
+TEXT = "The keeper lit the lamp at dusk, and watched."
+FULL = Keep(storage_dtype=torch.float32)
+# (attention's write, MLP's write) as each family's decoder layer adds them to the residual stream
+POST_NORMS = {"gemma2": ("post_attention_layernorm", "post_feedforward_layernorm"),
+              "gemma3_text": ("post_attention_layernorm", "post_feedforward_layernorm"),
+              "olmo2": ("post_attention_layernorm", "post_feedforward_layernorm"),
+              "olmo3": ("post_attention_layernorm", "post_feedforward_layernorm"),
+              "exaone4": ("post_attention_layernorm", "post_feedforward_layernorm"),
+              "glm4": ("post_self_attn_layernorm", "post_mlp_layernorm")}
+WRITES = {"gpt2": ("attn", "mlp"), "gpt_neox": ("attention", "mlp"), **POST_NORMS}
+PARALLEL = {"gpt_neox", "phi", "cohere2"}  # attention and MLP read the same input
+
+
+def _layers(model, kind):
+    return {"gpt2": lambda: model.transformer.h, "gpt_neox": lambda: model.gpt_neox.layers}.get(
+        kind, lambda: model.model.layers)()
+
+
+def _stock_write(model, kind, block, layer):
+    attn, mlp = WRITES.get(kind, ("self_attn", "mlp"))
+    return getattr(_layers(model, kind)[layer], attn if block == "attn" else mlp)
+
+
+def _pair(kind):
+    stock, ours = pair(kind)
+    return stock, LoadedModel(ours, CharTokenizer(), f"tiny-{kind}", None, 0.0)
+
+
+def _stock(stock, ids, hook=None, module=None):
+    handle = module.register_forward_hook(hook) if hook else None
+    try:
+        with torch.no_grad():
+            return stock(input_ids=torch.tensor([ids]), output_attentions=True)
+    finally:
+        if handle:
+            handle.remove()
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_the_anatomy_finds_the_modules_written_out_by_hand(kind):
+    stock, lm = _pair(kind)
+    found = anatomy.of(lm.model)
+    for layer in found.layers:
+        assert layer.attn_write is _stock_write(lm.model, kind, "attn", layer.index)
+        assert layer.mlp_write is _stock_write(lm.model, kind, "mlp", layer.index)
+        assert layer.parallel == (kind in PARALLEL)
+        assert layer.scale == (0.5 if kind == "granite" else 1.0)  # the tiny Granite's residual_multiplier
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_maps_and_mask0_bidir(kind):
+    """Every layer's maps equal stock eager ``output_attentions`` within 1e-4; a MASK0-BIDIR capture runs and
+    its rows are distributions over what the mask allows."""
+    stock, lm = _pair(kind)
+    ids = CharTokenizer()(TEXT)["input_ids"]
+    ref = _stock(stock, ids)
+    cap = capture(lm, TEXT, "fwd", FULL)
+    for layer, probs in enumerate(ref.attentions):
+        np.testing.assert_allclose(cap.layer_probs(layer), probs[0].numpy(), atol=1e-4, err_msg=f"layer {layer}")
+    np.testing.assert_allclose(cap.next_logprobs, torch.log_softmax(ref.logits[0, -1], -1).numpy(), atol=1e-4)
+    other = capture(lm, TEXT, "mask0-bidir(k=1)", FULL)
+    for layer in range(3):
+        probs, allowed = other.layer_probs(layer), other.allowed[layer]
+        assert np.isfinite(probs).all() and (probs[:, ~allowed] == 0).all()
+        assert (probs.sum(-1) <= 1 + 1e-5).all()
+    assert not allowed[1:, 0].any() or not np.allclose(other.layer_probs(2), cap.layer_probs(2), atol=1e-4)
+
+
+@pytest.mark.parametrize("block", ["mlp", "attn"])
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_patch_equals_a_hand_written_hook(kind, block):
+    """patch(value=mean) at token 0 of layer 1 equals stock transformers with a forward hook doing the same on the
+    module written out above: every layer's maps and the next-token distribution."""
+    stock, lm = _pair(kind)
+    ids = CharTokenizer()(TEXT)["input_ids"]
+
+    def hook(module, args, out):
+        t = (out[0] if isinstance(out, tuple) else out).clone()
+        t[:, 0] = t[:, 1:].mean(1)
+        return (t, *out[1:]) if isinstance(out, tuple) else t
+
+    ref = _stock(stock, ids, hook, _stock_write(stock, kind, block, 1))
+    cap = capture(lm, TEXT, Recipe.of(lm, "fwd", f"patch(block={block}, tokens=0, value=mean)@1"), FULL)
+    for layer, probs in enumerate(ref.attentions):
+        np.testing.assert_allclose(cap.layer_probs(layer), probs[0].numpy(), atol=1e-4, err_msg=f"layer {layer}")
+    np.testing.assert_allclose(cap.next_logprobs, torch.log_softmax(ref.logits[0, -1], -1).numpy(), atol=1e-4)
+    assert np.abs(cap.layer_probs(2) - capture(lm, TEXT, "fwd", FULL).layer_probs(2)).max() > 1e-6
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_the_causal_check_patches_the_key_it_measures(kind):
+    """In every layer, the key ``patch(tokens=sink)`` replaces is the key the causal check reads the sink at,
+    under FWD and NoSink-FWD (each family's own windows included)."""
+    stock, lm = _pair(kind)
+    for spec in ("fwd", "nosink-fwd"):
+        recipe = Recipe.of(lm, spec, "patch(block=mlp, tokens=sink)@0")
+        cap = capture(lm, TEXT, recipe, FULL)
+        _, run = engine.forward(lm.model, torch.tensor([cap.token_ids]), recipe_mod.build(lm, recipe).computes,
+                                engine.NOTHING)
+        assert [run.sink_key(l) for l in range(3)] == [metrics.auto_key(cap.allowed[l]) for l in range(3)]
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_a_region_resumed_from_a_layer_equals_the_full_maps(kind):
+    stock, lm = _pair(kind)
+    text = TEXT * 3
+    cap = capture(lm, text, "fwd", Keep(statistics=True, pool=16, checkpoints=1))
+    assert sorted(cap.checkpoints) == ([] if anatomy.of(lm.model).resumable else [2])
+    full = capture(lm, text, "fwd", FULL)
+    region = regions.of_capture(lm, cap, 2, (40, 90), (0, 50))
+    np.testing.assert_allclose(region.values, full.layer_probs(2)[:, 40:90, 0:50], atol=1e-4)
+
+
+REFUSED = {"deepseek_v3": "queries and keys are not a linear map"}  # latent attention: a norm inside its projections
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_score_attribution_sums_to_the_captured_score(kind):
+    """The score of a cell, its split by dimension and by source on each side, against the pre-softmax score a
+    capture records (the maps of which equal stock above); the diagnosis runs on every layer."""
+    from attnviz.effects.explain import Residual, diagnose
+    from attnviz.errors import InputError
+
+    stock, lm = _pair(kind)
+    if kind in REFUSED:
+        with pytest.raises(InputError, match=REFUSED[kind]):
+            Residual(lm, TEXT).explain(2, 1, 17, 3)
+        return
+    cap = capture(lm, TEXT, "fwd", Keep(scores=True, storage_dtype=torch.float32))
+    run = Residual(lm, TEXT)
+    for layer, head, i, j in ((2, 1, 17, 3), (1, 3, 9, 0)):
+        e = run.explain(layer, head, i, j)
+        captured = float(cap.layer_scores(layer)[head, i, j])
+        assert (e.softcapped_score if e.softcapped_score is not None else e.score) == pytest.approx(captured, abs=1e-4)
+        assert sum(e.by_dim) == pytest.approx(e.score, abs=1e-4)
+        assert sum(e.key_sources.values()) == pytest.approx(e.score, abs=1e-4)
+        assert sum(e.query_sources.values()) == pytest.approx(e.score, abs=1e-4)
+        unrotated = kind == "gpt2" or (kind, layer) == ("smollm3", 1)  # learned positions; SmolLM3's NoPE layer
+        assert len(e.by_pair) * 2 <= len(e.by_dim) and bool(e.by_pair) != unrotated
+        if e.by_pair and kind not in ("gpt_neox", "phi", "glm4"):  # partial rotation: the rest are unpaired
+            assert sum(e.by_pair) == pytest.approx(e.score, abs=1e-4)
+    assert diagnose(run, 2).leading()[1] >= 1
