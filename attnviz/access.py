@@ -8,8 +8,8 @@ mode every path typed in a browser goes through one :class:`Access`:
   directory);
 - **writes** (a sweep's results) must resolve inside the write root (``ATTNVIZ_WRITE_ROOT``; default the
   cache directory); nothing is created outside it, not even a parent folder;
-- **models** load by name only when they are in ``ATTNVIZ_MODELS`` (comma-separated; default ``default``),
-  or when they are a directory under a root;
+- **models** load by name only when they are in ``ATTNVIZ_MODELS`` (comma-separated; default the shipped
+  offline models, ``default,gemma3-270m``), or when they are a directory under a root;
 - **remote code** runs only where the server's own configuration allows it
   (``ATTNVIZ_TRUST_REMOTE_CODE=1``): a visitor cannot turn it on.
 
@@ -59,12 +59,13 @@ class Access:
 
     @classmethod
     def from_env(cls, shared: bool, environ=os.environ) -> "Access":
-        from attnviz.core.models import cache_dir
+        from attnviz.core.models import SHIPPED, cache_dir
 
         cache = cache_dir()
         roots = tuple(_resolved(p) for p in environ.get("ATTNVIZ_ROOTS", "").split(":") if p.strip()) or (_resolved(cache),)
         write_root = _resolved(environ.get("ATTNVIZ_WRITE_ROOT") or cache)
-        models = tuple(m.strip() for m in environ.get("ATTNVIZ_MODELS", "default").split(",") if m.strip())
+        # the shipped offline models by default: they download nothing and run no code of their own
+        models = tuple(m.strip() for m in environ.get("ATTNVIZ_MODELS", ",".join(SHIPPED)).split(",") if m.strip())
         trust = environ.get("ATTNVIZ_TRUST_REMOTE_CODE", "").strip() in ("1", "true", "yes")
         return cls(shared, roots, write_root, models, trust)
 

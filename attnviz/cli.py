@@ -539,7 +539,8 @@ def _position_or(word: str):
 
 def _model_args(p, text: bool = True, corpus: bool = False):
     """The options of every command that runs a model."""
-    p.add_argument("--model", default="default", help="'default', a Hugging Face id or a local directory")
+    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M), "
+                                                                "a Hugging Face id or a local directory")
     p.add_argument("--arch", default="fwd", help="architecture string (docs/methods.md#the-call-syntax)")
     _load_args(p)
     p.add_argument("--json", action="store_true", help="JSON output (the default)")
@@ -733,7 +734,8 @@ def _doctor_options(p):
 
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
                    help="where to check (auto: CUDA, else MPS, else the CPU)")
-    p.add_argument("--model", default="default", help="'default', a Hugging Face id or a local directory")
+    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M), "
+                                                                "a Hugging Face id or a local directory")
     p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--tokens", type=int, default=defaults.one(doctor.run, "tokens"),
                    help="the speed checks' text length in tokens (%(default)s)")
@@ -780,7 +782,8 @@ def _report_options(p):
 
 
 def _reproduce_options(p):
-    p.add_argument("--model", default="default", help="'default', a Hugging Face id or a local directory")
+    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M), "
+                                                                "a Hugging Face id or a local directory")
     _load_args(p)
     p.add_argument("--out", required=True, help="the .pdf file to write")
     p.add_argument("--only", default=None, help="comma-separated sections: shifting, streaming, sinkrate, ksweep, "

@@ -59,6 +59,15 @@ def default_model(model_cache):
     return load("default", device="cpu")
 
 
+@pytest.fixture(scope="session")
+def gemma3_model(model_cache):
+    """Gemma 3 270M, the second real model: assembled and converted once per session (the dev set-up installs
+    its packages)."""
+    from attnviz import load
+
+    return load("gemma3-270m", device="cpu")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` need a GPU: skipped, with the reason, on a machine without one."""
     import torch

@@ -5,6 +5,8 @@ Where each family's blocks write into the residual stream is written out by hand
 each family's modeling code, not read from attnviz: the anatomy must find the same modules.
 """
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -162,3 +164,25 @@ def test_score_attribution_sums_to_the_captured_score(kind):
         if e.by_pair and kind not in ("gpt_neox", "phi", "glm4"):  # partial rotation: the rest are unpaired
             assert sum(e.by_pair) == pytest.approx(e.score, abs=1e-4)
     assert diagnose(run, 2).leading()[1] >= 1
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_residual_variants_run_where_defined_and_are_refused_elsewhere(kind):
+    """Where seed 003's recomputation is defined, method 2 leaves layers 0 and 1 as they are (the attention residual
+    of layer 0 is X, and layer 1's attention reads the same stream) and changes layer 2; elsewhere the recipe is
+    refused with the anatomy's reason."""
+    from attnviz.core import residual
+    from attnviz.errors import ModelLoadError
+
+    stock, lm = _pair(kind)
+    why = residual.why_not(anatomy.of(lm.model))
+    if why:
+        with pytest.raises(ModelLoadError, match=re.escape(why)):
+            Recipe.of(lm, "fwd", residual="method2")
+        return
+    plain = capture(lm, TEXT, "fwd", FULL)
+    varied = capture(lm, TEXT, Recipe.of(lm, "fwd", residual="method2"), FULL)
+    for layer in (0, 1):
+        np.testing.assert_allclose(varied.layer_probs(layer), plain.layer_probs(layer), atol=1e-5)
+    assert np.abs(varied.layer_probs(2) - plain.layer_probs(2)).max() > 1e-6
+    assert np.isfinite(varied.next_logprobs).all()

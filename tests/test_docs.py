@@ -116,3 +116,12 @@ def test_the_readme_says_what_is_true():
         assert readme.count(f"assets/screenshots/{shot}.png") == 1, shot
     assert readme.count("scripts/screenshots.py") == 1
     assert "instant viewer" in readme and "docs/viewer.md" in readme
+
+
+def test_the_support_table_matches_the_code():
+    """docs/support.md is what the code says of every family (scripts/support_table.py makes it)."""
+    spec = importlib.util.spec_from_file_location("support_table", ROOT / "scripts" / "support_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (ROOT / "docs" / "support.md").read_text() == module.text(), \
+        "docs/support.md is out of date: run .venv/bin/python scripts/support_table.py"

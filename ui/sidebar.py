@@ -12,7 +12,7 @@ from attnviz.core import arch as arch_mod
 from attnviz.core import devices, interventions
 from attnviz.errors import AttnvizError
 from attnviz.recipe import Recipe
-from attnviz.core.models import DEFAULT, LoadedModel
+from attnviz.core.models import DEFAULT, SHIPPED, LoadedModel, shipped_installed
 from attnviz.core.residual import METHODS
 
 from ui import shared
@@ -148,14 +148,26 @@ def _intervention_controls(n_layers: int, n_heads: int) -> str | None:
     return f"ablate(heads={','.join(map(str, heads))}, how={how}){where}" if heads else None
 
 
+def _pick_offline() -> None:
+    """The offline model picked: it goes into the model box, which is what loads."""
+    st.session_state["model"] = st.session_state["offline_model"]
+
+
 def sidebar(needs_model: bool = True) -> tuple[Settings, LoadedModel | None]:
     """Model, text and architecture controls shared by every page; ``needs_model=False`` (walkthrough,
     mask designer) uses the model only if it is already loaded."""
     with st.sidebar:
         st.markdown("### attnviz")
         rules = shared.access()
+        offline = shipped_installed()
+        if len(offline) > 1:  # the real models installed here, one click each; the box below takes any other
+            st.selectbox("Offline model", offline, key="offline_model", on_change=_pick_offline,
+                         format_func=lambda key: SHIPPED[key].name.split(" (")[0] + ("" if key == DEFAULT else f" ({key})"),
+                         help="Models shipped as PyPI packages: no download. "
+                              + "; ".join(f"{SHIPPED[k].name.split(' (')[0]}: {SHIPPED[k].license}" for k in offline))
         model = st.text_input("Model", DEFAULT, key="model",
-                              help="'default' (SmolLM2-135M-Instruct, offline), a Hugging Face id or a local path"
+                              help="'default' (SmolLM2-135M-Instruct, offline), 'gemma3-270m' (Gemma 3 270M, offline "
+                                   "with attnviz[gemma3]), a Hugging Face id or a local path"
                                    + (f"; this shared server loads {', '.join(rules.models)} and model directories "
                                       f"under {', '.join(map(str, rules.roots))}" if rules.shared else ""))
         if rules.shared:  # a visitor who turns it on runs code on the server: only its own configuration may
@@ -183,7 +195,7 @@ def sidebar(needs_model: bool = True) -> tuple[Settings, LoadedModel | None]:
                         help="The first token becomes the tokenizer's BOS token (Barbero et al. 2025): the sink "
                              "pages show what that changes")
         variant = st.selectbox("Residual variant (seed 003)", ["none", *METHODS], key="residual",
-                               help="Methods 1–4 of seed 003 (Llama-family models): the MLP or attention residual "
+                               help="Methods 1–4 of seed 003 (sequential pre-norm decoders, docs/methods.md#residual-variants): the MLP or attention residual "
                                     "becomes the sum of earlier layers recomputed on the embeddings")
         st.caption(f"architecture: `{spec}`" + (f" · intervention `{intervene}`" if intervene else "")
                    + ("" if variant == "none" else f" · residual `{variant}`") + (" · BOS prepended" if bos else ""))

