@@ -223,7 +223,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _decoder_layers(model) -> list[torch.nn.Module]:
-    """Every decoder layer, bottom first: the module holding each self-attention module."""
+    """Every decoder layer, bottom first: the anatomy's (:mod:`attnviz.core.anatomy`), else the module holding each
+    self-attention module."""
+    from attnviz.core import anatomy
+    from attnviz.errors import InputError
+
+    try:
+        return [layer.module for layer in anatomy.of(model).layers]
+    except InputError:
+        pass
     modules = dict(model.named_modules())
     return [modules[name.rpartition(".")[0]] for name, _ in model.named_modules()
             if name.endswith(("self_attn", ".attn")) and "." in name]

@@ -186,3 +186,32 @@ def test_residual_variants_run_where_defined_and_are_refused_elsewhere(kind):
         np.testing.assert_allclose(varied.layer_probs(layer), plain.layer_probs(layer), atol=1e-5)
     assert np.abs(varied.layer_probs(2) - plain.layer_probs(2)).max() > 1e-6
     assert np.isfinite(varied.next_logprobs).all()
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_value_norms_are_each_head_s_output_projection_of_its_values(kind):
+    """||W_O^h v_j^h|| on every family: the attention module is the anatomy's (GPT-NeoX's is ``attention``), and the
+    norms equal the layer's own output projection applied to the values the capture kept, head by head."""
+    stock, lm = _pair(kind)
+    cap = capture(lm, TEXT, "fwd", Keep(layers=(1,), value_norms=True, qkv=True, storage_dtype=torch.float32))
+    norms = cap.layer_value_norms(1)
+    qkv = cap.layer_qkv(1)
+    attn = anatomy.of(lm.model)[1].attn
+    proj = engine.output_projection(attn).detach().float()  # (hidden, H * d_v)
+    v = torch.from_numpy(np.asarray(qkv.v, dtype=np.float32))  # (KV, n, d_v)
+    heads = norms.shape[0]
+    v = v.repeat_interleave(heads // v.shape[0], dim=0)
+    d_v = v.shape[-1]
+    expected = torch.stack([(v[h] @ proj[:, h * d_v:(h + 1) * d_v].T).norm(dim=-1) for h in range(heads)])
+    np.testing.assert_allclose(norms, expected.numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gemma3_text", "gpt_neox", "olmo2", "qwen3_moe", "granite"])
+def test_the_doctor_passes_on_more_families(kind):
+    from attnviz import doctor
+
+    stock, lm = _pair(kind)
+    report = doctor.run(lm, tokens=64)
+    failed = [c.line() for c in report.checks if c.status == "FAIL"]
+    assert report.ok and not failed, failed
+    assert sum(c.status == "PASS" for c in report.checks) >= 6
