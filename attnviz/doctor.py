@@ -105,7 +105,8 @@ class Check:
         else:
             numbers = f": measured {self.measured:.3g} (limit {self.limit:.3g})"
         head = f"{self.status:4} {self.name}{numbers}{' · ' + self.detail if self.detail else ''}"
-        said = "; ".join(part for part in (self.compared, self.why and say_why and f"limit: {self.why}") if part)
+        label = "expected" if self.status == "TIME" else "limit"  # a timing has no limit: it is never a verdict
+        said = "; ".join(part for part in (self.compared, self.why and say_why and f"{label}: {self.why}") if part)
         return head + (f"\n       {said}" if said else "")
 
     def as_json(self) -> dict:

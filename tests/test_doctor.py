@@ -101,6 +101,7 @@ def test_a_slow_machine_is_reported_not_failed(monkeypatch, capsys):
     report = doctor.Report({}, [doctor.Check("maps", "PASS", 0.0, 1e-4), *checks])
     assert report.ok
     assert "TIME speed: statistics of" in speed.line() and "ratio 10" in speed.line()
+    assert "expected: 3x on cpu" in speed.line() and "limit:" not in speed.line()
 
 
 def test_the_whole_report_passes_when_only_speed_is_slow(monkeypatch):

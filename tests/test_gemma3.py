@@ -116,3 +116,19 @@ def test_the_why_page_and_test_it_run_on_gemma3(gemma3_model, tmp_path):
     at.button(key="why_test").click().run()
     assert not at.exception and not at.error, texts(at.error)
     assert any("Attention on the sink key" in str(f["layout"]["title"]["text"]) for f in charts(at))
+
+
+def test_statistics_past_the_window_equal_their_definitions_on_the_full_maps(gemma3_model):
+    """The statistics route (block by block, each block's rows of the allow-set) on ~600 tokens: alpha and the
+    key-0 profile of a sliding layer and a global one equal their numpy definitions on the full maps."""
+    from attnviz.stats import metrics
+
+    lm = gemma3_model
+    full = capture(lm, LONG, "fwd", Keep(layers=(0, 5), storage_dtype=torch.float32))
+    stats = capture(lm, LONG, "fwd", Keep(layers=(0, 5), statistics=True))
+    for layer in (0, 5):
+        probs, allowed = full.layer_probs(layer), full.allowed[layer]
+        np.testing.assert_allclose(stats.stat(layer, "alpha"), metrics.alpha(probs, allowed), atol=1e-5, equal_nan=True)
+        np.testing.assert_allclose(stats.stat(layer, "key0"), metrics.key_profile(probs, allowed, 0), atol=1e-5,
+                                   equal_nan=True)
+    assert np.isnan(stats.stat(0, "key0")[:, -1]).all() and np.isfinite(stats.stat(5, "key0")[:, -1]).all()
