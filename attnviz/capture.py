@@ -27,7 +27,7 @@ from attnviz.plan import Keep
 from attnviz.tokens import prefix_ids, tokenize  # noqa: F401 - text → tokens, the flow's first step
 from attnviz.recipe import Recipe
 from attnviz.stats import metrics
-from attnviz.stats.reduce import summarise
+from attnviz.core.reduce import summarise
 
 FORMAT = "attnviz-capture/1"
 TOP_ACTIVATIONS = 8

@@ -8,7 +8,7 @@ arrays out (:meth:`~Recorder.finish`, into the run's stores: ``probs``, ``scores
 those declarations: the whole layer as one block, every key of a block, the scores, some rows only, or
 whether it can take a whole layer from the fused kernel's sums (:meth:`~Recorder.fused`) instead of blocks.
 
-:func:`for_record` makes a run's recorders from an :class:`attnviz.core.engine.Record`. Adding what a
+:func:`for_record` makes a run's recorders from an :class:`attnviz.core.run.Record`. Adding what a
 capture keeps is one recorder here and its line there.
 """
 
@@ -76,7 +76,7 @@ class Recorder:
         return {}
 
     def fused(self, run, layer: int, raw: dict, layout) -> None:
-        """The whole layer from the fused kernel's sums and the mask's layout (:class:`attnviz.stats.reduce.Layout`)."""
+        """The whole layer from the fused kernel's sums and the mask's layout (:class:`attnviz.core.reduce.Layout`)."""
 
 
 class ValueNorms(Recorder):
@@ -86,7 +86,7 @@ class ValueNorms(Recorder):
     fusable = True
 
     def start(self, run, layer, inputs):
-        from attnviz.core.engine import value_norms
+        from attnviz.core.modules import value_norms
 
         run.value_norms[layer] = value_norms(inputs.module, inputs.value, inputs.query.shape[1])
 
@@ -131,12 +131,12 @@ class Maps(Recorder):
 
 
 class Streamed(Recorder):
-    """A block reducer (:class:`attnviz.stats.reduce.BlockReducer`: statistics, pooled maps, a region's crop) fed
+    """A block reducer (:class:`attnviz.core.reduce.BlockReducer`: statistics, pooled maps, a region's crop) fed
     block by block; its finished result goes to ``run.reduced``. With ``pooled_scores`` it also takes the masked
     pre-softmax scores of each block. A reducer that can take the fused kernel's sums makes the layer fusable."""
 
     def __init__(self, reducer, pooled_scores: bool = False):
-        from attnviz.stats.reduce import FusedReducer
+        from attnviz.core.reduce import FusedReducer
 
         self.reducer = reducer
         self.scores = "masked" if pooled_scores else None
@@ -195,7 +195,7 @@ LIVE = Live()  # stateless: one for every run
 
 
 def for_record(record) -> tuple[Recorder, ...]:
-    """The recorders of a recorded layer under an :class:`attnviz.core.engine.Record`, in the order they are fed
+    """The recorders of a recorded layer under an :class:`attnviz.core.run.Record`, in the order they are fed
     (value norms first: the statistics' pooled value-weighted maps read them)."""
     out: list[Recorder] = []
     if record.value_norms:
