@@ -17,7 +17,6 @@ from typing import Callable
 
 import torch
 
-from attnviz.core import devices
 from attnviz.core import recorders as recorders_mod
 from attnviz.core.allowsets import AllowSets
 from attnviz.core.interventions import NONE, Interventions
@@ -128,15 +127,9 @@ class Cached:
 
 @dataclass
 class Recorded:
-    """What the pass records, by layer."""
+    """What the pass records, by layer, beside what its recorders own (:meth:`Run.results`)."""
 
-    probs: dict[int, torch.Tensor] = field(default_factory=dict)
-    scores: dict[int, torch.Tensor] = field(default_factory=dict)
-    value_norms: dict[int, torch.Tensor] = field(default_factory=dict)
-    qkv: dict[int, tuple] = field(default_factory=dict)
-    live: dict[int, torch.Tensor] = field(default_factory=dict)  # keep_graph: (B, H, n_q, n_kv) on the device
     allowed: dict[int, torch.Tensor] = field(default_factory=dict)
-    reduced: dict[int, object] = field(default_factory=dict)
     checkpoints: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
@@ -148,16 +141,34 @@ class Run(Recorded, Cached, AllowSets, Asked):
     def __post_init__(self):
         if self.unpadded is None:
             self.unpadded = bool(self.valid.all())
+        self._live = recorders_mod.Live()  # the run's own: it holds this run's live probabilities
 
     def collect(self) -> None:
         """After the forward: wait for the asynchronous host copies of full maps and of every layer's finished
         statistics (:class:`devices.HostCopy`), and keep the host arrays. Nothing during the forward waits."""
-        for store in (self.probs, self.scores):
-            for layer, maps in store.items():
-                if isinstance(maps, recorders_mod.FullMaps):
-                    store[layer] = maps.host()
-        for layer, values in self.reduced.items():
-            self.reduced[layer] = devices.landed(values)
+        for recorder in self._every_recorder():
+            recorder.result()
+
+    def _every_recorder(self) -> tuple:
+        return self.recorders + ((self._live,) if self.keep_graph else ())
+
+    def results(self, kind: str) -> dict:
+        """What the recorders of ``kind`` hold, by layer (the recorders own it; the run keeps no store of its own).
+        One recorder's own dict where it alone is of that kind, so the residual variants may take from ``live``."""
+        owners = [r for r in self._every_recorder() if r.kind == kind]
+        if len(owners) == 1:
+            return owners[0].results
+        merged: dict = {}
+        for recorder in owners:
+            merged.update(recorder.results)
+        return merged
+
+    probs = property(lambda self: self.results("probs"), doc="Full maps by layer (B, H, n_q, n_kv).")
+    scores = property(lambda self: self.results("scores"), doc="Pre-softmax scores by layer.")
+    reduced = property(lambda self: self.results("reduced"), doc="A reducer's finished results by layer.")
+    value_norms = property(lambda self: self.results("value_norms"), doc="||W_O^h v_j^h|| by layer.")
+    qkv = property(lambda self: self.results("qkv"), doc="(q, k, v, scaling) on the host by layer.")
+    live = property(lambda self: self.results("live"), doc="keep_graph: every layer's fp32 probabilities.")
 
     def query_positions(self, n_q: int, device) -> torch.Tensor:
         source = self.positions if self.q_positions is None else self.q_positions
@@ -167,7 +178,7 @@ class Run(Recorded, Cached, AllowSets, Asked):
         """The recorders fed by ``layer``: the run's own for a recorded layer, and the live probabilities of every
         layer when the graph is kept (residual variants)."""
         kept = self.recorders if layer in self.record else ()
-        return kept + (recorders_mod.LIVE,) if self.keep_graph else kept
+        return kept + (self._live,) if self.keep_graph else kept
 
     def route(self, module) -> tuple["Run", int]:
         """The run and layer index an attention module belongs to (see :class:`Stacks`)."""
