@@ -6,8 +6,8 @@ the plain causal mask, and per head where heads have masks of their own; and the
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from attnviz.core import devices, kernels
@@ -80,27 +80,144 @@ class Layout:
         return cls(n_q, n_kv, col_counts.float(), row_counts.float(), diagonal, allow[:, 0].clone(), seen_of)
 
 
-class AllowSets:
-    """The run's allow-sets (a mixin of :class:`attnviz.core.run.Run`, whose fields it reads): made once per mask,
-    length and device, and shared by the layers with that mask."""
+class AllowSet:
+    """One layer's allow-set: which keys each query may see (B, 1, n_q, n_kv), or each head's own (B, H, ...) where
+    the layer's heads have masks of their own. The one type the engine asks, whatever its kind:
 
-    def allow(self, layer: int, n_q: int, n_kv: int, window: int | None, device) -> torch.Tensor:
-        """(B, 1, n_q, n_kv) boolean allow-set for a layer, shared by layers with the same mask.
+    - "whole": made once, on the layer's device, and shared by every layer with the same mask;
+    - "rows": never made whole on the device, a block of query rows at a time (a large statistics capture);
+    - "causal": the plain causal mask on the fused route, arithmetic: nothing is made.
+
+    Per head (:meth:`with_heads`), a block's rows are the layer's rows and-ed with each head's own rows: never
+    (H, n_q, n_kv) for the whole layer on the device. What it answers: a block's :meth:`rows`, the set
+    :meth:`whole` (SDPA and the fused kernel read it), every block's key :meth:`ranges`, the packed :meth:`bits`,
+    the :meth:`layout` counts the statistics read, and the :meth:`host` copies a capture keeps."""
+
+    def __init__(self, kind: str, shape: tuple[int, int, int, int], device, make_rows=None, head_rows=None):
+        self.kind, self.shape, self.device = kind, shape, torch.device(device)
+        self._make_rows, self._head_rows = make_rows, head_rows
+        self._cache: dict = {}
+
+    def with_heads(self, head_rows) -> "AllowSet":
+        """This set and-ed, head by head, with ``head_rows(q0, q1)`` (H, b, n_kv): the layer's own per-head set."""
+        return AllowSet(self.kind if self.kind != "causal" else "whole", self.shape, self.device, self.rows,
+                        head_rows)
+
+    @property
+    def per_head(self) -> bool:
+        return self._head_rows is not None
+
+    @property
+    def n_q(self) -> int:
+        return self.shape[2]
+
+    @property
+    def n_kv(self) -> int:
+        return self.shape[3]
+
+    def rows(self, q0: int, q1: int) -> torch.Tensor:
+        """(B, 1 or H, q1 - q0, n_kv): query rows q0 .. q1 - 1, made alone (a row's keys depend on that row only)."""
+        if self.kind == "whole" and not self.per_head:
+            return self.whole()[:, :, q0:q1]
+        if self.kind == "causal":
+            i = torch.arange(q0, q1, device=self.device)[:, None] + (self.n_kv - self.n_q)
+            return (torch.arange(self.n_kv, device=self.device)[None, :] <= i)[None, None]
+        base = self._make_rows(q0, q1)
+        if self.per_head:
+            return keep_self_if_empty(base & self._head_rows(q0, q1)[None], self.n_kv - self.n_q + q0)
+        return base
+
+    def whole(self) -> torch.Tensor:
+        """(B, 1 or H, n_q, n_kv) on the device, made once (what SDPA and the fused kernel read)."""
+        if "whole" not in self._cache:
+            if self.kind == "whole" and not self.per_head:
+                self._cache["whole"] = self._make_rows(0, self.n_q)
+            else:
+                made = AllowSet("rows" if self.kind != "causal" else "causal", self.shape, self.device,
+                                self._make_rows, self._head_rows)
+                self._cache["whole"] = made.rows(0, self.n_q)
+        return self._cache["whole"]
+
+    def ranges(self, rows: int, narrow: bool = True) -> list[tuple[int, int]]:
+        """[k0, k1) of every block of ``rows`` query rows: the keys its rows may see when ``narrow``, else all.
+        Computed on the device and read back in one transfer, once per set: the block loop never waits."""
+        if not narrow:
+            return [(0, self.n_kv)] * -(-self.n_q // rows)
+        if ("ranges", rows) not in self._cache:
+            self._cache["ranges", rows] = [tuple(r) for r in self.range_tensor(rows).tolist()]
+        return self._cache["ranges", rows]
+
+    def range_tensor(self, rows: int) -> torch.Tensor:
+        """The (blocks, 2) int32 key ranges of :meth:`ranges`, left on the device (the fused kernel reads them)."""
+        if ("range tensor", rows) not in self._cache:
+            self._cache["range tensor", rows] = _block_ranges(self, rows).to(torch.int32)
+        return self._cache["range tensor", rows]
+
+    def bits(self) -> torch.Tensor:
+        """Packed 32 keys to a word for the fused kernel (:func:`attnviz.core.kernels.pack_allow`), made once."""
+        if "bits" not in self._cache:
+            self._cache["bits"] = kernels.pack_allow(self.whole()[0, 0])
+        return self._cache["bits"]
+
+    def layout(self) -> "Layout":
+        """The counts the statistics read (:class:`Layout`): arithmetic for the causal kind."""
+        if "layout" not in self._cache:
+            self._cache["layout"] = (Layout.causal(self.n_q, self.device) if self.kind == "causal"
+                                     else Layout.of(self.whole()[0, 0]))
+        return self._cache["layout"]
+
+    def _host_rows(self, q0: int, q1: int) -> "np.ndarray":
+        return self.rows(q0, q1)[0].cpu().numpy()  # (1 or H, b, n_kv)
+
+    def host(self) -> "np.ndarray":
+        """(n_q, n_kv) on the host, the cells some head may see (the layer's, without head masks), made a chunk of
+        rows at a time: what a capture keeps."""
+        if "host" not in self._cache:
+            if self.kind == "causal" and self.n_q == self.n_kv:
+                self._cache["host"] = np.tri(self.n_q, dtype=bool)
+            else:
+                out = np.empty((self.n_q, self.n_kv), dtype=bool)
+                step = max(1, CHUNK_ELEMENTS // max(self.n_kv * (self.shape[1] if self.per_head else 1), 1))
+                for q0 in range(0, self.n_q, step):
+                    out[q0:q0 + step] = self._host_rows(q0, min(q0 + step, self.n_q)).any(0)
+                self._cache["host"] = out
+        return self._cache["host"]
+
+    def head_host(self) -> "np.ndarray | None":
+        """(H, n_q, n_kv) on the host, each head's own set, where the heads have masks of their own; else None."""
+        if not self.per_head:
+            return None
+        return np.concatenate([self._host_rows(q0, min(q0 + 256, self.n_q)) for q0 in range(0, self.n_q, 256)], 1)
+
+
+class AllowSets:
+    """The run's allow-sets (a mixin of :class:`attnviz.core.run.Run`, whose fields it reads): one
+    :class:`AllowSet` per (mask, n_q, n_kv, window, device, kind), shared by the layers with that mask; a layer
+    whose heads have masks of their own gets its own, per head."""
+
+    def allow_set(self, layer: int, n_q: int, n_kv: int, window: int | None, device, kind: str = "whole",
+                  n_heads: int = 1) -> AllowSet:
+        """The layer's :class:`AllowSet` of ``kind`` ("whole", "rows" or "causal").
 
         The model's own sliding window (Mistral, Qwen2, Gemma2 ...) bounds causal-type layers only,
         as in the stock model (``i - j < w``); BIDIR/BACK-type layers see the whole sequence, as in
         seed 000's reference code (docs/methods.md#per-layer-architectures).
         """
-        mask = self.masks[layer]
-        key = (id(mask), n_q, n_kv, window, torch.device(device))  # a device map puts layers on several devices
+        device = torch.device(device)
+        key = ("allow", self.masks[layer], n_q, n_kv, window, device, kind)  # a device map: several devices
         if key not in self._allow_cache:
-            self._allow_cache[key] = self.allow_rows(layer, n_q, n_kv, window, device, 0, n_q)
-        return self._allow_cache[key]
+            self._allow_cache[key] = AllowSet(
+                kind, (self.valid.shape[0], 1, n_q, n_kv), device,
+                lambda q0, q1: self.allow_rows(layer, n_q, n_kv, window, device, q0, q1))
+        made = self._allow_cache[key]
+        if not self.has_head_mask(layer):
+            return made
+        return made.with_heads(lambda q0, q1: self.head_mask(layer, n_heads, n_q, n_kv, device, q0, q1))
 
     def allow_rows(self, layer: int, n_q: int, n_kv: int, window: int | None, device, q0: int,
                    q1: int) -> torch.Tensor:
-        """(B, 1, q1 - q0, n_kv): query rows q0 .. q1 - 1 of :meth:`allow`, made alone (a row's allowed keys
-        depend on that row only, keep-self included)."""
+        """(B, 1, q1 - q0, n_kv): query rows q0 .. q1 - 1 of the layer's mask (and window, and padding), made
+        alone (a row's allowed keys depend on that row only, keep-self included)."""
         mask = self.masks[layer]
         kv_pos = self.positions[:, -n_kv:].to(device)
         q_pos = self.query_positions(n_q, device)[:, q0:q1]
@@ -109,14 +226,6 @@ class AllowSets:
             allow = allow & ((q_pos[:, None, :, None] - kv_pos[:, None, None, :]) < window)
         allow = allow & self.valid[:, -n_kv:].to(device)[:, None, None, :]
         return keep_self_if_empty(allow, n_kv - n_q + q0)
-
-    def rowwise(self, layer: int, n_q: int, n_kv: int, window: int | None, device) -> "RowwiseAllow":
-        """The layer's allow-set as a :class:`RowwiseAllow` (made a block of rows at a time, never n_q × n_kv
-        at once), shared by layers with the same mask like :meth:`allow`."""
-        key = ("rowwise", id(self.masks[layer]), n_q, n_kv, window, torch.device(device))
-        if key not in self._allow_cache:
-            self._allow_cache[key] = RowwiseAllow(self, layer, n_q, n_kv, window, torch.device(device))
-        return self._allow_cache[key]
 
     def block_rows(self, row_elements: int, device=None) -> int:
         """Query rows per block so that a block's fp32 scores stay within ``block_bytes`` (by default
@@ -128,33 +237,6 @@ class AllowSets:
                 self._device_cache["block", device] = devices.block_bytes(device)
             budget = self._device_cache["block", device]
         return max(1, budget // (4 * max(row_elements, 1)))
-
-    def key_ranges(self, layer: int, allow: torch.Tensor, rows: int, narrow: bool) -> list[tuple[int, int]]:
-        """[k0, k1) of every block of ``rows`` query rows: the keys its rows may see when ``narrow``,
-        else all. Computed on the device and read back in one transfer, shared by layers with one
-        allow-set: the block loop itself never waits for the device."""
-        n_q, n_kv = allow.shape[-2], allow.shape[-1]
-        if not narrow:
-            return [(0, n_kv)] * -(-n_q // rows)
-        key = ("ranges", id(allow), rows, layer if self.has_head_mask(layer) else None)  # head masks: per layer
-        if key not in self._allow_cache:
-            self._allow_cache[key] = [tuple(r) for r in _block_ranges(allow, rows).tolist()]
-        return self._allow_cache[key]
-
-    def key_range_tensor(self, allow: torch.Tensor, rows: int) -> torch.Tensor:
-        """The (blocks, 2) key ranges of :meth:`key_ranges`, left on the device (the fused kernel reads them)."""
-        key = ("range tensor", id(allow), rows)
-        if key not in self._allow_cache:
-            self._allow_cache[key] = _block_ranges(allow, rows).to(torch.int32)
-        return self._allow_cache[key]
-
-    def allow_bits(self, allow: torch.Tensor) -> torch.Tensor:
-        """A (B, 1, n_q, n_kv) allow-set packed 32 keys to a word for the fused kernel
-        (:func:`attnviz.core.kernels.pack_allow`), made once per mask."""
-        key = ("bits", id(allow))
-        if key not in self._allow_cache:
-            self._allow_cache[key] = kernels.pack_allow(allow[0, 0])
-        return self._allow_cache[key]
 
     def valid_on(self, device) -> torch.Tensor:
         """``valid`` on ``device``, copied there once per run."""
@@ -179,10 +261,13 @@ class AllowSets:
         return layer in self.head_masks or any(type(a).key_mask is not _NO_KEY_MASK
                                                for a in self.interventions.at(layer))
 
-    def head_mask(self, layer: int, n_heads: int, n_q: int, n_kv: int, device) -> torch.Tensor:
-        """The (H, n_q, n_kv) per-head allow-set of ``layer``: every head mask of the layer and-ed together."""
-        masks = [self.head_masks[layer](n_q, n_kv, device)] if layer in self.head_masks else []
-        kv_pos, q_pos = self.positions[0, -n_kv:].to(device), self.query_positions(n_q, device)[0]
+    def head_mask(self, layer: int, n_heads: int, n_q: int, n_kv: int, device, q0: int = 0,
+                  q1: int | None = None) -> torch.Tensor:
+        """(H, q1 - q0, n_kv): query rows q0 .. q1 - 1 of the per-head allow-set of ``layer``, every head mask of
+        the layer and-ed together (an intervention's made for those rows only)."""
+        q1 = n_q if q1 is None else q1
+        masks = [self.head_masks[layer](n_q, n_kv, device)[:, q0:q1]] if layer in self.head_masks else []
+        kv_pos, q_pos = self.positions[0, -n_kv:].to(device), self.query_positions(n_q, device)[0, q0:q1]
         for intervention in self.interventions.at(layer):
             made = intervention.key_mask(q_pos, kv_pos, n_heads)
             if made is not None:
@@ -193,60 +278,12 @@ class AllowSets:
         return out
 
 
-class RowwiseAllow:
-    """A layer's (B, 1, n_q, n_kv) allow-set that is never made whole: :meth:`rows` makes a block of query rows
-    on the layer's device (the block route asks for each block's rows as it goes), :meth:`host` the whole set
-    on the host, a chunk of rows at a time (what a capture keeps). Used by the block route when every
-    recorder takes the layer block by block: nothing n_q × n_kv is then made on the device."""
-
-    def __init__(self, run, layer: int, n_q: int, n_kv: int, window: int | None, device: torch.device):
-        self.run, self.layer, self.window, self.device = run, layer, window, device
-        self.shape = (run.valid.shape[0], 1, n_q, n_kv)
-
-    def rows(self, q0: int, q1: int) -> torch.Tensor:
-        return self.run.allow_rows(self.layer, self.shape[2], self.shape[3], self.window, self.device, q0, q1)
-
-    def __getitem__(self, index) -> torch.Tensor:
-        """Indexing makes the whole set (B, 1, n_q, n_kv) first, as :meth:`Run.allow` would have: for a reader
-        of ``run.allowed`` that wants it whole (the capture reads :meth:`host` instead)."""
-        return self.rows(0, self.shape[2])[index]
-
-    def host(self):
-        import numpy as np
-
-        n_q, n_kv = self.shape[2], self.shape[3]
-        out = np.empty((n_q, n_kv), dtype=bool)
-        step = max(1, CHUNK_ELEMENTS // max(n_kv, 1))
-        for q0 in range(0, n_q, step):
-            out[q0:q0 + step] = self.run.allow_rows(self.layer, n_q, n_kv, self.window, "cpu", q0,
-                                                    min(q0 + step, n_q))[0, 0].numpy()
-        return out
-
-
-def _rows(allow, q0: int, q1: int) -> torch.Tensor:
-    """Rows q0 .. q1 - 1 of an allow-set, whole (a tensor) or :class:`RowwiseAllow`."""
-    return allow.rows(q0, q1) if isinstance(allow, RowwiseAllow) else allow[:, :, q0:q1]
-
-
-@dataclass(frozen=True)
-class CausalAllow:
-    """A recorded layer's plain causal allow-set of ``n`` tokens, not made on the device: the fused route
-    needs none (:class:`attnviz.core.reduce.Layout`); the host's copy is made once per length
-    (:func:`attnviz.capture.host_allowed`)."""
-
-    n: int
-
-    def host(self):
-        import numpy as np
-
-        return np.tri(self.n, dtype=bool)
-
-
-def _block_ranges(allow: torch.Tensor, rows: int) -> torch.Tensor:
-    """(blocks, 2) [first, last + 1) of the keys any row of each block of ``rows`` query rows of a
-    (B, 1, n_q, n_kv) allow-set may see (every key for a block that sees none), on allow's device."""
+def _block_ranges(allow: "AllowSet | torch.Tensor", rows: int) -> torch.Tensor:
+    """(blocks, 2) [first, last + 1) of the keys any row of each block of ``rows`` query rows of an allow-set (an
+    :class:`AllowSet`, or a (B, 1, n_q, n_kv) tensor) may see (every key for a block that sees none), on its device."""
+    whole = isinstance(allow, torch.Tensor)  # the kernel's tests hand it a tensor
     n_q, n_kv = allow.shape[-2], allow.shape[-1]
-    seen = torch.stack([_rows(allow, q0, min(q0 + rows, n_q)).any(2).any(1).any(0)
+    seen = torch.stack([(allow[:, :, q0:q0 + rows] if whole else allow.rows(q0, min(q0 + rows, n_q))).any(2).any(1).any(0)
                         for q0 in range(0, n_q, rows)])  # (blocks, n_kv)
     index = torch.arange(n_kv, device=seen.device)
     first = torch.where(seen, index, n_kv).amin(-1)

@@ -19,7 +19,6 @@ from transformers.masking_utils import sdpa_mask
 
 from attnviz.core import allowsets, devices, kernels, routes
 from attnviz.core import recorders as recorders_mod
-from attnviz.core.masks import keep_self_if_empty
 from attnviz.core.run import _RUN
 from attnviz.errors import ModelLoadError
 
@@ -103,16 +102,12 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     # the fused route under a plain causal mask makes no allow-set: its counts, key ranges and pooled cells
     # are arithmetic (reduce.Layout.causal), and SDPA runs is_causal; the rowwise route makes each block's rows
     # of a large allow-set as it goes: nothing n_q x n_kv on the device
-    if route is routes.Route.FUSED and plain_causal:
-        allow = None
-    elif route is routes.Route.ROWWISE:
-        allow = run.rowwise(layer, n_q, n_kv, sliding_window, query.device)
-    else:
-        allow = run.allow(layer, n_q, n_kv, sliding_window, query.device)
-    if head_mask:
-        allow = keep_self_if_empty(allow & run.head_mask(layer, n_heads, n_q, n_kv, query.device)[None])
+    kind = ("causal" if route is routes.Route.FUSED and plain_causal
+            else "rows" if route is routes.Route.ROWWISE else "whole")
+    allow = run.allow_set(layer, n_q, n_kv, sliding_window, query.device, kind, n_heads)
     if route is routes.Route.SDPA_MASKED:
-        attn_mask = allow if bias is None else bias.to(query.dtype).masked_fill(~allow, float("-inf"))
+        whole = allow.whole()
+        attn_mask = whole if bias is None else bias.to(query.dtype).masked_fill(~whole, float("-inf"))
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scaling,
                                              enable_gqa=group > 1)
         return run.finish(layer, out)
@@ -129,14 +124,14 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             if devices.is_out_of_memory(err):
                 raise
             kernels.disable(err)
-        if allow is None:  # the block engine reads the allow-set
-            allow = run.allow(layer, n_q, n_kv, sliding_window, query.device)
+        if allow.kind == "causal":  # the block engine reads the allow-set
+            allow = run.allow_set(layer, n_q, n_kv, sliding_window, query.device, "whole", n_heads)
     rows = n_q if run.keep_graph or torch.is_grad_enabled() or any(r.whole_layer for r in recs) \
         else run.block_rows(batch * n_heads * n_kv, query.device)
     # Each block computes only the keys some of its rows may see (half the work under a causal mask).
     # Not under StableMask (its pseudo-slots sit on forbidden keys) nor for a recorder that keeps every key.
     narrow = mask.stable is None and not any(r.all_keys for r in recs)
-    ranges = run.key_ranges(layer, allow, rows, narrow)  # every block's key range, one host sync per mask
+    ranges = allow.ranges(rows, narrow)  # every block's key range, one host sync per mask
     # Recorders may need only some rows of a layer whose output nobody reads (a region: the forward
     # stops after its layer): the other blocks are skipped, their output left zero.
     wanted = {r.only_rows for r in recs}
@@ -147,7 +142,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         if only is not None and (q1 <= only[0] or q0 >= only[1]):
             outs.append(query.new_zeros(batch, n_heads, q1 - q0, value.shape[-1]))
             continue
-        block_allow = allowsets._rows(allow, q0, q1)[..., k0:k1]
+        block_allow = allow.rows(q0, q1)[..., k0:k1]
         probs = routes._block_probs(run, layer, mask, query[:, :, q0:q1], key[:, :, k0:k1], scaling, block_allow,
                              None if bias is None else bias[:, :, q0:q1, k0:k1], softcap, s_aux, q_pos[:, q0:q1],
                              kv_pos[:, k0:k1], q0, k0, recs)

@@ -10,8 +10,6 @@ import torch
 
 from attnviz.core import kernels
 from attnviz.core.masks import Mask
-from attnviz.core import reduce
-from attnviz.core.allowsets import CausalAllow
 from attnviz.core.reduce import pool_factor
 
 
@@ -77,25 +75,25 @@ def _fused_layer(run, layer: int, recs, query, key, value, allow, scaling: float
     if plain_causal:  # nothing n_q x n_kv: a block of rows q0.. sees keys 0 .. q0 + BLOCK_M - 1
         ends = torch.arange(kernels.BLOCK_M, n_q + kernels.BLOCK_M, kernels.BLOCK_M, device=query.device)
         ranges = torch.stack([torch.zeros_like(ends), ends.clamp(max=n_kv)], dim=-1).to(torch.int32)
-        layout = reduce.Layout.causal(n_q, query.device)
     else:
-        ranges = run.key_range_tensor(allow, kernels.BLOCK_M)
-        layout = reduce.Layout.of(allow[0, 0])
+        ranges = allow.range_tensor(kernels.BLOCK_M)
+    layout = allow.layout()
     factor = pooled_shape = None
     if needs.get("pool"):
         factor = pool_factor(max(n_q, n_kv), needs["pool"])
         pooled_shape = (-(-n_q // factor), -(-n_kv // factor))
     delim = needs["delim"] if needs.get("delim") is not None else torch.zeros(n_kv)
     # the layer's output and every row's log-sum-exp from one attention kernel: the statistics pass once over QK^T
-    out, lse = kernels.attention_with_lse(query, key, value, None if plain_causal else allow, scaling, plain_causal)
-    raw = kernels.layer_statistics(query[0], key[0], None if plain_causal else run.allow_bits(allow), ranges,
+    out, lse = kernels.attention_with_lse(query, key, value, None if plain_causal else allow.whole(), scaling,
+                                          plain_causal)
+    raw = kernels.layer_statistics(query[0], key[0], None if plain_causal else allow.bits(), ranges,
                                    scaling, delim[-n_kv:], factor, pooled_shape,
                                    needs.get("value_norms"), scores=bool(needs.get("scores")), causal=plain_causal,
                                    lse=None if lse is None else lse[0])
     for recorder in recs:
         recorder.fused(run, layer, raw, layout)
         recorder.finish(run, layer)
-    run.allowed[layer] = CausalAllow(n_q) if plain_causal else allow
+    run.allowed[layer] = allow
     return run.finish(layer, out)
 
 
