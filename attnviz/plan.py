@@ -148,17 +148,25 @@ class Keep:
         """Floats per head and token of the statistics this keep keeps (only the named ones and the cheap ones)."""
         return metrics.statistic_floats(None if self.statistics is True else self.statistics)
 
-    def record(self, loaded: LoadedModel, tokens: list[str], on_layer=None, kept=None) -> engine.Record:
-        """The engine's recorders for this keep on ``loaded`` (``tokens``: the text's, for the statistics that
-        read delimiters); ``kept`` overrides the checkpointed layers (none under a residual variant)."""
+    def recorders(self, tokens: list[str]) -> tuple:
+        """The recorders of one capture keeping this (``tokens``: the text's, for the statistics that read
+        delimiters), in the order the engine feeds them: value norms first (the pooled value-weighted maps read
+        them), q/k/v, then full maps (and score maps) or the statistics block by block, never a full map."""
+        from attnviz.core import recorders as rec
         from attnviz.core.reduce import Summaries
 
-        reducer = None
-        if self.statistics:  # statistics block by block, never a full map
-            reducer = Summaries(tokens, self.pool, None if self.statistics is True else self.statistics)
+        out = ([rec.ValueNorms()] if self.value_norms else []) + ([rec.QKV()] if self.qkv else [])
+        if self.statistics:
+            summaries = Summaries(tokens, self.pool, None if self.statistics is True else self.statistics)
+            return tuple(out + [rec.Streamed(summaries, pooled_scores=self.scores)])
+        return tuple(out + [rec.Maps(self.storage_dtype)] + ([rec.Maps(self.storage_dtype, True)] if self.scores else []))
+
+    def record(self, loaded: LoadedModel, tokens: list[str], on_layer=None, kept=None) -> engine.Record:
+        """What the engine records for this keep on ``loaded``: its recorders (:meth:`recorders`), the recorded
+        layers, the block size and checkpoints; ``kept`` overrides the checkpointed layers (none under a residual
+        variant)."""
         return engine.Record(
-            layers=frozenset(self.recorded(loaded.n_layers)), storage_dtype=self.storage_dtype, reducer=reducer,
-            on_layer=on_layer, scores=self.scores, value_norms=self.value_norms, qkv=self.qkv,
+            layers=frozenset(self.recorded(loaded.n_layers)), recorders=self.recorders(tokens), on_layer=on_layer,
             block_bytes=block_bytes(loaded, self) if self._own_block() else None,  # None: each device's own
             checkpoints=checkpoint_layers(loaded, self.checkpoints) if kept is None else frozenset(kept))
 

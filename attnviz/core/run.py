@@ -54,7 +54,9 @@ class Record:
     :func:`devices.block_bytes`). ``checkpoints``: the layers whose inputs are kept on the host to resume a
     later forward from (:func:`resume`). ``on_layer(i)`` is called after each layer's attention (progress;
     it may stop the forward by raising). ``keep_graph`` keeps every layer's fp32 probabilities with their
-    autograd graph (residual variants)."""
+    autograd graph (residual variants). ``recorders``: the recorders themselves, as a capture's ``Keep`` makes
+    them (:meth:`attnviz.plan.Keep.recorders`); then ``reducer``, ``storage_dtype``, ``scores``, ``value_norms``
+    and ``qkv`` are not read (they are the short form for a caller without a keep)."""
 
     layers: frozenset[int] | None = None
     storage_dtype: torch.dtype = torch.float16
@@ -66,6 +68,7 @@ class Record:
     block_bytes: int | None = None
     checkpoints: frozenset[int] = frozenset()
     keep_graph: bool = False
+    recorders: tuple | None = None
 
 
 NOTHING = Record(layers=frozenset())  # record no layer: the forward's output only
@@ -274,7 +277,8 @@ def make_run(model, input_ids: torch.Tensor, computes, record: Record = Record()
             raise InputError(f"{mask.name} was set for at most T={mask.horizon} tokens but the text reaches "
                              f"{int(positions.max()) + 1}: raise T or shorten the text")
     return Run(masks, frozenset(range(total) if record.layers is None else record.layers), positions, valid,
-               recorders=recorders_mod.for_record(record), on_layer=record.on_layer,
+               recorders=record.recorders if record.recorders is not None else recorders_mod.for_record(record),
+               on_layer=record.on_layer,
                keep_graph=record.keep_graph, interventions=computes.interventions, block_bytes=record.block_bytes,
                unpadded=True if kv_positions is not None or attention_mask is None else None,
                checkpoint_layers=frozenset(record.checkpoints))
