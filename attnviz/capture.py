@@ -27,7 +27,7 @@ from attnviz.plan import Keep
 from attnviz.tokens import prefix_ids, tokenize  # noqa: F401 - text → tokens, the flow's first step
 from attnviz.recipe import Recipe
 from attnviz.stats import metrics
-from attnviz.stats.reduce import summarise
+from attnviz.core.reduce import summarise
 
 FORMAT = "attnviz-capture/1"
 TOP_ACTIVATIONS = 8
@@ -283,23 +283,13 @@ def host_allowed(run, layers) -> dict[int, np.ndarray]:
     never made whole (a plain causal one, one made a block of rows at a time) is made on the host. A layer whose
     heads have masks of their own gets the cells some head may see here, and each head's own in
     :func:`head_allowed`."""
-    copies: dict[int, np.ndarray] = {}
-    out = {}
-    for layer in layers:
-        allow = run.allowed[layer]
-        key = allow if isinstance(allow, engine.CausalAllow) else id(allow)
-        if key not in copies:
-            copies[key] = (allow.host() if hasattr(allow, "host")
-                           else allow[0].any(0).cpu().numpy() if allow.shape[1] > 1 else allow[0, 0].cpu().numpy())
-        out[layer] = copies[key]
-    return out
+    return {layer: run.allowed[layer].host() for layer in layers}  # an allow-set makes its host copy once
 
 
 def head_allowed(run, layers) -> dict[int, np.ndarray]:
     """The (H, n_q, n_kv) allow-set of every recorded layer whose heads have masks of their own (a headwindow
     intervention, a compressed cache): what each head may see. Other layers are not here (one mask for all)."""
-    return {layer: run.allowed[layer][0].cpu().numpy() for layer in layers
-            if isinstance(run.allowed[layer], torch.Tensor) and run.allowed[layer].shape[1] > 1}
+    return {layer: run.allowed[layer].head_host() for layer in layers if run.allowed[layer].per_head}
 
 
 def _versions() -> dict[str, str]:

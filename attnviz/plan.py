@@ -65,8 +65,14 @@ class Keep:
             object.__setattr__(self, "layers", (self.layers,))
         elif self.layers is not None and not isinstance(self.layers, str):
             object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
+        if isinstance(self.statistics, str):
+            object.__setattr__(self, "statistics", (self.statistics,))
         if not isinstance(self.statistics, bool):
             object.__setattr__(self, "statistics", tuple(self.statistics))
+            known = [s.name for s in metrics.STATISTICS]
+            unknown = [name for name in self.statistics if name not in known]
+            if unknown:  # refused here, not late in the engine: a keep names what it keeps
+                raise InputError(f"unknown statistics {', '.join(map(repr, unknown))}: choose from {', '.join(known)}")
         if self.statistics and self.scores and not self.pool:
             raise InputError("statistics keep pre-softmax scores only as pooled maps: give a pool size as well")
 
@@ -98,7 +104,7 @@ class Keep:
         if self.statistics:
             side = min(n, self.pool) if self.pool else 0
             pooled_maps = 1 + self.value_norms + self.scores  # weights, and value-weighted maps / scores when asked
-            per_layer = heads * n * 4 * metrics.statistic_floats() + heads * side * side * 2 * pooled_maps
+            per_layer = heads * n * 4 * self._floats() + heads * side * side * 2 * pooled_maps
         else:
             itemsize = torch.empty((), dtype=self.storage_dtype).element_size()
             per_layer = heads * n * n * itemsize * (1 + self.scores)
@@ -127,22 +133,40 @@ class Keep:
         inner = int(getattr(cfg, "intermediate_size", 0) or 4 * hidden)
         activations = n * (4 * hidden + 3 * inner) * itemsize
         states = (loaded.n_layers + 1) * n * hidden * itemsize if self.hidden_states or self.activations else 0
-        stats = heads * n * 4 * metrics.statistic_floats() if self.statistics else 0
+        stats = heads * n * 4 * self._floats() if self.statistics else 0
         pooled = heads * min(n, self.pool) ** 2 * 4 * (1 + self.value_norms + self.scores) \
             if self.statistics and self.pool else 0
-        return working + masks * n * n + activations + states + stats + pooled + 4 * cfg.vocab_size
+        # an allow-set above the whole-allow size is made a block of rows at a time on the statistics route
+        # (allowsets.RowwiseAllow): only a block's rows are ever on the device, not n × n
+        from attnviz.core import allowsets
+
+        rowwise = self.statistics and n * n > allowsets.WHOLE_ALLOW_BYTES
+        allow = masks * (min(rows, n) if rowwise else n) * n
+        return working + allow + activations + states + stats + pooled + 4 * cfg.vocab_size
+
+    def _floats(self) -> int:
+        """Floats per head and token of the statistics this keep keeps (only the named ones and the cheap ones)."""
+        return metrics.statistic_floats(None if self.statistics is True else self.statistics)
+
+    def recorders(self, tokens: list[str]) -> tuple:
+        """The recorders of one capture keeping this (``tokens``: the text's, for the statistics that read
+        delimiters), in the order the engine feeds them: value norms first (the pooled value-weighted maps read
+        them), q/k/v, then full maps (and score maps) or the statistics block by block, never a full map."""
+        from attnviz.core import recorders as rec
+        from attnviz.core.reduce import Summaries
+
+        out = ([rec.ValueNorms()] if self.value_norms else []) + ([rec.QKV()] if self.qkv else [])
+        if self.statistics:
+            summaries = Summaries(tokens, self.pool, None if self.statistics is True else self.statistics)
+            return tuple(out + [rec.Streamed(summaries, pooled_scores=self.scores)])
+        return tuple(out + [rec.Maps(self.storage_dtype)] + ([rec.Maps(self.storage_dtype, True)] if self.scores else []))
 
     def record(self, loaded: LoadedModel, tokens: list[str], on_layer=None, kept=None) -> engine.Record:
-        """The engine's recorders for this keep on ``loaded`` (``tokens``: the text's, for the statistics that
-        read delimiters); ``kept`` overrides the checkpointed layers (none under a residual variant)."""
-        from attnviz.stats.reduce import Summaries
-
-        reducer = None
-        if self.statistics:  # statistics block by block, never a full map
-            reducer = Summaries(tokens, self.pool, None if self.statistics is True else self.statistics)
+        """What the engine records for this keep on ``loaded``: its recorders (:meth:`recorders`), the recorded
+        layers, the block size and checkpoints; ``kept`` overrides the checkpointed layers (none under a residual
+        variant)."""
         return engine.Record(
-            layers=frozenset(self.recorded(loaded.n_layers)), storage_dtype=self.storage_dtype, reducer=reducer,
-            on_layer=on_layer, scores=self.scores, value_norms=self.value_norms, qkv=self.qkv,
+            layers=frozenset(self.recorded(loaded.n_layers)), recorders=self.recorders(tokens), on_layer=on_layer,
             block_bytes=block_bytes(loaded, self) if self._own_block() else None,  # None: each device's own
             checkpoints=checkpoint_layers(loaded, self.checkpoints) if kept is None else frozenset(kept))
 
@@ -284,7 +308,7 @@ def route_notes(statistics=None) -> tuple[str, ...]:
     at zero)."""
     from attnviz.core import kernels
     from attnviz.stats.metrics import RowSum
-    from attnviz.stats.reduce import Summaries
+    from attnviz.core.reduce import Summaries
 
     reducer = Summaries(["."], statistics=statistics)
     missing = reducer.missing_sums(kernels.SUMS)

@@ -19,7 +19,7 @@ from attnviz.core import engine
 from attnviz.core.models import LoadedModel
 from attnviz.errors import InputError
 from attnviz.recipe import Recipe
-from attnviz.stats.reduce import BlockReducer
+from attnviz.core.reduce import BlockReducer
 
 MAX_SIDE = 96  # cells a side: every cell of a zoomed region gets a hover value (figures.style.HOVER_MAX)
 

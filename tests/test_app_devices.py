@@ -5,6 +5,7 @@ device out-of-memory error in the middle of a capture, the server serving on."""
 import pytest
 import torch
 
+from attnviz.core import routes
 from attnviz import capture
 from attnviz.plan import Keep
 from attnviz.core import devices, engine
@@ -38,7 +39,7 @@ def test_a_capture_the_device_cannot_hold_is_refused_then_fits_with_more(model_c
 
 
 def test_out_of_memory_during_a_capture_is_explained_and_the_server_goes_on(model_cache, tmp_path, monkeypatch):
-    real, failures, released = engine._block_probs, [], []
+    real, failures, released = routes._block_probs, [], []
 
     def once_out_of_memory(*args, **kwargs):
         if not failures:
@@ -49,7 +50,7 @@ def test_out_of_memory_during_a_capture_is_explained_and_the_server_goes_on(mode
     fresh = "A text no earlier test captured: the device fails in the middle of it, once."
     at = app_test(tmp_path)
     at.run()  # the default text's capture, before the device fails
-    monkeypatch.setattr(engine, "_block_probs", once_out_of_memory)
+    monkeypatch.setattr(routes, "_block_probs", once_out_of_memory)
     real_release = devices.release
     monkeypatch.setattr(devices, "release", lambda: released.append(True) or real_release())
     at.sidebar.text_area(key="text").input(fresh).run()
@@ -78,7 +79,7 @@ def test_out_of_memory_in_the_library_becomes_one_clear_error(default_model, mon
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(engine, "_block_probs", out_of_memory)
+    monkeypatch.setattr(routes, "_block_probs", out_of_memory)
     with pytest.raises(AttnvizError, match="ran out of memory during a capture of .* tokens"):
         capture(default_model, ENGLISH, "fwd", Keep(statistics=True))
 

@@ -5,12 +5,13 @@ import numpy as np
 import pytest
 import torch
 
+from attnviz.core import routes
 from attnviz.core import engine
 from attnviz.stats import metrics
 from attnviz.core.arch import parse
 from attnviz.capture import capture
 from attnviz.plan import Keep
-from attnviz.stats.reduce import LayerSummary
+from attnviz.core.reduce import LayerSummary
 
 from tiny import build, loaded
 
@@ -36,8 +37,8 @@ def _rows_to_bytes(rows, heads=4, n=N):
 def test_blocks_equal_the_whole_layer(kind, spec, rows, scores, monkeypatch):
     model = build(kind)
     calls = []
-    block_probs = engine._block_probs
-    monkeypatch.setattr(engine, "_block_probs", lambda *a, **k: calls.append(a[3].shape[2]) or block_probs(*a, **k))
+    block_probs = routes._block_probs
+    monkeypatch.setattr(routes, "_block_probs", lambda *a, **k: calls.append(a[3].shape[2]) or block_probs(*a, **k))
     masks = list(parse(spec, 3).layers)
     whole, run_w = engine.forward(model, _ids(), masks, engine.Record(storage_dtype=torch.float32, scores=True))
     heads = model.config.num_attention_heads

@@ -10,10 +10,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from attnviz.core import routes
+from attnviz.core import allowsets
 from attnviz.core import devices, engine, recorders
 from attnviz.stats import metrics
 from attnviz.core import masks as M
-from attnviz.stats.reduce import LayerSummary, Summaries
+from attnviz.core.reduce import LayerSummary, Summaries
 from attnviz.regions import _Crop
 
 META = torch.device("meta")
@@ -70,7 +72,7 @@ def test_block_probabilities_of_every_mask_kind_run_on_the_meta_device(mask):
     run = engine.Run([mask], frozenset({0}), pos, torch.ones(1, N, dtype=torch.bool))
     q, k = torch.rand(1, H, N, 8, device=META), torch.rand(1, 1, N, 8, device=META)
     allow = torch.ones(1, 1, N, N, dtype=torch.bool, device=META)
-    probs = engine._block_probs(run, 0, mask, q, k, 0.35, allow, None, None,
+    probs = routes._block_probs(run, 0, mask, q, k, 0.35, allow, None, None,
                                 torch.zeros(H, device=META), pos.to(META), pos.to(META), 0)
     assert probs.device == META and probs.shape == (1, H, N, N) and probs.dtype == torch.float32
 
@@ -89,11 +91,11 @@ def test_full_maps_are_written_on_the_host_from_any_device():
 def test_block_key_ranges_are_read_back_once_and_match_the_allow_set():
     allow = torch.ones(N, N, dtype=torch.bool).tril().triu(-2)[None, None]  # a causal window of 3
     allow[0, 0, 9] = False  # a row that sees nothing: its block still gets a valid range
-    ranges = engine._block_ranges(allow, 4).tolist()
+    ranges = allowsets._block_ranges(allow, 4).tolist()
     for (k0, k1), q0 in zip(ranges, range(0, N, 4)):
         cols = allow[0, 0, q0:q0 + 4].any(0).nonzero().flatten().tolist()
         assert (k0, k1) == (cols[0], cols[-1] + 1)
-    assert engine._block_ranges(torch.zeros(1, 1, 4, N, dtype=torch.bool), 4).tolist() == [[0, N]]
+    assert allowsets._block_ranges(torch.zeros(1, 1, 4, N, dtype=torch.bool), 4).tolist() == [[0, N]]
 
 
 def test_streamed_statistics_equal_the_definitions_in_blocks_that_start_past_key_0():

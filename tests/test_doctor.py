@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from attnviz.core import routes
 from attnviz import doctor, load
 from attnviz.cli import main
 from attnviz.core import engine
-from attnviz.stats import reduce
+from attnviz.core import reduce
 
 from tiny import ARCHS, char_tokenizer, build, loaded
 
@@ -144,12 +145,12 @@ def test_the_float32_check_leaves_a_bfloat16_model_as_it_was(bf16_model):
 
 
 def _wrong_scale(monkeypatch):
-    real = engine._block_probs
+    real = routes._block_probs
 
     def wrong(run, layer, mask, query, key, scaling, *args, **kwargs):  # the softmax scale 10 % too large
         return real(run, layer, mask, query, key, scaling * 1.1, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "_block_probs", wrong)
+    monkeypatch.setattr(routes, "_block_probs", wrong)
 
 
 def _mask_off_by_one_key(monkeypatch):
@@ -173,8 +174,8 @@ def _statistic_from_the_wrong_row(monkeypatch):
 
 
 def _probabilities_one_percent_off(monkeypatch):
-    real = engine._block_probs
-    monkeypatch.setattr(engine, "_block_probs", lambda *args, **kwargs: real(*args, **kwargs) * 1.01)
+    real = routes._block_probs
+    monkeypatch.setattr(routes, "_block_probs", lambda *args, **kwargs: real(*args, **kwargs) * 1.01)
 
 
 DEFECTS = {

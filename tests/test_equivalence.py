@@ -47,7 +47,7 @@ def test_model_sliding_window_is_kept(kind):
     assert sliding_layers
     i, j = np.indices((N, N))
     for layer in sliding_layers:
-        allowed = run.allowed[layer][0, 0].numpy()
+        allowed = run.allowed[layer].whole()[0, 0].numpy()
         np.testing.assert_array_equal(allowed, (j <= i) & (i - j < window))
         assert (run.probs[layer][0][:, ~allowed] == 0).all()
 
@@ -65,7 +65,7 @@ def test_model_window_bounds_only_causal_type_layers(kind):
     for spec, allowed in expected.items():
         masks = [M.fwd()] * 2 + [parse(spec, 3).layers[0]]
         _, run = engine.forward(ours, _ids(), masks, engine.Record(layers=frozenset({layer}), storage_dtype=torch.float32))
-        np.testing.assert_array_equal(run.allowed[layer][0, 0].numpy(), allowed, err_msg=spec)
+        np.testing.assert_array_equal(run.allowed[layer].whole()[0, 0].numpy(), allowed, err_msg=spec)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
@@ -113,7 +113,7 @@ def test_padding_does_not_move_masks(side):
         got = batched.probs[layer][0][:, real, real]
         assert (got - alone.probs[layer][0]).abs().max().item() <= 1e-5, f"layer {layer}"
         assert (batched.probs[layer][0][:, real, :].sum(-1) - 1).abs().max().item() <= 1e-5  # no mass on pads
-        np.testing.assert_array_equal(batched.allowed[layer][0, 0][real, real].numpy(),
+        np.testing.assert_array_equal(batched.allowed[layer].whole()[0, 0][real, real].numpy(),
                                       masks[layer].matrix(7))
 
 

@@ -13,6 +13,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # conftest.py sets it on a machin
     pytest.skip("the kernel runs compiled on this GPU machine: tests/test_cuda.py checks it there",
                 allow_module_level=True)
 
+from attnviz.core import allowsets
 from attnviz.core import engine, kernels  # noqa: E402
 from attnviz.stats import metrics
 from attnviz.core.arch import parse  # noqa: E402
@@ -20,7 +21,7 @@ from attnviz.capture import capture  # noqa: E402
 from attnviz.plan import Keep
 from attnviz.figures.style import max_pool  # noqa: E402
 from attnviz.core.masks import keep_self_if_empty  # noqa: E402
-from attnviz.stats.reduce import pool_factor  # noqa: E402
+from attnviz.core.reduce import pool_factor  # noqa: E402
 
 from tiny import loaded  # noqa: E402
 
@@ -47,7 +48,7 @@ def test_kernel_sums_equal_the_full_probabilities(spec):
     norms = torch.rand(H, N) + 0.5
     f = pool_factor(N, 9)  # ceil(75 / 9) = 9 → 16: a multiple of the 16-cell granularity
     shape = (-(-N // f), -(-N // f))
-    ranges = engine._block_ranges(allow[None, None], 32)
+    ranges = allowsets._block_ranges(allow[None, None], 32)
     raw = kernels.layer_statistics(q, k, allow, ranges, D ** -0.5, delim, f, shape, norms, scores=True, block=(32, 32))
     p = probs.double()
     expected = {"rowsum": p.sum(-1), "plogp": torch.special.xlogy(p, p).sum(-1), "colsum": p.sum(1),
@@ -78,7 +79,7 @@ def test_one_pass_with_the_forwards_log_sum_exp_gives_the_two_pass_sums(spec):
     f = pool_factor(N, 9)
     options = dict(pool_factor=f, pooled_shape=(-(-N // f), -(-N // f)), norms=torch.rand(H, N) + 0.5, scores=True,
                    block=(32, 32), causal=causal)
-    ranges = engine._block_ranges(allow[None, None], 32)
+    ranges = allowsets._block_ranges(allow[None, None], 32)
     mask = None if causal else allow
     two = kernels.layer_statistics(q, k, mask, ranges, D ** -0.5, delim, **options)
     one = kernels.layer_statistics(q, k, mask, ranges, D ** -0.5, delim, lse=lse[0], **options)
@@ -106,7 +107,7 @@ def test_the_causal_route_computes_the_mask_from_indices():
     delim = torch.from_numpy((np.arange(N) % 5 == 1).astype(np.float32))
     f = pool_factor(N, 9)
     shape = (-(-N // f), -(-N // f))
-    ranges = engine._block_ranges(allow[None, None], 32)
+    ranges = allowsets._block_ranges(allow[None, None], 32)
     options = dict(pool_factor=f, pooled_shape=shape, norms=torch.rand(H, N) + 0.5, scores=True, block=(32, 32))
     read = kernels.layer_statistics(q, k, allow, ranges, D ** -0.5, delim, **options)
     computed = kernels.layer_statistics(q, k, None, ranges, D ** -0.5, delim, causal=True, **options)
@@ -233,11 +234,11 @@ def test_the_block_route_makes_each_blocks_allow_set_alone(spec, pool, monkeypat
     allow-set, so no tensor of n_q × n_kv elements exists during a statistics capture (before, one whole allow-set
     per mask); the host's copy the capture keeps is made a chunk of rows at a time. Statistics, pooled maps and the
     kept allow-set equal the whole-allow-set route's (full maps, which keep it whole)."""
-    from attnviz.stats import reduce
+    from attnviz.core import reduce
 
     monkeypatch.setenv("ATTNVIZ_FUSED", "0")
-    monkeypatch.setattr(reduce, "CHUNK_ELEMENTS", 256)
-    monkeypatch.setattr(engine, "WHOLE_ALLOW_BYTES", 0)  # as for a text whose allow-set is over 256 MB
+    monkeypatch.setattr(allowsets, "CHUNK_ELEMENTS", 256)
+    monkeypatch.setattr(allowsets, "WHOLE_ALLOW_BYTES", 0)  # as for a text whose allow-set is over 256 MB
     lm = loaded("llama")
     n = len(lm.tokenizer(TEXT)["input_ids"])
     keep = Keep(statistics=True, pool=pool, block_bytes=4 * 4 * n * 7)  # several blocks a layer
@@ -258,9 +259,9 @@ def test_the_block_route_makes_each_blocks_allow_set_alone(spec, pool, monkeypat
 @pytest.mark.parametrize("spec", ["nosink-fwd(m=2)", "back", "sliding(w=9)", "global(w=5, g=2)"])
 def test_a_masks_layout_counted_by_chunks_equals_its_sums(spec, monkeypatch):
     """Any other mask's counts come from its allow-set a chunk of rows at a time, never as one n × n temporary."""
-    from attnviz.stats import reduce
+    from attnviz.core import reduce
 
-    monkeypatch.setattr(reduce, "CHUNK_ELEMENTS", 5 * 75)  # five rows a chunk
+    monkeypatch.setattr(allowsets, "CHUNK_ELEMENTS", 5 * 75)  # five rows a chunk
     allow = _reference(spec)[2]
     layout = reduce.Layout.of(allow)
     torch.testing.assert_close(layout.col_counts, allow.sum(0).float())

@@ -189,7 +189,8 @@ def test_bad_regions_are_refused(queries, keys, message):
 
 
 @pytest.mark.parametrize("keep", [Keep(), Keep(statistics=True, pool=32), Keep(hidden_states=True), Keep(scores=True),
-                                  Keep(statistics=True), Keep(statistics=True, pool=32, value_norms=True, scores=True)])
+                                  Keep(statistics=True), Keep(statistics=True, pool=32, value_norms=True, scores=True),
+                                  Keep(statistics=("alpha",)), Keep(statistics=("entropy",), pool=16)])
 def test_size_estimates_bound_what_a_capture_holds(keep):
     lm = loaded("llama")
     cap = capture(lm, TEXT, "fwd*2 + bidir", keep)

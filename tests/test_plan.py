@@ -5,6 +5,7 @@ import pytest
 
 from attnviz import plan
 from attnviz.capture import capture
+from attnviz.errors import InputError
 from attnviz.plan import Keep
 
 from tiny import loaded
@@ -38,3 +39,28 @@ def test_refusals_say_what_would_fit():
     stats = Keep(statistics=True, pool=plan.POOL).host_bytes(lm, 400)
     with pytest.raises(plan.CaptureTooLarge, match="even as statistics only"):
         plan.plan(lm, 400, per_capture=1, left=stats - 1)
+
+
+def test_a_keep_refuses_an_unknown_statistic_at_once():
+    """Named when the keep is made, with the known ones: before, it failed late, inside the engine's reducer."""
+    with pytest.raises(InputError, match=r"unknown statistics 'alpah': choose from allocation, alpha, column_mean") as err:
+        Keep(statistics=("alpah",))
+    assert "\n" not in str(err.value)
+    assert Keep(statistics="alpha").statistics == ("alpha",) and Keep(statistics=("alpha", "entropy")).statistics
+
+
+def test_the_device_estimate_charges_what_the_route_makes():
+    """A statistics capture of a text whose allow-set is above the whole-allow size makes it a block of rows at a
+    time: it is charged a block's rows, not n × n (1 GiB at 32k tokens); full maps keep theirs whole. A keep that
+    names one statistic is charged that one and the cheap ones, not every statistic."""
+    from attnviz.core import allowsets
+    from attnviz.stats import metrics
+
+    lm = loaded("llama")
+    n = int((allowsets.WHOLE_ALLOW_BYTES * 2) ** 0.5)  # n × n bools over the whole-allow size
+    stats, full = Keep(statistics=True), Keep()
+    rows = max(1, plan.block_bytes(lm, stats) // (4 * lm.n_heads * n))
+    assert full.device_bytes(lm, n) - stats.device_bytes(lm, n) >= 2 * (n - rows) * n - 4 * lm.n_heads * n * 4 * 10
+    assert metrics.statistic_floats(("alpha",)) == 4 and metrics.statistic_floats() == 10
+    one, every = Keep(statistics=("alpha",)), Keep(statistics=True)
+    assert every.host_bytes(lm, 300) - one.host_bytes(lm, 300) == 3 * lm.n_heads * 300 * 4 * 6

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz.stats import metrics, reduce
+from attnviz.core import reduce
+from attnviz.stats import metrics
 from attnviz.core.engine import Facts, Route, choose_route
 
 R = Route
@@ -93,5 +94,45 @@ def test_a_capture_keeps_only_the_statistics_it_names():
         np.testing.assert_array_equal(some.stats[1][name], full.stats[1][name])
     with pytest.raises(AttnvizError, match="not entropy"):
         some.stat(1, "entropy")
-    with pytest.raises(ValueError, match="unknown statistics"):
+    with pytest.raises(AttnvizError, match="unknown statistics 'beta'"):  # refused by the keep, before any run
         capture(lm, text, "fwd", Keep(statistics=("alpha", "beta")))
+
+
+@pytest.mark.parametrize("facts,route", [
+    # a large allow-set, every recorder streamed: made a block of rows at a time
+    (Facts(recorded=True, block_reducer=True, large_allow=True, streamed=True), R.ROWWISE),
+    (Facts(recorded=True, block_reducer=True, large_allow=False, streamed=True), R.BLOCKS),  # made whole, shared
+    (Facts(recorded=True, large_allow=True, streamed=False), R.BLOCKS),  # full scores keep every key
+    (Facts(recorded=True, large_allow=True, streamed=True, stablemask=True), R.BLOCKS),
+    (Facts(recorded=True, large_allow=True, streamed=True, head_mask=True), R.BLOCKS),
+    (Facts(recorded=True, large_allow=True, streamed=True, keep_graph=True), R.BLOCKS),
+    (Facts(recorded=True, large_allow=True, streamed=True, grad=True), R.BLOCKS),
+    (Facts(recorded=False, large_allow=True, streamed=True), R.SDPA_MASKED),
+    # the fused route comes first where it can run
+    (Facts(recorded=True, block_reducer=True, fused_reducer=True, kernel=True, large_allow=True, streamed=True),
+     R.FUSED),
+])
+def test_rows_at_a_time_is_a_route_of_the_table(facts, route):
+    assert choose_route(facts) is route
+
+
+def test_recorders_own_their_results_and_the_run_keeps_no_store():
+    """The run reads each kind of result from the recorders that own it: no per-kind store on the run, and two runs
+    never share a recorder (the residual variants' live probabilities are the run's own)."""
+    import dataclasses
+
+    from attnviz.core import engine, recorders
+    from attnviz.core.arch import parse
+    from tiny import build
+
+    fields = {f.name for f in dataclasses.fields(engine.Run)}
+    assert not fields & {"probs", "scores", "reduced", "value_norms", "qkv", "live"}
+    model = build("llama")
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(0))
+    masks = list(parse("fwd", 3).layers)
+    _, run = engine.forward(model, ids, masks, engine.Record(layers=frozenset({1}), value_norms=True, qkv=True,
+                                                             storage_dtype=torch.float32))
+    maps = next(r for r in run.recorders if isinstance(r, recorders.Maps))
+    assert run.probs is maps.results and set(run.probs) == {1} and set(run.value_norms) == set(run.qkv) == {1}
+    _, other = engine.forward(model, ids, masks, engine.Record(layers=frozenset({2}), storage_dtype=torch.float32))
+    assert set(other.probs) == {2} and set(run.probs) == {1} and run._live is not other._live

@@ -51,12 +51,12 @@ def test_architecture_applies_to_the_encoder_only(kind):
     out_f, causal = seq2seq.forward(ours, src, dec, list(arch.parse("fwd", n_enc).layers), storage_dtype=torch.float32)
     i, j = np.indices((8, 8))
     for layer, allowed in causal.runs["encoder"].allowed.items():
-        np.testing.assert_array_equal(allowed[0, 0].numpy(), j <= i)  # seed 004's encoder with a causal mask
+        np.testing.assert_array_equal(allowed.whole()[0, 0].numpy(), j <= i)  # seed 004's encoder with a causal mask
         assert (causal.runs["encoder"].probs[layer][0][:, ~(j <= i)] == 0).all()
     for layer, allowed in causal.runs["decoder"].allowed.items():  # the decoder stays causal either way
-        np.testing.assert_array_equal(allowed[0, 0].numpy(), np.tril(np.ones((5, 5), bool)))
+        np.testing.assert_array_equal(allowed.whole()[0, 0].numpy(), np.tril(np.ones((5, 5), bool)))
     for layer, allowed in causal.runs["cross"].allowed.items():  # cross sees every source token
-        assert allowed[0, 0].numpy().shape == (5, 8) and allowed[0, 0].all()
+        assert allowed.whole()[0, 0].numpy().shape == (5, 8) and allowed.whole()[0, 0].all()
     change = (out_f.encoder_last_hidden_state - out_b.encoder_last_hidden_state).abs().max().item()
     assert change > 1e-3 and not torch.equal(out_f.logits, out_b.logits)  # the encoder mask reaches the output
 

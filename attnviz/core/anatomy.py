@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
+from attnviz.core.probe import _adds_up, _same, _scale, output_tensor, probe  # noqa: F401 - output_tensor: blocks read it here
 from attnviz.errors import InputError
 
 _LOCK = threading.Lock()
-PROBE_TOKENS = 8
 # the keyword arguments (given a value) a decoder layer is called with that resuming a forward can make again;
 # any argument the probe saw passed as None is passed as None
 RESUMABLE_KWARGS = {"hidden_states", "attention_mask", "position_ids", "use_cache", "cache_position",
@@ -90,11 +90,6 @@ class Anatomy:
         if self.rotary_takes_type and layer.layer_type is not None:
             return self.rotary(hidden, positions, layer.layer_type)
         return self.rotary(hidden, positions)
-
-
-def output_tensor(out) -> torch.Tensor:
-    """A block's output as the residual stream adds it: attention and MoE blocks return tuples."""
-    return out[0] if isinstance(out, tuple) else out
 
 
 def of(model) -> Anatomy:
@@ -180,79 +175,6 @@ def _mlp(layer, config):
                   "MLP")
 
 
-def _first_input(args, kwargs):
-    value = args[0] if args else kwargs.get("hidden_states")
-    return value if isinstance(value, torch.Tensor) else None
-
-
-def _same(a, b) -> bool:
-    return a is not None and b is not None and (a is b or (a.shape == b.shape and torch.equal(a, b)))
-
-
-def _probe(model, base, layer_list, n_layers):
-    """One forward of a few tokens through the base model with hooks on every layer, block and norm: their
-    inputs and outputs by layer, and the keyword arguments each layer was called with."""
-    config = _config(model)
-    seen: list[dict] = [dict(norms={}) for _ in range(n_layers)]
-    handles = []
-
-    def keep(index, key):
-        def pre(module, args, kwargs):
-            seen[index][key + "_in"] = _first_input(args, kwargs)
-            if key == "layer":
-                seen[index]["kwargs"] = {k for k, v in kwargs.items() if v is not None and v is not False}
-                seen[index]["names"] = set(kwargs)
-            if key == "attn":
-                seen[index]["attn_names"] = set(kwargs)
-                seen[index]["position_embeddings"] = kwargs.get("position_embeddings")
-
-        def post(module, args, kwargs, out):
-            seen[index][key + "_out"] = output_tensor(out)
-        return pre, post
-
-    def keep_norm(index, name):
-        def post(module, args, out):
-            seen[index]["norms"][name] = (args[0] if args else None, output_tensor(out))
-        return post
-
-    try:
-        for index, layer in enumerate(layer_list[:n_layers]):
-            parts = {"layer": layer, "attn": _attention(layer, config), "mlp": _mlp(layer, config)}
-            seen[index]["parts"] = parts
-            for key, module in parts.items():
-                pre, post = keep(index, key)
-                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-                handles.append(module.register_forward_hook(post, with_kwargs=True))
-            for name, child in layer.named_children():
-                if _is_norm(child):
-                    handles.append(child.register_forward_hook(keep_norm(index, name)))
-        vocab = int(getattr(config, "vocab_size", 0) or 0) or 100
-        ids = (torch.arange(PROBE_TOKENS) * 7 + 3) % vocab
-        device = next(model.parameters()).device
-        with torch.no_grad():
-            base(input_ids=ids[None].to(device), use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return seen, ids
-
-
-def _tolerance(dtype) -> float:
-    return 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
-
-
-def _scale(delta: torch.Tensor, write: torch.Tensor) -> float:
-    """The scalar s with delta = s · write (least squares), or NaN when write is zero."""
-    w = write.double().flatten()
-    denominator = float(w @ w)
-    return float(delta.double().flatten() @ w) / denominator if denominator > 0 else float("nan")
-
-
-def _adds_up(delta, write, s, dtype) -> bool:
-    error = (delta.double() - s * write.double()).norm()
-    return bool(error <= _tolerance(dtype) * max(float(delta.double().norm()), 1e-6))
-
-
 def _window(config, attn, index: int) -> tuple[int | None, str | None]:
     types = getattr(config, "layer_types", None)
     layer_type = types[index] if types and index < len(types) else None
@@ -269,7 +191,7 @@ def _discover(model) -> Anatomy:
         raise InputError(f"{family} is an encoder-decoder: its blocks are not mapped (decoders only)")
     base, layer_list = _layer_list(model, config)
     n = int(config.num_hidden_layers)
-    seen, ids = _probe(model, base, layer_list, n)
+    seen, ids = probe(model, base, layer_list, n, _attention, _mlp, _is_norm, config)
     dtype = next(model.parameters()).dtype
     layers = []
     for index, record in enumerate(seen):

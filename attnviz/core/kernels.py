@@ -24,8 +24,8 @@ The kernel's outputs per head: row sums, Σ p·log p, the diagonal, key 0's prob
 delimiter share per query; column sums per key (atomic adds across query blocks); and max-pooled
 maps of the probabilities (and, when asked, of A·‖W_O v‖ and of the allowed scores) by atomic max on
 the pooled grid. Pooling factors are multiples of the kernel's pooling granularity G (a power of
-two up to 16) by :func:`attnviz.stats.reduce.pool_factor`. What is computed from these (alpha, entropy
-normalised, allocation, ...) is :class:`attnviz.stats.reduce.LayerSummary`'s own code, shared with the
+two up to 16) by :func:`attnviz.core.reduce.pool_factor`. What is computed from these (alpha, entropy
+normalised, allocation, ...) is :class:`attnviz.core.reduce.LayerSummary`'s own code, shared with the
 block engine.
 """
 

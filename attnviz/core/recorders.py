@@ -2,13 +2,14 @@
 run the same calls; it never knows which recorders it feeds (docs/layout.md#recorders).
 
 One protocol, :class:`Recorder`: a layer's inputs in (:meth:`~Recorder.start`), blocks of probabilities in
-(:meth:`~Recorder.block`, with the block's pre-softmax scores for a recorder that asks for them), finished
-arrays out (:meth:`~Recorder.finish`, into the run's stores: ``probs``, ``scores``, ``reduced``,
-``value_norms``, ``qkv``, ``live``). A recorder declares what it needs of the route, and the engine reads only
+(:meth:`~Recorder.block`, with the block's pre-softmax scores for a recorder that asks for them), its finished
+layers out (:meth:`~Recorder.finish`, :meth:`~Recorder.result`). Each recorder owns its results, by layer; the run
+keeps no store of its own and reads them by the recorder's ``kind`` (``run.probs``, ``run.scores``,
+``run.reduced``, ``run.value_norms``, ``run.qkv``, ``run.live``). A recorder declares what it needs of the route, and the engine reads only
 those declarations: the whole layer as one block, every key of a block, the scores, some rows only, or
 whether it can take a whole layer from the fused kernel's sums (:meth:`~Recorder.fused`) instead of blocks.
 
-:func:`for_record` makes a run's recorders from an :class:`attnviz.core.engine.Record`. Adding what a
+:func:`for_record` makes a run's recorders from an :class:`attnviz.core.run.Record`. Adding what a
 capture keeps is one recorder here and its line there.
 """
 
@@ -56,6 +57,16 @@ class Recorder:
     scores: str | None = None
     only_rows: tuple[int, int] | None = None
     fusable = False
+    kind = ""  # what the run calls its results: "probs", "scores", "reduced", "value_norms", "qkv", "live"
+
+    @property
+    def results(self) -> dict:
+        """Its results by layer, as they are made (a recorder owns them; made once per recorder)."""
+        return self.__dict__.setdefault("_results", {})
+
+    def result(self) -> dict:
+        """Its finished results by layer, on the host where they go there (after the forward)."""
+        return self.results
 
     def start(self, run, layer: int, inputs: LayerIn) -> None:
         """Before the layer's first block (or its fused pass)."""
@@ -76,7 +87,7 @@ class Recorder:
         return {}
 
     def fused(self, run, layer: int, raw: dict, layout) -> None:
-        """The whole layer from the fused kernel's sums and the mask's layout (:class:`attnviz.stats.reduce.Layout`)."""
+        """The whole layer from the fused kernel's sums and the mask's layout (:class:`attnviz.core.reduce.Layout`)."""
 
 
 class ValueNorms(Recorder):
@@ -84,24 +95,26 @@ class ValueNorms(Recorder):
     the statistics' pooled value-weighted maps and the fused kernel."""
 
     fusable = True
+    kind = "value_norms"
 
     def start(self, run, layer, inputs):
-        from attnviz.core.engine import value_norms
+        from attnviz.core.modules import value_norms
 
-        run.value_norms[layer] = value_norms(inputs.module, inputs.value, inputs.query.shape[1])
+        self.results[layer] = value_norms(inputs.module, inputs.value, inputs.query.shape[1])
 
     def fused_needs(self, run, layer):
-        return {"value_norms": run.value_norms[layer][0]}
+        return {"value_norms": self.results[layer][0]}
 
 
 class QKV(Recorder):
     """The layer's queries, keys and values on the host, float32, with the scaling (``run.qkv``)."""
 
     fusable = True
+    kind = "qkv"
 
     def start(self, run, layer, inputs):
-        run.qkv[layer] = (inputs.query.float().cpu(), inputs.key.float().cpu(), inputs.value.float().cpu(),
-                          inputs.scaling)
+        self.results[layer] = (inputs.query.float().cpu(), inputs.key.float().cpu(), inputs.value.float().cpu(),
+                               inputs.scaling)
 
 
 class Maps(Recorder):
@@ -110,13 +123,14 @@ class Maps(Recorder):
 
     def __init__(self, dtype: torch.dtype, of_scores: bool = False):
         self.dtype, self.of_scores = dtype, of_scores
+        self.kind = "scores" if of_scores else "probs"
         self.scores = "raw" if of_scores else None
         self.all_keys = of_scores  # scores are kept for every key, the masked ones included
         self.current: FullMaps | None = None
 
     def start(self, run, layer, inputs):
         self.current = FullMaps(inputs.shape, self.dtype, inputs.query.device)
-        (run.scores if self.of_scores else run.probs)[layer] = self.current
+        self.results[layer] = self.current
 
     def block_scores(self, run, layer, q0, k0, scores, allow):
         self.current.put(q0, k0, scores)
@@ -129,14 +143,23 @@ class Maps(Recorder):
         self.current.finish()
         self.current = None
 
+    def result(self):
+        """The host arrays, once every layer's copy to them has landed (the forward never waits for one)."""
+        for layer, maps in self.results.items():
+            if isinstance(maps, FullMaps):
+                self.results[layer] = maps.host()
+        return self.results
+
 
 class Streamed(Recorder):
-    """A block reducer (:class:`attnviz.stats.reduce.BlockReducer`: statistics, pooled maps, a region's crop) fed
+    """A block reducer (:class:`attnviz.core.reduce.BlockReducer`: statistics, pooled maps, a region's crop) fed
     block by block; its finished result goes to ``run.reduced``. With ``pooled_scores`` it also takes the masked
     pre-softmax scores of each block. A reducer that can take the fused kernel's sums makes the layer fusable."""
 
+    kind = "reduced"
+
     def __init__(self, reducer, pooled_scores: bool = False):
-        from attnviz.stats.reduce import FusedReducer
+        from attnviz.core.reduce import FusedReducer
 
         self.reducer = reducer
         self.scores = "masked" if pooled_scores else None
@@ -152,12 +175,18 @@ class Streamed(Recorder):
 
     def block(self, run, layer, q0, k0, probs, allow):
         n_q, n_kv = self.shape
-        norms = run.value_norms.get(layer)
+        norms = run.value_norms.get(layer)  # the value norms recorder's, fed before this one
         self.reducer.add(layer, q0, probs, allow, n_q=n_q, k0=k0, n_kv=n_kv,
                          **({} if norms is None else {"value_norms": norms}))
 
     def finish(self, run, layer):
-        run.reduced[layer] = self.reducer.finish(layer)
+        self.results[layer] = self.reducer.finish(layer)  # on its way to the host (devices.HostCopy)
+
+    def result(self):
+        """Every layer's finished results on the host, the asynchronous copies waited for."""
+        for layer, values in self.results.items():
+            self.results[layer] = devices.landed(values)
+        return self.results
 
     def fused_needs(self, run, layer):
         return {"pool": self.reducer.pool, "delim": self.reducer.delim, "scores": self.scores is not None}
@@ -172,12 +201,13 @@ class Whole(Recorder):
 
     whole_layer = True
     all_keys = True
+    kind = "reduced"
 
     def __init__(self, fn: Callable):
         self.fn = fn
 
     def block(self, run, layer, q0, k0, probs, allow):
-        run.reduced[layer] = self.fn(layer, probs, allow)
+        self.results[layer] = self.fn(layer, probs, allow)
 
 
 class Live(Recorder):
@@ -186,16 +216,14 @@ class Live(Recorder):
 
     whole_layer = True
     all_keys = True
+    kind = "live"
 
     def block(self, run, layer, q0, k0, probs, allow):
-        run.live[layer] = probs
-
-
-LIVE = Live()  # stateless: one for every run
+        self.results[layer] = probs
 
 
 def for_record(record) -> tuple[Recorder, ...]:
-    """The recorders of a recorded layer under an :class:`attnviz.core.engine.Record`, in the order they are fed
+    """The recorders of a recorded layer under an :class:`attnviz.core.run.Record`, in the order they are fed
     (value norms first: the statistics' pooled value-weighted maps read them)."""
     out: list[Recorder] = []
     if record.value_norms:

@@ -202,7 +202,7 @@ def rollout(maps) -> np.ndarray:
 
 
 #: What a statistic is finished from (:class:`Statistic`): sums over one layer's probabilities A (float32, on
-#: the layer's device), accumulated block by block by the block engine (attnviz.stats.reduce) or in one pass
+#: the layer's device), accumulated block by block by the block engine (attnviz.core.reduce) or in one pass
 #: by the fused kernel (attnviz.core.kernels.SUMS says which it provides), and facts of the layer's mask.
 SUMS = {
     "rowsum": "Σ_j A[i, j], per head and query",
@@ -291,6 +291,16 @@ def needed_sums(statistics) -> set:
     return {x for s in statistics for x in s.sums if isinstance(x, RowSum) or x in SUMS}
 
 
-def statistic_floats() -> int:
-    """Floats per head and token that a layer's statistics take (the memory estimate's share)."""
-    return sum(s.floats for s in STATISTICS)
+CHOSEN = {"entropy", "allocation"}  # statistics that cost a pass over every block: kept only when named
+
+
+def kept_statistics(names=None) -> tuple[Statistic, ...]:
+    """What a capture that names ``names`` keeps (None: every statistic): those, and the cheap ones always (they come
+    from sums the engine makes anyway); entropy and allocation only when named."""
+    wanted = {s.name for s in STATISTICS} if names is None else set(names)
+    return tuple(s for s in STATISTICS if s.name in wanted or s.name not in CHOSEN)
+
+
+def statistic_floats(names=None) -> int:
+    """Floats per head and token that a layer's kept statistics take (the memory estimate's share)."""
+    return sum(s.floats for s in kept_statistics(names))

@@ -14,66 +14,9 @@ import numpy as np
 import torch
 
 from attnviz.core import devices
+from attnviz.core.allowsets import Layout  # noqa: F401 - the counts the statistics read
+from attnviz.core.pooled import PooledMap, pool_factor  # noqa: F401 - pool_factor: read here by the fused route
 from attnviz.stats import metrics
-
-
-CHUNK_ELEMENTS = 1 << 24  # allow-set cells read at once when a layout is counted from a mask (16 MB of bools)
-
-
-class Layout:
-    """What the statistics need of a layer's (n_q, n_kv) allow-set, without a temporary of n_q × n_kv
-    elements: how many queries see each key (``col_counts``), how many keys each query sees
-    (``row_counts``), whether query i sees key i (``diagonal``) and key 0 (``key0``), and the pooled grid of cells under which anything is allowed
-    (:meth:`seen`). The plain causal mask's are arithmetic (:meth:`causal`); any other mask's are counted
-    from its allow-set a chunk of rows at a time (:meth:`of`), on the allow-set's device."""
-
-    def __init__(self, n_q: int, n_kv: int, col_counts, row_counts, diagonal, key0, seen_of):
-        self.n_q, self.n_kv = n_q, n_kv
-        self.col_counts, self.row_counts, self.diagonal, self.key0 = col_counts, row_counts, diagonal, key0
-        self._seen_of = seen_of
-
-    def seen(self, factor: int) -> torch.Tensor:
-        """(⌈n_q / f⌉, ⌈n_kv / f⌉) bool: the f × f cells under which the mask allows anything."""
-        return self._seen_of(factor)
-
-    @classmethod
-    def causal(cls, n: int, device) -> "Layout":
-        """The plain causal mask of n queries over the same n keys: query i sees keys 0..i."""
-        index = torch.arange(n, device=device, dtype=torch.float32)
-        ones = torch.ones(n, dtype=torch.bool, device=device)
-
-        def seen_of(f: int) -> torch.Tensor:  # a cell (a, b) holds some k ≤ i exactly when b ≤ a
-            cells = -(-n // f)
-            return torch.ones(cells, cells, dtype=torch.bool, device=device).tril_()
-
-        return cls(n, n, n - index, index + 1, ones, ones, seen_of)
-
-    @classmethod
-    def of(cls, allow: torch.Tensor) -> "Layout":
-        """Counted from an (n_q, n_kv) bool allow-set, ``CHUNK_ELEMENTS`` cells at a time."""
-        n_q, n_kv = allow.shape
-        rows = max(1, CHUNK_ELEMENTS // max(n_kv, 1))
-        col_counts = torch.zeros(n_kv, dtype=torch.int32, device=allow.device)
-        row_counts = torch.empty(n_q, dtype=torch.int32, device=allow.device)
-        for r0 in range(0, n_q, rows):
-            chunk = allow[r0:r0 + rows]
-            col_counts += chunk.sum(0, dtype=torch.int32)
-            row_counts[r0:r0 + rows] = chunk.sum(-1, dtype=torch.int32)
-        n = min(n_q, n_kv)
-        diagonal = torch.zeros(n_q, dtype=torch.bool, device=allow.device)
-        diagonal[:n] = torch.diagonal(allow[:n, :n])  # query i and key i, as LayerSummary.add reads them
-
-        def seen_of(f: int) -> torch.Tensor:
-            step = max(f, rows // f * f)  # whole cells of f rows at a time
-            grid = torch.zeros(-(-n_q // f), -(-n_kv // f), dtype=torch.bool, device=allow.device)
-            for r0 in range(0, n_q, step):
-                chunk = allow[r0:r0 + step]
-                pad = (0, -n_kv % f, 0, -chunk.shape[0] % f)
-                cells = torch.nn.functional.pad(chunk, pad).view(-1, f, grid.shape[1], f)
-                grid[r0 // f:r0 // f + cells.shape[0]] = cells.any(3).any(1)
-            return grid
-
-        return cls(n_q, n_kv, col_counts.float(), row_counts.float(), diagonal, allow[:, 0].clone(), seen_of)
 
 
 class BlockReducer:
@@ -230,7 +173,7 @@ def _layer_allow(allow: torch.Tensor) -> torch.Tensor:
     return allow[0, 0] if allow.shape[1] == 1 else allow[0]
 
 
-CHOSEN = {"entropy", "allocation"}  # statistics that cost a pass over every block: kept only when named
+CHOSEN = metrics.CHOSEN
 
 
 class Summaries(FusedReducer):
@@ -251,7 +194,7 @@ class Summaries(FusedReducer):
             wanted.discard("allocation")
         self.tokens = tokens
         # the cheap ones come from sums the engine makes anyway and are always kept
-        self.statistics = tuple(s for s in metrics.STATISTICS if s.name in wanted or s.name not in CHOSEN)
+        self.statistics = metrics.kept_statistics(wanted)
         self.delim = (torch.from_numpy(metrics.delimiter_flags(tokens))  # once per text
                       if tokens is not None and "allocation" in wanted else None)
         self.pool = pool  # also keep max-pooled maps of at most pool cells a side (stats "pooled", "pool_factor")
@@ -327,66 +270,6 @@ class Summaries(FusedReducer):
             if layer in self.pooled_scores:
                 out["pooled_scores"] = self.pooled_scores.pop(layer).tensor()
         return devices.host_copies(out)  # on their way to the host: the run collects them after the forward
-
-
-def pool_factor(n: int, size: int) -> int:
-    """Tokens per pooled cell a side for ``n`` tokens and at most ``size`` cells: ceil(n / size),
-    rounded up to a power of two up to 16 and to a multiple of 16 above. The rounding lets the fused
-    kernel (:mod:`attnviz.core.kernels`) reduce each tile on a fixed grid before its atomic max; a map
-    keeps between size / 2 and size cells a side."""
-    f = max(1, -(-int(n) // int(size)))
-    if f <= 16:
-        return 1 << (f - 1).bit_length()
-    return -(-f // 16) * 16
-
-
-class PooledMap:
-    """Every head's map max-pooled to at most ``size`` cells a side, one factor f for both axes,
-    accumulated block by block on the device of the blocks: the overview a long text can afford
-    (H × size² instead of H × n²).
-
-    Max, not mean, so a sink column survives any pooling; a pooled cell is NaN when the mask forbids
-    every cell under it (probabilities are 0 where forbidden, so the max over the block is the max
-    over its allowed cells).
-    """
-
-    def __init__(self, n_heads: int, n_q: int, n_kv: int, size: int):
-        self.factor = f = pool_factor(max(n_q, n_kv), size)
-        self.shape = (n_heads, -(-n_q // f), -(-n_kv // f))
-        self.values = self.seen = None  # created on the first block's device
-
-    def _pool(self, x: torch.Tensor, q0: int, k0: int, fill):
-        """(.., b, w) → (.., rows, cols) block maxima on the global grid of f × f cells, and its corner."""
-        f = self.factor
-        top, left = q0 % f, k0 % f
-        b, w = x.shape[-2:]
-        rows, cols = -(-(top + b) // f), -(-(left + w) // f)
-        x = torch.nn.functional.pad(x, (left, cols * f - w - left, top, rows * f - b - top), value=fill)
-        x = x.reshape(*x.shape[:-2], rows, f, cols, f)
-        return x.amax(dim=(-3, -1)), q0 // f, k0 // f
-
-    def add(self, q0: int, probs: torch.Tensor, allow: torch.Tensor, k0: int = 0) -> None:
-        if self.values is None:
-            self.values = torch.full(self.shape, float("-inf"), device=probs.device)
-            self.seen = torch.zeros(self.shape[1:], dtype=torch.bool, device=probs.device)
-        pooled, r, c = self._pool(probs.float(), q0, k0, float("-inf"))
-        region = self.values[:, r:r + pooled.shape[1], c:c + pooled.shape[2]]
-        torch.maximum(region, pooled, out=region)
-        seen, _, _ = self._pool(allow.to(probs.device, torch.uint8)[None], q0, k0, 0)
-        self.seen[r:r + seen.shape[1], c:c + seen.shape[2]] |= seen[0].bool()
-
-    def set(self, values: torch.Tensor, seen: torch.Tensor) -> "PooledMap":
-        """The whole pooled grid at once (the fused kernel's), with the cells its mask allows anything under
-        (:meth:`Layout.seen`)."""
-        self.values, self.seen = values.float(), seen.to(values.device)
-        return self
-
-    def tensor(self) -> torch.Tensor:
-        """The pooled maps in fp16, NaN where nothing was allowed, on the device of the blocks."""
-        return torch.where(self.seen, self.values, float("nan")).to(torch.float16)
-
-    def result(self) -> np.ndarray:
-        return self.tensor().cpu().numpy()
 
 
 def summarise(probs, allowed, tokens: list[str] | None = None) -> dict[str, np.ndarray]:

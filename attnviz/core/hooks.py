@@ -1,0 +1,116 @@
+"""Hooks on a model's layers, registered once per model and read by the active run: ``patch`` replacing a block's
+write, a layer's input kept to resume a later forward from (:func:`resume`: a long capture's regions)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+from attnviz.core import blocks
+from attnviz.core.run import Record, Run, _RUN, active, make_run, n_layers
+from attnviz.errors import InputError
+
+# The shared server's sessions share one loaded model: hooks are registered on it once, under this lock
+_HOOKS = threading.Lock()
+
+
+def decoder_layers(model) -> "torch.nn.ModuleList | None":
+    """The decoder layers a forward can resume from (:func:`resume`), or None for a model that must run from its
+    embeddings (its anatomy says why: :attr:`attnviz.core.anatomy.Anatomy.resumable`)."""
+    from attnviz.core import anatomy
+
+    if getattr(model.config, "is_encoder_decoder", False):
+        return None
+    try:
+        found = anatomy.of(model)
+    except InputError:
+        return None
+    return None if found.resumable else found.layer_list
+
+
+def _patch_block(layer: int, kind: str, module, args, out):
+    """A forward hook on a block's output module (:mod:`attnviz.core.blocks`): the active run's ``patch``
+    interventions of that layer and block replace the output where the residual stream adds it."""
+    run = _RUN.get()
+    if not isinstance(run, Run):
+        return None
+    acts = [a for a in run.interventions.at(layer) if a.patches(kind)]
+    if not acts:
+        return None
+    value = blocks.output_tensor(out)
+    n = value.shape[1]
+    positions = run.positions[:, -n:].to(value.device)
+    valid = run.valid_on(value.device)[:, -n:]
+    for intervention in acts:
+        value = intervention.block_output(value, positions, valid, run.sink_key(layer))
+    return blocks.with_output(out, value)
+
+
+def _hook_blocks(model) -> None:
+    """Hook every layer's attention and MLP output modules once, so that a run's ``patch`` interventions
+    apply; the hooks read the active run, so runs of other sessions on the same model are untouched. A family
+    whose blocks are not mapped is refused here, with one line (:func:`attnviz.core.blocks.family`)."""
+    with _HOOKS:  # once, however many sessions ask at the same time
+        if getattr(model, "_attnviz_patches_blocks", False):
+            return
+        for index in range(n_layers(model)):
+            for kind, module in zip(blocks.KINDS, blocks.source_modules(model, index)):
+                module.register_forward_hook(functools.partial(_patch_block, index, kind))
+        model._attnviz_patches_blocks = True
+
+
+def _keep_input(index: int, module, args, kwargs) -> None:
+    run = _RUN.get()
+    if isinstance(run, Run) and index in run.checkpoint_layers:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        run.checkpoints[index] = hidden[0].detach().to("cpu", copy=True)  # one copy a kept layer
+
+
+def _resumable_layers(model) -> torch.nn.ModuleList:
+    layers = decoder_layers(model)
+    if layers is None:
+        from attnviz.core import anatomy
+
+        raise ValueError(anatomy.of(model).resumable if not getattr(model.config, "is_encoder_decoder", False)
+                         else f"{model.config.model_type} models cannot resume a forward from a layer's input")
+    return layers
+
+
+def _keep_layer_inputs(model) -> None:
+    """Hook every decoder layer once, so that a run asking for ``checkpoint_layers`` keeps their inputs;
+    the hook reads the active run, so runs of other sessions on the same model are untouched."""
+    layers = _resumable_layers(model)
+    with _HOOKS:  # once, however many sessions ask at the same time
+        if not getattr(model, "_attnviz_keeps_inputs", False):
+            for index, layer in enumerate(layers):
+                layer.register_forward_pre_hook(functools.partial(_keep_input, index), with_kwargs=True)
+            model._attnviz_keeps_inputs = True
+
+
+def resume(model, hidden: torch.Tensor, start: int, input_ids: torch.Tensor, computes,
+           record: Record = Record()) -> Run:
+    """Layers ``start``.. of :func:`forward` of ``input_ids`` (1, n), run from ``hidden`` (n, d): the
+    input of layer ``start`` that an earlier forward of the same tokens, masks and interventions kept
+    (``Run.checkpoints``). The layers below are not run again; like :func:`forward`, ``record.on_layer`` may
+    stop it after any layer. Returns the run (what it recorded)."""
+    from attnviz.core import anatomy
+
+    _resumable_layers(model)
+    found = anatomy.of(model)
+    run = make_run(model, input_ids, computes, record)
+    with active(run), torch.inference_mode():
+        h = hidden[None].to(model.device)
+        positions = run.positions.to(model.device)
+        # the keyword arguments the base model calls a layer with (the anatomy's probe saw them), made again;
+        # the masks come from the run, so the attention mask is None as in every attnviz forward
+        made = {"position_ids": positions, "use_cache": False, "output_attentions": False,
+                "cache_position": torch.arange(positions.shape[-1], device=positions.device)}
+        for layer in found.layers[start:n_layers(model)]:
+            kwargs = {name: made.get(name) for name in found.layer_kwargs}
+            if "position_embeddings" in kwargs:
+                kwargs["position_embeddings"] = found.position_embeddings(h, positions, layer)
+            out = layer.module(h, **kwargs)
+            h = out[0] if isinstance(out, tuple) else out
+    return run
