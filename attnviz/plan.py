@@ -14,6 +14,7 @@ The app asks the plan once and shows the answer.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -137,10 +138,8 @@ class Keep:
         pooled = heads * min(n, self.pool) ** 2 * 4 * (1 + self.value_norms + self.scores) \
             if self.statistics and self.pool else 0
         # an allow-set above the whole-allow size is made a block of rows at a time on the statistics route
-        # (allowsets.RowwiseAllow): only a block's rows are ever on the device, not n × n
-        from attnviz.core import allowsets
-
-        rowwise = self.statistics and n * n > allowsets.WHOLE_ALLOW_BYTES
+        # (an AllowSet of kind "rows"): only a block's rows are ever on the device, not n × n
+        rowwise = self.statistics and n * n > whole_allow_bytes()
         allow = masks * (min(rows, n) if rowwise else n) * n
         return working + allow + activations + states + stats + pooled + 4 * cfg.vocab_size
 
@@ -181,6 +180,14 @@ class Keep:
 
 def _hidden_size(loaded: LoadedModel) -> int:
     return int(getattr(loaded.config, "hidden_size", 0) or 0)
+
+
+def whole_allow_bytes() -> int:
+    """Allow-sets up to this size are made whole, once per mask, and shared by every layer with that mask (at
+    8,192 tokens, 64 MB: making each block's rows for every layer instead cost 10 % of a statistics capture on the
+    CPU); larger ones (1 GB at 32,768 tokens) are made a block of rows at a time where the route allows.
+    ``ATTNVIZ_WHOLE_ALLOW_MB`` (default 256), read when a run is made."""
+    return int(os.environ.get("ATTNVIZ_WHOLE_ALLOW_MB", "256")) * 2**20
 
 
 def block_bytes(loaded: LoadedModel, keep: Keep) -> int:

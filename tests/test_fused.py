@@ -238,7 +238,7 @@ def test_the_block_route_makes_each_blocks_allow_set_alone(spec, pool, monkeypat
 
     monkeypatch.setenv("ATTNVIZ_FUSED", "0")
     monkeypatch.setattr(allowsets, "CHUNK_ELEMENTS", 256)
-    monkeypatch.setattr(allowsets, "WHOLE_ALLOW_BYTES", 0)  # as for a text whose allow-set is over 256 MB
+    monkeypatch.setenv("ATTNVIZ_WHOLE_ALLOW_MB", "0")  # as for a text whose allow-set is over 256 MB
     lm = loaded("llama")
     n = len(lm.tokenizer(TEXT)["input_ids"])
     keep = Keep(statistics=True, pool=pool, block_bytes=4 * 4 * n * 7)  # several blocks a layer

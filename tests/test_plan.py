@@ -53,11 +53,10 @@ def test_the_device_estimate_charges_what_the_route_makes():
     """A statistics capture of a text whose allow-set is above the whole-allow size makes it a block of rows at a
     time: it is charged a block's rows, not n × n (1 GiB at 32k tokens); full maps keep theirs whole. A keep that
     names one statistic is charged that one and the cheap ones, not every statistic."""
-    from attnviz.core import allowsets
     from attnviz.stats import metrics
 
     lm = loaded("llama")
-    n = int((allowsets.WHOLE_ALLOW_BYTES * 2) ** 0.5)  # n × n bools over the whole-allow size
+    n = int((plan.whole_allow_bytes() * 2) ** 0.5)  # n × n bools over the whole-allow size
     stats, full = Keep(statistics=True), Keep()
     rows = max(1, plan.block_bytes(lm, stats) // (4 * lm.n_heads * n))
     assert full.device_bytes(lm, n) - stats.device_bytes(lm, n) >= 2 * (n - rows) * n - 4 * lm.n_heads * n * 4 * 10

@@ -5,8 +5,6 @@ the plain causal mask, and per head where heads have masks of their own; and the
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
@@ -14,10 +12,6 @@ from attnviz.core import devices, kernels
 from attnviz.core.interventions import Intervention
 from attnviz.core.masks import Mask, keep_self_if_empty
 
-# Allow-sets up to this size are made whole, once per mask, and shared by every layer with that mask (at 8,192
-# tokens, 64 MB: making each block's rows for every layer instead cost 10 % of a statistics capture on the CPU);
-# larger ones (1 GB at 32,768 tokens) are made a block of rows at a time (RowwiseAllow) where the route allows.
-WHOLE_ALLOW_BYTES = int(os.environ.get("ATTNVIZ_WHOLE_ALLOW_MB", "256")) * 2**20
 _NO_KEY_MASK = Intervention.key_mask
 
 

@@ -17,7 +17,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from attnviz.core import allowsets, devices, kernels, routes
+from attnviz.core import devices, kernels, routes
 from attnviz.core import recorders as recorders_mod
 from attnviz.core.run import _RUN
 from attnviz.errors import ModelLoadError
@@ -93,7 +93,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         block_reducer=bool(recs) and not any(r.whole_layer for r in recs), fused_reducer=fusable,
         batch_one=batch == 1, position_bias=bias is not None, grad=torch.is_grad_enabled(),
         kernel=fusable and kernels.wanted(query.device),
-        large_allow=batch * n_q * n_kv > allowsets.WHOLE_ALLOW_BYTES,
+        large_allow=batch * n_q * n_kv > run.whole_allow_bytes,
         streamed=not any(r.whole_layer or r.all_keys for r in recs)))
     if route is routes.Route.SDPA_CAUSAL:
         # plain causal: let SDPA pick its fused causal kernel instead of reading an n x n mask

@@ -10,7 +10,7 @@ in (:func:`forward`), in four parts along the flow (docs/layout.md#the-engine):
 This module gathers their names, so that callers write ``engine.forward(...)`` and ``engine.Record(...)``.
 """
 
-from attnviz.core.allowsets import WHOLE_ALLOW_BYTES, AllowSet, auto_key  # noqa: F401
+from attnviz.core.allowsets import AllowSet, auto_key  # noqa: F401
 from attnviz.core.attention import KEY, Caught, attention, catching, mask_builder, prepare  # noqa: F401
 from attnviz.core.hooks import _hook_blocks, decoder_layers, resume  # noqa: F401
 from attnviz.core.modules import attention_modules, output_linear, output_projection, value_norms  # noqa: F401

@@ -69,6 +69,7 @@ class Record:
     checkpoints: frozenset[int] = frozenset()
     keep_graph: bool = False
     recorders: tuple | None = None
+    whole_allow_bytes: int | None = None  # allow-sets above it are made a block of rows at a time (the plan's)
 
 
 NOTHING = Record(layers=frozenset())  # record no layer: the forward's output only
@@ -113,6 +114,7 @@ class Asked:
     # a compressed KV cache (docs/methods.md#kv-cache-compression), or streaming heads on sink + window
     head_masks: dict[int, Callable[[int, int, torch.device], torch.Tensor]] = field(default_factory=dict)
     block_bytes: int | None = None  # fp32 scores of one query block of a recorded layer; None: devices.block_bytes
+    whole_allow_bytes: int = 0  # the plan's size above which an allow-set is made a block of rows at a time
     unpadded: bool | None = None  # every key real; None: read from ``valid`` (a host read: the caller may know)
     # layers whose input hidden states (n, d) are kept on the host, to resume a later forward from
     # (:func:`resume`: a long capture's regions); filled by a pre-hook on the decoder layers
@@ -276,12 +278,15 @@ def make_run(model, input_ids: torch.Tensor, computes, record: Record = Record()
         if mask.horizon is not None and int(positions.max()) + 1 > mask.horizon:
             raise InputError(f"{mask.name} was set for at most T={mask.horizon} tokens but the text reaches "
                              f"{int(positions.max()) + 1}: raise T or shorten the text")
+    from attnviz.plan import whole_allow_bytes  # the plan owns every size: read when a run is made
+
     return Run(masks, frozenset(range(total) if record.layers is None else record.layers), positions, valid,
                recorders=record.recorders if record.recorders is not None else recorders_mod.for_record(record),
                on_layer=record.on_layer,
                keep_graph=record.keep_graph, interventions=computes.interventions, block_bytes=record.block_bytes,
                unpadded=True if kv_positions is not None or attention_mask is None else None,
-               checkpoint_layers=frozenset(record.checkpoints))
+               checkpoint_layers=frozenset(record.checkpoints),
+               whole_allow_bytes=whole_allow_bytes() if record.whole_allow_bytes is None else record.whole_allow_bytes)
 
 
 @contextmanager
