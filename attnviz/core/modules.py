@@ -54,5 +54,8 @@ def value_norms(module, value: torch.Tensor, n_heads: int) -> torch.Tensor:
         weight = _weight(proj).to(value.device, torch.float32)
     batch, n_kv_heads, n_kv, dim = value.shape
     per_head = weight.view(weight.shape[0], n_heads, dim)  # (hidden, H, d)
+    # ||W v||² = vᵀ (WᵀW) v: each head's d × d Gram matrix instead of every key's (hidden,) output, so the
+    # temporary is (B, H, n, d), not (B, H, n, hidden) (680 MB at 32k tokens on the default model)
+    gram = torch.einsum("ohd,ohe->hde", per_head, per_head)  # (H, d, d)
     v = value.float().repeat_interleave(n_heads // n_kv_heads, dim=1)  # (B, H, n, d)
-    return torch.einsum("bhnd,ohd->bhno", v, per_head).norm(dim=-1)
+    return torch.einsum("bhnd,hde,bhne->bhn", v, gram, v).clamp(min=0).sqrt()
