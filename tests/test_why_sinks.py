@@ -125,9 +125,14 @@ def test_extras_survive_save_and_load(tmp_path):
 
 
 def test_value_norms_refused_where_the_output_projection_cannot_be_read():
-    lm = loaded("gpt2")  # GPT-2's c_proj is a Conv1D, not a Linear o_proj
+    """An output projection that is neither a Linear nor GPT-2's Conv1D (whose value norms now work, against W_O·v in
+    tests/test_conformance.py) is refused in one line before anything runs."""
+    lm = loaded("llama")
+    for layer in lm.model.model.layers:  # the same function, behind a module attnviz cannot read a W_O from
+        layer.self_attn.o_proj = torch.nn.Sequential(layer.self_attn.o_proj)
     with pytest.raises(ModelLoadError, match="cannot read the output projection"):
         capture(lm, "no", "fwd", Keep(value_norms=True))
+    assert capture(loaded("gpt2"), "yes", "fwd", Keep(value_norms=True)).layer_value_norms(0).shape[0] == 4
 
 
 def test_rollout_on_a_hand_example():
