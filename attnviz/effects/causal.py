@@ -93,7 +93,9 @@ def profile(loaded: LoadedModel, text: str, recipe: Recipe, on_layer=None) -> Si
     for layer in range(loaded.n_layers):
         key = metrics.auto_key(cap.allowed[layer])
         keys.append(key)
-        attention.append(float(np.nanmean(cap.stat(layer, "alpha")[:, key])))
+        values = cap.stat(layer, "alpha")[:, key]
+        defined = values[np.isfinite(values)]  # NaN where only the key's own query sees it (a window past it)
+        attention.append(float(defined.mean()) if defined.size else float("nan"))
     # the tokens as the capture saw them (a BOS control's prefix included), scored as written
     ppl = evaluate(loaded, cap.token_ids, replace(recipe, prepend=None), window=cap.n_tokens).perplexity
     return SinkProfile(keys, attention, float(ppl), cap.n_tokens)
