@@ -70,10 +70,10 @@ class Keep:
             object.__setattr__(self, "statistics", (self.statistics,))
         if not isinstance(self.statistics, bool):
             object.__setattr__(self, "statistics", tuple(self.statistics))
-            known = [s.name for s in metrics.STATISTICS]
-            unknown = [name for name in self.statistics if name not in known]
+            unknown = metrics.unknown_statistics(self.statistics)
             if unknown:  # refused here, not late in the engine: a keep names what it keeps
-                raise InputError(f"unknown statistics {', '.join(map(repr, unknown))}: choose from {', '.join(known)}")
+                raise InputError(f"unknown statistics {', '.join(map(repr, unknown))}: "
+                                 f"choose from {', '.join(s.name for s in metrics.STATISTICS)}")
         if self.statistics and self.scores and not self.pool:
             raise InputError("statistics keep pre-softmax scores only as pooled maps: give a pool size as well")
 
@@ -151,14 +151,12 @@ class Keep:
         """The recorders of one capture keeping this (``tokens``: the text's, for the statistics that read
         delimiters), in the order the engine feeds them: value norms first (the pooled value-weighted maps read
         them), q/k/v, then full maps (and score maps) or the statistics block by block, never a full map."""
-        from attnviz.core import recorders as rec
+        from attnviz.core import recorders
         from attnviz.core.reduce import Summaries
 
-        out = ([rec.ValueNorms()] if self.value_norms else []) + ([rec.QKV()] if self.qkv else [])
-        if self.statistics:
-            summaries = Summaries(tokens, self.pool, None if self.statistics is True else self.statistics)
-            return tuple(out + [rec.Streamed(summaries, pooled_scores=self.scores)])
-        return tuple(out + [rec.Maps(self.storage_dtype)] + ([rec.Maps(self.storage_dtype, True)] if self.scores else []))
+        summaries = (Summaries(tokens, self.pool, None if self.statistics is True else self.statistics)
+                     if self.statistics else None)
+        return recorders.made(self.storage_dtype, summaries, self.scores, self.value_norms, self.qkv)
 
     def record(self, loaded: LoadedModel, tokens: list[str], on_layer=None, kept=None) -> engine.Record:
         """What the engine records for this keep on ``loaded``: its recorders (:meth:`recorders`), the recorded

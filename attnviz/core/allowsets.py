@@ -164,14 +164,16 @@ class AllowSet:
         return self.rows(q0, q1)[0].cpu().numpy()  # (1 or H, b, n_kv)
 
     def host(self) -> "np.ndarray":
-        """(n_q, n_kv) on the host, the cells some head may see (the layer's, without head masks), made a chunk of
-        rows at a time: what a capture keeps."""
+        """(n_q, n_kv) on the host, the cells some head may see (the layer's mask, where heads have none of their
+        own), made a chunk of rows at a time: what a capture keeps."""
         if "host" not in self._cache:
             if self.kind == "causal" and self.n_q == self.n_kv:
                 self._cache["host"] = np.tri(self.n_q, dtype=bool)
+            elif self.per_head:  # the heads' own sets, made once: the layer's cells are those some head sees
+                self._cache["host"] = self.head_host().any(0)
             else:
                 out = np.empty((self.n_q, self.n_kv), dtype=bool)
-                step = max(1, CHUNK_ELEMENTS // max(self.n_kv * (self.shape[1] if self.per_head else 1), 1))
+                step = max(1, CHUNK_ELEMENTS // max(self.n_kv, 1))
                 for q0 in range(0, self.n_q, step):
                     out[q0:q0 + step] = self._host_rows(q0, min(q0 + step, self.n_q)).any(0)
                 self._cache["host"] = out
@@ -181,7 +183,10 @@ class AllowSet:
         """(H, n_q, n_kv) on the host, each head's own set, where the heads have masks of their own; else None."""
         if not self.per_head:
             return None
-        return np.concatenate([self._host_rows(q0, min(q0 + 256, self.n_q)) for q0 in range(0, self.n_q, 256)], 1)
+        if "head host" not in self._cache:
+            self._cache["head host"] = np.concatenate(
+                [self._host_rows(q0, min(q0 + 256, self.n_q)) for q0 in range(0, self.n_q, 256)], 1)
+        return self._cache["head host"]
 
 
 class AllowSets:
@@ -260,7 +265,12 @@ class AllowSets:
         """(H, q1 - q0, n_kv): query rows q0 .. q1 - 1 of the per-head allow-set of ``layer``, every head mask of
         the layer and-ed together (an intervention's made for those rows only)."""
         q1 = n_q if q1 is None else q1
-        masks = [self.head_masks[layer](n_q, n_kv, device)[:, q0:q1]] if layer in self.head_masks else []
+        masks = []
+        if layer in self.head_masks:  # a compressed cache's (H, n_q, n_kv): made once per layer, not per block
+            key = ("head mask", layer, n_q, n_kv, torch.device(device))
+            if key not in self._allow_cache:
+                self._allow_cache[key] = self.head_masks[layer](n_q, n_kv, device)
+            masks.append(self._allow_cache[key][:, q0:q1])
         kv_pos, q_pos = self.positions[0, -n_kv:].to(device), self.query_positions(n_q, device)[0, q0:q1]
         for intervention in self.interventions.at(layer):
             made = intervention.key_mask(q_pos, kv_pos, n_heads)

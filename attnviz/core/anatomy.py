@@ -106,15 +106,6 @@ def of(model) -> Anatomy:
     return found
 
 
-def refusal(model) -> str:
-    """Why ``model`` has no anatomy ("" when it has one): for tables and pages that list what works."""
-    try:
-        of(model)
-    except InputError as err:
-        return str(err)
-    return ""
-
-
 # --- discovery ---------------------------------------------------------------------------------------------
 
 def _config(model):

@@ -35,9 +35,9 @@ def probe(model, base, layer_list, n_layers, attention, mlp, is_norm, config):
             if key == "layer":
                 seen[index]["kwargs"] = {k for k, v in kwargs.items() if v is not None and v is not False}
                 seen[index]["names"] = set(kwargs)
+                seen[index]["position_embeddings"] = kwargs.get("position_embeddings")
             if key == "attn":
                 seen[index]["attn_names"] = set(kwargs)
-                seen[index]["position_embeddings"] = kwargs.get("position_embeddings")
 
         def post(module, args, kwargs, out):
             seen[index][key + "_out"] = output_tensor(out)

@@ -222,24 +222,27 @@ class Live(Recorder):
         self.results[layer] = probs
 
 
-def for_record(record) -> tuple[Recorder, ...]:
-    """The recorders of a recorded layer under an :class:`attnviz.core.run.Record`, in the order they are fed
-    (value norms first: the statistics' pooled value-weighted maps read them)."""
-    out: list[Recorder] = []
-    if record.value_norms:
-        out.append(ValueNorms())
-    if record.qkv:
-        out.append(QKV())
-    reducer = record.reducer
+def made(storage_dtype: torch.dtype, reducer=None, scores: bool = False, value_norms: bool = False,
+         qkv: bool = False) -> tuple[Recorder, ...]:
+    """A recorded layer's recorders, in the order they are fed (value norms first: the statistics' pooled
+    value-weighted maps read them): full maps in ``storage_dtype`` (and score maps) without a ``reducer``, a block
+    reducer (:class:`Streamed`) or a whole-layer function (:class:`Whole`) with one. ``Keep.recorders`` and
+    :func:`for_record` both make them here."""
+    out: list[Recorder] = ([ValueNorms()] if value_norms else []) + ([QKV()] if qkv else [])
     if reducer is None:
-        out.append(Maps(record.storage_dtype))
-        if record.scores:
-            out.append(Maps(record.storage_dtype, of_scores=True))
+        out.append(Maps(storage_dtype))
+        if scores:
+            out.append(Maps(storage_dtype, of_scores=True))
     elif callable(getattr(reducer, "add", None)):
-        out.append(Streamed(reducer, pooled_scores=record.scores))
+        out.append(Streamed(reducer, pooled_scores=scores))
     else:
         out.append(Whole(reducer))
     return tuple(out)
+
+
+def for_record(record) -> tuple[Recorder, ...]:
+    """The recorders of an :class:`attnviz.core.run.Record` given by its flags (:func:`made`)."""
+    return made(record.storage_dtype, record.reducer, record.scores, record.value_norms, record.qkv)
 
 
 class FullMaps:

@@ -188,8 +188,9 @@ class Summaries(FusedReducer):
         come from sums the engine makes anyway and are always kept."""
         names = {s.name for s in metrics.STATISTICS}
         wanted = names if statistics is None else set(statistics)
-        if wanted - names:
-            raise ValueError(f"unknown statistics {sorted(wanted - names)}: choose from {sorted(names)}")
+        unknown = metrics.unknown_statistics(sorted(wanted))
+        if unknown:
+            raise ValueError(f"unknown statistics {unknown}: choose from {sorted(names)}")
         if tokens is None:
             wanted.discard("allocation")
         self.tokens = tokens

@@ -184,12 +184,9 @@ class Residual:
         counterfactual's)."""
         parts = self.layer_parts(layer)
         kv = head // parts.group
-        normed = parts._normed_full(self.hidden[layer])
         part = {"parts": parts, "head": head, "kv": kv, "d": parts.d, "scale": parts.scale, "softcap": parts.softcap,
-                "sink": None if parts.sinks is None else parts.sinks[head], "inv": parts.inv}
-        part["q_plain"] = parts.unrotated("q", normed)[head]
-        part["k_plain"] = parts.unrotated("k", normed)[kv]
-        part["q"], part["k"] = parts.rotated(part["q_plain"], slice(None)), parts.rotated(part["k_plain"], slice(None))
+                "sink": None if parts.sinks is None else parts.sinks[head], "inv": parts.inv,
+                "q_plain": parts.q_plain[head], "k_plain": parts.k_plain[kv], "q": parts.q[head], "k": parts.k[kv]}
         if "pos" not in self.sources:
             part["q_nope"], part["k_nope"] = part["q_plain"], part["k_plain"]
         else:

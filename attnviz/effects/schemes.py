@@ -70,10 +70,6 @@ def _position_embedding(found) -> torch.nn.Module | None:
     return tables[0] if len(tables) == 1 else None
 
 
-def blocks(model, s: Scheme) -> torch.nn.ModuleList:
-    return core_blocks.layers(model)
-
-
 def source_modules(model, s: Scheme, layer: int) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The modules whose outputs are the attention and the MLP source of ``layer``: what the layer adds
     to the residual stream (:func:`attnviz.core.blocks.source_modules`), times its residual scale."""
@@ -116,9 +112,6 @@ class NormForm:
     def linear(self, v: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
         """The norm's linear part with a frozen scale (β left out: a constant)."""
         return self.gamma * (v - v.mean(-1, keepdim=True) if self.centre else v) * inv
-
-
-IDENTITY = None  # a block with no norm before it (OLMo 2): n(x) = x
 
 
 @torch.no_grad()
@@ -229,7 +222,6 @@ class LayerParts:
         found = s.anatomy
         layer = found[layer_index]
         where = f"{found.family} layer {layer_index}"
-        self.where = where
         dtype = next(model.parameters()).dtype
         device = x.device
         param_device = next(layer.attn.parameters()).device
@@ -237,7 +229,7 @@ class LayerParts:
         # the input norm and its frozen scale
         self.norm = norm_form(layer.attn_norm, width, f"{where}'s input norm") if layer.attn_norm is not None else None
         self.inv = self.norm.inv(x) if self.norm is not None else torch.ones(x.shape[0], 1, device=device)
-        normed_run = self._normed_full(x)
+        normed_run = self.normed(x)
         # the projections, read from the module: identity rows, then zero
         probe = torch.cat([torch.eye(width), torch.zeros(1, width)]).to(param_device, dtype)[None]
         plain = _call(found, layer, probe, "identity", pass_norms=True)
@@ -253,8 +245,8 @@ class LayerParts:
         self.has_bias = any(name.endswith("bias") for name, _ in layer.attn.named_parameters()) or bool(
             self.norm is not None and self.norm.beta is not None)
         # the q/k norms' frozen factors, from the pre-norm queries and keys of the run
-        self.fq, self.aq = self._qk_factor(layer, "q", normed_run, self.w_q, self.b_q, n_heads, where)
-        self.fk, self.ak = self._qk_factor(layer, "k", normed_run, self.w_k, self.b_k, n_heads, where)
+        self.fq = self._qk_factor(layer, "q", normed_run, self.w_q, self.b_q, where)
+        self.fk = self._qk_factor(layer, "k", normed_run, self.w_k, self.b_k, where)
         # the rotation, read from the module, and checked: the pieces give back the module's own queries and keys
         real = _call(found, layer, self._input(layer, x).to(param_device, dtype)[None], "run", pass_norms=False)
         q_real, k_real = real["query"][0].float().to(device), real["key"][0].float().to(device)
@@ -263,15 +255,16 @@ class LayerParts:
         if s.rotary and found.rotary is not None:
             pe = found.position_embeddings(x[None].to(param_device, dtype),
                                            torch.arange(x.shape[0], device=param_device)[None], layer)
-        q_flat = self.unrotated("q", normed_run)
-        k_flat = self.unrotated("k", normed_run)
+        # every head's queries and keys of the run, unrotated and rotated: made once per layer, read by each head
+        self.q_plain, self.k_plain = self.unrotated("q", normed_run), self.unrotated("k", normed_run)
+        q_flat, k_flat = self.q_plain, self.k_plain
         if pe is not None and not _close(q_flat, q_real):
             cos, sin = (t.float().to(device) for t in pe)
             self.rotate = _rotation(layer.attn, cos, sin, self.d)
             if self.rotate is not None:
                 self.pairs, self.frequencies = _pairs(layer.attn, cos.shape[-1], self.d, found.rotary, device)
-        rows = slice(None)
-        if not (_close(self.rotated(q_flat, rows), q_real) and _close(self.rotated(k_flat, rows), k_real)):
+        self.q, self.k = self.rotated(q_flat, slice(None)), self.rotated(k_flat, slice(None))
+        if not (_close(self.q, q_real) and _close(self.k, k_real)):
             raise InputError(f"score attribution: {where}'s queries and keys are not a linear map of its input "
                              "with frozen norms and a rotation (a low-rank attention with a norm inside, as "
                              "DeepSeek's latent attention, is one), so its scores cannot be split by source")
@@ -280,17 +273,19 @@ class LayerParts:
         return (layer.attn_norm(x.to(next(layer.attn.parameters()).dtype)).float()
                 if layer.attn_norm is not None else x)
 
-    def _normed_full(self, x):
+    def normed(self, x):
+        """The layer's input norm of ``x`` with its frozen scale, β included (``x`` itself without a norm)."""
         if self.norm is None:
             return x
         return self.norm.linear(x, self.inv) + (self.norm.beta if self.norm.beta is not None else 0)
 
-    def _qk_factor(self, layer, side, normed, w, b, n_heads, where):
-        """(multiplicative (H or KV, n, D), additive (H or KV, D) or None) of the side's q/k norm, frozen."""
+    def _qk_factor(self, layer, side, normed, w, b, where):
+        """The side's q/k norm as a frozen multiplicative factor (H or KV, n, D): 1 without one (a centring
+        q/k norm, with a β, is refused)."""
         norm = _qk_norms(layer.attn)[0 if side == "q" else 1]
         heads, d, n = w.shape[0], w.shape[1], normed.shape[0]
         if norm is None:
-            return torch.ones(heads, n, d, device=normed.device), None
+            return torch.ones(heads, n, d, device=normed.device)
         pre = torch.einsum("nw,hdw->hnd", normed, w) + b[:, None]  # (heads, n, D) before the norm
         size = norm.weight.numel() if getattr(norm, "weight", None) is not None else d
         over_all = size == heads * d  # OLMo 2: one norm over every head's queries
@@ -303,10 +298,9 @@ class LayerParts:
             factor = (form.gamma * form.inv(flat)).reshape(n, heads, d).transpose(0, 1)
         else:
             factor = form.gamma * form.inv(pre)
-        return factor, None
+        return factor
 
-    # the pieces, for one head (``h``: a query head; its key head is h // group)
-    def unrotated(self, side: str, normed: torch.Tensor, heads=slice(None)) -> torch.Tensor:
+    def unrotated(self, side: str, normed: torch.Tensor) -> torch.Tensor:
         """Every head's (side's) vectors, before rotation, from the full normed input: (H, n, D)."""
         w, b, f = (self.w_q, self.b_q, self.fq) if side == "q" else (self.w_k, self.b_k, self.fk)
         return f * (torch.einsum("nw,hdw->hnd", normed, w) + b[:, None])

@@ -294,6 +294,12 @@ def needed_sums(statistics) -> set:
 CHOSEN = {"entropy", "allocation"}  # statistics that cost a pass over every block: kept only when named
 
 
+def unknown_statistics(names) -> list[str]:
+    """The names in ``names`` that are no statistic of :data:`STATISTICS`, in their order."""
+    known = {s.name for s in STATISTICS}
+    return [name for name in names if name not in known]
+
+
 def kept_statistics(names=None) -> tuple[Statistic, ...]:
     """What a capture that names ``names`` keeps (None: every statistic): those, and the cheap ones always (they come
     from sums the engine makes anyway); entropy and allocation only when named."""
