@@ -13,7 +13,7 @@ import torch
 
 from attnviz.core import devices
 from attnviz.core.shipped import (DEFAULT, DEFAULT_GGUF, DEFAULT_NAME, DEFAULT_PACKAGE, SHIPPED,  # noqa: F401
-                                  Progress, Shipped, _converted, _converted_default, cache_dir, default_gguf,
+                                  Progress, Shipped, _converted, cache_dir, default_gguf,
                                   shipped_gguf, shipped_installed)
 from attnviz.errors import ModelLoadError
 

