@@ -1,0 +1,246 @@
+"""One forward under a recipe that measures every layer's contributions (docs/methods.md#contributions): the
+capture side of routes. Hooks on the model anatomy's modules (:mod:`attnviz.core.anatomy`) read each layer's input,
+its heads' outputs, the stream after its attention and its output; a recorder takes the layer's probabilities and
+values as the engine computed them, the recipe's masks and interventions applied. Each layer is reduced as soon as
+its output exists; only its contributions (entries at or above a floor) and the residual stream stay.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from attnviz.core import anatomy as anatomy_mod
+from attnviz.core import engine
+from attnviz.core.modules import output_projection
+from attnviz.core.probe import output_tensor
+from attnviz.core.recorders import Recorder
+from attnviz.errors import InputError
+from attnviz.flow import contributions as contrib
+
+FLOOR = 0.005  # contributions below it are not kept (a graph's threshold may not go below it)
+
+
+@dataclass
+class LayerFlow:
+    """One layer's normalised contributions. Attention: ``attn_residual`` (n,) of the stream before it, and every
+    (query, source, head) at or above the floor as ``attn_index`` (K, 3) and ``attn_weight`` (K,); the heads summed
+    likewise (``sum_index`` (K', 2), ``sum_weight``). MLP: ``mlp`` (n,) and ``mlp_residual`` (n,)."""
+
+    attn_residual: np.ndarray
+    attn_index: np.ndarray
+    attn_weight: np.ndarray
+    sum_index: np.ndarray
+    sum_weight: np.ndarray
+    mlp: np.ndarray
+    mlp_residual: np.ndarray
+    parallel: bool = False  # the MLP reads the layer's input (its edges start below the attention)
+    replaced: int = 0  # (query, head) outputs an intervention replaced: no token edges there
+
+    def dense(self, n_heads: int, n: int) -> np.ndarray:
+        """(n, n, H) attention contributions, zero below the floor (small texts: tests, the JSON)."""
+        out = np.zeros((n, n, n_heads), np.float32)
+        i, j, h = self.attn_index.T
+        out[i, j, h] = self.attn_weight
+        return out
+
+
+@dataclass
+class Flow:
+    """A text's contributions under a recipe, every layer: read by :mod:`attnviz.flow.graph` (routes, sink share)
+    and :mod:`attnviz.flow.lens` (what a node promotes)."""
+
+    tokens: list[str]
+    token_ids: list[int]
+    recipe: object  # attnviz.recipe.Recipe
+    arch: str
+    n_heads: int
+    sink_keys: list[int]  # each layer's auto key (docs/methods.md#auto-key)
+    layers: list[LayerFlow]
+    streams: np.ndarray  # (2 L + 1, n, D) float32: the layer-0 input, then each layer's stream after attention, after MLP
+    floor: float = FLOOR
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def held_bytes(self) -> int:
+        arrays = [self.streams] + [a for layer in self.layers for a in vars(layer).values() if isinstance(a, np.ndarray)]
+        return sum(a.nbytes for a in arrays)
+
+    def stream(self, layer: int, point: str) -> np.ndarray:
+        """(n, D) the stream after ``layer``'s ``point`` ("attn" or "mlp"); layer -1, "mlp": the first layer's input."""
+        return self.streams[0 if layer < 0 else 2 * layer + (1 if point == "attn" else 2)]
+
+
+class _Probs(Recorder):
+    """The layer's probabilities (H, n_q, n_kv) and values (H_kv, n_kv, d), float32, of the batch's one text."""
+
+    whole_layer = True
+    all_keys = True
+    kind = "reduced"
+
+    def __init__(self, into: dict):
+        self.into = into
+
+    def start(self, run, layer, inputs):
+        self.into["value"] = inputs.value[0].float()
+
+    def block(self, run, layer, q0, k0, probs, allow):
+        self.into["probs"] = probs[0].float().clone()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> torch.Tensor:
+    """Per row (last dimension reduced): a equals b within ``tolerance`` of the row's size."""
+    scale = torch.maximum(a.abs().amax(-1), b.abs().amax(-1)).clamp(min=1e-6)
+    return (a - b).abs().amax(-1) <= tolerance * scale
+
+
+class _Layer:
+    """The hooks of one layer and its reduction when its output exists."""
+
+    def __init__(self, tracer: "_Tracer", layer: anatomy_mod.Layer, n_heads: int):
+        self.tracer, self.layer, self.n_heads = tracer, layer, n_heads
+        self.seen: dict = {}
+        self.post = None
+        if layer.attn_write is not layer.attn:  # a post-norm: its output is the write (frozen scale per token)
+            from attnviz.effects.schemes import norm_form
+
+            self.post = norm_form(layer.attn_write, self._width(), f"layer {layer.index}'s post-attention norm")
+
+    def _width(self) -> int:
+        return output_projection(self.layer.attn).shape[0]
+
+    def hooks(self) -> list:
+        from attnviz.core.modules import output_linear
+
+        L, keep = self.layer, self.tracer.keep
+        handles = [
+            L.module.register_forward_pre_hook(keep(self, "x"), with_kwargs=True),
+            output_linear(L.attn).register_forward_pre_hook(keep(self, "z"), with_kwargs=True),
+            L.attn_write.register_forward_pre_hook(keep(self, "o"), with_kwargs=True),
+            L.attn_write.register_forward_hook(keep(self, "write", output=True), with_kwargs=True),
+            L.module.register_forward_hook(keep(self, "out", output=True, then=self.reduce), with_kwargs=True),
+        ]
+        if not L.parallel:
+            handles.append((L.mlp_norm or L.mlp).register_forward_pre_hook(keep(self, "y"), with_kwargs=True))
+        return handles
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        seen, L, tracer = self.seen, self.layer, self.tracer
+        probs, value = tracer.recorded.pop("probs"), tracer.recorded.pop("value")
+        x, z, o, out = seen["x"], seen["z"], seen["o"], seen["out"]
+        s = L.scale
+        written = seen["write"]
+        y = seen["y"] if "y" in seen else x + s * written
+        w_out = output_projection(L.attn).detach().float().to(x.device)  # (D, H d)
+        n_heads, width = self.n_heads, w_out.shape[0]
+        d = w_out.shape[1] // n_heads
+        if value.shape[-1] != d or probs.shape[0] != n_heads:
+            raise InputError(f"routes: {tracer.family} layer {L.index}: its heads' values ({tuple(value.shape)}) do not "
+                             f"match its output projection ({width} × {n_heads} heads × {d})")
+        per_head = w_out.view(width, n_heads, d).permute(1, 0, 2)  # (H, D, d)
+        if self.post is not None:
+            inv = self.post.inv(o)[:, 0]  # (n,)
+            gamma = self.post.gamma.to(x.device)
+            centred = per_head - per_head.mean(1, keepdim=True) if self.post.centre else per_head
+            per_head = gamma[None, :, None] * centred
+            c = s * inv
+        else:
+            c = torch.full((x.shape[0],), s, device=x.device)
+        # what the heads output is their probabilities times their values, unless an intervention replaced it
+        group = n_heads // value.shape[0]
+        made = torch.einsum("hqk,hkd->qhd", probs, value.repeat_interleave(group, 0))
+        tol = tracer.tolerance
+        heads_ok = _close(made, z.view(z.shape[0], n_heads, d), tol)  # (n, H)
+        rows_ok = _close(y - x, s * written, tol)  # the block's write is its heads' (a patch replaces it)
+        if not tracer.intervened and not (bool(heads_ok.all()) and bool(rows_ok.all())):
+            raise InputError(f"routes: {tracer.family} layer {L.index}: the attention's write is not the sum of its "
+                             "heads' weighted values, so it cannot be split by source token")
+        keep = heads_ok & rows_ok[:, None]  # (n, H)
+        raw = contrib.attention_raw(y, probs * keep.T[:, :, None], value, per_head, c)
+        raw_residual = contrib.raw_part(x, y)
+        total = raw.sum((0, 2)) + raw_residual
+        heads = contrib.normalised(raw, total[None, :, None])  # (H, n, n)
+        residual = contrib.normalised(raw_residual, total)
+        summed = heads.sum(0)
+        i, j, h = torch.nonzero(heads.permute(1, 2, 0) >= tracer.floor, as_tuple=True)
+        si, sj = torch.nonzero(summed >= tracer.floor, as_tuple=True)
+        mlp_in = x if L.parallel else y
+        mlp = contrib.proximity(torch.stack((out - y, y)), out)
+        tracer.layers.append(LayerFlow(
+            residual.cpu().numpy(), torch.stack((i, j, h), 1).int().cpu().numpy(), heads[h, i, j].cpu().numpy(),
+            torch.stack((si, sj), 1).int().cpu().numpy(), summed[si, sj].cpu().numpy(),
+            mlp[0].cpu().numpy(), mlp[1].cpu().numpy(), L.parallel, int((~keep).sum())))
+        del mlp_in
+        tracer.streams += [y.cpu(), out.cpu()]
+        self.seen = {}
+
+
+class _Tracer:
+    def __init__(self, loaded, built, floor: float):
+        self.anatomy = anatomy_mod.of(loaded.model)
+        self.family = self.anatomy.family
+        self.floor = floor
+        self.intervened = bool(built.interventions)
+        dtype = next(loaded.model.parameters()).dtype
+        self.tolerance = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
+        self.recorded: dict = {}
+        self.layers: list[LayerFlow] = []
+        self.streams: list[torch.Tensor] = []
+        self.owner = threading.get_ident()  # the shared server's other sessions run the same model: not theirs
+
+    def keep(self, where: _Layer, name: str, output: bool = False, then=None):
+        def hook(module, args, kwargs, *out):
+            if threading.get_ident() != self.owner:
+                return
+            value = output_tensor(out[0]) if output else (args[0] if args else kwargs.get("hidden_states"))
+            where.seen[name] = value[0].detach().float()
+            if name == "x" and where.layer.index == 0:
+                self.streams.append(where.seen["x"].cpu())
+            if then is not None:
+                then()
+        return hook
+
+
+def trace(loaded, text: str, recipe="fwd", max_tokens: int | None = None, on_layer=None,
+          floor: float = FLOOR) -> Flow:
+    """Every layer's contributions of ``text`` under ``recipe`` (an architecture string or a
+    :class:`~attnviz.recipe.Recipe`; masks, interventions and a BOS control apply; a residual variant is refused:
+    its layer loop has none of the blocks measured here). ``on_layer(done, total)`` reports progress."""
+    from attnviz import recipe as recipe_mod
+    from attnviz.tokens import tokenize
+
+    built = recipe_mod.build(loaded, recipe).only("routes", "intervene", "prepend")
+    ids, tokens = tokenize(loaded, text, max_tokens, built.recipe.prepend)
+    tracer = _Tracer(loaded, built, floor)
+    layers = [_Layer(tracer, layer, loaded.n_heads) for layer in tracer.anatomy.layers]
+    handles = [h for layer in layers for h in layer.hooks()]
+    started = time.perf_counter()
+    progress = (lambda l: on_layer(l + 1, loaded.n_layers)) if on_layer else None
+    try:
+        with torch.no_grad():
+            built.forward(loaded, torch.tensor([ids]),
+                          engine.Record(recorders=(_Probs(tracer.recorded),), on_layer=progress),
+                          engine.Feed(last_logits_only=True))
+    finally:
+        for handle in handles:
+            handle.remove()
+    n = len(ids)
+    windows = [layer.window for layer in tracer.anatomy.layers]
+    sinks = [engine.auto_key(mask, n, window) for mask, window in zip(built.architecture.layers, windows)]
+    streams = torch.stack(tracer.streams).numpy()
+    return Flow(tokens, list(ids), built.recipe, built.architecture.spec, loaded.n_heads, sinks, tracer.layers,
+                streams, floor, meta={"model": loaded.model_id, "seconds": time.perf_counter() - started,
+                                      "n_layers": loaded.n_layers})

@@ -1,0 +1,123 @@
+"""Contributions (docs/methods.md#contributions) against a direct computation from stock transformers: eager
+attention's own probabilities (``output_attentions``), values and streams read with hooks written here by hand for
+each family, every (query, source, head) write made out in full and measured with the L1 distance."""
+
+import numpy as np
+import pytest
+import torch
+
+import tiny
+from attnviz.flow import contributions
+from attnviz.flow.trace import trace
+
+TEXT = "The cat sat on the mat and looked at the door."
+# the module whose input is the stream after attention, and the post-norm (its input is the attention's output)
+MID = {"gemma3_text": "pre_feedforward_layernorm", "olmo2": "mlp", "phi": None}
+POST = {"gemma3_text": ("post_attention_layernorm", 1.0), "olmo2": ("post_attention_layernorm", 0.0)}
+SCALE = {"granite": 0.5}
+
+
+def _first(value):
+    return (value[0] if isinstance(value, tuple) else value)[0].float()
+
+
+@torch.no_grad()
+def stock(model, ids, family):
+    """Per layer: (residual (n,), heads (n, n, H), mlp (n,), mlp residual (n,)) written out in full."""
+    seen, hooks = {}, []
+    layers = model.model.layers
+    for l, layer in enumerate(layers):
+        put = lambda name, l=l: (lambda m, a, *o: seen.__setitem__((name, l), _first(o[0] if o else a[0])))  # noqa: E731
+        hooks += [layer.register_forward_pre_hook(put("x")), layer.register_forward_hook(put("out")),
+                  layer.self_attn.v_proj.register_forward_hook(put("v")),
+                  layer.self_attn.register_forward_hook(put("attn"))]
+        mid = MID.get(family, "post_attention_layernorm")
+        if mid:
+            hooks.append(getattr(layer, mid).register_forward_pre_hook(put("y")))
+        if family in POST:
+            hooks.append(getattr(layer, POST[family][0]).register_forward_pre_hook(put("o")))
+    try:
+        output = model(torch.tensor([ids]), output_attentions=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    config = model.config
+    n_heads, width = config.num_attention_heads, config.hidden_size
+    out = []
+    for l, layer in enumerate(layers):
+        attn = layer.self_attn
+        probs = output.attentions[l][0].float()  # (H, n, n)
+        n = probs.shape[-1]
+        o_proj = attn.dense if family == "phi" else attn.o_proj
+        d = o_proj.weight.shape[1] // n_heads
+        v = seen["v", l].view(n, -1, d)  # (n, H_kv, d)
+        group = n_heads // v.shape[1]
+        x = seen["x", l]
+        y = seen["y", l] if ("y", l) in seen else x + seen["attn", l]  # parallel: the stream after attention alone
+        w = o_proj.weight.float().view(width, n_heads, d)
+        c = torch.full((n,), SCALE.get(family, 1.0))
+        gain = torch.ones(width)
+        if family in POST:
+            norm = getattr(layer, POST[family][0])
+            o = seen["o", l]
+            c = c * torch.rsqrt(o.pow(2).mean(-1) + getattr(norm, "variance_epsilon", getattr(norm, "eps", None)))
+            gain = norm.weight.float() + POST[family][1]
+        writes = torch.einsum("hqk,q,khd,xhd->hqkx", probs, c, v.repeat_interleave(group, 1), w * gain[:, None, None])
+        parts = torch.cat([x[None], writes.permute(0, 2, 1, 3).reshape(-1, n, width)])  # residual, then (h, k) rows
+        got = contributions.proximity(parts, y)  # (1 + H n, n)
+        heads = got[1:].view(n_heads, n, n).permute(2, 1, 0)  # (q, k, h)
+        mlp = contributions.proximity(torch.stack((seen["out", l] - y, y)), seen["out", l])
+        out.append((got[0], heads, mlp[0], mlp[1]))
+    return out
+
+
+def _compare(flow, expected, tol=1e-4):
+    n = flow.n_tokens
+    for l, (residual, heads, mlp, mlp_residual) in enumerate(expected):
+        layer = flow.layers[l]
+        np.testing.assert_allclose(layer.attn_residual, residual.numpy(), atol=tol, err_msg=f"layer {l} residual")
+        np.testing.assert_allclose(layer.dense(flow.n_heads, n), heads.numpy(), atol=tol, err_msg=f"layer {l} heads")
+        np.testing.assert_allclose(layer.mlp, mlp.numpy(), atol=tol, err_msg=f"layer {l} MLP")
+        np.testing.assert_allclose(layer.mlp_residual, mlp_residual.numpy(), atol=tol)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "olmo2", "phi", "granite", "gpt_oss", "qwen2"])
+def test_contributions_equal_the_written_out_definition(family):
+    loaded = tiny.loaded(family)
+    stock_model = tiny.build(family)
+    flow = trace(loaded, TEXT, floor=0.0)
+    _compare(flow, stock(stock_model, flow.token_ids, family))
+
+
+def test_contributions_of_the_default_model(default_model):
+    from transformers import AutoModelForCausalLM
+
+    flow = trace(default_model, TEXT, floor=0.0)
+    stock_model = AutoModelForCausalLM.from_config(default_model.model.config, attn_implementation="eager",
+                                                   dtype=torch.float32)
+    stock_model.load_state_dict(default_model.model.state_dict())
+    _compare(flow, stock(stock_model.eval(), flow.token_ids, "llama"))
+
+
+def test_each_sum_adds_up_to_one():
+    flow = trace(tiny.loaded("llama"), TEXT, floor=0.0)
+    for layer in flow.layers:
+        total = layer.dense(flow.n_heads, flow.n_tokens).sum((1, 2)) + layer.attn_residual
+        np.testing.assert_allclose(total, 1.0, atol=1e-5)
+        np.testing.assert_allclose(layer.mlp + layer.mlp_residual, 1.0, atol=1e-5)
+
+
+def test_the_fast_path_equals_the_definition_where_parts_outweigh_the_stream():
+    """Parts that pass the stream in some dimensions (the exact correction's case), many queries at once."""
+    gen = torch.Generator().manual_seed(1)
+    n, heads, kv, d, width = 40, 4, 2, 8, 16
+    y = torch.randn(n, width, generator=gen) * 0.3
+    probs = torch.softmax(torch.randn(heads, n, n, generator=gen) * 3, -1)
+    value = torch.randn(kv, n, d, generator=gen) * 2
+    w_out = torch.randn(heads, width, d, generator=gen)
+    c = torch.rand(n, generator=gen) + 0.5
+    fast = contributions.attention_raw(y, probs, value, w_out, c)
+    written = torch.einsum("hqk,q,hkd,hxd->hqkx", probs, c, value.repeat_interleave(2, 0), w_out)
+    direct = contributions.raw_part(written, y[None, :, None, :])
+    assert (direct > 0).any() and ((written.abs() > y[None, :, None].abs()).sum() > 100)
+    torch.testing.assert_close(fast, direct, atol=1e-4, rtol=1e-5)
