@@ -417,6 +417,20 @@ def _causal(args, text: str) -> dict:
     return causal.Report(recipe.to_dict(), checks[0].before.tokens, checks).as_json()
 
 
+def _routes(args) -> dict:
+    """A token's contribution graph and the sink's share of the attention flow (docs/methods.md#routes)."""
+    from attnviz import flow
+
+    text = _text(args)
+    _check_intervene(args)
+    loaded = _load(args)
+    bar, update = _progress("routes")
+    with bar:
+        graph = flow.routes(loaded, text, _recipe(args, loaded), args.token, args.threshold, args.heads,
+                            on_layer=update)
+    return graph.as_json()
+
+
 def _doctor(args) -> int:
     """Environment, equivalence on this model and device, speed: one line per check (attnviz.doctor)."""
     from attnviz import doctor
@@ -729,6 +743,20 @@ def _explain_options(p):
                    help="with --test: what replaces the source's output at the sink token (%(default)s)")
 
 
+def _routes_options(p):
+    from attnviz import defaults, flow
+
+    own = defaults.of(flow.routes)
+    _model_args(p)
+    _intervene_args(p, bos=True)
+    p.add_argument("--token", type=int, default=own["token"],
+                   help="the token whose routes are traced (negative counts from the end; %(default)s: the last)")
+    p.add_argument("--threshold", type=float, default=own["threshold"],
+                   help="keep edges whose contribution is at least this (%(default)s, Ferrando & Voita's)")
+    p.add_argument("--heads", choices=["split", "sum"], default=own["heads"],
+                   help="attention edges one per head, or the heads summed (%(default)s)")
+
+
 def _doctor_options(p):
     from attnviz import defaults, doctor
 
@@ -815,6 +843,8 @@ COMMANDS = {
               "over a dataset", _heads_options, _heads),
     "explain": ("why a head attends there: one score by rotary pair, by dimension and by source (embedding, each "
                 "earlier attention and MLP block), and without rotation", _explain_options, _explain),
+    "routes": ("contribution graph of a token (which tokens, through which heads and MLPs, feed it) and the share "
+               "of the attention flow the sink key carries in each layer", _routes_options, _routes),
     "doctor": ("check attnviz on this machine: versions and devices, every route against stock transformers, "
                "speed against a plain forward; exits 1 if a check fails", _doctor_options, _doctor),
     "linformer": ("Linformer what-if on one layer: relative error of the output against k", _linformer_options,

@@ -12,9 +12,9 @@ tensor per layer. It is never made here: with ``s = sign(y)`` (+1 at zero),
     ‖y‖₁ − ‖y − t‖₁ = Σ_d s_d t_d − 2 Σ_d max(s_d t_d − |y_d|, 0),
 
 so the first sum is one matrix product per head, ``c_i A_ij (s_i W̃)·v_j``, and the second is non-zero only on the
-few dimensions d where a single part outweighs the whole stream (``s_d t_d > |y_d|``). Those are found from a bound
-(the row's largest probability times the largest write of any source in d) and computed exactly, a query block at a
-time. The result equals the written-out computation to rounding (tests/test_flow.py checks it against stock
+few dimensions d where a single part outweighs the whole stream (``s_d t_d > |y_d|``): a row's few heaviest sources
+are checked in every dimension, and the rest only where a bound (the next weight times the largest write of any
+source in d) says one may pass. Both are computed exactly, a block of queries at a time. The result equals the written-out computation to rounding (tests/test_flow.py checks it against stock
 transformers' hooks on several families).
 """
 
@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-CANDIDATES = 1 << 22  # (query, dimension) pairs of the exact correction made at once: (pairs, n_kv) floats
+CANDIDATES = 1 << 22  # floats of the exact correction made at once
+TOP = 8  # each row's heaviest sources, corrected in every dimension
 
 
 def proximity(parts: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
@@ -58,17 +59,35 @@ def attention_raw(y: torch.Tensor, probs: torch.Tensor, value: torch.Tensor, w_o
     for h in range(n_heads):
         v = value[h // group]  # (n_kv, d)
         a = probs[h] * c[:, None]  # (n_q, n_kv): c_i A_ij
-        linear = (sign @ w_out[h]) @ v.T  # (n_q, n_kv): s_i · W̃ v_j
-        raw = a * linear
+        raw = a * ((sign @ w_out[h]) @ v.T)  # the linear sum: c_i A_ij (s_i · W̃ v_j)
         written = v @ w_out[h].T  # (n_kv, D): W̃ v_j, every source's write before its weight
-        # the correction's dimensions: those where some source's weighted write may pass the stream's size
-        most = torch.stack((written.max(0).values, -written.min(0).values))  # (2, D): largest write either way
-        reach = a.max(1).values[:, None] * torch.where(sign > 0, most[0], most[1])  # (n_q, D)
-        rows, dims = torch.nonzero(reach > size, as_tuple=True)
-        step = max(1, CANDIDATES // max(n_kv, 1))
-        for s in range(0, rows.numel(), step):
-            r, d = rows[s:s + step], dims[s:s + step]
-            over = (a[r] * (sign[r, d, None] * written[:, d].T) - size[r, d, None]).clamp(min=0)  # (pairs, n_kv)
-            raw.index_add_(0, r, over, alpha=-2.0)
+        _correct(raw, a, written, sign, size)
         out[h] = raw.clamp(min=0)
     return out
+
+
+def _correct(raw: torch.Tensor, a: torch.Tensor, written: torch.Tensor, sign: torch.Tensor, size: torch.Tensor) -> None:
+    """Subtract 2 Σ_d max(s_d t_d − |y_d|, 0) from ``raw`` (n_q, n_kv) in place, t = a_ij · written_j.
+
+    Only a row's heaviest sources can pass the stream where the rest are bounded below it: the :data:`TOP` heaviest
+    keys of each row are computed exactly in every dimension, and the few (query, dimension) pairs where the next
+    weight times the largest write of any source may still pass the stream over every key."""
+    n_q, n_kv = a.shape
+    top = min(TOP, n_kv)
+    weights, keys = a.topk(min(top + 1, n_kv), dim=1)
+    rest = weights[:, top] if n_kv > top else torch.zeros(n_q, device=a.device)
+    most = torch.stack((written.max(0).values, -written.min(0).values))  # (2, D): the largest write either way
+    loose = rest[:, None] * torch.where(sign > 0, most[0], most[1]) > size  # (n_q, D): any key may pass here
+    weights, keys = weights[:, :top], keys[:, :top]
+    step = max(1, CANDIDATES // (top * written.shape[1]))
+    for q0 in range(0, n_q, step):  # the heaviest keys, where the rest cannot pass
+        q = slice(q0, q0 + step)
+        over = weights[q, :, None] * sign[q, None, :] * written[keys[q]] - size[q, None, :]  # (rows, top, D)
+        over = over.clamp(min=0).masked_fill(loose[q, None, :], 0.0).sum(-1)
+        raw[q].scatter_add_(1, keys[q], -2.0 * over)
+    rows, dims = torch.nonzero(loose, as_tuple=True)
+    step = max(1, CANDIDATES // max(n_kv, 1))
+    for s in range(0, rows.numel(), step):  # every key, where one may
+        r, d = rows[s:s + step], dims[s:s + step]
+        over = (a[r] * (sign[r, d, None] * written[:, d].T) - size[r, d, None]).clamp(min=0)  # (pairs, n_kv)
+        raw.index_add_(0, r, over, alpha=-2.0)
