@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from attnviz import plan as plan_mod
 from attnviz import recipe as recipe_mod
 from attnviz.core import arch as arch_mod
 from attnviz.core import devices, engine, syntax
@@ -277,21 +276,6 @@ def parse_layers(layers, n_layers: int) -> list[int]:
     return syntax.layers(layers, n_layers)
 
 
-def host_allowed(run, layers) -> dict[int, np.ndarray]:
-    """Every recorded layer's (n_q, n_kv) allow-set on the host; layers that share a mask share one
-    array (one copy from the device per mask, not per layer: 1 GB each at 32k tokens). An allow-set that was
-    never made whole (a plain causal one, one made a block of rows at a time) is made on the host. A layer whose
-    heads have masks of their own gets the cells some head may see here, and each head's own in
-    :func:`head_allowed`."""
-    return {layer: run.allowed[layer].host() for layer in layers}  # an allow-set makes its host copy once
-
-
-def head_allowed(run, layers) -> dict[int, np.ndarray]:
-    """The (H, n_q, n_kv) allow-set of every recorded layer whose heads have masks of their own (a headwindow
-    intervention, a compressed cache): what each head may see. Other layers are not here (one mask for all)."""
-    return {layer: run.allowed[layer].head_host() for layer in layers if run.allowed[layer].per_head}
-
-
 def _versions() -> dict[str, str]:
     import transformers
 
@@ -310,38 +294,33 @@ def capture(loaded: LoadedModel, text: str, recipe: "str | arch_mod.Architecture
     variant together: ``Recipe.of(loaded, arch, intervene=..., prepend=..., residual=...)``) or an
     architecture string; the capture carries its recipe. ``keep`` (:class:`attnviz.plan.Keep`) says what to
     keep: layers, full maps or statistics, pooled maps, extras, checkpoints, storage dtype; the plan sizes it
-    (:func:`attnviz.plan.check_device` refuses, before running, what the device cannot hold).
+    (:meth:`attnviz.plan.Keep.record` refuses, before running, what the device cannot hold).
     ``on_layer(i)`` is called after each layer (progress); ``max_tokens`` caps the text below the model's own
     limit. A residual variant's layer loop has no hidden-state outputs, so hidden states and activations are
     refused with it, and it keeps no checkpoints.
     """
     keep = Keep() if keep is None else keep
-    built = recipe_mod.build(loaded, recipe)
+    built = recipe_mod.build(loaded, recipe)  # the recipe made real: its BOS control decides the tokens
     variant, architecture, acts, prepend = built.variant, built.architecture, built.interventions, built.recipe.prepend
     if variant is not None and (keep.hidden_states or keep.activations):
         raise InputError(f"hidden states are not recorded under the residual variant {variant.name}")
     started = time.perf_counter()
-    record = keep.recorded(loaded.n_layers)
     ids, tokens = tokenize(loaded, text, max_tokens, prepend)
-    input_ids = torch.tensor([ids])
-    plan_mod.check_device(loaded, len(ids), keep, f"a capture of {len(record)} layers",
-                          masks=min(len(set(architecture.layer_names)), 4))
-    t0 = time.perf_counter()
-    if keep.value_norms:  # refuse before running: the model's output projection must be readable
-        for module in engine.attention_modules(loaded.model)[:1]:
-            engine.output_projection(module)
-    recorders = keep.record(loaded, tokens, on_layer, kept=None if variant is None else ())
+    record = keep.record(loaded, tokens, on_layer, kept=None if variant is None else (),
+                         masks=min(len(set(architecture.layer_names)), 4))  # checked against the device first
+    layers = sorted(record.layers)
     states = keep.hidden_states or keep.activations
-    with devices.out_of_memory_explained(f"a capture of {len(ids)} tokens, {len(record)} layers recorded "
+    t0 = time.perf_counter()
+    with devices.out_of_memory_explained(f"a capture of {len(ids)} tokens, {len(layers)} layers recorded "
                                          f"({keep.describe()})"):
         logits, layer_states, run = built.forward(
-            loaded, input_ids, recorders, engine.Feed(hidden_states=states, last_logits_only=variant is None))
+            loaded, torch.tensor([ids]), record, engine.Feed(hidden_states=states, last_logits_only=variant is None))
     forward_s = time.perf_counter() - t0
     logits = logits[0, -1].float()
     return Capture(
         text=text, tokens=tokens, token_ids=list(ids), arch=architecture.spec,
-        layer_masks=architecture.layer_names, layers=record, kv_groups=loaded.kv_groups,
-        allowed=host_allowed(run, record), head_allowed=head_allowed(run, record),
+        layer_masks=architecture.layer_names, layers=layers, kv_groups=loaded.kv_groups,
+        allowed=run.host_allowed(layers), head_allowed=run.head_allowed(layers),
         probs={l: run.probs[l][0].numpy() for l in run.probs},
         stats={l: run.reduced[l] for l in run.reduced},
         next_logprobs=torch.log_softmax(logits, -1).cpu().numpy(),

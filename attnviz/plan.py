@@ -3,7 +3,8 @@
 :class:`Keep` says what a capture keeps (as the :class:`~attnviz.recipe.Recipe` says what its forward
 computes): the recorded layers, full maps or statistics (and which ones), the pooled size, the extras,
 the checkpoints and the storage dtype. It knows its own host and device bytes (:meth:`Keep.host_bytes`,
-:meth:`Keep.device_bytes`) and makes the engine's :class:`~attnviz.core.engine.Record` (:meth:`Keep.record`).
+:meth:`Keep.device_bytes`) and makes the engine's :class:`~attnviz.core.engine.Record` (:meth:`Keep.record`), checked
+against the device first.
 
 :func:`plan` decides, before anything runs, what a capture of n tokens keeps under a memory budget: full maps
 of every layer when they fit the per-capture limit, else statistics with max-pooled maps (any length), plus
@@ -158,12 +159,19 @@ class Keep:
                      if self.statistics else None)
         return recorders.made(self.storage_dtype, summaries, self.scores, self.value_norms, self.qkv)
 
-    def record(self, loaded: LoadedModel, tokens: list[str], on_layer=None, kept=None) -> engine.Record:
-        """What the engine records for this keep on ``loaded``: its recorders (:meth:`recorders`), the recorded
-        layers, the block size and checkpoints; ``kept`` overrides the checkpointed layers (none under a residual
-        variant)."""
+    def record(self, loaded: LoadedModel, tokens: list[str], on_layer=None, kept=None, masks: int = 2) -> engine.Record:
+        """What the engine records for this keep on ``loaded`` over ``tokens``: its recorders (:meth:`recorders`),
+        the recorded layers, the block size and checkpoints; ``kept`` overrides the checkpointed layers (none under
+        a residual variant). Refused first, before anything runs, where the device cannot hold it
+        (:func:`check_device`, ``masks`` distinct masks) or where value norms are asked of a model whose output
+        projection cannot be read."""
+        layers = self.recorded(loaded.n_layers)
+        check_device(loaded, len(tokens), self, f"a capture of {len(layers)} layers", masks)
+        if self.value_norms:
+            for module in engine.attention_modules(loaded.model)[:1]:
+                engine.output_projection(module)
         return engine.Record(
-            layers=frozenset(self.recorded(loaded.n_layers)), recorders=self.recorders(tokens), on_layer=on_layer,
+            layers=frozenset(layers), recorders=self.recorders(tokens), on_layer=on_layer,
             block_bytes=block_bytes(loaded, self) if self._own_block() else None,  # None: each device's own
             checkpoints=checkpoint_layers(loaded, self.checkpoints) if kept is None else frozenset(kept))
 

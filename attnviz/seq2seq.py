@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnviz.capture import Capture, _versions, host_allowed
+from attnviz.capture import Capture, _versions
 from attnviz.tokens import tokenize
 from attnviz.core import arch as arch_mod
 from attnviz.core import engine, recorders
@@ -178,7 +178,7 @@ def capture_seq2seq(loaded: LoadedModel, source: str, target: str | None = None,
         layers = sorted(run.probs)
         return Capture(text=text, tokens=tokens, token_ids=list(ids), arch=spec, layer_masks=layer_names,
                        layers=layers, kv_groups=_heads(run.probs),
-                       allowed=host_allowed(run, layers),
+                       allowed=run.host_allowed(layers),
                        probs={l: run.probs[l][0].numpy() for l in layers}, next_logprobs=next_logprobs,
                        query_tokens=query_tokens, timing=dict(timing),
                        meta={**meta, "attention": kind, "n_layers": len(layers)})

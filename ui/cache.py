@@ -4,7 +4,6 @@ memory budget they live in, and the library's capture plan under that budget."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import threading
 import time
@@ -207,19 +206,11 @@ def get_capture(loaded: LoadedModel, text: str, recipe: Recipe, hidden: bool = T
     for note in planned.notes:  # how it runs, where that matters (a statistic the fused kernel lacks)
         st.caption(note)
     key = (recipe.key, text, dataclasses.replace(keep, checkpoints=0))
-    store = _captures()
-    if key not in store:
-        store.reserve(planned.estimate)
-        # Evicted captures can sit in reference cycles (Streamlit's script frames and callbacks) that
-        # only the cycle collector frees, and their large buffers never trigger it: collect now, so
-        # their memory is back before the new capture is built (measured: +4 GB after five captures
-        # without this, +90 MB with it).
-        gc.collect()
     label = (f"Capturing {recipe.arch}" + (f" with {recipe.intervene}" if recipe.intervene else "")
              + ("" if keep.full_maps else " (long text: statistics and pooled maps)"))
     return jobs.run(key, label, lambda progress: capture(
         loaded, text, recipe, keep, max_tokens=MAX_TOKENS,
-        on_layer=lambda layer: progress(layer + 1, loaded.n_layers)), store=store)
+        on_layer=lambda layer: progress(layer + 1, loaded.n_layers)), store=_captures(), reserve=planned.estimate)
 
 
 def get_seq2seq_capture(loaded: LoadedModel, source: str, target: str, spec: str):

@@ -3,6 +3,7 @@ progress bar, kept for every session in a byte-budgeted LRU, errors shown as one
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -62,14 +63,15 @@ def cached(key: Hashable):
 
 
 def run(key: Hashable, label: str, compute: Callable[[Callable[[int, int], None]], T],
-        store: ByteLRU | None = None, units: float | None = None) -> T | None:
+        store: ByteLRU | None = None, units: float | None = None, reserve: int = 0) -> T | None:
     """``compute(progress)`` once per key; ``progress(done, total)`` moves a bar with elapsed time.
 
-    ``store`` is the LRU to keep results in (default: the pages' results cache). ``units`` (tokens,
-    steps) lets :func:`eta` quote this machine's own time per unit for the key's kind (``key[0]``). A run the user
-    abandons (new input, another page) stops at its next progress report, i.e. after the current
-    layer: once a rerun is requested, Streamlit interrupts the script at its next ``st`` call, here
-    ``bar.progress``; nothing half-done is stored. The server's log says where it stopped
+    ``store`` is the LRU to keep results in (default: the pages' results cache); room for ``reserve`` bytes is
+    made there just before computing (older results leave first), so the server's resident size stays near the
+    store's budget. ``units`` (tokens, steps) lets :func:`eta` quote this machine's own time per unit for the
+    key's kind (``key[0]``). A run the user abandons (new input, another page) stops at its next progress
+    report, i.e. after the current layer: once a rerun is requested, Streamlit interrupts the script at its
+    next ``st`` call, here ``bar.progress``; nothing half-done is stored. The server's log says where it stopped
     (``abandoned <label> at 3/30``; tests/test_e2e_browser.py checks it in Chromium).
     """
     store = _results() if store is None else store  # not `or`: an empty ByteLRU is falsy
@@ -80,6 +82,13 @@ def run(key: Hashable, label: str, compute: Callable[[Callable[[int, int], None]
         found = store.get(key)  # computed by another session while this one waited
         if found is not None:
             return found
+        if reserve:
+            store.reserve(reserve)
+            # Evicted results can sit in reference cycles (Streamlit's script frames and callbacks) that only
+            # the cycle collector frees, and their large buffers never trigger it: collect now, so their memory
+            # is back before the new result is built (measured on captures: +4 GB after five without this,
+            # +90 MB with it).
+            gc.collect()
         bar = st.progress(0.0, text=label)
         start = time.perf_counter()
         reached = [0, 0]  # (done, total) of the last progress report

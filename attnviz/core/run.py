@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from attnviz.core import recorders as recorders_mod
-from attnviz.core.allowsets import AllowSets
+from attnviz.core.allowsets import AllowSet, AllowSets
 from attnviz.core.interventions import NONE, Interventions
 from attnviz.core.masks import Mask
 from attnviz.errors import InputError, ModelLoadError
@@ -134,8 +134,20 @@ class Cached:
 class Recorded:
     """What the pass records, by layer, beside what its recorders own (:meth:`Run.results`)."""
 
-    allowed: dict[int, torch.Tensor] = field(default_factory=dict)
+    allowed: dict[int, AllowSet] = field(default_factory=dict)
     checkpoints: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def host_allowed(self, layers) -> dict:
+        """The (n_q, n_kv) allow-set of each of ``layers`` on the host, the cells some head may see
+        (:meth:`AllowSet.host`): one copy from the device per mask, not per layer (1 GB each at 32k tokens), shared
+        by the layers with that mask; one never made whole (plain causal, or a block of rows at a time) is made
+        on the host."""
+        return {layer: self.allowed[layer].host() for layer in layers}
+
+    def head_allowed(self, layers) -> dict:
+        """The (H, n_q, n_kv) allow-set of each of ``layers`` whose heads have masks of their own (a headwindow
+        intervention, a compressed cache) on the host: what each head may see. Other layers are not here."""
+        return {layer: self.allowed[layer].head_host() for layer in layers if self.allowed[layer].per_head}
 
 
 @dataclass
