@@ -423,6 +423,7 @@ def _routes(args) -> dict:
 
     text = _text(args)
     _check_intervene(args)
+    flow.check(args.threshold, args.heads)
     loaded = _load(args)
     bar, update = _progress("routes")
     with bar:

@@ -244,3 +244,20 @@ def get_residual(loaded: LoadedModel, text: str, made: Recipe):
         return None
     return jobs.run(("residual", made.key, text), f"Recording the residual stream under {made.arch}",
                     lambda progress: Residual(loaded, text, made, on_layer=progress), store=_captures())
+
+
+def get_flow(loaded: LoadedModel, text: str, made: Recipe):
+    """Every layer's contributions (attnviz.flow.trace) per recipe and text, in the capture cache: the Routes page's
+    graph, sink share and logit lens all read it."""
+    from attnviz import flow
+
+    try:
+        n_tokens = len(tokenize(loaded, text, MAX_TOKENS, made.prepend)[0])
+    except AttnvizError as err:
+        st.error(str(err))
+        return None
+    if not within_token_cap(n_tokens):
+        return None
+    return jobs.run(("routes", made.key, text), f"Measuring contributions under {made.arch}",
+                    lambda progress: flow.trace(loaded, text, made, max_tokens=MAX_TOKENS, on_layer=progress),
+                    store=_captures())

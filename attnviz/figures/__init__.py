@@ -24,6 +24,7 @@ from attnviz.figures.masks import (  # noqa: F401
                        labelled_matrix,
                        stablemask_pseudo,
 )
+from attnviz.figures.routes import routes_figure, sink_share_figure  # noqa: F401
 from attnviz.figures.shifting import (  # noqa: F401
                        cosine_figure,
                        difference,

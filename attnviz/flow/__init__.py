@@ -10,19 +10,24 @@ from attnviz.flow.graph import THRESHOLD, Edge, Graph, graph, sink_share_all
 from attnviz.flow.lens import Reading, lens
 from attnviz.flow.trace import FLOOR, Flow, trace
 
-__all__ = ["FLOOR", "THRESHOLD", "Edge", "Flow", "Graph", "Reading", "graph", "lens", "routes", "sink_share_all",
-           "trace"]
+__all__ = ["FLOOR", "THRESHOLD", "Edge", "Flow", "Graph", "Reading", "check", "graph", "lens", "routes",
+           "sink_share_all", "trace"]
 
 
-def routes(loaded, text: str, recipe="fwd", token: int = -1, threshold: float = THRESHOLD, heads: str = "split",
-           max_tokens: int | None = None, on_layer=None) -> Graph:
-    """The contribution graph of ``token`` in ``text`` under ``recipe``: :func:`trace` then :func:`graph` (what
-    ``attnviz routes`` prints). The threshold and token are checked before the model runs."""
+def check(threshold: float, heads: str = "split") -> None:
+    """Refuse a threshold or a heads choice a graph cannot take, before any model runs."""
     from attnviz.errors import InputError
 
     if not FLOOR <= threshold <= 1:
         raise InputError(f"threshold {threshold}: it must lie between {FLOOR} and 1")
     if heads not in ("split", "sum"):
         raise InputError(f"heads {heads!r}: 'split' (one edge per head) or 'sum'")
+
+
+def routes(loaded, text: str, recipe="fwd", token: int = -1, threshold: float = THRESHOLD, heads: str = "split",
+           max_tokens: int | None = None, on_layer=None) -> Graph:
+    """The contribution graph of ``token`` in ``text`` under ``recipe``: :func:`trace` then :func:`graph` (what
+    ``attnviz routes`` prints). The threshold and token are checked before the model runs."""
+    check(threshold, heads)
     flow = trace(loaded, text, recipe, max_tokens=max_tokens, on_layer=on_layer)
     return graph(flow, token, threshold, heads)

@@ -33,8 +33,10 @@ class Edge:
     @property
     def levels(self) -> tuple[tuple[int, str], tuple[int, str]]:
         """((layer, point) of its source node, (layer, point) of its target node)."""
-        if self.block == "attn" or (self.parallel and self.kind == "mlp"):
+        if self.block == "attn":
             return (self.layer - 1, "mlp"), (self.layer, "attn")
+        if self.parallel and self.kind == "mlp":
+            return (self.layer - 1, "mlp"), (self.layer, "mlp")
         return (self.layer, "attn"), (self.layer, "mlp")
 
     def as_json(self) -> dict:
@@ -81,7 +83,7 @@ def _check(flow: Flow, token: int, threshold: float, heads: str) -> int:
     if not -flow.n_tokens <= token < flow.n_tokens:
         raise InputError(f"token {token} does not exist: the text has tokens 0..{flow.n_tokens - 1}")
     if not flow.floor <= threshold <= 1:
-        raise InputError(f"threshold {threshold}: it must lie between {flow.floor} (what this run kept) and 1")
+        raise InputError(f"threshold {threshold}: it must lie between {flow.floor} and 1 (what a trace keeps)")
     if heads not in ("split", "sum"):
         raise InputError(f"heads {heads!r}: 'split' (one edge per head) or 'sum'")
     return token % flow.n_tokens

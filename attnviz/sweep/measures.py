@@ -132,8 +132,22 @@ def causal(lm: LoadedModel, cell: Cell) -> list[dict]:
              "perplexity_after": c.after.perplexity} for c in checks for row in c.as_json()["layers"]]
 
 
+def routes(lm: LoadedModel, cell: Cell) -> list[dict]:
+    """The sink's share of the attention flow per layer (docs/methods.md#routes) on the corpus's first ``max_tokens``
+    tokens: over every query, and in the last token's contribution graph (``attnviz routes``)."""
+    from attnviz import flow
+    from attnviz.effects.evaluate import token_ids
+
+    ids = token_ids(lm, documents(cell.corpus).text, cell.options["max_tokens"])
+    traced = flow.trace(lm, corpus_mod.text_of(lm.tokenizer, ids), recipe(lm, cell))
+    threshold = cell.options["threshold"]
+    every, last = flow.sink_share_all(traced, threshold), flow.graph(traced, -1, threshold).sink_share()
+    return [{"layer": layer, "key": traced.sink_keys[layer], "sink_share_all": a, "sink_share_last": b,
+             "threshold": threshold} for layer, (a, b) in enumerate(zip(every, last))]
+
+
 RUN = {"sinks": sinks, "eval": evaluate, "embed": embed, "compress": compress, "heads": heads, "explain": explain,
-       "causal": causal}
+       "causal": causal, "routes": routes}
 
 
 def schema():
@@ -172,4 +186,6 @@ COLUMNS = {
     "causal": {"source": "string", "leads": "string", "patch": "string", "layer": "int64", "key": "int64",
                "sink_before": "float64", "sink_after": "float64", "perplexity_before": "float64",
                "perplexity_after": "float64"},
+    "routes": {"layer": "int64", "key": "int64", "sink_share_all": "float64", "sink_share_last": "float64",
+               "threshold": "float64"},
 }

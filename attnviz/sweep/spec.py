@@ -36,6 +36,7 @@ def measure_options() -> dict[str, dict[str, tuple[type | tuple[type, ...], obje
     """measure -> {option: (type, default)}: each default read from the library function the measure
     calls (:mod:`attnviz.defaults`), the same the CLI's options and the app's widgets read."""
     from attnviz.defaults import of
+    from attnviz import flow
     from attnviz.effects import causal, dataset, embedding, evaluate, explain, heads
     from attnviz.kv import compress
 
@@ -54,11 +55,12 @@ def measure_options() -> dict[str, dict[str, tuple[type | tuple[type, ...], obje
                   "sink": (int, tax["s"]), "window": (int, tax["w"])},
         "explain": {"max_tokens": (int, explain.DIAGNOSIS_TOKENS)},
         "causal": {"max_tokens": (int, explain.DIAGNOSIS_TOKENS), "value": (str, of(causal.check)["value"])},
+        "routes": {"max_tokens": (int, explain.DIAGNOSIS_TOKENS), "threshold": (float, of(flow.routes)["threshold"])},
     }
 
 
 #: measures whose library call takes an intervention (docs/methods.md#interventions)
-INTERVENES = {"sinks", "eval", "explain", "causal"}
+INTERVENES = {"sinks", "eval", "explain", "causal", "routes"}
 TOP_KEYS = {"models", "archs", "interventions", "corpora", "measures"}
 #: The README's example: the sink-rate table of two architectures (the Sweeps page starts from it).
 EXAMPLE = """models = ["default"]
