@@ -2,6 +2,7 @@
 of the attention flow the sink key carries; two recipes side by side on one scale."""
 
 import json
+from pathlib import Path
 
 import streamlit as st
 
@@ -12,7 +13,7 @@ from attnviz.figures.routes import MAX_EDGES
 from ui.cache import get_flow
 from ui.docs import definitions
 from ui.export import figure_downloads
-from ui.sidebar import page_context
+from ui.sidebar import page_context, switch_page
 
 settings, loaded = page_context()
 st.title("Routes")
@@ -65,7 +66,7 @@ def open_head(layer: int, head: int) -> None:
     st.session_state["hm_jump"] = (layer, head)
     st.session_state["hm_jump_view"] = {"layer": layer, "head": head,
                                         "n": st.session_state.get("hm_jump_view", {}).get("n", 0) + 1}
-    st.switch_page("pages/heatmaps.py")
+    switch_page(Path(__file__).resolve().parent / "heatmaps.py")
 
 
 points = (event or {}).get("selection", {}).get("points", []) if event else []

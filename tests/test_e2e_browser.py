@@ -267,3 +267,44 @@ def test_a_shared_server_refuses_paths_outside_its_roots(model_cache, tmp_path, 
         folder.press("Enter")
         page.locator('[data-testid="stMain"]').get_by_text("No results in", exact=False).first.wait_for(timeout=60_000)
         no_exception(page)
+
+
+# the pixel of a point of a Plotly trace (subplots included): the chart's element, trace index, point index
+POINT_PX = """(el, [t, i]) => {
+    const gd = el.querySelector('.js-plotly-plot'), L = gd._fullLayout, d = gd._fullData[t];
+    const xa = L[d.xaxis.replace('x', 'xaxis')], ya = L[d.yaxis.replace('y', 'yaxis')];
+    const box = gd.getBoundingClientRect();
+    return [box.left + xa._offset + xa.l2p(d.x[i]), box.top + ya._offset + ya.l2p(d.y[i])];
+}"""
+
+
+def test_a_click_on_a_routes_attention_edge_opens_that_heads_heatmap(model_cache):
+    """The Routes page's graph: a click on an attention edge's midpoint opens that head's heatmap on the Heatmaps
+    page (the viewer at that layer and head)."""
+    with running_app() as url, browser_page() as page:
+        page.goto(f"{url}/routes")
+        chart = page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"]').filter(has_text="routes of token")
+        chart.first.wait_for(timeout=240_000)
+        wait_for_app(page)
+        no_exception(page)
+        chart.first.scroll_into_view_if_needed()
+        # the heaviest attention edge of the first panel whose midpoint no other drawn point is near
+        found = chart.first.evaluate("""(el) => {
+            const gd = el.querySelector('.js-plotly-plot');
+            const t = gd._fullData.findIndex(d => d.customdata && d.customdata.length && d.customdata[0].length === 7);
+            const d = gd._fullData[t];
+            const picks = Array.from(d.customdata.keys()).filter(i => d.customdata[i][2] === 'attn'
+                && d.customdata[i][1] >= 0 && d.customdata[i][6] === 0);
+            const near = (i) => Array.from(d.x.keys()).filter(j => j !== i && Math.abs(d.x[j] - d.x[i]) < 0.6
+                && Math.abs(d.y[j] - d.y[i]) < 0.6).length;
+            picks.sort((a, b) => near(a) - near(b) || d.customdata[b][5] - d.customdata[a][5]);
+            return [t, picks[0], d.customdata[picks[0]][0], d.customdata[picks[0]][1]];
+        }""")
+        trace, index, layer, head = found
+        x, y = chart.first.evaluate(POINT_PX, [trace, index])
+        page.mouse.move(x, y)
+        page.wait_for_timeout(300)
+        page.mouse.click(x, y)
+        page.locator('[data-testid="stMain"] h1').filter(has_text="Attention heatmaps").first.wait_for(timeout=120_000)
+        wait_viewer(page, f"layer {layer} · fwd · head {head} (KV group {head // 3})", timeout=120_000)
+        no_exception(page)

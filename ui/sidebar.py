@@ -156,6 +156,7 @@ def _pick_offline() -> None:
 def sidebar(needs_model: bool = True) -> tuple[Settings, LoadedModel | None]:
     """Model, text and architecture controls shared by every page; ``needs_model=False`` (walkthrough,
     mask designer) uses the model only if it is already loaded."""
+    st.session_state.update(st.session_state.pop("_carried", {}))  # settings kept across a switch (switch_page)
     with st.sidebar:
         st.markdown("### attnviz")
         rules = shared.access()
@@ -201,6 +202,20 @@ def sidebar(needs_model: bool = True) -> tuple[Settings, LoadedModel | None]:
                    + ("" if variant == "none" else f" · residual `{variant}`") + (" · BOS prepended" if bos else ""))
     return Settings(model=model, text=text, arch=spec, residual=None if variant == "none" else variant,
                     intervene=intervene, prepend="bos" if bos else None), loaded
+
+
+SETTINGS_KEYS = ("model", "offline_model", "trust_remote_code", "device_map", "example", "text", "bos", "residual",
+                 "arch_pick", "arch_text", "arch_k", "arch_m", "arch_w", "arch_d", "arch_dw", "arch_g", "arch_gw",
+                 "arch_gamma", "arch_alibi", "iv_pick", "iv_text", "iv_layers", "iv_heads", "iv_how", "iv_b", "iv_beta",
+                 "iv_key", "iv_t", "iv_block", "iv_tokens", "iv_value")
+
+
+def switch_page(path) -> None:
+    """``st.switch_page`` keeping the sidebar's settings: a switch from a script starts the next page without the
+    browser's widget values, so the text and recipe are carried as plain session state and given back to the
+    sidebar's widgets before they are drawn (:func:`sidebar`)."""
+    st.session_state["_carried"] = {key: st.session_state[key] for key in SETTINGS_KEYS if key in st.session_state}
+    st.switch_page(str(path))
 
 
 def page_context() -> tuple[Settings, LoadedModel | None]:

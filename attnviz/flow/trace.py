@@ -20,7 +20,7 @@ from attnviz.core.modules import output_projection
 from attnviz.core.probe import output_tensor
 from attnviz.core.recorders import Recorder
 from attnviz.errors import InputError
-from attnviz.flow import contributions as contrib
+from attnviz.flow.contributions import attention_raw, normalised, proximity, raw_part
 
 FLOOR = 0.005  # contributions below it are not kept (a graph's threshold may not go below it)
 
@@ -169,16 +169,16 @@ class _Layer:
             raise InputError(f"routes: {tracer.family} layer {L.index}: the attention's write is not the sum of its "
                              "heads' weighted values, so it cannot be split by source token")
         keep = heads_ok & rows_ok[:, None]  # (n, H)
-        raw = contrib.attention_raw(y, probs * keep.T[:, :, None], value, per_head, c)
-        raw_residual = contrib.raw_part(x, y)
+        raw = attention_raw(y, probs * keep.T[:, :, None], value, per_head, c)
+        raw_residual = raw_part(x, y)
         total = raw.sum((0, 2)) + raw_residual
-        heads = contrib.normalised(raw, total[None, :, None])  # (H, n, n)
-        residual = contrib.normalised(raw_residual, total)
+        heads = normalised(raw, total[None, :, None])  # (H, n, n)
+        residual = normalised(raw_residual, total)
         summed = heads.sum(0)
         i, j, h = torch.nonzero(heads.permute(1, 2, 0) >= tracer.floor, as_tuple=True)
         si, sj = torch.nonzero(summed >= tracer.floor, as_tuple=True)
         mlp_in = x if L.parallel else y
-        mlp = contrib.proximity(torch.stack((out - y, y)), out)
+        mlp = proximity(torch.stack((out - y, y)), out)
         tracer.layers.append(LayerFlow(
             residual.cpu().numpy(), torch.stack((i, j, h), 1).int().cpu().numpy(), heads[h, i, j].cpu().numpy(),
             torch.stack((si, sj), 1).int().cpu().numpy(), summed[si, sj].cpu().numpy(),
