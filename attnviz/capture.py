@@ -22,7 +22,7 @@ from attnviz.core import arch as arch_mod
 from attnviz.core import devices, engine, syntax
 from attnviz.core.models import LoadedModel
 from attnviz.errors import AttnvizError, InputError
-from attnviz.plan import Keep
+from attnviz.plan import Keep, Masks
 from attnviz.tokens import prefix_ids, tokenize  # noqa: F401 - text → tokens, the flow's first step
 from attnviz.recipe import Recipe
 from attnviz.stats import metrics
@@ -307,7 +307,7 @@ def capture(loaded: LoadedModel, text: str, recipe: "str | arch_mod.Architecture
     started = time.perf_counter()
     ids, tokens = tokenize(loaded, text, max_tokens, prepend)
     record = keep.record(loaded, tokens, on_layer, kept=None if variant is None else (),
-                         masks=min(len(set(architecture.layer_names)), 4))  # checked against the device first
+                         masks=Masks.of(loaded, built))  # checked against the device first
     layers = sorted(record.layers)
     states = keep.hidden_states or keep.activations
     t0 = time.perf_counter()

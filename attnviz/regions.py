@@ -18,6 +18,7 @@ from attnviz.tokens import tokenize
 from attnviz.core import engine
 from attnviz.core.models import LoadedModel
 from attnviz.errors import InputError
+from attnviz.plan import Sizes
 from attnviz.recipe import Recipe
 from attnviz.core.reduce import BlockReducer
 
@@ -84,7 +85,7 @@ def region(loaded: LoadedModel, text: str, arch: "str | Recipe", layer: int, que
     """Layer ``layer``'s probabilities for ``queries`` × ``keys`` (half-open token ranges) at full
     resolution, under ``arch`` (an architecture string or a recipe: a region of a capture is made with the
     capture's own recipe, which :func:`of_capture` passes); ``on_layer(done, total)`` reports progress up
-    to that layer.
+    to that layer. ``block_bytes``: one query block's fp32 scores, else the plan's (:class:`attnviz.plan.Sizes`).
     ``resume_from`` (layer c <= ``layer``, its input hidden states (n, d)), kept by a forward of the
     same text under the same settings, runs only layers c..``layer`` (:func:`engine.resume`)."""
     from attnviz import recipe as recipe_mod
@@ -108,7 +109,7 @@ def region(loaded: LoadedModel, text: str, arch: "str | Recipe", layer: int, que
     # start of a 32k-token text costs a short forward). Other masks need the whole text.
     upto = max(queries[1], keys[1]) if all(m.causal_compatible for m in architecture.layers[:layer + 1]) else len(ids)
     input_ids = torch.tensor([ids[:upto]])
-    record = engine.Record(frozenset({layer}), reducer=crop, on_layer=step, block_bytes=block_bytes)
+    record = engine.Record(frozenset({layer}), reducer=crop, on_layer=step, sizes=Sizes.given(block_bytes))
     if resume_from is not None and not (variant is None and resume_from[0] <= layer
                                         and resume_from[1].shape[0] == len(ids)):
         resume_from = None  # not this text's, not below the layer, or a residual variant: run from the start

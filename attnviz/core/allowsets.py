@@ -8,12 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from attnviz.core import devices, kernels
-from attnviz.core.interventions import Intervention
+from attnviz.core import kernels
 from attnviz.core.masks import Mask, keep_self_if_empty
-
-_NO_KEY_MASK = Intervention.key_mask
-
 
 CHUNK_ELEMENTS = 1 << 24  # allow-set cells read at once when a layout is counted from a mask (16 MB of bools)
 
@@ -227,15 +223,12 @@ class AllowSets:
         return keep_self_if_empty(allow, n_kv - n_q + q0)
 
     def block_rows(self, row_elements: int, device=None) -> int:
-        """Query rows per block so that a block's fp32 scores stay within ``block_bytes`` (by default
-        16 MB on the CPU and a share of free memory on a GPU, read once per run and device)."""
-        budget = self.block_bytes
-        if budget is None:
-            device = torch.device(device or "cpu")
-            if ("block", device) not in self._device_cache:
-                self._device_cache["block", device] = devices.block_bytes(device)
-            budget = self._device_cache["block", device]
-        return max(1, budget // (4 * max(row_elements, 1)))
+        """Query rows per block so that a block's fp32 scores stay within the plan's block size on ``device``
+        (``sizes.block_bytes``, :class:`attnviz.plan.Sizes`), read once per run and device."""
+        device = torch.device(device or "cpu")
+        if ("block", device) not in self._device_cache:
+            self._device_cache["block", device] = self.sizes.block_bytes(device)
+        return max(1, self._device_cache["block", device] // (4 * max(row_elements, 1)))
 
     def valid_on(self, device) -> torch.Tensor:
         """``valid`` on ``device``, copied there once per run."""
@@ -257,8 +250,7 @@ class AllowSets:
     def has_head_mask(self, layer: int) -> bool:
         """Whether some heads of ``layer`` see fewer keys than its mask allows: a compressed cache's kept keys
         (``head_masks``) or an intervention's per-head key mask (``headwindow``)."""
-        return layer in self.head_masks or any(type(a).key_mask is not _NO_KEY_MASK
-                                               for a in self.interventions.at(layer))
+        return layer in self.head_masks or self.interventions.masks_heads(layer)
 
     def head_mask(self, layer: int, n_heads: int, n_q: int, n_kv: int, device, q0: int = 0,
                   q1: int | None = None) -> torch.Tensor:

@@ -93,7 +93,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         block_reducer=bool(recs) and not any(r.whole_layer for r in recs), fused_reducer=fusable,
         batch_one=batch == 1, position_bias=bias is not None, grad=torch.is_grad_enabled(),
         kernel=fusable and kernels.wanted(query.device),
-        large_allow=batch * n_q * n_kv > run.whole_allow_bytes,
+        large_allow=batch * n_q * n_kv > run.sizes.whole_allow,
         streamed=not any(r.whole_layer or r.all_keys for r in recs)))
     if route is routes.Route.SDPA_CAUSAL:
         # plain causal: let SDPA pick its fused causal kernel instead of reading an n x n mask

@@ -277,6 +277,10 @@ class Interventions:
     def at(self, layer: int) -> tuple[Intervention, ...]:
         return tuple(i for i in self.items if i.applies(layer))
 
+    def masks_heads(self, layer: int) -> bool:
+        """Whether some intervention at ``layer`` gives heads key masks of their own (``key_mask``: headwindow)."""
+        return any(type(a).key_mask is not Intervention.key_mask for a in self.at(layer))
+
     def __bool__(self) -> bool:
         return bool(self.items)
 

@@ -129,7 +129,9 @@ class Maps(Recorder):
         self.current: FullMaps | None = None
 
     def start(self, run, layer, inputs):
-        self.current = FullMaps(inputs.shape, self.dtype, inputs.query.device)
+        shape, device = inputs.shape, inputs.query.device
+        layer_bytes = shape[0] * shape[1] * shape[2] * shape[3] * self.dtype.itemsize
+        self.current = FullMaps(shape, self.dtype, device, stage=run.sizes.stages(layer_bytes, device))
         self.results[layer] = self.current
 
     def block_scores(self, run, layer, q0, k0, scores, allow):
@@ -248,16 +250,14 @@ def for_record(record) -> tuple[Recorder, ...]:
 class FullMaps:
     """A recorded layer's full (B, H, n_q, n_kv) maps in the storage dtype, filled block by block.
 
-    On the CPU the blocks are written straight into the host array. On an accelerator they are
-    gathered on the device (when a quarter of its free memory holds the layer) and go to pinned host
-    memory in one asynchronous copy per layer, not one small synchronous copy per block;
-    the forward waits for the copies before it returns (``Run.collect``). :meth:`host` is the host array."""
+    The blocks are written straight into the host array, or, where ``stage`` (the plan's choice,
+    :meth:`attnviz.plan.Sizes.stages`: on an accelerator with room for the layer), gathered on the device
+    and sent to pinned host memory in one asynchronous copy per layer, not one small synchronous copy per
+    block; the forward waits for the copies before it returns (``Run.collect``). :meth:`host` is the host array."""
 
-    def __init__(self, shape, dtype: torch.dtype, device: torch.device):
+    def __init__(self, shape, dtype: torch.dtype, device: torch.device, stage: bool = False):
         self.host_array = devices.host_buffer(shape, dtype, device)
-        size = self.host_array.numel() * self.host_array.element_size()
-        free = None if device.type == "cpu" else devices.free_bytes(device)
-        self.stage = torch.zeros(shape, dtype=dtype, device=device) if free is not None and size <= free // 4 else None
+        self.stage = torch.zeros(shape, dtype=dtype, device=device) if stage else None
         self.device, self.copying = device, False
 
     def put(self, q0: int, k0: int, block: torch.Tensor) -> None:

@@ -137,8 +137,9 @@ class LayerSummary:
             sums["key0"][:, rows] = probs[:, :, 0]
         if "delim" in sums:
             sums["delim"][:, rows] = probs @ self.delim[cols]
-        if "plogp" in sums:
-            sums["plogp"][:, rows] = torch.special.xlogy(probs, probs).sum(-1)
+        if "plogp" in sums:  # head by head: a temporary of one head's rows, not of the whole block
+            for head, p in enumerate(probs):
+                sums["plogp"][head, rows] = torch.special.xlogy(p, p).sum(-1)
         for extra in self.sums_needed:
             if isinstance(extra, metrics.RowSum):
                 sums[extra.name][:, rows] = extra.of(probs, allow)

@@ -43,7 +43,7 @@ class Facts:
     position_bias: bool = False  # T5's relative position bias
     grad: bool = False  # autograd is on
     kernel: bool = False  # the fused kernel can run on this device (kernels.wanted)
-    large_allow: bool = False  # the layer's allow-set is above what is made whole (plan.whole_allow_bytes)
+    large_allow: bool = False  # the layer's allow-set is above what is made whole (the plan's Sizes.whole_allow)
     streamed: bool = False  # every recorder takes the layer block by block, each block with the keys its rows see
 
 

@@ -50,9 +50,11 @@ class Record:
     each recorded layer's fp32 probabilities and only its result is kept; None keeps full maps in
     ``storage_dtype``. ``scores`` / ``value_norms`` / ``qkv`` also keep, for recorded layers, the pre-softmax
     scores, the value-output norms and the queries, keys and values (only when asked: they cost memory the
-    default capture does not pay). ``block_bytes`` bounds one query block's fp32 scores (None:
-    :func:`devices.block_bytes`). ``checkpoints``: the layers whose inputs are kept on the host to resume a
-    later forward from (:func:`resume`). ``on_layer(i)`` is called after each layer's attention (progress;
+    default capture does not pay). ``sizes``: the plan's sizes of the run (:class:`attnviz.plan.Sizes`: the block
+    size on each device, the whole-allow size, which full maps are staged on a device), which the engine reads and
+    never computes; None: the plan's defaults, with ``block_bytes`` (one query block's fp32 scores on every device)
+    and ``whole_allow_bytes`` where given. ``checkpoints``: the layers whose inputs are kept on the host to resume
+    a later forward from (:func:`resume`). ``on_layer(i)`` is called after each layer's attention (progress;
     it may stop the forward by raising). ``keep_graph`` keeps every layer's fp32 probabilities with their
     autograd graph (residual variants). ``recorders``: the recorders themselves, as a capture's ``Keep`` makes
     them (:meth:`attnviz.plan.Keep.recorders`); then ``reducer``, ``storage_dtype``, ``scores``, ``value_norms``
@@ -69,7 +71,8 @@ class Record:
     checkpoints: frozenset[int] = frozenset()
     keep_graph: bool = False
     recorders: tuple | None = None
-    whole_allow_bytes: int | None = None  # allow-sets above it are made a block of rows at a time (the plan's)
+    whole_allow_bytes: int | None = None  # allow-sets above it are made a block of rows at a time
+    sizes: object = None  # attnviz.plan.Sizes, as a keep's plan makes them
 
 
 NOTHING = Record(layers=frozenset())  # record no layer: the forward's output only
@@ -113,8 +116,7 @@ class Asked:
     # per layer, ``mask(n_q, n_kv, device)`` → an (H, n_q, n_kv) allow-set per head, and-ed with the layer's mask:
     # a compressed KV cache (docs/methods.md#kv-cache-compression), or streaming heads on sink + window
     head_masks: dict[int, Callable[[int, int, torch.device], torch.Tensor]] = field(default_factory=dict)
-    block_bytes: int | None = None  # fp32 scores of one query block of a recorded layer; None: devices.block_bytes
-    whole_allow_bytes: int = 0  # the plan's size above which an allow-set is made a block of rows at a time
+    sizes: object = None  # the plan's (attnviz.plan.Sizes): block bytes per device, whole-allow size, staging
     unpadded: bool | None = None  # every key real; None: read from ``valid`` (a host read: the caller may know)
     # layers whose input hidden states (n, d) are kept on the host, to resume a later forward from
     # (:func:`resume`: a long capture's regions); filled by a pre-hook on the decoder layers
@@ -158,6 +160,10 @@ class Run(Recorded, Cached, AllowSets, Asked):
     def __post_init__(self):
         if self.unpadded is None:
             self.unpadded = bool(self.valid.all())
+        if self.sizes is None:
+            from attnviz.plan import Sizes  # the plan owns every size
+
+            self.sizes = Sizes()
         self._live = recorders_mod.Live()  # the run's own: it holds this run's live probabilities
 
     def collect(self) -> None:
@@ -236,7 +242,7 @@ def n_layers(model) -> int:
 def forward(model, input_ids: torch.Tensor, computes, record: Record = Record(), feed: Feed = Feed()):
     """One forward pass under per-layer masks and interventions (``computes``: a :class:`Computes` or a list
     of masks), recording what ``record`` asks; returns ``(model_output, run)``. Recorded layers compute
-    their softmax in blocks of query rows (``record.block_bytes``)."""
+    their softmax in blocks of query rows (the plan's block size, ``record.sizes``)."""
     with contextlib.nullcontext() if feed.grad else torch.inference_mode():
         run = make_run(model, input_ids, computes, record, feed)
         cached = feed.past_key_values is not None
@@ -290,15 +296,15 @@ def make_run(model, input_ids: torch.Tensor, computes, record: Record = Record()
         if mask.horizon is not None and int(positions.max()) + 1 > mask.horizon:
             raise InputError(f"{mask.name} was set for at most T={mask.horizon} tokens but the text reaches "
                              f"{int(positions.max()) + 1}: raise T or shorten the text")
-    from attnviz.plan import whole_allow_bytes  # the plan owns every size: read when a run is made
+    from attnviz.plan import Sizes  # the plan owns every size: read when a run is made
 
     return Run(masks, frozenset(range(total) if record.layers is None else record.layers), positions, valid,
                recorders=record.recorders if record.recorders is not None else recorders_mod.for_record(record),
                on_layer=record.on_layer,
-               keep_graph=record.keep_graph, interventions=computes.interventions, block_bytes=record.block_bytes,
+               keep_graph=record.keep_graph, interventions=computes.interventions,
+               sizes=record.sizes or Sizes.given(record.block_bytes, record.whole_allow_bytes),
                unpadded=True if kv_positions is not None or attention_mask is None else None,
-               checkpoint_layers=frozenset(record.checkpoints),
-               whole_allow_bytes=whole_allow_bytes() if record.whole_allow_bytes is None else record.whole_allow_bytes)
+               checkpoint_layers=frozenset(record.checkpoints))
 
 
 @contextmanager
