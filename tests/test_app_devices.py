@@ -24,7 +24,7 @@ def test_the_sidebar_says_where_the_model_runs(model_cache, tmp_path):
 
 
 def test_a_capture_the_device_cannot_hold_is_refused_then_fits_with_more(model_cache, tmp_path, monkeypatch):
-    monkeypatch.setenv("ATTNVIZ_DEVICE_MB", "4")  # a 4 MB "device": the example fits, 500 tokens do not
+    monkeypatch.setenv("ATTNVIZ_DEVICE_MB", "12")  # a 12 MB "device": the example (~7 MB) fits, 500 tokens do not
     at = app_test(tmp_path)
     at.run()
     assert not at.exception and not at.error, texts(at.error)
