@@ -13,8 +13,8 @@ tensor per layer. It is never made here: with ``s = sign(y)`` (+1 at zero),
 
 so the first sum is one matrix product per head, ``c_i A_ij (s_i W̃)·v_j``, and the second is non-zero only on the
 few dimensions d where a single part outweighs the whole stream (``s_d t_d > |y_d|``): a row's few heaviest sources
-are checked in every dimension, and the rest only where a bound (the next weight times the largest write of any
-source in d) says one may pass. Both are computed exactly, a block of queries at a time. The result equals the written-out computation to rounding (tests/test_flow.py checks it against stock
+are checked in every dimension, more of them and then all only where a bound (the next weight times the largest
+write of any source in d) says one may pass. Both are computed exactly, a block of queries at a time. The result equals the written-out computation to rounding (tests/test_flow.py checks it against stock
 transformers' hooks on several families).
 """
 
@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 CANDIDATES = 1 << 22  # floats of the exact correction made at once
-TOP = 8  # each row's heaviest sources, corrected in every dimension
+TOP = 4  # each row's heaviest sources, corrected in every dimension
+NEXT = 32  # the next tier, corrected where the bound says a key past the first may pass
 
 
 def proximity(parts: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
@@ -69,25 +70,33 @@ def attention_raw(y: torch.Tensor, probs: torch.Tensor, value: torch.Tensor, w_o
 def _correct(raw: torch.Tensor, a: torch.Tensor, written: torch.Tensor, sign: torch.Tensor, size: torch.Tensor) -> None:
     """Subtract 2 Σ_d max(s_d t_d − |y_d|, 0) from ``raw`` (n_q, n_kv) in place, t = a_ij · written_j.
 
-    Only a row's heaviest sources can pass the stream where the rest are bounded below it: the :data:`TOP` heaviest
-    keys of each row are computed exactly in every dimension, and the few (query, dimension) pairs where the next
-    weight times the largest write of any source may still pass the stream over every key."""
+    In tiers, each exact: a row's :data:`TOP` heaviest keys in every dimension; in the (query, dimension) pairs where
+    the next weight times the largest write of any source in that dimension may still pass the stream, its
+    :data:`NEXT` heaviest keys; where even the weight after those may, every key."""
     n_q, n_kv = a.shape
-    top = min(TOP, n_kv)
-    weights, keys = a.topk(min(top + 1, n_kv), dim=1)
-    rest = weights[:, top] if n_kv > top else torch.zeros(n_q, device=a.device)
+    first, second = min(TOP, n_kv), min(NEXT, n_kv)
+    weights, keys = a.topk(min(second + 1, n_kv), dim=1)
     most = torch.stack((written.max(0).values, -written.min(0).values))  # (2, D): the largest write either way
-    loose = rest[:, None] * torch.where(sign > 0, most[0], most[1]) > size  # (n_q, D): any key may pass here
-    weights, keys = weights[:, :top], keys[:, :top]
-    step = max(1, CANDIDATES // (top * written.shape[1]))
-    for q0 in range(0, n_q, step):  # the heaviest keys, where the rest cannot pass
+    bound = torch.where(sign > 0, most[0], most[1])  # (n_q, D)
+    none = torch.zeros_like(size, dtype=torch.bool)
+    loose = weights[:, first, None] * bound > size if n_kv > first else none  # a key past the first tier may pass
+    looser = weights[:, second, None] * bound > size if n_kv > second else none  # ... past the second tier
+    step = max(1, CANDIDATES // (first * written.shape[1]))
+    for q0 in range(0, n_q, step):  # the first tier, where no other key can pass
         q = slice(q0, q0 + step)
-        over = weights[q, :, None] * sign[q, None, :] * written[keys[q]] - size[q, None, :]  # (rows, top, D)
-        over = over.clamp(min=0).masked_fill(loose[q, None, :], 0.0).sum(-1)
-        raw[q].scatter_add_(1, keys[q], -2.0 * over)
-    rows, dims = torch.nonzero(loose, as_tuple=True)
+        over = weights[q, :first, None] * sign[q, None, :] * written[keys[q, :first]] - size[q, None, :]
+        over = over.clamp(min=0).masked_fill(loose[q, None, :], 0.0).sum(-1)  # (rows, first)
+        raw[q].scatter_add_(1, keys[q, :first], -2.0 * over)
+    rows, dims = torch.nonzero(loose & ~looser, as_tuple=True)
+    step = max(1, CANDIDATES // second)
+    for s in range(0, rows.numel(), step):  # the second tier, where no key past it can pass
+        r, d = rows[s:s + step], dims[s:s + step]
+        ks = keys[r, :second]  # (pairs, second)
+        over = (weights[r, :second] * sign[r, d, None] * written[ks, d[:, None]] - size[r, d, None]).clamp(min=0)
+        raw.index_put_((r[:, None].expand_as(ks), ks), -2.0 * over, accumulate=True)
+    rows, dims = torch.nonzero(looser, as_tuple=True)
     step = max(1, CANDIDATES // max(n_kv, 1))
-    for s in range(0, rows.numel(), step):  # every key, where one may
+    for s in range(0, rows.numel(), step):  # every key, where one past the second tier may pass
         r, d = rows[s:s + step], dims[s:s + step]
         over = (a[r] * (sign[r, d, None] * written[:, d].T) - size[r, d, None]).clamp(min=0)  # (pairs, n_kv)
         raw.index_add_(0, r, over, alpha=-2.0)
