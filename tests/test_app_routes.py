@@ -3,7 +3,7 @@ on one scale, the sink's share, the logit lens, the export, opening a head's hea
 
 import numpy as np
 
-from test_app import ROOT, app, arr, charts, on_page  # noqa: F401 - app is a fixture
+from test_app import app, arr, charts, on_page  # noqa: F401 - app is a fixture
 
 TEXT = "The capital of France is Paris. The capital of Italy is"
 

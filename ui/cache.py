@@ -230,17 +230,22 @@ def get_seq2seq_capture(loaded: LoadedModel, source: str, target: str, spec: str
                     store=_captures())
 
 
+def _text_fits(loaded: LoadedModel, text: str, made: Recipe) -> bool:
+    """The text tokenizes and is within the server's token cap; else the reason is shown."""
+    try:
+        n_tokens = len(tokenize(loaded, text, MAX_TOKENS, made.prepend)[0])
+    except AttnvizError as err:
+        st.error(str(err))
+        return False
+    return within_token_cap(n_tokens)
+
+
 def get_residual(loaded: LoadedModel, text: str, made: Recipe):
     """One recorded residual stream (attnviz.effects.explain.Residual) per recipe and text, in the capture
     cache: the Why page's attribution, diagnosis and query-key view all read it."""
     from attnviz.effects.explain import Residual
 
-    try:
-        n_tokens = len(tokenize(loaded, text, MAX_TOKENS, made.prepend)[0])
-    except AttnvizError as err:
-        st.error(str(err))
-        return None
-    if not within_token_cap(n_tokens):
+    if not _text_fits(loaded, text, made):
         return None
     return jobs.run(("residual", made.key, text), f"Recording the residual stream under {made.arch}",
                     lambda progress: Residual(loaded, text, made, on_layer=progress), store=_captures())
@@ -251,12 +256,7 @@ def get_flow(loaded: LoadedModel, text: str, made: Recipe):
     graph, sink share and logit lens all read it."""
     from attnviz import flow
 
-    try:
-        n_tokens = len(tokenize(loaded, text, MAX_TOKENS, made.prepend)[0])
-    except AttnvizError as err:
-        st.error(str(err))
-        return None
-    if not within_token_cap(n_tokens):
+    if not _text_fits(loaded, text, made):
         return None
     return jobs.run(("routes", made.key, text), f"Measuring contributions under {made.arch}",
                     lambda progress: flow.trace(loaded, text, made, max_tokens=MAX_TOKENS, on_layer=progress),
