@@ -73,7 +73,7 @@ def test_a_capture_that_cannot_fit_is_refused_before_it_runs(model_cache, tmp_pa
         at.secrets["attnviz"] = {"memory_mb": 600}
     at.run()
     assert not at.error, texts(at.error)  # a short text fits
-    at.sidebar.text_area(key="text").input(" ".join([ENGLISH] * 45)).run()
+    at.sidebar.text_area(key="text").input(" ".join([ENGLISH] * 100)).run()
     assert not at.exception
     message = texts(at.error)
     assert "more than the" in message and "What would fit: a text of at most" in message
