@@ -172,18 +172,18 @@ class _Layer:
         raw = attention_raw(y, probs * keep.T[:, :, None], value, per_head, c)
         raw_residual = raw_part(x, y)
         total = raw.sum((0, 2)) + raw_residual
-        heads = normalised(raw, total[None, :, None])  # (H, n, n)
-        residual = normalised(raw_residual, total)
+        inv = normalised(torch.ones_like(total), total)  # 1 / total, 0 for a zero stream
+        heads = raw.mul_(inv[None, :, None])  # (H, n, n), in place: one pass over the layer
+        residual = raw_residual * inv
         summed = heads.sum(0)
-        i, j, h = torch.nonzero(heads.permute(1, 2, 0) >= tracer.floor, as_tuple=True)
+        kept = heads >= tracer.floor
+        h, i, j = torch.nonzero(kept, as_tuple=True)
         si, sj = torch.nonzero(summed >= tracer.floor, as_tuple=True)
-        mlp_in = x if L.parallel else y
         mlp = proximity(torch.stack((out - y, y)), out)
         tracer.layers.append(LayerFlow(
-            residual.cpu().numpy(), torch.stack((i, j, h), 1).int().cpu().numpy(), heads[h, i, j].cpu().numpy(),
+            residual.cpu().numpy(), torch.stack((i, j, h), 1).int().cpu().numpy(), heads[kept].cpu().numpy(),
             torch.stack((si, sj), 1).int().cpu().numpy(), summed[si, sj].cpu().numpy(),
             mlp[0].cpu().numpy(), mlp[1].cpu().numpy(), L.parallel, int((~keep).sum())))
-        del mlp_in
         tracer.streams += [y.cpu(), out.cpu()]
         self.seen = {}
 
