@@ -340,8 +340,15 @@ def equivalence(loaded: LoadedModel, text: str) -> list[Check]:
     from attnviz.core import kernels
     from attnviz.figures.style import max_pool
 
+    from attnviz.core import anatomy
+    from attnviz.errors import InputError
+
     checks = []
     model = loaded.model
+    try:  # the anatomy's probe runs its own short forward: made now, before the checks' hooks feed layer inputs
+        anatomy.of(model)
+    except InputError:
+        pass  # a model it does not map: the captures below say what they can
     dtype = model.dtype
     name = _dtype_name(dtype)
     limit, why = tolerance(dtype)

@@ -12,6 +12,7 @@ from attnviz.stats import metrics
 from attnviz.cli import ALL, COMMANDS, build_parser
 from attnviz.kv import compress
 from attnviz.reports import html
+from attnviz import flow
 from attnviz.sweep.spec import measure_options
 
 D = defaults.of
@@ -38,9 +39,11 @@ LIBRARY = {
     ("generate", "max_new_tokens"): D(generate.generate)["max_new_tokens"],
     ("report", "size"): D(html.report_html)["size"], ("report", "images"): D(html.report_html)["image_format"],
     ("report", "quality"): D(html.report_html)["quality"],
+    ("routes", "token"): D(flow.routes)["token"], ("routes", "threshold"): D(flow.routes)["threshold"],
 }
 #: (measure, option) -> (command, option dest) where the CLI has the same option
 SWEEP_TO_CLI = {
+    ("routes", "threshold"): ("routes", "threshold"),
     ("sinks", "samples"): ("sinks", "samples"), ("sinks", "max_len"): ("sinks", "max_len"),
     ("sinks", "eps"): ("sinks", "eps"), ("sinks", "key"): ("sinks", "key"),
     ("eval", "max_tokens"): ("eval", "max_tokens"), ("embed", "m"): ("embed", "m"),

@@ -96,13 +96,17 @@ def of(model) -> Anatomy:
     """The model's anatomy (made once, kept on the model), or an :class:`InputError` in one line naming what was
     not found."""
     found = model.__dict__.get("_attnviz_anatomy")
-    if found is not None:
-        return found
-    with _LOCK:
-        found = model.__dict__.get("_attnviz_anatomy")
-        if found is None:
-            found = _discover(model)
-            model.__dict__["_attnviz_anatomy"] = found  # not a submodule, not in the state dict
+    if found is None:
+        with _LOCK:
+            found = model.__dict__.get("_attnviz_anatomy")
+            if found is None:
+                try:
+                    found = _discover(model)
+                except InputError as err:  # a refusal is kept too: no second probe, which may run under hooks
+                    found = err
+                model.__dict__["_attnviz_anatomy"] = found  # not a submodule, not in the state dict
+    if isinstance(found, InputError):
+        raise InputError(str(found))
     return found
 
 
@@ -210,12 +214,19 @@ def _discover(model) -> Anatomy:
         if attn_norm is None and not _same(a_in, h):
             raise InputError(f"{where}: the attention's input is neither the layer's input nor a norm of it")
         parallel = _same(mlp_source, h)
+
+        def adds_up(s):
+            if parallel:
+                return _adds_up(y - h, a + f, s, dtype, y)
+            return _adds_up(mlp_source - h, a, s, dtype, mlp_source) and _adds_up(y - mlp_source, f, s, dtype, y)
+
         if parallel:
             s = _scale(y - h, a + f)
-            ok = _adds_up(y - h, a + f, s, dtype)
-        else:
-            s = _scale(mlp_source - h, a)
-            ok = _adds_up(mlp_source - h, a, s, dtype) and _adds_up(y - mlp_source, f, s, dtype)
+        else:  # one scale of both writes: in half precision a small write alone rounds far from it
+            s = _scale(torch.cat([(mlp_source - h).flatten(), (y - mlp_source).flatten()]),
+                       torch.cat([a.flatten(), f.flatten()]))
+        s = 1.0 if adds_up(1.0) else s  # no multiplier where the writes add up without one (rounding is no scale)
+        ok = adds_up(s)
         if not ok:
             raise InputError(f"{where}: its output is not its input plus its attention and MLP writes "
                              f"({'parallel' if parallel else 'in sequence'}), so the writes cannot be mapped")

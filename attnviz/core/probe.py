@@ -81,6 +81,10 @@ def _scale(delta: torch.Tensor, write: torch.Tensor) -> float:
     return float(delta.double().flatten() @ w) / denominator if denominator > 0 else float("nan")
 
 
-def _adds_up(delta, write, s, dtype) -> bool:
+def _adds_up(delta, write, s, dtype, stream=None) -> bool:
+    """delta = s · write within the dtype's tolerance of delta, plus the rounding of the ``stream`` delta was taken
+    from (in bfloat16 a stream of massive activations rounds its small writes by more than the writes' own
+    tolerance)."""
     error = (delta.double() - s * write.double()).norm()
-    return bool(error <= _tolerance(dtype) * max(float(delta.double().norm()), 1e-6))
+    rounding = 0.0 if stream is None else 2 * torch.finfo(dtype).eps * float(stream.double().norm())
+    return bool(error <= _tolerance(dtype) * max(float(delta.double().norm()), 1e-6) + rounding)
