@@ -33,6 +33,17 @@ def wait_viewer(page, expected: str, timeout: int = 60_000) -> None:
                            timeout=timeout, polling=20)
 
 
+def chart_on_page(page, url: str, has_text: str):
+    """Open ``url``, wait for the chart whose text has ``has_text`` and for the script to finish; the chart, in view."""
+    page.goto(url)
+    chart = page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"]').filter(has_text=has_text).first
+    chart.wait_for(timeout=240_000)
+    wait_for_app(page)
+    no_exception(page)
+    chart.scroll_into_view_if_needed()
+    return chart
+
+
 def no_exception(page) -> None:
     assert page.locator('[data-testid="stException"]').count() == 0
     assert "Traceback" not in page.locator('[data-testid="stMain"]').inner_text()
@@ -98,13 +109,8 @@ def test_app_in_a_real_browser(model_cache, tmp_path):
 def test_heads_page_tile_opens_its_heatmap(model_cache):
     """The Heads page's layer × head grid; a click on a tile opens that head's heatmap below it."""
     with running_app() as url, browser_page() as page:
-        page.goto(f"{url}/heads")
-        grid = page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"]').filter(has_text="head taxonomy")
-        grid.first.wait_for(timeout=240_000)
-        wait_for_app(page)
-        no_exception(page)
-        grid.first.scroll_into_view_if_needed()
-        area = grid.first.locator(".nsewdrag").first.bounding_box()
+        grid = chart_on_page(page, f"{url}/heads", "head taxonomy")
+        area = grid.locator(".nsewdrag").first.bounding_box()
         page.mouse.click(area["x"] + area["width"] * (4 + 0.5) / 9, area["y"] + area["height"] * (3 + 0.5) / 30)
         wait_title(page, "layer 3 ")
         titles = page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"] .gtitle').all_text_contents()
@@ -282,14 +288,9 @@ def test_a_click_on_a_routes_attention_edge_opens_that_heads_heatmap(model_cache
     """The Routes page's graph: a click on an attention edge's midpoint opens that head's heatmap on the Heatmaps
     page (the viewer at that layer and head)."""
     with running_app() as url, browser_page() as page:
-        page.goto(f"{url}/routes")
-        chart = page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"]').filter(has_text="routes of token")
-        chart.first.wait_for(timeout=240_000)
-        wait_for_app(page)
-        no_exception(page)
-        chart.first.scroll_into_view_if_needed()
+        chart = chart_on_page(page, f"{url}/routes", "routes of token")
         # the heaviest attention edge of the first panel whose midpoint no other drawn point is near
-        found = chart.first.evaluate("""(el) => {
+        found = chart.evaluate("""(el) => {
             const gd = el.querySelector('.js-plotly-plot');
             const t = gd._fullData.findIndex(d => d.customdata && d.customdata.length && d.customdata[0].length === 7);
             const d = gd._fullData[t];
@@ -301,7 +302,7 @@ def test_a_click_on_a_routes_attention_edge_opens_that_heads_heatmap(model_cache
             return [t, picks[0], d.customdata[picks[0]][0], d.customdata[picks[0]][1]];
         }""")
         trace, index, layer, head = found
-        x, y = chart.first.evaluate(POINT_PX, [trace, index])
+        x, y = chart.evaluate(POINT_PX, [trace, index])
         page.mouse.move(x, y)
         page.wait_for_timeout(300)
         page.mouse.click(x, y)

@@ -6,22 +6,12 @@ token's routes at a threshold and says how much of the attention flow comes from
 (:mod:`attnviz.flow.graph`); ``lens`` reads a node through the unembedding (:mod:`attnviz.flow.lens`).
 """
 
-from attnviz.flow.graph import THRESHOLD, Edge, Graph, graph, sink_share_all
+from attnviz.flow.graph import THRESHOLD, Edge, Graph, check, graph, sink_share_all
 from attnviz.flow.lens import Reading, lens
 from attnviz.flow.trace import FLOOR, Flow, trace
 
 __all__ = ["FLOOR", "THRESHOLD", "Edge", "Flow", "Graph", "Reading", "check", "graph", "lens", "routes",
            "sink_share_all", "trace"]
-
-
-def check(threshold: float, heads: str = "split") -> None:
-    """Refuse a threshold or a heads choice a graph cannot take, before any model runs."""
-    from attnviz.errors import InputError
-
-    if not FLOOR <= threshold <= 1:
-        raise InputError(f"threshold {threshold}: it must lie between {FLOOR} and 1")
-    if heads not in ("split", "sum"):
-        raise InputError(f"heads {heads!r}: 'split' (one edge per head) or 'sum'")
 
 
 def routes(loaded, text: str, recipe="fwd", token: int = -1, threshold: float = THRESHOLD, heads: str = "split",

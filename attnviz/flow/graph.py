@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnviz.errors import InputError
-from attnviz.flow.trace import Flow
+from attnviz.flow.trace import FLOOR, Flow
 
 THRESHOLD = 0.04  # Ferrando & Voita's default
 
@@ -79,13 +79,19 @@ class Graph:
                 "recipe": flow.recipe.to_dict(), "model": flow.meta.get("model")}
 
 
+def check(threshold: float, heads: str = "split", floor: float = FLOOR) -> None:
+    """Refuse a threshold or a heads choice a graph cannot take (below ``floor``, what a trace keeps), before any
+    model runs."""
+    if not floor <= threshold <= 1:
+        raise InputError(f"threshold {threshold}: it must lie between {floor} and 1 (what a trace keeps)")
+    if heads not in ("split", "sum"):
+        raise InputError(f"heads {heads!r}: 'split' (one edge per head) or 'sum'")
+
+
 def _check(flow: Flow, token: int, threshold: float, heads: str) -> int:
     if not -flow.n_tokens <= token < flow.n_tokens:
         raise InputError(f"token {token} does not exist: the text has tokens 0..{flow.n_tokens - 1}")
-    if not flow.floor <= threshold <= 1:
-        raise InputError(f"threshold {threshold}: it must lie between {flow.floor} and 1 (what a trace keeps)")
-    if heads not in ("split", "sum"):
-        raise InputError(f"heads {heads!r}: 'split' (one edge per head) or 'sum'")
+    check(threshold, heads, flow.floor)
     return token % flow.n_tokens
 
 
