@@ -85,7 +85,7 @@ def region(loaded: LoadedModel, text: str, arch: "str | Recipe", layer: int, que
     """Layer ``layer``'s probabilities for ``queries`` × ``keys`` (half-open token ranges) at full
     resolution, under ``arch`` (an architecture string or a recipe: a region of a capture is made with the
     capture's own recipe, which :func:`of_capture` passes); ``on_layer(done, total)`` reports progress up
-    to that layer. ``block_bytes``: one query block's fp32 scores, else the plan's (:class:`attnviz.plan.Sizes`).
+    to that layer. ``block_bytes``: one query block's fp32 scores, else the plan's (:class:`attnviz.core.sizes.Sizes`).
     ``resume_from`` (layer c <= ``layer``, its input hidden states (n, d)), kept by a forward of the
     same text under the same settings, runs only layers c..``layer`` (:func:`engine.resume`)."""
     from attnviz import recipe as recipe_mod

@@ -102,16 +102,16 @@ def test_resident_size_stays_within_the_budget(model_cache, default_model, tmp_p
 
 
 def test_two_sessions_asking_for_the_same_capture_compute_it_once(model_cache, tmp_path, monkeypatch):
-    import ui.cache
+    from attnviz.capture import Prepared
 
     calls = []
-    original = ui.cache.capture
+    original = Prepared.run
 
-    def counted(*args, **kwargs):
-        calls.append(args[1])
-        return original(*args, **kwargs)
+    def counted(self, *args, **kwargs):  # the capture's one run: the app prepares it, its job queue runs it
+        calls.append(self.text)
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(ui.cache, "capture", counted)
+    monkeypatch.setattr(Prepared, "run", counted)
     text = "Two sessions, one capture: " + ENGLISH
     sessions = []
     for i in range(2):

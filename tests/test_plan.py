@@ -63,3 +63,40 @@ def test_the_device_estimate_charges_what_the_route_makes():
     assert metrics.statistic_floats(("alpha",)) == 4 and metrics.statistic_floats() == 10
     one, every = Keep(statistics=("alpha",)), Keep(statistics=True)
     assert every.host_bytes(lm, 300) - one.host_bytes(lm, 300) == 3 * lm.n_heads * 300 * 4 * 6
+
+
+def test_prepare_plans_once_and_its_run_is_the_capture(monkeypatch):
+    """``prepare`` decides everything before anything runs (the plan under a budget, the device check) and its
+    ``run`` is the capture itself: the same maps and statistics as ``capture`` of the keep it chose, run after
+    run (each run records afresh)."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from attnviz import recipe as recipe_mod
+    from attnviz.capture import prepare
+    from attnviz.core import devices
+
+    lm, text = loaded("llama"), "The keeper lit the lamp at dusk."
+    asked = Keep(hidden_states=True)
+    prepared = prepare(lm, text, "fwd", asked, plan.Budget(per_capture=1, left=BIG, max_tokens=200))
+    assert not prepared.plan.full_maps and prepared.keep.statistics is True and prepared.keep.pool == plan.POOL
+    assert prepared.keep.checkpoints > 0 and "long text" in prepared.label
+    assert prepared.key == (prepared.built.recipe.key, text, replace(prepared.keep, checkpoints=0))
+    first, again = prepared.run(), prepared.run()
+    direct = capture(lm, text, "fwd", prepared.keep)
+    assert first.stats.keys() == direct.stats.keys() == set(range(lm.n_layers))
+    for layer in direct.stats:
+        for name, value in direct.stats[layer].items():
+            np.testing.assert_array_equal(first.stats[layer][name], value)
+            np.testing.assert_array_equal(again.stats[layer][name], value)
+    assert prepare(lm, text, "fwd", asked).plan.full_maps  # no budget: the keep as asked
+
+    ran = []
+    monkeypatch.setattr(recipe_mod, "forward", lambda *a, **k: ran.append(1))
+    monkeypatch.setenv("ATTNVIZ_DEVICE_MB", "0.01")
+    with pytest.raises(devices.DeviceMemoryError, match="What would fit"):
+        prepare(lm, text * 12, "fwd", Keep())
+    with pytest.raises(InputError, match="captures at most 3"):
+        prepare(lm, text, "fwd", Keep(), plan.Budget(BIG, BIG, max_tokens=3))
+    assert not ran

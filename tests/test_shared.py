@@ -216,3 +216,24 @@ def test_sign_in_is_required_where_auth_is_configured(tmp_path, monkeypatch):
     at.run()
     assert not at.exception and "signed in as ada@lab.example" in texts(at.sidebar.caption)
     assert "settings" in at.session_state
+
+
+def test_a_text_over_the_shared_servers_token_cap_is_refused_before_it_runs(lab, tmp_path, monkeypatch):
+    """The per-job token cap (``max_tokens`` in secrets.toml) is the library's refusal of the text, asked once with
+    the capture's plan: one message that says where it can run, and nothing captured; a shorter text runs."""
+    from attnviz.capture import Prepared
+
+    root, _ = lab
+    at = app_test(tmp_path)
+    at.secrets["attnviz"] = {"max_tokens": 24}
+    at.run()
+    at.sidebar.text_input(key="model").set_value(str(root / "tiny-model")).run()
+    runs, original = [], Prepared.run
+    monkeypatch.setattr(Prepared, "run", lambda self, *a, **k: runs.append(self.text) or original(self, *a, **k))
+    at.sidebar.text_area(key="text").input("The keeper lit the lamp at dusk, and the ships came home.").run()
+    message = texts(at.error)
+    assert "captures at most 24" in message and "This shared server runs at most 24 tokens a job" in message
+    assert not runs
+    at.sidebar.text_area(key="text").input("The lamp.").run()
+    assert not at.exception and not at.error, texts(at.error)
+    assert runs == ["The lamp."]

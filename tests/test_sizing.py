@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from attnviz import plan
 from attnviz.capture import capture
 from attnviz.core.lru import nbytes
-from attnviz.plan import Keep, Masks
+from attnviz.plan import Keep
 from attnviz.recipe import Recipe
 from attnviz.tokens import tokenize
 
@@ -139,7 +139,7 @@ CASES = {
 def test_the_estimates_are_what_a_capture_holds_and_makes(default_model, case):
     recipe, keep = CASES[case]
     recipe = recipe(default_model)
-    masks = Masks.of(default_model, recipe)
+    masks = plan.masks_of(default_model, recipe)
     n = len(tokenize(default_model, TEXT)[0])
     host, device = keep.host_bytes(default_model, n, masks), keep.device_bytes(default_model, n, masks)
     capture(default_model, TEXT[:400], recipe, keep)  # first-use caches (tokenizer, hooks) are not the capture's
@@ -192,7 +192,7 @@ def test_a_recipes_per_head_masks_are_charged_what_they_hold():
     lm = loaded("llama")
     recipe = Recipe.of(lm, "fwd", "headwindow(heads=1,3, s=2, w=5)@0-1")
     keep, text = Keep(statistics=True, pool=24), "The quick brown fox jumps over the lazy dog. " * 5
-    masks = Masks.of(lm, recipe)
+    masks = plan.masks_of(lm, recipe)
     cap = capture(lm, text, recipe, keep)
     n = cap.n_tokens
     assert masks.host_bytes([0, 1, 2], n, lm.n_heads) == (1 + 2 * (lm.n_heads + 1)) * n * n

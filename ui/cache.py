@@ -3,7 +3,6 @@ memory budget they live in, and the library's capture plan under that budget."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
@@ -13,7 +12,7 @@ import streamlit as st
 from attnviz.core import arch as arch_mod
 from attnviz.core import devices
 from attnviz import plan as plan_mod
-from attnviz.capture import Capture, capture
+from attnviz.capture import Capture, Prepared, prepare
 from attnviz.tokens import tokenize
 from attnviz.errors import AttnvizError
 from attnviz.core.lru import ByteLRU
@@ -154,38 +153,50 @@ def captures_left() -> int:
     return store.budget
 
 
-def plan_capture(loaded: LoadedModel, text: str, recipe: Recipe, keep: Keep) -> plan_mod.Plan | None:
-    """The library's plan of a capture of ``text`` keeping ``keep`` (:func:`attnviz.plan.for_text`) under this
-    server's memory budget: asked once, its answer shown. A refusal is shown with the budget it was measured
-    against; a bad text with what is wrong."""
-    try:
-        return plan_mod.for_text(loaded, text, recipe, full_maps_limit(), captures_left(), keep,
-                                 checkpoint_bytes=setting_mb("checkpoint", 512) * 2**20, max_tokens=MAX_TOKENS)
-    except plan_mod.CaptureTooLarge as err:
+def job_tokens() -> int | None:
+    """The most tokens one job captures here: the server's ``ATTNVIZ_MAX_TOKENS`` and, on a shared server, its
+    per-job cap (``max_tokens`` in secrets.toml, docs/sharing.md), whichever is lower; None: the model's own limit
+    (a server of one's own has no cap; the memory plan still applies)."""
+    caps = [MAX_TOKENS, shared.cap("max_tokens") if shared.access().shared else None]
+    return min((c for c in caps if c), default=None)
+
+
+def budget() -> plan_mod.Budget:
+    """What one capture may take on this server: full maps up to :func:`full_maps_limit`, what the capture cache
+    has left (:func:`captures_left`), the checkpoints' share (``ATTNVIZ_CHECKPOINT_MB``) and :func:`job_tokens`."""
+    return plan_mod.Budget(full_maps_limit(), captures_left(), setting_mb("checkpoint", 512) * 2**20, job_tokens())
+
+
+def _refused(what: str, err: AttnvizError) -> None:
+    """A refusal in the page: a plan's with the memory budget it was measured against, a text over a shared
+    server's cap with where it can run, any other with what is wrong."""
+    if isinstance(err, plan_mod.CaptureTooLarge):
         st.error(f"{err} The memory budget: ATTNVIZ_MEMORY_MB {devices.mb(capture_budget())}, of which the model "
                  f"weights take {devices.mb(models_bytes())}.")
+        return
+    hint = ""
+    if shared.access().shared and "tokens long" in str(err):
+        hint = (f" This shared server runs at most {shared.cap('max_tokens'):,} tokens a job: shorten the text, or "
+                "run it on your own machine (`attnviz capture`).")
+    st.error(f"{what}: {err}{hint}")
+
+
+def prepare_capture(loaded: LoadedModel, text: str, recipe: Recipe, keep: Keep) -> Prepared | None:
+    """The library's capture of ``text`` keeping ``keep``, planned under this server's :func:`budget` and made
+    ready to run (:func:`attnviz.capture.prepare`): asked once, its refusals shown (:func:`_refused`)."""
+    try:
+        return prepare(loaded, text, recipe, keep, budget())
     except AttnvizError as err:
-        st.error(f"Capturing {recipe.arch}: {err}")
+        _refused(f"Capturing {recipe.arch}", err)
     return None
 
 
 def fits_full_maps(loaded: LoadedModel, text: str, hidden: bool = True) -> bool:
     """Whether a capture of ``text`` keeps full maps of every layer (else statistics and pooled maps)."""
     try:
-        return plan_mod.for_text(loaded, text, Recipe(loaded.model_id), full_maps_limit(), captures_left(),
-                                 Keep(hidden_states=hidden), max_tokens=MAX_TOKENS).full_maps
+        return prepare(loaded, text, Recipe(loaded.model_id), Keep(hidden_states=hidden), budget()).plan.full_maps
     except AttnvizError:
         return True  # get_capture says what is wrong
-
-
-def within_token_cap(n_tokens: int) -> bool:
-    """A shared server's per-job cap on tokens (``max_tokens`` in secrets.toml, docs/sharing.md); refused with
-    ``st.error`` above it. No cap on a server of one's own (the memory plan still applies)."""
-    if shared.access().shared and n_tokens > shared.cap("max_tokens"):
-        st.error(f"{n_tokens:,} tokens: this shared server runs at most {shared.cap('max_tokens'):,} tokens a job. "
-                 "Shorten the text, or run it on your own machine (`attnviz capture`).")
-        return False
-    return True
 
 
 def get_capture(loaded: LoadedModel, text: str, recipe: Recipe, hidden: bool = True,
@@ -194,23 +205,19 @@ def get_capture(loaded: LoadedModel, text: str, recipe: Recipe, hidden: bool = T
     (recipe key, text, keep): moving a layer or head slider never re-runs the model.
 
     ``extras`` names what else the pass keeps, only for the views that ask: "scores" (pre-softmax),
-    "value_norms", "activations"; the default capture stays as cheap as it was. The library's plan decides
-    what a long text keeps (statistics and pooled maps, :func:`plan_capture`); older captures leave the
-    cache before a new one is computed, so the server's resident size stays near its budget.
+    "value_norms", "activations"; the default capture stays as cheap as it was. The library decides, in one call
+    (:func:`prepare_capture`), what a long text keeps (statistics and pooled maps) and refuses what does not fit;
+    older captures leave the cache before a new one is computed, so the server's resident size stays near its
+    budget.
     """
     asked = Keep.of(tuple(sorted(extras)), hidden_states=hidden and not recipe.residual)  # a variant keeps none
-    planned = plan_capture(loaded, text, recipe, asked)
-    if planned is None or not within_token_cap(planned.n_tokens):
+    prepared = prepare_capture(loaded, text, recipe, asked)
+    if prepared is None:
         return None
-    keep = planned.keep
-    for note in planned.notes:  # how it runs, where that matters (a statistic the fused kernel lacks)
+    for note in prepared.plan.notes:  # how it runs, where that matters (a statistic the fused kernel lacks)
         st.caption(note)
-    key = (recipe.key, text, dataclasses.replace(keep, checkpoints=0))
-    label = (f"Capturing {recipe.arch}" + (f" with {recipe.intervene}" if recipe.intervene else "")
-             + ("" if keep.full_maps else " (long text: statistics and pooled maps)"))
-    return jobs.run(key, label, lambda progress: capture(
-        loaded, text, recipe, keep, max_tokens=MAX_TOKENS,
-        on_layer=lambda layer: progress(layer + 1, loaded.n_layers)), store=_captures(), reserve=planned.estimate)
+    return jobs.run(prepared.key, prepared.label, prepared.run_reporting, store=_captures(),
+                    reserve=prepared.plan.estimate)
 
 
 def get_seq2seq_capture(loaded: LoadedModel, source: str, target: str, spec: str):
@@ -231,13 +238,13 @@ def get_seq2seq_capture(loaded: LoadedModel, source: str, target: str, spec: str
 
 
 def _text_fits(loaded: LoadedModel, text: str, made: Recipe) -> bool:
-    """The text tokenizes and is within the server's token cap; else the reason is shown."""
+    """The text tokenizes within this server's cap (:func:`job_tokens`); else the reason is shown."""
     try:
-        n_tokens = len(tokenize(loaded, text, MAX_TOKENS, made.prepend)[0])
+        tokenize(loaded, text, job_tokens(), made.prepend)
     except AttnvizError as err:
-        st.error(str(err))
+        _refused("The text", err)
         return False
-    return within_token_cap(n_tokens)
+    return True
 
 
 def get_residual(loaded: LoadedModel, text: str, made: Recipe):

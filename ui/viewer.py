@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from attnviz.viewer import asset
+from attnviz.viewer.files import asset
 from attnviz.viewer import payload as payload_mod
 
 ADAPTER = """

@@ -224,7 +224,7 @@ class AllowSets:
 
     def block_rows(self, row_elements: int, device=None) -> int:
         """Query rows per block so that a block's fp32 scores stay within the plan's block size on ``device``
-        (``sizes.block_bytes``, :class:`attnviz.plan.Sizes`), read once per run and device."""
+        (``sizes.block_bytes``, :class:`attnviz.core.sizes.Sizes`), read once per run and device."""
         device = torch.device(device or "cpu")
         if ("block", device) not in self._device_cache:
             self._device_cache["block", device] = self.sizes.block_bytes(device)

@@ -286,3 +286,15 @@ def _with_resume(anatomy: Anatomy, seen, ids) -> Anatomy:
     attn_names = frozenset().union(*(r.get("attn_names", set()) for r in seen)) - {"hidden_states"}
     return replace(anatomy, resumable=why and f"{anatomy.family} cannot resume a forward from a layer: {why}",
                    layer_kwargs=names, attn_kwargs=attn_names)
+
+
+def decoder_layers(model) -> "torch.nn.ModuleList | None":
+    """The decoder layers a forward can resume from (:func:`attnviz.core.forward.resume`), or None for a model that
+    must run from its embeddings (its anatomy says why: :attr:`Anatomy.resumable`)."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        return None
+    try:
+        found = of(model)
+    except InputError:
+        return None
+    return None if found.resumable else found.layer_list

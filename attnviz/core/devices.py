@@ -22,7 +22,7 @@ CPU_BLOCK_BYTES = 16 * MB  # fp32 scores of one query block on the CPU: fits its
 # On an accelerator a block's working set is at most about three and a half fp32 copies of its scores
 # (attnviz.plan.Keep.block_copies: the scores, a recorder's copies, the cast for P·V); a sixteenth of free memory
 # per block keeps it well under a quarter of what is free, and 512 MB caps it where more only adds memory (the
-# matmuls are long saturated by then). The plan decides each run's block size from this one (attnviz.plan.Sizes).
+# matmuls are long saturated by then). The plan decides each run's block size from this one (attnviz.core.sizes.Sizes).
 DEVICE_BLOCK_SHARE = 16
 DEVICE_BLOCK_MAX = 512 * MB
 
@@ -179,7 +179,3 @@ def out_of_memory_explained(what: str):
             "(ATTNVIZ_BLOCK_MB)") from None
 
 
-def largest(n: int, fits, step: int = 64) -> int:
-    """The largest length ≤ ``n`` on a grid of ``step`` for which ``fits(length)`` holds (0 when none): the
-    "what would fit" of every refusal (attnviz.plan: the plan and its device check)."""
-    return next((m for m in range(n, 0, -step) if fits(m)), 0)

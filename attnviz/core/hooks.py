@@ -9,25 +9,12 @@ import threading
 import torch
 
 from attnviz.core import blocks
-from attnviz.core.run import Record, Run, _RUN, active, make_run, n_layers
-from attnviz.errors import InputError
+from attnviz.core import anatomy
+from attnviz.core.anatomy import decoder_layers
+from attnviz.core.run import Run, _RUN, n_layers
 
 # The shared server's sessions share one loaded model: hooks are registered on it once, under this lock
 _HOOKS = threading.Lock()
-
-
-def decoder_layers(model) -> "torch.nn.ModuleList | None":
-    """The decoder layers a forward can resume from (:func:`resume`), or None for a model that must run from its
-    embeddings (its anatomy says why: :attr:`attnviz.core.anatomy.Anatomy.resumable`)."""
-    from attnviz.core import anatomy
-
-    if getattr(model.config, "is_encoder_decoder", False):
-        return None
-    try:
-        found = anatomy.of(model)
-    except InputError:
-        return None
-    return None if found.resumable else found.layer_list
 
 
 def _patch_block(layer: int, kind: str, module, args, out):
@@ -71,8 +58,6 @@ def _keep_input(index: int, module, args, kwargs) -> None:
 def _resumable_layers(model) -> torch.nn.ModuleList:
     layers = decoder_layers(model)
     if layers is None:
-        from attnviz.core import anatomy
-
         raise ValueError(anatomy.of(model).resumable if not getattr(model.config, "is_encoder_decoder", False)
                          else f"{model.config.model_type} models cannot resume a forward from a layer's input")
     return layers
@@ -87,30 +72,3 @@ def _keep_layer_inputs(model) -> None:
             for index, layer in enumerate(layers):
                 layer.register_forward_pre_hook(functools.partial(_keep_input, index), with_kwargs=True)
             model._attnviz_keeps_inputs = True
-
-
-def resume(model, hidden: torch.Tensor, start: int, input_ids: torch.Tensor, computes,
-           record: Record = Record()) -> Run:
-    """Layers ``start``.. of :func:`forward` of ``input_ids`` (1, n), run from ``hidden`` (n, d): the
-    input of layer ``start`` that an earlier forward of the same tokens, masks and interventions kept
-    (``Run.checkpoints``). The layers below are not run again; like :func:`forward`, ``record.on_layer`` may
-    stop it after any layer. Returns the run (what it recorded)."""
-    from attnviz.core import anatomy
-
-    _resumable_layers(model)
-    found = anatomy.of(model)
-    run = make_run(model, input_ids, computes, record)
-    with active(run), torch.inference_mode():
-        h = hidden[None].to(model.device)
-        positions = run.positions.to(model.device)
-        # the keyword arguments the base model calls a layer with (the anatomy's probe saw them), made again;
-        # the masks come from the run, so the attention mask is None as in every attnviz forward
-        made = {"position_ids": positions, "use_cache": False, "output_attentions": False,
-                "cache_position": torch.arange(positions.shape[-1], device=positions.device)}
-        for layer in found.layers[start:n_layers(model)]:
-            kwargs = {name: made.get(name) for name in found.layer_kwargs}
-            if "position_embeddings" in kwargs:
-                kwargs["position_embeddings"] = found.position_embeddings(h, positions, layer)
-            out = layer.module(h, **kwargs)
-            h = out[0] if isinstance(out, tuple) else out
-    return run

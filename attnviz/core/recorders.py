@@ -251,7 +251,7 @@ class FullMaps:
     """A recorded layer's full (B, H, n_q, n_kv) maps in the storage dtype, filled block by block.
 
     The blocks are written straight into the host array, or, where ``stage`` (the plan's choice,
-    :meth:`attnviz.plan.Sizes.stages`: on an accelerator with room for the layer), gathered on the device
+    :meth:`attnviz.core.sizes.Sizes.stages`: on an accelerator with room for the layer), gathered on the device
     and sent to pinned host memory in one asynchronous copy per layer, not one small synchronous copy per
     block; the forward waits for the copies before it returns (``Run.collect``). :meth:`host` is the host array."""
 

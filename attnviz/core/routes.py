@@ -10,7 +10,8 @@ import torch
 
 from attnviz.core import kernels
 from attnviz.core.masks import Mask
-from attnviz.core.reduce import pool_factor
+from attnviz.core.reduce import Summaries, pool_factor
+from attnviz.stats.metrics import RowSum
 
 
 class Route(str, enum.Enum):
@@ -149,3 +150,17 @@ def _block_probs(run, layer: int, mask: Mask, query, key, scaling, allow, bias, 
     for intervention in acts:  # sinkscale: after the softmax
         probs = intervention.probabilities(probs, k0)  # the block's first key
     return probs
+
+
+def route_notes(statistics=None) -> tuple[str, ...]:
+    """What a statistics capture's route will be, where it matters: statistics finished from sums the fused
+    kernel does not compute take the block engine on every device (slower on a GPU, never a statistic left
+    at zero)."""
+    reducer = Summaries(["."], statistics=statistics)
+    missing = reducer.missing_sums(kernels.SUMS)
+    if not missing:
+        return ()
+    names = sorted(s.name for s in reducer.statistics
+                   if any((x.name if isinstance(x, RowSum) else x) in missing for x in s.sums))
+    return (f"{', '.join(names)} need{'s' if len(names) == 1 else ''} {', '.join(missing)}, which the fused kernel "
+            "does not compute: statistics captures take the block engine",)

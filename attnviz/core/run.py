@@ -1,5 +1,5 @@
 """The run of one forward and what it keeps: what the caller asked (masks, interventions, what to record), what the
-pass caches (allow-sets, devices) and what it recorded; :func:`forward` runs a model under them.
+pass caches (allow-sets, devices) and what it recorded; :func:`attnviz.core.forward.forward` runs a model under them.
 
 The per-call state lives in a ``ContextVar``, never on the model or in a global, so threads or Streamlit sessions
 sharing one loaded model never see each other's masks or maps (:func:`active`). Outside a run the model behaves
@@ -8,9 +8,7 @@ exactly as stock (:mod:`attnviz.core.attention`).
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
@@ -21,7 +19,8 @@ from attnviz.core import recorders as recorders_mod
 from attnviz.core.allowsets import AllowSet, AllowSets
 from attnviz.core.interventions import NONE, Interventions
 from attnviz.core.masks import Mask
-from attnviz.errors import InputError, ModelLoadError
+from attnviz.core.sizes import Sizes
+from attnviz.errors import ModelLoadError
 
 _RUN: contextvars.ContextVar["Run | None"] = contextvars.ContextVar("attnviz_run", default=None)
 
@@ -50,7 +49,7 @@ class Record:
     each recorded layer's fp32 probabilities and only its result is kept; None keeps full maps in
     ``storage_dtype``. ``scores`` / ``value_norms`` / ``qkv`` also keep, for recorded layers, the pre-softmax
     scores, the value-output norms and the queries, keys and values (only when asked: they cost memory the
-    default capture does not pay). ``sizes``: the plan's sizes of the run (:class:`attnviz.plan.Sizes`: the block
+    default capture does not pay). ``sizes``: the plan's sizes of the run (:class:`attnviz.core.sizes.Sizes`: the block
     size on each device, the whole-allow size, which full maps are staged on a device), which the engine reads and
     never computes; None: the plan's defaults, with ``block_bytes`` (one query block's fp32 scores on every device)
     and ``whole_allow_bytes`` where given. ``checkpoints``: the layers whose inputs are kept on the host to resume
@@ -72,7 +71,7 @@ class Record:
     keep_graph: bool = False
     recorders: tuple | None = None
     whole_allow_bytes: int | None = None  # allow-sets above it are made a block of rows at a time
-    sizes: object = None  # attnviz.plan.Sizes, as a keep's plan makes them
+    sizes: object = None  # attnviz.core.sizes.Sizes, as a keep's plan makes them
 
 
 NOTHING = Record(layers=frozenset())  # record no layer: the forward's output only
@@ -116,7 +115,7 @@ class Asked:
     # per layer, ``mask(n_q, n_kv, device)`` → an (H, n_q, n_kv) allow-set per head, and-ed with the layer's mask:
     # a compressed KV cache (docs/methods.md#kv-cache-compression), or streaming heads on sink + window
     head_masks: dict[int, Callable[[int, int, torch.device], torch.Tensor]] = field(default_factory=dict)
-    sizes: object = None  # the plan's (attnviz.plan.Sizes): block bytes per device, whole-allow size, staging
+    sizes: object = None  # the plan's (attnviz.core.sizes.Sizes): block bytes per device, whole-allow size, staging
     unpadded: bool | None = None  # every key real; None: read from ``valid`` (a host read: the caller may know)
     # layers whose input hidden states (n, d) are kept on the host, to resume a later forward from
     # (:func:`resume`: a long capture's regions); filled by a pre-hook on the decoder layers
@@ -161,9 +160,7 @@ class Run(Recorded, Cached, AllowSets, Asked):
         if self.unpadded is None:
             self.unpadded = bool(self.valid.all())
         if self.sizes is None:
-            from attnviz.plan import Sizes  # the plan owns every size
-
-            self.sizes = Sizes()
+            self.sizes = Sizes()  # the plan's defaults
         self._live = recorders_mod.Live()  # the run's own: it holds this run's live probabilities
 
     def collect(self) -> None:
@@ -237,74 +234,6 @@ class Stacks:
 
 def n_layers(model) -> int:
     return int(model.config.get_text_config().num_hidden_layers)
-
-
-def forward(model, input_ids: torch.Tensor, computes, record: Record = Record(), feed: Feed = Feed()):
-    """One forward pass under per-layer masks and interventions (``computes``: a :class:`Computes` or a list
-    of masks), recording what ``record`` asks; returns ``(model_output, run)``. Recorded layers compute
-    their softmax in blocks of query rows (the plan's block size, ``record.sizes``)."""
-    with contextlib.nullcontext() if feed.grad else torch.inference_mode():
-        run = make_run(model, input_ids, computes, record, feed)
-        cached = feed.past_key_values is not None
-        if cached != (feed.kv_positions is not None):
-            raise ValueError("a cached forward takes past_key_values and kv_positions together")
-        new_positions = run.positions[:, -input_ids.shape[1]:] if cached else run.positions
-        target = model if feed.lm_head else model.base_model
-        keep = {"logits_to_keep": 1} if feed.last_logits_only and feed.lm_head and "logits_to_keep" in \
-            inspect.signature(model.forward).parameters else {}
-        if run.checkpoint_layers:
-            from attnviz.core.hooks import _keep_layer_inputs
-
-            _keep_layer_inputs(model)
-        with active(run):
-            output = target(input_ids=input_ids.to(model.device), position_ids=new_positions.to(model.device),
-                            attention_mask=None if cached else run.valid.long().to(model.device),
-                            past_key_values=feed.past_key_values, use_cache=cached,
-                            output_hidden_states=feed.hidden_states, **keep)
-    return output, run
-
-
-def make_run(model, input_ids: torch.Tensor, computes, record: Record = Record(), feed: Feed = Feed()) -> Run:
-    """The per-call state of :func:`forward` (positions, masks, what to record), checked.
-
-    Code that runs the layers itself (residual variants) makes one and enters :func:`active`.
-    """
-    if getattr(model.config, "is_encoder_decoder", False):
-        raise InputError(f"{type(model).__name__} is an encoder-decoder model: this view takes decoder-only models "
-                         "(encoder-decoders are captured on the heatmaps page or with `attnviz capture`)")
-    from attnviz.core import blocks
-    from attnviz.core.attention import prepare
-    from attnviz.core.hooks import _hook_blocks
-
-    prepare(model)
-    computes = Computes.of(computes)
-    masks, total = list(computes.masks), n_layers(model)
-    if len(masks) != total:
-        raise ValueError(f"{len(masks)} masks for a model with {total} layers")
-    attention_mask, kv_positions = feed.attention_mask, feed.kv_positions
-    if kv_positions is not None:
-        if attention_mask is not None:
-            raise ValueError("a cached forward takes kv_positions and no attention_mask")
-        positions = kv_positions.long()
-        valid = torch.ones_like(positions, dtype=torch.bool)
-    else:
-        valid = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).bool()
-        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-    if any(a.patches(block) for a in computes.interventions.items for block in blocks.KINDS):
-        _hook_blocks(model)
-    for mask in {id(m): m for m in masks}.values():
-        if mask.horizon is not None and int(positions.max()) + 1 > mask.horizon:
-            raise InputError(f"{mask.name} was set for at most T={mask.horizon} tokens but the text reaches "
-                             f"{int(positions.max()) + 1}: raise T or shorten the text")
-    from attnviz.plan import Sizes  # the plan owns every size: read when a run is made
-
-    return Run(masks, frozenset(range(total) if record.layers is None else record.layers), positions, valid,
-               recorders=record.recorders if record.recorders is not None else recorders_mod.for_record(record),
-               on_layer=record.on_layer,
-               keep_graph=record.keep_graph, interventions=computes.interventions,
-               sizes=record.sizes or Sizes.given(record.block_bytes, record.whole_allow_bytes),
-               unpadded=True if kv_positions is not None or attention_mask is None else None,
-               checkpoint_layers=frozenset(record.checkpoints))
 
 
 @contextmanager

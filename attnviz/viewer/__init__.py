@@ -9,12 +9,7 @@ them when a slider moves, with no server round trip. The same script runs
 
 from __future__ import annotations
 
-from importlib.resources import files
-
-
-def asset(name: str) -> str:
-    """A file shipped with the package (``heatmap.js``, ``heatmap.css``, ``embed.js``)."""
-    return (files(__package__) / name).read_text(encoding="utf-8")
+from attnviz.viewer.files import asset  # noqa: F401 - the files the viewer ships
 
 
 def __getattr__(name):  # the notebook widget imports anywidget only when asked for

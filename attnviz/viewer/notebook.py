@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
-from attnviz.viewer import asset
+from attnviz.viewer.files import asset
 
 NOTHING = "data:text/javascript,"  # in place of require.js, MathJax, jQuery and Mermaid: nothing to fetch
 

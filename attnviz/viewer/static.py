@@ -7,7 +7,7 @@ import html
 import json
 from pathlib import Path
 
-from attnviz.viewer import asset
+from attnviz.viewer.files import asset
 
 
 def script_json(data) -> str:

@@ -19,7 +19,7 @@ import traitlets
 from attnviz import regions
 from attnviz.capture import Capture
 from attnviz.errors import AttnvizError
-from attnviz.viewer import asset
+from attnviz.viewer.files import asset
 from attnviz.viewer import payload as payload_mod
 from attnviz.viewer.tensors import from_attention
 

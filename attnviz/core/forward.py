@@ -1,0 +1,104 @@
+"""The engine's forward: a run made for one call (:func:`make_run`), the model run under it (:func:`forward`), and
+a forward resumed from a layer's kept input (:func:`resume`). Above the run's state (:mod:`attnviz.core.run`), the
+attention function (:mod:`attnviz.core.attention`) and the layer hooks (:mod:`attnviz.core.hooks`), which import
+nothing from here."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+from attnviz.core import anatomy, blocks
+from attnviz.core import recorders as recorders_mod
+from attnviz.core.attention import prepare
+from attnviz.core.hooks import _hook_blocks, _keep_layer_inputs, _resumable_layers
+from attnviz.core.run import Computes, Feed, Record, Run, active, n_layers
+from attnviz.core.sizes import Sizes
+from attnviz.errors import InputError
+
+
+def forward(model, input_ids: torch.Tensor, computes, record: Record = Record(), feed: Feed = Feed()):
+    """One forward pass under per-layer masks and interventions (``computes``: a :class:`Computes` or a list
+    of masks), recording what ``record`` asks; returns ``(model_output, run)``. Recorded layers compute
+    their softmax in blocks of query rows (the plan's block size, ``record.sizes``)."""
+    with contextlib.nullcontext() if feed.grad else torch.inference_mode():
+        run = make_run(model, input_ids, computes, record, feed)
+        cached = feed.past_key_values is not None
+        if cached != (feed.kv_positions is not None):
+            raise ValueError("a cached forward takes past_key_values and kv_positions together")
+        new_positions = run.positions[:, -input_ids.shape[1]:] if cached else run.positions
+        target = model if feed.lm_head else model.base_model
+        keep = {"logits_to_keep": 1} if feed.last_logits_only and feed.lm_head and "logits_to_keep" in \
+            inspect.signature(model.forward).parameters else {}
+        if run.checkpoint_layers:
+            _keep_layer_inputs(model)
+        with active(run):
+            output = target(input_ids=input_ids.to(model.device), position_ids=new_positions.to(model.device),
+                            attention_mask=None if cached else run.valid.long().to(model.device),
+                            past_key_values=feed.past_key_values, use_cache=cached,
+                            output_hidden_states=feed.hidden_states, **keep)
+    return output, run
+
+
+def make_run(model, input_ids: torch.Tensor, computes, record: Record = Record(), feed: Feed = Feed()) -> Run:
+    """The per-call state of :func:`forward` (positions, masks, what to record), checked.
+
+    Code that runs the layers itself (residual variants) makes one and enters :func:`active`.
+    """
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise InputError(f"{type(model).__name__} is an encoder-decoder model: this view takes decoder-only models "
+                         "(encoder-decoders are captured on the heatmaps page or with `attnviz capture`)")
+    prepare(model)
+    computes = Computes.of(computes)
+    masks, total = list(computes.masks), n_layers(model)
+    if len(masks) != total:
+        raise ValueError(f"{len(masks)} masks for a model with {total} layers")
+    attention_mask, kv_positions = feed.attention_mask, feed.kv_positions
+    if kv_positions is not None:
+        if attention_mask is not None:
+            raise ValueError("a cached forward takes kv_positions and no attention_mask")
+        positions = kv_positions.long()
+        valid = torch.ones_like(positions, dtype=torch.bool)
+    else:
+        valid = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).bool()
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    if any(a.patches(block) for a in computes.interventions.items for block in blocks.KINDS):
+        _hook_blocks(model)
+    for mask in {id(m): m for m in masks}.values():
+        if mask.horizon is not None and int(positions.max()) + 1 > mask.horizon:
+            raise InputError(f"{mask.name} was set for at most T={mask.horizon} tokens but the text reaches "
+                             f"{int(positions.max()) + 1}: raise T or shorten the text")
+    return Run(masks, frozenset(range(total) if record.layers is None else record.layers), positions, valid,
+               recorders=record.recorders if record.recorders is not None else recorders_mod.for_record(record),
+               on_layer=record.on_layer,
+               keep_graph=record.keep_graph, interventions=computes.interventions,
+               sizes=record.sizes or Sizes.given(record.block_bytes, record.whole_allow_bytes),
+               unpadded=True if kv_positions is not None or attention_mask is None else None,
+               checkpoint_layers=frozenset(record.checkpoints))
+
+
+def resume(model, hidden: torch.Tensor, start: int, input_ids: torch.Tensor, computes,
+           record: Record = Record()) -> Run:
+    """Layers ``start``.. of :func:`forward` of ``input_ids`` (1, n), run from ``hidden`` (n, d): the
+    input of layer ``start`` that an earlier forward of the same tokens, masks and interventions kept
+    (``Run.checkpoints``). The layers below are not run again; like :func:`forward`, ``record.on_layer`` may
+    stop it after any layer. Returns the run (what it recorded)."""
+    _resumable_layers(model)
+    found = anatomy.of(model)
+    run = make_run(model, input_ids, computes, record)
+    with active(run), torch.inference_mode():
+        h = hidden[None].to(model.device)
+        positions = run.positions.to(model.device)
+        # the keyword arguments the base model calls a layer with (the anatomy's probe saw them), made again;
+        # the masks come from the run, so the attention mask is None as in every attnviz forward
+        made = {"position_ids": positions, "use_cache": False, "output_attentions": False,
+                "cache_position": torch.arange(positions.shape[-1], device=positions.device)}
+        for layer in found.layers[start:n_layers(model)]:
+            kwargs = {name: made.get(name) for name in found.layer_kwargs}
+            if "position_embeddings" in kwargs:
+                kwargs["position_embeddings"] = found.position_embeddings(h, positions, layer)
+            out = layer.module(h, **kwargs)
+            h = out[0] if isinstance(out, tuple) else out
+    return run
