@@ -121,3 +121,24 @@ def test_the_fast_path_equals_the_definition_where_parts_outweigh_the_stream():
     direct = contributions.raw_part(written, y[None, :, None, :])
     assert (direct > 0).any() and ((written.abs() > y[None, :, None].abs()).sum() > 100)
     torch.testing.assert_close(fast, direct, atol=1e-4, rtol=1e-5)
+
+
+def test_every_tier_of_the_exact_correction_equals_the_definition():
+    """Rows flat enough that the bound sends some (query, dimension) pairs past the 4, 16 and 64 heaviest keys to
+    every key: each tier is taken, and the result is still the written-out definition."""
+    gen = torch.Generator().manual_seed(2)
+    n, heads, d, width = 150, 3, 8, 24
+    y = torch.randn(n, width, generator=gen) * 0.05
+    probs = torch.softmax(torch.randn(heads, n, n, generator=gen) * torch.tensor([0.3, 2.0, 6.0])[:, None, None], -1)
+    value = torch.randn(heads, n, d, generator=gen) * 3
+    w_out = torch.randn(heads, width, d, generator=gen)
+    c = torch.rand(n, generator=gen) + 0.5
+    a = probs * c[None, :, None]
+    written = torch.einsum("hkd,hxd->hkx", value, w_out)  # (H, n, D): each source's write
+    bound = torch.where(y[None] >= 0, written.amax(1)[:, None, :], -written.amin(1)[:, None, :])  # (H, n, D)
+    ranked = a.sort(-1, descending=True).values
+    for rank in (contributions.TOP, *contributions.WIDER):  # some pair needs the tier past each
+        assert (ranked[..., rank, None] * bound > y.abs()[None]).any(), rank
+    fast = contributions.attention_raw(y, probs, value, w_out, c)
+    parts = torch.einsum("hqk,q,hkd,hxd->hqkx", probs, c, value, w_out)
+    torch.testing.assert_close(fast, contributions.raw_part(parts, y[None, :, None, :]), atol=1e-4, rtol=1e-5)

@@ -14,8 +14,8 @@ tensor per layer. It is never made here: with ``s = sign(y)`` (+1 at zero),
 so the first sum is one matrix product per head, ``c_i A_ij (s_i W̃)·v_j``, and the second is non-zero only on the
 few dimensions d where a single part outweighs the whole stream (``s_d t_d > |y_d|``): a row's few heaviest sources
 are checked in every dimension, more of them and then all only where a bound (the next weight times the largest
-write of any source in d) says one may pass. Both are computed exactly, a block of queries at a time. The result equals the written-out computation to rounding (tests/test_flow.py checks it against stock
-transformers' hooks on several families).
+write of any source in d) says one may pass. Both are computed exactly, a block at a time. The result equals the written-out computation to
+rounding (tests/test_flow.py checks it against stock transformers' hooks on several families).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 CANDIDATES = 1 << 22  # floats of the exact correction made at once
-TOP = 4  # each row's heaviest sources, corrected in every dimension
-NEXT = 32  # the next tier, corrected where the bound says a key past the first may pass
+TOP = 4  # a row's heaviest sources, corrected in every (query, dimension) pair
+WIDER = (16, 64)  # the next tiers, for the pairs where the bound says a key past the one before may pass
 
 
 def proximity(parts: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
@@ -60,43 +60,58 @@ def attention_raw(y: torch.Tensor, probs: torch.Tensor, value: torch.Tensor, w_o
     for h in range(n_heads):
         v = value[h // group]  # (n_kv, d)
         a = probs[h] * c[:, None]  # (n_q, n_kv): c_i A_ij
-        raw = a * ((sign @ w_out[h]) @ v.T)  # the linear sum: c_i A_ij (s_i · W̃ v_j)
-        written = v @ w_out[h].T  # (n_kv, D): W̃ v_j, every source's write before its weight
-        _correct(raw, a, written, sign, size)
-        out[h] = raw.clamp(min=0)
+        raw = torch.mm(sign @ w_out[h], v.T).mul_(a)  # the linear sum: c_i A_ij (s_i · W̃ v_j)
+        _correct(raw, a, w_out[h] @ v.T, sign, size)  # (D, n_kv): W̃ v_j, every source's write before its weight
+        out[h] = raw.clamp_(min=0)
     return out
 
 
 def _correct(raw: torch.Tensor, a: torch.Tensor, written: torch.Tensor, sign: torch.Tensor, size: torch.Tensor) -> None:
-    """Subtract 2 Σ_d max(s_d t_d − |y_d|, 0) from ``raw`` (n_q, n_kv) in place, t = a_ij · written_j.
+    """Subtract 2 Σ_d max(s_d t_d − |y_d|, 0) from ``raw`` (n_q, n_kv) in place, t = a_ij · written_j (``written``
+    (D, n_kv): by dimension).
 
-    In tiers, each exact: a row's :data:`TOP` heaviest keys in every dimension; in the (query, dimension) pairs where
-    the next weight times the largest write of any source in that dimension may still pass the stream, its
-    :data:`NEXT` heaviest keys; where even the weight after those may, every key."""
+    In tiers, each exact. First, every (query, dimension) pair with the row's :data:`TOP` heaviest keys, where the
+    next weight times the largest write of any source along the stream's sign cannot pass the stream. The other
+    pairs (a few in a hundred) are looked at one by one: with the row's :data:`WIDER` heaviest keys where the next
+    weight after them cannot pass, else with every key."""
     n_q, n_kv = a.shape
-    first, second = min(TOP, n_kv), min(NEXT, n_kv)
-    weights, keys = a.topk(min(second + 1, n_kv), dim=1)
-    most = torch.stack((written.max(0).values, -written.min(0).values))  # (2, D): the largest write either way
-    bound = torch.where(sign > 0, most[0], most[1])  # (n_q, D)
+    width = written.shape[0]
+    bound = torch.where(sign > 0, written.amax(1), written.amin(1).neg_())  # (n_q, D): the largest write, either way
+    rows_of = written.T.contiguous()  # (n_kv, D): each source's write
+    first = min(TOP, n_kv)
+    weights, keys = a.topk(min(first + 1, n_kv), dim=1)
     none = torch.zeros_like(size, dtype=torch.bool)
     loose = weights[:, first, None] * bound > size if n_kv > first else none  # a key past the first tier may pass
-    looser = weights[:, second, None] * bound > size if n_kv > second else none  # ... past the second tier
-    step = max(1, CANDIDATES // (first * written.shape[1]))
-    for q0 in range(0, n_q, step):  # the first tier, where no other key can pass
+    step = max(1, CANDIDATES // (first * width))
+    for q0 in range(0, n_q, step):
         q = slice(q0, q0 + step)
-        over = weights[q, :first, None] * sign[q, None, :] * written[keys[q, :first]] - size[q, None, :]
-        over = over.clamp(min=0).masked_fill(loose[q, None, :], 0.0).sum(-1)  # (rows, first)
-        raw[q].scatter_add_(1, keys[q, :first], -2.0 * over)
-    rows, dims = torch.nonzero(loose & ~looser, as_tuple=True)
-    step = max(1, CANDIDATES // second)
-    for s in range(0, rows.numel(), step):  # the second tier, where no key past it can pass
-        r, d = rows[s:s + step], dims[s:s + step]
-        ks = keys[r, :second]  # (pairs, second)
-        over = (weights[r, :second] * sign[r, d, None] * written[ks, d[:, None]] - size[r, d, None]).clamp(min=0)
-        raw.index_put_((r[:, None].expand_as(ks), ks), -2.0 * over, accumulate=True)
-    rows, dims = torch.nonzero(looser, as_tuple=True)
-    step = max(1, CANDIDATES // max(n_kv, 1))
-    for s in range(0, rows.numel(), step):  # every key, where one past the second tier may pass
-        r, d = rows[s:s + step], dims[s:s + step]
-        over = (a[r] * (sign[r, d, None] * written[:, d].T) - size[r, d, None]).clamp(min=0)  # (pairs, n_kv)
-        raw.index_add_(0, r, over, alpha=-2.0)
+        over = rows_of[keys[q, :first]]  # (rows, first, D), made once and worked in place
+        over.mul_(weights[q, :first, None]).mul_(sign[q, None, :]).sub_(size[q, None, :]).clamp_(min=0)
+        over.masked_fill_(loose[q, None, :], 0.0)
+        raw[q].scatter_add_(1, keys[q, :first], over.sum(-1).mul_(-2.0))
+    rows, dims = torch.nonzero(loose, as_tuple=True)
+    if rows.numel() == 0:
+        return
+    need, slot = torch.unique(rows, return_inverse=True)  # the rows with a loose pair
+    widest = [w for w in WIDER if w < n_kv]
+    if widest:
+        weights, keys = a[need].topk(widest[-1] + 1, dim=1)
+    reach, gap = bound[rows, dims], size[rows, dims]
+    left = torch.ones_like(gap, dtype=torch.bool)
+    flat, flat_raw = rows_of.view(-1), raw.view(-1)
+    for take in widest + [None]:
+        here = left.clone() if take is None else left & ~(weights[slot, take] * reach > gap)
+        left &= ~here
+        pick = torch.nonzero(here, as_tuple=True)[0]
+        step = max(1, CANDIDATES // (take or n_kv))
+        for s in range(0, pick.numel(), step):
+            p = pick[s:s + step]
+            r, d = rows[p], dims[p]
+            if take is None:  # every key
+                over = a[r].mul_(written[d]).mul_(sign[r, d, None]).sub_(size[r, d, None]).clamp_(min=0)
+                raw.index_add_(0, r, over, alpha=-2.0)
+            else:  # the row's heaviest keys
+                ks = keys[slot[p], :take]  # (pairs, take)
+                over = flat[ks * width + d[:, None]]
+                over.mul_(weights[slot[p], :take]).mul_(sign[r, d, None]).sub_(size[r, d, None]).clamp_(min=0)
+                flat_raw.index_add_(0, (r[:, None] * n_kv + ks).flatten(), over.flatten(), alpha=-2.0)

@@ -97,7 +97,9 @@ class _Probs(Recorder):
         self.into["value"] = inputs.value[0].float()
 
     def block(self, run, layer, q0, k0, probs, allow):
-        self.into["probs"] = probs[0].float().clone()
+        # the engine's own fp32 probabilities, read only after this (P·V): kept without a copy until the layer's
+        # reduction, which runs before the next layer makes its own
+        self.into["probs"] = probs[0].float()
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> torch.Tensor:
@@ -169,7 +171,7 @@ class _Layer:
             raise InputError(f"routes: {tracer.family} layer {L.index}: the attention's write is not the sum of its "
                              "heads' weighted values, so it cannot be split by source token")
         keep = heads_ok & rows_ok[:, None]  # (n, H)
-        raw = attention_raw(y, probs * keep.T[:, :, None], value, per_head, c)
+        raw = attention_raw(y, probs if bool(keep.all()) else probs * keep.T[:, :, None], value, per_head, c)
         raw_residual = raw_part(x, y)
         total = raw.sum((0, 2)) + raw_residual
         inv = normalised(torch.ones_like(total), total)  # 1 / total, 0 for a zero stream
