@@ -24,7 +24,7 @@ import torch
 
 CANDIDATES = 1 << 22  # floats of the exact correction made at once
 TOP = 4  # a row's heaviest sources, corrected in every (query, dimension) pair
-WIDER = (16, 64)  # the next tiers, for the pairs where the bound says a key past the one before may pass
+WIDER = (16, 64)  # the next tiers' widths, for the pairs where the bound says a key past the tier before may pass
 
 
 def proximity(parts: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
@@ -70,48 +70,41 @@ def _correct(raw: torch.Tensor, a: torch.Tensor, written: torch.Tensor, sign: to
     """Subtract 2 Σ_d max(s_d t_d − |y_d|, 0) from ``raw`` (n_q, n_kv) in place, t = a_ij · written_j (``written``
     (D, n_kv): by dimension).
 
-    In tiers, each exact. First, every (query, dimension) pair with the row's :data:`TOP` heaviest keys, where the
-    next weight times the largest write of any source along the stream's sign cannot pass the stream. The other
-    pairs (a few in a hundred) are looked at one by one: with the row's :data:`WIDER` heaviest keys where the next
-    weight after them cannot pass, else with every key."""
+    In tiers, each exact, each adding the keys the one before left out. First, every (query, dimension) pair with the
+    row's :data:`TOP` heaviest keys. Then only the pairs where the next weight times the largest write of any source
+    along the stream's sign may still pass the stream (a few in a hundred): the row's next heaviest keys, up to each
+    width of :data:`WIDER`, while that bound says a key past them may pass; after the last, every other key."""
     n_q, n_kv = a.shape
     width = written.shape[0]
     bound = torch.where(sign > 0, written.amax(1), written.amin(1).neg_())  # (n_q, D): the largest write, either way
     rows_of = written.T.contiguous()  # (n_kv, D): each source's write
-    first = min(TOP, n_kv)
-    weights, keys = a.topk(min(first + 1, n_kv), dim=1)
-    none = torch.zeros_like(size, dtype=torch.bool)
-    loose = weights[:, first, None] * bound > size if n_kv > first else none  # a key past the first tier may pass
+    tiers = [t for t in (TOP, *WIDER) if t < n_kv]
+    first = tiers[0] if tiers else n_kv
+    weights, keys = a.topk(tiers[-1] + 1 if tiers else n_kv, dim=1)  # each row's heaviest keys, once
     step = max(1, CANDIDATES // (first * width))
-    for q0 in range(0, n_q, step):
+    for q0 in range(0, n_q, step):  # the row's heaviest keys, in every dimension
         q = slice(q0, q0 + step)
         over = rows_of[keys[q, :first]]  # (rows, first, D), made once and worked in place
         over.mul_(weights[q, :first, None]).mul_(sign[q, None, :]).sub_(size[q, None, :]).clamp_(min=0)
-        over.masked_fill_(loose[q, None, :], 0.0)
         raw[q].scatter_add_(1, keys[q, :first], over.sum(-1).mul_(-2.0))
-    rows, dims = torch.nonzero(loose, as_tuple=True)
-    if rows.numel() == 0:
+    if not tiers:
         return
-    need, slot = torch.unique(rows, return_inverse=True)  # the rows with a loose pair
-    widest = [w for w in WIDER if w < n_kv]
-    if widest:
-        weights, keys = a[need].topk(widest[-1] + 1, dim=1)
-    reach, gap = bound[rows, dims], size[rows, dims]
-    left = torch.ones_like(gap, dtype=torch.bool)
-    flat, flat_raw = rows_of.view(-1), raw.view(-1)
-    for take in widest + [None]:
-        here = left.clone() if take is None else left & ~(weights[slot, take] * reach > gap)
-        left &= ~here
-        pick = torch.nonzero(here, as_tuple=True)[0]
-        step = max(1, CANDIDATES // (take or n_kv))
-        for s in range(0, pick.numel(), step):
-            p = pick[s:s + step]
-            r, d = rows[p], dims[p]
-            if take is None:  # every key
+    rows, dims = torch.nonzero(weights[:, first, None] * bound > size, as_tuple=True)  # a key past them may pass
+    flat, flat_raw, done = rows_of.view(-1), raw.view(-1), first
+    for take in tiers[1:] + [None]:
+        if rows.numel() == 0:
+            return
+        step = max(1, CANDIDATES // ((take or n_kv) - done))
+        for s in range(0, rows.numel(), step):
+            r, d = rows[s:s + step], dims[s:s + step]
+            if take is None:  # every key the tiers before left out
                 over = a[r].mul_(written[d]).mul_(sign[r, d, None]).sub_(size[r, d, None]).clamp_(min=0)
-                raw.index_add_(0, r, over, alpha=-2.0)
-            else:  # the row's heaviest keys
-                ks = keys[slot[p], :take]  # (pairs, take)
+                raw.index_add_(0, r, over.scatter_(1, keys[r, :done], 0.0), alpha=-2.0)
+            else:  # the row's next heaviest keys
+                ks = keys[r, done:take]  # (pairs, take - done)
                 over = flat[ks * width + d[:, None]]
-                over.mul_(weights[slot[p], :take]).mul_(sign[r, d, None]).sub_(size[r, d, None]).clamp_(min=0)
+                over.mul_(weights[r, done:take]).mul_(sign[r, d, None]).sub_(size[r, d, None]).clamp_(min=0)
                 flat_raw.index_add_(0, (r[:, None] * n_kv + ks).flatten(), over.flatten(), alpha=-2.0)
+        if take is not None:
+            later = weights[rows, take] * bound[rows, dims] > size[rows, dims]  # a key past these may pass
+            rows, dims, done = rows[later], dims[later], take
