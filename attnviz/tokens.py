@@ -13,6 +13,10 @@ from attnviz.core.models import LoadedModel
 from attnviz.errors import InputError
 
 REMEMBERED = 32  # texts
+
+
+class TooLong(InputError):
+    """A text over the model's limit or the caller's cap (``max_tokens``): the message says both lengths."""
 _memo: OrderedDict = OrderedDict()
 _lock = threading.Lock()
 
@@ -62,11 +66,11 @@ def _tokenize(loaded: LoadedModel, text: str, max_tokens: int | None,
     if prefix and list(ids[:len(prefix)]) != prefix:
         ids = prefix + list(ids)
     if len(ids) > loaded.max_tokens:
-        raise InputError(
+        raise TooLong(
             f"the text is {len(ids)} tokens long but {loaded.model_id} takes at most {loaded.max_tokens}: shorten it"
         )
     if max_tokens is not None and len(ids) > max_tokens:
-        raise InputError(f"the text is {len(ids)} tokens long; this view captures at most {max_tokens}: shorten it")
+        raise TooLong(f"the text is {len(ids)} tokens long; this view captures at most {max_tokens}: shorten it")
     if len(ids) < 1:
         raise InputError("the text produced no tokens")
     return tuple(ids), tuple(loaded.tokenizer.decode([i]) for i in ids)

@@ -13,7 +13,7 @@ from attnviz.core import arch as arch_mod
 from attnviz.core import devices
 from attnviz import plan as plan_mod
 from attnviz.capture import Capture, Prepared, prepare
-from attnviz.tokens import tokenize
+from attnviz.tokens import TooLong, tokenize
 from attnviz.errors import AttnvizError
 from attnviz.core.lru import ByteLRU
 from attnviz.core.models import LoadedModel, load
@@ -175,7 +175,7 @@ def _refused(what: str, err: AttnvizError) -> None:
                  f"weights take {devices.mb(models_bytes())}.")
         return
     hint = ""
-    if shared.access().shared and "tokens long" in str(err):
+    if shared.access().shared and isinstance(err, TooLong):
         hint = (f" This shared server runs at most {shared.cap('max_tokens'):,} tokens a job: shorten the text, or "
                 "run it on your own machine (`attnviz capture`).")
     st.error(f"{what}: {err}{hint}")
