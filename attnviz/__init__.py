@@ -19,11 +19,11 @@ __version__ = "0.1.0"
 #: public name -> the module that defines it
 _EXPORTS = {
     "Architecture": "core.arch", "parse": "core.arch",
-    "Capture": "capture", "capture": "capture",
+    "Capture": "capture", "capture": "capture", "prepare": "capture",
     "AttnvizError": "errors", "ArchitectureError": "errors", "InputError": "errors", "MaskError": "errors",
     "ModelLoadError": "errors",
     "LoadedModel": "core.models", "load": "core.models",
-    "Recipe": "recipe", "Keep": "plan",
+    "Recipe": "recipe", "Keep": "plan", "Budget": "plan",
     "explain": "effects.explain",
     "show": "viewer.widget", "show_compare": "viewer.widget", "save_html": "viewer.static",
     "from_attention": "viewer.tensors",
@@ -55,6 +55,6 @@ def __dir__():
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-__all__ = ["show", "show_compare", "save_html", "from_attention", "explain", "Architecture", "parse", "Capture", "capture", "load",
-           "LoadedModel", "Recipe", "Keep",
+__all__ = ["show", "show_compare", "save_html", "from_attention", "explain", "Architecture", "parse", "Capture", "capture",
+           "prepare", "load", "LoadedModel", "Recipe", "Keep", "Budget",
            "AttnvizError", "ArchitectureError", "InputError", "MaskError", "ModelLoadError", "__version__"]
