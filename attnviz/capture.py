@@ -349,8 +349,8 @@ class Prepared:
         """The capture: one forward under the recipe, recorded as planned (fresh recorders each run);
         ``on_layer(i)`` after each layer."""
         loaded, keep, built = self.loaded, self.keep, self.built
-        record = keep.record(loaded, list(self.tokens), on_layer, kept=None if built.variant is None else (),
-                             shape=self.shape, layers=list(self.layers))
+        record = keep.record(self.shape, list(self.tokens), list(self.layers), on_layer,
+                             kept=None if built.variant is None else ())
         variant, architecture, acts = built.variant, built.architecture, built.interventions
         prepend = built.recipe.prepend
         layers = sorted(record.layers)
@@ -408,7 +408,7 @@ def prepare(loaded: LoadedModel, text: str, recipe: "str | arch_mod.Architecture
     if keep.value_norms:  # refused here where the output projection cannot be read, not in the middle of the run
         engine.output_projection(engine.attention_modules(loaded.model)[0])
     shape = Shape.of(loaded)
-    recorded = syntax.layers(keep.layers, shape.n_layers)
+    recorded = keep.recorded(shape.n_layers)
     masks = Masks.of(shape, built)
     planned = plan_mod.decide(shape, len(ids), keep, masks, recorded, budget, built.recipe.residual)
     return Prepared(loaded, text, built, tuple(ids), tuple(tokens), shape, tuple(recorded), planned)

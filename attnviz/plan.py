@@ -32,7 +32,6 @@ from attnviz.core.routes import route_notes  # noqa: F401 - what a statistics ca
 from attnviz.core.sizes import STAGE_SHARE, Masks, Shape, Sizes, whole_allow_bytes  # noqa: F401 - read here
 from attnviz.errors import InputError
 from attnviz.stats import metrics
-from attnviz.tokens import tokenize
 
 POOL = 512  # cells a side of a long capture's pooled maps: what a heatmap image shows anyway
 POOLED_EXTRAS = frozenset({"value_norms", "scores"})  # views a long capture serves as pooled maps too
@@ -131,22 +130,14 @@ class Keep:
                      if self.statistics else None)
         return recorders.made(self.storage_dtype, summaries, self.scores, self.value_norms, self.qkv)
 
-    def record(self, loaded: LoadedModel, tokens: list[str], on_layer=None, kept=None, shape: Shape | None = None,
-               layers: list[int] | None = None) -> engine.Record:
-        """What the engine records for this keep on ``loaded`` over ``tokens``: the checkpointed layers (``kept``
-        overrides them: none under a residual variant), its recorders (:meth:`recorders`), the recorded ``layers``
-        (:meth:`recorded` where not given) and the sizes (:meth:`sizes`); ``shape``: the model's, where already read.
-        Refused where value norms are asked of a model whose output projection cannot be read. The device's check
-        comes before (:func:`decide`, :func:`check_device`)."""
-        shape = Shape.of(loaded) if shape is None else shape
-        layers = self.recorded(shape.n_layers) if layers is None else layers
+    def record(self, shape: Shape, tokens: list[str], layers: list[int], on_layer=None, kept=None) -> engine.Record:
+        """What the engine records for this keep on a model of ``shape`` over ``tokens``: the recorded ``layers``
+        (:meth:`recorded`), its recorders (:meth:`recorders`), the sizes (:meth:`sizes`) and the checkpointed layers
+        (``kept`` overrides them: none under a residual variant). What the model or the device cannot give is
+        refused before, by :func:`attnviz.capture.prepare`."""
         checkpoints = estimates.checkpoint_layers(shape, self.checkpoints) if kept is None else frozenset(kept)
-        made = self.recorders(tokens)
-        if self.value_norms:
-            for module in engine.attention_modules(loaded.model)[:1]:
-                engine.output_projection(module)
-        return engine.Record(layers=frozenset(layers), recorders=made, on_layer=on_layer, sizes=self.sizes(),
-                             checkpoints=checkpoints)
+        return engine.Record(layers=frozenset(layers), recorders=self.recorders(tokens), on_layer=on_layer,
+                             sizes=self.sizes(), checkpoints=checkpoints)
 
     def describe(self) -> str:
         """A short phrase for progress labels: "full maps" or "statistics"."""
@@ -279,14 +270,3 @@ def masks_of(loaded: LoadedModel, recipe) -> Masks:
 
     built = recipe if isinstance(recipe, recipe_mod.Built) else recipe_mod.build(loaded, recipe)
     return Masks.of(Shape.of(loaded), built)
-
-
-def for_text(loaded: LoadedModel, text: str, recipe, per_capture: int, left: int, keep: Keep = Keep(),
-             checkpoint_bytes: int = CHECKPOINT_BYTES, max_tokens: int | None = None) -> Plan:
-    """:func:`plan` of a capture of ``text`` under ``recipe`` (a :class:`~attnviz.recipe.Recipe`: its BOS control
-    counts tokens, its residual variant needs full maps, its masks size the allow-sets): the text is tokenized
-    here, once for the plan and the capture that follows (:func:`attnviz.tokens.tokenize` remembers it). Refusals
-    of the text (empty, too long) are :class:`~attnviz.errors.InputError` too. The app asks
-    :func:`attnviz.capture.prepare` instead, which plans and prepares the capture that follows in one call."""
-    n_tokens = len(tokenize(loaded, text, max_tokens, recipe.prepend)[0])
-    return plan(loaded, n_tokens, per_capture, left, keep, recipe.residual, checkpoint_bytes, masks_of(loaded, recipe))

@@ -13,12 +13,12 @@ from attnviz.core.models import LoadedModel
 from attnviz.errors import InputError
 
 REMEMBERED = 32  # texts
+_memo: OrderedDict = OrderedDict()
+_lock = threading.Lock()
 
 
 class TooLong(InputError):
     """A text over the model's limit or the caller's cap (``max_tokens``): the message says both lengths."""
-_memo: OrderedDict = OrderedDict()
-_lock = threading.Lock()
 
 
 def prefix_ids(loaded: LoadedModel, prepend: str | None) -> list[int]:

@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnviz import plan
-from attnviz.capture import capture
+from attnviz.capture import capture, prepare
 from attnviz.core.lru import nbytes
 from attnviz.plan import Keep
 from attnviz.recipe import Recipe
@@ -197,4 +197,4 @@ def test_a_recipes_per_head_masks_are_charged_what_they_hold():
     n = cap.n_tokens
     assert masks.host_bytes([0, 1, 2], n, lm.n_heads) == (1 + 2 * (lm.n_heads + 1)) * n * n
     assert 0 <= nbytes(cap) - keep.host_bytes(lm, n, masks) < 32 * 1024  # the tokens' Python objects
-    assert plan.for_text(lm, text, recipe, 10**12, 10**12, keep).estimate == keep.host_bytes(lm, n, masks)
+    assert prepare(lm, text, recipe, keep, plan.Budget(10**12, 10**12)).plan.estimate == keep.host_bytes(lm, n, masks)

@@ -144,7 +144,7 @@ class Masks:
     @classmethod
     def of(cls, shape: Shape, built) -> "Masks":
         """The masks of ``built`` (a recipe made real, :func:`attnviz.recipe.build`) on a model of ``shape``
-        (:func:`attnviz.plan.masks` takes a recipe not yet made real)."""
+        (:func:`attnviz.plan.masks_of` takes a recipe not yet made real)."""
         windows = shape.windows
         keys = tuple((mask, windows[i]) for i, mask in enumerate(built.architecture.layers))
         own = tuple(None if built.interventions.masks_heads(i) else key for i, key in enumerate(keys))
