@@ -8,8 +8,7 @@ import threading
 
 import torch
 
-from attnviz.core import blocks
-from attnviz.core import anatomy
+from attnviz.core import anatomy, blocks
 from attnviz.core.anatomy import decoder_layers
 from attnviz.core.run import Run, _RUN, n_layers
 

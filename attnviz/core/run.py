@@ -118,7 +118,7 @@ class Asked:
     sizes: object = None  # the plan's (attnviz.core.sizes.Sizes): block bytes per device, whole-allow size, staging
     unpadded: bool | None = None  # every key real; None: read from ``valid`` (a host read: the caller may know)
     # layers whose input hidden states (n, d) are kept on the host, to resume a later forward from
-    # (:func:`resume`: a long capture's regions); filled by a pre-hook on the decoder layers
+    # (:func:`attnviz.core.forward.resume`: a long capture's regions); filled by a pre-hook on the decoder layers
     checkpoint_layers: frozenset[int] = frozenset()
 
 
