@@ -107,7 +107,11 @@ def test_each_sum_adds_up_to_one():
         np.testing.assert_allclose(layer.mlp + layer.mlp_residual, 1.0, atol=1e-5)
 
 
-def test_the_fast_path_equals_the_definition_where_parts_outweigh_the_stream():
+PATHS = [contributions.attention_raw_torch, contributions.attention_raw_compiled]
+
+
+@pytest.mark.parametrize("path", PATHS, ids=["torch", "compiled"])
+def test_the_fast_path_equals_the_definition_where_parts_outweigh_the_stream(path):
     """Parts that pass the stream in some dimensions (the exact correction's case), many queries at once."""
     gen = torch.Generator().manual_seed(1)
     n, heads, kv, d, width = 40, 4, 2, 8, 16
@@ -116,14 +120,15 @@ def test_the_fast_path_equals_the_definition_where_parts_outweigh_the_stream():
     value = torch.randn(kv, n, d, generator=gen) * 2
     w_out = torch.randn(heads, width, d, generator=gen)
     c = torch.rand(n, generator=gen) + 0.5
-    fast = contributions.attention_raw(y, probs, value, w_out, c)
+    fast = path(y, probs, value, w_out, c)
     written = torch.einsum("hqk,q,hkd,hxd->hqkx", probs, c, value.repeat_interleave(2, 0), w_out)
     direct = contributions.raw_part(written, y[None, :, None, :])
     assert (direct > 0).any() and ((written.abs() > y[None, :, None].abs()).sum() > 100)
     torch.testing.assert_close(fast, direct, atol=1e-4, rtol=1e-5)
 
 
-def test_every_tier_of_the_exact_correction_equals_the_definition():
+@pytest.mark.parametrize("path", PATHS, ids=["torch", "compiled"])
+def test_every_tier_of_the_exact_correction_equals_the_definition(path):
     """Rows flat enough that the bound sends some (query, dimension) pairs past the 4, 16 and 64 heaviest keys to
     every key: each tier is taken, and the result is still the written-out definition."""
     gen = torch.Generator().manual_seed(2)
@@ -139,6 +144,65 @@ def test_every_tier_of_the_exact_correction_equals_the_definition():
     ranked = a.sort(-1, descending=True).values
     for rank in (contributions.TOP, *contributions.WIDER):  # some pair needs the tier past each
         assert (ranked[..., rank, None] * bound > y.abs()[None]).any(), rank
-    fast = contributions.attention_raw(y, probs, value, w_out, c)
+    fast = path(y, probs, value, w_out, c)
     parts = torch.einsum("hqk,q,hkd,hxd->hqkx", probs, c, value, w_out)
     torch.testing.assert_close(fast, contributions.raw_part(parts, y[None, :, None, :]), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 33])
+@pytest.mark.parametrize("path", PATHS, ids=["torch", "compiled"])
+def test_the_correction_under_a_causal_mask_zero_streams_and_few_keys(path, n):
+    """Rows with fewer keys than the heaviest-key tiers, masked keys (zero weight), dimensions where the stream is
+    exactly zero (every part along either sign passes it) and ties in weight: still the written-out definition."""
+    gen = torch.Generator().manual_seed(n)
+    heads, d, width = 3, 4, 12
+    y = torch.randn(n, width, generator=gen) * 0.2
+    y[:, ::4] = 0.0
+    scores = torch.randn(heads, n, n, generator=gen) * 2
+    scores[1] = 0.0  # ties: a flat row
+    probs = torch.softmax(scores.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf")), -1)
+    value = torch.randn(1, n, d, generator=gen) * 2
+    w_out = torch.randn(heads, width, d, generator=gen)
+    c = torch.rand(n, generator=gen) + 0.5
+    parts = torch.einsum("hqk,q,hkd,hxd->hqkx", probs, c, value.expand(heads, n, d), w_out)
+    torch.testing.assert_close(path(y, probs, value, w_out, c), contributions.raw_part(parts, y[None, :, None, :]),
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_the_cpu_runs_the_compiled_correction_where_the_requirements_are_installed(monkeypatch):
+    """numba is a requirement: on the CPU in float32, attention_raw takes the compiled loop, not the gathers."""
+    assert contributions._kernel() is not None
+    called = []
+    monkeypatch.setattr(contributions, "attention_raw_torch", lambda *a: called.append(a))
+    y, probs = torch.randn(4, 8), torch.softmax(torch.randn(2, 4, 4), -1)
+    out = contributions.attention_raw(y, probs, torch.randn(1, 4, 2), torch.randn(2, 8, 2), torch.ones(4))
+    assert out.shape == (2, 4, 4) and not called
+    contributions.attention_raw(y.double(), probs.double(), torch.randn(1, 4, 2).double(),
+                                torch.randn(2, 8, 2).double(), torch.ones(4).double())
+    assert called  # float64: the torch path
+
+
+@pytest.mark.parametrize("shift", [0.5, 0.05])
+def test_a_head_output_that_is_not_its_weighted_values_is_refused(shift):
+    """A family whose heads write something besides their probabilities times their values (here: a hook on the
+    output projection moves one head's output) cannot be split by source token: routes refuse it, also when the
+    change is small (the check along fixed random directions sees it)."""
+    from attnviz.core.modules import output_linear
+    from attnviz.errors import InputError
+
+    lm = tiny.loaded("llama")
+    attn = lm.model.model.layers[1].self_attn
+    d = attn.head_dim
+
+    def move(module, args):
+        z = args[0].clone()
+        z[..., :d] += shift * z[..., :d].abs().amax()
+        return (z,)
+
+    handle = output_linear(attn).register_forward_pre_hook(move)
+    try:
+        with pytest.raises(InputError, match="cannot be split by source token"):
+            trace(lm, TEXT)
+    finally:
+        handle.remove()
+    assert trace(lm, TEXT).n_layers == lm.n_layers  # without the hook it runs

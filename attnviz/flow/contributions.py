@@ -51,7 +51,42 @@ def attention_raw(y: torch.Tensor, probs: torch.Tensor, value: torch.Tensor, w_o
 
     ``y`` (n_q, D) the stream after the attention, ``probs`` (H, n_q, n_kv), ``value`` (H_kv, n_kv, d),
     ``w_out`` (H, D, d) each head's output projection (post-norm gain folded in), ``c`` (n_q,) the per-query factor.
-    Everything float32 on one device; nothing (n_q, n_kv, D) is made."""
+    Everything float32 on one device; nothing (n_q, n_kv, D) is made. On the CPU the correction runs as one
+    compiled loop (:mod:`attnviz.flow.kernel`) where numba is installed; elsewhere, :func:`attention_raw_torch`."""
+    if y.device.type == "cpu" and y.dtype == torch.float32 and _kernel() is not None:
+        return attention_raw_compiled(y, probs, value, w_out, c)
+    return attention_raw_torch(y, probs, value, w_out, c)
+
+
+def _kernel():
+    try:
+        from attnviz.flow import kernel
+    except ImportError:  # no numba wheel for this platform: the torch path, same numbers
+        return None
+    return kernel
+
+
+@torch.no_grad()
+def attention_raw_compiled(y, probs, value, w_out, c) -> torch.Tensor:
+    """:func:`attention_raw` with the correction as the compiled loop (CPU, float32): the linear part is one batched
+    matrix product, the rest one pass per (head, query) row."""
+    n_heads = probs.shape[0]
+    group = n_heads // value.shape[0]
+    v = (value.repeat_interleave(group, 0) if group > 1 else value).float()  # (H, n_kv, d)
+    w_out = w_out.float()
+    sign = torch.where(y >= 0, 1.0, -1.0)
+    out = torch.matmul(torch.matmul(sign * c[:, None], w_out), v.transpose(1, 2)).contiguous()  # c_i s_i · W̃ v_j
+    rows = torch.matmul(v, w_out.transpose(1, 2)).contiguous()  # (H, n_kv, D): each source's write before its weight
+    hi, lo = rows.amax(1).contiguous(), rows.amin(1).contiguous()
+    _kernel().raw_contributions(out.numpy(), probs.float().contiguous().numpy(), c.float().contiguous().numpy(),
+                                rows.numpy(), hi.numpy(), lo.numpy(), y.float().contiguous().numpy())
+    return out
+
+
+@torch.no_grad()
+def attention_raw_torch(y: torch.Tensor, probs: torch.Tensor, value: torch.Tensor, w_out: torch.Tensor,
+                        c: torch.Tensor) -> torch.Tensor:
+    """:func:`attention_raw` in torch operations on any device: the correction in tiers of gathers (:func:`_correct`)."""
     n_heads, n_q, n_kv = probs.shape
     group = n_heads // value.shape[0]
     sign = torch.where(y >= 0, 1.0, -1.0)
