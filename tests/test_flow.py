@@ -206,3 +206,20 @@ def test_a_head_output_that_is_not_its_weighted_values_is_refused(shift):
     finally:
         handle.remove()
     assert trace(lm, TEXT).n_layers == lm.n_layers  # without the hook it runs
+
+
+@pytest.mark.parametrize("n_kv", [1, 7, 64])
+def test_the_compiled_collection_keeps_what_the_torch_one_keeps(n_kv):
+    """Normalised entries at or above the floor, per head and heads summed: the compiled pass and torch's agree in
+    indices, order and weights (ties with the floor included)."""
+    gen = torch.Generator().manual_seed(n_kv)
+    raw = torch.rand(3, 20, n_kv, generator=gen) ** 4
+    raw[0, 0, 0] = 0.25  # exactly the floor after scaling by 1/5... below: an entry equal to it
+    inv = torch.rand(20, generator=gen) * 0.2
+    inv[0], inv[1] = 0.02, 0.0  # 0.25 * 0.02 = 0.005; a zero stream keeps nothing
+    got = contributions.kept_entries(raw.clone(), inv, 0.005)
+    want = contributions.kept_entries_torch(raw.clone(), inv, 0.005)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert len(want[0]) > 3 and (want[0] == [0, 0, 0]).all(1).any()

@@ -20,6 +20,7 @@ rounding (tests/test_flow.py checks it against stock transformers' hooks on seve
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 CANDIDATES = 1 << 22  # floats of the exact correction made at once
@@ -37,6 +38,29 @@ def proximity(parts: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
 def normalised(raw: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """``raw / total``, 0 where nothing contributes (a zero stream)."""
     return torch.where(total > 0, raw / total.clamp(min=torch.finfo(raw.dtype).tiny), torch.zeros_like(raw))
+
+
+def kept_entries(raw: torch.Tensor, inv: torch.Tensor, floor: float):
+    """A layer's normalised attention contributions at or above ``floor``: ``raw`` (H, n, n_kv) times ``inv`` (n,)
+    (1 / each query's total). Returns numpy ``(index (K, 3) as (query, source, head), weight (K,), sum_index (K', 2)
+    as (query, source), sum_weight (K',))``, the second pair for the heads summed; entries in (head, query, source)
+    and (query, source) order. On the CPU in float32 one compiled pass (:mod:`attnviz.flow.kernel`), else torch."""
+    if raw.device.type == "cpu" and raw.dtype == torch.float32 and _kernel() is not None:
+        index, weight, sum_index, sum_weight = _kernel().kept(raw.contiguous().numpy(), inv.float().contiguous().numpy(),
+                                                              floor)
+        return index[:, [1, 2, 0]].astype(np.int32), weight, sum_index.astype(np.int32), sum_weight
+    return kept_entries_torch(raw, inv, floor)
+
+
+def kept_entries_torch(raw: torch.Tensor, inv: torch.Tensor, floor: float):
+    """:func:`kept_entries` in torch operations (any device); ``raw`` is scaled in place."""
+    heads = raw.mul_(inv[None, :, None])  # (H, n, n), in place: one pass over the layer
+    summed = heads.sum(0)
+    kept = heads >= floor
+    h, i, j = torch.nonzero(kept, as_tuple=True)
+    si, sj = torch.nonzero(summed >= floor, as_tuple=True)
+    return (torch.stack((i, j, h), 1).int().cpu().numpy(), heads[kept].cpu().numpy(),
+            torch.stack((si, sj), 1).int().cpu().numpy(), summed[si, sj].cpu().numpy())
 
 
 def raw_part(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:

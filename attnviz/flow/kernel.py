@@ -125,3 +125,66 @@ def raw_contributions(out, probs, c, rows, hi, lo, y) -> None:
     cached on disk by numba (a later process loads it)."""
     with _LOCK:
         _raw_contributions(out, probs, c, rows, hi, lo, y)
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def _kept(raw, inv, floor):  # pragma: no cover - compiled; tested through its caller
+    """The entries of ``raw`` (H, n, m) times ``inv`` (n,) at or above ``floor``, as (h, i, j) and weight in the
+    order of :func:`torch.nonzero`; then the heads summed likewise, (i, j) and weight."""
+    H, n, m = raw.shape
+    counts = np.zeros(H * n, np.int64)
+    for t in prange(H * n):
+        i = t % n
+        s = inv[i]
+        k = 0
+        for j in range(m):
+            if raw[t // n, i, j] * s >= floor:
+                k += 1
+        counts[t] = k
+    starts = np.cumsum(counts) - counts
+    index = np.empty((counts.sum(), 3), np.int64)
+    weight = np.empty(counts.sum(), np.float32)
+    for t in prange(H * n):
+        h = t // n
+        i = t - h * n
+        s = inv[i]
+        k = starts[t]
+        for j in range(m):
+            v = raw[h, i, j] * s
+            if v >= floor:
+                index[k, 0] = h
+                index[k, 1] = i
+                index[k, 2] = j
+                weight[k] = v
+                k += 1
+    summed = np.zeros((n, m), np.float32)
+    scounts = np.zeros(n, np.int64)
+    for i in prange(n):
+        s = inv[i]
+        k = 0
+        for j in range(m):
+            v = np.float32(0.0)
+            for h in range(H):
+                v += raw[h, i, j] * s
+            summed[i, j] = v
+            if v >= floor:
+                k += 1
+        scounts[i] = k
+    sstarts = np.cumsum(scounts) - scounts
+    sindex = np.empty((scounts.sum(), 2), np.int64)
+    sweight = np.empty(scounts.sum(), np.float32)
+    for i in prange(n):
+        k = sstarts[i]
+        for j in range(m):
+            if summed[i, j] >= floor:
+                sindex[k, 0] = i
+                sindex[k, 1] = j
+                sweight[k] = summed[i, j]
+                k += 1
+    return index, weight, sindex, sweight
+
+
+def kept(raw, inv, floor: float):
+    """:func:`_kept` under the module's lock (numpy float32 arrays, C-contiguous)."""
+    with _LOCK:
+        return _kept(raw, inv, np.float32(floor))

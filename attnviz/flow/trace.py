@@ -20,7 +20,7 @@ from attnviz.core.modules import output_projection
 from attnviz.core.probe import output_tensor
 from attnviz.core.recorders import Recorder
 from attnviz.errors import InputError
-from attnviz.flow.contributions import attention_raw, normalised, proximity, raw_part
+from attnviz.flow.contributions import attention_raw, kept_entries, normalised, proximity, raw_part
 
 FLOOR = 0.005  # contributions below it are not kept (a graph's threshold may not go below it)
 
@@ -194,17 +194,11 @@ class _Layer:
         raw_residual = raw_part(x, y)
         total = raw.sum((0, 2)) + raw_residual
         inv = normalised(torch.ones_like(total), total)  # 1 / total, 0 for a zero stream
-        heads = raw.mul_(inv[None, :, None])  # (H, n, n), in place: one pass over the layer
         residual = raw_residual * inv
-        summed = heads.sum(0)
-        kept = heads >= tracer.floor
-        h, i, j = torch.nonzero(kept, as_tuple=True)
-        si, sj = torch.nonzero(summed >= tracer.floor, as_tuple=True)
+        index, weight, sum_index, sum_weight = kept_entries(raw, inv, tracer.floor)
         mlp = proximity(torch.stack((out - y, y)), out)
-        tracer.layers.append(LayerFlow(
-            residual.cpu().numpy(), torch.stack((i, j, h), 1).int().cpu().numpy(), heads[kept].cpu().numpy(),
-            torch.stack((si, sj), 1).int().cpu().numpy(), summed[si, sj].cpu().numpy(),
-            mlp[0].cpu().numpy(), mlp[1].cpu().numpy(), L.parallel, int((~keep).sum())))
+        tracer.layers.append(LayerFlow(residual.cpu().numpy(), index, weight, sum_index, sum_weight,
+                                       mlp[0].cpu().numpy(), mlp[1].cpu().numpy(), L.parallel, int((~keep).sum())))
         tracer.streams += [y.cpu(), out.cpu()]
         self.seen = {}
 
