@@ -223,3 +223,32 @@ def test_the_compiled_collection_keeps_what_the_torch_one_keeps(n_kv):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert len(want[0]) > 3 and (want[0] == [0, 0, 0]).all(1).any()
+
+
+@pytest.mark.parametrize("arch", ["fwd", "bidir", "mask0-bidir(k=2)", "nosink-fwd", "sliding(w=4)", "fwd+bidir+sliding(w=3)"])
+def test_the_layer_assembled_from_narrowed_blocks_equals_the_whole_layer(monkeypatch, arch):
+    """The probabilities come block by block with only the keys some of their rows may see, into a layer buffer
+    reused from layer to layer: with several blocks a layer, under causal, bidirectional, sink-shifting and
+    windowed masks, every layer's contributions equal those from the whole layer in one block with every key."""
+    import importlib
+
+    from attnviz.core import devices
+
+    trace_mod = importlib.import_module("attnviz.flow.trace")
+    lm = tiny.loaded("llama")
+    with monkeypatch.context() as m:  # the reference: the layer in one block, every key
+        m.setattr(trace_mod._Probs, "whole_layer", True)
+        m.setattr(trace_mod._Probs, "all_keys", True)
+        whole = trace(lm, TEXT, arch, floor=0.0)
+    monkeypatch.setattr(devices, "block_bytes", lambda device: 4 * 4 * 6 * len(TEXT))  # a few rows a block
+    seen = []
+    block = trace_mod._Probs.block
+    monkeypatch.setattr(trace_mod._Probs, "block", lambda self, run, layer, q0, k0, probs, allow: (
+        seen.append((layer, q0, k0, probs.shape[-1])), block(self, run, layer, q0, k0, probs, allow)))
+    blocks = trace(lm, TEXT, arch, floor=0.0)
+    assert len({(layer, q0) for layer, q0, _, _ in seen}) > 2 * lm.n_layers  # several blocks a layer
+    if arch in ("fwd", "sliding(w=4)"):
+        assert any(k0 + width < len(blocks.tokens) for _, _, k0, width in seen)  # keys narrowed
+    for a, b in zip(whole.layers, blocks.layers):
+        np.testing.assert_allclose(a.dense(lm.n_heads, whole.n_tokens), b.dense(lm.n_heads, blocks.n_tokens), atol=1e-6)
+        np.testing.assert_allclose(a.attn_residual, b.attn_residual, atol=1e-6)

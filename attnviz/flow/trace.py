@@ -84,22 +84,36 @@ class Flow:
 
 
 class _Probs(Recorder):
-    """The layer's probabilities (H, n_q, n_kv) and values (H_kv, n_kv, d), float32, of the batch's one text."""
+    """The layer's probabilities (H, n_q, n_kv) and values (H_kv, n_kv, d), float32, of the batch's one text.
 
-    whole_layer = True
-    all_keys = True
+    Blocks come as the engine makes them, each with only the keys some of its rows may see (half the work under a
+    causal mask); they are written into one layer buffer, reused from layer to layer, whose other entries are zero.
+    A block's rows are zeroed first unless the layer before wrote the same block (the same rows and keys)."""
+
     kind = "reduced"
 
     def __init__(self, into: dict):
         self.into = into
+        self.buffer: torch.Tensor | None = None
+        self.written: dict = {}  # q0 -> (q1, k0, k1) of the layer before
+        self.writing: dict = {}
 
     def start(self, run, layer, inputs):
         self.into["value"] = inputs.value[0].float()
+        shape = (inputs.query.shape[1], inputs.query.shape[2], inputs.key.shape[2])
+        if self.buffer is None or tuple(self.buffer.shape) != shape or self.buffer.device != inputs.query.device:
+            self.buffer = torch.zeros(shape, dtype=torch.float32, device=inputs.query.device)
+            self.written = {}
+        self.written, self.writing = self.writing or self.written, {}
+        self.into["probs"] = self.buffer
 
     def block(self, run, layer, q0, k0, probs, allow):
-        # the engine's own fp32 probabilities, read only after this (P·V): kept without a copy until the layer's
-        # reduction, which runs before the next layer makes its own
-        self.into["probs"] = probs[0].float()
+        rows, keys = probs.shape[-2], probs.shape[-1]
+        where = (q0 + rows, k0, k0 + keys)
+        if self.written.get(q0) != where:
+            self.buffer[:, q0:q0 + rows].zero_()
+        self.writing[q0] = where
+        self.buffer[:, q0:q0 + rows, k0:k0 + keys] = probs[0]
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> torch.Tensor:
