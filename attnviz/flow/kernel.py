@@ -46,9 +46,12 @@ def _raw_contributions(out, probs, c, rows, hi, lo, y):  # pragma: no cover - co
         w3 = 0.0
         j1 = -1
         j2 = -1
-        for j in range(n_kv):
-            p = probs[h, r, j]
-            out[h, r, j] *= p
+        prow = probs[h, r]
+        orow = out[h, r]
+        for j in range(n_kv):  # the linear part times the weight (vectorised)
+            orow[j] *= prow[j]
+        for j in range(n_kv):  # the three heaviest weights
+            p = prow[j]
             if p > w3:
                 if p > w1:
                     w3 = w2
@@ -116,8 +119,7 @@ def _raw_contributions(out, probs, c, rows, hi, lo, y):  # pragma: no cover - co
                 if corr > 0.0:
                     out[h, r, j] -= 2.0 * corr
         for j in range(n_kv):
-            if out[h, r, j] < 0.0:
-                out[h, r, j] = 0.0
+            orow[j] = max(orow[j], 0.0)
 
 
 def raw_contributions(out, probs, c, rows, hi, lo, y) -> None:
