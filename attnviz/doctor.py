@@ -51,6 +51,7 @@ import torch
 
 from attnviz.core import devices
 from attnviz.core.models import LoadedModel
+from attnviz.flow import contributions
 
 FP32_TOLERANCE = 1e-4  # docs/methods.md#devices
 FP16_STEP = 2.0 ** -10  # one float16 step, relative: what a pooled map (kept in float16) may differ by
@@ -185,7 +186,11 @@ def environment(loaded: LoadedModel | None = None) -> dict:
         found.append({"name": "mps", "free_mb": None})
     env = {"attnviz": v("attnviz") or "source", "torch": torch.__version__, "transformers": v("transformers"),
            "triton": v("triton"), "python": platform.python_version(), "platform": platform.platform(terse=True),
-           "devices": found, "fused_kernel": os.environ.get("ATTNVIZ_FUSED", "auto")}
+           "devices": found, "fused_kernel": os.environ.get("ATTNVIZ_FUSED", "auto"),
+           # routes' exact correction on the CPU: the compiled loop where numba is installed, else torch's gathers
+           # (the same numbers, about 2.4 times the time: docs/methods.md#contributions)
+           "routes_correction": (f"compiled (numba {v('numba')})" if contributions._kernel() is not None
+                                 else "torch (numba not installed)")}
     if loaded is not None:
         env.update(model=loaded.model_id, device=str(loaded.model.device), dtype=_dtype_name(loaded.model.dtype),
                    layers=loaded.n_layers, heads=loaded.n_heads)

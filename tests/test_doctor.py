@@ -72,6 +72,7 @@ def test_cli_doctor_on_the_default_model(default_model, capsys):
     env = doc["environment"]
     assert {"attnviz", "torch", "transformers", "triton", "devices", "device", "dtype"} <= set(env)
     assert env["device"] == "cpu" and env["dtype"] == "float32" and env["devices"][0]["name"] == "cpu"
+    assert env["routes_correction"].startswith("compiled (numba ")  # a requirement: routes' compiled loop
     for check in doc["checks"]:
         assert check["status"] in ("PASS", "FAIL", "SKIP", "TIME") and "name" in check
         if not check["name"].startswith("speed:") and check["status"] != "SKIP":
