@@ -125,3 +125,17 @@ def test_every_fused_layer_gets_its_log_sum_exp_from_the_attention_kernel(spec, 
     kernels._disabled.clear()
     capture(_on("llama", "cuda", dtype), TEXT, spec, Keep(statistics=True, pool=24))
     assert calls and all(calls), calls
+
+
+@pytest.mark.parametrize("arch", ["fwd", "mask0-bidir(k=2)", "sliding(w=5)*3"])
+def test_routes_on_cuda_equal_routes_on_the_cpu(arch):
+    """Contributions on the GPU run torch's path (the compiled loop is the CPU's): every layer's contributions equal
+    the CPU's, which the CPU tests hold to the written-out definition (docs/methods.md#contributions)."""
+    from attnviz.flow import trace
+
+    cpu = trace(_on("llama", "cpu", torch.float32), TEXT, arch, floor=0.0)
+    gpu = trace(_on("llama", "cuda", torch.float32), TEXT, arch, floor=0.0)
+    for a, b in zip(cpu.layers, gpu.layers):
+        np.testing.assert_allclose(a.dense(cpu.n_heads, cpu.n_tokens), b.dense(gpu.n_heads, gpu.n_tokens), atol=1e-4)
+        np.testing.assert_allclose(a.attn_residual, b.attn_residual, atol=1e-4)
+        np.testing.assert_allclose(a.mlp, b.mlp, atol=1e-4)

@@ -252,3 +252,18 @@ def test_the_layer_assembled_from_narrowed_blocks_equals_the_whole_layer(monkeyp
     for a, b in zip(whole.layers, blocks.layers):
         np.testing.assert_allclose(a.dense(lm.n_heads, whole.n_tokens), b.dense(lm.n_heads, blocks.n_tokens), atol=1e-6)
         np.testing.assert_allclose(a.attn_residual, b.attn_residual, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["fwd", "mask0-bidir(k=2)", "sliding(w=5)"])
+def test_the_torch_path_a_gpu_runs_equals_the_compiled_path_end_to_end(monkeypatch, arch):
+    """What a GPU (or a machine without numba) runs: torch's gathers for the correction and torch's collection.
+    On the CPU, forced, every layer's contributions equal the compiled path's."""
+    lm = tiny.loaded("llama")
+    compiled = trace(lm, TEXT, arch, floor=0.0)
+    monkeypatch.setattr(contributions, "_kernel", lambda: None)
+    plain = trace(lm, TEXT, arch, floor=0.0)
+    for a, b in zip(compiled.layers, plain.layers):
+        np.testing.assert_allclose(a.dense(lm.n_heads, compiled.n_tokens), b.dense(lm.n_heads, plain.n_tokens),
+                                   atol=1e-5)
+        np.testing.assert_array_equal(a.sum_index, b.sum_index)
+        np.testing.assert_allclose(a.sum_weight, b.sum_weight, atol=1e-5)
