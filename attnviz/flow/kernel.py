@@ -22,10 +22,10 @@ import threading
 import numpy as np
 from numba import njit, prange  # imported only where this module is: the compiled path (contributions.attention_raw)
 
-_LOCK = threading.Lock()  # numba's default thread pool takes one parallel call at a time (the shared server)
+_LOCK = threading.Lock()  # one parallel call at a time (the shared server); the GIL is released inside (nogil)
 
 
-@njit(parallel=True, cache=True, boundscheck=False)
+@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
 def _raw_contributions(out, probs, c, rows, hi, lo, y):  # pragma: no cover - compiled; tested through its caller
     """``out`` (H, n_q, n_kv) holds ``c_i (s_i · W̃v_j)`` on entry and each part's raw contribution on exit.
 
@@ -129,7 +129,7 @@ def raw_contributions(out, probs, c, rows, hi, lo, y) -> None:
         _raw_contributions(out, probs, c, rows, hi, lo, y)
 
 
-@njit(parallel=True, cache=True, boundscheck=False)
+@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
 def _kept(raw, inv, floor):  # pragma: no cover - compiled; tested through its caller
     """The entries of ``raw`` (H, n, m) times ``inv`` (n,) at or above ``floor``, as (h, i, j) and weight in the
     order of :func:`torch.nonzero`; then the heads summed likewise, (i, j) and weight."""
