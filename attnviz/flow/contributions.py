@@ -45,9 +45,10 @@ def kept_entries(raw: torch.Tensor, inv: torch.Tensor, floor: float):
     (1 / each query's total). Returns numpy ``(index (K, 3) as (query, source, head), weight (K,), sum_index (K', 2)
     as (query, source), sum_weight (K',))``, the second pair for the heads summed; entries in (head, query, source)
     and (query, source) order. On the CPU in float32 one compiled pass (:mod:`attnviz.flow.kernel`), else torch."""
-    if raw.device.type == "cpu" and raw.dtype == torch.float32 and _kernel() is not None:
-        index, weight, sum_index, sum_weight = _kernel().kept(raw.contiguous().numpy(), inv.float().contiguous().numpy(),
-                                                              floor)
+    kernel = _compiled(raw)
+    if kernel is not None:
+        index, weight, sum_index, sum_weight = kernel.kept(raw.contiguous().numpy(), inv.float().contiguous().numpy(),
+                                                           floor)
         return index[:, [1, 2, 0]].astype(np.int32), weight, sum_index.astype(np.int32), sum_weight
     return kept_entries_torch(raw, inv, floor)
 
@@ -77,17 +78,23 @@ def attention_raw(y: torch.Tensor, probs: torch.Tensor, value: torch.Tensor, w_o
     ``w_out`` (H, D, d) each head's output projection (post-norm gain folded in), ``c`` (n_q,) the per-query factor.
     Everything float32 on one device; nothing (n_q, n_kv, D) is made. On the CPU the correction runs as one
     compiled loop (:mod:`attnviz.flow.kernel`) where numba is installed; elsewhere, :func:`attention_raw_torch`."""
-    if y.device.type == "cpu" and y.dtype == torch.float32 and _kernel() is not None:
+    if _compiled(y) is not None:
         return attention_raw_compiled(y, probs, value, w_out, c)
     return attention_raw_torch(y, probs, value, w_out, c)
 
 
 def _kernel():
+    """:mod:`attnviz.flow.kernel`, or None where numba cannot be imported."""
     try:
         from attnviz.flow import kernel
     except ImportError:  # no numba wheel for this platform: the torch path, same numbers
         return None
     return kernel
+
+
+def _compiled(tensor: torch.Tensor):
+    """The compiled loops' module where they take ``tensor`` (float32 on the CPU, numba installed), else None."""
+    return _kernel() if tensor.device.type == "cpu" and tensor.dtype == torch.float32 else None
 
 
 @torch.no_grad()

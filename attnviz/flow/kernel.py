@@ -25,6 +25,13 @@ from numba import njit, prange  # imported only where this module is: the compil
 _LOCK = threading.Lock()  # one parallel call at a time (the shared server); the GIL is released inside (nogil)
 
 
+@njit(inline="always", cache=True)
+def _overshoot(part, yd):  # pragma: no cover - compiled
+    """How far ``part`` passes the stream's ``yd`` along its sign: ``max(s·part − |yd|, 0)``, s = sign(yd) (+1 at 0)."""
+    over = (part - yd) if yd >= 0 else (yd - part)
+    return over if over > 0.0 else 0.0
+
+
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)
 def _raw_contributions(out, probs, c, rows, hi, lo, y):  # pragma: no cover - compiled; tested through its caller
     """``out`` (H, n_q, n_kv) holds ``c_i (s_i · W̃v_j)`` on entry and each part's raw contribution on exit.
@@ -48,6 +55,7 @@ def _raw_contributions(out, probs, c, rows, hi, lo, y):  # pragma: no cover - co
         j2 = -1
         prow = probs[h, r]
         orow = out[h, r]
+        yr = y[r]
         for j in range(n_kv):  # the linear part times the weight (vectorised)
             orow[j] *= prow[j]
         for j in range(n_kv):  # the three heaviest weights
@@ -70,22 +78,18 @@ def _raw_contributions(out, probs, c, rows, hi, lo, y):  # pragma: no cover - co
                 j = j1 if jj == 0 else j2
                 if j < 0:
                     continue
-                w = probs[h, r, j] * cr
+                w = prow[j] * cr
                 corr = 0.0
                 for d in range(D):
-                    yd = y[r, d]
-                    part = w * rows[h, j, d]
-                    over = (part - yd) if yd >= 0 else (yd - part)
-                    if over > 0.0:
-                        corr += over
-                out[h, r, j] -= 2.0 * corr
+                    corr += _overshoot(w * rows[h, j, d], yr[d])
+                orow[j] -= 2.0 * corr
             w3 *= cr
         m = 0
         theta = np.empty(D, np.float32)
         dims = np.empty(D, np.int64)
         if w3 > 0.0:
             for d in range(D):
-                yd = y[r, d]
+                yd = yr[d]
                 u = hi[h, d] if yd >= 0 else -lo[h, d]
                 tau = abs(yd)
                 if u > 0.0 and w3 * u > tau:  # a key past the two heaviest may pass here
@@ -103,21 +107,15 @@ def _raw_contributions(out, probs, c, rows, hi, lo, y):  # pragma: no cover - co
             for j in range(n_kv):
                 if j == j1 or j == j2:
                     continue
-                w = probs[h, r, j] * cr
+                w = prow[j] * cr
                 if w <= low:
                     continue
                 corr = 0.0
                 for k in range(m):
                     if theta[k] >= w:  # this key cannot pass here, nor in any dimension after
                         break
-                    d = dims[k]
-                    yd = y[r, d]
-                    part = w * rows[h, j, d]
-                    over = (part - yd) if yd >= 0 else (yd - part)
-                    if over > 0.0:
-                        corr += over
-                if corr > 0.0:
-                    out[h, r, j] -= 2.0 * corr
+                    corr += _overshoot(w * rows[h, j, dims[k]], yr[dims[k]])
+                orow[j] -= 2.0 * corr
         for j in range(n_kv):
             orow[j] = max(orow[j], 0.0)
 

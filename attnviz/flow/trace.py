@@ -101,10 +101,10 @@ class _Probs(Recorder):
     def start(self, run, layer, inputs):
         self.into["value"] = inputs.value[0].float()
         shape = (inputs.query.shape[1], inputs.query.shape[2], inputs.key.shape[2])
+        self.written, self.writing = self.writing, {}
         if self.buffer is None or tuple(self.buffer.shape) != shape or self.buffer.device != inputs.query.device:
             self.buffer = torch.zeros(shape, dtype=torch.float32, device=inputs.query.device)
-            self.written = {}
-        self.written, self.writing = self.writing or self.written, {}
+            self.written = {}  # a new buffer: nothing of the layer before is in it
         self.into["probs"] = self.buffer
 
     def block(self, run, layer, q0, k0, probs, allow):
