@@ -20,6 +20,7 @@ import torch
 from attnviz import recipe as recipe_mod
 from attnviz.core import arch as arch_mod
 from attnviz.core import devices, engine, syntax
+from attnviz.core import models
 from attnviz.core.models import LoadedModel
 from attnviz.errors import AttnvizError, InputError
 from attnviz import plan as plan_mod
@@ -398,10 +399,15 @@ def prepare(loaded: LoadedModel, text: str, recipe: "str | arch_mod.Architecture
     without a budget, ``keep`` as asked). Every refusal is raised here, before anything runs; the app asks this once
     and runs the answer in its job queue (:meth:`Prepared.run`). ``max_tokens`` (or ``budget.max_tokens``) caps the
     text's tokens below the model's own limit."""
+    models.require(loaded, "capture")
+    if not isinstance(text, str):
+        raise InputError(f"capture takes the text as a str, not a {type(text).__name__}")
     keep = Keep() if keep is None else keep
+    if not isinstance(keep, Keep):
+        raise InputError(f"capture's keep is an attnviz.Keep (what to keep), not a {type(keep).__name__}")
     prepend = recipe.prepend if isinstance(recipe, Recipe) else None  # the BOS control is the recipe's own
     ids, tokens = tokenize(loaded, text, max_tokens if budget is None else budget.max_tokens, prepend)
-    built = recipe_mod.build(loaded, recipe)
+    built = recipe_mod.build(loaded, recipe).check_text(len(ids))
     variant = built.variant
     if variant is not None and (keep.hidden_states or keep.activations):
         raise InputError(f"hidden states are not recorded under the residual variant {variant.name}")

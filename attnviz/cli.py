@@ -42,6 +42,9 @@ def _text(args) -> str:
             text = Path(args.text_file).read_text(encoding="utf-8")
         except OSError as err:
             raise AttnvizError(f"cannot read --text-file '{args.text_file}': {err.strerror}") from None
+        except UnicodeDecodeError as err:
+            raise AttnvizError(f"--text-file '{args.text_file}' is not UTF-8 text (byte {err.start}: "
+                               f"{err.object[err.start:err.start + 1]!r}): save it as UTF-8") from None
     else:
         text = args.text
     if not text or not text.strip():
@@ -110,6 +113,23 @@ def _recipe(args, loaded, arch: str | None = None):
 
     return Recipe.of(loaded, arch or getattr(args, "arch", None) or "fwd", getattr(args, "intervene", None),
                      _prepend(args), getattr(args, "residual", None))
+
+
+def _finite(value):
+    """``value`` with every NaN or infinite float as None (null): strict JSON parsers take no NaN. Each command
+    says why a number is undefined beside it where it can (a ``*_undefined`` field)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def dumps(result) -> str:
+    """A command's JSON: never NaN (:func:`_finite`)."""
+    return json.dumps(_finite(result), allow_nan=False)
 
 
 def _null(x: float):
@@ -251,7 +271,7 @@ def _embed(args) -> dict | None:
             return embedding.probe(loaded, documents, args.arch, m=args.m, max_docs=args.max_docs,
                                    on_progress=update).as_json()
         embedding.sweep(loaded, documents, args.arch, args.ks, m=args.m, max_docs=args.max_docs,
-                        on_row=lambda row: print(json.dumps(row.as_json()), flush=True), on_progress=update)
+                        on_row=lambda row: print(dumps(row.as_json()), flush=True), on_progress=update)
     return None
 
 
@@ -403,9 +423,8 @@ def _causal(args, text: str) -> dict:
     """The causal check (docs/methods.md#the-causal-check): each leading source patched at the sink token."""
     from attnviz.effects import causal
 
-    sources = [s.strip() for s in args.sources.split(",") if s.strip()] if args.sources else None
-    for source in sources or []:
-        causal.patch_spec(source)  # a bad source refused before the model loads
+    # a bad or empty source list refused before the model loads
+    sources = causal.sources_of(args.sources) if args.sources is not None else None
     loaded = _load(args)
     recipe = _recipe(args, loaded)
     bar, update = _progress("causal check")
@@ -443,7 +462,7 @@ def _doctor(args) -> int:
     loaded = _load(args)
     say = (lambda message: print(f"doctor: {message}…", file=sys.stderr)) if sys.stderr.isatty() else None
     report = doctor.run(loaded, args.tokens, progress=say)
-    print(json.dumps(report.as_json()) if args.json else report.text())
+    print(dumps(report.as_json()) if args.json else report.text())
     return 0 if report.ok else 1
 
 
@@ -530,7 +549,7 @@ def _sweep(args) -> dict:
     result = summary.as_json(out)
     if summary.failed:
         first = next(iter(summary.errors.values()))
-        print(json.dumps(result))
+        print(dumps(result))
         raise AttnvizError(f"{summary.failed} of {summary.total} cells failed (recorded in {out}); the first: {first}")
     return result
 
@@ -896,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(result, int):  # the command printed its output and chose its exit status (doctor)
         return result
     if result is not None:  # None: the command printed its rows itself (JSON lines)
-        print(json.dumps(result))
+        print(dumps(result))
     return 0
 
 

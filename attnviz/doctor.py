@@ -49,11 +49,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from attnviz.core import devices
+from attnviz.core import devices, precision
 from attnviz.core.models import LoadedModel
 from attnviz.flow import contributions
 
-FP32_TOLERANCE = 1e-4  # docs/methods.md#devices
+FP32_TOLERANCE = precision.FP32_TOLERANCE  # docs/methods.md#devices
 FP16_STEP = 2.0 ** -10  # one float16 step, relative: what a pooled map (kept in float16) may differ by
 MIN_WINDOW_S = 0.25  # a timed window runs the plain forward at least this long (repetitions fill it)
 MAX_REPEATS = 200
@@ -62,14 +62,9 @@ SPEED_EXPECTED = {"cpu": 3.0, "cuda": 2.0, "mps": 3.0}  # statistics capture / p
 
 
 def tolerance(dtype: torch.dtype) -> tuple[float, str]:
-    """The limit for one layer's numbers computed in ``dtype`` by two routes fed the same layer input, and why."""
-    if dtype in (torch.float32, torch.float64):
-        return FP32_TOLERANCE, "float32: 1e-4 (docs/methods.md#devices)"
-    step = torch.finfo(dtype).eps
-    name = _dtype_name(dtype)
-    return 2 * step, (f"two {name} steps at 1 ({2 * step:.3g}): both routes get the same layer input, so only one "
-                      f"layer's rounding in {name} separates them (a probability is held to half a step, and the "
-                      "scores under it may round a step apart)")
+    """The limit for one layer's numbers computed in ``dtype`` by two routes fed the same layer input, and why
+    (:func:`attnviz.core.precision.tolerance`)."""
+    return precision.tolerance(dtype)
 
 
 @dataclass

@@ -21,6 +21,7 @@ layers' full maps are staged on a device. The plan reads what it needs once, bef
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -37,6 +38,11 @@ POOL = 512  # cells a side of a long capture's pooled maps: what a heatmap image
 POOLED_EXTRAS = frozenset({"value_norms", "scores"})  # views a long capture serves as pooled maps too
 CHECKPOINT_BYTES = 512 * 2**20  # layer inputs a long capture keeps at most (ATTNVIZ_CHECKPOINT_MB in the app)
 EXTRAS = ("scores", "value_norms", "activations", "qkv", "hidden_states")
+
+
+def _integer(x) -> bool:
+    """An int (numpy's too), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -70,18 +76,37 @@ class Keep:
     block_bytes: int | None = None
 
     def __post_init__(self):
+        # each argument checked for its type and range here, where it is given, in one line (not deep in a run)
         if isinstance(self.layers, int) and not isinstance(self.layers, bool):
             object.__setattr__(self, "layers", (self.layers,))
         elif self.layers is not None and not isinstance(self.layers, str):
-            object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
+            items = list(self.layers) if isinstance(self.layers, (list, tuple, range)) else None
+            if items is None or not all(_integer(x) for x in items):
+                raise InputError(f"Keep(layers=...) takes a layer list such as \"0,5,-1\" or \"20-29\", or a sequence of "
+                                 f"layer numbers; got {self.layers!r}")
+            object.__setattr__(self, "layers", tuple(int(x) for x in items))
         if isinstance(self.statistics, str):
             object.__setattr__(self, "statistics", (self.statistics,))
         if not isinstance(self.statistics, bool):
+            if not isinstance(self.statistics, (list, tuple)) or not all(isinstance(x, str) for x in self.statistics):
+                raise InputError(f"Keep(statistics=...) takes True, False or statistic names; got {self.statistics!r}")
             object.__setattr__(self, "statistics", tuple(self.statistics))
             unknown = metrics.unknown_statistics(self.statistics)
             if unknown:  # refused here, not late in the engine: a keep names what it keeps
                 raise InputError(f"unknown statistics {', '.join(map(repr, unknown))}: "
                                  f"choose from {', '.join(s.name for s in metrics.STATISTICS)}")
+        if self.pool is not None and (not _integer(self.pool) or self.pool < 2):
+            raise InputError(f"Keep(pool=...) is a map's largest side in cells, an integer of at least 2; got {self.pool!r}")
+        if not _integer(self.checkpoints) or self.checkpoints < 0:
+            raise InputError(f"Keep(checkpoints=...) is a number of layers, 0 or more; got {self.checkpoints!r}")
+        if not isinstance(self.storage_dtype, torch.dtype) or not self.storage_dtype.is_floating_point:
+            raise InputError(f"Keep(storage_dtype=...) is a float dtype (torch.float16, torch.bfloat16, torch.float32): "
+                             f"probabilities in {self.storage_dtype!r} would round to 0 and 1")
+        if self.block_bytes is not None and (not _integer(self.block_bytes) or self.block_bytes < 1):
+            raise InputError(f"Keep(block_bytes=...) is a positive number of bytes; got {self.block_bytes!r}")
+        for name in ("scores", "value_norms", "activations", "qkv", "hidden_states"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"Keep({name}=...) is True or False; got {getattr(self, name)!r}")
         if self.statistics and self.scores and not self.pool:
             raise InputError("statistics keep pre-softmax scores only as pooled maps: give a pool size as well")
 

@@ -113,6 +113,12 @@ class Built:
 
         return Computes(tuple(self.architecture.layers), self.interventions)
 
+    def check_text(self, n_tokens: int) -> "Built":
+        """This recipe for a text of ``n_tokens`` tokens (its BOS control's included): an intervention whose
+        positions or keys lie past its end is refused in one line."""
+        self.interventions.check_text(n_tokens)
+        return self
+
     def forward(self, loaded: "LoadedModel", input_ids: "torch.Tensor", record=None, feed=None):
         """``(logits, hidden_states or None, run)`` of this recipe (see :func:`forward`); ``record`` (an
         :class:`attnviz.core.engine.Record`) says what to record, none of it by default."""

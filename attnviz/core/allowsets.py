@@ -296,9 +296,16 @@ def auto_key(mask: Mask, n: int, window: int | None = None) -> int:
     it is the same token of every row."""
     from attnviz.stats import metrics
 
-    columns = metrics.auto_key_limit(n)
-    i, j = torch.arange(n)[:, None], torch.arange(columns)[None, :]
+    return metrics.auto_key(allowed(mask, n, window, metrics.auto_key_limit(n)).numpy())
+
+
+def allowed(mask: Mask, n: int, window: int | None = None, columns: int | None = None) -> torch.Tensor:
+    """(n, columns) bool on the host: which keys each query of an ``n``-token text may see in a layer, its ``mask`` and
+    the model's own sliding ``window`` together (the window bounds causal-type masks only, as the attention applies
+    it): the cells the model computes, the same allow-set a capture records. ``columns``: the first keys only
+    (default all ``n``)."""
+    i, j = torch.arange(n)[:, None], torch.arange(n if columns is None else columns)[None, :]
     allow = mask.allow(i[None, None], j[None, None])[0, 0]
     if window and mask.causal_type:
         allow = allow & ((i - j) < window)
-    return metrics.auto_key(allow.numpy())
+    return allow

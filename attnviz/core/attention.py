@@ -50,6 +50,15 @@ def _stock_eager(module) -> Callable:
     return fn
 
 
+def _overflowed(module, layer: int):
+    """A float16 forward whose residual stream passed float16's largest value (65504) below ``layer``: its queries
+    are infinite or NaN, and so is everything after. Stock transformers computes the same NaN (Gemma 3 270M does
+    at layer 8 on an English sentence); a refusal says so instead of NaN statistics."""
+    family = getattr(getattr(module, "config", None), "model_type", "this model")
+    raise ModelLoadError(f"{family} overflows float16 before layer {layer}'s attention (its residual stream passes "
+                         "float16's largest value, 65504, as in stock transformers): load it in bfloat16 or float32")
+
+
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
               sliding_window=None, softcap=None, s_aux=None, **kwargs):
     """The registered attention function: explicit softmax where we record or must, SDPA elsewhere."""
@@ -74,6 +83,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
 
     run, layer = run.route(module)
     run.windows[layer] = sliding_window
+    if query.dtype == torch.float16 and not bool(torch.isfinite(query).all()):
+        _overflowed(module, layer)
     mask = run.masks[layer]
     bias = kwargs.get("position_bias")  # T5's relative position bias: added to the scores
     batch, n_heads, n_q, dim = query.shape

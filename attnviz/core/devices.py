@@ -38,6 +38,30 @@ def default_device() -> str:
     return os.environ.get("ATTNVIZ_DEVICE", "").strip() or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def available(device: str) -> str:
+    """``device`` when this machine has it, else a :class:`~attnviz.errors.ModelLoadError` in one line naming what
+    it has (asked before a model loads: "cuda" on a machine without CUDA, "cuda:3" with two GPUs, a misspelling)."""
+    from attnviz.errors import ModelLoadError
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ModelLoadError(f"unknown device '{device}': expected cpu, cuda, cuda:N or mps") from None
+    have = ["cpu"]
+    if torch.cuda.is_available():
+        have += ["cuda"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    if mps:
+        have.append("mps")
+    missing = ((parsed.type == "cuda" and (not torch.cuda.is_available() or
+                                           (parsed.index or 0) >= torch.cuda.device_count()))
+               or (parsed.type == "mps" and not mps) or parsed.type not in ("cpu", "cuda", "mps", "meta"))
+    if missing:
+        raise ModelLoadError(f"this machine has no device '{device}' (torch {torch.__version__} sees: "
+                             f"{', '.join(have)})")
+    return device
+
+
 def mapped_device(device_map) -> str:
     """The kind of device a model loaded with accelerate's ``device_map`` computes on, which decides its dtype:
     a dict that places any module on a GPU ("cuda:0", an index) or on MPS computes there; one that places

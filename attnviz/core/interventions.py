@@ -51,6 +51,11 @@ class Intervention:
     def check(self, n_layers: int, n_heads: int) -> None:
         """Refuse what does not exist in a model of this size (the layers are checked by the parser)."""
 
+    def outside(self, n_tokens: int) -> str:
+        """What this intervention names that a text of ``n_tokens`` tokens does not have ("" when nothing): a
+        position or key past its end would change nothing while the recipe records it."""
+        return ""
+
     def scores(self, scores: torch.Tensor) -> torch.Tensor:
         """Scaled scores (B, H, b, w) before the softmax."""
         return scores
@@ -118,6 +123,9 @@ class SinkScale(Intervention):
             raise InputError(f"sinkscale beta must be between 0 and 1, got {self.beta:g}")
         if self.key < 0:
             raise InputError(f"sinkscale key must be a token position >= 0, got {self.key}")
+
+    def outside(self, n_tokens: int) -> str:
+        return f"key {self.key}" if self.key >= n_tokens else ""
 
     def probabilities(self, probs: torch.Tensor, k0: int) -> torch.Tensor:
         c = self.key - k0
@@ -240,6 +248,12 @@ class Patch(Intervention):
     def patches(self, block: str) -> bool:
         return block == self.block
 
+    def outside(self, n_tokens: int) -> str:
+        if self.tokens == "sink":
+            return ""
+        past = [t for t in self.positions(0) if t >= n_tokens]
+        return f"token{'s' if len(past) > 1 else ''} {','.join(map(str, past))}" if past else ""
+
     def positions(self, sink_key: int) -> list[int]:
         """The patched token positions: the listed ones, or the layer's sink key."""
         return [sink_key] if self.tokens == "sink" else [int(t) for t in self.tokens.split(",")]
@@ -283,6 +297,15 @@ class Interventions:
 
     def __bool__(self) -> bool:
         return bool(self.items)
+
+    def check_text(self, n_tokens: int) -> None:
+        """Refuse, in one line, an intervention whose positions or keys lie outside a text of ``n_tokens`` tokens
+        (it would change nothing and say nothing, while the recipe records it)."""
+        for item in self.items:
+            missing = item.outside(n_tokens)
+            if missing:
+                raise InputError(f"{item.spec}: {missing} is outside the text's {n_tokens} tokens "
+                                 f"(positions 0..{n_tokens - 1})")
 
 
 NONE = Interventions()

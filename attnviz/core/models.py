@@ -15,7 +15,16 @@ from attnviz.core import devices
 from attnviz.core.shipped import (DEFAULT, DEFAULT_GGUF, DEFAULT_NAME, DEFAULT_PACKAGE, SHIPPED,  # noqa: F401
                                   Progress, Shipped, _converted, cache_dir, default_gguf,
                                   shipped_gguf, shipped_installed)
-from attnviz.errors import ModelLoadError
+from attnviz.errors import InputError, ModelLoadError
+
+
+def require(loaded, what: str) -> "LoadedModel":
+    """``loaded`` when it is a loaded model, else an :class:`InputError` in one line: ``what`` (a capability's call)
+    takes ``attnviz.load(...)``'s result, not a model's name."""
+    if not isinstance(loaded, LoadedModel):
+        hint = f": lm = attnviz.load({loaded[:60]!r}) first" if isinstance(loaded, str) else ""
+        raise InputError(f"{what} takes a loaded model (attnviz.load(...)), not a {type(loaded).__name__}{hint}")
+    return loaded
 
 
 @dataclass
@@ -147,7 +156,7 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
         device_map = None
     if device_map is not None and device is not None:
         raise ModelLoadError("give either a device or a device map, not both")
-    device = device or devices.default_device()
+    device = devices.available(device or devices.default_device())
     # a mapped model's dtype follows where the map puts it: float32 on the CPU and disk, even on a GPU machine
     torch_dtype = _resolve_dtype(dtype, devices.mapped_device(device_map) if device_map else device)
     name = (model or "").strip() or DEFAULT

@@ -64,11 +64,70 @@ class CausalCheck:
 
     def as_json(self) -> dict:
         above = range(self.layer + 1, len(self.before.attention))
+        drop = self.drop()
+        defined = np.isfinite(drop)
         return {"source": self.source, "leads": self.leads, "patch": self.patch,
-                "sink_drop": round(self.drop(), 4),
+                "sink_drop": round(drop, 4) if defined else None,
+                **({} if defined else {"sink_drop_undefined": "no attention on the sink key before the patch in the "
+                                                              "layers measured (a share of nothing)"}),
                 "perplexity_before": round(self.before.perplexity, 4), "perplexity_after": round(self.after.perplexity, 4),
-                "layers": [{"layer": l, "key": self.before.keys[l], "before": round(self.before.attention[l], 5),
-                            "after": round(self.after.attention[l], 5)} for l in above]}
+                "layers": [{"layer": l, "key": self.before.keys[l], "before": _rounded(self.before.attention[l]),
+                            "after": _rounded(self.after.attention[l])} for l in above]}
+
+
+def _rounded(x: float):
+    """x to 5 places; None where it is not defined (NaN: a layer whose sink key only its own query sees)."""
+    return round(float(x), 5) if np.isfinite(x) else None
+
+
+def sources_of(text: str) -> list[str]:
+    """The blocks a comma-separated list names ("attn.0, MLP.2": spaces and case tolerated), each checked; an
+    empty list is refused (not read as "every leader")."""
+    sources = [re.sub(r"\s+", "", part).lower() for part in str(text).split(",")]
+    sources = [s for s in sources if s]
+    if not sources:
+        raise InputError(f"--sources names no block ({text!r}): give blocks such as mlp.2,attn.11, or leave it out "
+                         "to test every leading block")
+    for source in sources:
+        patch_spec(source)
+    return list(dict.fromkeys(sources))
+
+
+def _check_layers(loaded: LoadedModel, sources: list[str]) -> None:
+    """A source's layer must exist, and have a layer above it: the sink is measured in the layers its write reaches."""
+    top = loaded.n_layers - 1
+    for source in sources:
+        layer = int(_SOURCE.match(source).group(2))
+        if layer > top:
+            raise InputError(f"{source}: layer {layer} does not exist (the model has layers 0..{top})")
+        if layer == top:
+            raise InputError(f"{source} writes into the top layer's output: no layer above it reads its write, so "
+                             f"there is no sink to measure after it; choose a block in layers 0..{top - 1}")
+
+
+def _check_sink(loaded: LoadedModel, text: str, recipe: Recipe) -> None:
+    """Refuse, before any forward, a text too short to have a sink key in any layer under ``recipe`` (a key that
+    every later query may see, docs/methods.md#auto-key): NoSink-FWD(m) hides the first m keys, so a text of m + 1
+    tokens has none, and every number after would be NaN."""
+    from attnviz.core import allowsets, anatomy
+    from attnviz.recipe import build
+    from attnviz.tokens import tokenize
+
+    built = build(loaded, recipe)
+    ids, _ = tokenize(loaded, text, prepend=built.recipe.prepend)
+    n = len(ids)
+    try:
+        windows = [layer.window for layer in anatomy.of(loaded.model).layers]
+    except InputError:
+        windows = [None] * loaded.n_layers
+    for mask, window in zip(built.architecture.layers, windows):
+        columns = metrics.auto_key_limit(n)
+        allow = allowsets.allowed(mask, n, window, columns).numpy()
+        later = allow[metrics.auto_key(allow) + 1:, metrics.auto_key(allow)]
+        if later.size and later.all():
+            return
+    raise InputError(f"the text's {n} tokens are too short to have a sink key under {built.recipe.arch} (a key "
+                     "among its first half that every later query may see): give a longer text")
 
 
 def patchable(source: str) -> bool:
@@ -78,7 +137,7 @@ def patchable(source: str) -> bool:
 
 def patch_spec(source: str, value: str = "zero") -> str:
     """The ``patch`` intervention that removes ``source`` ("mlp.L" or "attn.L") at each layer's sink token."""
-    match = _SOURCE.match(source)
+    match = _SOURCE.match(re.sub(r"\s+", "", str(source)).lower())
     if match is None:
         raise InputError(f"only a block's output can be patched (attn.L or mlp.L); '{source}' is not one: the "
                          "embeddings and biases are not a block's write")
@@ -124,6 +183,10 @@ def check(loaded: LoadedModel, text: str, recipe, sources: list[str] | None = No
     from attnviz.effects.explain import Residual
 
     recipe = Recipe.of(loaded, recipe)
+    if sources is not None:
+        sources = sources_of(",".join(sources)) if not isinstance(sources, str) else sources_of(sources)
+        _check_layers(loaded, sources)
+    _check_sink(loaded, text, recipe)
     led: dict[str, list[int]] = {}
     if sources is None:
         led = leaders(Residual(loaded, text, recipe))

@@ -24,12 +24,14 @@ no rotary pairs. Under a partial rotation (GPT-NeoX, Phi, GLM-4) the pairs are t
 from __future__ import annotations
 
 import importlib
+import numbers
 from dataclasses import dataclass, field
 
 import torch
 
 from attnviz.tokens import tokenize
-from attnviz.core import engine
+from attnviz.core import allowsets, engine
+from attnviz.core import models
 from attnviz.core.models import LoadedModel
 from attnviz.effects import schemes
 from attnviz.errors import InputError
@@ -98,6 +100,8 @@ class Explanation:
 
 def _layer(loaded: LoadedModel, layer: int) -> int:
     """``layer`` counted from the bottom (negative counts from the top), refused when it does not exist."""
+    if not isinstance(layer, numbers.Integral) or isinstance(layer, bool):
+        raise InputError(f"layer is a layer number (an int, negative counts from the top), not {layer!r}")
     if not -loaded.n_layers <= layer < loaded.n_layers:
         raise InputError(f"layer {layer} does not exist: the model has layers 0..{loaded.n_layers - 1}")
     return layer % loaded.n_layers
@@ -111,10 +115,12 @@ class Residual:
     def __init__(self, loaded: LoadedModel, text: str, arch="fwd", upto: int | None = None, on_layer=None):
         """``arch``: an architecture string or a recipe; ``upto``: the highest layer asked about (sources are kept
         below it; default every layer); ``on_layer(done, total)`` reports the forward's progress."""
+        models.require(loaded, "score attribution")
         built = build(loaded, arch).only("score attribution", "intervene", "prepend")
         self.scheme = schemes.scheme(loaded)
         self.loaded, self.built = loaded, built
         self.ids, self.tokens = tokenize(loaded, text, prepend=built.recipe.prepend)
+        built.check_text(len(self.ids))
         self.upto = loaded.n_layers - 1 if upto is None else upto
         sources: dict[str, torch.Tensor] = {}
         hooks = []
@@ -134,6 +140,7 @@ class Residual:
                 hook.remove()
         self.hidden = [h[0].float() for h in hidden[:self.upto + 1]]  # the input of layers 0 .. upto
         self._parts: dict[int, schemes.LayerParts] = {}
+        self._allowed: dict[int, torch.Tensor] = {}
         # the hooks fire in forward order: attn.0, mlp.0, attn.1, ... (the order of every figure and table)
         self.sources = {**schemes.embeddings(loaded.model, self.scheme, self.ids, self.hidden[0]), **sources}
 
@@ -152,7 +159,7 @@ class Residual:
         layer = _layer(loaded, layer)
         if layer > self.upto:
             raise InputError(f"layer {layer} is above the layers this run kept (0..{self.upto})")
-        if not 0 <= head < loaded.n_heads:
+        if not isinstance(head, numbers.Integral) or isinstance(head, bool) or not 0 <= head < loaded.n_heads:
             raise InputError(f"head {head} does not exist: the model has heads 0..{loaded.n_heads - 1}")
         return layer
 
@@ -162,9 +169,14 @@ class Residual:
         return self.hidden[0].device
 
     def allowed(self, layer: int) -> torch.Tensor:
-        """(n, n) the layer's allow-set (its mask; the model's own sliding window is not applied here), on the
-        run's device."""
-        return torch.from_numpy(self.built.architecture.layers[layer].matrix(self.n_tokens)).to(self.device)
+        """(n, n) the layer's allow-set, on the run's device: its mask and the model's own sliding window there
+        together (:func:`attnviz.core.allowsets.allowed`), the cells the model computes, as a capture records them.
+        Every average over "the queries that may see a key" reads it, and a cell outside it is refused."""
+        if layer not in self._allowed:
+            window = self.scheme.anatomy[layer].window
+            self._allowed[layer] = allowsets.allowed(self.built.architecture.layers[layer], self.n_tokens,
+                                                     window).to(self.device)
+        return self._allowed[layer]
 
     def _before(self, layer: int) -> dict[str, torch.Tensor]:
         """The sources of the residual stream entering ``layer``."""
@@ -241,7 +253,7 @@ class Residual:
     def explain(self, layer: int, head: int, query: int | str, key: int, part: dict | None = None) -> Explanation:
         layer = self.check(layer, head)
         n, arch = self.n_tokens, self.built.recipe.arch
-        if not isinstance(key, int) or not 0 <= key < n:
+        if not isinstance(key, numbers.Integral) or isinstance(key, bool) or not 0 <= key < n:
             raise InputError(f"key {key} is outside the text's {n} tokens (0..{n - 1})")
         allowed = self.allowed(layer)
         if query == "all":
@@ -252,8 +264,11 @@ class Residual:
             if not isinstance(query, int) or not 0 <= query < n:
                 raise InputError(f"query {query} is outside the text's {n} tokens (0..{n - 1})")
             if not allowed[query, key]:
-                raise InputError(f"query {query} may not see key {key} in layer {layer} under {arch}: "
-                                 "that cell is masked, it has no score to explain")
+                in_mask = bool(allowsets.allowed(self.built.architecture.layers[layer], n)[query, key])
+                window = self.scheme.anatomy[layer].window
+                why = f"past the model's own {window}-token sliding window" if in_mask else f"under {arch}"
+                raise InputError(f"query {query} may not see key {key} in layer {layer} {why}: the model never "
+                                 "computes that cell, it has no score to explain")
             rows = torch.tensor([query], device=self.device)
         p = part or self.head(layer, head)
         scale, parts = p["scale"], p["parts"]
@@ -292,6 +307,7 @@ def explain(loaded: LoadedModel, text: str, arch="fwd", *, layer: int, head: int
     """The attribution of s[query, key] of ``head`` in ``layer`` (see the module docstring); ``arch`` is an
     architecture string or a :class:`~attnviz.recipe.Recipe`. ``query="all"`` averages over every query
     the layer's mask lets see ``key``. One forward, up to the layer."""
+    models.require(loaded, "explain")
     run = Residual(loaded, text, arch, upto=_layer(loaded, layer))
     return run.explain(layer, head, query, key)
 

@@ -20,8 +20,10 @@ bias sum to q_i exactly. Nothing of this is a table of families:
 - the scaling, soft-cap and learned sink logits are what the attention function is called with.
 
 Then the parts are checked against the queries and keys the module makes on the run's own input: a layer
-whose pieces do not give back its queries and keys within 1e-4 is refused with one line (a low-rank
-attention such as DeepSeek's latent attention, whose projections have a norm between them, is one).
+whose pieces do not give back its queries and keys within 1e-4 relative (four steps of the dtype in half
+precision, where the module rounds what the float32 pieces do not: :mod:`attnviz.core.precision`) is refused with
+one line naming the difference and the limit (a low-rank attention such as DeepSeek's latent attention, whose
+projections have a norm between them, is one).
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ import torch
 
 from attnviz.core import anatomy as anatomy_mod
 from attnviz.core import blocks as core_blocks
+from attnviz.core import precision
 from attnviz.errors import InputError
 
-TOLERANCE = 1e-4  # relative: the pieces must give back the module's own queries and keys
+TOLERANCE = precision.FP32_TOLERANCE  # relative, in float32: the pieces must give back the module's own q and k
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,7 @@ def norm_form(module: torch.nn.Module, width: int, where: str) -> NormForm:
     w = weight.detach().float() if weight is not None else torch.ones(width, device=device)
     bias = getattr(module, "bias", None)
     b = bias.detach().float() if isinstance(bias, torch.Tensor) else None
-    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    tolerance = max(precision.decomposition_tolerance(dtype), 2e-2 if precision.half(dtype) else 0.0)
     for gamma, centre, beta in ((w, False, None), (1.0 + w, False, None), (w, True, b)):
         form = NormForm(gamma, beta, centre, eps)
         made = form.linear(v, form.inv(v)) + (beta if beta is not None else 0)
@@ -258,16 +261,20 @@ class LayerParts:
         # every head's queries and keys of the run, unrotated and rotated: made once per layer, read by each head
         self.q_plain, self.k_plain = self.unrotated("q", normed_run), self.unrotated("k", normed_run)
         q_flat, k_flat = self.q_plain, self.k_plain
-        if pe is not None and not _close(q_flat, q_real):
+        if pe is not None and not _relative(q_flat, q_real) <= precision.decomposition_tolerance(dtype):
             cos, sin = (t.float().to(device) for t in pe)
             self.rotate = _rotation(layer.attn, cos, sin, self.d)
             if self.rotate is not None:
                 self.pairs, self.frequencies = _pairs(layer.attn, cos.shape[-1], self.d, found.rotary, device)
         self.q, self.k = self.rotated(q_flat, slice(None)), self.rotated(k_flat, slice(None))
-        if not (_close(self.q, q_real) and _close(self.k, k_real)):
+        limit = precision.decomposition_tolerance(dtype)
+        missed = max(_relative(self.q, q_real), _relative(self.k, k_real))
+        if not missed <= limit:
             raise InputError(f"score attribution: {where}'s queries and keys are not a linear map of its input "
                              "with frozen norms and a rotation (a low-rank attention with a norm inside, as "
-                             "DeepSeek's latent attention, is one), so its scores cannot be split by source")
+                             "DeepSeek's latent attention, is one), so its scores cannot be split by source: the "
+                             f"pieces miss the module's own by {missed:.3g} relative (limit {limit:.3g} in "
+                             f"{precision.name(dtype)})")
 
     def _input(self, layer, x):
         return (layer.attn_norm(x.to(next(layer.attn.parameters()).dtype)).float()
@@ -309,8 +316,11 @@ class LayerParts:
         return v if self.rotate is None else self.rotate(v, rows)
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and bool((a - b).norm() <= TOLERANCE * max(float(b.norm()), 1e-6))
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ (infinite for different shapes)."""
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a - b).norm()) / max(float(b.norm()), 1e-6)
 
 
 @torch.no_grad()

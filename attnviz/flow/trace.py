@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from attnviz.core import anatomy as anatomy_mod
-from attnviz.core import engine
+from attnviz.core import engine, precision
 from attnviz.core.modules import output_projection
 from attnviz.core.probe import output_tensor
 from attnviz.core.recorders import Recorder
@@ -116,10 +116,16 @@ class _Probs(Recorder):
         self.buffer[:, q0:q0 + rows, k0:k0 + keys] = probs[0]
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> torch.Tensor:
-    """Per row (last dimension reduced): a equals b within ``tolerance`` of the row's size."""
+def _miss(a: torch.Tensor, b: torch.Tensor, slack: "torch.Tensor | float" = 0.0) -> torch.Tensor:
+    """Per row (last dimension reduced): how far a is from b, relative to the row's size, less ``slack`` (an absolute
+    allowance per row: the rounding of the stream the difference was taken from)."""
     scale = torch.maximum(a.abs().amax(-1), b.abs().amax(-1)).clamp(min=1e-6)
-    return (a - b).abs().amax(-1) <= tolerance * scale
+    return ((a - b).abs().amax(-1) - slack).clamp(min=0) / scale
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tolerance: float, slack: "torch.Tensor | float" = 0.0) -> torch.Tensor:
+    """Per row (last dimension reduced): a equals b within ``tolerance`` of the row's size, plus ``slack``."""
+    return _miss(a, b, slack) <= tolerance
 
 
 DIRECTIONS = 8  # random directions the heads' outputs are compared along when no intervention ran
@@ -199,10 +205,19 @@ class _Layer:
         tol = tracer.tolerance
         heads_ok = _made(probs, value.repeat_interleave(group, 0), z.view(z.shape[0], n_heads, d), tol,
                          exact=tracer.intervened)  # (n, H)
-        rows_ok = _close(y - x, s * written, tol)  # the block's write is its heads' (a patch replaces it)
+        # the block's write is its heads' (a patch replaces it); in half precision y − x carries the rounding of y,
+        # which is relative to the stream (massive at a sink token), not to the write
+        slack = precision.stream_rounding(tracer.dtype, torch.maximum(x.abs().amax(-1), y.abs().amax(-1)))
+        rows_ok = _close(y - x, s * written, tol, slack)
         if not tracer.intervened and not (bool(heads_ok.all()) and bool(rows_ok.all())):
+            what = ("its heads' outputs are not their probabilities times their values" if not bool(heads_ok.all())
+                    else "the stream after it is not its input plus its write")
+            missed = float(_miss(y - x, s * written, slack).max()) if bool(heads_ok.all()) else float(
+                _miss(torch.einsum("hqk,hkd->qhd", probs, value.repeat_interleave(group, 0)),
+                      z.view(z.shape[0], n_heads, d)).max())
             raise InputError(f"routes: {tracer.family} layer {L.index}: the attention's write is not the sum of its "
-                             "heads' weighted values, so it cannot be split by source token")
+                             f"heads' weighted values ({what}: off by {missed:.3g} of a row's size, limit {tol:.3g} in "
+                             f"{precision.name(tracer.dtype)}), so it cannot be split by source token")
         keep = heads_ok & rows_ok[:, None]  # (n, H)
         raw = attention_raw(y, probs if bool(keep.all()) else probs * keep.T[:, :, None], value, per_head, c)
         raw_residual = raw_part(x, y)
@@ -223,8 +238,10 @@ class _Tracer:
         self.family = self.anatomy.family
         self.floor = floor
         self.intervened = bool(built.interventions)
-        dtype = next(loaded.model.parameters()).dtype
-        self.tolerance = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
+        self.dtype = next(loaded.model.parameters()).dtype
+        # per row, relative to its largest entry: 1e-3 in float32, the dtype's decomposition limit in half precision
+        # (docs/methods.md#devices)
+        self.tolerance = max(1e-3, precision.decomposition_tolerance(self.dtype))
         self.recorded: dict = {}
         self.layers: list[LayerFlow] = []
         self.streams: list[torch.Tensor] = []
@@ -251,8 +268,15 @@ def trace(loaded, text: str, recipe="fwd", max_tokens: int | None = None, on_lay
     from attnviz import recipe as recipe_mod
     from attnviz.tokens import tokenize
 
+    from attnviz.core.models import require
+
+    require(loaded, "routes")
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 <= floor < 1:
+        raise InputError(f"floor {floor!r}: the smallest contribution a trace keeps lies in [0, 1) "
+                         f"(default {FLOOR})")
     built = recipe_mod.build(loaded, recipe).only("routes", "intervene", "prepend")
     ids, tokens = tokenize(loaded, text, max_tokens, built.recipe.prepend)
+    built.check_text(len(ids))
     tracer = _Tracer(loaded, built, floor)
     layers = [_Layer(tracer, layer, loaded.n_heads) for layer in tracer.anatomy.layers]
     handles = [h for layer in layers for h in layer.hooks()]
