@@ -578,7 +578,173 @@ def run(loaded: LoadedModel, tokens: int = 4096, progress=None) -> Report:
     report = Report(environment(loaded))
     say(f"equivalence on {EQUIVALENCE_TOKENS} tokens")
     report.checks += equivalence(loaded, _text(loaded, EQUIVALENCE_TOKENS))
+    say("score attribution, patch and routes")
+    report.checks += capabilities(loaded, _text(loaded, EQUIVALENCE_TOKENS))
     n = min(tokens, loaded.max_tokens)
     say(f"speed on {n} tokens")
     report.checks += speed(loaded, _text(loaded, n), device)
     return report
+
+
+# --- what the pages run: score attribution, patch, routes ---------------------------------------------------------
+
+ATTRIBUTION_HALF = 0.02  # relative: attribution's sources against the captured score in half precision (the issue's 2 %)
+
+
+def capabilities(loaded: LoadedModel, text: str) -> list[Check]:
+    """The three deepest pages' arithmetic in the model's own dtype, on the doctor's short text
+    (docs/cli.md#check-attnviz-on-this-machine): score attribution (the Why page), ``patch`` (its "Test it") and
+    routes (the Routes page). Each is a PASS or FAIL against a limit that follows the dtype; a capability this
+    model does not have (a family attribution cannot split) is a SKIP that says why."""
+    from attnviz.errors import AttnvizError
+
+    checks = []
+    for check in (_attribution_check, _patch_check, _routes_check):
+        try:
+            checks.append(check(loaded, text))
+        except AttnvizError as err:  # the model's refusal (a family not split, a float16 overflow): not a defect
+            checks.append(Check(check.__doc__.split(":")[0], "SKIP", detail=str(err)))
+    return checks
+
+
+def _attribution_check(loaded: LoadedModel, text: str) -> Check:
+    """score attribution: every head of the top layer, its sink key's score averaged over the queries that see it,
+    split by source on the key side; the sources' sum against the score a capture records (pre-softmax, after a
+    soft-cap's where the family caps)."""
+    from attnviz.capture import capture
+    from attnviz.effects.explain import Residual
+    from attnviz.plan import Keep
+    from attnviz.stats import metrics
+
+    dtype = loaded.model.dtype
+    top = loaded.n_layers - 1
+    cap = capture(loaded, text, "fwd", Keep(layers=[top], scores=True, storage_dtype=torch.float32))
+    run = Residual(loaded, text, "fwd", upto=top)
+    allowed = run.allowed(top).cpu().numpy()
+    key = metrics.auto_key(allowed)
+    scores = cap.layer_scores(top)
+    worst = 0.0
+    for head in range(loaded.n_heads):
+        e = run.explain(top, head, "all", key)
+        captured = float(scores[head][allowed[:, key], key].mean())
+        made = e.softcapped_score if e.softcapped_score is not None else sum(e.key_sources.values())
+        worst = max(worst, abs(made - captured) / max(abs(captured), 1e-3))
+    half = precision.half(dtype)
+    limit = ATTRIBUTION_HALF if half else 1e-3
+    why = (f"{limit:g} relative in {precision.name(dtype)}: the split is computed in float32 from the run's own "
+           "activations, the captured score from the run's rounded queries and keys" if half else
+           "1e-3 relative in float32: two float32 routes to one score (the split's sum and the engine's product)")
+    return Check.against("score attribution: the sources sum to the captured score", worst, limit, why=why,
+                         compared=f"the top layer's {loaded.n_heads} heads at their sink key {key}, averaged over every "
+                                  "query that sees it: the key side's sources summed, and the engine's pre-softmax "
+                                  "score; relative to the score")
+
+
+def _patch_check(loaded: LoadedModel, text: str) -> Check:
+    """patch: the MLP's write at the first token removed in the middle layer by attnviz's ``patch`` against the same
+    write removed by a forward hook written here on stock transformers; the last layer's output compared."""
+    from attnviz.core import anatomy
+    from attnviz.core import engine
+    from attnviz.recipe import build
+    from attnviz.tokens import tokenize
+
+    model = loaded.model
+    layer = loaded.n_layers // 2
+    built = build(loaded, "fwd", intervene=f"patch(block=mlp, tokens=0)@{layer}")
+    ids, _ = tokenize(loaded, text)
+    built.check_text(len(ids))
+    with torch.no_grad():
+        _, hidden, _ = built.forward(loaded, torch.tensor([ids]), engine.Record(frozenset()),
+                                     engine.Feed(hidden_states=True, last_logits_only=True))
+    ours = hidden[-1][0].float().cpu()
+
+    def zero_first(module, args, out):
+        tensor = out[0] if isinstance(out, tuple) else out
+        tensor = tensor.clone()
+        tensor[:, 0] = 0
+        return (tensor, *out[1:]) if isinstance(out, tuple) else tensor
+
+    handle = anatomy.of(model)[layer].mlp_write.register_forward_hook(zero_first)
+    try:
+        with torch.inference_mode():
+            out = model(torch.tensor([ids], device=model.device), output_hidden_states=True)
+    finally:
+        handle.remove()
+    theirs = out.hidden_states[-1][0].float().cpu()
+    worst = float((ours - theirs).norm() / theirs.norm().clamp(min=1e-30))
+    limit, why = precision.tolerance(model.dtype)
+    if precision.half(model.dtype):  # the forward above the patch runs through every layer: drift, not one layer
+        limit = precision.decomposition_tolerance(model.dtype)
+        why = (f"{limit:.3g} relative in {precision.name(model.dtype)}: four steps, since both forwards run every "
+               "layer above the patch through SDPA and may round apart")
+    return Check.against("patch: equal to a stock forward hook (relative)", worst, limit, why=why,
+                         compared=f"the last hidden state with layer {layer}'s MLP write zeroed at token 0, by attnviz's "
+                                  "patch and by a forward hook on stock transformers; relative to its norm")
+
+
+def _routes_check(loaded: LoadedModel, text: str) -> Check:
+    """routes: one layer's contributions (every query, source token and head) from a trace against their written-out
+    definition (docs/methods.md#contributions), made from stock eager's probabilities, the layer's values and
+    streams, each write W_O·A_ij·v_j written out in full."""
+    from attnviz.capture import capture
+    from attnviz.core import anatomy
+    from attnviz.core.modules import output_projection
+    from attnviz.effects.schemes import norm_form
+    from attnviz.flow import contributions
+    from attnviz.flow.trace import trace
+    from attnviz.plan import Keep
+
+    model = loaded.model
+    found = anatomy.of(model)
+    layer = loaded.n_layers // 2
+    L = found[layer]
+    with layer_io(model) as ours:
+        flow = trace(loaded, text, "fwd", floor=0.0)
+    feed = {layer: ours.inputs[layer]}
+    seen: dict = {}
+
+    def keep(name, output=False):
+        def hook(module, args, kwargs, *out):
+            value = out[0] if output else (args[0] if args else kwargs.get("hidden_states"))
+            seen[name] = (value[0] if isinstance(value, tuple) else value)[0].detach().float().cpu()
+        return hook
+
+    handles = [L.attn_write.register_forward_pre_hook(keep("o"), with_kwargs=True),
+               L.attn_write.register_forward_hook(keep("write", True), with_kwargs=True)]
+    if not L.parallel:
+        handles.append((L.mlp_norm or L.mlp).register_forward_pre_hook(keep("y"), with_kwargs=True))
+    try:
+        maps, io = stock(loaded, flow.token_ids, feed=feed)
+    finally:
+        for handle in handles:
+            handle.remove()
+    with layer_io(model, feed=feed):
+        qkv = capture(loaded, text, "fwd", Keep(layers=[layer], qkv=True, storage_dtype=torch.float32)).layer_qkv(layer)
+    x, out = io.inputs[layer][0].float().cpu(), io.outputs[layer][0].float().cpu()
+    y = seen["y"] if "y" in seen else x + L.scale * seen["write"]
+    probs = torch.from_numpy(maps[layer])  # (H, n, n)
+    n_heads, n = probs.shape[0], probs.shape[-1]
+    v = torch.from_numpy(qkv.v).float()  # (H_kv, n, d)
+    w = output_projection(L.attn).detach().float().cpu()  # (D, H d)
+    width, d = w.shape[0], v.shape[-1]
+    w = w.view(width, n_heads, d)
+    c = torch.full((n,), float(L.scale))
+    if L.attn_write is not L.attn:  # a post-norm: its gain folded in, its scale frozen per token
+        post = norm_form(L.attn_write, width, f"layer {layer}'s post-attention norm")
+        c = c * post.inv(seen["o"])[:, 0].cpu()
+        w = w * post.gamma.cpu()[:, None, None]
+        if post.centre:
+            w = w - w.mean(0, keepdim=True)
+    writes = torch.einsum("hqk,q,hkd,xhd->hqkx", probs, c, v.repeat_interleave(n_heads // v.shape[0], 0), w)
+    parts = torch.cat([x[None], writes.permute(0, 2, 1, 3).reshape(-1, n, width)])
+    expected = contributions.proximity(parts, y)[1:].view(n_heads, n, n).permute(2, 1, 0).numpy()  # (q, k, h)
+    got = flow.layers[layer].dense(n_heads, n)
+    worst = float(np.abs(got - expected).max())
+    dtype = model.dtype
+    limit = max(1e-4, precision.decomposition_tolerance(dtype))
+    why = ("1e-4 in float32 (docs/methods.md#devices)" if not precision.half(dtype) else
+           f"{limit:.3g} in {precision.name(dtype)}: four steps, since the trace's probabilities and stock eager's "
+           "round apart by up to two")
+    return Check.against("routes: equal to the written-out definition on one layer", worst, limit, why=why,
+                         compared=f"layer {layer}'s contribution of every (query, source token, head), from a trace and "
+                                  "written out in full from stock eager's probabilities, fed the same layer input")

@@ -266,9 +266,10 @@ class Residual:
             if not allowed[query, key]:
                 in_mask = bool(allowsets.allowed(self.built.architecture.layers[layer], n)[query, key])
                 window = self.scheme.anatomy[layer].window
-                why = f"past the model's own {window}-token sliding window" if in_mask else f"under {arch}"
-                raise InputError(f"query {query} may not see key {key} in layer {layer} {why}: the model never "
-                                 "computes that cell, it has no score to explain")
+                why = (f"past the model's own {window}-token sliding window: the model never computes that cell"
+                       if in_mask else f"under {arch}: that cell is masked")
+                raise InputError(f"query {query} may not see key {key} in layer {layer} {why}, it has no score to "
+                                 "explain")
             rows = torch.tensor([query], device=self.device)
         p = part or self.head(layer, head)
         scale, parts = p["scale"], p["parts"]
