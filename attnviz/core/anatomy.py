@@ -176,6 +176,8 @@ def _window(config, attn, index: int) -> tuple[int | None, str | None]:
     window = getattr(attn, "sliding_window", None)
     if window is None and layer_type == "sliding_attention":
         window = getattr(config, "sliding_window", None)
+    elif window is None and layer_type is None and getattr(config, "use_sliding_window", True):
+        window = getattr(config, "sliding_window", None)  # one window in every layer (Mistral, Mixtral, StarCoder 2)
     return (int(window) if window else None), layer_type
 
 
