@@ -12,7 +12,9 @@ from __future__ import annotations
 from attnviz.errors import AttnvizError
 
 CAPABILITIES = ("maps, any mask", "patch", "score attribution, diagnosis, query-key view", "causal check",
-                "resume from a layer (regions)", "residual variants")
+                "resume from a layer (regions)", "residual variants", "bfloat16: attribution, patch, routes")
+HALF = CAPABILITIES[-1]
+TEXT = "A short text to read the layers by."
 
 
 def row(loaded) -> dict[str, str]:
@@ -25,10 +27,10 @@ def row(loaded) -> dict[str, str]:
         found = anatomy.of(loaded.model)
     except AttnvizError as err:
         reason = _short(err)
-        return {**out, **{c: reason for c in CAPABILITIES[1:]}}
+        return {**out, **{c: reason for c in CAPABILITIES[1:]}}  # bfloat16 too: nothing is mapped
     out["patch"] = "✓"
     try:
-        run = Residual(loaded, "A short text to read the layers by.", "fwd")
+        run = Residual(loaded, TEXT, "fwd")
         for layer in range(loaded.n_layers):
             run.layer_parts(layer)
         attribution = "✓"
@@ -38,7 +40,45 @@ def row(loaded) -> dict[str, str]:
     out["causal check"] = attribution  # it patches the sources attribution names
     out[CAPABILITIES[4]] = _short(found.resumable) if found.resumable else "✓"
     out["residual variants"] = residual.why_not(found) or "✓"
+    out[HALF] = half(loaded) if attribution == "✓" else f"attribution as in float32; {half(loaded, False)}"
     return out
+
+
+def in_dtype(loaded, dtype):
+    """A copy of ``loaded`` in ``dtype``, its anatomy found again in that dtype."""
+    import copy
+
+    from attnviz.core.models import LoadedModel
+
+    model = copy.deepcopy(loaded.model)
+    model.__dict__.pop("_attnviz_anatomy", None)
+    return LoadedModel(model.to(dtype), loaded.tokenizer, f"{loaded.model_id} ({dtype})", None, 0.0)
+
+
+def half(loaded, attribution: bool = True) -> str:
+    """Whether score attribution (where ``attribution``), ``patch`` and routes run on ``loaded`` cast to bfloat16 on
+    the CPU: "✓" or the first refusal (docs/methods.md#devices; ``tests/test_conformance.py`` compares their numbers
+    with float32's)."""
+    import torch
+
+    from attnviz.capture import capture
+    from attnviz.effects.explain import Residual
+    from attnviz.flow.trace import trace
+    from attnviz.plan import Keep
+    from attnviz.recipe import Recipe
+
+    bf16 = in_dtype(loaded, torch.bfloat16)
+    try:
+        if attribution:
+            run = Residual(bf16, TEXT, "fwd")
+            for layer in range(bf16.n_layers):
+                run.layer_parts(layer)
+        capture(bf16, TEXT, Recipe.of(bf16, "fwd", intervene="patch(block=mlp, tokens=sink)@0"),
+                Keep(statistics=("alpha",)))
+        trace(bf16, TEXT)
+    except AttnvizError as err:
+        return _short(err)
+    return "✓" if attribution else "patch and routes ✓"
 
 
 def _short(reason) -> str:

@@ -20,6 +20,7 @@ from attnviz.plan import Keep
 from attnviz.recipe import Recipe
 from attnviz.stats import metrics
 
+import tiny
 from tiny import FAMILIES, CharTokenizer, pair
 
 TEXT = "The keeper lit the lamp at dusk, and watched."
@@ -239,3 +240,29 @@ def test_value_norms_make_nothing_of_the_hidden_size_per_key():
     w = modules.output_projection(attn).detach().float().view(32, 4, 8)
     expected = torch.einsum("bhnd,ohd->bhno", value.repeat_interleave(2, dim=1), w).norm(dim=-1)
     torch.testing.assert_close(norms, expected, rtol=1e-5, atol=1e-6)
+
+
+HALF_FAMILIES = ["llama", "qwen2", "gemma3_text", "gpt_neox", "granite", "phi3", "gpt2"]  # the code paths that differ
+
+
+@pytest.mark.parametrize("kind", HALF_FAMILIES)
+def test_bfloat16_column_attribution_patch_causal_check_and_routes(kind):
+    """The conformance matrix's bfloat16 column (docs/support.md): in bfloat16 on the CPU, score attribution sums to
+    the captured score within 2 % relative, ``patch`` equals a stock forward hook and routes equal their written-out
+    definition (the doctor's three checks, against stock transformers), and the causal check's sink drop and the
+    score agree with float32's (docs/methods.md#devices)."""
+    from attnviz import doctor
+    from attnviz.effects import causal
+    from attnviz.effects.explain import explain
+    from attnviz.support import in_dtype
+
+    lm = tiny.loaded(kind)
+    half = in_dtype(lm, torch.bfloat16)
+    text = "The keeper lit the lamp at dusk, and watched the sea until the dawn came."
+    for check in doctor.capabilities(half, text):
+        assert check.status == "PASS", check.line()
+    ref = explain(lm, text, "fwd", layer=-1, head=0, query="all", key=0)
+    got = explain(half, text, "fwd", layer=-1, head=0, query="all", key=0)
+    assert got.score == pytest.approx(ref.score, rel=0.02, abs=0.02)
+    drops = [causal.check(m, text, "fwd", ["mlp.0"])[0].drop() for m in (lm, half)]
+    assert drops[1] == pytest.approx(drops[0], abs=0.05)

@@ -274,3 +274,27 @@ def test_library_calls_refuse_wrong_arguments_in_one_line():
         attnviz.capture(lm, SHORT, attnviz.Recipe.of(lm, "fwd", intervene="patch(block=mlp, tokens=40)"))
     with pytest.raises(AttnvizError, match="has no device 'cuda"):
         models.load("default", device="cuda:9")
+
+
+# --- the app in bfloat16 -------------------------------------------------------------------------------------
+
+def test_the_why_and_routes_pages_run_with_a_bfloat16_model(model_cache, tmp_path, monkeypatch):
+    """ATTNVIZ_DTYPE=bfloat16 loads the app's model as a GPU would: the Why page (attribution, the diagnosis, the
+    query-key view and "Test it") and the Routes page run on it without an error."""
+    from test_app import app_test, charts, on_page, texts
+
+    monkeypatch.setenv("ATTNVIZ_DTYPE", "bfloat16")
+    at = app_test(tmp_path)
+    at.run()
+    assert not at.exception and not at.error, texts(at.error)
+    at.query_params.update({"layer": "20", "head": "3", "query": "all", "key": "0"})
+    on_page(at, "pages/why.py")
+    assert not at.exception and not at.error, texts(at.error)
+    titles = [str(f["layout"].get("title", {}).get("text", "")) for f in charts(at)]
+    assert any("layer 20 head 3, all" in t for t in titles) and any("AttentionViz" in t for t in titles)
+    at.button(key="why_test").click().run()
+    assert not at.exception and not at.error, texts(at.error)
+    assert any("Attention on the sink key" in str(f["layout"]["title"]["text"]) for f in charts(at))
+    on_page(at, "pages/routes.py")
+    assert not at.exception and not at.error, texts(at.error)
+    assert any("routes of token" in str(f["layout"]["title"]["text"]) for f in charts(at))

@@ -83,6 +83,8 @@ def get_model(name: str, trust_remote_code: bool = False, wait: bool = True,
     model only if it is already loaded: pages that need none never wait for one.
     """
     key = (name, trust_remote_code) if device_map is None else (name, trust_remote_code, device_map)
+    dtype = os.environ.get("ATTNVIZ_DTYPE", "").strip()
+    key = key + (dtype,) if dtype else key  # a model loaded in another dtype is another model
     store, failed = _models(), _failed_models()
     if key in store:
         return store[key]

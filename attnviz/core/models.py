@@ -116,6 +116,8 @@ def local_directory(name: str) -> str | None:
 def _resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype is None and os.environ.get("ATTNVIZ_DTYPE", "").strip():
+        dtype = os.environ["ATTNVIZ_DTYPE"].strip()  # the app's and the CLI's default, like ATTNVIZ_DEVICE
     if dtype in (None, "auto"):
         return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     try:
