@@ -116,7 +116,11 @@ class Built:
     def check_text(self, n_tokens: int) -> "Built":
         """This recipe for a text of ``n_tokens`` tokens (its BOS control's included): an intervention whose
         positions or keys lie past its end is refused in one line."""
-        self.interventions.check_text(n_tokens)
+        for item in self.interventions.items:
+            missing = item.outside(n_tokens)
+            if missing:
+                raise InputError(f"{item.spec}: {missing} is outside the text's {n_tokens} tokens "
+                                 f"(positions 0..{n_tokens - 1})")
         return self
 
     def forward(self, loaded: "LoadedModel", input_ids: "torch.Tensor", record=None, feed=None):

@@ -52,8 +52,7 @@ class Intervention:
         """Refuse what does not exist in a model of this size (the layers are checked by the parser)."""
 
     def outside(self, n_tokens: int) -> str:
-        """What this intervention names that a text of ``n_tokens`` tokens does not have ("" when nothing): a
-        position or key past its end would change nothing while the recipe records it."""
+        """What it names past the end of a text of ``n_tokens`` tokens ("" when nothing): it would change nothing."""
         return ""
 
     def scores(self, scores: torch.Tensor) -> torch.Tensor:
@@ -249,10 +248,8 @@ class Patch(Intervention):
         return block == self.block
 
     def outside(self, n_tokens: int) -> str:
-        if self.tokens == "sink":
-            return ""
-        past = [t for t in self.positions(0) if t >= n_tokens]
-        return f"token{'s' if len(past) > 1 else ''} {','.join(map(str, past))}" if past else ""
+        past = [] if self.tokens == "sink" else [t for t in self.positions(0) if t >= n_tokens]
+        return f"token{'s' * (len(past) > 1)} {','.join(map(str, past))}" if past else ""
 
     def positions(self, sink_key: int) -> list[int]:
         """The patched token positions: the listed ones, or the layer's sink key."""
@@ -297,15 +294,6 @@ class Interventions:
 
     def __bool__(self) -> bool:
         return bool(self.items)
-
-    def check_text(self, n_tokens: int) -> None:
-        """Refuse, in one line, an intervention whose positions or keys lie outside a text of ``n_tokens`` tokens
-        (it would change nothing and say nothing, while the recipe records it)."""
-        for item in self.items:
-            missing = item.outside(n_tokens)
-            if missing:
-                raise InputError(f"{item.spec}: {missing} is outside the text's {n_tokens} tokens "
-                                 f"(positions 0..{n_tokens - 1})")
 
 
 NONE = Interventions()
