@@ -158,6 +158,7 @@ def sinks_report(capture, eps: float) -> dict:
                 "alpha": [_null(alphas[h, k]) if k < capture.n_tokens else None for k in range(N_ALPHA_KEYS)],
                 "discarded_mass": _null(discarded[h]),
             } for h in range(capture.n_heads)],
+            "sinks": capture.sinks(layer, eps),  # every key that acts as a sink (docs/methods.md#sinks-at-any-key)
         })
     return {"model": capture.meta["model"], "arch": capture.arch, "n_tokens": capture.n_tokens,
             **({"residual": capture.meta["residual"]} if capture.meta.get("residual") else {}),
@@ -178,7 +179,8 @@ def _sinks(args) -> dict:
     _check_intervene(args)
     loaded = _load(args)
     recipe = _recipe(args, loaded)
-    return sinks_report(capture(loaded, text, recipe, Keep(statistics=SINKS_REPORT)), args.eps)
+    keep = Keep(statistics=SINKS_REPORT, activations=True, value_norms=True)
+    return sinks_report(capture(loaded, text, recipe, keep), args.eps)
 
 
 def _dataset_sinks(args) -> dict:
