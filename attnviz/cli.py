@@ -453,6 +453,27 @@ def _routes(args) -> dict:
     return graph.as_json()
 
 
+def _patching(args) -> dict:
+    """Activation patching between two texts (docs/methods.md#activation-patching)."""
+    from attnviz.effects import patching
+
+    if args.site not in patching.SITES:  # refused before a model loads
+        raise AttnvizError(f"unknown site '{args.site}': expected one of {', '.join(patching.SITES)}")
+    if args.metric == "logit_diff" and (args.answer is None or args.wrong is None):
+        raise AttnvizError("the logit difference needs --answer and --wrong (one token each), or choose "
+                           "--metric kl or sink")
+    for name in ("clean", "corrupted"):
+        if not getattr(args, name).strip():
+            raise AttnvizError(f"--{name} is empty: give the text")
+    _check_intervene(args)
+    loaded = _load(args)
+    bar, update = _progress("patching")
+    with bar:
+        result = patching.patching(loaded, args.clean, args.corrupted, args.answer, args.wrong, args.site,
+                                   args.metric, _recipe(args, loaded), on_layer=update)
+    return result.as_json()
+
+
 def _doctor(args) -> int:
     """Environment, equivalence on this model and device, speed: one line per check (attnviz.doctor)."""
     from attnviz import doctor
@@ -779,6 +800,25 @@ def _routes_options(p):
                    help="attention edges one per head, or the heads summed (%(default)s)")
 
 
+def _patching_options(p):
+    from attnviz.effects import patching
+
+    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M), "
+                                                       "a Hugging Face id or a local directory")
+    p.add_argument("--arch", default="fwd", help="architecture string (docs/methods.md#the-call-syntax)")
+    _load_args(p)
+    _intervene_args(p, bos=True)
+    p.add_argument("--json", action="store_true", help="JSON output (the default)")
+    p.add_argument("--clean", required=True, help="the clean text")
+    p.add_argument("--corrupted", required=True, help="the corrupted text (the same number of tokens)")
+    p.add_argument("--answer", default=None, help="the clean run's answer token, as it follows the text (' Paris')")
+    p.add_argument("--wrong", default=None, help="the corrupted run's answer token (' Rome')")
+    p.add_argument("--site", default="resid", help=f"where to patch: {', '.join(patching.SITES)} (%(default)s)")
+    p.add_argument("--metric", default="logit_diff", choices=list(patching.METRICS),
+                   help="logit(answer) - logit(wrong), the KL divergence from the clean next-token distribution, "
+                        "or the last query's attention on the sink key (%(default)s)")
+
+
 def _doctor_options(p):
     from attnviz import defaults, doctor
 
@@ -867,6 +907,9 @@ COMMANDS = {
                 "earlier attention and MLP block), and without rotation", _explain_options, _explain),
     "routes": ("contribution graph of a token (which tokens, through which heads and MLPs, feed it) and the share "
                "of the attention flow the sink key carries in each layer", _routes_options, _routes),
+    "patching": ("activation patching between a clean and a corrupted text: every layer and position (or head) "
+                 "of one site patched from the clean run, its effect on a metric at the last position",
+                 _patching_options, _patching),
     "doctor": ("check attnviz on this machine: versions and devices, every route against stock transformers, "
                "speed against a plain forward; exits 1 if a check fails", _doctor_options, _doctor),
     "linformer": ("Linformer what-if on one layer: relative error of the output against k", _linformer_options,

@@ -80,16 +80,17 @@ def make_run(model, input_ids: torch.Tensor, computes, record: Record = Record()
 
 
 def resume(model, hidden: torch.Tensor, start: int, input_ids: torch.Tensor, computes,
-           record: Record = Record()) -> Run:
+           record: Record = Record(), out: dict | None = None) -> Run:
     """Layers ``start``.. of :func:`forward` of ``input_ids`` (1, n), run from ``hidden`` (n, d): the
     input of layer ``start`` that an earlier forward of the same tokens, masks and interventions kept
     (``Run.checkpoints``). The layers below are not run again; like :func:`forward`, ``record.on_layer`` may
-    stop it after any layer. Returns the run (what it recorded)."""
+    stop it after any layer. Returns the run (what it recorded). A batch resumes too: ``input_ids`` (B, n) with
+    ``hidden`` (B, n, d). With ``out``, ``out["hidden"]`` is the last layer's output (before the final norm)."""
     _resumable_layers(model)
     found = anatomy.of(model)
     run = make_run(model, input_ids, computes, record)
     with active(run), torch.inference_mode():
-        h = hidden[None].to(model.device)
+        h = (hidden[None] if hidden.dim() == 2 else hidden).to(model.device)
         positions = run.positions.to(model.device)
         # the keyword arguments the base model calls a layer with (the anatomy's probe saw them), made again;
         # the masks come from the run, so the attention mask is None as in every attnviz forward
@@ -99,6 +100,21 @@ def resume(model, hidden: torch.Tensor, start: int, input_ids: torch.Tensor, com
             kwargs = {name: made.get(name) for name in found.layer_kwargs}
             if "position_embeddings" in kwargs:
                 kwargs["position_embeddings"] = found.position_embeddings(h, positions, layer)
-            out = layer.module(h, **kwargs)
-            h = out[0] if isinstance(out, tuple) else out
+            given = layer.module(h, **kwargs)
+            h = given[0] if isinstance(given, tuple) else given
+    if out is not None:
+        out["hidden"] = h
     return run
+
+
+def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The next-token logits (B, V) of the last position of a last layer's output ``hidden`` (B, n, d), as the
+    model's own forward makes them: its final norm, its output embedding and, where the family caps them, its
+    final soft-cap (Gemma 2)."""
+    found = anatomy.of(model)
+    h = hidden[:, -1:]
+    if found.final_norm is not None:
+        h = found.final_norm(h)
+    logits = model.get_output_embeddings()(h)[:, -1]
+    cap = getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "final_logit_softcapping", None)
+    return cap * torch.tanh(logits / cap) if cap else logits
