@@ -180,3 +180,24 @@ def test_refusals_in_the_library():
         patching(lm, CLEAN, CORRUPTED, site="resid", metric="accuracy")
     with pytest.raises(InputError, match="takes a loaded model"):
         patching("default", CLEAN, CORRUPTED, "P", "R")
+
+
+def test_the_patching_page_draws_the_librarys_grid(default_model, tmp_path):
+    from test_app import app_test, charts, on_page, texts
+
+    at = app_test(tmp_path)
+    at.run()
+    on_page(at, "pages/patching.py")
+    assert not at.exception and not at.error, texts(at.error)
+    at.selectbox(key="pt_site").set_value("heads").run()
+    at.button(key="pt_run").click().run()
+    assert not at.exception and not at.error, texts(at.error)
+    grid = next(c for c in charts(at) if "activation patching of heads" in c["layout"]["title"]["text"])
+    expected = patching(default_model, at.text_input(key="pt_clean").value, at.text_input(key="pt_corrupted").value,
+                        " Paris", " Rome", "heads")
+    from test_app import arr
+
+    np.testing.assert_allclose(arr(grid["data"][0]["z"]), expected.effect, atol=1e-5)
+    at.text_input(key="pt_corrupted").input("The capital of Italy is").run()
+    at.button(key="pt_run").click().run()
+    assert any("the same number of tokens" in e.value for e in at.error)

@@ -200,3 +200,31 @@ def _runs(layers) -> list[tuple[int, int]]:
         else:
             out.append((layer, layer))
     return out
+
+
+def patching_figure(result) -> go.Figure:
+    """Activation patching's grid (:class:`attnviz.effects.patching.Patching`): the effect of patching each layer's
+    site at each position (or head) from the clean run into the corrupted one, (patched − corrupted) / (clean −
+    corrupted) of the metric: 1 restores the clean run (red), 0 changes nothing, below 0 moves away (blue)."""
+    effect = np.asarray(result.effect, dtype=float)
+    heads = result.site == "heads"
+    clean, corrupted = result.tokens
+    if heads:
+        x = [f"h{h}" for h in result.heads]
+        hover = [[f"layer {l}, head {h}" for h in result.heads] for l in result.layers]
+    else:
+        x = [f"{p} {clean[p]!r}" + ("" if clean[p] == corrupted[p] else f"/{corrupted[p]!r}") for p in result.positions]
+        hover = [[f"layer {l}, position {p}: {clean[p]!r} → {corrupted[p]!r}" for p in result.positions]
+                 for l in result.layers]
+    bound = max(1.0, float(np.nanmax(np.abs(effect))) if np.isfinite(effect).any() else 1.0)
+    fig = go.Figure(go.Heatmap(z=effect, x=list(range(len(x))), y=result.layers, colorscale="RdBu_r", zmid=0,
+                               zmin=-bound, zmax=bound, colorbar=dict(title="effect"), customdata=hover,
+                               hovertemplate="%{customdata}<br>effect %{z:.3f}<extra></extra>"))
+    metric = {"logit_diff": f"logit({result.answer!r}) − logit({result.wrong!r})", "kl": "KL from the clean run",
+              "sink": "attention on the sink key"}[result.metric]
+    layout(fig, f"activation patching of {result.site}: {metric} at the last position "
+                f"(clean {result.clean:.3g}, corrupted {result.corrupted:.3g})", height=max(380, 16 * len(result.layers)))
+    fig.update_yaxes(autorange="reversed", title="layer")
+    fig.update_xaxes(title="head" if heads else "position (clean/corrupted token where they differ)",
+                     tickmode="array", tickvals=list(range(len(x))), ticktext=x if len(x) <= 64 else None)
+    return fig
