@@ -422,19 +422,23 @@ def _explain(args) -> dict:
 
 
 def _causal(args, text: str) -> dict:
-    """The causal check (docs/methods.md#the-causal-check): each leading source patched at the sink token."""
+    """The causal check (docs/methods.md#the-causal-check): every block (the causal scan), or the named sources,
+    patched at the sink token."""
     from attnviz.effects import causal
 
     # a bad or empty source list refused before the model loads
     sources = causal.sources_of(args.sources) if args.sources is not None else None
     loaded = _load(args)
     recipe = _recipe(args, loaded)
+    if sources is None:  # every block: the causal scan, its necessary writers and their chains
+        from attnviz.effects.scan import scan
+
+        bar, update = _progress("causal scan")
+        with bar:
+            return scan(loaded, text, recipe, args.value, on_step=update).as_json()
     bar, update = _progress("causal check")
     with bar:
         checks = causal.check(loaded, text, recipe, sources, args.value, on_step=update)
-    if not checks:
-        raise AttnvizError("no block leads the sink key's score in any layer of this text (the embeddings do): "
-                           "nothing to patch; name blocks with --sources")
     return causal.Report(recipe.to_dict(), checks[0].before.tokens, checks).as_json()
 
 
@@ -778,10 +782,11 @@ def _explain_options(p):
                    help="the query position, or 'all': the mean over every query the mask lets see the key (%(default)s)")
     p.add_argument("--key", type=int, help="the key position")
     p.add_argument("--test", action="store_true",
-                   help="the causal check instead: patch each layer's leading source at the sink token and report "
-                        "the sink's attention and the perplexity before and after (docs/methods.md#the-causal-check)")
+                   help="the causal check instead: remove every block's write (or --sources') at the sink token and "
+                        "report the sink's attention and the perplexity before and after, the necessary writers and "
+                        "their chains (docs/methods.md#the-causal-scan)")
     p.add_argument("--sources", default=None,
-                   help="with --test: the sources to patch, e.g. mlp.2,mlp.11 (default: every leading block)")
+                   help="with --test: the sources to patch, e.g. mlp.2,mlp.11 (default: every block, the leaders marked)")
     p.add_argument("--value", choices=["zero", "mean"], default="zero",
                    help="with --test: what replaces the source's output at the sink token (%(default)s)")
 

@@ -28,7 +28,7 @@ import torch
 
 from attnviz.core import anatomy as anatomy_mod
 from attnviz.core import engine, models
-from attnviz.core.forward import head_logits
+from attnviz.core.forward import check_head, head_logits
 from attnviz.core.modules import output_linear
 from attnviz.core.probe import output_tensor
 from attnviz.errors import InputError
@@ -261,6 +261,12 @@ def patching(loaded, clean: str, corrupted: str, answer: str | None = None, wron
 
     logits_c, sink_c = run(ids_c, sites.keep())
     logits_x, sink_x = run(ids_x, inputs.keep() if inputs is not None else (), keep_sink=True)
+    if inputs is not None:  # the logits a resumed forward reads are the model's own
+        top = {}
+        with torch.no_grad():
+            engine.resume(loaded.model, inputs.kept[n_top := loaded.n_layers - 1][0], n_top, torch.tensor([ids_x]),
+                          built.computes, out=top)
+        check_head(loaded.model, top["hidden"], logits_x, "activation patching")
     clean_logp = torch.log_softmax(logits_c, -1) if metric == "kl" else None
     value_c = float(_measure(metric, logits_c, answer_id, wrong_id, clean_logp, sink_c)[0])
     value_x = float(_measure(metric, logits_x, answer_id, wrong_id, clean_logp, sink_x)[0])

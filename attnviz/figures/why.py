@@ -228,3 +228,32 @@ def patching_figure(result) -> go.Figure:
     fig.update_xaxes(title="head" if heads else "position (clean/corrupted token where they differ)",
                      tickmode="array", tickvals=list(range(len(x))), ticktext=x if len(x) <= 64 else None)
     return fig
+
+
+def scan_figure(scan) -> go.Figure:
+    """The causal scan (:class:`attnviz.effects.scan.Scan`) as one picture: each removed block (rows, in forward
+    order) × layer, the sink's attention after the removal relative to before (1: unchanged, 0: gone; blank below the
+    block, where nothing changes), beside the perplexity's change per block; necessary writers' names in red."""
+    names, ratio = scan.matrix()
+    change = [c.after.perplexity / c.before.perplexity - 1 for c in scan.checks]
+    labels = [f"<b style='color:#c0392b'>{n}</b>" if n in scan.necessary else n for n in names]
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.78, 0.22], shared_yaxes=True, horizontal_spacing=0.02,
+                        subplot_titles=("the sink's attention after / before", "perplexity change"))
+    fig.add_trace(go.Heatmap(z=np.clip(ratio, 0, 2), y=list(range(len(names))), x=list(range(ratio.shape[1])),
+                             colorscale="RdBu", zmin=0, zmax=2, zmid=1, hoverongaps=False, customdata=np.array(
+                                 [[n] * ratio.shape[1] for n in names]),
+                             colorbar=dict(title="after / before", x=0.76),
+                             hovertemplate="%{customdata} removed<br>layer %{x}: %{z:.2f} of before<extra></extra>"),
+                  row=1, col=1)
+    fig.add_trace(go.Bar(x=change, y=list(range(len(names))), orientation="h", showlegend=False,
+                         marker_color=["#c0392b" if n in scan.necessary else "#7f7f7f" for n in names],
+                         customdata=names, hovertemplate="%{customdata}: perplexity %{x:+.1%}<extra></extra>"),
+                  row=1, col=2)
+    necessary = ", ".join(scan.necessary) or "none"
+    layout(fig, f"causal scan of every block: necessary writers (the sink falls by ≥ half): {necessary}",
+           height=max(420, 13 * len(names)))
+    fig.update_yaxes(autorange="reversed", tickmode="array", tickvals=list(range(len(names))), ticktext=labels,
+                     title="removed at the sink token", row=1, col=1)
+    fig.update_xaxes(title="layer", row=1, col=1)
+    fig.update_xaxes(tickformat="+.0%", row=1, col=2)
+    return fig
