@@ -19,6 +19,7 @@ PAGES = [
     st.Page(str(PAGES_DIR / "heads.py"), title="Heads", icon=":material/category:"),
     st.Page(str(PAGES_DIR / "why.py"), title="Why", icon=":material/help:"),
     st.Page(str(PAGES_DIR / "routes.py"), title="Routes", icon=":material/route:"),
+    st.Page(str(PAGES_DIR / "patching.py"), title="Patching", icon=":material/healing:"),
     st.Page(str(PAGES_DIR / "effects.py"), title="Effects", icon=":material/speed:"),
     st.Page(str(PAGES_DIR / "sweeps.py"), title="Sweeps", icon=":material/table_chart:"),
     st.Page(str(PAGES_DIR / "designer.py"), title="Mask designer", icon=":material/architecture:"),

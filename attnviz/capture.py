@@ -197,6 +197,14 @@ class Capture:
             self._summaries[layer] = summarise(self.layer_probs(layer), self.layer_allowed(layer), self.tokens)
         return self._summaries[layer][name]
 
+    def sinks(self, layer: int, eps: float = metrics.SINK_EPS) -> list[dict]:
+        """Every key of ``layer`` that acts as a sink (:func:`attnviz.stats.metrics.sinks`), with the residual norm
+        entering the layer where activations were kept and the value norm where value norms were."""
+        norms = self.activations.norms[layer] if self.activations is not None else None
+        values = self.value_norm.get(layer) if self.value_norm else None
+        return metrics.sinks(self.stat(layer, "alpha"), self.tokens, eps, norms,
+                             None if values is None else values.astype(np.float32))
+
     def memo(self, key, compute):
         """``compute()`` once per capture and key: figures reuse heavy per-capture numbers across reruns."""
         if key not in self._memo:

@@ -158,6 +158,7 @@ def sinks_report(capture, eps: float) -> dict:
                 "alpha": [_null(alphas[h, k]) if k < capture.n_tokens else None for k in range(N_ALPHA_KEYS)],
                 "discarded_mass": _null(discarded[h]),
             } for h in range(capture.n_heads)],
+            "sinks": capture.sinks(layer, eps),  # every key that acts as a sink (docs/methods.md#sinks-at-any-key)
         })
     return {"model": capture.meta["model"], "arch": capture.arch, "n_tokens": capture.n_tokens,
             **({"residual": capture.meta["residual"]} if capture.meta.get("residual") else {}),
@@ -178,7 +179,8 @@ def _sinks(args) -> dict:
     _check_intervene(args)
     loaded = _load(args)
     recipe = _recipe(args, loaded)
-    return sinks_report(capture(loaded, text, recipe, Keep(statistics=SINKS_REPORT)), args.eps)
+    keep = Keep(statistics=SINKS_REPORT, activations=True, value_norms=True)
+    return sinks_report(capture(loaded, text, recipe, keep), args.eps)
 
 
 def _dataset_sinks(args) -> dict:
@@ -420,19 +422,23 @@ def _explain(args) -> dict:
 
 
 def _causal(args, text: str) -> dict:
-    """The causal check (docs/methods.md#the-causal-check): each leading source patched at the sink token."""
+    """The causal check (docs/methods.md#the-causal-check): every block (the causal scan), or the named sources,
+    patched at the sink token."""
     from attnviz.effects import causal
 
     # a bad or empty source list refused before the model loads
     sources = causal.sources_of(args.sources) if args.sources is not None else None
     loaded = _load(args)
     recipe = _recipe(args, loaded)
+    if sources is None:  # every block: the causal scan, its necessary writers and their chains
+        from attnviz.effects.scan import scan
+
+        bar, update = _progress("causal scan")
+        with bar:
+            return scan(loaded, text, recipe, args.value, on_step=update).as_json()
     bar, update = _progress("causal check")
     with bar:
         checks = causal.check(loaded, text, recipe, sources, args.value, on_step=update)
-    if not checks:
-        raise AttnvizError("no block leads the sink key's score in any layer of this text (the embeddings do): "
-                           "nothing to patch; name blocks with --sources")
     return causal.Report(recipe.to_dict(), checks[0].before.tokens, checks).as_json()
 
 
@@ -449,6 +455,27 @@ def _routes(args) -> dict:
         graph = flow.routes(loaded, text, _recipe(args, loaded), args.token, args.threshold, args.heads,
                             on_layer=update)
     return graph.as_json()
+
+
+def _patching(args) -> dict:
+    """Activation patching between two texts (docs/methods.md#activation-patching)."""
+    from attnviz.effects import patching
+
+    if args.site not in patching.SITES:  # refused before a model loads
+        raise AttnvizError(f"unknown site '{args.site}': expected one of {', '.join(patching.SITES)}")
+    if args.metric == "logit_diff" and (args.answer is None or args.wrong is None):
+        raise AttnvizError("the logit difference needs --answer and --wrong (one token each), or choose "
+                           "--metric kl or sink")
+    for name in ("clean", "corrupted"):
+        if not getattr(args, name).strip():
+            raise AttnvizError(f"--{name} is empty: give the text")
+    _check_intervene(args)
+    loaded = _load(args)
+    bar, update = _progress("patching")
+    with bar:
+        result = patching.patching(loaded, args.clean, args.corrupted, args.answer, args.wrong, args.site,
+                                   args.metric, _recipe(args, loaded), on_layer=update)
+    return result.as_json()
 
 
 def _doctor(args) -> int:
@@ -755,10 +782,11 @@ def _explain_options(p):
                    help="the query position, or 'all': the mean over every query the mask lets see the key (%(default)s)")
     p.add_argument("--key", type=int, help="the key position")
     p.add_argument("--test", action="store_true",
-                   help="the causal check instead: patch each layer's leading source at the sink token and report "
-                        "the sink's attention and the perplexity before and after (docs/methods.md#the-causal-check)")
+                   help="the causal check instead: remove every block's write (or --sources') at the sink token and "
+                        "report the sink's attention and the perplexity before and after, the necessary writers and "
+                        "their chains (docs/methods.md#the-causal-scan)")
     p.add_argument("--sources", default=None,
-                   help="with --test: the sources to patch, e.g. mlp.2,mlp.11 (default: every leading block)")
+                   help="with --test: the sources to patch, e.g. mlp.2,mlp.11 (default: every block, the leaders marked)")
     p.add_argument("--value", choices=["zero", "mean"], default="zero",
                    help="with --test: what replaces the source's output at the sink token (%(default)s)")
 
@@ -775,6 +803,25 @@ def _routes_options(p):
                    help="keep edges whose contribution is at least this (%(default)s, Ferrando & Voita's)")
     p.add_argument("--heads", choices=["split", "sum"], default=own["heads"],
                    help="attention edges one per head, or the heads summed (%(default)s)")
+
+
+def _patching_options(p):
+    from attnviz.effects import patching
+
+    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M), "
+                                                       "a Hugging Face id or a local directory")
+    p.add_argument("--arch", default="fwd", help="architecture string (docs/methods.md#the-call-syntax)")
+    _load_args(p)
+    _intervene_args(p, bos=True)
+    p.add_argument("--json", action="store_true", help="JSON output (the default)")
+    p.add_argument("--clean", required=True, help="the clean text")
+    p.add_argument("--corrupted", required=True, help="the corrupted text (the same number of tokens)")
+    p.add_argument("--answer", default=None, help="the clean run's answer token, as it follows the text (' Paris')")
+    p.add_argument("--wrong", default=None, help="the corrupted run's answer token (' Rome')")
+    p.add_argument("--site", default="resid", help=f"where to patch: {', '.join(patching.SITES)} (%(default)s)")
+    p.add_argument("--metric", default="logit_diff", choices=list(patching.METRICS),
+                   help="logit(answer) - logit(wrong), the KL divergence from the clean next-token distribution, "
+                        "or the last query's attention on the sink key (%(default)s)")
 
 
 def _doctor_options(p):
@@ -865,6 +912,9 @@ COMMANDS = {
                 "earlier attention and MLP block), and without rotation", _explain_options, _explain),
     "routes": ("contribution graph of a token (which tokens, through which heads and MLPs, feed it) and the share "
                "of the attention flow the sink key carries in each layer", _routes_options, _routes),
+    "patching": ("activation patching between a clean and a corrupted text: every layer and position (or head) "
+                 "of one site patched from the clean run, its effect on a metric at the last position",
+                 _patching_options, _patching),
     "doctor": ("check attnviz on this machine: versions and devices, every route against stock transformers, "
                "speed against a plain forward; exits 1 if a check fails", _doctor_options, _doctor),
     "linformer": ("Linformer what-if on one layer: relative error of the output against k", _linformer_options,

@@ -5,7 +5,8 @@ import re
 import streamlit as st
 
 from attnviz.figures import export
-from attnviz.figures import shift_panels, shift_rate_figure, sink_key_grids
+from attnviz.effects.compare import describe_sinks
+from attnviz.figures import shift_panels, shift_rate_figure, sink_key_grids, where_sinks_went
 from ui.export import figure_downloads, report_download
 from ui.cache import get_capture
 from ui.sidebar import page_context
@@ -13,7 +14,7 @@ from ui.docs import definitions
 
 settings, loaded = page_context()
 st.title("Sink shifting")
-definitions("per-layer-architectures", "sink-key-and-shift-rate")
+definitions("per-layer-architectures", "sink-key-and-shift-rate", "sinks-at-any-key")
 st.markdown("Masking the first key in **every** layer does not remove the sink: it moves to the next key "
             "(masking keys 0..m-1 moves it to key m). MASK0-BIDIR in the top layers removes it.")
 if loaded is not None and settings.text.strip():
@@ -34,6 +35,9 @@ if loaded is not None and settings.text.strip():
             figure_downloads(fig, export.describe(caps[0], layer, None, arch=" vs ".join(titles),
                                                   figure="shift"), key="sh_panels_x")
             st.plotly_chart(sink_key_grids(caps, titles), width="stretch", key="sh_keys")
+            # where the sink went, at any key (not only key m): a delimiter, a later token, or nowhere
+            st.plotly_chart(where_sinks_went(caps, titles), width="stretch", key="sh_went")
+            st.markdown("\n".join(f"- **{title}**: {describe_sinks(cap)}" for cap, title in zip(caps, titles)))
             # m of each NoSink architecture (its top layer's mask), for "sink moved from key 0 to key m"
             ms = [int(found[1]) if (found := re.search(r"m=(\d+)", c.layer_masks[-1])) else 1 for c in caps[1:]]
             st.plotly_chart(shift_rate_figure(caps[0], caps[1:], titles[1:], ms), width="stretch", key="sh_rate")

@@ -7,12 +7,13 @@ import streamlit as st
 
 from attnviz import corpus, defaults
 from attnviz.effects import dataset
+from attnviz.effects.compare import describe_sinks
 from attnviz.figures import export
 from attnviz.stats import metrics
 from attnviz.core.arch import parse
 from attnviz.errors import AttnvizError
 from attnviz.figures import (allocation_bars, alpha_by_key, alpha_grid, averaged_map, discarded_figure, key_profile,
-                             massive_activations, rate_bars, sink_grid, sink_shares, top_activation_rows)
+                             massive_activations, rate_bars, sink_grid, sink_map, sink_shares, top_activation_rows)
 from ui import jobs
 from ui.export import data_downloads, figure_downloads
 from ui.sidebar import current_capture, page_context
@@ -20,7 +21,7 @@ from ui.docs import definitions
 
 settings, loaded = page_context()
 st.title("Attention sinks")
-definitions("alpha", "sink-rate", "auto-key", "entropy", "discarded-mass", "allocation-by-token-type")
+definitions("alpha", "sink-rate", "auto-key", "sinks-at-any-key", "entropy", "discarded-mass", "allocation-by-token-type")
 
 
 def gu_preset() -> None:
@@ -32,6 +33,12 @@ def one_text(eps: float) -> None:
     cap = current_capture(settings, loaded)
     if cap is None:
         return
+    # where the sinks are, at any key: the first token, a delimiter, any other (secondary sinks in red)
+    fig_w = sink_map(cap, eps)
+    st.plotly_chart(fig_w, width="stretch", key="sk_where")
+    figure_downloads(fig_w, export.describe(cap, figure="sink-map", eps=eps), key="sk_where_x")
+    st.caption(f"Sinks (alpha > {eps:g} in some head, [definition](definitions#sinks-at-any-key)): "
+               f"{describe_sinks(cap, eps)}.")
     auto = cap.memo("auto_key", lambda: int(np.bincount([metrics.auto_key(cap.allowed[l]) for l in cap.layers]).argmax()))
     key = st.number_input("Key", 0, cap.n_tokens - 1, min(auto, cap.n_tokens - 1), key="sk_key",
                           help="starts at the first key the mask leaves open to its queries: 0 is the first token, "

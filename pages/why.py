@@ -8,7 +8,7 @@ from attnviz.effects import causal
 from attnviz.effects.explain import PROJECTIONS, corpus_samples, diagnose, query_key_view
 from attnviz.errors import AttnvizError
 from attnviz.figures.why import (attention_row_figure, attribution_figure, causal_figure, diagnosis_figure,
-                                 query_key_figure)
+                                 query_key_figure, scan_figure)
 from ui import jobs
 from ui.cache import get_residual
 from ui.docs import definitions
@@ -134,6 +134,33 @@ else:
     else:
         st.caption(f"One click runs the text twice more (with and without {source}'s write at each layer's sink key, "
                    "`patch(block=..., tokens=sink)`): the attention on the sink key per layer, and the perplexity.")
+
+with st.container(border=True):
+    st.markdown("**Scan every block**: each layer's attention and MLP write, and the embedding, removed at the sink "
+                "token one at a time; attribution's leaders are marked, the necessary writers named "
+                "([definition](definitions#the-causal-scan)).")
+    scan_key = ("scan", recipe.key, settings.text)
+    if st.button("Scan every block", key="why_scan") or jobs.cached(scan_key):
+        from attnviz.effects.scan import scan as scan_blocks
+
+        try:
+            found = jobs.run(scan_key, "Removing every block's write at the sink token", lambda progress: scan_blocks(
+                loaded, settings.text, recipe, on_step=progress))
+        except AttnvizError as err:
+            st.error(str(err))
+            found = None
+        if found is not None:
+            fig_s = scan_figure(found)
+            st.plotly_chart(fig_s, width="stretch", key="why_scan_fig")
+            figure_downloads(fig_s, {**meta, "figure": "scan"}, key="why_scan_x")
+            leaders = [c.source for c in found.checks if c.leads]
+            lines = [f"- **{source}** is necessary: removing it changes "
+                     + (", ".join(f"{w['block']} ({w['change']:+.0%})" for w in found.chains[source][:6]) or
+                        "no later write's size at the sink token by half or more")
+                     + ("…" if len(found.chains[source]) > 6 else "") for source in found.necessary]
+            st.markdown("\n".join(lines) or "No single write is necessary: removing any one leaves over half the "
+                        "sink's attention.")
+            st.caption(f"Attribution's leaders: {', '.join(leaders) or 'none'}. Not scanned: {found.not_scanned}.")
 
 st.subheader("The sink's diagnosis of this layer")
 diagnosis = diagnose(run, layer)

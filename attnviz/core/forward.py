@@ -80,16 +80,17 @@ def make_run(model, input_ids: torch.Tensor, computes, record: Record = Record()
 
 
 def resume(model, hidden: torch.Tensor, start: int, input_ids: torch.Tensor, computes,
-           record: Record = Record()) -> Run:
+           record: Record = Record(), out: dict | None = None) -> Run:
     """Layers ``start``.. of :func:`forward` of ``input_ids`` (1, n), run from ``hidden`` (n, d): the
     input of layer ``start`` that an earlier forward of the same tokens, masks and interventions kept
     (``Run.checkpoints``). The layers below are not run again; like :func:`forward`, ``record.on_layer`` may
-    stop it after any layer. Returns the run (what it recorded)."""
+    stop it after any layer. Returns the run (what it recorded). A batch resumes too: ``input_ids`` (B, n) with
+    ``hidden`` (B, n, d). With ``out``, ``out["hidden"]`` is the last layer's output (before the final norm)."""
     _resumable_layers(model)
     found = anatomy.of(model)
     run = make_run(model, input_ids, computes, record)
     with active(run), torch.inference_mode():
-        h = hidden[None].to(model.device)
+        h = (hidden[None] if hidden.dim() == 2 else hidden).to(model.device)
         positions = run.positions.to(model.device)
         # the keyword arguments the base model calls a layer with (the anatomy's probe saw them), made again;
         # the masks come from the run, so the attention mask is None as in every attnviz forward
@@ -99,6 +100,40 @@ def resume(model, hidden: torch.Tensor, start: int, input_ids: torch.Tensor, com
             kwargs = {name: made.get(name) for name in found.layer_kwargs}
             if "position_embeddings" in kwargs:
                 kwargs["position_embeddings"] = found.position_embeddings(h, positions, layer)
-            out = layer.module(h, **kwargs)
-            h = out[0] if isinstance(out, tuple) else out
+            given = layer.module(h, **kwargs)
+            h = given[0] if isinstance(given, tuple) else given
+    if out is not None:
+        out["hidden"] = h
     return run
+
+
+@torch.no_grad()
+def head_logits(model, hidden: torch.Tensor, last_only: bool = True) -> torch.Tensor:
+    """The next-token logits of a last layer's output ``hidden`` (B, n, d), as the model's own forward makes them:
+    its final norm, its output embedding, and the scalings families add in their config (Granite's
+    ``logits_scaling`` divides, Cohere's ``logit_scale`` multiplies, Gemma 2's ``final_logit_softcapping`` caps).
+    (B, V) of the last position, or (B, n, V) with ``last_only=False``. :func:`check_head` checks it on a model."""
+    found = anatomy.of(model)
+    h = hidden[:, -1:] if last_only else hidden
+    if found.final_norm is not None:
+        h = found.final_norm(h)
+    logits = model.get_output_embeddings()(h)
+    config = getattr(model.config, "get_text_config", lambda: model.config)()
+    if getattr(config, "logits_scaling", None):
+        logits = logits / config.logits_scaling
+    if getattr(config, "logit_scale", None) and not isinstance(config.logit_scale, bool):
+        logits = logits * config.logit_scale
+    cap = getattr(config, "final_logit_softcapping", None)
+    logits = cap * torch.tanh(logits / cap) if cap else logits
+    return logits[:, -1] if last_only else logits
+
+
+def check_head(model, hidden: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Refuse, in one line, a model whose logits :func:`head_logits` does not make again from the last layer's output
+    ``hidden`` (expected (B, V), the model's own, within 1e-3 relative): ``what`` resumes forwards and reads them."""
+    made = head_logits(model, hidden).float()
+    expected = expected.float()
+    miss = float((made - expected).norm() / expected.norm().clamp(min=1e-30))
+    if not miss <= 1e-3 * (1 if expected.dtype == torch.float32 and made.dtype == torch.float32 else 30):
+        raise InputError(f"{what}: {anatomy.of(model).family}'s logits are not its final norm and output embedding "
+                         f"of its last layer (off by {miss:.3g} relative), so a resumed forward cannot read them")

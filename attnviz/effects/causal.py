@@ -52,7 +52,8 @@ class CausalCheck:
 
     @property
     def layer(self) -> int:
-        return int(_SOURCE.match(self.source).group(2))
+        """The layer of the removed write; -1 for the embedding (the causal scan removes it too)."""
+        return -1 if self.source == "embed" else int(_SOURCE.match(self.source).group(2))
 
     def drop(self, layers: list[int] | None = None) -> float:
         """The mean fall of the sink's attention over ``layers`` (default: the layers it leads, else every layer
@@ -176,23 +177,19 @@ def leaders(run, on_layer: Callable[[int, int], None] | None = None) -> dict[str
 
 def check(loaded: LoadedModel, text: str, recipe, sources: list[str] | None = None, value: str = "zero",
           on_step: Callable[[int, int], None] | None = None) -> list[CausalCheck]:
-    """The causal check of ``sources`` (default: every block that leads the sink key's score in some layer, by
-    score attribution) on ``text`` under ``recipe`` (an architecture string or a recipe; its own interventions
-    stay, the patch joins them). ``on_step(done, total)`` counts the forwards. Empty where no block leads any
-    layer (the embeddings do)."""
-    from attnviz.effects.explain import Residual
+    """The causal check of ``sources`` on ``text`` under ``recipe`` (an architecture string or a recipe; its own
+    interventions stay, the patch joins them), one forward of each patched recipe at a time. Without ``sources``,
+    every block: the causal scan (:func:`attnviz.effects.scan.scan`, the same numbers, faster), each check marked
+    with the layers attribution says it leads. ``on_step(done, total)`` counts the forwards."""
+    if sources is None:
+        from attnviz.effects.scan import scan
 
+        return scan(loaded, text, recipe, value, on_step=on_step).checks
     recipe = Recipe.of(loaded, recipe)
-    if sources is not None:
-        sources = sources_of(",".join(sources)) if not isinstance(sources, str) else sources_of(sources)
-        _check_layers(loaded, sources)
+    sources = sources_of(",".join(sources)) if not isinstance(sources, str) else sources_of(sources)
+    _check_layers(loaded, sources)
     _check_sink(loaded, text, recipe)
     led: dict[str, list[int]] = {}
-    if sources is None:
-        led = leaders(Residual(loaded, text, recipe))
-        sources = [s for s in led if _SOURCE.match(s)]
-        if not sources:  # the embeddings lead every layer: nothing a patch can remove
-            return []
     specs = [patch_spec(s, value) for s in sources]  # every source checked before the first forward
     total, done = 1 + len(sources), [0]
 

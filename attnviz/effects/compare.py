@@ -49,3 +49,33 @@ def sink_keys(cap: Capture) -> np.ndarray:
 def shift_rates(before: Capture, after: Capture, m: int) -> np.ndarray:
     """Per layer, the fraction of heads whose sink key moves from 0 to m."""
     return np.array([metrics.shift_rate(kb, ka, m) for kb, ka in zip(sink_keys(before), sink_keys(after))])
+
+
+def where_sinks_are(cap: Capture, eps: float = metrics.SINK_EPS) -> list[dict | None]:
+    """Per layer, its strongest sink (:meth:`attnviz.capture.Capture.sinks`: key, token, kind, heads, share), or
+    None where no key is a sink of any head: where the sink went under the capture's architecture."""
+    return [next(iter(cap.sinks(layer, eps)), None) for layer in cap.layers]
+
+
+def describe_sinks(cap: Capture, eps: float = metrics.SINK_EPS) -> str:
+    """One sentence per distinct sink key: "the first '.' (key 10) in layers 1, 6–17", strongest key first; or that
+    no key is a sink."""
+    from attnviz.core import syntax
+
+    by_key: dict[int, list[int]] = {}
+    tokens: dict[int, str] = {}
+    for layer, sink in zip(cap.layers, where_sinks_are(cap, eps)):
+        if sink is not None:
+            by_key.setdefault(sink["key"], []).append(layer)
+            tokens[sink["key"]] = sink["token"]
+    if not by_key:
+        return f"no key takes alpha above {eps:g} in any head of any layer"
+    parts = []
+    for key, layers in sorted(by_key.items(), key=lambda kv: -len(kv[1])):
+        token = tokens[key]
+        name = ("the first token" if key == 0 else
+                f"the first {token.strip()!r}" if token.strip() and cap.tokens.index(token) == key else
+                f"{token.strip()!r}" if token.strip() else f"key {key}")
+        parts.append(f"{name} (key {key}) in layer{'s' if len(layers) > 1 else ''} "
+                     f"{syntax.ranges(layers).replace('-', '–').replace(',', ', ')}")
+    return "; ".join(parts)

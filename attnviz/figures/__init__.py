@@ -32,6 +32,7 @@ from attnviz.figures.shifting import (  # noqa: F401
                        shift_rate_figure,
                        sink_key_grids,
                        sink_mass_change,
+                       where_sinks_went,
 )
 from attnviz.figures.sinks import (  # noqa: F401
                        allocation_bars,
@@ -39,6 +40,7 @@ from attnviz.figures.sinks import (  # noqa: F401
                        discarded_figure,
                        key_profile,
                        sink_grid,
+                       sink_map,
 )
 from attnviz.figures.why import (  # noqa: F401
                        massive_activations,

@@ -10,6 +10,7 @@ from attnviz.capture import Capture
 from attnviz.effects import compare
 from attnviz.figures.heatmaps import layer_matrix
 from attnviz.figures.style import colour_range, grey_under, layout, matrix_traces
+from attnviz.stats import metrics
 
 
 def shift_panels(caps: list[Capture], titles: list[str], layer: int, log: bool = False,
@@ -101,3 +102,24 @@ def cosine_figure(a: Capture, b: Capture) -> go.Figure:
     layout(fig, "cosine similarity of hidden states (A vs B), mean over tokens", height=340)
     fig.update_xaxes(title="layer output (0 = embeddings)")
     return fig.update_yaxes(title="cosine", range=[min(0.0, float(cos.min())), 1.02])
+
+
+def where_sinks_went(caps: list[Capture], titles: list[str], eps: float = metrics.SINK_EPS) -> go.Figure:
+    """Per architecture, where each layer's strongest sink is (:func:`attnviz.effects.compare.where_sinks_are`): its
+    key by layer, the marker's size its share, the token on hover; a layer with no sink has no marker. A sink that
+    moved to a delimiter shows as a line away from key 0 or m, not as a sink that vanished."""
+    fig = go.Figure()
+    for cap, title in zip(caps, titles):
+        found = compare.where_sinks_are(cap, eps)
+        layers = [l for l, s in zip(cap.layers, found) if s is not None]
+        sinks = [s for s in found if s is not None]
+        fig.add_trace(go.Scatter(
+            x=layers, y=[s["key"] for s in sinks], mode="lines+markers", name=title,
+            marker=dict(size=[6 + 18 * s["share"] for s in sinks]),
+            customdata=[[s["token"], s["share"], len(s["heads"])] for s in sinks],
+            hovertemplate=(f"{title}<br>layer %{{x}}: key %{{y}} (%{{customdata[0]}})<br>share %{{customdata[1]:.2f}} "
+                           "over %{customdata[2]} head(s)<extra></extra>")))
+    layout(fig, f"where the sink went: each layer's strongest sink key (alpha > {eps:g}; size: its share)", height=380)
+    fig.update_xaxes(title="layer")
+    fig.update_yaxes(title="sink key", rangemode="tozero")
+    return fig

@@ -110,3 +110,42 @@ def discarded_figure(cap: Capture) -> go.Figure:
     values = np.stack([cap.stat(l, "discarded").mean(-1) for l in cap.layers])
     return layer_head_grid(values, cap, "discarded mass (1 - row sum), mean over queries", "discarded",
                            zmax=max(float(values.max()), 1e-3))
+
+
+SECONDARY = "#e15759"  # a sink that is not the first token
+FIRST = "#1f1f1f"
+
+
+def sink_map(cap: Capture, eps: float = metrics.SINK_EPS) -> go.Figure:
+    """Where the sinks are: each key's attention share (alpha averaged over heads) by layer, over the keys that may be
+    sinks (:func:`attnviz.stats.metrics.sink_candidates`), every sink key (docs/methods.md#sinks-at-any-key) marked
+    with its token: the first token in black, a secondary sink (any other key) in red."""
+    n = metrics.sink_candidates(cap.n_tokens)
+    share = np.full((len(cap.layers), n), np.nan)
+    for row, layer in enumerate(cap.layers):
+        alphas = cap.stat(layer, "alpha")[:, :n]
+        defined = np.isfinite(alphas)
+        counts = defined.sum(0)
+        share[row] = np.where(counts > 0, np.where(defined, alphas, 0).sum(0) / np.maximum(counts, 1), np.nan)
+    labels = [f"{k} {cap.tokens[k]!r}" for k in range(n)]
+    fig = go.Figure(go.Heatmap(z=share, x=list(range(n)), y=list(cap.layers), colorscale="Blues", zmin=0,
+                               zmax=max(float(np.nanmax(share)) if np.isfinite(share).any() else 1.0, eps),
+                               colorbar=dict(title="share"), hoverongaps=False, customdata=np.array([labels] * len(cap.layers)),
+                               hovertemplate="layer %{y}, key %{customdata}<br>share %{z:.3f}<extra></extra>"))
+    for kind, colour, name in (("first", FIRST, "first-token sink"), ("secondary", SECONDARY, "secondary sink")):
+        xs, ys, text = [], [], []
+        for layer in cap.layers:
+            for sink in cap.sinks(layer, eps):
+                if (sink["kind"] == "first") == (kind == "first"):
+                    xs.append(sink["key"]), ys.append(layer)
+                    text.append(f"{sink['token']!r}: {len(sink['heads'])} head(s), share {sink['share']:.2f}")
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", name=name, text=text,
+                                 marker=dict(symbol="circle-open", size=11, line=dict(width=2, color=colour)),
+                                 hovertemplate="layer %{y}, key %{x}: %{text}<extra>" + name + "</extra>"))
+    layout(fig, f"where the sinks are: each key's attention share per layer (rings: alpha > {eps:g} in some head)",
+           height=max(380, 16 * len(cap.layers)))
+    fig.update_yaxes(autorange="reversed", title="layer")
+    fig.update_xaxes(title="key", tickmode="array", tickvals=list(range(n)),
+                     ticktext=[t.strip() or repr(t) for t in cap.tokens[:n]] if n <= 48 else None)
+    fig.update_layout(legend=dict(orientation="h", y=-0.12))
+    return fig

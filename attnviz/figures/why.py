@@ -200,3 +200,60 @@ def _runs(layers) -> list[tuple[int, int]]:
         else:
             out.append((layer, layer))
     return out
+
+
+def patching_figure(result) -> go.Figure:
+    """Activation patching's grid (:class:`attnviz.effects.patching.Patching`): the effect of patching each layer's
+    site at each position (or head) from the clean run into the corrupted one, (patched − corrupted) / (clean −
+    corrupted) of the metric: 1 restores the clean run (red), 0 changes nothing, below 0 moves away (blue)."""
+    effect = np.asarray(result.effect, dtype=float)
+    heads = result.site == "heads"
+    clean, corrupted = result.tokens
+    if heads:
+        x = [f"h{h}" for h in result.heads]
+        hover = [[f"layer {l}, head {h}" for h in result.heads] for l in result.layers]
+    else:
+        x = [f"{p} {clean[p]!r}" + ("" if clean[p] == corrupted[p] else f"/{corrupted[p]!r}") for p in result.positions]
+        hover = [[f"layer {l}, position {p}: {clean[p]!r} → {corrupted[p]!r}" for p in result.positions]
+                 for l in result.layers]
+    bound = max(1.0, float(np.nanmax(np.abs(effect))) if np.isfinite(effect).any() else 1.0)
+    fig = go.Figure(go.Heatmap(z=effect, x=list(range(len(x))), y=result.layers, colorscale="RdBu_r", zmid=0,
+                               zmin=-bound, zmax=bound, colorbar=dict(title="effect"), customdata=hover,
+                               hovertemplate="%{customdata}<br>effect %{z:.3f}<extra></extra>"))
+    metric = {"logit_diff": f"logit({result.answer!r}) − logit({result.wrong!r})", "kl": "KL from the clean run",
+              "sink": "attention on the sink key"}[result.metric]
+    layout(fig, f"activation patching of {result.site}: {metric} at the last position "
+                f"(clean {result.clean:.3g}, corrupted {result.corrupted:.3g})", height=max(380, 16 * len(result.layers)))
+    fig.update_yaxes(autorange="reversed", title="layer")
+    fig.update_xaxes(title="head" if heads else "position (clean/corrupted token where they differ)",
+                     tickmode="array", tickvals=list(range(len(x))), ticktext=x if len(x) <= 64 else None)
+    return fig
+
+
+def scan_figure(scan) -> go.Figure:
+    """The causal scan (:class:`attnviz.effects.scan.Scan`) as one picture: each removed block (rows, in forward
+    order) × layer, the sink's attention after the removal relative to before (1: unchanged, 0: gone; blank below the
+    block, where nothing changes), beside the perplexity's change per block; necessary writers' names in red."""
+    names, ratio = scan.matrix()
+    change = [c.after.perplexity / c.before.perplexity - 1 for c in scan.checks]
+    labels = [f"<b style='color:#c0392b'>{n}</b>" if n in scan.necessary else n for n in names]
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.78, 0.22], shared_yaxes=True, horizontal_spacing=0.02,
+                        subplot_titles=("the sink's attention after / before", "perplexity change"))
+    fig.add_trace(go.Heatmap(z=np.clip(ratio, 0, 2), y=list(range(len(names))), x=list(range(ratio.shape[1])),
+                             colorscale="RdBu", zmin=0, zmax=2, zmid=1, hoverongaps=False, customdata=np.array(
+                                 [[n] * ratio.shape[1] for n in names]),
+                             colorbar=dict(title="after / before", x=0.76),
+                             hovertemplate="%{customdata} removed<br>layer %{x}: %{z:.2f} of before<extra></extra>"),
+                  row=1, col=1)
+    fig.add_trace(go.Bar(x=change, y=list(range(len(names))), orientation="h", showlegend=False,
+                         marker_color=["#c0392b" if n in scan.necessary else "#7f7f7f" for n in names],
+                         customdata=names, hovertemplate="%{customdata}: perplexity %{x:+.1%}<extra></extra>"),
+                  row=1, col=2)
+    necessary = ", ".join(scan.necessary) or "none"
+    layout(fig, f"causal scan of every block: necessary writers (the sink falls by ≥ half): {necessary}",
+           height=max(420, 13 * len(names)))
+    fig.update_yaxes(autorange="reversed", tickmode="array", tickvals=list(range(len(names))), ticktext=labels,
+                     title="removed at the sink token", row=1, col=1)
+    fig.update_xaxes(title="layer", row=1, col=1)
+    fig.update_xaxes(tickformat="+.0%", row=1, col=2)
+    return fig

@@ -310,3 +310,40 @@ def kept_statistics(names=None) -> tuple[Statistic, ...]:
 def statistic_floats(names=None) -> int:
     """Floats per head and token that a layer's kept statistics take (the memory estimate's share)."""
     return sum(s.floats for s in kept_statistics(names))
+
+
+# --- sinks at any key (docs/methods.md#sinks-at-any-key) -----------------------------------------------------
+
+def sink_candidates(n: int) -> int:
+    """How many of a text's first keys may be sinks: the first half of the text, the auto key's rule without its cap
+    of :data:`AUTO_KEY_MOST` (a key near the end is seen by few queries, so its alpha says little)."""
+    return max(1, (n + 1) // 2)
+
+
+def key_kind(position: int, token: str) -> str:
+    """What a sink key is: "first" (the first token), "delimiter" (:func:`is_delimiter`) or "other"."""
+    return "first" if position == 0 else "delimiter" if is_delimiter(token) else "other"
+
+
+def sinks(alphas, tokens: list[str], eps: float = SINK_EPS, residual_norms=None, value_norms=None) -> list[dict]:
+    """Every key of one layer that acts as a sink: key k is a sink of head h when alpha_k (the attention on k averaged
+    over every query that may see it, :func:`alpha`) is above ``eps``, among the first :func:`sink_candidates` keys.
+
+    ``alphas`` (H, n); ``residual_norms`` (n,) the residual stream's norm entering the layer (massive activations),
+    ``value_norms`` (H, n) ||W_O^h v_j^h||, each optional. Each sink: its position, token, kind, the heads it is a
+    sink of, its share (the mean alpha over those heads), the residual norm at it and its value norm (the mean over
+    those heads); strongest first (the largest alpha summed over its heads)."""
+    alphas = np.asarray(alphas, dtype=np.float64)
+    n = alphas.shape[-1]
+    found = []
+    with np.errstate(invalid="ignore"):
+        above = np.nan_to_num(alphas[:, :sink_candidates(n)], nan=-1.0) > eps  # (H, candidates)
+    for key in np.flatnonzero(above.any(0)):
+        heads = np.flatnonzero(above[:, key])
+        found.append({"key": int(key), "token": tokens[key], "kind": key_kind(int(key), tokens[key]),
+                      "heads": heads.tolist(), "share": round(float(alphas[heads, key].mean()), 6),
+                      "residual_norm": None if residual_norms is None else round(float(residual_norms[key]), 4),
+                      "value_norm": None if value_norms is None else round(float(np.mean(value_norms[heads, key])), 6),
+                      "_weight": float(alphas[heads, key].sum())})
+    found.sort(key=lambda s: -s.pop("_weight"))  # strongest first: the most attention over its heads together
+    return found

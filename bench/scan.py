@@ -1,0 +1,59 @@
+"""The causal scan of every block against (2L + 1) plain forwards of the same text, same run.
+
+    python bench/scan.py [--model default] [--n 313] [--repeat 3]
+
+The model is loaded once and warmed up; then, alternating, ``plain`` runs one plain forward of the text (SDPA, the
+logits of every position: what a perplexity reads) and ``scan`` runs the whole scan without attribution's leaders
+(the one unpatched forward, then one batched, resumed forward per layer). Ends with
+``scan model=<M> n=<N> layers=<L> forward_s=<s> scan_s=<s> ratio=<scan / ((2L + 1) forwards)>`` (the goal: ratio
+<= 0.75). The text is the first ``--n`` tokens of ``specialnames`` (Python's reference docs). Run it on a quiet
+machine: anything else running moves both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--n", type=int, default=313)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+
+    import torch
+
+    from attnviz import corpus, load
+    from attnviz.effects.scan import scan
+
+    lm = load(args.model)
+    ids = corpus.head_ids(lm.tokenizer, corpus.stdlib("specialnames").text, args.n)
+    text = corpus.text_of(lm.tokenizer, ids)
+    tensor = torch.tensor([lm.tokenizer(text)["input_ids"]])
+
+    def plain():
+        with torch.inference_mode():
+            lm.model(tensor)
+
+    plain()
+    scan(lm, text, leaders=False)
+    times: dict[str, list[float]] = {"plain": [], "scan": []}
+    for _ in range(args.repeat):
+        start = time.perf_counter()
+        for _ in range(3):
+            plain()
+        times["plain"].append((time.perf_counter() - start) / 3)
+        start = time.perf_counter()
+        scan(lm, text, leaders=False)
+        times["scan"].append(time.perf_counter() - start)
+    forward_s, scan_s = statistics.median(times["plain"]), statistics.median(times["scan"])
+    L = lm.n_layers
+    print(f"scan model={args.model} n={tensor.shape[1]} layers={L} forward_s={forward_s:.3f} scan_s={scan_s:.2f} "
+          f"ratio={scan_s / ((2 * L + 1) * forward_s):.2f}")
+
+
+if __name__ == "__main__":
+    main()

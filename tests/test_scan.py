@@ -1,0 +1,107 @@
+"""The causal scan of every block (docs/methods.md#the-causal-scan): each block's check equal to ``patch`` of that
+block alone (the causal check's own forwards), on several families and the default model; the embedding's removal
+against a hand-written hook; the necessary writers and their chains; the CLI's contract; the Why page."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import tiny
+from attnviz.cli import main
+from attnviz.effects import causal
+from attnviz.effects.scan import NECESSARY, blocks_of, scan
+
+TEXT = "The keeper lit the lamp. The ships passed the rocks, and the keeper slept."
+LIGHTHOUSE = ("The old lighthouse keeper climbed the stairs every evening. He lit the lamp, wound the clock, and "
+              "wrote the weather in his book.")
+
+
+def _same(a, b, source):
+    np.testing.assert_allclose(a.after.attention, b.after.attention, atol=1e-5, err_msg=source)
+    np.testing.assert_allclose(a.before.attention, b.before.attention, atol=1e-5, err_msg=source)
+    assert a.after.perplexity == pytest.approx(b.after.perplexity, rel=1e-5), source
+    assert a.before.perplexity == pytest.approx(b.before.perplexity, rel=1e-5), source
+
+
+@pytest.mark.parametrize("value", ["zero", "mean"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text", "gpt_neox", "granite", "qwen2"])
+def test_every_block_s_check_equals_patch_of_that_block_alone(kind, value):
+    lm = tiny.loaded(kind)
+    found = scan(lm, TEXT, "fwd", value, leaders=False)
+    assert [c.source for c in found.checks] == blocks_of(lm.n_layers)
+    for check in found.checks[1:]:  # the blocks patch can remove (the embedding is tested below)
+        [alone] = causal.check(lm, TEXT, "fwd", [check.source], value)
+        _same(check, alone, check.source)
+
+
+def test_the_scan_runs_under_the_recipe():
+    lm = tiny.loaded("llama")
+    found = scan(lm, TEXT, "nosink-fwd", leaders=False)
+    assert found.checks[0].before.keys == [1] * lm.n_layers  # NoSink-FWD's sink key
+    [alone] = causal.check(lm, TEXT, "nosink-fwd", ["mlp.0"])
+    _same(next(c for c in found.checks if c.source == "mlp.0"), alone, "mlp.0")
+
+
+@torch.no_grad()
+def test_the_embedding_s_removal_equals_a_hand_written_hook():
+    lm, stock = tiny.loaded("llama"), tiny.build("llama")
+    found = scan(lm, TEXT, "fwd", leaders=False)
+    embed = found.checks[0]
+    assert embed.source == "embed" and embed.layer == -1
+    ids = torch.tensor([lm.tokenizer(TEXT)["input_ids"]])
+
+    def zero_first(module, args):
+        hidden = args[0].clone()
+        hidden[:, 0] = 0
+        return (hidden, *args[1:])
+
+    handle = stock.model.layers[0].register_forward_pre_hook(zero_first)
+    try:
+        out = stock(ids, output_attentions=True)
+    finally:
+        handle.remove()
+    logp = torch.log_softmax(out.logits[0, :-1].double(), -1)
+    ppl = float(torch.exp(-logp.gather(-1, ids[0, 1:, None]).mean()))
+    assert embed.after.perplexity == pytest.approx(ppl, rel=1e-5)
+    for layer, attention in enumerate(out.attentions):  # alpha at key 0, the mean over heads
+        alpha = attention[0, :, :, 0].double().mean(-1)
+        assert embed.after.attention[layer] == pytest.approx(float(alpha.mean()), abs=1e-5)
+
+
+def test_necessary_writers_and_their_chain_on_the_default_model(default_model):
+    found = scan(default_model, LIGHTHOUSE, "fwd", leaders=False)
+    L = default_model.n_layers
+    drops = {c.source: c.drop(list(range(c.layer + 1, L))) for c in found.checks}
+    assert found.necessary == [s for s in blocks_of(L) if drops[s] >= NECESSARY]
+    assert {"mlp.0", "mlp.11"} <= set(found.necessary)
+    chain = {w["block"]: w for w in found.chains["mlp.0"]}
+    assert chain["mlp.11"]["norm_after"] < 0.5 * chain["mlp.11"]["norm_before"]  # MLP 0 makes MLP 11 write the sink
+    for source in ("mlp.0", "attn.11"):
+        [alone] = causal.check(default_model, LIGHTHOUSE, "fwd", [source])
+        _same(next(c for c in found.checks if c.source == source), alone, source)
+
+
+def test_the_cli_scans_every_block_and_marks_the_leaders(default_model, capsys):
+    assert main(["explain", "--text", LIGHTHOUSE, "--test"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [c["source"] for c in doc["checks"]] == blocks_of(30) and doc["scan"] == "every block"
+    assert {"source", "leads", "patch", "sink_drop", "perplexity_before", "perplexity_after", "layers",
+            "leader"} <= set(doc["checks"][1])
+    assert any(c["leader"] for c in doc["checks"]) and all(c["leader"] == bool(c["leads"]) for c in doc["checks"])
+    assert "mlp.0" in doc["necessary"] and set(doc["chains"]) == set(doc["necessary"])
+
+
+def test_the_why_page_draws_the_scan(default_model, tmp_path):
+    from test_app import app_test, charts, on_page, texts
+
+    at = app_test(tmp_path)
+    at.run()
+    at.query_params.update({"layer": "29", "head": "3", "query": "all", "key": "0"})
+    on_page(at, "pages/why.py")
+    at.button(key="why_scan").click().run()
+    assert not at.exception and not at.error, texts(at.error)
+    figure = next(f for f in charts(at) if "causal scan of every block" in str(f["layout"]["title"]["text"]))
+    assert len(figure["data"]) == 2
+    assert any("is necessary" in m.value for m in at.markdown)
