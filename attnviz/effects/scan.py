@@ -231,9 +231,10 @@ def scan(loaded, text: str, recipe="fwd", value: str = "zero", leaders: bool = T
             return head_logits(loaded.model, out["hidden"], last_only=False).float(), None
 
         def perplexity(logits: torch.Tensor) -> list[float]:
-            logp = torch.log_softmax(logits[:, :-1], -1)
-            nll = -logp.gather(-1, targets.to(logp.device)[None, :, None].expand(logp.shape[0], -1, 1))[..., 0]
-            return [float(np.exp(row.double().mean().item())) for row in nll.cpu()]
+            batch, vocab = logits.shape[0], logits.shape[-1]
+            nll = torch.nn.functional.cross_entropy(  # fused: no (B, n, V) log-probabilities written
+                logits[:, :-1].reshape(-1, vocab), targets.to(logits.device).repeat(batch), reduction="none")
+            return [float(np.exp(row.double().mean().item())) for row in nll.view(batch, -1).cpu()]
 
         column = _SinkColumn()
         logits, hidden = forward(1, 0, None, column)
