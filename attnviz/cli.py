@@ -431,7 +431,7 @@ def _causal(args, text: str) -> dict:
     loaded = _load(args)
     recipe = _recipe(args, loaded)
     if sources is None:  # every block: the causal scan, its necessary writers and their chains
-        from attnviz.effects.scan import scan
+        from attnviz.effects.causal import scan
 
         bar, update = _progress("causal scan")
         with bar:

@@ -27,7 +27,7 @@ def main() -> None:
     import torch
 
     from attnviz import corpus, load
-    from attnviz.effects.scan import scan
+    from attnviz.effects.causal import scan
 
     lm = load(args.model)
     ids = corpus.head_ids(lm.tokenizer, corpus.stdlib("specialnames").text, args.n)

@@ -141,7 +141,7 @@ with st.container(border=True):
                 "([definition](definitions#the-causal-scan)).")
     scan_key = ("scan", recipe.key, settings.text)
     if st.button("Scan every block", key="why_scan") or jobs.cached(scan_key):
-        from attnviz.effects.scan import scan as scan_blocks
+        from attnviz.effects.causal import scan as scan_blocks
 
         try:
             found = jobs.run(scan_key, "Removing every block's write at the sink token", lambda progress: scan_blocks(

@@ -46,14 +46,17 @@ def test_the_check_is_the_patched_recipe_s_own_numbers():
     assert [row["layer"] for row in check.as_json()["layers"]] == above
 
 
-def test_by_default_every_leading_block_is_checked():
+def test_by_default_every_block_is_checked_and_the_leaders_are_marked():
+    from attnviz.effects.causal import blocks_of
+
     lm = loaded("llama")
     checks = causal.check(lm, TEXT, "fwd")
     run = Residual(lm, TEXT, "fwd")
     led: dict = {}
     for layer in range(3):
         led.setdefault(diagnose(run, layer).leading()[0], []).append(layer)
-    assert {c.source: c.leads for c in checks} == {s: l for s, l in led.items() if causal.patchable(s)}
+    assert [c.source for c in checks] == blocks_of(3)  # the embedding, then every block below the top layer
+    assert {c.source: c.leads for c in checks} == {s: led.get(s, []) for s in blocks_of(3)}
 
 
 def test_bad_sources_are_refused_before_any_forward():

@@ -11,7 +11,7 @@ import torch
 import tiny
 from attnviz.cli import main
 from attnviz.effects import causal
-from attnviz.effects.scan import NECESSARY, blocks_of, scan
+from attnviz.effects.causal import NECESSARY, blocks_of, scan
 
 TEXT = "The keeper lit the lamp. The ships passed the rocks, and the keeper slept."
 LIGHTHOUSE = ("The old lighthouse keeper climbed the stairs every evening. He lit the lamp, wound the clock, and "
@@ -105,3 +105,19 @@ def test_the_why_page_draws_the_scan(default_model, tmp_path):
     figure = next(f for f in charts(at) if "causal scan of every block" in str(f["layout"]["title"]["text"]))
     assert len(figure["data"]) == 2
     assert any("is necessary" in m.value for m in at.markdown)
+
+
+def test_gemma3_s_necessary_writers_include_one_attribution_never_names(gemma3_model):
+    """The README's answer on Gemma 3 270M: on the first 256 tokens of the stdlib corpus, MLP 1 is necessary
+    although attribution names it in no layer, because removing it shrinks MLP 3's write at the sink token."""
+    from attnviz import corpus
+    from attnviz.effects.evaluate import token_ids
+
+    text = corpus.text_of(gemma3_model.tokenizer, token_ids(gemma3_model, corpus.load("stdlib").text, 256))
+    found = scan(gemma3_model, text, "fwd")
+    assert {"embed", "mlp.1", "mlp.3"} <= set(found.necessary)
+    mlp1 = next(c for c in found.checks if c.source == "mlp.1")
+    assert mlp1.leads == [] and mlp1.drop(list(range(2, gemma3_model.n_layers))) > 0.8
+    chain = {w["block"]: w["change"] for w in found.chains["mlp.1"]}
+    assert chain["mlp.3"] < -0.8
+    assert next(c for c in found.checks if c.source == "mlp.5").drop(list(range(6, 18))) < 0.3  # a leader, not a cause

@@ -231,7 +231,7 @@ def patching_figure(result) -> go.Figure:
 
 
 def scan_figure(scan) -> go.Figure:
-    """The causal scan (:class:`attnviz.effects.scan.Scan`) as one picture: each removed block (rows, in forward
+    """The causal scan (:class:`attnviz.effects.causal.Scan`) as one picture: each removed block (rows, in forward
     order) × layer, the sink's attention after the removal relative to before (1: unchanged, 0: gone; blank below the
     block, where nothing changes), beside the perplexity's change per block; necessary writers' names in red."""
     names, ratio = scan.matrix()

@@ -118,9 +118,10 @@ def explain(lm: LoadedModel, cell: Cell) -> list[dict]:
 
 
 def causal(lm: LoadedModel, cell: Cell) -> list[dict]:
-    """The causal check (docs/methods.md#the-causal-check) on the corpus's first ``max_tokens`` tokens: each block
-    that leads the sink key's score in some layer, patched at the sink token; per source and layer above it, the
-    sink's attention before and after, and the perplexity before and after (``attnviz explain --test``)."""
+    """The causal check (docs/methods.md#the-causal-check) on the corpus's first ``max_tokens`` tokens: every block
+    (the causal scan, docs/methods.md#the-causal-scan; ``leads`` names the layers attribution says it leads),
+    patched at the sink token; per source and layer above it, the sink's attention before and after, and the
+    perplexity before and after (``attnviz explain --test``)."""
     from attnviz.core.syntax import ranges
     from attnviz.effects import causal as causal_mod
     from attnviz.effects.evaluate import token_ids
