@@ -145,15 +145,6 @@ def test_routes_on_cuda_equal_routes_on_the_cpu(arch):
 def test_the_deep_pages_run_in_bfloat16_on_cuda_as_on_the_cpu(kind):
     """Score attribution, ``patch``, the causal check and routes on CUDA in bfloat16: the doctor's three checks
     against stock transformers pass there, and the score and the sink drop agree with the CPU's float32."""
-    from attnviz import doctor
-    from attnviz.effects import causal
-    from attnviz.effects.explain import explain
+    from tiny import half_agrees
 
-    cpu, gpu = _on(kind, "cpu", torch.float32), _on(kind, "cuda", torch.bfloat16)
-    for check in doctor.capabilities(gpu, TEXT):
-        assert check.status == "PASS", check.line()
-    ref = explain(cpu, TEXT, "fwd", layer=-1, head=0, query="all", key=0)
-    got = explain(gpu, TEXT, "fwd", layer=-1, head=0, query="all", key=0)
-    assert got.score == pytest.approx(ref.score, rel=0.02, abs=0.02)
-    drops = [causal.check(m, TEXT, "fwd", ["mlp.0"])[0].drop() for m in (cpu, gpu)]
-    assert drops[1] == pytest.approx(drops[0], abs=0.05)
+    half_agrees(_on(kind, "cpu", torch.float32), _on(kind, "cuda", torch.bfloat16), TEXT)

@@ -154,3 +154,21 @@ def seq2seq_pair(kind: str, seed: int = 0):
 
 def seq2seq_loaded(kind: str = "t5", seed: int = 0) -> LoadedModel:
     return LoadedModel(seq2seq_pair(kind, seed)[1], char_tokenizer(), f"tiny-{kind}", None, 0.0)
+
+
+def half_agrees(reference: LoadedModel, half: LoadedModel, text: str) -> None:
+    """What the deep pages run holds on ``half`` (a half-precision copy of ``reference``, on any device): the doctor's
+    checks of score attribution, ``patch`` and routes pass against stock transformers, and the top layer's sink-key
+    score and the causal check's sink drop agree with ``reference``'s within 2 % and 0.05 (docs/methods.md#devices)."""
+    import pytest
+
+    from attnviz import doctor
+    from attnviz.effects import causal
+    from attnviz.effects.explain import explain
+
+    for check in doctor.capabilities(half, text):
+        assert check.status == "PASS", check.line()
+    ref, got = (explain(m, text, "fwd", layer=-1, head=0, query="all", key=0) for m in (reference, half))
+    assert got.score == pytest.approx(ref.score, rel=0.02, abs=0.02)
+    drops = [causal.check(m, text, "fwd", ["mlp.0"])[0].drop() for m in (reference, half)]
+    assert drops[1] == pytest.approx(drops[0], abs=0.05)
