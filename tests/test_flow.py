@@ -267,3 +267,32 @@ def test_the_torch_path_a_gpu_runs_equals_the_compiled_path_end_to_end(monkeypat
                                    atol=1e-5)
         np.testing.assert_array_equal(a.sum_index, b.sum_index)
         np.testing.assert_allclose(a.sum_weight, b.sum_weight, atol=1e-5)
+
+
+def test_the_torch_path_waits_for_the_device_once_a_tier_not_once_a_head(monkeypatch):
+    """What a GPU runs (no device here: counted on the CPU): every head's rows go through each tier together, so the
+    data-dependent ``nonzero`` (a device sync on CUDA) runs once a layer whatever the number of heads, and the result
+    is the written-out definition."""
+    calls = []
+    real = torch.nonzero
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "nonzero", counting)
+    counts = {}
+    for heads in (2, 8):
+        gen = torch.Generator().manual_seed(3)
+        n, d, width = 60, 8, 16
+        y = torch.randn(n, width, generator=gen) * 0.1
+        probs = torch.softmax(torch.randn(heads, n, n, generator=gen) * 0.5, -1)
+        value = torch.randn(heads, n, d, generator=gen) * 3
+        w_out = torch.randn(heads, width, d, generator=gen)
+        c = torch.rand(n, generator=gen) + 0.5
+        calls.clear()
+        fast = contributions.attention_raw_torch(y, probs, value, w_out, c)
+        counts[heads] = len(calls)
+        parts = torch.einsum("hqk,q,hkd,hxd->hqkx", probs, c, value, w_out)
+        torch.testing.assert_close(fast, contributions.raw_part(parts, y[None, :, None, :]), atol=1e-4, rtol=1e-5)
+    assert counts[2] == counts[8] == 1
