@@ -197,10 +197,12 @@ class Capture:
             self._summaries[layer] = summarise(self.layer_probs(layer), self.layer_allowed(layer), self.tokens)
         return self._summaries[layer][name]
 
-    def sinks(self, layer: int, eps: float = metrics.SINK_EPS) -> list[dict]:
+    def sinks(self, layer: int, eps: float = metrics.SINK_EPS, residual_norms=None) -> list[dict]:
         """Every key of ``layer`` that acts as a sink (:func:`attnviz.stats.metrics.sinks`), with the residual norm
-        entering the layer where activations were kept and the value norm where value norms were."""
-        norms = self.activations.norms[layer] if self.activations is not None else None
+        entering the layer (``residual_norms`` (n,), else where activations were kept) and the value norm where
+        value norms were."""
+        norms = residual_norms if residual_norms is not None else (
+            self.activations.norms[layer] if self.activations is not None else None)
         values = self.value_norm.get(layer) if self.value_norm else None
         return metrics.sinks(self.stat(layer, "alpha"), self.tokens, eps, norms,
                              None if values is None else values.astype(np.float32))

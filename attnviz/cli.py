@@ -139,8 +139,9 @@ def _null(x: float):
 SINKS_REPORT = ("alpha", "column_mean", "discarded")  # what the sinks JSON reads: no entropy or allocation pass
 
 
-def sinks_report(capture, eps: float) -> dict:
-    """The `attnviz sinks --json` document for a capture (all layers recorded)."""
+def sinks_report(capture, eps: float, residual_norms: dict | None = None) -> dict:
+    """The `attnviz sinks --json` document for a capture (all layers recorded); ``residual_norms`` by layer, the
+    stream's norm entering it (:func:`attnviz.core.hooks.layer_input_norms`), for each sink's ``residual_norm``."""
     from attnviz.stats import metrics
 
     layers = []
@@ -158,7 +159,8 @@ def sinks_report(capture, eps: float) -> dict:
                 "alpha": [_null(alphas[h, k]) if k < capture.n_tokens else None for k in range(N_ALPHA_KEYS)],
                 "discarded_mass": _null(discarded[h]),
             } for h in range(capture.n_heads)],
-            "sinks": capture.sinks(layer, eps),  # every key that acts as a sink (docs/methods.md#sinks-at-any-key)
+            # every key that acts as a sink (docs/methods.md#sinks-at-any-key)
+            "sinks": capture.sinks(layer, eps, (residual_norms or {}).get(layer)),
         })
     return {"model": capture.meta["model"], "arch": capture.arch, "n_tokens": capture.n_tokens,
             **({"residual": capture.meta["residual"]} if capture.meta.get("residual") else {}),
@@ -179,8 +181,11 @@ def _sinks(args) -> dict:
     _check_intervene(args)
     loaded = _load(args)
     recipe = _recipe(args, loaded)
-    keep = Keep(statistics=SINKS_REPORT, activations=True, value_norms=True)
-    return sinks_report(capture(loaded, text, recipe, keep), args.eps)
+    from attnviz.core.hooks import layer_input_norms
+
+    with layer_input_norms(loaded.model) as norms:  # n floats a layer: no hidden state kept, whatever the length
+        cap = capture(loaded, text, recipe, Keep(statistics=SINKS_REPORT, value_norms=True))
+    return sinks_report(cap, args.eps, norms)
 
 
 def _dataset_sinks(args) -> dict:

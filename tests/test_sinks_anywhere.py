@@ -119,3 +119,22 @@ def test_the_pages_show_where_the_sinks_are_and_where_they_went(model_cache, tmp
     ys = went["data"][0]["y"]
     assert ys.count(0) > len(ys) / 2  # FWD: the first token in most layers (SmolLM2 has a secondary sink or two)
     assert any("**nosink-fwd**" in m.value for m in at.markdown)
+
+
+def test_the_cli_reads_residual_norms_without_keeping_a_hidden_state():
+    """``attnviz sinks`` measures the stream's norm entering each layer with a hook (n floats a layer), the same
+    numbers a capture's activations give, and no hidden state is kept."""
+    from attnviz.cli import sinks_report
+    from attnviz.core.hooks import layer_input_norms
+
+    lm = tiny.loaded("gemma3_text")
+    text = "The cat sat. On the mat, it slept; the dog watched the door."
+    with layer_input_norms(lm.model) as norms:
+        light = capture(lm, text, "fwd", Keep(statistics=("alpha",), value_norms=True))
+    full = capture(lm, text, "fwd", Keep(statistics=("alpha",), value_norms=True, activations=True))
+    assert light.activations is None and light.hidden is None and sorted(norms) == list(range(lm.n_layers))
+    for layer in range(lm.n_layers):
+        np.testing.assert_allclose(norms[layer], full.activations.norms[layer], rtol=1e-5)
+    doc = sinks_report(light, 0.2, norms)
+    assert doc["layers"] and all(s["residual_norm"] is not None for l in doc["layers"] for s in l["sinks"])
+    assert [l["sinks"] for l in doc["layers"]] == [full.sinks(l, 0.2) for l in range(lm.n_layers)]

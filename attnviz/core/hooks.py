@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from contextlib import contextmanager
 
 import torch
 
@@ -71,3 +72,26 @@ def _keep_layer_inputs(model) -> None:
             for index, layer in enumerate(layers):
                 layer.register_forward_pre_hook(functools.partial(_keep_input, index), with_kwargs=True)
             model._attnviz_keeps_inputs = True
+
+
+@contextmanager
+def layer_input_norms(model):
+    """Inside, every forward of this thread records, per decoder layer, the norm of each token's residual stream
+    entering it ((n,) float32 on the host, by layer index, of the batch's first row): the massive activations'
+    measure (Sun et al. 2024) without keeping a hidden state, so a long text costs n floats a layer. Hooks on the
+    anatomy's layers, removed after; other threads' forwards (the shared server's sessions) are not read."""
+    norms: dict[int, "torch.Tensor"] = {}
+    owner = threading.get_ident()
+
+    def keep(index, module, args, kwargs):
+        if threading.get_ident() == owner:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            norms[index] = torch.linalg.vector_norm(hidden[0], dim=-1, dtype=torch.float32).cpu().numpy()
+
+    handles = [layer.register_forward_pre_hook(functools.partial(keep, index), with_kwargs=True)
+               for index, layer in enumerate(anatomy.of(model).layer_list)]
+    try:
+        yield norms
+    finally:
+        for handle in handles:
+            handle.remove()
