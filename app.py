@@ -29,7 +29,7 @@ PAGES = [
 
 NO_MODEL = {"designer", "walkthrough", "sweeps", "definitions"}  # url paths of pages that work without a model: they never wait for one
 
-page = st.navigation(PAGES)
+page = st.navigation(PAGES, expanded=True)  # every page in view (13: above twelve Streamlit would fold three)
 gate()  # sign-in where the server configures it, before any page (docs/sharing.md)
 # Drawn on every page, the walkthrough too: widgets Streamlit does not draw in a run lose their state.
 st.session_state["settings"], st.session_state["loaded"] = sidebar(needs_model=page.url_path not in NO_MODEL)

@@ -422,7 +422,9 @@ def prepare(loaded: LoadedModel, text: str, recipe: "str | arch_mod.Architecture
     if variant is not None and (keep.hidden_states or keep.activations):
         raise InputError(f"hidden states are not recorded under the residual variant {variant.name}")
     if keep.value_norms:  # refused here where the output projection cannot be read, not in the middle of the run
-        engine.output_projection(engine.attention_modules(loaded.model)[0])
+        modules = engine.attention_modules(loaded.model)  # none for an encoder-decoder: the run refuses it
+        if modules:
+            engine.output_projection(modules[0])
     shape = Shape.of(loaded)
     recorded = keep.recorded(shape.n_layers)
     masks = Masks.of(shape, built)

@@ -88,8 +88,9 @@ def layer_input_norms(model):
             hidden = args[0] if args else kwargs["hidden_states"]
             norms[index] = torch.linalg.vector_norm(hidden[0], dim=-1, dtype=torch.float32).cpu().numpy()
 
+    layers = decoder_layers(model)  # None for a model the anatomy does not map: nothing is read
     handles = [layer.register_forward_pre_hook(functools.partial(keep, index), with_kwargs=True)
-               for index, layer in enumerate(anatomy.of(model).layer_list)]
+               for index, layer in enumerate(layers or [])]
     try:
         yield norms
     finally:
