@@ -105,21 +105,27 @@ def cosine_figure(a: Capture, b: Capture) -> go.Figure:
 
 
 def where_sinks_went(caps: list[Capture], titles: list[str], eps: float = metrics.SINK_EPS) -> go.Figure:
-    """Per architecture, where each layer's strongest sink is (:func:`attnviz.effects.compare.where_sinks_are`): its
-    key by layer, the marker's size its share, the token on hover; a layer with no sink has no marker. A sink that
-    moved to a delimiter shows as a line away from key 0 or m, not as a sink that vanished."""
-    fig = go.Figure()
-    for cap, title in zip(caps, titles):
+    """Per architecture (one panel each, one layer axis), where each layer's strongest sink is
+    (:func:`attnviz.effects.compare.where_sinks_are`): its key by layer, the marker's size its share, the token on
+    hover; a layer with no sink has no marker. A sink that moved to a delimiter shows away from key 0 or m, not as a
+    sink that vanished."""
+    fig = make_subplots(rows=len(caps), cols=1, shared_xaxes=True, vertical_spacing=0.1, subplot_titles=titles)
+    top = 1
+    for row, (cap, title) in enumerate(zip(caps, titles), start=1):
         found = compare.where_sinks_are(cap, eps)
         layers = [l for l, s in zip(cap.layers, found) if s is not None]
         sinks = [s for s in found if s is not None]
+        top = max([top, *(s["key"] for s in sinks)])
         fig.add_trace(go.Scatter(
-            x=layers, y=[s["key"] for s in sinks], mode="lines+markers", name=title,
-            marker=dict(size=[6 + 18 * s["share"] for s in sinks]),
+            x=layers, y=[s["key"] for s in sinks], mode="markers", name=title, showlegend=False,
+            marker=dict(size=[6 + 14 * s["share"] for s in sinks], color=["#1f1f1f" if s["key"] == 0 else "#e15759"
+                                                                           for s in sinks]),
+            text=[s["token"].strip() or repr(s["token"]) for s in sinks],
             customdata=[[s["token"], s["share"], len(s["heads"])] for s in sinks],
             hovertemplate=(f"{title}<br>layer %{{x}}: key %{{y}} (%{{customdata[0]}})<br>share %{{customdata[1]:.2f}} "
-                           "over %{customdata[2]} head(s)<extra></extra>")))
-    layout(fig, f"where the sink went: each layer's strongest sink key (alpha > {eps:g}; size: its share)", height=380)
-    fig.update_xaxes(title="layer")
-    fig.update_yaxes(title="sink key", rangemode="tozero")
-    return fig
+                           "over %{customdata[2]} head(s)<extra></extra>")), row=row, col=1)
+        fig.update_yaxes(title_text="key", row=row, col=1)
+    fig.update_yaxes(range=[-0.5, top + 0.5])
+    fig.update_xaxes(title_text="layer", row=len(caps), col=1)
+    return layout(fig, f"where the sink went: each layer's strongest sink key (alpha > {eps:g}; size: its share; "
+                       "red: not the first token)", height=150 + 150 * len(caps))

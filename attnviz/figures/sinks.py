@@ -140,7 +140,7 @@ def sink_map(cap: Capture, eps: float = metrics.SINK_EPS) -> go.Figure:
                     xs.append(sink["key"]), ys.append(layer)
                     text.append(f"{sink['token']!r}: {len(sink['heads'])} head(s), share {sink['share']:.2f}")
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", name=name, text=text,
-                                 marker=dict(symbol="circle-open", size=11, line=dict(width=2, color=colour)),
+                                 marker=dict(symbol="circle-open", size=11, color=colour, line=dict(width=2)),
                                  hovertemplate="layer %{y}, key %{x}: %{text}<extra>" + name + "</extra>"))
     layout(fig, f"where the sinks are: each key's attention share per layer (rings: alpha > {eps:g} in some head)",
            height=max(380, 16 * len(cap.layers)))

@@ -242,7 +242,8 @@ def scan_figure(scan) -> go.Figure:
     fig.add_trace(go.Heatmap(z=np.clip(ratio, 0, 2), y=list(range(len(names))), x=list(range(ratio.shape[1])),
                              colorscale="RdBu", zmin=0, zmax=2, zmid=1, hoverongaps=False, customdata=np.array(
                                  [[n] * ratio.shape[1] for n in names]),
-                             colorbar=dict(title="after / before", x=0.76),
+                             colorbar=dict(title="after / before", orientation="h", x=0.39, xanchor="center",
+                                           y=-0.08, yanchor="top", len=0.6, thickness=12),
                              hovertemplate="%{customdata} removed<br>layer %{x}: %{z:.2f} of before<extra></extra>"),
                   row=1, col=1)
     fig.add_trace(go.Bar(x=change, y=list(range(len(names))), orientation="h", showlegend=False,
@@ -251,7 +252,7 @@ def scan_figure(scan) -> go.Figure:
                   row=1, col=2)
     necessary = ", ".join(scan.necessary) or "none"
     layout(fig, f"causal scan of every block: necessary writers (the sink falls by ≥ half): {necessary}",
-           height=max(420, 13 * len(names)))
+           height=max(460, 13 * len(names) + 120))
     fig.update_yaxes(autorange="reversed", tickmode="array", tickvals=list(range(len(names))), ticktext=labels,
                      title="removed at the sink token", row=1, col=1)
     fig.update_xaxes(title="layer", row=1, col=1)
