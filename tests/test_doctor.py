@@ -130,6 +130,38 @@ def test_a_healthy_install_passes_in_bfloat16(bf16_model, capsys):
     assert by_name["maps of every layer vs stock eager (bfloat16, block engine)"].limit == 2 * 2.0 ** -7
     assert by_name["maps of every layer vs stock eager (float32, end to end)"].limit == 1e-4
     _speed(checks)
+    # what the Why, Test it and Routes pages run, in the dtype the doctor runs
+    for name in ("score attribution: the sources sum to the captured score", "patch: equal to a stock forward hook "
+                 "(relative)", "routes: equal to the written-out definition on one layer"):
+        assert by_name[name].status == "PASS" and by_name[name].limit > 1e-3, name
+
+
+@pytest.mark.parametrize("defect", ["patch", "routes", "attribution"])
+def test_a_wrong_deep_page_capability_fails_its_check(defect, default_model, monkeypatch):
+    """Each new check catches a real defect: a patch that removes the next token's write, routes' heads weighted 5 %
+    off, attribution's sources 5 % too large."""
+    import importlib
+
+    from attnviz.core import interventions
+    from attnviz.flow import contributions
+    from attnviz.effects.explain import Residual
+
+    if defect == "patch":
+        real = interventions.Patch.positions
+        monkeypatch.setattr(interventions.Patch, "positions", lambda self, key: [p + 1 for p in real(self, key)])
+    elif defect == "routes":
+        real = contributions.attention_raw
+        monkeypatch.setattr(importlib.import_module("attnviz.flow.trace"), "attention_raw",
+                            lambda y, probs, *a: real(y, probs * 1.05, *a))
+    else:
+        real = Residual._source_side
+        monkeypatch.setattr(Residual, "_source_side", staticmethod(lambda *a, **k: real(*a, **k) * 1.05))
+    text = doctor._text(default_model, doctor.EQUIVALENCE_TOKENS)
+    checks = {c.name.split(":")[0]: c for c in doctor.capabilities(default_model, text)}
+    name = {"patch": "patch", "routes": "routes", "attribution": "score attribution"}[defect]
+    assert checks[name].status == "FAIL", checks[name].line()
+    others = [c for n, c in checks.items() if n != name]
+    assert all(c.status == "PASS" for c in others), [c.line() for c in others]
 
 
 def test_the_float32_check_leaves_a_bfloat16_model_as_it_was(bf16_model):
