@@ -588,7 +588,7 @@ def run(loaded: LoadedModel, tokens: int = 4096, progress=None) -> Report:
 
 # --- what the pages run: score attribution, patch, routes ---------------------------------------------------------
 
-ATTRIBUTION_HALF = 0.02  # relative: attribution's sources against the captured score in half precision (the 2 %)
+ATTRIBUTION_HALF = 0.02  # relative: attribution's sources against the captured score in half precision (docs/methods.md#devices)
 
 
 def capabilities(loaded: LoadedModel, text: str) -> list[Check]:
