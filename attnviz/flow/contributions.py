@@ -119,8 +119,8 @@ def attention_raw_torch(y: torch.Tensor, probs: torch.Tensor, value: torch.Tenso
                         c: torch.Tensor) -> torch.Tensor:
     """:func:`attention_raw` in torch operations on any device: every head at once (batched products), the
     correction in tiers of gathers over all heads' rows together (:func:`_correct`), so a layer waits for the device
-    once a tier, not once a head (profiled on an H200, docs/gpu.md: each ``nonzero`` a device sync, 0.08 s of 0.45 s at 1,024
-    tokens)."""
+    once a tier, not once a head (profiled on an H200, docs/gpu.md: each ``nonzero`` a device sync, 0.08 s of
+    0.45 s at 1,024 tokens)."""
     n_heads = probs.shape[0]
     group = n_heads // value.shape[0]
     v = value.repeat_interleave(group, 0) if group > 1 else value  # (H, n_kv, d)
