@@ -298,3 +298,24 @@ def test_the_why_and_routes_pages_run_with_a_bfloat16_model(model_cache, tmp_pat
     on_page(at, "pages/routes.py")
     assert not at.exception and not at.error, texts(at.error)
     assert any("routes of token" in str(f["layout"]["title"]["text"]) for f in charts(at))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text", "granite"])
+def test_the_causal_scan_and_activation_patching_run_in_bfloat16(kind):
+    """Both resume forwards and read the logits from the last layer's output: in bfloat16 that read rounds (measured
+    0.0014 relative on tiny Llama), which the dtype's limit allows; the results agree with float32's."""
+    from attnviz.effects.causal import scan
+    from attnviz.effects.patching import patching
+    from attnviz.support import in_dtype
+
+    lm = tiny.loaded(kind)
+    half = in_dtype(lm, torch.bfloat16)
+    text = "The keeper lit the lamp. The ships passed the rocks, and the keeper slept."
+    ref, got = scan(lm, text, leaders=False), scan(half, text, leaders=False)
+    for a, b in zip(ref.checks, got.checks):
+        above = list(range(a.layer + 1, lm.n_layers))
+        assert b.drop(above) == pytest.approx(a.drop(above), abs=0.05), a.source
+    clean, corrupted = "The cat sat on the mat and", "The dog sat on the hat and"
+    p32, p16 = (patching(m, clean, corrupted, "P", "R", site="resid") for m in (lm, half))
+    assert p16.effect.shape == p32.effect.shape and np.isfinite(p16.effect).all()
+    assert p16.clean == pytest.approx(p32.clean, rel=0.05, abs=0.05)

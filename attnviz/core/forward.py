@@ -130,10 +130,16 @@ def head_logits(model, hidden: torch.Tensor, last_only: bool = True) -> torch.Te
 
 def check_head(model, hidden: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     """Refuse, in one line, a model whose logits :func:`head_logits` does not make again from the last layer's output
-    ``hidden`` (expected (B, V), the model's own, within 1e-3 relative): ``what`` resumes forwards and reads them."""
-    made = head_logits(model, hidden).float()
-    expected = expected.float()
+    ``hidden`` (expected (B, V), the model's own, within 1e-3 relative in float32 and the dtype's decomposition limit
+    in half precision, :func:`attnviz.core.precision.decomposition_tolerance`): ``what`` resumes forwards and reads
+    them."""
+    from attnviz.core import precision
+
+    dtype = next(model.parameters()).dtype
+    limit = max(1e-3, precision.decomposition_tolerance(dtype))
+    made, expected = head_logits(model, hidden).float(), expected.float()
     miss = float((made - expected).norm() / expected.norm().clamp(min=1e-30))
-    if not miss <= 1e-3 * (1 if expected.dtype == torch.float32 and made.dtype == torch.float32 else 30):
+    if not miss <= limit:
         raise InputError(f"{what}: {anatomy.of(model).family}'s logits are not its final norm and output embedding "
-                         f"of its last layer (off by {miss:.3g} relative), so a resumed forward cannot read them")
+                         f"of its last layer (off by {miss:.3g} relative, limit {limit:.3g} in "
+                         f"{precision.name(dtype)}), so a resumed forward cannot read them")
