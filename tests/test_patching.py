@@ -201,3 +201,29 @@ def test_the_patching_page_draws_the_librarys_grid(default_model, tmp_path):
     at.text_input(key="pt_corrupted").input("The capital of Italy is").run()
     at.button(key="pt_run").click().run()
     assert any("the same number of tokens" in e.value for e in at.error)
+
+
+def test_another_thread_s_forward_is_not_patched():
+    """The shared server's sessions run one model: a patching run's hooks act in its own thread only."""
+    import threading
+
+    from attnviz.effects.patching import _Site
+
+    lm = tiny.loaded("llama")
+    ids = torch.tensor([lm.tokenizer(CLEAN)["input_ids"]])
+    with torch.no_grad():
+        expected = lm.model(ids).logits
+    site = _Site(lm, "resid", [0])
+    site.kept[0] = torch.zeros(1, ids.shape[1], lm.model.config.hidden_size)
+    handles, seen = site.put(0, [3]), {}
+    try:
+        worker = threading.Thread(target=lambda: seen.update(logits=lm.model(ids).logits.detach()))
+        worker.start()
+        worker.join()
+        with torch.no_grad():
+            patched = lm.model(ids).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    torch.testing.assert_close(seen["logits"], expected)
+    assert not torch.allclose(patched, expected)  # the owner's own forward is patched

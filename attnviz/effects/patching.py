@@ -21,6 +21,7 @@ patched runs share one batched forward (positions or heads as the batch).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +32,7 @@ from attnviz.core import engine, models
 from attnviz.core.forward import check_head, head_logits
 from attnviz.core.modules import output_linear
 from attnviz.core.probe import output_tensor
+from attnviz.core.recorders import Recorder
 from attnviz.errors import InputError
 
 SITES = ("resid", "attn", "mlp", "heads")
@@ -95,17 +97,21 @@ def _pre_site(site: str) -> bool:
 
 class _Site:
     """Hooks at one site of every layer: ``keep`` records each layer's activation (B=1); ``put`` replaces, in row b of
-    a batch, what ``chooser(b)`` names with the kept clean activation."""
+    a batch, one position's (or one head's) activation with the kept clean one. The hooks act in the thread that
+    made them only: the shared server's other sessions run the same model."""
 
     def __init__(self, loaded, site: str, layers: list[int]):
         self.found = anatomy_mod.of(loaded.model)
         self.site, self.layers = site, layers
         self.kept: dict[int, torch.Tensor] = {}
         self.heads = loaded.n_heads
+        self.owner = threading.get_ident()
 
     def _hook(self, layer: int, change):
         if _pre_site(self.site):
             def pre(module, args, kwargs):
+                if threading.get_ident() != self.owner:
+                    return None
                 value = args[0] if args else kwargs["hidden_states"]
                 new = change(value)
                 if new is None:
@@ -114,6 +120,8 @@ class _Site:
             return _site_module(self.found, self.site, layer).register_forward_pre_hook(pre, with_kwargs=True)
 
         def post(module, args, out):
+            if threading.get_ident() != self.owner:
+                return None
             new = change(output_tensor(out))
             if new is None:
                 return None
@@ -151,31 +159,23 @@ def _last_logits(built, loaded, ids: torch.Tensor, record=None) -> tuple[torch.T
     return logits[:, -1].float(), run
 
 
-class _SinkRow:
+class _SinkRow(Recorder):
     """A recorder of the last query's attention on each layer's sink key (the ``sink`` metric): per layer, (B,) the
     mean over heads."""
 
+    kind = "reduced"
+
     def __init__(self):
-        from attnviz.core.recorders import Recorder
-
-        outer = self
-
-        class Row(Recorder):
-            kind = "reduced"
-
-            def start(self, run, layer, inputs):
-                outer.n = inputs.key.shape[2]
-
-            def block(self, run, layer, q0, k0, probs, allow):
-                rows = probs.shape[-2]
-                last = outer.n - 1
-                if q0 <= last < q0 + rows:
-                    key = run.sink_key(layer)
-                    if k0 <= key < k0 + probs.shape[-1]:
-                        outer.values.setdefault(layer, []).append(probs[:, :, last - q0, key - k0].float().mean(1))
         self.values: dict[int, list] = {}
         self.n = 0
-        self.recorder = Row()
+
+    def start(self, run, layer, inputs):
+        self.n = inputs.key.shape[2]
+
+    def block(self, run, layer, q0, k0, probs, allow):
+        last, key = self.n - 1, run.sink_key(layer)
+        if q0 <= last < q0 + probs.shape[-2] and k0 <= key < k0 + probs.shape[-1]:
+            self.values.setdefault(layer, []).append(probs[:, :, last - q0, key - k0].float().mean(1))
 
     def layers(self) -> dict[int, torch.Tensor]:
         """Per recorded layer, (B,) the last query's attention on its sink key, the mean over heads."""
@@ -241,7 +241,7 @@ def patching(loaded, clean: str, corrupted: str, answer: str | None = None, wron
 
     def run(ids, handles=(), batch=1, start=0, keep_sink=False):
         sink = _SinkRow() if metric == "sink" else None
-        record = engine.Record(None, recorders=(sink.recorder,)) if sink else engine.Record(frozenset())
+        record = engine.Record(None, recorders=(sink,)) if sink else engine.Record(frozenset())
         try:
             with torch.no_grad():
                 if start > 0:
