@@ -3,7 +3,6 @@ docs/methods.md#score-attribution): score attribution, the causal check and rout
 bfloat16 or float16 and agree with float32 within the stated limits; attribution reads the layer's real allow-set
 (mask and sliding window); and every bad argument is refused in one line."""
 
-import copy
 import json
 
 import numpy as np
@@ -13,31 +12,26 @@ import torch
 import tiny
 from attnviz.cli import main
 from attnviz.core import models, precision
-from attnviz.core.models import LoadedModel
 from attnviz.effects import causal
 from attnviz.effects.explain import Residual, explain
 from attnviz.errors import AttnvizError, InputError
 from attnviz.flow.trace import trace
+from attnviz.support import in_dtype
 
 TEXT = ("The old lighthouse keeper climbed the stairs every evening. He lit the lamp, wound the clock, and wrote "
         "the weather in his book.")
 
 
-def _in(loaded: LoadedModel, dtype: torch.dtype) -> LoadedModel:
-    """A copy of ``loaded`` in ``dtype`` (its anatomy found again, in that dtype)."""
-    model = copy.deepcopy(loaded.model)
-    model.__dict__.pop("_attnviz_anatomy", None)
-    return LoadedModel(model.to(dtype), loaded.tokenizer, f"{loaded.model_id} {dtype}", None, 0.0)
 
 
 @pytest.fixture(scope="module")
 def default_bf16(default_model):
-    return _in(default_model, torch.bfloat16)
+    return in_dtype(default_model, torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
 def default_fp16(default_model):
-    return _in(default_model, torch.float16)
+    return in_dtype(default_model, torch.float16)
 
 
 # --- score attribution -------------------------------------------------------------------------------------
@@ -130,7 +124,7 @@ def test_routes_cli_in_bfloat16_and_float16(capsys):
 # --- Gemma 3: its window, and float16's overflow -----------------------------------------------------------
 
 def test_gemma3_in_bfloat16_explains_tests_and_routes(gemma3_model):
-    half = _in(gemma3_model, torch.bfloat16)
+    half = in_dtype(gemma3_model, torch.bfloat16)
     ref, got = _attribution(gemma3_model, 6, 0), _attribution(half, 6, 0)
     assert got[0].score == pytest.approx(ref[0].score, rel=0.02)
     assert got[1] == pytest.approx(got[0].score, rel=2e-3)
@@ -142,7 +136,7 @@ def test_gemma3_in_bfloat16_explains_tests_and_routes(gemma3_model):
 def test_gemma3_overflows_float16_and_is_refused_in_one_line(gemma3_model):
     """Gemma 3's residual stream passes float16's largest value (stock transformers computes inf, then NaN): a
     refusal that says so, not NaN statistics."""
-    half = _in(gemma3_model, torch.float16)
+    half = in_dtype(gemma3_model, torch.float16)
     with torch.no_grad():
         stock = half.model(torch.tensor([half.tokenizer(TEXT)["input_ids"]]), output_hidden_states=True)
     assert not all(bool(torch.isfinite(h).all()) for h in stock.hidden_states)  # the model's own overflow
@@ -306,7 +300,6 @@ def test_the_causal_scan_and_activation_patching_run_in_bfloat16(kind):
     0.0014 relative on tiny Llama), which the dtype's limit allows; the results agree with float32's."""
     from attnviz.effects.causal import scan
     from attnviz.effects.patching import patching
-    from attnviz.support import in_dtype
 
     lm = tiny.loaded(kind)
     half = in_dtype(lm, torch.bfloat16)

@@ -27,6 +27,7 @@ from attnviz.capture import capture
 from attnviz.core import anatomy as anatomy_mod
 from attnviz.core import engine, models
 from attnviz.core.forward import check_head, head_logits
+from attnviz.core.interventions import Patch
 from attnviz.core.probe import output_tensor
 from attnviz.core.recorders import Recorder
 from attnviz.core.models import LoadedModel
@@ -132,10 +133,9 @@ def _check_sink(loaded: LoadedModel, text: str, recipe: Recipe) -> None:
     except InputError:
         windows = [None] * loaded.n_layers
     for mask, window in zip(built.architecture.layers, windows):
-        columns = metrics.auto_key_limit(n)
-        allow = allowsets.allowed(mask, n, window, columns).numpy()
-        later = allow[metrics.auto_key(allow) + 1:, metrics.auto_key(allow)]
-        if later.size and later.all():
+        allow = allowsets.allowed(mask, n, window, metrics.auto_key_limit(n)).numpy()
+        key = metrics.auto_key(allow)
+        if allow[key + 1:, key].size and allow[key + 1:, key].all():
             return
     raise InputError(f"the text's {n} tokens are too short to have a sink key under {built.recipe.arch} (a key "
                      "among its first half that every later query may see): give a longer text")
@@ -271,11 +271,9 @@ class _SinkColumn(Recorder):
     def __init__(self):
         self.sums: dict[int, torch.Tensor] = {}
         self.counts: dict[int, torch.Tensor] = {}
-        self.keys: dict[int, int] = {}
 
     def block(self, run, layer, q0, k0, probs, allow):
         key = run.sink_key(layer)
-        self.keys[layer] = key
         if not k0 <= key < k0 + probs.shape[-1]:
             return
         column = probs[..., key - k0].float()  # (B, H, b)
@@ -298,11 +296,12 @@ class _Writes:
     """Hooks on every layer's attention and MLP write (and the first layer's input, the embedding): each records its
     norm at the layer's sink token per batch row, and removes the write of the rows named in ``patched`` (layer,
     block) → rows, at that token: zero, or its mean over the other positions (the ``patch`` intervention's own
-    arithmetic)."""
+    :meth:`~attnviz.core.interventions.Patch.block_output`)."""
 
     def __init__(self, loaded, sink_keys: list[int], value: str):
         self.found = anatomy_mod.of(loaded.model)
-        self.sink_keys, self.value = sink_keys, value
+        self.sink_keys = sink_keys
+        self.patch = Patch(tokens="sink", value=value)  # the block it names is unused: the hooks pick the block
         self.patched: dict[tuple[int, str], list[int]] = {}
         self.norms: dict[tuple[int, str], torch.Tensor] = {}
         self.owner = threading.get_ident()
@@ -313,16 +312,13 @@ class _Writes:
         first = self.found.layers[0].module
         self.handles.append(first.register_forward_pre_hook(self._embed, with_kwargs=True))
 
-    def _replace(self, value: torch.Tensor, layer: int, rows: list[int], scale: float = 1.0) -> torch.Tensor:
-        key = self.sink_keys[layer]
+    def _replace(self, value: torch.Tensor, layer: int, rows: list[int]) -> torch.Tensor:
+        """``value`` (B, n, d) with rows ``rows`` patched at the layer's sink token by ``patch``'s own block_output."""
+        positions = torch.arange(value.shape[1], device=value.device)[None]
+        valid = torch.ones_like(positions, dtype=torch.bool)
         value = value.clone()
         for row in rows:
-            if self.value == "zero":
-                value[row, key] = 0
-            else:
-                others = torch.ones(value.shape[1], dtype=torch.bool, device=value.device)
-                others[key] = False
-                value[row, key] = value[row, others].float().mean(0).to(value.dtype)
+            value[row:row + 1] = self.patch.block_output(value[row:row + 1], positions, valid, self.sink_keys[layer])
         return value
 
     def _hook(self, layer: int, block: str):
@@ -363,7 +359,6 @@ class Scan:
     checks: list[CausalCheck]
     necessary: list[str] = field(default_factory=list)
     chains: dict[str, list[dict]] = field(default_factory=dict)
-    norms_before: dict[str, float] = field(default_factory=dict)
     not_scanned: str = ""
 
     def as_json(self) -> dict:
@@ -479,14 +474,14 @@ def scan(loaded, text: str, recipe="fwd", value: str = "zero", leaders: bool = T
                         else patch_spec(source, value))
                 checks.append(CausalCheck(source, led.get(source, []), spec, before,
                                           SinkProfile(sink_keys, attention, ppl[i], n)))
-                after_norms[source] = {f"{k[1]}.{k[0]}": (base_norms[k] if k[0] < layer else float(v[i]))
-                                       for k, v in sorted(writes.norms.items())}
+                # the writes this batch ran: its own layer's and those above, all a chain may name
+                after_norms[source] = {f"{k[1]}.{k[0]}": float(v[i]) for k, v in writes.norms.items()}
             if on_step:
                 on_step(layer + 2, total)
     finally:
         writes.remove()
-    above = lambda c: list(range(c.layer + 1, L))  # noqa: E731 - every layer the removal can reach
-    necessary = [c.source for c in checks if np.isfinite(c.drop(above(c))) and c.drop(above(c)) >= NECESSARY]
+    drops = {c.source: c.drop(list(range(c.layer + 1, L))) for c in checks}  # every layer the removal can reach
+    necessary = [source for source, drop in drops.items() if np.isfinite(drop) and drop >= NECESSARY]
     named = {f"{k[1]}.{k[0]}": v for k, v in base_norms.items()}
     chains = {}
     for source in necessary:
@@ -500,5 +495,5 @@ def scan(loaded, text: str, recipe="fwd", value: str = "zero", leaders: bool = T
                 later.append({"block": block, "norm_before": round(norm_before, 4), "norm_after": round(norm_after, 4),
                               "change": round(change, 4)})
         chains[source] = later
-    return Scan(recipe.to_dict(), n, checks, necessary, chains, {k: round(v, 4) for k, v in named.items()},
-                "the top layer's blocks: no layer above reads their writes")
+    return Scan(recipe.to_dict(), n, checks, necessary, chains, "the top layer's blocks: no layer above reads their "
+                "writes")
