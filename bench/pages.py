@@ -14,7 +14,7 @@ import statistics
 import time
 
 from attnviz import capture, load
-from attnviz.figures import allocation_bars, alpha_grid, heatmap, key_profile, overview, sink_grid
+from attnviz.figures import allocation_bars, alpha_grid, heatmap, key_profile, overview, sink_grid, sink_map
 
 TEXT = "Attention sinks take a large share of attention whatever the token means, mostly the first one. "
 
@@ -46,10 +46,12 @@ def main() -> None:
     def sinks_page():
         cap._summaries.clear()  # the first visit pays for the per-layer statistics
         cap._memo.clear()
-        return [key_profile(cap, 0), alpha_grid(cap, 0), sink_grid(cap, 0), allocation_bars(cap)]
+        return [sink_map(cap), key_profile(cap, 0), alpha_grid(cap, 0), sink_grid(cap, 0), allocation_bars(cap)]
 
     t_sinks, figs = timed(sinks_page, args.repeat)
     print(f"sinks_page_figures     time_s={t_sinks:.3f} json_kb={sum(len(f.to_json()) for f in figs) / 1024:.0f}")
+    t_map, fig = timed(lambda: (cap._summaries.clear(), sink_map(cap))[1], args.repeat)  # where the sinks are, alone
+    print(f"sink_map               time_s={t_map:.3f} json_kb={len(fig.to_json()) / 1024:.0f}")
     print(f"figures_vs_capture N={cap.n_tokens} heatmap_ratio={t_heat / t_capture:.3f} "
           f"sinks_page_ratio={t_sinks / t_capture:.3f}")
 

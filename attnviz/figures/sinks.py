@@ -127,17 +127,17 @@ def sink_map(cap: Capture, eps: float = metrics.SINK_EPS) -> go.Figure:
         defined = np.isfinite(alphas)
         counts = defined.sum(0)
         share[row] = np.where(counts > 0, np.where(defined, alphas, 0).sum(0) / np.maximum(counts, 1), np.nan)
-    labels = [f"{k} {cap.tokens[k]!r}" for k in range(n)]
-    fig = go.Figure(go.Heatmap(z=share, x=list(range(n)), y=list(cap.layers), colorscale="Blues", zmin=0,
+    labels = [f"{k} {cap.tokens[k]!r}" for k in range(n)]  # the key axis: each label sent once, not once a cell
+    fig = go.Figure(go.Heatmap(z=share.astype(np.float32), x=labels, y=list(cap.layers), colorscale="Blues", zmin=0,
                                zmax=max(float(np.nanmax(share)) if np.isfinite(share).any() else 1.0, eps),
-                               colorbar=dict(title="share"), hoverongaps=False, customdata=np.array([labels] * len(cap.layers)),
-                               hovertemplate="layer %{y}, key %{customdata}<br>share %{z:.3f}<extra></extra>"))
+                               colorbar=dict(title="share"), hoverongaps=False,
+                               hovertemplate="layer %{y}, key %{x}<br>share %{z:.3f}<extra></extra>"))
     for kind, colour, name in (("first", FIRST, "first-token sink"), ("secondary", SECONDARY, "secondary sink")):
         xs, ys, text = [], [], []
         for layer in cap.layers:
             for sink in cap.sinks(layer, eps):
                 if (sink["kind"] == "first") == (kind == "first"):
-                    xs.append(sink["key"]), ys.append(layer)
+                    xs.append(labels[sink["key"]]), ys.append(layer)
                     text.append(f"{sink['token']!r}: {len(sink['heads'])} head(s), share {sink['share']:.2f}")
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", name=name, text=text,
                                  marker=dict(symbol="circle-open", size=11, color=colour, line=dict(width=2)),
@@ -145,7 +145,8 @@ def sink_map(cap: Capture, eps: float = metrics.SINK_EPS) -> go.Figure:
     layout(fig, f"where the sinks are: each key's attention share per layer (rings: alpha > {eps:g} in some head)",
            height=max(380, 16 * len(cap.layers)))
     fig.update_yaxes(autorange="reversed", title="layer")
-    fig.update_xaxes(title="key", tickmode="array", tickvals=list(range(n)),
-                     ticktext=[t.strip() or repr(t) for t in cap.tokens[:n]] if n <= 48 else None)
+    fig.update_xaxes(title="key", type="category", categoryorder="array", categoryarray=labels,
+                     **(dict(tickmode="array", tickvals=labels, ticktext=[t.strip() or repr(t) for t in cap.tokens[:n]])
+                        if n <= 48 else {}))
     fig.update_layout(legend=dict(orientation="h", y=-0.12))
     return fig
