@@ -23,8 +23,9 @@ the statistics route, which has no AMX path), so no timing can make the command 
      forward, no input fed, within 1e-4: what catches an error that only shows across layers;
    - every statistic of a statistics capture against its numpy definition on the full maps;
    - long mode: pooled maps against the max-pooled full maps;
-   - on CUDA, the fused kernel's statistics against the same definitions (a kernel that does not
-     compile or launch is a FAIL that names the fallback attnviz then uses: the block engine).
+   - on CUDA, the fused kernel's statistics and pooled maps against the same definitions, on a 192-token
+     text so that its full tiles and one-cell pooling run (a kernel that does not compile or launch is a
+     FAIL that names the fallback attnviz then uses: the block engine).
 3. **Speed** on a ``tokens``-long text (at most the model's own limit): a statistics capture against a
    plain SDPA forward of the same tokens. Each timed window repeats the call until the plain forward has
    run for at least a quarter of a second (a small model's forward on a GPU takes milliseconds), timed
@@ -332,12 +333,69 @@ def _statistics_error(reduced, full, layers) -> tuple[float, str]:
     return worst, where
 
 
+FUSED_TOKENS = 192  # three of the kernel's 64-row blocks: the last two have full tiles below the diagonal
+FUSED_NAMES = ("statistics, fused kernel vs their definitions on the full maps",
+               "pooled maps, fused kernel vs max-pooled full maps")
+
+
+def fused_kernel(loaded: LoadedModel, limit: float, why: str, force: bool = False) -> list[Check]:
+    """On CUDA (or with ``force``, in Triton's interpreter), the fused statistics kernel at the geometry a long
+    text launches: a 192-token text, so most rows see full tiles below the diagonal, and a 3-cell map, so each
+    64 x 64 tile pools to one cell; every statistic against its definition on the full maps and every pooled
+    cell against the maximum of its full-map cells, each layer fed the same input. A kernel that does not
+    compile or run is a FAIL (attnviz falls back to the block engine)."""
+    from attnviz.capture import capture
+    from attnviz.core import kernels
+    from attnviz.figures.style import max_pool
+    from attnviz.plan import Keep
+
+    model = loaded.model
+    if not ((force or str(model.device).startswith("cuda")) and kernels.available()):
+        return [Check(name, "SKIP", detail="needs CUDA and Triton (on a CPU the tests run it through Triton's "
+                                           "interpreter)") for name in FUSED_NAMES]
+    text, same = _text(loaded, FUSED_TOKENS), "fed the same layer input"
+    with layer_io(model) as ours:
+        cap = capture(loaded, text, "fwd", Keep(storage_dtype=torch.float32))
+    kernels._disabled.clear()
+    try:
+        with _setting("ATTNVIZ_FUSED", "1"), layer_io(model, feed=ours.inputs):
+            fused = capture(loaded, text, "fwd", Keep(statistics=True, pool=3, storage_dtype=torch.float32))
+    except Exception as err:  # noqa: BLE001 - a kernel that fails here is the finding
+        kernels.disable(err)
+        fused = None
+    if fused is None or kernels._disabled:
+        problem = kernels._disabled[0] if kernels._disabled else "no result"
+        return [Check(name, "FAIL", detail=f"the fused kernel failed ({problem.splitlines()[0][:200]}); attnviz "
+                                           "falls back to the block engine, which computes the same statistics, "
+                                           "slower") for name in FUSED_NAMES]
+    worst, where = _statistics_error(fused, cap, cap.layers)
+    checks = [Check.against(FUSED_NAMES[0], worst, limit, detail=where, why=why,
+                            compared=f"every statistic of the fused Triton kernel and its numpy definition on the "
+                                     f"full maps of a {FUSED_TOKENS}-token text, {same}")]
+    worst, where = 0.0, ""
+    for layer in cap.layers:
+        pooled, _ = fused.layer_view(layer)
+        factor = fused.pool_factor(layer)
+        expected = np.stack([max_pool(np.where(cap.allowed[layer], m, np.nan), 3, factor)
+                             for m in cap.layer_probs(layer)])
+        if pooled.shape != expected.shape or (np.isnan(pooled) != np.isnan(expected)).any():
+            worst, where = float("inf"), f"layer {layer}: cells differ in shape or in which are empty"
+            break
+        error = float(np.nanmax(np.abs(pooled - expected)))
+        if error > worst or not where:
+            worst, where = max(worst, error), f"largest: layer {layer} (pooling factor {factor})"
+    checks.append(Check.against(FUSED_NAMES[1], worst, max(limit, FP16_STEP), detail=where,
+                                why=why + "; and one float16 step (2^-10): pooled maps are kept in float16",
+                                compared=f"each pooled cell of the fused kernel and the maximum of its full-map "
+                                         f"cells, {same}"))
+    return checks
+
+
 def equivalence(loaded: LoadedModel, text: str) -> list[Check]:
     """Every route that can run here, layer by layer with the same layer input, against stock eager attention
     or the statistics' definitions; and the whole forward in float32 (see the module docstring)."""
     from attnviz.capture import capture
     from attnviz.plan import Keep
-    from attnviz.core import kernels
     from attnviz.figures.style import max_pool
 
     from attnviz.core import anatomy
@@ -413,28 +471,7 @@ def equivalence(loaded: LoadedModel, text: str) -> list[Check]:
                                               "large fraction of itself",
                                     compared=f"each pooled cell above 1e-4 and the maximum of its full-map cells, {same}"))
 
-    if str(model.device).startswith("cuda") and kernels.available():
-        kernels._disabled.clear()
-        try:
-            with _setting("ATTNVIZ_FUSED", "1"), layer_io(model, feed=ours.inputs):
-                fused = capture(loaded, text, "fwd", Keep(statistics=True, pool=8, storage_dtype=torch.float32))
-        except Exception as err:  # noqa: BLE001 - a kernel that fails here is the finding
-            kernels.disable(err)
-            fused = None
-        if fused is None or kernels._disabled:
-            problem = kernels._disabled[0] if kernels._disabled else "no result"
-            checks.append(Check("statistics, fused kernel vs their definitions on the full maps", "FAIL",
-                                detail=f"the fused kernel failed ({problem.splitlines()[0][:200]}); attnviz falls "
-                                       "back to the block engine, which computes the same statistics, slower"))
-        else:
-            worst, where = _statistics_error(fused, cap, cap.layers)
-            checks.append(Check.against("statistics, fused kernel vs their definitions on the full maps", worst,
-                                        limit, detail=where, why=why,
-                                        compared=f"every statistic of the fused Triton kernel and its numpy definition "
-                                                 f"on the full maps, {same}"))
-    else:
-        checks.append(Check("statistics, fused kernel vs their definitions on the full maps", "SKIP",
-                            detail="needs CUDA and Triton (on a CPU the tests run it through Triton's interpreter)"))
+    checks += fused_kernel(loaded, limit, why)
     checks.append(_float32_end_to_end(loaded, text))  # last: the model is cast for it
     return checks
 

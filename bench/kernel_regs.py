@@ -4,14 +4,20 @@
 
 Compiles every variant the engine launches with Triton's CUDA backend and reads ptxas's report:
 registers a thread, spill bytes a thread (stores/loads to local memory inside the tile loops: the
-first thing that makes a kernel slow), shared memory a program. Prints one line a variant:
+first thing that makes a kernel slow), shared memory a program, and the disassembled tile loops.
+Prints one line a variant:
 ``kernel sm=<cc> dtype=<dtype> d=<head dim> mask=<causal|packed> outputs=<...> passes=<1|2> warps=<w>
-registers=<r> spill_stores=<B> spill_loads=<B> shared=<B>``.
+registers=<r> spill_stores=<B> spill_loads=<B> shared=<B> tile_instructions=<full>,<masked>
+warp_instructions=<...> full_vs_masked=<x>``: ``tile_instructions`` a thread runs for one tile in each
+loop (a causal kernel's full tiles, then its masked ones), ``warp_instructions`` the same times the
+warps (what an SM issues for one tile of a program).
 
-The baseline is the kernel's own alternatives in the same run: 4 warps against the chosen 8
-(``attnviz.core.kernels.NUM_WARPS``), and at 8 warps one pass over QKᵀ (the row log-sum-exp read from the
-attention kernel, what the engine launches) against two (the kernel finds it itself: the fallback). These are compiler figures, not timings: timings need a GPU
-(bench/gpu.py).
+The baselines are the kernel's own alternatives in the same run: the masked tile against the full one
+(every tile cost the masked tile's work before full tiles were split off), 4 warps against 8
+(``attnviz.core.kernels.num_warps`` picks 4 on sm_90 in half precision, 8 elsewhere), and at the
+launched warps one pass over QKᵀ (the row log-sum-exp read from the attention kernel, what the engine
+launches) against two (the kernel finds it itself: the fallback). These are compiler figures, not
+timings: timings need a GPU (bench/gpu.py).
 """
 
 from __future__ import annotations
@@ -32,15 +38,27 @@ def main() -> None:
     rows = [dict(capability=cc, dtype=dtype, head_dim=d, causal=causal, num_warps=warps, lse=lse, **OUTPUTS[outputs])
             | {"_outputs": outputs}
             for cc, dtype, d, causal, outputs, warps, lse in itertools.product(
-                args.capability, ("bf16", "fp32"), (64, 128), (True, False), OUTPUTS, (4, kernels.NUM_WARPS),
-                (True, False))
-            if lse or warps == kernels.NUM_WARPS]
+                args.capability, ("bf16", "fp32"), (64, 128), (True, False), OUTPUTS,
+                (kernels.HOPPER_WARPS, kernels.NUM_WARPS), (True, False))
+            if lse or warps == launched(cc, dtype)]
     results = kernels.compiled_resources(*({k: v for k, v in row.items() if k != "_outputs"} for row in rows))
     for row, got in zip(rows, results):
+        # the statistics' loops: full and masked tiles for a causal half-precision kernel, else masked only
+        # (the two-pass kernel's log-sum-exp loops come first)
+        split = row["causal"] and row["dtype"] != "fp32"
+        loops = got.pop("tile_instructions")[-2 if split else -1:]
+        got.pop("num_warps")
+        ratio = f" full_vs_masked={loops[0] / loops[1]:.2f}" if split else ""
         print(f"kernel sm={row['capability']} dtype={row['dtype']} d={row['head_dim']} "
               f"mask={'causal' if row['causal'] else 'packed'} outputs={row['_outputs']} passes={1 if row['lse'] else 2} "
-              f"warps={row['num_warps']} "
-              + " ".join(f"{k}={v}" for k, v in got.items()), flush=True)
+              f"warps={row['num_warps']} " + " ".join(f"{k}={v}" for k, v in got.items())
+              + f" tile_instructions={','.join(map(str, loops))}"
+              f" warp_instructions={','.join(str(n * row['num_warps']) for n in loops)}{ratio}", flush=True)
+
+
+def launched(capability: int, dtype: str) -> int:
+    """The warps attnviz.core.kernels.num_warps launches on a GPU of this capability."""
+    return kernels.HOPPER_WARPS if capability >= 90 and dtype != "fp32" else kernels.NUM_WARPS
 
 
 if __name__ == "__main__":

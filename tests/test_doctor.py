@@ -6,6 +6,7 @@ branch (the fused kernel, its speed, a kernel that will not compile) is in tests
 No verdict of a speed check is asserted here: timings belong to the doctor's own report and to bench/."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -45,7 +46,7 @@ def test_doctor_passes_on_tiny_random_models_of_every_family(kind):
     report = doctor.run(loaded(kind), tokens=256)
     _assert_healthy(report.checks)
     skipped = {c.name for c in report.checks if c.status == "SKIP"}
-    assert skipped == {"statistics, fused kernel vs their definitions on the full maps"}  # no CUDA on this route
+    assert skipped == set(doctor.FUSED_NAMES)  # no CUDA on this route
     _speed(report.checks)  # a tiny model's forward is repeated in the timed window: a ratio, never a skip
     assert report.environment["model"] == f"tiny-{kind}" and report.environment["torch"] == torch.__version__
 
@@ -263,3 +264,35 @@ def test_doctor_bad_input_is_one_line(args, message, capsys, monkeypatch):
     assert main(["doctor", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="needs Triton")
+def test_the_fused_kernel_check_runs_the_long_texts_geometry_and_catches_a_planted_defect(monkeypatch):
+    """The GPU's fused-kernel checks, run here in Triton's interpreter: a text long enough for full tiles and
+    a map that pools each tile to one cell (what a long text launches); both pass on the kernel as it is, and
+    each fails on a kernel that gets its part wrong."""
+    from attnviz.core import kernels
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernel runs compiled on a GPU machine: tests/test_cuda.py runs the doctor there")
+    lm = loaded("llama")
+    launched = []
+    constants = kernels._constants
+    monkeypatch.setattr(kernels, "_constants", lambda *a: launched.append(constants(*a)) or launched[-1])
+    limit, why = doctor.tolerance(torch.float32)
+    checks = doctor.fused_kernel(lm, limit, why, force=True)
+    assert [c.name for c in checks] == list(doctor.FUSED_NAMES)
+    for check in checks:
+        assert check.status == "PASS" and 0 <= check.measured <= check.limit, check.line()
+    assert launched and all(c["WHOLE"] and c["CAUSAL"] for c in launched)
+    real = kernels.layer_statistics
+    # wrong from the second row block on (the rows with full tiles), and in the cells of those rows
+    for broken, rows, failing in (("rowsum", slice(100, None), 0), ("pooled", slice(1, None), 1)):
+        def planted(*args, _part=broken, _rows=rows, **kwargs):
+            out = real(*args, **kwargs)
+            out[_part][:, _rows] *= 0.9
+            return out
+
+        monkeypatch.setattr(kernels, "layer_statistics", planted)
+        statuses = [c.status for c in doctor.fused_kernel(lm, limit, why, force=True)]
+        assert statuses[failing] == "FAIL" and statuses[1 - failing] == "PASS", (broken, statuses)

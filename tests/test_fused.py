@@ -50,6 +50,11 @@ def test_kernel_sums_equal_the_full_probabilities(spec):
     shape = (-(-N // f), -(-N // f))
     ranges = allowsets._block_ranges(allow[None, None], 32)
     raw = kernels.layer_statistics(q, k, allow, ranges, D ** -0.5, delim, f, shape, norms, scores=True, block=(32, 32))
+    _assert_definitions(raw, probs, scores, allow, delim, norms, 9, f)
+
+
+def _assert_definitions(raw, probs, scores, allow, delim, norms, pool, factor):
+    """Every sum and pooled map of the kernel against its definition from the full probabilities."""
     p = probs.double()
     expected = {"rowsum": p.sum(-1), "plogp": torch.special.xlogy(p, p).sum(-1), "colsum": p.sum(1),
                 "diag": torch.diagonal(p, dim1=-2, dim2=-1), "key0": p[:, :, 0], "delim": p @ delim.double()}
@@ -57,10 +62,9 @@ def test_kernel_sums_equal_the_full_probabilities(spec):
         torch.testing.assert_close(raw[name].double(), value, atol=2e-6, rtol=1e-5, msg=name)
     grid = allow.numpy()
     for name, full in (("pooled", probs), ("pooled_value", probs * norms[:, None, :]), ("pooled_scores", scores)):
-        ref = np.stack([max_pool(np.where(grid, m, np.nan), 9, factor=f) for m in full.numpy()])
-        got = raw[name].numpy()
+        ref = np.stack([max_pool(np.where(grid, m, np.nan), pool, factor=factor) for m in full.numpy()])
         seen = ~np.isnan(ref)
-        np.testing.assert_allclose(got[seen], ref[seen], atol=1e-6, rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(raw[name].numpy()[seen], ref[seen], atol=1e-6, rtol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("spec", ["fwd", "bidir", "sliding(w=9)", "global(w=5, g=2)"])
@@ -305,3 +309,50 @@ def test_a_statistic_the_kernel_does_not_compute_takes_the_block_engine_never_a_
     assert plan.route_notes() == ()
     capture(lm, TEXT, "fwd", Keep(statistics=True, pool=24))
     assert calls  # without it, the fused route again
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "packed"])
+@pytest.mark.parametrize("one_pass", [True, False], ids=["lse", "two-pass"])
+def test_full_tiles_and_one_cell_tiles_equal_the_definitions(causal, one_pass, monkeypatch):
+    """Tiles of 32 x 32 over 75 causal keys: rows 32-63 have a full tile below the diagonal (key 0's), rows
+    64-74 are a partial block that masks every tile; a pooling factor of 32 puts each tile in one cell (one
+    maximum a tile). Every sum and map equals the definitions, through either kind of tile."""
+    q, k, allow, scores, probs = _reference("fwd", seed=3)
+    delim = torch.from_numpy((np.arange(N) % 6 == 2).astype(np.float32))
+    norms = torch.rand(H, N) + 0.5
+    f, cells = 32, -(-N // 32)
+    lse = torch.logsumexp(scores.masked_fill(~allow, float("-inf")), -1) if one_pass else None
+    launched = []
+    constants = kernels._constants
+    monkeypatch.setattr(kernels, "_constants", lambda *a: launched.append(constants(*a)) or launched[-1])
+    raw = kernels.layer_statistics(q, k, None if causal else allow, allowsets._block_ranges(allow[None, None], 32),
+                                   D ** -0.5, delim, f, (cells, cells), norms, scores=True, block=(32, 32),
+                                   causal=causal, lse=lse)
+    assert [c["WHOLE"] for c in launched] == [True]
+    _assert_definitions(raw, probs, scores, allow, delim, norms, cells, f)
+
+
+def test_a_row_with_no_key_gives_zeros_not_nan():
+    """A packed mask whose row 5 allows nothing, with the attention kernel's log-sum-exp of -inf there:
+    every sum of that row is 0, and the other rows are untouched."""
+    q, k, allow, scores, probs = _reference("bidir", seed=4)
+    allow[5] = False
+    lse = torch.logsumexp(scores.masked_fill(~allow, float("-inf")), -1)
+    assert torch.isinf(lse[:, 5]).all()
+    raw = kernels.layer_statistics(q, k, allow, allowsets._block_ranges(allow[None, None], 32), D ** -0.5,
+                                   torch.zeros(N), block=(32, 32), lse=lse)
+    for name in ("rowsum", "plogp", "diag", "key0", "delim"):
+        assert torch.isfinite(raw[name]).all() and (raw[name][:, 5] == 0).all(), name
+    torch.testing.assert_close(raw["rowsum"][:, :5], torch.ones(H, 5), atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "packed"])
+def test_the_launch_geometry_in_half_precision_gives_the_definitions(causal):
+    """The kernel's own 64 x 64 tiles, float16 inputs and head dim 128 over 640 keys: full tiles below the
+    diagonal and each tile pooled to one cell (a factor of 64), as at 32,768 tokens on a 512-cell map. (Triton's
+    interpreter multiplies bfloat16 as raw bits, so bfloat16 is checked on a GPU: tests/test_cuda.py.)"""
+    from tiny import long_kernel_case
+
+    got, expected = long_kernel_case("cpu", torch.float16, causal)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, atol=2e-5, rtol=2e-5, msg=name)

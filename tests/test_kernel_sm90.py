@@ -17,12 +17,18 @@ pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton was built 
 
 from attnviz.core import kernels  # noqa: E402
 
-# every output the kernel can be asked for at once (the most registers), and the plain statistics
+# every output the kernel can be asked for at once (the most registers), pooled by whole tiles and by G x G
+# cells, and the plain statistics; at the warps kernels.num_warps launches on each GPU
 HALF = [dict(capability=cap, dtype="bf16", head_dim=d, causal=causal, **outputs)
         for cap, d, causal, outputs in itertools.product(
-            (90, 80), (64, 128), (True, False), (dict(pool=True, value=True, scores=True), dict(pool=False)))]
+            (90, 80), (64, 128), (True, False), (dict(pool=True, value=True, scores=True),
+                                                 dict(pool=True, value=True, scores=True, whole=False),
+                                                 dict(pool=False)))]
 FP32 = [dict(capability=90, dtype="fp32", head_dim=64, causal=False)]
-WARPS = [dict(capability=90, dtype="bf16", head_dim=128, causal=False, num_warps=w) for w in (4, kernels.NUM_WARPS)]
+WARPS = [dict(capability=90, dtype="bf16", head_dim=128, causal=False, num_warps=w)
+         for w in (kernels.HOPPER_WARPS, kernels.NUM_WARPS)]
+# what a 512-cell statistics capture of a causal model launches at 32,768 tokens, and with a packed mask
+LONG = [dict(capability=90, dtype="bf16", head_dim=128, causal=causal) for causal in (True, False)]
 # the two-pass fallback (no log-sum-exp from the attention kernel), at its heaviest
 TWO_PASSES = [dict(capability=cap, dtype="bf16", head_dim=128, causal=False, pool=True, value=True, scores=True,
                    lse=False) for cap in (90, 80)]
@@ -31,12 +37,12 @@ TWO_PASSES = [dict(capability=cap, dtype="bf16", head_dim=128, causal=False, poo
 @pytest.fixture(scope="module")
 def used():
     """Every variant compiled in one child process (Triton's import is the slow part)."""
-    variants = HALF + FP32 + WARPS + TWO_PASSES
+    variants = HALF + FP32 + WARPS + TWO_PASSES + LONG
     return dict(zip(map(repr, variants), kernels.compiled_resources(*variants)))
 
 
-@pytest.mark.parametrize("variant", HALF, ids=lambda v: "sm{capability}-d{head_dim}-{causal}-{pool}{value}{scores}"
-                         .format(**{"value": False, "scores": False, **v}))
+@pytest.mark.parametrize("variant", HALF, ids=lambda v: "sm{capability}-d{head_dim}-{causal}-{pool}{value}{scores}{whole}"
+                         .format(**{"value": False, "scores": False, "whole": True, **v}))
 def test_half_precision_variants_compile_without_spilling(used, variant):
     got = used[repr(variant)]
     assert got["spill_stores"] == 0 and got["spill_loads"] == 0, got
@@ -56,7 +62,7 @@ def test_fp32_models_compile_for_sm90(used):
 
 
 def test_the_heaviest_variant_compiles_without_spilling_at_either_warp_count(used):
-    """The heaviest variant (every pooled output, a packed mask, head dim 128) at 4 and at NUM_WARPS = 8 warps:
+    """The heaviest variant (every pooled output, a packed mask, head dim 128) at 4 and at 8 warps:
     it compiles, spills nothing and stays within the register file. How many registers each takes changes
     with Triton's version (8 warps took fewer than 4 on one, more on another), so the figures themselves
     are printed by bench/kernel_regs.py, not asserted."""
@@ -67,4 +73,15 @@ def test_the_heaviest_variant_compiles_without_spilling_at_either_warp_count(use
 
 def test_a_kernel_that_does_not_compile_says_why():
     with pytest.raises(RuntimeError, match="compiling the kernel failed"):
-        kernels.compiled_resources(dict(capability=90, dtype="bf16", head_dim=64, granularity=128))
+        kernels.compiled_resources(dict(capability=90, dtype="bf16", head_dim=64, granularity=128, whole=False))
+
+
+def test_a_causal_kernel_runs_full_tiles_without_the_masks_work(used):
+    """A causal kernel has two tile loops, the full tiles' first: it masks no score, tests no diagonal and
+    (key 0's tile aside) no key, so a thread's tile costs clearly fewer instructions than a masked tile's.
+    A packed mask has only the masked loop."""
+    causal, packed = (used[repr(v)] for v in LONG)
+    full, masked = causal["tile_instructions"]
+    assert full <= 0.85 * masked, causal
+    assert len(packed["tile_instructions"]) == 1, packed
+    assert causal["num_warps"] == kernels.HOPPER_WARPS  # sm_90 in half precision

@@ -24,7 +24,16 @@ The kernel's outputs per head: row sums, Σ p·log p, the diagonal, key 0's prob
 delimiter share per query; column sums per key (atomic adds across query blocks); and max-pooled
 maps of the probabilities (and, when asked, of A·‖W_O v‖ and of the allowed scores) by atomic max on
 the pooled grid. Pooling factors are multiples of the kernel's pooling granularity G (a power of
-two up to 16) by :func:`attnviz.core.reduce.pool_factor`. What is computed from these (alpha, entropy
+two up to 16) by :func:`attnviz.core.reduce.pool_factor`; where the factor is a multiple of both tile
+sides (64 and up: 32,768 tokens on a 512-cell map), a tile lies in one cell and pools to one maximum.
+
+What a tile costs. Scores are kept in base 2 (one ``exp2`` a probability, as flash attention). A causal
+kernel splits each row block's keys into *full* tiles, wholly below the diagonal, which need no mask, no
+diagonal and no test of a key, and the few tiles at the diagonal, which mask each score
+(:mod:`attnviz.core._triton_stats`). At 32,768 tokens almost every tile is full. Compiled for sm_90 (bf16,
+head dim 128, statistics and a 512-cell map), a full tile costs a thread 503 instructions at 8 warps where
+every tile cost 773 before; at 4 warps, 723 instructions for twice the scores a thread
+(``compiled_resources``' ``tile_instructions``; ``python bench/kernel_regs.py``). What is computed from these (alpha, entropy
 normalised, allocation, ...) is :class:`attnviz.core.reduce.LayerSummary`'s own code, shared with the
 block engine.
 """
@@ -40,11 +49,24 @@ from attnviz.core import devices
 
 BLOCK_M = 64  # query rows per program
 BLOCK_N = 64  # keys per tile
-# Warps per program. With 4, ptxas spills for every bf16 and fp32 variant on sm_90 (255 registers and
-# ~0.8-1.3 KB of spill stores a thread: the scores tile, its pointers and five row accumulators); with
-# 8 the bf16 variants spill nothing. Measured by compiling for sm_90 on a CPU (tests/test_kernel_sm90.py,
-# `python bench/kernel_regs.py`).
+# Warps per program: 8 before Hopper and for fp32 models (with 4, ptxas spills there), 4 on sm_90 and later
+# in half precision, where one warpgroup's 64-row wgmma holds a whole tile: its row sums stay inside a warp, a
+# tile costs 28 % fewer warp-instructions and 12 barriers instead of 19, and nothing spills. These are
+# compiler figures read on a CPU (tests/test_kernel_sm90.py, `python bench/kernel_regs.py`);
+# ATTNVIZ_KERNEL_WARPS=4 or 8 overrides the choice, so `python bench/gpu.py --warps 4 8` times both on a card.
 NUM_WARPS = 8
+HOPPER_WARPS = 4
+
+
+def num_warps(device: torch.device, fp32: bool) -> int:
+    """The warps a program of the kernel runs on ``device`` (see above; mirrored by the compile-only check in
+    :mod:`attnviz.core._kernel_build`)."""
+    setting = os.environ.get("ATTNVIZ_KERNEL_WARPS", "")
+    if setting in ("4", "8"):
+        return int(setting)
+    if device.type == "cuda" and not fp32 and torch.cuda.get_device_capability(device)[0] >= 9:
+        return HOPPER_WARPS
+    return NUM_WARPS
 
 
 def available() -> bool:
@@ -116,11 +138,11 @@ SUMS = frozenset({"rowsum", "plogp", "diag", "key0", "delim", "colsum", "colsum_
 
 
 def _constants(bm: int, bn: int, head_dim: int, fp32: bool, g: int, pool: bool, value: bool,
-               scores: bool, causal: bool, lse: bool = True) -> dict:
+               scores: bool, causal: bool, lse: bool = True, whole: bool = False) -> dict:
     """The kernel's compile-time constants, one definition for the launch and for
     :func:`compiled_resources`, so the variants checked for spills are the ones launched."""
     return dict(BM=bm, BN=bn, D=max(16, 1 << (head_dim - 1).bit_length()), G=g, POOL=pool, VALUE=value,
-                SCORES=scores, CAUSAL=causal, LSE=lse,
+                SCORES=scores, CAUSAL=causal, LSE=lse, WHOLE=whole,
                 PRECISION="ieee" if fp32 else "tf32")  # fp32 models: no TF32 rounding (docs/methods.md#devices)
 
 
@@ -208,6 +230,7 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     pool = pool_factor is not None
     rows, cols = pooled_shape if pool else (1, 1)
     g = granularity(pool_factor) if pool else 1
+    whole = pool and pool_factor % bm == 0 and pool_factor % bn == 0  # a tile lies in one pooled cell
     if bn % 32:
         raise ValueError(f"key tiles of {bn} do not hold whole 32-key words of the packed allow-set")
     if pool and (bm % g or bn % g):
@@ -232,8 +255,8 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
         n_q, n_kv, dim, heads // key.shape[0], float(scaling), 0, pool_factor or 1, rows, cols,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         **_constants(bm, bn, dim, query.dtype == torch.float32, g, pool, norms is not None, scores, causal,
-                     lse is not None),
-        num_warps=NUM_WARPS)
+                     lse is not None, whole),
+        num_warps=num_warps(device, query.dtype == torch.float32))
     if pool:
         out["pooled"] = pooled
         if norms is not None:
@@ -243,13 +266,16 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     return out
 
 
-def compiled_resources(*variants: dict) -> list[dict[str, int]]:
+def compiled_resources(*variants: dict) -> list[dict]:
     """Compile the kernel ahead of time for NVIDIA GPUs and read what ptxas allocates, one dict per
     variant: ``registers`` a thread, ``spill_stores`` / ``spill_loads`` bytes a thread, ``shared``
     bytes a program. A variant names ``capability`` (90: H100/H200, 80: A100), ``dtype`` ("bf16",
     "fp16", "fp32"), ``head_dim`` and optionally ``pool``, ``value``, ``scores``, ``causal``,
-    ``granularity``, ``num_warps`` (defaults: what a 512-px statistics capture of a causal model
-    launches).
+    ``granularity``, ``whole``, ``num_warps``, ``lse`` (defaults: what a 512-px statistics capture of a
+    causal model launches at 32,768 tokens). Each dict also gives ``tile_instructions``: the SASS
+    instructions a thread runs for one tile in each tile loop, in the kernel's order (a causal kernel's
+    full tiles, then its masked ones). Where the kernel is bound by its arithmetic, as it is at long
+    contexts, a GPU's time per tile follows that count.
 
     Needs Triton's CUDA backend and its bundled ptxas, not a GPU: this is how a CPU-only machine
     checks that a change still compiles for the GPUs it cannot run on, and does not spill registers
@@ -263,42 +289,9 @@ def compiled_resources(*variants: dict) -> list[dict[str, int]]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    code = ("import json, sys; from attnviz.core.kernels import _resources; "
-            "print(json.dumps([_resources(**v) for v in json.loads(sys.argv[1])]))")
+    code = ("import json, sys; from attnviz.core._kernel_build import resources; "
+            "print(json.dumps([resources(**v) for v in json.loads(sys.argv[1])]))")
     done = subprocess.run([sys.executable, "-c", code, json.dumps(variants)], env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"compiling the kernel failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.splitlines()[-1])
-
-
-def _resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, pool: bool = True,
-               value: bool = False, scores: bool = False, causal: bool = True, granularity: int = 16,
-               num_warps: int = NUM_WARPS, lse: bool = True) -> dict[str, int]:
-    """One variant of :func:`compiled_resources`, in this process (its Triton interpreter off)."""
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource
-
-    kernel = _kernel()
-    constants = _constants(BLOCK_M, BLOCK_N, head_dim, dtype == "fp32", granularity, pool, value, scores, causal, lse)
-    pointers = {"q_ptr": dtype, "k_ptr": dtype, "allow_ptr": "i32", "ranges_ptr": "i32"}
-    signature = {name: "constexpr" if name in constants else
-                 "*" + pointers.get(name, "fp32") if name.endswith("_ptr") else
-                 "fp32" if name == "scale" else "i32" for name in kernel.arg_names}
-    compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", capability, 32),
-                              options={"num_warps": num_warps})
-    arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "kernel.ptx")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        log = subprocess.run([get_ptxas(capability).path, f"-arch={arch}", "-v", ptx, "-o", os.devnull],
-                             capture_output=True, text=True, check=True).stderr
-    registers = int(re.search(r"Used (\d+) registers", log).group(1))
-    stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
-    return {"registers": registers, "spill_stores": stores, "spill_loads": loads, "shared": compiled.metadata.shared}
