@@ -7,6 +7,14 @@ every layer's full attention maps (what the Heatmaps page asks), and ``trace`` m
 contributions (what ``attnviz routes`` and the Routes page run). Ends with
 ``routes n=<N> capture_s=<s> routes_s=<s> ratio=<routes/capture>`` (the goal at 1,024 tokens: ratio <= 3).
 Run it on a quiet machine: anything else running moves both sides.
+
+    python bench/routes.py --count-ops [--n 1024]
+
+counts instead what a GPU would be asked to do, on this CPU: the torch operations each side dispatches (on
+CUDA, about one kernel launch each; views included) and the reads that make the host wait for the device
+(``nonzero``, a tensor's truth, a scalar, a copy to the host or a list), with routes on the torch path a GPU takes (the compiled CPU loop switched off, a GPU's chunk size).
+Prints ``routes-ops n=<N> capture_ops=<k> routes_ops=<k> ops_ratio=<x> capture_waits=<k> routes_waits=<k>``.
+A count, not a time: it is the same on a busy machine.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--count-ops", action="store_true", help="count dispatched operations instead of timing")
     args = parser.parse_args()
 
     from attnviz import corpus, load
@@ -31,6 +40,9 @@ def main() -> None:
     trace(lm, "warm up")
     ids = corpus.head_ids(lm.tokenizer, corpus.stdlib().text, args.n)
     text = corpus.text_of(lm.tokenizer, ids)
+    if args.count_ops:
+        count_ops(lm, text, args.n)
+        return
     times: dict[str, list[float]] = {"capture": [], "routes": []}
     for _ in range(args.repeat):
         start = time.perf_counter()
@@ -43,6 +55,52 @@ def main() -> None:
         del flow
     capture_s, routes_s = statistics.median(times["capture"]), statistics.median(times["routes"])
     print(f"routes n={args.n} capture_s={capture_s:.2f} routes_s={routes_s:.2f} ratio={routes_s / capture_s:.2f}")
+
+
+def count_ops(lm, text: str, n: int) -> None:
+    """Operations dispatched, and the ones a GPU would make the host wait on, by a capture and by routes on the
+    torch path."""
+    from unittest import mock
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from attnviz.capture import capture
+    from attnviz.flow import contributions
+    from attnviz.flow.trace import trace
+
+    # reads that make the host wait for the device: data-dependent shapes, a tensor's truth, a scalar
+    waits = {"aten.nonzero.default", "aten.nonzero_numpy.default", "aten.is_nonzero.default", "aten.item.default",
+             "aten._local_scalar_dense.default"}
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = self.waits = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            self.waits += str(func) in waits
+            return func(*args, **(kwargs or {}))
+
+    copies = []  # and every copy to the host (on a CPU tensor a no-op that dispatches nothing): counted at the call
+    real_cpu, real_tolist = torch.Tensor.cpu, torch.Tensor.tolist
+
+    counted = {}
+    with mock.patch.object(contributions, "_compiled", lambda tensor: None), mock.patch.object(
+            contributions, "_kernel", lambda: None), mock.patch.object(
+            contributions, "chunk_floats", lambda device: contributions.DEVICE_CANDIDATES), mock.patch.object(
+            torch.Tensor, "cpu", lambda self, *a, **k: copies.append(1) or real_cpu(self, *a, **k)), mock.patch.object(
+            torch.Tensor, "tolist", lambda self: copies.append(1) or real_tolist(self)):
+        for name, run in (("capture", lambda: capture(lm, text, "fwd")), ("routes", lambda: trace(lm, text))):
+            copies.clear()
+            with torch.no_grad(), Count() as count:
+                run()
+            count.waits += len(copies)
+            counted[name] = count
+    print(f"routes-ops n={n} capture_ops={counted['capture'].ops} routes_ops={counted['routes'].ops} "
+          f"ops_ratio={counted['routes'].ops / counted['capture'].ops:.2f} capture_waits={counted['capture'].waits} "
+          f"routes_waits={counted['routes'].waits}")
 
 
 if __name__ == "__main__":

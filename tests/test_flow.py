@@ -296,3 +296,64 @@ def test_the_torch_path_waits_for_the_device_once_a_tier_not_once_a_head(monkeyp
         parts = torch.einsum("hqk,q,hkd,hxd->hqkx", probs, c, value, w_out)
         torch.testing.assert_close(fast, contributions.raw_part(parts, y[None, :, None, :]), atol=1e-4, rtol=1e-5)
     assert counts[2] == counts[8] == 1
+
+
+def test_the_correction_is_the_same_in_any_chunking_and_a_gpu_takes_bigger_chunks(monkeypatch):
+    """The torch path's correction made a few rows at a time (a small chunk: many launches) or all at once (a GPU's
+    chunk, where launches bound the time) gives the same numbers, the written-out definition's."""
+    gen = torch.Generator().manual_seed(4)
+    heads, n, d, width = 3, 50, 8, 16
+    y = torch.randn(n, width, generator=gen) * 0.1
+    probs = torch.softmax(torch.randn(heads, n, n, generator=gen) * 0.5, -1)
+    value = torch.randn(heads, n, d, generator=gen) * 3
+    w_out = torch.randn(heads, width, d, generator=gen)
+    c = torch.rand(n, generator=gen) + 0.5
+    parts = torch.einsum("hqk,q,hkd,hxd->hqkx", probs, c, value, w_out)
+    expected = contributions.raw_part(parts, y[None, :, None, :])
+    scatters = []
+    real = torch.Tensor.scatter_add_
+    monkeypatch.setattr(torch.Tensor, "scatter_add_", lambda self, *a: scatters.append(1) or real(self, *a))
+    results = {}
+    for floats in (contributions.TOP * width * 7, contributions.DEVICE_CANDIDATES):
+        monkeypatch.setattr(contributions, "CANDIDATES", floats)
+        scatters.clear()
+        results[floats] = contributions.attention_raw_torch(y, probs, value, w_out, c)
+        torch.testing.assert_close(results[floats], expected, atol=1e-4, rtol=1e-5)
+        assert len(scatters) == -(-heads * n // max(1, floats // (contributions.TOP * width)))  # first-tier chunks
+    small, big = results.values()
+    torch.testing.assert_close(small, big, atol=1e-6, rtol=1e-6)
+    assert contributions.chunk_floats(torch.device("cpu")) == contributions.CANDIDATES
+    assert contributions.chunk_floats(torch.device("cuda")) == contributions.DEVICE_CANDIDATES
+
+
+def test_routes_on_the_torch_path_wait_for_the_device_eight_times_a_layer(monkeypatch):
+    """Every read that makes the host wait for a GPU, counted on the CPU with the torch path a GPU takes: a layer's
+    three data-dependent ``nonzero`` (the correction's tier, the kept entries, the kept sums), one read of its
+    flags, and four copies to the host (the kept indices, their weights, the residual and MLP shares, the two
+    streams). Eight, whatever the number of heads; the code before read each flag and each share alone (sixteen)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    waits = {"aten.nonzero.default", "aten.nonzero_numpy.default", "aten.is_nonzero.default", "aten.item.default",
+             "aten._local_scalar_dense.default"}
+    seen = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.extend([str(func)] if str(func) in waits else [])
+            return func(*args, **(kwargs or {}))
+
+    cpu, tolist = torch.Tensor.cpu, torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: seen.append("cpu") or cpu(self, *a, **k))
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: seen.append("tolist") or tolist(self))
+    monkeypatch.setattr(contributions, "_kernel", lambda: None)
+    for kind in ("llama", "qwen2"):
+        lm = tiny.loaded(kind)
+        trace(lm, "warm up")
+        seen.clear()
+        with Count():
+            flow = trace(lm, TEXT)
+        # beside a few reads once a run (the token ids' list, on the host already; the layer-0 input's copy; a
+        # window's mask), eight a layer
+        layers = len(flow.layers)
+        assert seen.count("aten.nonzero_numpy.default") == 3 * layers, (kind, seen)
+        assert 8 * layers <= len(seen) <= 8 * layers + 3, (kind, len(seen), layers, seen)

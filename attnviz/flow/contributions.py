@@ -23,7 +23,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-CANDIDATES = 1 << 22  # floats of the exact correction made at once
+CANDIDATES = 1 << 22  # floats of the exact correction made at once on the CPU (16 MB)
+# on a GPU, 128 MB at once: each chunk is a dozen kernel launches, and launches, not arithmetic, bound routes there
+# (docs/gpu.md); at 1,024 tokens the default model's first tier is then one chunk a layer instead of six
+DEVICE_CANDIDATES = 1 << 25
 TOP = 4  # a row's heaviest sources, corrected in every (query, dimension) pair
 WIDER = (16, 64)  # the next tiers' widths, for the pairs where the bound says a key past the tier before may pass
 
@@ -60,8 +63,11 @@ def kept_entries_torch(raw: torch.Tensor, inv: torch.Tensor, floor: float):
     kept = heads >= floor
     h, i, j = torch.nonzero(kept, as_tuple=True)
     si, sj = torch.nonzero(summed >= floor, as_tuple=True)
-    return (torch.stack((i, j, h), 1).int().cpu().numpy(), heads[kept].cpu().numpy(),
-            torch.stack((si, sj), 1).int().cpu().numpy(), summed[si, sj].cpu().numpy())
+    # two copies to the host (each waits for the device), not four: the indices together, the weights together
+    indices = torch.cat((torch.stack((i, j, h), 1).flatten(), torch.stack((si, sj), 1).flatten())).int().cpu().numpy()
+    weights = torch.cat((heads[kept], summed[si, sj])).cpu().numpy()
+    k = h.numel()
+    return indices[:3 * k].reshape(k, 3), weights[:k], indices[3 * k:].reshape(-1, 2), weights[k:]
 
 
 def raw_part(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
@@ -132,6 +138,11 @@ def attention_raw_torch(y: torch.Tensor, probs: torch.Tensor, value: torch.Tenso
     return raw.clamp_(min=0)
 
 
+def chunk_floats(device: torch.device) -> int:
+    """How many floats of the correction :func:`_correct` makes at once on ``device`` (see :data:`CANDIDATES`)."""
+    return CANDIDATES if device.type == "cpu" else DEVICE_CANDIDATES
+
+
 def _correct(raw: torch.Tensor, a: torch.Tensor, written: torch.Tensor, sign: torch.Tensor, size: torch.Tensor) -> None:
     """Subtract 2 Σ_d max(s_d t_d − |y_d|, 0) from ``raw`` (H, n_q, n_kv) in place, t = a_ij · written_j (``written``
     (H, D, n_kv): each head's writes by dimension), every head's rows at once.
@@ -154,7 +165,8 @@ def _correct(raw: torch.Tensor, a: torch.Tensor, written: torch.Tensor, sign: to
     tiers = [t for t in (TOP, *WIDER) if t < n_kv]
     first = tiers[0] if tiers else n_kv
     weights, keys = a.topk(tiers[-1] + 1 if tiers else n_kv, dim=1)  # each row's heaviest keys, once
-    step = max(1, CANDIDATES // (first * width))
+    candidates = chunk_floats(a.device)
+    step = max(1, candidates // (first * width))
     for q0 in range(0, rows_all, step):  # the row's heaviest keys, in every dimension
         q = slice(q0, q0 + step)
         over = rows_of[keys[q, :first] + offset[q]]  # (rows, first, D), made once and worked in place
@@ -167,7 +179,7 @@ def _correct(raw: torch.Tensor, a: torch.Tensor, written: torch.Tensor, sign: to
     for take in tiers[1:] + [None]:
         if rows.numel() == 0:
             return
-        step = max(1, CANDIDATES // ((take or n_kv) - done))
+        step = max(1, candidates // ((take or n_kv) - done))
         for s in range(0, rows.numel(), step):
             r, d = rows[s:s + step], dims[s:s + step]
             if take is None:  # every key the tiers before left out

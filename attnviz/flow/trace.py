@@ -209,26 +209,29 @@ class _Layer:
         # which is relative to the stream (massive at a sink token), not to the write
         slack = precision.stream_rounding(tracer.dtype, torch.maximum(x.abs().amax(-1), y.abs().amax(-1)))
         rows_ok = _close(y - x, s * written, tol, slack)
-        if not tracer.intervened and not (bool(heads_ok.all()) and bool(rows_ok.all())):
-            what = ("its heads' outputs are not their probabilities times their values" if not bool(heads_ok.all())
+        keep = heads_ok & rows_ok[:, None]  # (n, H)
+        # one read from the device for every flag the host needs (each read waits for the device)
+        heads_all, rows_all, dropped = torch.stack((heads_ok.all(), rows_ok.all(), (~keep).sum())).tolist()
+        if not tracer.intervened and not (heads_all and rows_all):
+            what = ("its heads' outputs are not their probabilities times their values" if not heads_all
                     else "the stream after it is not its input plus its write")
-            missed = float(_miss(y - x, s * written, slack).max()) if bool(heads_ok.all()) else float(
+            missed = float(_miss(y - x, s * written, slack).max()) if heads_all else float(
                 _miss(torch.einsum("hqk,hkd->qhd", probs, value.repeat_interleave(group, 0)),
                       z.view(z.shape[0], n_heads, d)).max())
             raise InputError(f"routes: {tracer.family} layer {L.index}: the attention's write is not the sum of its "
                              f"heads' weighted values ({what}: off by {missed:.3g} of a row's size, limit {tol:.3g} in "
                              f"{precision.name(tracer.dtype)}), so it cannot be split by source token")
-        keep = heads_ok & rows_ok[:, None]  # (n, H)
-        raw = attention_raw(y, probs if bool(keep.all()) else probs * keep.T[:, :, None], value, per_head, c)
+        raw = attention_raw(y, probs if not dropped else probs * keep.T[:, :, None], value, per_head, c)
         raw_residual = raw_part(x, y)
         total = raw.sum((0, 2)) + raw_residual
         inv = normalised(torch.ones_like(total), total)  # 1 / total, 0 for a zero stream
         residual = raw_residual * inv
         index, weight, sum_index, sum_weight = kept_entries(raw, inv, tracer.floor)
         mlp = proximity(torch.stack((out - y, y)), out)
-        tracer.layers.append(LayerFlow(residual.cpu().numpy(), index, weight, sum_index, sum_weight,
-                                       mlp[0].cpu().numpy(), mlp[1].cpu().numpy(), L.parallel, int((~keep).sum())))
-        tracer.streams += [y.cpu(), out.cpu()]
+        shares = torch.stack((residual, mlp[0], mlp[1])).cpu().numpy()  # one copy to the host, not three
+        tracer.layers.append(LayerFlow(shares[0], index, weight, sum_index, sum_weight, shares[1], shares[2],
+                                       L.parallel, int(dropped)))
+        tracer.streams += list(torch.stack((y, out)).cpu())
         self.seen = {}
 
 
