@@ -12,7 +12,8 @@ Run it on a quiet machine: anything else running moves both sides.
 
 counts instead what a GPU would be asked to do, on this CPU: the torch operations each side dispatches (on
 CUDA, about one kernel launch each; views included) and the reads that make the host wait for the device
-(``nonzero``, a tensor's truth, a scalar, a copy to the host or a list), with routes on the torch path a GPU takes (the compiled CPU loop switched off, a GPU's chunk size).
+(``nonzero``, a tensor's truth, a scalar, a copy to the host or a list), with routes on the torch path a GPU
+takes (the compiled CPU loop switched off, a GPU's chunk size).
 Prints ``routes-ops n=<N> capture_ops=<k> routes_ops=<k> ops_ratio=<x> capture_waits=<k> routes_waits=<k>``.
 A count, not a time: it is the same on a busy machine.
 """

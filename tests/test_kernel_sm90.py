@@ -41,8 +41,8 @@ def used():
     return dict(zip(map(repr, variants), kernels.compiled_resources(*variants)))
 
 
-@pytest.mark.parametrize("variant", HALF, ids=lambda v: "sm{capability}-d{head_dim}-{causal}-{pool}{value}{scores}{whole}"
-                         .format(**{"value": False, "scores": False, "whole": True, **v}))
+@pytest.mark.parametrize("variant", HALF, ids=lambda v: "sm{capability}-d{head_dim}-{causal}-{pool}{value}{scores}"
+                         "{whole}".format(**{"value": False, "scores": False, "whole": True, **v}))
 def test_half_precision_variants_compile_without_spilling(used, variant):
     got = used[repr(variant)]
     assert got["spill_stores"] == 0 and got["spill_loads"] == 0, got

@@ -76,5 +76,6 @@ def resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, po
                               check=True).stdout
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
     stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
-    return {"num_warps": num_warps, "registers": registers, "spill_stores": stores, "spill_loads": loads, "shared": compiled.metadata.shared,
+    return {"num_warps": num_warps, "registers": registers, "spill_stores": stores, "spill_loads": loads,
+            "shared": compiled.metadata.shared,
             "tile_instructions": [loop["instructions"] for loop in tile_loops(sass)]}

@@ -33,9 +33,10 @@ diagonal and no test of a key, and the few tiles at the diagonal, which mask eac
 (:mod:`attnviz.core._triton_stats`). At 32,768 tokens almost every tile is full. Compiled for sm_90 (bf16,
 head dim 128, statistics and a 512-cell map), a full tile costs a thread 503 instructions at 8 warps where
 every tile cost 773 before; at 4 warps, 723 instructions for twice the scores a thread
-(``compiled_resources``' ``tile_instructions``; ``python bench/kernel_regs.py``). What is computed from these (alpha, entropy
-normalised, allocation, ...) is :class:`attnviz.core.reduce.LayerSummary`'s own code, shared with the
-block engine.
+(``compiled_resources``' ``tile_instructions``; ``python bench/kernel_regs.py``).
+
+What is computed from these (alpha, entropy normalised, allocation, ...) is
+:class:`attnviz.core.reduce.LayerSummary`'s own code, shared with the block engine.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def num_warps(device: torch.device, fp32: bool) -> int:
     setting = os.environ.get("ATTNVIZ_KERNEL_WARPS", "")
     if setting in ("4", "8"):
         return int(setting)
-    if device.type == "cuda" and not fp32 and torch.cuda.get_device_capability(device)[0] >= 9:
+    if (device.type == "cuda" and not fp32 and not getattr(torch.version, "hip", None)  # ROCm: as before
+            and torch.cuda.get_device_capability(device)[0] >= 9):
         return HOPPER_WARPS
     return NUM_WARPS
 
