@@ -24,8 +24,8 @@ the statistics route, which has no AMX path), so no timing can make the command 
    - every statistic of a statistics capture against its numpy definition on the full maps;
    - long mode: pooled maps against the max-pooled full maps;
    - on CUDA, the fused kernel's statistics and pooled maps against the same definitions, on a 192-token
-     text so that its full tiles and one-cell pooling run (a kernel that does not compile or launch is a
-     FAIL that names the fallback attnviz then uses: the block engine).
+     text so that its one-cell pooling and, in half precision, its full tiles run (a kernel that does not
+     compile or launch is a FAIL that names the fallback attnviz then uses: the block engine).
 3. **Speed** on a ``tokens``-long text (at most the model's own limit): a statistics capture against a
    plain SDPA forward of the same tokens. Each timed window repeats the call until the plain forward has
    run for at least a quarter of a second (a small model's forward on a GPU takes milliseconds), timed
@@ -340,9 +340,10 @@ FUSED_NAMES = ("statistics, fused kernel vs their definitions on the full maps",
 
 def fused_kernel(loaded: LoadedModel, limit: float, why: str, force: bool = False) -> list[Check]:
     """On CUDA (or with ``force``, in Triton's interpreter), the fused statistics kernel at the geometry a long
-    text launches: a 192-token text, so most rows see full tiles below the diagonal, and a 3-cell map, so each
-    64 x 64 tile pools to one cell; every statistic against its definition on the full maps and every pooled
-    cell against the maximum of its full-map cells, each layer fed the same input. A kernel that does not
+    text launches: a 192-token text, so most rows see full tiles below the diagonal (in half precision: a float32
+    kernel masks every tile), and a 3-cell map, so each 64 x 64 tile pools to one cell; every statistic against
+    its definition on the full maps and every pooled cell against the maximum of its full-map cells, each layer
+    fed the same input (a model shorter than 192 tokens: as long as it takes). A kernel that does not
     compile or run is a FAIL (attnviz falls back to the block engine)."""
     from attnviz.capture import capture
     from attnviz.core import kernels
@@ -353,7 +354,7 @@ def fused_kernel(loaded: LoadedModel, limit: float, why: str, force: bool = Fals
     if not ((force or str(model.device).startswith("cuda")) and kernels.available()):
         return [Check(name, "SKIP", detail="needs CUDA and Triton (on a CPU the tests run it through Triton's "
                                            "interpreter)") for name in FUSED_NAMES]
-    text, same = _text(loaded, FUSED_TOKENS), "fed the same layer input"
+    text, same = _text(loaded, min(FUSED_TOKENS, loaded.max_tokens)), "fed the same layer input"
     with layer_io(model) as ours:
         cap = capture(loaded, text, "fwd", Keep(storage_dtype=torch.float32))
     kernels._disabled.clear()

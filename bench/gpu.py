@@ -135,12 +135,16 @@ def stats_case(loaded: LoadedModel, shape: str, n: int, device: str, repeat: int
     text, ids = text_of(loaded, n)
     ids = ids.to(device)
     sdpa_s, _ = timed(lambda: stock(loaded, "sdpa", ids), device, repeat)
+    before = os.environ.get("ATTNVIZ_KERNEL_WARPS")
     for count in warps or []:  # the kernel at each warp count, against the same SDPA baseline
         os.environ["ATTNVIZ_KERNEL_WARPS"] = str(count)
         try:
             seconds, peak = timed(lambda: capture(loaded, text, "fwd", Keep(statistics=True, pool=512)), device, repeat)
         finally:
-            del os.environ["ATTNVIZ_KERNEL_WARPS"]
+            if before is None:
+                os.environ.pop("ATTNVIZ_KERNEL_WARPS")
+            else:
+                os.environ["ATTNVIZ_KERNEL_WARPS"] = before
         print(f"gpu warps shape={shape} n={n} warps={count} stats_s={seconds:.3f} sdpa_s={sdpa_s:.3f} "
               f"stats_vs_sdpa={seconds / sdpa_s:.2f} stats_peak_mb={peak:.0f}", flush=True)
     stats_s, peak = timed(lambda: capture(loaded, text, "fwd", Keep(statistics=True, pool=512)), device, repeat)

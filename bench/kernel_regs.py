@@ -58,7 +58,7 @@ def main() -> None:
 
 def launched(capability: int, dtype: str) -> int:
     """The warps attnviz.core.kernels.num_warps launches on a GPU of this capability."""
-    return kernels.HOPPER_WARPS if capability >= 90 and dtype != "fp32" else kernels.NUM_WARPS
+    return kernels.HOPPER_WARPS if capability // 10 == 9 and dtype != "fp32" else kernels.NUM_WARPS
 
 
 if __name__ == "__main__":

@@ -151,13 +151,14 @@ def test_the_deep_pages_run_in_bfloat16_on_cuda_as_on_the_cpu(kind):
 
 
 @pytest.mark.parametrize("warps", ["4", "8"])
+@pytest.mark.parametrize("one_pass", [True, False], ids=["lse", "two-pass"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "packed"])
-def test_the_fused_kernel_at_either_warp_count_gives_the_definitions_on_cuda(causal, warps, monkeypatch):
+def test_the_fused_kernel_at_either_warp_count_gives_the_definitions_on_cuda(causal, one_pass, warps, monkeypatch):
     """The kernel compiled for this GPU at 4 and at 8 warps, bf16, at its launch geometry (full tiles below
     the diagonal, each tile pooled to one cell), against the sums of the full probabilities."""
     from tiny import long_kernel_case
 
     monkeypatch.setenv("ATTNVIZ_KERNEL_WARPS", warps)
-    got, expected = long_kernel_case("cuda", torch.bfloat16, causal)
+    got, expected = long_kernel_case("cuda", torch.bfloat16, causal, one_pass)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, atol=1e-3, rtol=2e-3, msg=name)

@@ -314,10 +314,14 @@ def test_a_statistic_the_kernel_does_not_compute_takes_the_block_engine_never_a_
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "packed"])
 @pytest.mark.parametrize("one_pass", [True, False], ids=["lse", "two-pass"])
 def test_full_tiles_and_one_cell_tiles_equal_the_definitions(causal, one_pass, monkeypatch):
-    """Tiles of 32 x 32 over 75 causal keys: rows 32-63 have a full tile below the diagonal (key 0's), rows
-    64-74 are a partial block that masks every tile; a pooling factor of 32 puts each tile in one cell (one
-    maximum a tile). Every sum and map equals the definitions, through either kind of tile."""
-    q, k, allow, scores, probs = _reference("fwd", seed=3)
+    """Tiles of 32 x 32 over 75 causal keys in float16 (a float32 kernel masks every tile): rows 32-63 have a
+    full tile below the diagonal (key 0's), rows 64-74 are a partial block that masks every tile; a pooling
+    factor of 32 puts each tile in one cell (one maximum a tile). Every sum and map equals the definitions,
+    through either kind of tile."""
+    q, k, allow, _, _ = _reference("fwd", seed=3)
+    q, k = q.half(), k.half()
+    scores = (q.float() @ k.float().repeat_interleave(H // H_KV, 0).transpose(-1, -2)) * D ** -0.5
+    probs = torch.softmax(scores.masked_fill(~allow, float("-inf")), -1)
     delim = torch.from_numpy((np.arange(N) % 6 == 2).astype(np.float32))
     norms = torch.rand(H, N) + 0.5
     f, cells = 32, -(-N // 32)
@@ -328,7 +332,7 @@ def test_full_tiles_and_one_cell_tiles_equal_the_definitions(causal, one_pass, m
     raw = kernels.layer_statistics(q, k, None if causal else allow, allowsets._block_ranges(allow[None, None], 32),
                                    D ** -0.5, delim, f, (cells, cells), norms, scores=True, block=(32, 32),
                                    causal=causal, lse=lse)
-    assert [c["WHOLE"] for c in launched] == [True]
+    assert [(c["WHOLE"], c["PRECISION"]) for c in launched] == [(True, "tf32")]  # tf32: full tiles on
     _assert_definitions(raw, probs, scores, allow, delim, norms, cells, f)
 
 
@@ -346,13 +350,15 @@ def test_a_row_with_no_key_gives_zeros_not_nan():
     torch.testing.assert_close(raw["rowsum"][:, :5], torch.ones(H, 5), atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("one_pass", [True, False], ids=["lse", "two-pass"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "packed"])
-def test_the_launch_geometry_in_half_precision_gives_the_definitions(causal):
-    """The kernel's own 64 x 64 tiles, float16 inputs and head dim 128 over 640 keys: full tiles below the
-    diagonal and each tile pooled to one cell (a factor of 64), as at 32,768 tokens on a 512-cell map. (Triton's
+def test_the_launch_geometry_in_half_precision_gives_the_definitions(causal, one_pass):
+    """The kernel's own 64 x 64 tiles, float16 inputs and head dim 128 over 600 keys: full tiles below the
+    diagonal, a partial last block, each tile pooled to one cell (a factor of 64, as at 32,768 tokens on a
+    512-cell map), with the attention kernel's log-sum-exp (what a GPU launches) and without. (Triton's
     interpreter multiplies bfloat16 as raw bits, so bfloat16 is checked on a GPU: tests/test_cuda.py.)"""
     from tiny import long_kernel_case
 
-    got, expected = long_kernel_case("cpu", torch.float16, causal)
+    got, expected = long_kernel_case("cpu", torch.float16, causal, one_pass)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, atol=2e-5, rtol=2e-5, msg=name)

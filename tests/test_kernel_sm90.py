@@ -29,6 +29,9 @@ WARPS = [dict(capability=90, dtype="bf16", head_dim=128, causal=False, num_warps
          for w in (kernels.HOPPER_WARPS, kernels.NUM_WARPS)]
 # what a 512-cell statistics capture of a causal model launches at 32,768 tokens, and with a packed mask
 LONG = [dict(capability=90, dtype="bf16", head_dim=128, causal=causal) for causal in (True, False)]
+# a text whose length is not a multiple of 16 (the launcher specialises only what divides by 16)
+UNALIGNED = [dict(capability=cap, dtype="bf16", head_dim=128, causal=causal, value=True, scores=True, whole=False,
+                  aligned=False) for cap in (90, 80) for causal in (True, False)]
 # the two-pass fallback (no log-sum-exp from the attention kernel), at its heaviest
 TWO_PASSES = [dict(capability=cap, dtype="bf16", head_dim=128, causal=False, pool=True, value=True, scores=True,
                    lse=False) for cap in (90, 80)]
@@ -37,7 +40,7 @@ TWO_PASSES = [dict(capability=cap, dtype="bf16", head_dim=128, causal=False, poo
 @pytest.fixture(scope="module")
 def used():
     """Every variant compiled in one child process (Triton's import is the slow part)."""
-    variants = HALF + FP32 + WARPS + TWO_PASSES + LONG
+    variants = HALF + FP32 + WARPS + TWO_PASSES + LONG + UNALIGNED
     return dict(zip(map(repr, variants), kernels.compiled_resources(*variants)))
 
 
@@ -49,8 +52,9 @@ def test_half_precision_variants_compile_without_spilling(used, variant):
     assert got["registers"] <= 255 and 0 < got["shared"] <= 100 * 1024, got
 
 
-@pytest.mark.parametrize("variant", TWO_PASSES, ids=lambda v: f"sm{v['capability']}")
-def test_the_two_pass_fallback_compiles_without_spilling(used, variant):
+@pytest.mark.parametrize("variant", TWO_PASSES + UNALIGNED,
+                         ids=lambda v: f"sm{v['capability']}-{'unaligned' if 'aligned' in v else 'two-pass'}-{v['causal']}")
+def test_the_two_pass_fallback_and_unaligned_lengths_compile_without_spilling(used, variant):
     got = used[repr(variant)]
     assert got["spill_stores"] == 0 and got["spill_loads"] == 0, got
     assert got["registers"] <= 255 and 0 < got["shared"] <= 100 * 1024, got

@@ -174,14 +174,15 @@ def half_agrees(reference: LoadedModel, half: LoadedModel, text: str) -> None:
     assert drops[1] == pytest.approx(drops[0], abs=0.05)
 
 
-def long_kernel_case(device: str, dtype: torch.dtype, causal: bool) -> tuple[dict, dict]:
+def long_kernel_case(device: str, dtype: torch.dtype, causal: bool, one_pass: bool = True) -> tuple[dict, dict]:
     """The fused statistics kernel at its launch geometry (64 x 64 tiles, head dim 128, grouped queries) on
-    640 causal keys with a factor-64 pooled map (one cell a tile), and the same sums computed in float64 from
-    the full probabilities: (kernel's, expected), float64 on the CPU, keyed alike."""
+    600 causal keys (a partial last block) with a factor-64 pooled map (one cell a tile), given every row's
+    log-sum-exp (``one_pass``, as the attention kernel gives it) or finding it; and the same sums computed in
+    float64 from the full probabilities: (kernel's, expected), float64 on the CPU, keyed alike."""
     from attnviz.core import allowsets, kernels
     from attnviz.core.reduce import pool_factor
 
-    n, heads, kv_heads, dim, cells = 640, 4, 2, 128, 10
+    n, heads, kv_heads, dim, cells = 600, 4, 2, 128, 10
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(heads, n, dim, generator=gen).to(dtype)
     k = torch.randn(kv_heads, n, dim, generator=gen).to(dtype)
@@ -189,13 +190,16 @@ def long_kernel_case(device: str, dtype: torch.dtype, causal: bool) -> tuple[dic
     delim = (torch.arange(n) % 9 == 4).float()
     factor = pool_factor(n, cells)
     assert factor == kernels.BLOCK_M == kernels.BLOCK_N
+    scores = (q.double() @ k.double().repeat_interleave(heads // kv_heads, 0).transpose(-1, -2)) * dim ** -0.5
+    lse = torch.logsumexp(scores.masked_fill(~allow, float("-inf")), -1).float().to(device) if one_pass else None
     raw = kernels.layer_statistics(q.to(device), k.to(device), None if causal else allow.to(device),
                                    allowsets._block_ranges(allow[None, None], kernels.BLOCK_M), dim ** -0.5,
-                                   delim.to(device), factor, (cells, cells), causal=causal)
-    scores = (q.double() @ k.double().repeat_interleave(heads // kv_heads, 0).transpose(-1, -2)) * dim ** -0.5
+                                   delim.to(device), factor, (cells, cells), causal=causal, lse=lse)
     probs = torch.softmax(scores.masked_fill(~allow, float("-inf")), -1)
+    side = cells * factor  # padded with zero probabilities to whole cells (a maximum of probabilities is >= 0)
+    padded = torch.nn.functional.pad(probs, (0, side - n, 0, side - n))
     expected = {"rowsum": probs.sum(-1), "plogp": torch.special.xlogy(probs, probs).sum(-1), "colsum": probs.sum(1),
                 "diag": torch.diagonal(probs, dim1=-2, dim2=-1), "key0": probs[:, :, 0],
                 "delim": probs @ delim.double(),
-                "pooled": probs.reshape(heads, cells, factor, cells, factor).amax(dim=(2, 4))}
+                "pooled": padded.reshape(heads, cells, factor, cells, factor).amax(dim=(2, 4))}
     return {name: raw[name].double().cpu() for name in expected}, expected

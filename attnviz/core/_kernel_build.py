@@ -41,11 +41,12 @@ def tile_loops(sass: str) -> list[dict]:
 
 def resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, pool: bool = True,
               value: bool = False, scores: bool = False, causal: bool = True, granularity: int = 16,
-              num_warps: int | None = None, lse: bool = True, whole: bool = True) -> dict:
+              num_warps: int | None = None, lse: bool = True, whole: bool = True, aligned: bool = True) -> dict:
     """One variant of :func:`attnviz.core.kernels.compiled_resources`, in this process; ``num_warps`` None:
-    what :func:`attnviz.core.kernels.num_warps` launches on a GPU of that capability."""
+    what :func:`attnviz.core.kernels.num_warps` launches on a GPU of that capability. ``aligned`` False: the variant
+    a text whose length is not a multiple of 16 launches (only the pointers and the head dimension's strides are)."""
     if num_warps is None:
-        num_warps = kernels.HOPPER_WARPS if capability >= 90 and dtype != "fp32" else kernels.NUM_WARPS
+        num_warps = kernels.HOPPER_WARPS if capability // 10 == 9 and dtype != "fp32" else kernels.NUM_WARPS
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -59,8 +60,9 @@ def resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, po
     signature = {name: "constexpr" if name in constants else
                  "*" + pointers.get(name, "fp32") if name.endswith("_ptr") else
                  "fp32" if name == "scale" else "i32" for name in kernel.arg_names}
+    aligned_ints = ALIGNED if aligned else {"dim", "stride_qh", "stride_qn", "stride_kh", "stride_kn"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-             if name not in constants and (name.endswith("_ptr") or name in ALIGNED)}
+             if name not in constants and (name.endswith("_ptr") or name in aligned_ints)}
     compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", capability, 32),
                               options={"num_warps": num_warps})
     arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"

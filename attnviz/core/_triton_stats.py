@@ -4,7 +4,8 @@
 Scores are kept in base 2, as flash attention keeps them: ``s2 = q·k · scale · log2(e)`` and the row's
 log-sum-exp times log2(e), so a probability is one ``exp2`` of one subtraction and Σ p·log p is Σ p·x2
 times ln 2 at the end. Tiles come in two kinds. A *full* tile lies wholly inside every row's allow-set
-(below the diagonal of a causal layer, every row and key in range): it needs no mask, no diagonal and,
+(strictly below the diagonal of a causal layer in half precision, every row and key in range; a float32
+kernel's emulated dot products keep one masked loop): it needs no mask, no diagonal and,
 except for key 0's tile, no test of any key; per score it costs the ``exp2`` and five adds, multiply-adds
 or maxima. The other tiles (the diagonal's, a packed allow-set's, a partial block's) mask each score."""
 
@@ -148,11 +149,12 @@ def layer_stats(q_ptr, k_ptr, allow_ptr, ranges_ptr, delim_ptr, norms_ptr, lse_p
     k_lo = tl.load(ranges_ptr + 2 * block)
     k_hi = tl.load(ranges_ptr + 2 * block + 1)
     k_lo = (k_lo // BN) * BN  # tiles on the global BN grid: pooled cells stay aligned
-    # full tiles: [k_lo, full_end), below the diagonal of a causal block whose rows all exist
+    # full tiles: [k_lo, full_end), strictly left of the first row's own key in a causal block whose rows all
+    # exist (so no full tile holds a row's own key or a key past it)
     full_end = k_lo
     if CAUSAL and PRECISION != "ieee":  # fp32's emulated dot products: one loop (two spill its registers)
         if block * BM + BM <= n_q:
-            full_end = tl.minimum(tl.maximum(((block * BM + q_offset + 1) // BN) * BN, k_lo), k_hi)
+            full_end = tl.minimum(tl.maximum(((block * BM + q_offset) // BN) * BN, k_lo), k_hi)
     if LSE:  # the forward's attention already computed every row's log-sum-exp: one pass over QK^T
         lse2 = tl.load(lse_ptr + head * n_q + rows, mask=row_ok, other=0.0) * LOG2E
         lse2 = tl.where(tl.abs(lse2) < float("inf"), lse2, 0.0)  # a row with no key: p is 0 there anyway

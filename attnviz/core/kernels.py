@@ -28,7 +28,7 @@ two up to 16) by :func:`attnviz.core.reduce.pool_factor`; where the factor is a 
 sides (64 and up: 32,768 tokens on a 512-cell map), a tile lies in one cell and pools to one maximum.
 
 What a tile costs. Scores are kept in base 2 (one ``exp2`` a probability, as flash attention). A causal
-kernel splits each row block's keys into *full* tiles, wholly below the diagonal, which need no mask, no
+half-precision kernel splits each row block's keys into *full* tiles, wholly below the diagonal, which need no mask, no
 diagonal and no test of a key, and the few tiles at the diagonal, which mask each score
 (:mod:`attnviz.core._triton_stats`). At 32,768 tokens almost every tile is full. Compiled for sm_90 (bf16,
 head dim 128, statistics and a 512-cell map), a full tile costs a thread 503 instructions at 8 warps where
@@ -50,7 +50,7 @@ from attnviz.core import devices
 
 BLOCK_M = 64  # query rows per program
 BLOCK_N = 64  # keys per tile
-# Warps per program: 8 before Hopper and for fp32 models (with 4, ptxas spills there), 4 on sm_90 and later
+# Warps per program: 8 before Hopper and for fp32 models (with 4, ptxas spills there), 4 on sm_90 (Hopper)
 # in half precision, where one warpgroup's 64-row wgmma holds a whole tile: its row sums stay inside a warp, a
 # tile costs 28 % fewer warp-instructions and 12 barriers instead of 19, and nothing spills. These are
 # compiler figures read on a CPU (tests/test_kernel_sm90.py, `python bench/kernel_regs.py`);
@@ -66,7 +66,7 @@ def num_warps(device: torch.device, fp32: bool) -> int:
     if setting in ("4", "8"):
         return int(setting)
     if (device.type == "cuda" and not fp32 and not getattr(torch.version, "hip", None)  # ROCm: as before
-            and torch.cuda.get_device_capability(device)[0] >= 9):
+            and torch.cuda.get_device_capability(device)[0] == 9):  # Hopper only: newer GPUs were not compiled for
         return HOPPER_WARPS
     return NUM_WARPS
 
