@@ -333,7 +333,32 @@ def _statistics_error(reduced, full, layers) -> tuple[float, str]:
     return worst, where
 
 
+def _pooled_error(reduced, full, pool: int, floor: float | None = None,
+                  relative: bool = False) -> tuple[float, str]:
+    """The largest difference between a statistics capture's pooled maps (``pool`` cells a side) and the maximum of
+    each cell's full-map cells, over the cells above ``floor`` (None: every seen cell), relative to the cell where
+    asked; inf where the two differ in shape or in which cells are seen. With the layer it is in."""
+    from attnviz.figures.style import max_pool
+
+    worst, where = 0.0, ""
+    for layer in full.layers:
+        pooled, _ = reduced.layer_view(layer)
+        factor = reduced.pool_factor(layer)
+        expected = np.stack([max_pool(np.where(full.allowed[layer], m, np.nan), pool, factor)
+                             for m in full.layer_probs(layer)])
+        if pooled.shape != expected.shape or (np.isnan(pooled) != np.isnan(expected)).any():
+            return float("inf"), f"layer {layer}: cells differ in shape or in which are empty"
+        cells = ~np.isnan(expected) if floor is None else np.nan_to_num(expected) > floor
+        if cells.any():
+            error = np.abs(pooled[cells] - expected[cells])
+            error = float(np.max(error / expected[cells] if relative else error))
+            if error > worst or not where:
+                worst, where = max(worst, error), f"largest: layer {layer} (pooling factor {factor})"
+    return worst, where
+
+
 FUSED_TOKENS = 192  # three of the kernel's 64-row blocks: the last two have full tiles below the diagonal
+FUSED_POOL = 3  # cells a side: a factor of 64 at 192 tokens, so each of the kernel's 64 x 64 tiles pools to one cell
 FUSED_NAMES = ("statistics, fused kernel vs their definitions on the full maps",
                "pooled maps, fused kernel vs max-pooled full maps")
 
@@ -347,20 +372,20 @@ def fused_kernel(loaded: LoadedModel, limit: float, why: str, force: bool = Fals
     compile or run is a FAIL (attnviz falls back to the block engine)."""
     from attnviz.capture import capture
     from attnviz.core import kernels
-    from attnviz.figures.style import max_pool
     from attnviz.plan import Keep
 
     model = loaded.model
     if not ((force or str(model.device).startswith("cuda")) and kernels.available()):
         return [Check(name, "SKIP", detail="needs CUDA and Triton (on a CPU the tests run it through Triton's "
                                            "interpreter)") for name in FUSED_NAMES]
-    text, same = _text(loaded, min(FUSED_TOKENS, loaded.max_tokens)), "fed the same layer input"
+    n = min(FUSED_TOKENS, loaded.max_tokens)
+    text, same = _text(loaded, n), "fed the same layer input"
     with layer_io(model) as ours:
         cap = capture(loaded, text, "fwd", Keep(storage_dtype=torch.float32))
     kernels._disabled.clear()
     try:
         with _setting("ATTNVIZ_FUSED", "1"), layer_io(model, feed=ours.inputs):
-            fused = capture(loaded, text, "fwd", Keep(statistics=True, pool=3, storage_dtype=torch.float32))
+            fused = capture(loaded, text, "fwd", Keep(statistics=True, pool=FUSED_POOL, storage_dtype=torch.float32))
     except Exception as err:  # noqa: BLE001 - a kernel that fails here is the finding
         kernels.disable(err)
         fused = None
@@ -372,19 +397,8 @@ def fused_kernel(loaded: LoadedModel, limit: float, why: str, force: bool = Fals
     worst, where = _statistics_error(fused, cap, cap.layers)
     checks = [Check.against(FUSED_NAMES[0], worst, limit, detail=where, why=why,
                             compared=f"every statistic of the fused Triton kernel and its numpy definition on the "
-                                     f"full maps of a {FUSED_TOKENS}-token text, {same}")]
-    worst, where = 0.0, ""
-    for layer in cap.layers:
-        pooled, _ = fused.layer_view(layer)
-        factor = fused.pool_factor(layer)
-        expected = np.stack([max_pool(np.where(cap.allowed[layer], m, np.nan), 3, factor)
-                             for m in cap.layer_probs(layer)])
-        if pooled.shape != expected.shape or (np.isnan(pooled) != np.isnan(expected)).any():
-            worst, where = float("inf"), f"layer {layer}: cells differ in shape or in which are empty"
-            break
-        error = float(np.nanmax(np.abs(pooled - expected)))
-        if error > worst or not where:
-            worst, where = max(worst, error), f"largest: layer {layer} (pooling factor {factor})"
+                                     f"full maps of a {n}-token text, {same}")]
+    worst, where = _pooled_error(fused, cap, FUSED_POOL)
     checks.append(Check.against(FUSED_NAMES[1], worst, max(limit, FP16_STEP), detail=where,
                                 why=why + "; and one float16 step (2^-10): pooled maps are kept in float16",
                                 compared=f"each pooled cell of the fused kernel and the maximum of its full-map "
@@ -397,7 +411,6 @@ def equivalence(loaded: LoadedModel, text: str) -> list[Check]:
     or the statistics' definitions; and the whole forward in float32 (see the module docstring)."""
     from attnviz.capture import capture
     from attnviz.plan import Keep
-    from attnviz.figures.style import max_pool
 
     from attnviz.core import anatomy
     from attnviz.errors import InputError
@@ -450,18 +463,8 @@ def equivalence(loaded: LoadedModel, text: str) -> list[Check]:
                                 compared=f"every statistic of a statistics capture (block engine) and its numpy "
                                          f"definition on the full maps, {same}"))
 
-    worst = 0.0  # pooled maps are kept in float16 (docs/methods.md#devices)
-    for l in cap.layers:
-        pooled, _ = blocks.layer_view(l)
-        factor = blocks.pool_factor(l)
-        expected = np.stack([max_pool(np.where(cap.allowed[l], m, np.nan), 8, factor) for m in cap.layer_probs(l)])
-        if np.isnan(pooled).shape != expected.shape or (np.isnan(pooled) != np.isnan(expected)).any():
-            worst = float("inf")
-            break
-        big = np.nan_to_num(expected) > 1e-4
-        if big.any():
-            error = np.abs(pooled[big] - expected[big])
-            worst = max(worst, float(np.max(error if dtype != torch.float32 else error / expected[big])))
+    # pooled maps are kept in float16 (docs/methods.md#devices)
+    worst, _ = _pooled_error(blocks, cap, 8, floor=1e-4, relative=dtype == torch.float32)
     if dtype == torch.float32:
         checks.append(Check.against("long mode: pooled maps vs max-pooled full maps (relative)", worst, FP16_STEP,
                                     why="one float16 step (2^-10), relative: pooled maps are kept in float16",

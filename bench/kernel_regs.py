@@ -40,7 +40,7 @@ def main() -> None:
             for cc, dtype, d, causal, outputs, warps, lse in itertools.product(
                 args.capability, ("bf16", "fp32"), (64, 128), (True, False), OUTPUTS,
                 (kernels.HOPPER_WARPS, kernels.NUM_WARPS), (True, False))
-            if lse or warps == launched(cc, dtype)]
+            if lse or warps == kernels.warps_for(cc, dtype == "fp32")]
     results = kernels.compiled_resources(*({k: v for k, v in row.items() if k != "_outputs"} for row in rows))
     for row, got in zip(rows, results):
         # the statistics' loops: full and masked tiles for a causal half-precision kernel, else masked only
@@ -55,10 +55,6 @@ def main() -> None:
               + f" tile_instructions={','.join(map(str, loops))}"
               f" warp_instructions={','.join(str(n * row['num_warps']) for n in loops)}{ratio}", flush=True)
 
-
-def launched(capability: int, dtype: str) -> int:
-    """The warps attnviz.core.kernels.num_warps launches on a GPU of this capability."""
-    return kernels.HOPPER_WARPS if capability // 10 == 9 and dtype != "fp32" else kernels.NUM_WARPS
 
 
 if __name__ == "__main__":

@@ -30,13 +30,14 @@ TEXT = "The quick brown fox jumps over the lazy dog, again. " * 4  # 208 tokens,
 SPECS = ["fwd", "back", "bidir", "nosink-fwd(m=2)", "sliding(w=9)", "global(w=5, g=2)"]
 
 
-def _reference(spec, seed=0):
+def _reference(spec, seed=0, dtype=torch.float32):
+    """Random q and k in ``dtype``, the mask's allow-set, and the scores and probabilities of those very values."""
     torch.manual_seed(seed)
-    q, k = torch.randn(H, N, D), torch.randn(H_KV, N, D)
+    q, k = torch.randn(H, N, D).to(dtype), torch.randn(H_KV, N, D).to(dtype)
     pos = torch.arange(N)
     mask = parse(spec, 1).layers[0]
     allow = keep_self_if_empty(mask.allow(pos[:, None], pos[None, :]))
-    scores = (q @ k.repeat_interleave(H // H_KV, 0).transpose(-1, -2)) * D ** -0.5
+    scores = (q.float() @ k.float().repeat_interleave(H // H_KV, 0).transpose(-1, -2)) * D ** -0.5
     probs = torch.softmax(scores.masked_fill(~allow, float("-inf")), -1)
     return q, k, allow, scores, probs
 
@@ -318,10 +319,7 @@ def test_full_tiles_and_one_cell_tiles_equal_the_definitions(causal, one_pass, m
     full tile below the diagonal (key 0's), rows 64-74 are a partial block that masks every tile; a pooling
     factor of 32 puts each tile in one cell (one maximum a tile). Every sum and map equals the definitions,
     through either kind of tile."""
-    q, k, allow, _, _ = _reference("fwd", seed=3)
-    q, k = q.half(), k.half()
-    scores = (q.float() @ k.float().repeat_interleave(H // H_KV, 0).transpose(-1, -2)) * D ** -0.5
-    probs = torch.softmax(scores.masked_fill(~allow, float("-inf")), -1)
+    q, k, allow, scores, probs = _reference("fwd", seed=3, dtype=torch.float16)
     delim = torch.from_numpy((np.arange(N) % 6 == 2).astype(np.float32))
     norms = torch.rand(H, N) + 0.5
     f, cells = 32, -(-N // 32)

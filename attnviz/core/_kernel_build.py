@@ -46,7 +46,7 @@ def resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, po
     what :func:`attnviz.core.kernels.num_warps` launches on a GPU of that capability. ``aligned`` False: the variant
     a text whose length is not a multiple of 16 launches (only the pointers and the head dimension's strides are)."""
     if num_warps is None:
-        num_warps = kernels.HOPPER_WARPS if capability // 10 == 9 and dtype != "fp32" else kernels.NUM_WARPS
+        num_warps = kernels.warps_for(capability, dtype == "fp32")
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget

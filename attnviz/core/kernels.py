@@ -59,15 +59,20 @@ NUM_WARPS = 8
 HOPPER_WARPS = 4
 
 
+def warps_for(capability: int, fp32: bool) -> int:
+    """The warps a program runs on an NVIDIA GPU of compute ``capability`` (90: sm_90), by the figures above:
+    Hopper in half precision takes 4; newer GPUs, never compiled for here, keep 8 with the rest."""
+    return HOPPER_WARPS if capability // 10 == 9 and not fp32 else NUM_WARPS
+
+
 def num_warps(device: torch.device, fp32: bool) -> int:
-    """The warps a program of the kernel runs on ``device`` (see above; mirrored by the compile-only check in
-    :mod:`attnviz.core._kernel_build`)."""
+    """The warps a program of the kernel runs on ``device`` (:func:`warps_for`; ROCm and the rest keep 8)."""
     setting = os.environ.get("ATTNVIZ_KERNEL_WARPS", "")
     if setting in ("4", "8"):
         return int(setting)
-    if (device.type == "cuda" and not fp32 and not getattr(torch.version, "hip", None)  # ROCm: as before
-            and torch.cuda.get_device_capability(device)[0] == 9):  # Hopper only: newer GPUs were not compiled for
-        return HOPPER_WARPS
+    if device.type == "cuda" and not getattr(torch.version, "hip", None):
+        major, minor = torch.cuda.get_device_capability(device)
+        return warps_for(10 * major + minor, fp32)
     return NUM_WARPS
 
 
