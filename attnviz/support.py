@@ -20,7 +20,7 @@ TEXT = "A short text to read the layers by."
 def row(loaded) -> dict[str, str]:
     """Each capability's verdict on ``loaded``: "✓" or the reason it is refused."""
     from attnviz.core import anatomy, residual
-    from attnviz.effects.explain import Residual
+    from attnviz.effects.explain import KeptForward
 
     out = {CAPABILITIES[0]: "✓"}
     try:
@@ -30,7 +30,7 @@ def row(loaded) -> dict[str, str]:
         return {**out, **{c: reason for c in CAPABILITIES[1:]}}  # bfloat16 too: nothing is mapped
     out["patch"] = "✓"
     try:
-        run = Residual(loaded, TEXT, "fwd")
+        run = KeptForward(loaded, TEXT, "fwd")
         for layer in range(loaded.n_layers):
             run.layer_parts(layer)
         attribution = "✓"
@@ -38,7 +38,7 @@ def row(loaded) -> dict[str, str]:
         attribution = _short(err)
     out[CAPABILITIES[2]] = attribution
     out["causal check"] = attribution  # it patches the sources attribution names
-    out[CAPABILITIES[4]] = _short(found.resumable) if found.resumable else "✓"
+    out[CAPABILITIES[4]] = "✓" if found.resumable else _short(found.why_not_resumable)
     out["residual variants"] = residual.why_not(found) or "✓"
     out[HALF] = half(loaded) if attribution == "✓" else f"attribution as in float32; {half(loaded, False)}"
     return out
@@ -62,7 +62,7 @@ def half(loaded, attribution: bool = True) -> str:
     import torch
 
     from attnviz.capture import capture
-    from attnviz.effects.explain import Residual
+    from attnviz.effects.explain import KeptForward
     from attnviz.flow.trace import trace
     from attnviz.plan import Keep
     from attnviz.recipe import Recipe
@@ -70,7 +70,7 @@ def half(loaded, attribution: bool = True) -> str:
     bf16 = in_dtype(loaded, torch.bfloat16)
     try:
         if attribution:
-            run = Residual(bf16, TEXT, "fwd")
+            run = KeptForward(bf16, TEXT, "fwd")
             for layer in range(bf16.n_layers):
                 run.layer_parts(layer)
         capture(bf16, TEXT, Recipe.of(bf16, "fwd", intervene="patch(block=mlp, tokens=sink)@0"),

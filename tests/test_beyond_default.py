@@ -12,7 +12,7 @@ import torch
 from attnviz import plan as plan_mod
 from attnviz import recipe as recipe_mod
 from attnviz.capture import capture
-from attnviz.core import arch, blocks, engine
+from attnviz.core import arch, engine, sites
 from attnviz.core import interventions as I
 from attnviz.effects import causal
 from attnviz.errors import InputError
@@ -130,18 +130,18 @@ def test_sessions_sharing_a_model_hook_its_blocks_once(monkeypatch):
     """Eight sessions patching a fresh shared model at the same moment register each block's hook once. Before:
     check-then-set without a lock, and a slow mapping of the blocks let every session through (8 hooks a block)."""
     model = build("llama")
-    slow = blocks.source_modules
+    slow = sites._where
 
-    def source_modules(model, layer):
+    def where(model, site):
         time.sleep(0.01)
-        return slow(model, layer)
+        return slow(model, site)
 
-    monkeypatch.setattr(blocks, "source_modules", source_modules)
+    monkeypatch.setattr(sites, "_where", where)
     start = threading.Barrier(8)
 
     def session():
         start.wait()
-        engine._hook_blocks(model)
+        engine.hook_blocks(model)
 
     threads = [threading.Thread(target=session) for _ in range(8)]
     for t in threads:

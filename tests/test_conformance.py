@@ -130,7 +130,7 @@ def test_a_region_resumed_from_a_layer_equals_the_full_maps(kind):
     stock, lm = _pair(kind)
     text = TEXT * 3
     cap = capture(lm, text, "fwd", Keep(statistics=True, pool=16, checkpoints=1))
-    assert sorted(cap.checkpoints) == ([] if anatomy.of(lm.model).resumable else [2])
+    assert sorted(cap.checkpoints) == ([2] if anatomy.of(lm.model).resumable else [])
     full = capture(lm, text, "fwd", FULL)
     region = regions.of_capture(lm, cap, 2, (40, 90), (0, 50))
     np.testing.assert_allclose(region.values, full.layer_probs(2)[:, 40:90, 0:50], atol=1e-4)
@@ -143,16 +143,16 @@ REFUSED = {"deepseek_v3": "queries and keys are not a linear map"}  # latent att
 def test_score_attribution_sums_to_the_captured_score(kind):
     """The score of a cell, its split by dimension and by source on each side, against the pre-softmax score a
     capture records (the maps of which equal stock above); the diagnosis runs on every layer."""
-    from attnviz.effects.explain import Residual, diagnose
+    from attnviz.effects.explain import KeptForward, diagnose
     from attnviz.errors import InputError
 
     stock, lm = _pair(kind)
     if kind in REFUSED:
         with pytest.raises(InputError, match=REFUSED[kind]):
-            Residual(lm, TEXT).explain(2, 1, 17, 3)
+            KeptForward(lm, TEXT).explain(2, 1, 17, 3)
         return
     cap = capture(lm, TEXT, "fwd", Keep(scores=True, storage_dtype=torch.float32))
-    run = Residual(lm, TEXT)
+    run = KeptForward(lm, TEXT)
     for layer, head, i, j in ((2, 1, 17, 15), (1, 3, 9, 7)):  # inside every tiny family's sliding window (4)
         e = run.explain(layer, head, i, j)
         captured = float(cap.layer_scores(layer)[head, i, j])

@@ -157,7 +157,8 @@ def test_families_that_cannot_resume_keep_no_checkpoints_and_run_from_the_start(
 
     lm = loaded("gpt2")  # its anatomy made to say it cannot (as for a layer called with arguments attnviz cannot make)
     found = anatomy.of(lm.model)
-    lm.model.__dict__["_attnviz_anatomy"] = dataclasses.replace(found, resumable="gpt2 cannot resume: a test")
+    lm.model.__dict__["_attnviz_anatomy"] = dataclasses.replace(found, resumable=False,
+                                                                 why_not_resumable="gpt2 cannot resume: a test")
     cap = capture(lm, TEXT, "fwd", Keep(statistics=True, pool=24, checkpoints=2))
     assert cap.checkpoints == {}
     steps = []

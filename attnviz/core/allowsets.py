@@ -299,6 +299,12 @@ def auto_key(mask: Mask, n: int, window: int | None = None) -> int:
     return metrics.auto_key(allowed(mask, n, window, metrics.auto_key_limit(n)).numpy())
 
 
+def sink_keys(masks, n: int, windows) -> list[int]:
+    """Every layer's sink key over a text of ``n`` tokens (:func:`auto_key`), its mask and the model's own window
+    there (``windows``: one a layer, None where the layer has none): the one list every capability reads."""
+    return [auto_key(mask, n, window) for mask, window in zip(masks, windows)]
+
+
 def allowed(mask: Mask, n: int, window: int | None = None, columns: int | None = None) -> torch.Tensor:
     """(n, columns) bool on the host: which keys each query of an ``n``-token text may see in a layer, its ``mask`` and
     the model's own sliding ``window`` together (the window bounds causal-type masks only, as the attention applies

@@ -77,7 +77,8 @@ class Anatomy:
     rotary_takes_type: bool = False  # rotary(x, positions, layer_type) (Gemma 3: local and global frequencies)
     layer_kwargs: frozenset = frozenset()  # the keyword arguments the base model calls a layer with
     attn_kwargs: frozenset = frozenset()  # ... and a layer calls its attention with
-    resumable: str = ""  # "" when a forward can resume at any layer from its input, else why not
+    resumable: bool = True  # a forward can resume at any layer from that layer's input
+    why_not_resumable: str = ""  # where it cannot, why (one line, for a refusal)
     embed_scaled: bool = False  # the first layer's input is not the embedding table's row (Gemma: × √d)
 
     def __getitem__(self, index: int) -> Layer:
@@ -249,7 +250,8 @@ def _discover(model) -> Anatomy:
         embedded = embed(ids[None].to(embed.weight.device)) if embed is not None else None
     embed_scaled = embedded is None or not torch.allclose(embedded.to(seen[0]["layer_in"].dtype),
                                                           seen[0]["layer_in"], atol=1e-6)
-    anatomy = Anatomy(family, base, layer_list, tuple(layers), embed, final, rotary, takes_type, "", embed_scaled)
+    anatomy = Anatomy(family, base, layer_list, tuple(layers), embed, final, rotary, rotary_takes_type=takes_type,
+                      embed_scaled=embed_scaled)
     return _with_resume(anatomy, seen, ids)
 
 
@@ -286,17 +288,18 @@ def _with_resume(anatomy: Anatomy, seen, ids) -> Anatomy:
                 break
     names = frozenset().union(*(r.get("names", set()) for r in seen)) - {"hidden_states"}
     attn_names = frozenset().union(*(r.get("attn_names", set()) for r in seen)) - {"hidden_states"}
-    return replace(anatomy, resumable=why and f"{anatomy.family} cannot resume a forward from a layer: {why}",
+    return replace(anatomy, resumable=not why,
+                   why_not_resumable=why and f"{anatomy.family} cannot resume a forward from a layer: {why}",
                    layer_kwargs=names, attn_kwargs=attn_names)
 
 
 def decoder_layers(model) -> "torch.nn.ModuleList | None":
     """The decoder layers a forward can resume from (:func:`attnviz.core.forward.resume`), or None for a model that
-    must run from its embeddings (its anatomy says why: :attr:`Anatomy.resumable`)."""
+    must run from its embeddings (its anatomy says why: :attr:`Anatomy.why_not_resumable`)."""
     if getattr(model.config, "is_encoder_decoder", False):
         return None
     try:
         found = of(model)
     except InputError:
         return None
-    return None if found.resumable else found.layer_list
+    return found.layer_list if found.resumable else None

@@ -6,17 +6,18 @@ in (:func:`forward`), in parts along the flow (docs/layout.md#the-engine):
 - :mod:`attnviz.core.allowsets`: which keys each query may see, and the sink key a mask leaves open;
 - :mod:`attnviz.core.attention` and :mod:`attnviz.core.routes`: the registered attention function and each
   layer's route (SDPA, the fused kernel, or the block route's explicit softmax);
-- :mod:`attnviz.core.hooks`: hooks on the layers (``patch``, kept layer inputs);
+- :mod:`attnviz.core.sites`: the named sites, the one way to read or replace an activation, and
+  :mod:`attnviz.core.hooks`: the engine's own functions there (``patch``, kept layer inputs);
 - :mod:`attnviz.core.sizes`: the sizes a run works to, as the plan decides them.
 
 This module gathers their names, so that callers write ``engine.forward(...)`` and ``engine.Record(...)``.
 """
 
-from attnviz.core.allowsets import AllowSet, auto_key  # noqa: F401
+from attnviz.core.allowsets import AllowSet, auto_key, sink_keys  # noqa: F401
 from attnviz.core.attention import KEY, Caught, attention, catching, mask_builder, prepare  # noqa: F401
-from attnviz.core.forward import forward, make_run, resume  # noqa: F401
+from attnviz.core.forward import Resumed, check_head, checked_head, forward, head_logits, make_run, resume  # noqa: F401
 from attnviz.core.anatomy import decoder_layers  # noqa: F401
-from attnviz.core.hooks import _hook_blocks  # noqa: F401
+from attnviz.core.hooks import hook_blocks  # noqa: F401
 from attnviz.core.modules import attention_modules, output_linear, output_projection, value_norms  # noqa: F401
 from attnviz.core.routes import Facts, Route, choose_route  # noqa: F401
 from attnviz.core.run import (NOTHING, Asked, Cached, Computes, Feed, Record, Recorded, Run, Stacks,  # noqa: F401

@@ -10,10 +10,13 @@ import inspect
 
 import torch
 
-from attnviz.core import anatomy, blocks
+from dataclasses import dataclass
+
+from attnviz.core import anatomy
 from attnviz.core import recorders as recorders_mod
 from attnviz.core.attention import prepare
-from attnviz.core.hooks import _hook_blocks, _keep_layer_inputs, _resumable_layers
+from attnviz.core.hooks import hook_blocks, keep_layer_inputs, resumable_layers
+from attnviz.core.interventions import BLOCKS
 from attnviz.core.run import Computes, Feed, Record, Run, active, n_layers
 from attnviz.core.sizes import Sizes
 from attnviz.errors import InputError
@@ -33,7 +36,7 @@ def forward(model, input_ids: torch.Tensor, computes, record: Record = Record(),
         keep = {"logits_to_keep": 1} if feed.last_logits_only and feed.lm_head and "logits_to_keep" in \
             inspect.signature(model.forward).parameters else {}
         if run.checkpoint_layers:
-            _keep_layer_inputs(model)
+            keep_layer_inputs(model)
         with active(run):
             output = target(input_ids=input_ids.to(model.device), position_ids=new_positions.to(model.device),
                             attention_mask=None if cached else run.valid.long().to(model.device),
@@ -64,8 +67,8 @@ def make_run(model, input_ids: torch.Tensor, computes, record: Record = Record()
     else:
         valid = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).bool()
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-    if any(a.patches(block) for a in computes.interventions.items for block in blocks.KINDS):
-        _hook_blocks(model)
+    if any(a.patches(block) for a in computes.interventions.items for block in BLOCKS):
+        hook_blocks(model)
     for mask in {id(m): m for m in masks}.values():
         if mask.horizon is not None and int(positions.max()) + 1 > mask.horizon:
             raise InputError(f"{mask.name} was set for at most T={mask.horizon} tokens but the text reaches "
@@ -79,18 +82,31 @@ def make_run(model, input_ids: torch.Tensor, computes, record: Record = Record()
                checkpoint_layers=frozenset(record.checkpoints))
 
 
+@dataclass
+class Resumed:
+    """What :func:`resume` made: the run (what it recorded) and the last layer's output (B, n, d), before the final
+    norm; :meth:`logits` reads the model's head on it."""
+
+    run: Run
+    hidden: torch.Tensor
+
+    def logits(self, model, last_only: bool = True) -> torch.Tensor:
+        return head_logits(model, self.hidden, last_only)
+
+
 def resume(model, hidden: torch.Tensor, start: int, input_ids: torch.Tensor, computes,
-           record: Record = Record(), out: dict | None = None) -> Run:
+           record: Record = Record()) -> Resumed:
     """Layers ``start``.. of :func:`forward` of ``input_ids`` (1, n), run from ``hidden`` (n, d): the
     input of layer ``start`` that an earlier forward of the same tokens, masks and interventions kept
     (``Run.checkpoints``). The layers below are not run again; like :func:`forward`, ``record.on_layer`` may
-    stop it after any layer. Returns the run (what it recorded). A batch resumes too: ``input_ids`` (B, n) with
-    ``hidden`` (B, n, d). With ``out``, ``out["hidden"]`` is the last layer's output (before the final norm)."""
-    _resumable_layers(model)
+    stop it after any layer. A batch resumes too: ``input_ids`` (B, n) with ``hidden`` (B, n, d) or (n, d), the
+    same input for every row. Returns what it made (:class:`Resumed`)."""
+    resumable_layers(model)
     found = anatomy.of(model)
     run = make_run(model, input_ids, computes, record)
     with active(run), torch.inference_mode():
-        h = (hidden[None] if hidden.dim() == 2 else hidden).to(model.device)
+        h = hidden.to(model.device)
+        h = h[None].expand(input_ids.shape[0], -1, -1) if h.dim() == 2 else h
         positions = run.positions.to(model.device)
         # the keyword arguments the base model calls a layer with (the anatomy's probe saw them), made again;
         # the masks come from the run, so the attention mask is None as in every attnviz forward
@@ -102,9 +118,7 @@ def resume(model, hidden: torch.Tensor, start: int, input_ids: torch.Tensor, com
                 kwargs["position_embeddings"] = found.position_embeddings(h, positions, layer)
             given = layer.module(h, **kwargs)
             h = given[0] if isinstance(given, tuple) else given
-    if out is not None:
-        out["hidden"] = h
-    return run
+    return Resumed(run, h)
 
 
 @torch.no_grad()
@@ -132,14 +146,29 @@ def check_head(model, hidden: torch.Tensor, expected: torch.Tensor, what: str) -
     """Refuse, in one line, a model whose logits :func:`head_logits` does not make again from the last layer's output
     ``hidden`` (expected (B, V), the model's own, within 1e-3 relative in float32 and the dtype's decomposition limit
     in half precision, :func:`attnviz.core.precision.decomposition_tolerance`): ``what`` resumes forwards and reads
-    them."""
+    them. Checked once per model and dtype (kept on the model): the head does not change between texts."""
     from attnviz.core import precision
 
     dtype = next(model.parameters()).dtype
-    limit = max(1e-3, precision.decomposition_tolerance(dtype))
-    made, expected = head_logits(model, hidden).float(), expected.float()
-    miss = float((made - expected).norm() / expected.norm().clamp(min=1e-30))
-    if not miss <= limit:
-        raise InputError(f"{what}: {anatomy.of(model).family}'s logits are not its final norm and output embedding "
-                         f"of its last layer (off by {miss:.3g} relative, limit {limit:.3g} in "
-                         f"{precision.name(dtype)}), so a resumed forward cannot read them")
+    checked = model.__dict__.setdefault("_attnviz_head_checked", {})
+    if dtype not in checked:
+        limit = max(1e-3, precision.decomposition_tolerance(dtype))
+        made, want = head_logits(model, hidden).float(), expected.float()
+        miss = float((made - want).norm() / want.norm().clamp(min=1e-30))
+        checked[dtype] = "" if miss <= limit else (
+            f"{anatomy.of(model).family}'s logits are not its final norm and output embedding of its last layer (off "
+            f"by {miss:.3g} relative, limit {limit:.3g} in {precision.name(dtype)}), so a resumed forward cannot read "
+            "them")
+    if checked[dtype]:
+        raise InputError(f"{what}: {checked[dtype]}")
+
+
+def checked_head(model, ids: torch.Tensor, top_input: torch.Tensor, expected: torch.Tensor, computes,
+                 what: str) -> None:
+    """:func:`check_head` of a resumed top layer: resume layer L − 1 from ``top_input`` (its kept input, (n, d)) for
+    ``ids`` (1, n) and compare its logits with ``expected`` (1, V), the same forward's own. Once per model."""
+    dtype = next(model.parameters()).dtype
+    if dtype in model.__dict__.get("_attnviz_head_checked", {}):
+        return check_head(model, top_input, expected, what)  # the kept answer: nothing is run
+    top = resume(model, top_input, n_layers(model) - 1, ids, computes)
+    check_head(model, top.hidden, expected, what)

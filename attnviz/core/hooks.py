@@ -1,98 +1,88 @@
-"""Hooks on a model's layers, registered once per model and read by the active run: ``patch`` replacing a block's
-write, a layer's input kept to resume a later forward from (:func:`resume`: a long capture's regions)."""
+"""The engine's own functions at the named sites (:mod:`attnviz.core.sites`), installed once per model and read by the
+active run: ``patch`` replacing a block's write (or the embedding's), a layer's input kept to resume a later
+forward from (:func:`attnviz.core.forward.resume`). Outside a run they do nothing; a run is the thread's own, so the
+shared server's sessions on one model never see each other's."""
 
 from __future__ import annotations
 
-import functools
-import threading
 from contextlib import contextmanager
 
 import torch
 
-from attnviz.core import anatomy, blocks
+from attnviz.core import anatomy, sites
 from attnviz.core.anatomy import decoder_layers
+from attnviz.core.interventions import BLOCKS
 from attnviz.core.run import Run, _RUN, n_layers
 
-# The shared server's sessions share one loaded model: hooks are registered on it once, under this lock
-_HOOKS = threading.Lock()
+_SITE = {"attn": "attn_out", "mlp": "mlp_out", "embed": "embed"}
 
 
-def _patch_block(layer: int, kind: str, module, args, out):
-    """A forward hook on a block's output module (:mod:`attnviz.core.blocks`): the active run's ``patch``
-    interventions of that layer and block replace the output where the residual stream adds it."""
-    run = _RUN.get()
-    if not isinstance(run, Run):
+def _patch(layer: int, block: str):
+    """The active run's ``patch`` interventions of that layer and block, on the site's value."""
+    def fn(value):
+        run = _RUN.get()
+        if not isinstance(run, Run):
+            return None
+        acts = [a for a in run.interventions.at(layer) if a.patches(block)]
+        if not acts:
+            return None
+        n = value.shape[1]
+        positions = run.positions[:, -n:].to(value.device)
+        valid = run.valid_on(value.device)[:, -n:]
+        for intervention in acts:
+            value = intervention.block_output(value, positions, valid, run.sink_key(layer))
+        return value
+    return fn
+
+
+def hook_blocks(model) -> None:
+    """Install, once per model, the functions that apply a run's ``patch`` interventions (a family whose blocks are
+    not mapped is refused here, with one line: :func:`attnviz.core.anatomy.of`)."""
+    anatomy.of(model)
+    sites.install(model, "patch", [(sites.Site(_SITE[block], index), _patch(index, block))
+                                   for index in range(n_layers(model)) for block in BLOCKS
+                                   if block != "embed" or index == 0], first=True)
+
+
+def _keep_input(index: int):
+    def fn(value):
+        run = _RUN.get()
+        if isinstance(run, Run) and index in run.checkpoint_layers:
+            run.checkpoints[index] = value[0].detach().to("cpu", copy=True)  # one copy a kept layer
         return None
-    acts = [a for a in run.interventions.at(layer) if a.patches(kind)]
-    if not acts:
-        return None
-    value = blocks.output_tensor(out)
-    n = value.shape[1]
-    positions = run.positions[:, -n:].to(value.device)
-    valid = run.valid_on(value.device)[:, -n:]
-    for intervention in acts:
-        value = intervention.block_output(value, positions, valid, run.sink_key(layer))
-    return blocks.with_output(out, value)
+    return fn
 
 
-def _hook_blocks(model) -> None:
-    """Hook every layer's attention and MLP output modules once, so that a run's ``patch`` interventions
-    apply; the hooks read the active run, so runs of other sessions on the same model are untouched. A family
-    whose blocks are not mapped is refused here, with one line (:func:`attnviz.core.blocks.family`)."""
-    with _HOOKS:  # once, however many sessions ask at the same time
-        if getattr(model, "_attnviz_patches_blocks", False):
-            return
-        for index in range(n_layers(model)):
-            for kind, module in zip(blocks.KINDS, blocks.source_modules(model, index)):
-                module.register_forward_hook(functools.partial(_patch_block, index, kind))
-        model._attnviz_patches_blocks = True
-
-
-def _keep_input(index: int, module, args, kwargs) -> None:
-    run = _RUN.get()
-    if isinstance(run, Run) and index in run.checkpoint_layers:
-        hidden = args[0] if args else kwargs["hidden_states"]
-        run.checkpoints[index] = hidden[0].detach().to("cpu", copy=True)  # one copy a kept layer
-
-
-def _resumable_layers(model) -> torch.nn.ModuleList:
+def resumable_layers(model) -> torch.nn.ModuleList:
+    """The layers a forward can resume from, or a ``ValueError`` that says why not."""
     layers = decoder_layers(model)
     if layers is None:
-        raise ValueError(anatomy.of(model).resumable if not getattr(model.config, "is_encoder_decoder", False)
+        raise ValueError(anatomy.of(model).why_not_resumable if not getattr(model.config, "is_encoder_decoder", False)
                          else f"{model.config.model_type} models cannot resume a forward from a layer's input")
     return layers
 
 
-def _keep_layer_inputs(model) -> None:
-    """Hook every decoder layer once, so that a run asking for ``checkpoint_layers`` keeps their inputs;
-    the hook reads the active run, so runs of other sessions on the same model are untouched."""
-    layers = _resumable_layers(model)
-    with _HOOKS:  # once, however many sessions ask at the same time
-        if not getattr(model, "_attnviz_keeps_inputs", False):
-            for index, layer in enumerate(layers):
-                layer.register_forward_pre_hook(functools.partial(_keep_input, index), with_kwargs=True)
-            model._attnviz_keeps_inputs = True
+def keep_layer_inputs(model) -> None:
+    """Install, once per model, the functions that keep the inputs of the layers a run names in
+    ``checkpoint_layers`` (on the host, the batch's first row)."""
+    layers = resumable_layers(model)
+    sites.install(model, "inputs", [(sites.Site("resid_pre", index), _keep_input(index))
+                                    for index in range(len(layers))])
 
 
 @contextmanager
 def layer_input_norms(model):
     """Inside, every forward of this thread records, per decoder layer, the norm of each token's residual stream
     entering it ((n,) float32 on the host, by layer index, of the batch's first row): the massive activations'
-    measure (Sun et al. 2024) without keeping a hidden state, so a long text costs n floats a layer. Hooks on the
-    anatomy's layers, removed after; other threads' forwards (the shared server's sessions) are not read."""
+    measure (Sun et al. 2024) without keeping a hidden state, so a long text costs n floats a layer. Other threads'
+    forwards (the shared server's sessions) are not read; a model the anatomy does not map reads nothing."""
     norms: dict[int, "torch.Tensor"] = {}
-    owner = threading.get_ident()
 
-    def keep(index, module, args, kwargs):
-        if threading.get_ident() == owner:
-            hidden = args[0] if args else kwargs["hidden_states"]
-            norms[index] = torch.linalg.vector_norm(hidden[0], dim=-1, dtype=torch.float32).cpu().numpy()
+    def keep(index):
+        def fn(value):
+            norms[index] = torch.linalg.vector_norm(value[0], dim=-1, dtype=torch.float32).cpu().numpy()
+        return fn
 
-    layers = decoder_layers(model)  # None for a model the anatomy does not map: nothing is read
-    handles = [layer.register_forward_pre_hook(functools.partial(keep, index), with_kwargs=True)
-               for index, layer in enumerate(layers or [])]
-    try:
+    layers = decoder_layers(model)
+    with sites.hooks(model, [(sites.Site("resid_pre", index), keep(index)) for index in range(len(layers or []))]):
         yield norms
-    finally:
-        for handle in handles:
-            handle.remove()

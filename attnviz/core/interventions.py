@@ -215,24 +215,32 @@ class HeadWindow(Intervention):
         return window[None] | ~chosen[:, None, None]
 
 
+BLOCKS = ("mlp", "attn", "embed")  # what patch replaces: a block's write, or the embedding's
+
+
 @KINDS.register()
 @dataclass(frozen=True, kw_only=True)
 class Patch(Intervention):
-    """A block's output replaced at some tokens by zero or its mean elsewhere (docs/methods.md#patch)."""
+    """A block's output replaced at some tokens by zero or its mean elsewhere (docs/methods.md#patch). ``block``
+    ``embed`` is the embedding's write (the first layer's input); ``rows``: the batch rows it changes (None: every
+    row), so that one batch holds several patches, one a row (the causal scan)."""
 
     name: ClassVar[str] = "patch"
     changes_probabilities: ClassVar[bool] = False  # its own layer's attention is untouched: SDPA may compute it
     block: str = "mlp"
     tokens: str = "0"
     value: str = "zero"
+    rows: tuple[int, ...] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "block", str(self.block).strip().lower())
         object.__setattr__(self, "value", str(self.value).strip().lower())
-        if self.block not in ("mlp", "attn"):
-            raise InputError(f"patch block must be mlp or attn, got '{self.block}'")
+        if self.block not in BLOCKS:
+            raise InputError(f"patch block must be {', '.join(BLOCKS[:-1])} or {BLOCKS[-1]}, got '{self.block}'")
         if self.value not in ("zero", "mean"):
             raise InputError(f"patch value must be zero or mean, got '{self.value}'")
+        if self.rows is not None and (not self.rows or min(self.rows) < 0):
+            raise InputError(f"patch rows are batch rows such as 0 or 0,2; got {self.rows!r}")
         text = str(self.tokens).replace(" ", "").lower()
         if text != "sink":
             try:
@@ -243,6 +251,10 @@ class Patch(Intervention):
                 raise InputError(f"patch tokens must be positions such as 0 or 0,1, or sink; got '{self.tokens}'")
             text = ",".join(map(str, chosen))
         object.__setattr__(self, "tokens", text)
+
+    def check(self, n_layers: int, n_heads: int) -> None:
+        if self.block == "embed" and self.layers not in (None, (0,)):
+            raise InputError("patch(block=embed) replaces the first layer's input: give it @0 or no layers")
 
     def patches(self, block: str) -> bool:
         return block == self.block
@@ -257,6 +269,12 @@ class Patch(Intervention):
 
     def block_output(self, out, positions, valid, sink_key):
         chosen = torch.isin(positions, torch.tensor(self.positions(sink_key), device=positions.device))  # (B, n)
+        if self.rows is not None:
+            if max(self.rows) >= out.shape[0]:
+                raise InputError(f"patch rows {self.rows} past the batch's {out.shape[0]} rows")
+            mine = torch.zeros(out.shape[0], dtype=torch.bool, device=chosen.device)
+            mine[list(self.rows)] = True
+            chosen = chosen & mine[:, None]
         if not bool(chosen.any()):
             return out
         if self.value == "zero":
@@ -273,7 +291,7 @@ class Patch(Intervention):
 
 
 USAGE = ("sinklogit(b=B), sinkscale(key=K, beta=B), temperature(t=T), ablate(heads=H,..., how=zero|mean), "
-         "headwindow(heads=H,..., s=S, w=W) or patch(block=mlp|attn, tokens=0|0,1|sink, value=zero|mean), "
+         "headwindow(heads=H,..., s=S, w=W) or patch(block=mlp|attn|embed, tokens=0|0,1|sink, value=zero|mean), "
          "each with an optional @LAYERS (20-29, 0,5,7), joined with ';'")
 
 
@@ -294,6 +312,11 @@ class Interventions:
 
     def __bool__(self) -> bool:
         return bool(self.items)
+
+    def plus(self, *more: Intervention) -> "Interventions":
+        """These and ``more``, applied after them."""
+        items = self.items + tuple(more)
+        return Interventions(items, "; ".join(i.spec for i in items))
 
 
 NONE = Interventions()

@@ -73,8 +73,18 @@ class Record:
     whole_allow_bytes: int | None = None  # allow-sets above it are made a block of rows at a time
     sizes: object = None  # attnviz.core.sizes.Sizes, as a keep's plan makes them
 
+    @classmethod
+    def nothing(cls, **given) -> "Record":
+        """Record no layer: the forward's output only (``given``: other fields, ``on_layer`` or ``checkpoints``)."""
+        return cls(layers=frozenset(), **given)
 
-NOTHING = Record(layers=frozenset())  # record no layer: the forward's output only
+    @classmethod
+    def every_layer(cls, **given) -> "Record":
+        """Record every layer (``given``: other fields, ``recorders`` or ``checkpoints``)."""
+        return cls(layers=None, **given)
+
+
+NOTHING = Record.nothing()  # record no layer: the forward's output only
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ necessary writers and their chains; attribution's leaders are marked in it.
 from __future__ import annotations
 
 import re
-import threading
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -25,12 +24,10 @@ import torch
 
 from attnviz.capture import capture
 from attnviz.core import anatomy as anatomy_mod
-from attnviz.core import engine, models
-from attnviz.core.forward import check_head, head_logits
+from attnviz.core import engine, models, sites
 from attnviz.core.interventions import Patch
-from attnviz.core.probe import output_tensor
-from attnviz.core.recorders import Recorder
 from attnviz.core.models import LoadedModel
+from attnviz.core.sink_recorders import SinkColumn
 from attnviz.effects.evaluate import evaluate
 from attnviz.errors import InputError
 from attnviz.plan import Keep
@@ -185,7 +182,7 @@ def leaders(run, on_layer: Callable[[int, int], None] | None = None) -> dict[str
     return out
 
 
-_leaders = leaders  # the scan's own argument ``leaders`` shadows the function there
+leaders_of = leaders  # the scan's own argument ``leaders`` shadows the function there
 
 
 def check(loaded: LoadedModel, text: str, recipe, sources: list[str] | None = None, value: str = "zero",
@@ -234,120 +231,17 @@ class Report:
 
 # --- the causal scan of every block (docs/methods.md#the-causal-scan) ----------------------------------------
 #
-# A causal scan of every block (docs/methods.md#the-causal-scan): each layer's attention and MLP write, and the
-# embedding, removed at the sink token one at a time, and what happens to the sink and to the text's perplexity.
-#
-# Score attribution names the sources the sink key's score sits in; a write that reaches the sink only through later
-# blocks is never named there (Gemma 3's MLP 1 makes MLP 3 write the sink). Only removing each write in turn says
-# which are necessary, and the chain says how: for each necessary write, the later writes at the sink token whose
-# size changes with it.
-#
-# Each check is the causal check's own (:class:`attnviz.effects.causal.CausalCheck`: the attention on every layer's
-# sink key before and after, the perplexity before and after), the same numbers as ``patch`` of that block alone
-# (``tests/test_scan.py``), made faster:
-#
-# - a patch at layer l changes nothing below l, so its forward resumes from layer l's input, kept from the one
-#   unpatched forward (the engine's resume), and the layers below are read from that forward;
-# - the patches of one layer share one batch (its attention and its MLP, and the embedding at layer 0), each row
-#   patched by its own hook on the anatomy's write modules (hooks of this thread only: the shared server's other
-#   sessions run the same model);
-# - the sink's attention is read by a recorder of the sink key's column alone, and the perplexity from the same
-#   forward's logits: one forward a batch, where the causal check of one block runs two.
-#
-# The top layer's blocks are not scanned: no layer above reads their writes, so there is no sink to measure after
-# them.
+# Each layer's attention and MLP write, and the embedding, removed at the sink token one at a time: what happens to
+# the sink and to the perplexity. Attribution names the sources the sink key's score sits in; only removing each write
+# says which are necessary, and the chain says how (the later writes at the sink token whose size changes with it).
+# Each check is the causal check's own, the same numbers as ``patch`` of that block alone (``tests/test_scan.py``):
+# the engine's ``patch`` of one batch row each (a layer's attention and MLP, and the embedding at layer 0, share one
+# batch), resumed from layer l's input kept by the one unpatched forward (the engine's checkpoints); the sink's
+# attention read by a recorder of its column alone, the perplexity from the same forward's logits, the writes' norms
+# at the named sites. The top layer's blocks are not scanned: no layer above reads their writes.
 
 NECESSARY = 0.5  # a write is necessary when removing it takes at least half the sink's attention away
 CHANGED = 0.5  # a later write "changes with it" when its norm at the sink token moves by at least half
-
-
-class _SinkColumn(Recorder):
-    """Per layer and batch row, alpha at the layer's sink key per head (the mean of its column over every query
-    that may see it, the key's own query included; NaN where no other query does), from the blocks the engine
-    makes: only the sink key's column is read."""
-
-    kind = "reduced"
-
-    def __init__(self):
-        self.sums: dict[int, torch.Tensor] = {}
-        self.counts: dict[int, torch.Tensor] = {}
-
-    def block(self, run, layer, q0, k0, probs, allow):
-        key = run.sink_key(layer)
-        if not k0 <= key < k0 + probs.shape[-1]:
-            return
-        column = probs[..., key - k0].float()  # (B, H, b)
-        seen = allow[..., key - k0].expand_as(column)  # (B, H, b)
-        total = (column * seen).sum(-1)
-        count = seen.sum(-1).float()
-        self.sums[layer] = self.sums.get(layer, 0) + total
-        self.counts[layer] = self.counts.get(layer, 0) + count
-
-    def attention(self, layer: int) -> torch.Tensor:
-        """(B,) the mean over heads of alpha at the sink key (heads where it is undefined left out; NaN if all)."""
-        sums, counts = self.sums[layer], self.counts[layer]
-        alpha = torch.where(counts > 1, sums / counts.clamp(min=1), torch.nan)  # counts include the key's own query
-        defined = torch.isfinite(alpha)
-        return torch.where(defined.any(-1), torch.where(defined, alpha, 0).sum(-1) / defined.sum(-1).clamp(min=1),
-                           torch.nan)
-
-
-class _Writes:
-    """Hooks on every layer's attention and MLP write (and the first layer's input, the embedding): each records its
-    norm at the layer's sink token per batch row, and removes the write of the rows named in ``patched`` (layer,
-    block) → rows, at that token: zero, or its mean over the other positions (the ``patch`` intervention's own
-    :meth:`~attnviz.core.interventions.Patch.block_output`)."""
-
-    def __init__(self, loaded, sink_keys: list[int], value: str):
-        self.found = anatomy_mod.of(loaded.model)
-        self.sink_keys = sink_keys
-        self.patch = Patch(tokens="sink", value=value)  # the block it names is unused: the hooks pick the block
-        self.patched: dict[tuple[int, str], list[int]] = {}
-        self.norms: dict[tuple[int, str], torch.Tensor] = {}
-        self.owner = threading.get_ident()
-        self.handles = []
-        for L in self.found.layers:
-            for block, module in (("attn", L.attn_write), ("mlp", L.mlp_write)):
-                self.handles.append(module.register_forward_hook(self._hook(L.index, block)))
-        first = self.found.layers[0].module
-        self.handles.append(first.register_forward_pre_hook(self._embed, with_kwargs=True))
-
-    def _replace(self, value: torch.Tensor, layer: int, rows: list[int]) -> torch.Tensor:
-        """``value`` (B, n, d) with rows ``rows`` patched at the layer's sink token by ``patch``'s own block_output."""
-        positions = torch.arange(value.shape[1], device=value.device)[None]
-        valid = torch.ones_like(positions, dtype=torch.bool)
-        value = value.clone()
-        for row in rows:
-            value[row:row + 1] = self.patch.block_output(value[row:row + 1], positions, valid, self.sink_keys[layer])
-        return value
-
-    def _hook(self, layer: int, block: str):
-        def hook(module, args, out):
-            if threading.get_ident() != self.owner:
-                return None
-            value = output_tensor(out)
-            rows = self.patched.get((layer, block), [])
-            if rows:
-                value = self._replace(value, layer, rows)
-            self.norms[(layer, block)] = value[:, self.sink_keys[layer]].float().norm(dim=-1)
-            if not rows:
-                return None
-            return (value, *out[1:]) if isinstance(out, tuple) else value
-        return hook
-
-    def _embed(self, module, args, kwargs):
-        if threading.get_ident() != self.owner:
-            return None
-        rows = self.patched.get((0, "embed"), [])
-        if not rows:
-            return None
-        hidden = args[0] if args else kwargs["hidden_states"]
-        hidden = self._replace(hidden, 0, rows)
-        return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
-
-    def remove(self):
-        for handle in self.handles:
-            handle.remove()
 
 
 @dataclass
@@ -402,11 +296,11 @@ def blocks_of(n_layers: int) -> list[str]:
 @torch.no_grad()
 def scan(loaded, text: str, recipe="fwd", value: str = "zero", leaders: bool = True,
          on_step: Callable[[int, int], None] | None = None) -> Scan:
-    """The causal scan of every block of ``text`` under ``recipe`` (see the module docstring); ``leaders`` marks the
+    """The causal scan of every block of ``text`` under ``recipe`` (see the comment above); ``leaders`` marks the
     blocks score attribution names (one attribution of every layer, skipped with False). ``on_step(done, total)``
     counts the batched forwards."""
     from attnviz.effects.explain import Residual
-    from attnviz.recipe import Recipe, build
+    from attnviz.recipe import build
     from attnviz.tokens import tokenize
 
     models.require(loaded, "the causal scan")
@@ -416,58 +310,62 @@ def scan(loaded, text: str, recipe="fwd", value: str = "zero", leaders: bool = T
     _check_sink(loaded, text, recipe)
     built = build(loaded, recipe).only("the causal scan", "intervene", "prepend")
     built.architecture.require_causal("compute a perplexity")
-    found = anatomy_mod.of(loaded.model)
-    if found.resumable:
-        raise InputError(f"the causal scan resumes each patched forward from a layer's input: {found.resumable}")
+    found, model = anatomy_mod.of(loaded.model), loaded.model
+    if not found.resumable:
+        raise InputError(f"the causal scan resumes each patched forward from a layer's input: "
+                         f"{found.why_not_resumable}")
     ids, _ = tokenize(loaded, text, prepend=recipe.prepend)
     built.check_text(len(ids))
     n, L = len(ids), loaded.n_layers
     if L < 2:
         raise InputError("the causal scan needs a layer above the blocks it removes: this model has one layer")
-    sink_keys = [engine.auto_key(mask, n, layer.window) for mask, layer in zip(built.architecture.layers,
-                                                                                 found.layers)]
-    led = _leaders(Residual(loaded, text, recipe)) if leaders else {}
+    sink_keys = engine.sink_keys(built.architecture.layers, n, [layer.window for layer in found.layers])
+    led = leaders_of(Residual(loaded, text, recipe)) if leaders else {}
     total = L  # the unpatched forward, then one batch per layer below the top
-    writes = _Writes(loaded, sink_keys, value)
     targets = torch.tensor(ids[1:])
-    try:
-        def forward(batch: int, start: int, hidden0, column: _SinkColumn):
-            record = engine.Record(None, recorders=(column,))
-            input_ids = torch.tensor([ids] * batch)
-            if start == 0 and hidden0 is None:
-                out = built.forward(loaded, input_ids, record, engine.Feed(hidden_states=True))
-                return out[0].float(), out[1]
-            out = {}
-            engine.resume(loaded.model, hidden0.expand(batch, -1, -1), start, input_ids, built.computes, record,
-                          out=out)
-            return head_logits(loaded.model, out["hidden"], last_only=False).float(), None
+    norms: dict[tuple[int, str], torch.Tensor] = {}  # each write's norm at its layer's sink token, per batch row
 
-        def perplexity(logits: torch.Tensor) -> list[float]:
-            batch, vocab = logits.shape[0], logits.shape[-1]
-            nll = torch.nn.functional.cross_entropy(  # fused: no (B, n, V) log-probabilities written
-                logits[:, :-1].reshape(-1, vocab), targets.to(logits.device).repeat(batch), reduction="none")
-            return [float(np.exp(row.double().mean().item())) for row in nll.view(batch, -1).cpu()]
+    def norm_at(layer: int, block: str):
+        def fn(write):
+            norms[(layer, block)] = write[:, sink_keys[layer]].float().norm(dim=-1)
+        return fn
 
-        column = _SinkColumn()
-        logits, hidden = forward(1, 0, None, column)
+    def perplexity(logits: torch.Tensor) -> list[float]:
+        batch, vocab = logits.shape[0], logits.shape[-1]
+        nll = torch.nn.functional.cross_entropy(  # fused: no (B, n, V) log-probabilities written
+            logits[:, :-1].reshape(-1, vocab), targets.to(logits.device).repeat(batch), reduction="none")
+        return [float(np.exp(row.double().mean().item())) for row in nll.view(batch, -1).cpu()]
+
+    def removal(source: str, row: int) -> Patch:
+        """The engine's ``patch`` of one block's write at its layer's sink token, in one batch row."""
+        block, layer = ("embed", 0) if source == "embed" else (source.split(".")[0], int(source.split(".")[1]))
+        return Patch(block=block, tokens=str(sink_keys[layer]), value=value, rows=(row,), layers=(layer,))
+
+    readers = [(sites.Site(f"{block}_out", layer), norm_at(layer, block)) for layer in range(L)
+               for block in ("attn", "mlp")]
+    with sites.hooks(model, readers):
+        column = SinkColumn()
+        logits, _, run = built.forward(loaded, torch.tensor([ids]),
+                                       engine.Record.every_layer(recorders=(column,), checkpoints=frozenset(range(L))))
+        logits = logits.float()
         base_attention = [float(column.attention(l)[0]) for l in range(L)]
-        base_norms = {k: float(v[0]) for k, v in writes.norms.items()}
+        base_norms = {f"{k[1]}.{k[0]}": float(v[0]) for k, v in norms.items()}
         before = SinkProfile(sink_keys, base_attention, perplexity(logits)[0], n)
-        top = {}  # the head read again from a resumed top layer: the logits a resumed forward gives are the model's
-        writes.patched = {}
-        engine.resume(loaded.model, hidden[L - 1][0], L - 1, torch.tensor([ids]), built.computes, out=top)
-        check_head(loaded.model, top["hidden"], logits[:, -1], "the causal scan")
+        # the logits a resumed forward reads are the model's own (checked once per model)
+        engine.checked_head(model, torch.tensor([ids]), run.checkpoints[L - 1], logits[:, -1], built.computes,
+                            "the causal scan")
         if on_step:
             on_step(1, total)
         checks, after_norms = [], {}
         for layer in range(L - 1):
             rows = (["embed"] if layer == 0 else []) + [f"attn.{layer}", f"mlp.{layer}"]
-            writes.patched = {(0, "embed") if r == "embed" else (layer, r.split(".")[0]): [i] for i, r in
-                              enumerate(rows)}
-            writes.norms = {}
-            column = _SinkColumn()
-            logits, _ = forward(len(rows), layer, hidden[layer][0][None], column)
-            ppl = perplexity(logits)
+            computes = replace(built.computes, interventions=built.computes.interventions.plus(
+                *(removal(source, i) for i, source in enumerate(rows))))
+            norms.clear()
+            column = SinkColumn()
+            resumed = engine.resume(model, run.checkpoints[layer], layer, torch.tensor([ids] * len(rows)), computes,
+                                    engine.Record.every_layer(recorders=(column,)))
+            ppl = perplexity(resumed.logits(model, last_only=False).float())
             for i, source in enumerate(rows):
                 attention = [base_attention[l] if l < layer else float(column.attention(l)[i]) for l in range(L)]
                 spec = (f"the embedding at the sink token replaced by {value}" if source == "embed"
@@ -475,25 +373,25 @@ def scan(loaded, text: str, recipe="fwd", value: str = "zero", leaders: bool = T
                 checks.append(CausalCheck(source, led.get(source, []), spec, before,
                                           SinkProfile(sink_keys, attention, ppl[i], n)))
                 # the writes this batch ran: its own layer's and those above, all a chain may name
-                after_norms[source] = {f"{k[1]}.{k[0]}": float(v[i]) for k, v in writes.norms.items()}
+                after_norms[source] = {f"{k[1]}.{k[0]}": float(v[i]) for k, v in norms.items()}
             if on_step:
                 on_step(layer + 2, total)
-    finally:
-        writes.remove()
     drops = {c.source: c.drop(list(range(c.layer + 1, L))) for c in checks}  # every layer the removal can reach
     necessary = [source for source, drop in drops.items() if np.isfinite(drop) and drop >= NECESSARY]
-    named = {f"{k[1]}.{k[0]}": v for k, v in base_norms.items()}
-    chains = {}
-    for source in necessary:
-        later = []
-        for block, norm_before in named.items():
-            if _order(block) <= _order(source):
-                continue
-            norm_after = after_norms[source][block]
-            change = (norm_after - norm_before) / norm_before if norm_before > 0 else 0.0
-            if abs(change) >= CHANGED:
-                later.append({"block": block, "norm_before": round(norm_before, 4), "norm_after": round(norm_after, 4),
-                              "change": round(change, 4)})
-        chains[source] = later
+    chains = {source: _chain(source, base_norms, after_norms[source]) for source in necessary}
     return Scan(recipe.to_dict(), n, checks, necessary, chains, "the top layer's blocks: no layer above reads their "
                 "writes")
+
+
+def _chain(source: str, before: dict[str, float], after: dict[str, float]) -> list[dict]:
+    """The later writes at the sink token whose norm moves by at least :data:`CHANGED` when ``source`` is removed."""
+    later = []
+    for block, norm_before in before.items():
+        if _order(block) <= _order(source):
+            continue
+        norm_after = after[block]
+        change = (norm_after - norm_before) / norm_before if norm_before > 0 else 0.0
+        if abs(change) >= CHANGED:
+            later.append({"block": block, "norm_before": round(norm_before, 4), "norm_after": round(norm_after, 4),
+                          "change": round(change, 4)})
+    return later

@@ -5,38 +5,41 @@ Run a clean and a corrupted text of the same number of tokens; then, for every l
 that site into the corrupted run and measure a metric at the last position. The effect of each patch is
 (patched − corrupted) / (clean − corrupted) of the metric: 1 restores the clean run, 0 changes nothing.
 
-Sites (the model anatomy's modules, :mod:`attnviz.core.anatomy`; forward hooks written here, removed after, no
-modelling code patched):
+Sites (the engine's named sites, :mod:`attnviz.core.sites`, docs/methods.md#sites; no modelling code patched):
 
 - ``resid``: the residual stream entering layer l (the layer's input);
 - ``attn`` / ``mlp``: the block's write, as the stream adds it (a post-norm's output where the family has one);
 - ``heads``: one head's output before the output projection (the input of W_O, head h's slice).
 
-Metrics at the last position: ``logit_diff`` = logit(answer) − logit(wrong); ``kl`` = the KL divergence of the
-clean run's next-token distribution from the run's (its effect: 1 − KL(patched) / KL(corrupted)); ``sink`` = the
-attention of the last query on each layer's sink key (docs/methods.md#auto-key), averaged over layers and heads.
+A metric is a function of a run's logits at the last position (and, where it asks, the sink's attention by layer)
+that gives one number a batch row; three are named: ``logit_diff`` = logit(answer) − logit(wrong); ``kl`` = the KL
+divergence of the clean run's next-token distribution from the run's (its effect: 1 − KL(patched) / KL(corrupted));
+``sink`` = the attention of the last query on each layer's sink key (docs/methods.md#auto-key), averaged over layers
+and heads.
 The recipe's architecture and interventions apply to every run (masks, patches, a BOS control). Each layer's
 patched runs share one batched forward (positions or heads as the batch).
 """
 
 from __future__ import annotations
 
-import threading
+import inspect
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 
 from attnviz.core import anatomy as anatomy_mod
-from attnviz.core import engine, models
-from attnviz.core.forward import check_head, head_logits
-from attnviz.core.modules import output_linear
-from attnviz.core.probe import output_tensor
-from attnviz.core.recorders import Recorder
+from attnviz.core import engine, models, sites
+from attnviz.core.sink_recorders import SinkCell
 from attnviz.errors import InputError
 
 SITES = ("resid", "attn", "mlp", "heads")
 METRICS = ("logit_diff", "kl", "sink")
+#: The app's default example: the same number of tokens, the clean run prefers ``answer`` and the corrupted run
+#: ``wrong`` (on the default model, SmolLM2-135M: logit(answer) − logit(wrong) is 4.81 clean, −9.06 corrupted).
+EXAMPLE = {"clean": "The Eiffel Tower is located in the city of",
+           "corrupted": "The Colosseum is located in the city of", "answer": " Paris", "wrong": " Rome"}
 
 
 @dataclass
@@ -85,142 +88,70 @@ def one_token(loaded, text: str, what: str) -> int:
     return int(ids[0])
 
 
-def _site_module(found, site: str, layer: int):
-    L = found[layer]
-    return {"resid": L.module, "attn": L.attn_write, "mlp": L.mlp_write, "heads": None}[site] or output_linear(L.attn)
+# each site as the named sites call it (docs/methods.md#sites), and where a patch of one batch row puts the clean value
+_SITE = {"resid": "resid_pre", "attn": "attn_out", "mlp": "mlp_out", "heads": "head_z"}
 
 
-def _pre_site(site: str) -> bool:
-    """Whether the site is a module's input (a pre-hook) rather than its output."""
-    return site in ("resid", "heads")
+def _setter(site: str, clean: torch.Tensor, rows: list[int]):
+    """Row b of the batch gets the clean activation at position ``rows[b]`` (``heads``: of head ``rows[b]``, at every
+    position)."""
+    if site == "heads":
+        return sites.put(clean, range(len(rows)), heads=rows)
+    return sites.put(clean, range(len(rows)), positions=rows)
 
 
-class _Site:
-    """Hooks at one site of every layer: ``keep`` records each layer's activation (B=1); ``put`` replaces, in row b of
-    a batch, one position's (or one head's) activation with the kept clean one. The hooks act in the thread that
-    made them only: the shared server's other sessions run the same model."""
-
-    def __init__(self, loaded, site: str, layers: list[int]):
-        self.found = anatomy_mod.of(loaded.model)
-        self.site, self.layers = site, layers
-        self.kept: dict[int, torch.Tensor] = {}
-        self.heads = loaded.n_heads
-        self.owner = threading.get_ident()
-
-    def _hook(self, layer: int, change):
-        if _pre_site(self.site):
-            def pre(module, args, kwargs):
-                if threading.get_ident() != self.owner:
-                    return None
-                value = args[0] if args else kwargs["hidden_states"]
-                new = change(value)
-                if new is None:
-                    return None
-                return ((new, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": new})
-            return _site_module(self.found, self.site, layer).register_forward_pre_hook(pre, with_kwargs=True)
-
-        def post(module, args, out):
-            if threading.get_ident() != self.owner:
-                return None
-            new = change(output_tensor(out))
-            if new is None:
-                return None
-            return (new, *out[1:]) if isinstance(out, tuple) else new
-        return _site_module(self.found, self.site, layer).register_forward_hook(post)
-
-    def keep(self) -> list:
-        def keeper(layer):
-            def change(value):
-                self.kept[layer] = value.detach().clone()
-                return None
-            return change
-        return [self._hook(l, keeper(l)) for l in self.layers]
-
-    def put(self, layer: int, rows: list[int]) -> list:
-        """Row b of the batch gets the clean activation at position ``rows[b]`` (``heads``: of head ``rows[b]``, at
-        every position)."""
-        clean = self.kept[layer]
-
-        def change(value):
-            value = value.clone()
-            for b, r in enumerate(rows):
-                if self.site == "heads":
-                    d = value.shape[-1] // self.heads
-                    value[b, :, r * d:(r + 1) * d] = clean[0, :, r * d:(r + 1) * d].to(value.dtype)
-                else:
-                    value[b, r] = clean[0, r].to(value.dtype)
-            return value
-        return [self._hook(layer, change)]
-
-
-def _last_logits(built, loaded, ids: torch.Tensor, record=None) -> tuple[torch.Tensor, object]:
-    logits, _, run = built.forward(loaded, ids, record or engine.Record(frozenset()),
-                                   engine.Feed(last_logits_only=True))
-    return logits[:, -1].float(), run
-
-
-class _SinkRow(Recorder):
-    """A recorder of the last query's attention on each layer's sink key (the ``sink`` metric): per layer, (B,) the
-    mean over heads."""
-
-    kind = "reduced"
-
-    def __init__(self):
-        self.values: dict[int, list] = {}
-        self.n = 0
-
-    def start(self, run, layer, inputs):
-        self.n = inputs.key.shape[2]
-
-    def block(self, run, layer, q0, k0, probs, allow):
-        last, key = self.n - 1, run.sink_key(layer)
-        if q0 <= last < q0 + probs.shape[-2] and k0 <= key < k0 + probs.shape[-1]:
-            self.values.setdefault(layer, []).append(probs[:, :, last - q0, key - k0].float().mean(1))
-
-    def layers(self) -> dict[int, torch.Tensor]:
-        """Per recorded layer, (B,) the last query's attention on its sink key, the mean over heads."""
-        return {layer: sum(v) for layer, v in self.values.items()}  # one block holds the last row
-
-    def mean(self, below: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-        """The mean over every layer: the recorded ones, and ``below`` (a corrupted run's values of the layers a
-        resumed run did not run again, the same for every row)."""
-        per_layer = {**(below or {}), **self.layers()}
-        batch = max(v.numel() for v in per_layer.values())
-        return torch.stack([v.expand(batch) for v in per_layer.values()]).mean(0)
-
-
-def _measure(metric: str, logits: torch.Tensor, answer: int | None, wrong: int | None,
-             clean_logp: torch.Tensor | None, sink: torch.Tensor | None) -> torch.Tensor:
-    """(B,) the metric of each row's last-position logits (B, V)."""
+def _metric(metric, loaded, answer, wrong) -> tuple[str, Callable, bool]:
+    """(its name, ``fn(logits, attention, clean_logp)`` → (B,), whether it reads the sink's attention)."""
+    if callable(metric):
+        takes = len([p for p in inspect.signature(metric).parameters.values()
+                     if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)])
+        if takes not in (1, 2):
+            raise InputError("a metric is a function of the run's logits (B, V) at the last position, or of them and "
+                             "its sink attention by layer: metric(logits) or metric(logits, attention)")
+        name = getattr(metric, "__name__", "custom")
+        return name, ((lambda logits, attention, _: metric(logits, attention)) if takes == 2
+                      else (lambda logits, attention, _: metric(logits))), takes == 2
+    metric = str(metric).strip().lower()
+    if metric not in METRICS:
+        raise InputError(f"unknown metric '{metric}': expected one of {', '.join(METRICS)}, or a function of the logits")
+    if metric != "logit_diff" and (answer is not None or wrong is not None):
+        raise InputError(f"the {metric} metric reads no answer or wrong token: give --answer and --wrong with "
+                         "--metric logit_diff only")
     if metric == "logit_diff":
-        return logits[:, answer] - logits[:, wrong]
+        if answer is None or wrong is None:
+            raise InputError("the logit difference needs --answer and --wrong (one token each)")
+        a, w = one_token(loaded, answer, "answer"), one_token(loaded, wrong, "wrong")
+        if a == w:
+            raise InputError(f"--answer and --wrong are the same token ({answer!r})")
+        return metric, (lambda logits, attention, _: logits[:, a] - logits[:, w]), False
     if metric == "kl":
-        logp = torch.log_softmax(logits, -1)
-        return (clean_logp.exp() * (clean_logp - logp)).sum(-1)
-    return sink
+        def kl(logits, attention, clean_logp):
+            logp = torch.log_softmax(logits, -1)
+            return (clean_logp.exp() * (clean_logp - logp)).sum(-1)
+        return metric, kl, False
+    return metric, (lambda logits, attention, _: _mean_over_layers(attention)), True
+
+
+def _mean_over_layers(attention: dict[int, torch.Tensor]) -> torch.Tensor:
+    return torch.stack(list(attention.values())).mean(0)
 
 
 def patching(loaded, clean: str, corrupted: str, answer: str | None = None, wrong: str | None = None,
-             site: str = "resid", metric: str = "logit_diff", recipe="fwd", on_layer=None) -> Patching:
+             site: str = "resid", metric="logit_diff", recipe="fwd", on_layer=None) -> Patching:
     """The activation-patching grid of ``site`` (see the module docstring) from ``clean`` into ``corrupted`` under
-    ``recipe`` (an architecture string or a :class:`~attnviz.recipe.Recipe`). ``answer`` and ``wrong`` (one token
-    each) are needed by ``logit_diff``. ``on_layer(done, total)`` reports progress, one batched forward a layer."""
+    ``recipe`` (an architecture string or a :class:`~attnviz.recipe.Recipe`). ``metric``: a named one, or a function
+    of the run's last-position logits (B, V) returning (B,), ``metric(logits)``, or of them and the sink's attention,
+    ``metric(logits, attention)`` (by layer, (B,) the last query's attention on that layer's sink key, the mean over
+    heads). ``answer`` and ``wrong`` (one token each) are read by ``logit_diff`` only. ``on_layer(done, total)``
+    reports progress, one batched forward a layer."""
     from attnviz.recipe import Recipe, build
     from attnviz.tokens import tokenize
 
     models.require(loaded, "activation patching")
-    site, metric = str(site).strip().lower(), str(metric).strip().lower()
+    site = str(site).strip().lower()
     if site not in SITES:
         raise InputError(f"unknown site '{site}': expected one of {', '.join(SITES)}")
-    if metric not in METRICS:
-        raise InputError(f"unknown metric '{metric}': expected one of {', '.join(METRICS)}")
-    answer_id = wrong_id = None
-    if metric == "logit_diff":
-        if answer is None or wrong is None:
-            raise InputError("the logit difference needs --answer and --wrong (one token each)")
-        answer_id, wrong_id = one_token(loaded, answer, "answer"), one_token(loaded, wrong, "wrong")
-        if answer_id == wrong_id:
-            raise InputError(f"--answer and --wrong are the same token ({answer!r})")
+    name, measure, reads_sink = _metric(metric, loaded, answer, wrong)
     recipe = Recipe.of(loaded, recipe)
     built = build(loaded, recipe).only("activation patching", "intervene", "prepend")
     ids_c, tok_c = tokenize(loaded, clean, prepend=recipe.prepend)
@@ -230,57 +161,52 @@ def patching(loaded, clean: str, corrupted: str, answer: str | None = None, wron
                          "patching puts each position's activation into the same position, so they must have the "
                          "same number of tokens")
     built.check_text(len(ids_c))
-    n, layers = len(ids_c), list(range(loaded.n_layers))
-    sites = _Site(loaded, site, layers)
-    found = anatomy_mod.of(loaded.model)
-    # a patch at layer l changes nothing below l: its runs resume from the corrupted run's input of layer l
-    # (the engine's resume), where the family can resume, and share one batch
-    inputs = _Site(loaded, "resid", layers) if not found.resumable and built.variant is None else None
+    n, layers, model = len(ids_c), list(range(loaded.n_layers)), loaded.model
+    # a patch at layer l changes nothing below l: its runs resume from the corrupted run's input of layer l (the
+    # engine's checkpoints and resume), where the family can resume, and share one batch
+    resumes = anatomy_mod.of(model).resumable and built.variant is None
+    below: dict[int, torch.Tensor] = {}  # the corrupted run's sink values by layer (layers a resumed run skips)
 
-    below: dict[int, torch.Tensor] = {}  # the corrupted run's sink values by layer (the ``sink`` metric)
+    def run(ids, pairs=(), batch=1, start=0, keep_inputs=False):
+        sink = SinkCell() if reads_sink else None
+        inputs = frozenset(layers) if keep_inputs else frozenset()
+        record = (engine.Record.every_layer(recorders=(sink,), checkpoints=inputs) if sink
+                  else engine.Record.nothing(checkpoints=inputs))
+        input_ids = torch.tensor([ids] * batch)
+        with torch.no_grad(), sites.hooks(model, pairs):
+            if start > 0:
+                logits = engine.resume(model, checkpoints[start], start, input_ids, built.computes, record
+                                       ).logits(model).float()
+                made = None
+            else:
+                out = built.forward(loaded, input_ids, record, engine.Feed(last_logits_only=True))
+                logits, made = out[0][:, -1].float(), out[2]
+        attention = {**{l: v.expand(batch) for l, v in below.items() if l < start}, **sink.layers()} if sink else None
+        return logits, attention, made
 
-    def run(ids, handles=(), batch=1, start=0, keep_sink=False):
-        sink = _SinkRow() if metric == "sink" else None
-        record = engine.Record(None, recorders=(sink,)) if sink else engine.Record(frozenset())
-        try:
-            with torch.no_grad():
-                if start > 0:
-                    out = {}
-                    hidden = inputs.kept[start][0].expand(batch, -1, -1)
-                    engine.resume(loaded.model, hidden, start, torch.tensor([ids] * batch), built.computes,
-                                  record, out=out)
-                    logits = head_logits(loaded.model, out["hidden"]).float()
-                else:
-                    logits, _ = _last_logits(built, loaded, torch.tensor([ids] * batch), record)
-        finally:
-            for h in handles:
-                h.remove()
-        if sink is not None and keep_sink:
-            below.update(sink.layers())
-        return logits, (sink.mean({l: v for l, v in below.items() if l < start}) if sink else None)
-
-    logits_c, sink_c = run(ids_c, sites.keep())
-    logits_x, sink_x = run(ids_x, inputs.keep() if inputs is not None else (), keep_sink=True)
-    if inputs is not None:  # the logits a resumed forward reads are the model's own
-        top = {}
-        with torch.no_grad():
-            engine.resume(loaded.model, inputs.kept[n_top := loaded.n_layers - 1][0], n_top, torch.tensor([ids_x]),
-                          built.computes, out=top)
-        check_head(loaded.model, top["hidden"], logits_x, "activation patching")
-    clean_logp = torch.log_softmax(logits_c, -1) if metric == "kl" else None
-    value_c = float(_measure(metric, logits_c, answer_id, wrong_id, clean_logp, sink_c)[0])
-    value_x = float(_measure(metric, logits_x, answer_id, wrong_id, clean_logp, sink_x)[0])
+    kept: dict[int, torch.Tensor] = {}
+    logits_c, sink_c, _ = run(ids_c, [(sites.Site(_SITE[site], l), sites.keep(kept, l)) for l in layers])
+    logits_x, sink_x, made = run(ids_x, keep_inputs=resumes)
+    checkpoints = made.checkpoints if resumes else {}
+    if sink_x is not None:
+        below.update(sink_x)
+    if resumes:  # the logits a resumed forward reads are the model's own (once per model)
+        engine.checked_head(model, torch.tensor([ids_x]), checkpoints[layers[-1]], logits_x, built.computes,
+                            "activation patching")
+    clean_logp = torch.log_softmax(logits_c, -1)
+    value_c = float(measure(logits_c, sink_c, clean_logp)[0])
+    value_x = float(measure(logits_x, sink_x, clean_logp)[0])
     if not abs(value_c - value_x) > 1e-6 * max(1.0, abs(value_c)):
-        raise InputError(f"the clean and the corrupted text give the same {metric} ({value_c:.4g}): there is "
+        raise InputError(f"the clean and the corrupted text give the same {name} ({value_c:.4g}): there is "
                          "nothing for a patch to restore")
     rows = list(range(loaded.n_heads)) if site == "heads" else list(range(n))
     effect = np.zeros((len(layers), len(rows)))
     for layer in layers:
-        start = layer if inputs is not None else 0
-        logits, sink = run(ids_x, sites.put(layer, rows), batch=len(rows), start=start)
-        values = _measure(metric, logits, answer_id, wrong_id, clean_logp, sink)
-        effect[layer] = ((values - value_x) / (value_c - value_x)).cpu().numpy()
+        setter = [(sites.Site(_SITE[site], layer), _setter(site, kept[layer], rows))]
+        logits, attention, _ = run(ids_x, setter, batch=len(rows), start=layer if resumes else 0)
+        values = measure(logits, attention, clean_logp)
+        effect[layer] = ((values.float() - value_x) / (value_c - value_x)).cpu().numpy()
         if on_layer:
             on_layer(layer + 1, len(layers))
-    return Patching(site, metric, value_c, value_x, layers, list(range(n)), effect, (tok_c, tok_x),
+    return Patching(site, name, value_c, value_x, layers, list(range(n)), effect, (tok_c, tok_x),
                     rows if site == "heads" else [], answer, wrong, recipe.to_dict())
