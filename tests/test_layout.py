@@ -1,5 +1,7 @@
 """The package's layout shows its flow (docs/layout.md): no import circle among attnviz's modules, ``stats/`` is the
-pure definitions (it imports nothing from ``core/``), and no file of the engine (``core/``) is much above 300 lines."""
+pure definitions (it imports nothing from ``core/``), ``core/``'s subsystems in import order, no file of the engine
+(``core/engine/``) much above 300 lines and no file of the library, the pages or the app's glue above 400, and
+docs/layout.md names every file."""
 
 import ast
 from pathlib import Path
@@ -7,6 +9,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "attnviz"
 MOST_LINES = 320  # "about 300": the engine's files are read whole, one seam each
+MOST_ANYWHERE = 400  # no file of attnviz/, pages/ or ui/ above it
+# core/'s subsystems in import order: each imports only from itself and those before it (at module level)
+CORE_ORDER = ("model", "kernel", "spec", "record", "sizing", "engine", "loading")
 
 
 def _module(path: Path) -> str:
@@ -63,5 +68,36 @@ def test_stats_imports_nothing_from_core():
 
 
 def test_the_engine_files_are_read_whole():
-    long = {p.name: n for p in (PACKAGE / "core").glob("*.py") if (n := len(p.read_text().splitlines())) > MOST_LINES}
+    long = {p.name: n for p in (PACKAGE / "core" / "engine").glob("*.py")
+            if (n := len(p.read_text().splitlines())) > MOST_LINES}
     assert not long, long
+
+
+def test_no_file_is_above_400_lines():
+    long = {str(p.relative_to(ROOT)): n for folder in ("attnviz", "pages", "ui") for p in (ROOT / folder).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MOST_ANYWHERE}
+    assert not long, long
+
+
+def test_core_is_subpackages_in_import_order():
+    """core/ holds no module of its own but its subsystems' packages, each with a docstring that says what it holds,
+    and each imports (at module level) only from itself and the subsystems before it."""
+    core = PACKAGE / "core"
+    assert {p.name for p in core.glob("*.py")} == {"__init__.py"}
+    assert {p.name for p in core.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(CORE_ORDER)
+    graph = _graph(top_level_only=True)
+    for rank, sub in enumerate(CORE_ORDER):
+        package = core / sub
+        assert ast.get_docstring(ast.parse((package / "__init__.py").read_text())), sub
+        allowed = {f"attnviz.core.{s}" for s in CORE_ORDER[:rank + 1]}
+        for path in package.glob("*.py"):
+            upward = {m for m in graph[_module(path)] if m.startswith("attnviz.core.")
+                      and not any(m == a or m.startswith(a + ".") for a in allowed)}
+            assert not upward, (path.name, upward)
+
+
+def test_docs_layout_names_every_file():
+    text = (ROOT / "docs" / "layout.md").read_text()
+    missing = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+               if p.name != "__init__.py" and str(p.relative_to(PACKAGE)) not in text and f"`{p.name}`" not in text]
+    assert not missing, missing

@@ -141,7 +141,7 @@ def test_the_sink_metric_resumed_equals_the_full_forward(monkeypatch):
     lm = tiny.loaded("qwen2")
     resumed = patching(lm, CLEAN, CORRUPTED, site="mlp", metric="sink")
     found = anatomy.of(lm.model)
-    monkeypatch.setattr(anatomy, "of", lambda model: __import__("dataclasses").replace(found, resumable="no"))
+    monkeypatch.setattr(anatomy, "of", lambda model: __import__("dataclasses").replace(found, resumable=False, why_not_resumable="no"))
     full = patching(lm, CLEAN, CORRUPTED, site="mlp", metric="sink")
     np.testing.assert_allclose(resumed.effect, full.effect, atol=1e-5)
 
@@ -155,18 +155,18 @@ def test_the_sink_metric_resumed_equals_the_full_forward(monkeypatch):
     (["--clean", "The cat", "--corrupted", "The cat", "--answer", "P", "--wrong", "R"], "nothing for a patch"),
 ])
 def test_bad_input_is_refused_in_one_line(argv, message, capsys, monkeypatch):
-    import attnviz.cli as cli
+    from attnviz.cli import common
 
-    monkeypatch.setattr(cli, "_load", lambda args: tiny.loaded("llama"))
+    monkeypatch.setattr(common, "load", lambda args: tiny.loaded("llama"))
     assert main(["patching"] + argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
 
 
 def test_the_json_contract(capsys, monkeypatch):
-    import attnviz.cli as cli
+    from attnviz.cli import common
 
-    monkeypatch.setattr(cli, "_load", lambda args: tiny.loaded("llama"))
+    monkeypatch.setattr(common, "load", lambda args: tiny.loaded("llama"))
     assert main(["patching", "--clean", CLEAN, "--corrupted", CORRUPTED, "--answer", "P", "--wrong", "R",
                  "--site", "heads", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -201,29 +201,3 @@ def test_the_patching_page_draws_the_librarys_grid(default_model, tmp_path):
     at.text_input(key="pt_corrupted").input("The capital of Italy is").run()
     at.button(key="pt_run").click().run()
     assert any("the same number of tokens" in e.value for e in at.error)
-
-
-def test_another_thread_s_forward_is_not_patched():
-    """The shared server's sessions run one model: a patching run's hooks act in its own thread only."""
-    import threading
-
-    from attnviz.effects.patching import _Site
-
-    lm = tiny.loaded("llama")
-    ids = torch.tensor([lm.tokenizer(CLEAN)["input_ids"]])
-    with torch.no_grad():
-        expected = lm.model(ids).logits
-    site = _Site(lm, "resid", [0])
-    site.kept[0] = torch.zeros(1, ids.shape[1], lm.model.config.hidden_size)
-    handles, seen = site.put(0, [3]), {}
-    try:
-        worker = threading.Thread(target=lambda: seen.update(logits=lm.model(ids).logits.detach()))
-        worker.start()
-        worker.join()
-        with torch.no_grad():
-            patched = lm.model(ids).logits
-    finally:
-        for handle in handles:
-            handle.remove()
-    torch.testing.assert_close(seen["logits"], expected)
-    assert not torch.allclose(patched, expected)  # the owner's own forward is patched

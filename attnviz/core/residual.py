@@ -78,10 +78,10 @@ def why_not(found) -> str:
         return "its blocks have no pre-norm"
     if any(l.scale != 1.0 for l in layers):
         return "its residual writes are scaled"
-    if found.embed_scaled:
-        return "its first layer's input is not the token embedding (scaled embeddings)"
     if found.rotary is None:
         return "it has no rotary embedding"
+    if found.embed_scaled:
+        return "its first layer's input is not the token embedding (scaled embeddings)"
     if not all(isinstance(getattr(l.attn, name, None), nn.Linear) for l in layers for name in ("v_proj", "o_proj")):
         return "its attention has no separate v_proj and o_proj"
     return ""

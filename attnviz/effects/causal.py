@@ -299,7 +299,7 @@ def scan(loaded, text: str, recipe="fwd", value: str = "zero", leaders: bool = T
     """The causal scan of every block of ``text`` under ``recipe`` (see the comment above); ``leaders`` marks the
     blocks score attribution names (one attribution of every layer, skipped with False). ``on_step(done, total)``
     counts the batched forwards."""
-    from attnviz.effects.explain import Residual
+    from attnviz.effects.attribution import KeptForward
     from attnviz.recipe import build
     from attnviz.tokens import tokenize
 
@@ -320,7 +320,7 @@ def scan(loaded, text: str, recipe="fwd", value: str = "zero", leaders: bool = T
     if L < 2:
         raise InputError("the causal scan needs a layer above the blocks it removes: this model has one layer")
     sink_keys = engine.sink_keys(built.architecture.layers, n, [layer.window for layer in found.layers])
-    led = leaders_of(Residual(loaded, text, recipe)) if leaders else {}
+    led = leaders_of(KeptForward(loaded, text, recipe)) if leaders else {}
     total = L  # the unpatched forward, then one batch per layer below the top
     targets = torch.tensor(ids[1:])
     norms: dict[tuple[int, str], torch.Tensor] = {}  # each write's norm at its layer's sink token, per batch row

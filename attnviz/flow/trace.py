@@ -1,13 +1,13 @@
 """One forward under a recipe that measures every layer's contributions (docs/methods.md#contributions): the
-capture side of routes. Hooks on the model anatomy's modules (:mod:`attnviz.core.anatomy`) read each layer's input,
-its heads' outputs, the stream after its attention and its output; a recorder takes the layer's probabilities and
-values as the engine computed them, the recipe's masks and interventions applied. Each layer is reduced as soon as
-its output exists; only its contributions (entries at or above a floor) and the residual stream stay.
+capture side of routes. The engine's named sites (docs/methods.md#sites, in the tracing thread only) read each
+layer's input, its heads' outputs, its attention's write, the stream after its attention and its output; a recorder
+takes the layer's probabilities and values as the engine computed them, the recipe's masks and interventions applied.
+Each layer is reduced as soon as its output exists; only its contributions (entries at or above a floor) and the
+residual stream stay.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -15,9 +15,8 @@ import numpy as np
 import torch
 
 from attnviz.core import anatomy as anatomy_mod
-from attnviz.core import engine, precision
+from attnviz.core import engine, precision, sites
 from attnviz.core.modules import output_projection
-from attnviz.core.probe import output_tensor
 from attnviz.core.recorders import Recorder
 from attnviz.errors import InputError
 from attnviz.flow.contributions import attention_raw, kept_entries, normalised, proximity, raw_part
@@ -148,7 +147,7 @@ def _made(probs: torch.Tensor, value: torch.Tensor, z: torch.Tensor, tolerance: 
 
 
 class _Layer:
-    """The hooks of one layer and its reduction when its output exists."""
+    """What one layer's sites keep, and its reduction when its output exists."""
 
     def __init__(self, tracer: "_Tracer", layer: anatomy_mod.Layer, n_heads: int):
         self.tracer, self.layer, self.n_heads = tracer, layer, n_heads
@@ -162,29 +161,36 @@ class _Layer:
     def _width(self) -> int:
         return output_projection(self.layer.attn).shape[0]
 
-    def hooks(self) -> list:
-        from attnviz.core.modules import output_linear
+    def pairs(self) -> list[tuple[sites.Site, object]]:
+        """(site, function) of the layer: its input x, its heads' outputs z, the attention block's own output o (where
+        a post-norm follows it), its write as the stream adds it, the stream y after it (not with parallel blocks),
+        and its output, which reduces the layer."""
+        l, keep = self.layer.index, self.keep
+        pairs = [(sites.Site("resid_pre", l), keep("x")), (sites.Site("head_z", l), keep("z")),
+                 (sites.Site("attn_out", l), keep("write")), (sites.Site("resid_post", l), keep("out", self.reduce))]
+        if self.post is not None:
+            pairs.append((sites.Site("attn_block", l), keep("o")))
+        if not self.layer.parallel:
+            pairs.append((sites.Site("resid_mid", l), keep("y")))
+        return pairs
 
-        L, keep = self.layer, self.tracer.keep
-        handles = [
-            L.module.register_forward_pre_hook(keep(self, "x"), with_kwargs=True),
-            output_linear(L.attn).register_forward_pre_hook(keep(self, "z"), with_kwargs=True),
-            L.attn_write.register_forward_pre_hook(keep(self, "o"), with_kwargs=True),
-            L.attn_write.register_forward_hook(keep(self, "write", output=True), with_kwargs=True),
-            L.module.register_forward_hook(keep(self, "out", output=True, then=self.reduce), with_kwargs=True),
-        ]
-        if not L.parallel:
-            handles.append((L.mlp_norm or L.mlp).register_forward_pre_hook(keep(self, "y"), with_kwargs=True))
-        return handles
+    def keep(self, name: str, then=None):
+        def fn(value):
+            self.seen[name] = value[0].detach().float()
+            if name == "x" and self.layer.index == 0:
+                self.tracer.streams.append(self.seen["x"].cpu())
+            if then is not None:
+                then()
+        return fn
 
     @torch.no_grad()
     def reduce(self) -> None:
         seen, L, tracer = self.seen, self.layer, self.tracer
         probs, value = tracer.recorded.pop("probs"), tracer.recorded.pop("value")
-        x, z, o, out = seen["x"], seen["z"], seen["o"], seen["out"]
+        x, z, out = seen["x"], seen["z"], seen["out"]
         s = L.scale
-        written = seen["write"]
-        y = seen["y"] if "y" in seen else x + s * written
+        written = seen["write"]  # as the stream adds it: s times the block's write
+        y = seen["y"] if "y" in seen else x + written
         w_out = output_projection(L.attn).detach().float().to(x.device)  # (D, H d)
         n_heads, width = self.n_heads, w_out.shape[0]
         d = w_out.shape[1] // n_heads
@@ -193,7 +199,7 @@ class _Layer:
                              f"match its output projection ({width} × {n_heads} heads × {d})")
         per_head = w_out.view(width, n_heads, d).permute(1, 0, 2)  # (H, D, d)
         if self.post is not None:
-            inv = self.post.inv(o)[:, 0]  # (n,)
+            inv = self.post.inv(seen["o"])[:, 0]  # (n,)
             gamma = self.post.gamma.to(x.device)
             centred = per_head - per_head.mean(1, keepdim=True) if self.post.centre else per_head
             per_head = gamma[None, :, None] * centred
@@ -208,14 +214,14 @@ class _Layer:
         # the block's write is its heads' (a patch replaces it); in half precision y − x carries the rounding of y,
         # which is relative to the stream (massive at a sink token), not to the write
         slack = precision.stream_rounding(tracer.dtype, torch.maximum(x.abs().amax(-1), y.abs().amax(-1)))
-        rows_ok = _close(y - x, s * written, tol, slack)
+        rows_ok = _close(y - x, written, tol, slack)
         keep = heads_ok & rows_ok[:, None]  # (n, H)
         # one read from the device for every flag the host needs (each read waits for the device)
         heads_all, rows_all, dropped = torch.stack((heads_ok.all(), rows_ok.all(), (~keep).sum())).tolist()
         if not tracer.intervened and not (heads_all and rows_all):
             what = ("its heads' outputs are not their probabilities times their values" if not heads_all
                     else "the stream after it is not its input plus its write")
-            missed = float(_miss(y - x, s * written, slack).max()) if heads_all else float(
+            missed = float(_miss(y - x, written, slack).max()) if heads_all else float(
                 _miss(torch.einsum("hqk,hkd->qhd", probs, value.repeat_interleave(group, 0)),
                       z.view(z.shape[0], n_heads, d)).max())
             raise InputError(f"routes: {tracer.family} layer {L.index}: the attention's write is not the sum of its "
@@ -248,19 +254,6 @@ class _Tracer:
         self.recorded: dict = {}
         self.layers: list[LayerFlow] = []
         self.streams: list[torch.Tensor] = []
-        self.owner = threading.get_ident()  # the shared server's other sessions run the same model: not theirs
-
-    def keep(self, where: _Layer, name: str, output: bool = False, then=None):
-        def hook(module, args, kwargs, *out):
-            if threading.get_ident() != self.owner:
-                return
-            value = output_tensor(out[0]) if output else (args[0] if args else kwargs.get("hidden_states"))
-            where.seen[name] = value[0].detach().float()
-            if name == "x" and where.layer.index == 0:
-                self.streams.append(where.seen["x"].cpu())
-            if then is not None:
-                then()
-        return hook
 
 
 def trace(loaded, text: str, recipe="fwd", max_tokens: int | None = None, on_layer=None,
@@ -282,20 +275,16 @@ def trace(loaded, text: str, recipe="fwd", max_tokens: int | None = None, on_lay
     built.check_text(len(ids))
     tracer = _Tracer(loaded, built, floor)
     layers = [_Layer(tracer, layer, loaded.n_heads) for layer in tracer.anatomy.layers]
-    handles = [h for layer in layers for h in layer.hooks()]
     started = time.perf_counter()
     progress = (lambda l: on_layer(l + 1, loaded.n_layers)) if on_layer else None
-    try:
-        with torch.no_grad():
-            built.forward(loaded, torch.tensor([ids]),
-                          engine.Record(recorders=(_Probs(tracer.recorded),), on_layer=progress),
-                          engine.Feed(last_logits_only=True))
-    finally:
-        for handle in handles:
-            handle.remove()
+    # the sites act in this thread only: the shared server's other sessions run the same model
+    with torch.no_grad(), sites.hooks(loaded.model, [pair for layer in layers for pair in layer.pairs()]):
+        built.forward(loaded, torch.tensor([ids]),
+                      engine.Record(recorders=(_Probs(tracer.recorded),), on_layer=progress),
+                      engine.Feed(last_logits_only=True))
     n = len(ids)
     windows = [layer.window for layer in tracer.anatomy.layers]
-    sinks = [engine.auto_key(mask, n, window) for mask, window in zip(built.architecture.layers, windows)]
+    sinks = engine.sink_keys(built.architecture.layers, n, windows)
     streams = torch.stack(tracer.streams).numpy()
     return Flow(tokens, list(ids), built.recipe, built.architecture.spec, loaded.n_heads, sinks, tracer.layers,
                 streams, floor, meta={"model": loaded.model_id, "seconds": time.perf_counter() - started,
