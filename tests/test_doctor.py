@@ -5,18 +5,24 @@ branch (the fused kernel, its speed, a kernel that will not compile) is in tests
 
 No verdict of a speed check is asserted here: timings belong to the doctor's own report and to bench/."""
 
+import contextvars
+import dataclasses
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
 import torch
 
-from attnviz.core import routes
+from attnviz.core import kernels, routes
 from attnviz import doctor, load
+from attnviz.capture import capture
 from attnviz.cli import main
 from attnviz.core import engine
 from attnviz.core import reduce
+from attnviz.doctor import checks as doctor_checks, timing
+from attnviz.plan import Keep
 
 from tiny import ARCHS, char_tokenizer, build, loaded
 
@@ -97,7 +103,7 @@ def test_a_slow_machine_is_reported_not_failed(monkeypatch, capsys):
         calls.append(fn)
         return 1.0 if len(calls) < 3 else 10.0  # the plain forward twice, then the statistics capture
 
-    monkeypatch.setattr(doctor, "_timed", timed)
+    monkeypatch.setattr(timing, "seconds_per_call", timed)
     checks = doctor.speed(loaded("llama"), "a b c d e f g h", "cpu")
     speed = _speed(checks)
     assert speed.ratio == 10.0 and speed.status == "TIME" and "slower than expected" in speed.detail
@@ -108,8 +114,11 @@ def test_a_slow_machine_is_reported_not_failed(monkeypatch, capsys):
 
 
 def test_the_whole_report_passes_when_only_speed_is_slow(monkeypatch):
-    monkeypatch.setattr(doctor, "_timed", lambda fn, device, repeats, windows=3: 1.0 if "plain" in fn.__name__ else 9.0)
-    monkeypatch.setattr(doctor, "equivalence", lambda loaded, text: [doctor.Check("maps", "PASS", 0.0, 1e-4)])
+    monkeypatch.setattr(timing, "seconds_per_call",
+                        lambda fn, device, repeats, windows=3: 1.0 if "plain" in fn.__name__ else 9.0)
+    healthy = dataclasses.replace(doctor.FAMILIES[0],
+                                  checks=lambda loaded, text: [doctor.Check("maps", "PASS", 0.0, 1e-4)])
+    monkeypatch.setattr(doctor_checks, "FAMILIES", (healthy, *doctor.FAMILIES[1:]))
     report = doctor.run(loaded("llama"), tokens=64)
     assert report.ok and report.text().splitlines()[-1].startswith("all checks passed")
     assert "slower than expected" in report.text()
@@ -145,7 +154,7 @@ def test_a_wrong_deep_page_capability_fails_its_check(defect, default_model, mon
 
     from attnviz.core import interventions
     from attnviz.flow import contributions
-    from attnviz.effects.explain import Residual
+    from attnviz.effects.explain import KeptForward
 
     if defect == "patch":
         real = interventions.Patch.positions
@@ -155,9 +164,9 @@ def test_a_wrong_deep_page_capability_fails_its_check(defect, default_model, mon
         monkeypatch.setattr(importlib.import_module("attnviz.flow.trace"), "attention_raw",
                             lambda y, probs, *a: real(y, probs * 1.05, *a))
     else:
-        real = Residual._source_side
-        monkeypatch.setattr(Residual, "_source_side", staticmethod(lambda *a, **k: real(*a, **k) * 1.05))
-    text = doctor._text(default_model, doctor.EQUIVALENCE_TOKENS)
+        real = KeptForward._source_side
+        monkeypatch.setattr(KeptForward, "_source_side", staticmethod(lambda *a, **k: real(*a, **k) * 1.05))
+    text = doctor.text_of(default_model, doctor.EQUIVALENCE_TOKENS)
     checks = {c.name.split(":")[0]: c for c in doctor.capabilities(default_model, text)}
     name = {"patch": "patch", "routes": "routes", "attribution": "score attribution"}[defect]
     assert checks[name].status == "FAIL", checks[name].line()
@@ -170,7 +179,7 @@ def test_the_float32_check_leaves_a_bfloat16_model_as_it_was(bf16_model):
     rounded to bfloat16 on the way back."""
     model = bf16_model.model
     before = {name: (t.dtype, t.float().clone()) for name, t in [*model.named_parameters(), *model.named_buffers()]}
-    doctor._float32_end_to_end(bf16_model, doctor._text(bf16_model, 16))
+    doctor.float32_end_to_end(bf16_model, doctor.text_of(bf16_model, 16))
     after = dict([*model.named_parameters(), *model.named_buffers()])
     assert {name: t.dtype for name, t in after.items()} == {name: d for name, (d, _) in before.items()}
     assert any(d == torch.float32 for d, _ in before.values())  # the case that matters: mixed dtypes
@@ -230,7 +239,7 @@ DEFECTS = {
 def test_each_planted_defect_fails_in_both_dtypes(defect, dtype, default_model, bf16_model, monkeypatch):
     lm = default_model if dtype == "float32" else bf16_model
     assert lm.model.dtype == getattr(torch, dtype) and lm.model.device.type == "cpu"
-    text = doctor._text(lm, 48)
+    text = doctor.text_of(lm, 48)
     plant, expected = DEFECTS[defect]
     plant(monkeypatch)
     checks = doctor.equivalence(lm, text)
@@ -300,3 +309,86 @@ def test_the_fused_kernel_check_runs_the_long_texts_geometry_and_catches_a_plant
         monkeypatch.setattr(kernels, "layer_statistics", planted)
         statuses = [c.status for c in doctor.fused_kernel(lm, limit, why, force=True)]
         assert statuses[failing] == "FAIL" and statuses[1 - failing] == "PASS", (broken, statuses)
+
+
+@pytest.fixture
+def chosen(monkeypatch):
+    """Every route the route table chooses, with the thread it chose it in; the fused route is recorded, then run as
+    the block engine, so that no kernel is launched (and the table answers the same with or without Triton)."""
+    real, seen = routes.choose_route, []
+
+    def spy(facts):
+        route = real(facts)
+        seen.append((threading.get_ident(), route))
+        return routes.Route.BLOCKS if route is routes.Route.FUSED else route
+
+    monkeypatch.setattr(routes, "choose_route", spy)
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    return seen
+
+
+def _routes_of(lm, chosen, **forced) -> set:
+    chosen.clear()
+    with routes.forcing(**forced):
+        capture(lm, "a b c d e f g h i j k l", "fwd", Keep(statistics=True, pool=8))
+    return {route for _, route in chosen}
+
+
+def test_a_route_forced_by_argument_is_taken_whatever_the_environment_says(chosen, monkeypatch):
+    """``routes.forcing(fused=...)`` wins over ``ATTNVIZ_FUSED`` both ways, for the calls inside only, and leaves the
+    environment as it was; None changes nothing, and the innermost choice wins."""
+    lm = loaded("llama")
+    fused, blocks = routes.Route.FUSED, routes.Route.BLOCKS
+    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
+    before = dict(os.environ)
+    assert _routes_of(lm, chosen) == {fused}  # the user's setting
+    assert _routes_of(lm, chosen, fused=False) == {blocks}
+    assert _routes_of(lm, chosen, fused=None) == {fused}
+    assert dict(os.environ) == before
+    monkeypatch.setenv("ATTNVIZ_FUSED", "0")
+    before = dict(os.environ)
+    assert _routes_of(lm, chosen) == {blocks}
+    assert _routes_of(lm, chosen, fused=True) == {fused}
+    with routes.forcing(fused=True):
+        assert _routes_of(lm, chosen, fused=False) == {blocks}
+        assert _routes_of(lm, chosen, fused=None) == {fused}
+    assert routes.forced_fused() is None and dict(os.environ) == before
+
+
+def test_a_forced_route_is_the_forcing_threads_only(chosen, monkeypatch):
+    """Another thread's forwards on the same model follow the user's setting while this thread forces a route, even
+    given a copy of this thread's context."""
+    lm = loaded("llama")
+    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
+    seen = {}
+
+    def other():
+        seen["forced"] = routes.forced_fused()
+        seen["routes"] = _routes_of(lm, chosen)
+
+    with routes.forcing(fused=False):
+        assert routes.forced_fused() is False
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        copied = contextvars.copy_context()
+        thread = threading.Thread(target=lambda: seen.update(copied=copied.run(routes.forced_fused)))
+        thread.start()
+        thread.join()
+        assert _routes_of(lm, chosen) == {routes.Route.BLOCKS}  # and this thread's own choice still holds
+    assert seen == {"forced": None, "routes": {routes.Route.FUSED}, "copied": None}
+
+
+def test_the_doctors_checks_choose_their_route_by_argument(chosen, monkeypatch):
+    """The block engine's statistics check takes the block engine where the user's setting asks for the fused route,
+    without touching the environment."""
+    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
+    lm = loaded("llama")
+    assert routes.Route.FUSED in _routes_of(lm, chosen)  # what the setting alone does
+    before = dict(os.environ)
+    chosen.clear()
+    checks = doctor.equivalence(lm, doctor.text_of(lm, 48))
+    assert dict(os.environ) == before
+    assert chosen and routes.Route.FUSED not in {route for _, route in chosen}
+    statistics = next(c for c in checks if c.name.startswith("statistics, block engine"))
+    assert statistics.status == "PASS", statistics.line()

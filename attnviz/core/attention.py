@@ -103,7 +103,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         head_mask=head_mask, plain_causal=plain_causal,
         block_reducer=bool(recs) and not any(r.whole_layer for r in recs), fused_reducer=fusable,
         batch_one=batch == 1, position_bias=bias is not None, grad=torch.is_grad_enabled(),
-        kernel=fusable and kernels.wanted(query.device),
+        kernel=fusable and kernels.wanted(query.device, routes.forced_fused()),  # a caller's choice wins
         large_allow=batch * n_q * n_kv > run.sizes.whole_allow,
         streamed=not any(r.whole_layer or r.all_keys for r in recs)))
     if route is routes.Route.SDPA_CAUSAL:

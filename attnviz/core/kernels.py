@@ -18,7 +18,8 @@ device with Triton available, batch 1, no StableMask/SM-I pseudo-logits, learned
 position bias (those keep the block engine, which handles every case). ``ATTNVIZ_FUSED=0`` turns the
 route off; ``ATTNVIZ_FUSED=1`` forces it on any device, which with ``TRITON_INTERPRET=1`` runs the
 kernel in Triton's interpreter on the CPU: that is how the tests check it against the definitions
-(docs/methods.md#sink-metrics) on a machine without a GPU.
+(docs/methods.md#sink-metrics) on a machine without a GPU. That variable is the user's setting; a caller
+forces or forbids the route for its own calls, in its own thread, with :func:`attnviz.core.routes.forcing`.
 
 The kernel's outputs per head: row sums, Σ p·log p, the diagonal, key 0's probability and the
 delimiter share per query; column sums per key (atomic adds across query blocks); and max-pooled
@@ -99,9 +100,21 @@ def disable(err: BaseException) -> None:
     _disabled.append(f"{type(err).__name__}: {err}")
 
 
-def wanted(device: torch.device) -> bool:
-    """Whether recorded layers on ``device`` take the fused route (see the module docstring)."""
-    setting = os.environ.get("ATTNVIZ_FUSED", "")
+def disabled_reason() -> str | None:
+    """Why the fused route was switched off in this process (:func:`disable`), or None while it is not."""
+    return _disabled[0] if _disabled else None
+
+
+def retry() -> None:
+    """Forget that the fused route was switched off: the next layer that wants it tries the kernel again."""
+    _disabled.clear()
+
+
+def wanted(device: torch.device, fused: bool | None = None) -> bool:
+    """Whether recorded layers on ``device`` take the fused route (see the module docstring): ``fused`` True
+    forces it, False forbids it (a caller's choice: :func:`attnviz.core.routes.forcing`), None leaves it to
+    ``ATTNVIZ_FUSED``, else to the device."""
+    setting = os.environ.get("ATTNVIZ_FUSED", "") if fused is None else "1" if fused else "0"
     if setting == "0" or _disabled:
         return False
     if setting == "1":

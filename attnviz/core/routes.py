@@ -1,9 +1,13 @@
-"""How one layer's attention is computed: the route table (:func:`choose_route`), the fused route's layer and the
-block route's probabilities, a block of query rows at a time."""
+"""How one layer's attention is computed: the route table (:func:`choose_route`), a caller's choice of the fused route
+for its own calls (:func:`forcing`), the fused route's layer and the block route's probabilities, a block of query
+rows at a time."""
 
 from __future__ import annotations
 
+import contextvars
 import enum
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +47,7 @@ class Facts:
     batch_one: bool = True
     position_bias: bool = False  # T5's relative position bias
     grad: bool = False  # autograd is on
-    kernel: bool = False  # the fused kernel can run on this device (kernels.wanted)
+    kernel: bool = False  # the fused kernel can run on this device (kernels.wanted, with forced_fused)
     large_allow: bool = False  # the layer's allow-set is above what is made whole (the plan's Sizes.whole_allow)
     streamed: bool = False  # every recorder takes the layer block by block, each block with the keys its rows see
 
@@ -62,6 +66,34 @@ def choose_route(f: Facts) -> Route:
             and not f.grad):
         return Route.ROWWISE
     return Route.BLOCKS
+
+
+# (the thread that forced it, the choice): a context copied into another thread does not carry the choice there
+_FORCED: contextvars.ContextVar["tuple[int, bool] | None"] = contextvars.ContextVar("attnviz_forced", default=None)
+
+
+@contextmanager
+def forcing(fused: bool | None = None):
+    """Inside, this thread's forwards take the fused route wherever a layer's recorders can (``fused=True``: on any
+    device where Triton is installed, in its interpreter on a CPU with ``TRITON_INTERPRET=1``) or never
+    (``fused=False``: the block engine), whatever ``ATTNVIZ_FUSED`` (the user's setting) says; None changes
+    nothing. Other threads and the environment are untouched: a shared server's sessions, and ``attnviz doctor``'s
+    checks of each route (docs/cli.md#check-attnviz-on-this-machine). The innermost wins; a kernel that failed in
+    this process (:func:`attnviz.core.kernels.disabled_reason`) stays off until :func:`attnviz.core.kernels.retry`."""
+    if fused is None:
+        yield
+        return
+    token = _FORCED.set((threading.get_ident(), bool(fused)))
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def forced_fused() -> bool | None:
+    """This thread's choice of the fused route (:func:`forcing`), or None where ``ATTNVIZ_FUSED`` decides."""
+    held = _FORCED.get()
+    return held[1] if held is not None and held[0] == threading.get_ident() else None
 
 
 def _fused_layer(run, layer: int, recs, query, key, value, allow, scaling: float, plain_causal: bool):
