@@ -33,7 +33,7 @@ def main() -> None:
     args = parser.parse_args()
     import attnviz
     from attnviz import corpus
-    from attnviz.effects.explain import Residual, query_key_view
+    from attnviz.effects.explain import KeptForward, query_key_view
     from attnviz.figures.why import query_key_figure
 
     lm = attnviz.load("default")
@@ -48,7 +48,7 @@ def main() -> None:
         del cap
         times["cell"].append(timed(lambda: attnviz.explain(lm, text, "fwd", layer=29, head=3, query=n - 1, key=0))[0])
         times["key"].append(timed(lambda: attnviz.explain(lm, text, "fwd", layer=29, head=3, query="all", key=0))[0])
-        run = Residual(lm, text, "fwd")
+        run = KeptForward(lm, text, "fwd")
         times["view"].append(timed(lambda: query_key_figure(query_key_view(run, 29, 3)))[0])
         del run
         print({k: round(v[-1], 3) for k, v in times.items()}, flush=True)

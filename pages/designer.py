@@ -2,6 +2,7 @@
 
 import streamlit as st
 
+from attnviz import defaults
 from attnviz.core import arch as arch_mod
 from attnviz.errors import AttnvizError
 from attnviz.figures import architecture_masks, stablemask_pseudo
@@ -14,7 +15,7 @@ n_layers = loaded.n_layers if loaded is not None else 30
 st.title("Mask designer")
 definitions("masks", "per-layer-architectures", "the-call-syntax", "stablemask")
 c1, c2 = st.columns([3, 1])
-n = c2.slider("Tokens shown", 4, 24, 10, key="md_n")
+n = c2.slider("Tokens shown", 4, 24, defaults.one(architecture_masks, "n"), key="md_n")
 try:
     architecture = arch_mod.parse(settings.arch, n_layers)
 except AttnvizError as err:
@@ -41,7 +42,7 @@ if architecture is not None:
 
 st.subheader("StableMask pseudo-attention")
 g1, g2 = st.columns(2)
-gamma = g1.slider("gamma", 0.05, 2.0, 0.5, 0.05, key="md_gamma")
+gamma = g1.slider("gamma", 0.05, 2.0, defaults.one(stablemask_pseudo, "gamma"), 0.05, key="md_gamma")
 alibi = g2.toggle("ALiBi slopes per head (head 0 shown)", key="md_alibi")
 st.plotly_chart(stablemask_pseudo(n, "alibi" if alibi else gamma), width="stretch", key="md_stable")
 st.caption("Future slots get the pseudo-score −γ·j; after the softmax they are zeroed without renormalising, "

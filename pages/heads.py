@@ -35,17 +35,19 @@ def text_of(choice: str, n: int) -> str:
 if loaded is None:
     st.warning("Load a model in the sidebar.")
 else:
+    tax_defaults = defaults.of(heads.taxonomy)  # every threshold starts at the library's
     c1, c2, c3, c4 = st.columns([3, 1, 1, 1])
     choice = c1.selectbox("Text", SOURCES, key="hd_source")
     n = int(c2.number_input("Tokens", 80, heads.max_tokens(loaded), 384, step=64, key="hd_tokens",
                             help="every layer's maps are kept in fp32 to score the heads: at most ~1 GB of them",
                             disabled=choice == "The sidebar text"))
-    s = int(c3.number_input("s: sink keys", 0, 64, heads.SINK, key="hd_s"))
-    w = int(c4.number_input("w: recent keys", 1, 4096, heads.WINDOW, key="hd_w"))
+    s = int(c3.number_input("s: sink keys", 0, 64, tax_defaults["s"], key="hd_s"))
+    w = int(c4.number_input("w: recent keys", 1, 4096, tax_defaults["w"], key="hd_w"))
     c1, c2, c3 = st.columns(3)
-    eps = c1.slider("eps (sink)", 0.0, 1.0, defaults.one(heads.taxonomy, "eps"), 0.05, key="hd_eps")
-    tau_stream = c2.slider("tau (streaming)", 0.0, 1.0, heads.TAU_STREAM, 0.05, key="hd_tau_stream")
-    tau_inactive = c3.slider("tau (inactive, AHON)", 0.0, 1.0, heads.TAU_INACTIVE, 0.05, key="hd_tau_inactive")
+    eps = c1.slider("eps (sink)", 0.0, 1.0, tax_defaults["eps"], 0.05, key="hd_eps")
+    tau_stream = c2.slider("tau (streaming)", 0.0, 1.0, tax_defaults["tau_stream"], 0.05, key="hd_tau_stream")
+    tau_inactive = c3.slider("tau (inactive, AHON)", 0.0, 1.0, tax_defaults["tau_inactive"], 0.05,
+                             key="hd_tau_inactive")
     text = text_of(choice, n)
     key = ("heads", loaded.model_id, text, settings.arch, s, w)
     found = jobs.run(key, "Scoring every head", lambda progress: heads.taxonomy(

@@ -5,7 +5,8 @@ import json
 
 import streamlit as st
 
-from attnviz.effects.patching import METRICS, SITES, patching
+from attnviz import defaults
+from attnviz.effects.patching import EXAMPLE, METRICS, SITES, patching
 from attnviz.errors import AttnvizError
 from attnviz.figures.why import patching_figure
 from ui import jobs
@@ -26,17 +27,18 @@ METRIC_NAMES = {"logit_diff": "logit(answer) − logit(wrong)", "kl": "KL from t
 if loaded is None:
     st.warning("Load a model in the sidebar.")
 else:
+    run = defaults.of(patching)
     c1, c2 = st.columns(2)
-    clean = c1.text_input("Clean text", "The capital of France is Paris. The capital of France is", key="pt_clean")
-    corrupted = c2.text_input("Corrupted text", "The capital of Italy is Rome. The capital of France is",
-                              key="pt_corrupted")
+    clean = c1.text_input("Clean text", EXAMPLE["clean"], key="pt_clean")
+    corrupted = c2.text_input("Corrupted text", EXAMPLE["corrupted"], key="pt_corrupted")
     s1, s2, s3, s4 = st.columns([2, 3, 2, 2])
-    site = s1.selectbox("Site", SITES, key="pt_site",
+    site = s1.selectbox("Site", SITES, SITES.index(run["site"]), key="pt_site",
                         help="resid: the stream entering the layer; attn / mlp: the block's write; heads: each "
                              "head's output at every position")
-    metric = s2.selectbox("Metric", METRICS, format_func=METRIC_NAMES.get, key="pt_metric")
-    answer = s3.text_input("Answer token", " Paris", key="pt_answer", disabled=metric != "logit_diff")
-    wrong = s4.text_input("Wrong token", " Rome", key="pt_wrong", disabled=metric != "logit_diff")
+    metric = s2.selectbox("Metric", METRICS, METRICS.index(run["metric"]), format_func=METRIC_NAMES.get,
+                          key="pt_metric")
+    answer = s3.text_input("Answer token", EXAMPLE["answer"], key="pt_answer", disabled=metric != "logit_diff")
+    wrong = s4.text_input("Wrong token", EXAMPLE["wrong"], key="pt_wrong", disabled=metric != "logit_diff")
     recipe = settings.recipe(loaded)
     if recipe is not None:
         key = ("patching", recipe.key, clean, corrupted, site, metric, answer, wrong)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from attnviz import flow
+from attnviz import defaults, flow
 from attnviz.errors import AttnvizError
 from attnviz.figures import routes_figure, sink_share_figure
 from attnviz.figures.routes import MAX_EDGES
@@ -35,12 +35,14 @@ flows = [get_flow(loaded, settings.text, r) for r in recipes]
 if any(f is None for f in flows):
     st.stop()
 tokens = flows[0].tokens
+graph_defaults = defaults.of(flow.graph)  # the token (negative: from the end), τ and the heads start at the library's
 c1, c2, c3 = st.columns([3, 2, 1])
-token = c1.selectbox("Token", range(len(tokens)), index=len(tokens) - 1, key="rt_token",
+token = c1.selectbox("Token", range(len(tokens)), index=graph_defaults["token"] % len(tokens), key="rt_token",
                      format_func=lambda i: f"{i}: {tokens[i]!r}", help="the token whose routes are traced, from the top")
-threshold = c2.slider("Threshold τ", 0.01, 0.2, flow.THRESHOLD, 0.01, key="rt_threshold",
+threshold = c2.slider("Threshold τ", 0.01, 0.2, graph_defaults["threshold"], 0.01, key="rt_threshold",
                       help="an edge is kept when its contribution is at least τ (0.04: Ferrando & Voita's)")
-heads = c3.radio("Heads", ["split", "sum"], horizontal=True, key="rt_heads",
+heads = c3.radio("Heads", ["split", "sum"], ["split", "sum"].index(graph_defaults["heads"]), horizontal=True,
+                 key="rt_heads",
                  help="attention edges one per head, or the heads of a layer summed")
 try:
     graphs = [flow.graph(f, token, threshold, heads) for f in flows]

@@ -37,8 +37,8 @@ def one_text(eps: float) -> None:
     fig_w = sink_map(cap, eps)
     st.plotly_chart(fig_w, width="stretch", key="sk_where")
     figure_downloads(fig_w, export.describe(cap, figure="sink-map", eps=eps), key="sk_where_x")
-    st.caption(f"Sinks (alpha > {eps:g} in some head, [definition](definitions#sinks-at-any-key)): "
-               f"{describe_sinks(cap, eps)}.")
+    st.caption(f"Sinks (alpha > {eps:g} in some head, [definition](definitions#sinks-at-any-key)), every key "
+               f"ringed above with the layers where it is one: {describe_sinks(cap, eps, every=True)}.")
     auto = cap.memo("auto_key", lambda: int(np.bincount([metrics.auto_key(cap.allowed[l]) for l in cap.layers]).argmax()))
     key = st.number_input("Key", 0, cap.n_tokens - 1, min(auto, cap.n_tokens - 1), key="sk_key",
                           help="starts at the first key the mask leaves open to its queries: 0 is the first token, "

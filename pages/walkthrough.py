@@ -3,6 +3,7 @@
 import numpy as np
 import streamlit as st
 
+from attnviz import defaults
 from attnviz.effects import walkthrough as W
 from attnviz.errors import InputError
 from attnviz.figures import labelled_matrix
@@ -25,7 +26,7 @@ c1, c2, c3, c4 = st.columns(4)
 q_text = c1.text_area("Q", fmt(W.Q), key="wt_q")
 k_text = c2.text_area("K", fmt(W.K), key="wt_k")
 v_text = c3.text_area("V", fmt(W.V), key="wt_v")
-mask_name = c4.selectbox("Mask", list(W.MASKS), key="wt_mask")
+mask_name = c4.selectbox("Mask", list(W.MASKS), list(W.MASKS).index(defaults.one(W.steps, "mask_name")), key="wt_mask")
 tokens_text = c4.text_input("Token labels", "The cat sat", key="wt_tokens")
 try:
     q, k, v = W.parse_matrix(q_text, "Q"), W.parse_matrix(k_text, "K"), W.parse_matrix(v_text, "V")
@@ -65,7 +66,9 @@ st.markdown("Linformer (seed 004) multiplies K and V by k × n matrices E and F,
             "Linformer; it approximates full (unmasked) attention. At k = n segment means are the identity.")
 l1, l2 = st.columns(2)
 slots = l1.slider("k slots", 1, k.shape[0], max(1, k.shape[0] - 1), key="wt_lin_k")
-kind = l2.radio("Projection", ["segment", "gaussian"], horizontal=True, key="wt_lin_kind",
+projections = ["segment", "gaussian"]
+kind = l2.radio("Projection", projections, projections.index(defaults.one(W.linformer_steps, "kind")),
+                horizontal=True, key="wt_lin_kind",
                 help="segment: slot s averages positions s·n/k .. (s+1)·n/k − 1; gaussian: seeded N(0, 1/k)")
 try:
     lin = W.linformer_steps(q, k, v, slots, kind)

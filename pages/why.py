@@ -4,6 +4,7 @@ counterfactual, the layer's sink diagnosis and the head's query-key view (docs/m
 import pandas as pd
 import streamlit as st
 
+from attnviz import defaults
 from attnviz.effects import causal
 from attnviz.effects.explain import PROJECTIONS, corpus_samples, diagnose, query_key_view
 from attnviz.errors import AttnvizError
@@ -107,7 +108,8 @@ else:
     t1, t2, t3 = st.columns([2, 2, 1])
     source = t1.selectbox("Source", blocks_first, key="why_test_source",
                           help="default: the block that adds most to this head's score on the key side")
-    value = t2.radio("Its output at the sink token becomes", ["zero", "mean"], horizontal=True, key="why_test_value",
+    value = t2.radio("Its output at the sink token becomes", ["zero", "mean"],
+                     ["zero", "mean"].index(defaults.one(causal.check, "value")), horizontal=True, key="why_test_value",
                      help="mean: the block's mean output over the text's other positions")
     test_key = ("causal", recipe.key, settings.text, source, value)
     if t3.button("Test it", key="why_test", type="primary") or jobs.cached(test_key):
@@ -173,7 +175,8 @@ v1, v2 = st.columns([1, 2])
 pooled = v1.slider("Pool corpus samples", 0, 8, 0, key="why_pool",
                    help="add the first texts of the default corpus (Python's pydoc topics, 96 tokens each) to the "
                         "picture, as AttentionViz pools a corpus's samples")
-method = v2.radio("Projection", list(PROJECTIONS), horizontal=True, key="why_method",
+method = v2.radio("Projection", list(PROJECTIONS), list(PROJECTIONS).index(defaults.one(query_key_view, "method")),
+                  horizontal=True, key="why_method",
                   format_func={"pca": "PCA", "tsne": "t-SNE", "umap": "UMAP"}.get,
                   help="PCA needs nothing and is deterministic; t-SNE and UMAP need scikit-learn / umap-learn")
 runs = [run]

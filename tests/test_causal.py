@@ -9,7 +9,7 @@ import pytest
 from attnviz.capture import capture
 from attnviz.effects import causal
 from attnviz.effects.evaluate import evaluate
-from attnviz.effects.explain import Residual, diagnose
+from attnviz.effects.explain import KeptForward, diagnose
 from attnviz.errors import InputError
 from attnviz.plan import Keep
 from attnviz.recipe import Recipe
@@ -51,7 +51,7 @@ def test_by_default_every_block_is_checked_and_the_leaders_are_marked():
 
     lm = loaded("llama")
     checks = causal.check(lm, TEXT, "fwd")
-    run = Residual(lm, TEXT, "fwd")
+    run = KeptForward(lm, TEXT, "fwd")
     led: dict = {}
     for layer in range(3):
         led.setdefault(diagnose(run, layer).leading()[0], []).append(layer)

@@ -118,6 +118,19 @@ def test_the_readme_says_what_is_true():
     assert "instant viewer" in readme and "docs/viewer.md" in readme
 
 
+def test_the_readme_lists_every_page():
+    """Every page app.py registers has its row in the README's page table, and the table has no other."""
+    pages = re.findall(r'st\.Page\([^\n]*title="([^"]+)"', (ROOT / "app.py").read_text())
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index("| page | what it shows |") + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("| "):
+            break
+        rows.append(line.split("|")[1].strip())
+    assert len(pages) == 13 and sorted(rows) == sorted(pages), (pages, rows)
+
+
 def test_the_support_table_matches_the_code():
     """docs/support.md is what the code says of every family (scripts/support_table.py makes it)."""
     spec = importlib.util.spec_from_file_location("support_table", ROOT / "scripts" / "support_table.py")

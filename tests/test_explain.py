@@ -116,10 +116,10 @@ def test_gpt2_s_counterfactual_is_the_score_without_the_position_embedding():
 
 
 def test_gpt_oss_s_sink_key_counts_its_learned_sink():
-    from attnviz.effects.explain import Residual
+    from attnviz.effects.explain import KeptForward
 
     lm = loaded("gpt_oss")
-    run = Residual(lm, TEXT)
+    run = KeptForward(lm, TEXT)
     probs = run.probabilities(1, 2)
     sink = float(lm.model.model.layers[1].self_attn.sinks[2].detach())
     part = run.head(1, 2)
@@ -248,11 +248,11 @@ def test_attentionviz_leaves_every_softmax_unchanged_and_equalises_the_norms():
 
 
 def test_the_diagnosis_and_the_query_key_view_of_a_layer():
-    from attnviz.effects.explain import Residual, diagnose, query_key_view
+    from attnviz.effects.explain import KeptForward, diagnose, query_key_view
     from attnviz.figures.why import diagnosis_figure, query_key_figure
 
     lm = loaded("llama")
-    run = Residual(lm, TEXT, "fwd")
+    run = KeptForward(lm, TEXT, "fwd")
     d = diagnose(run, 2)
     assert len(d.heads) == lm.n_heads and len(d.key_side) == lm.n_heads and len(d.sources) == 5  # embed + 2 × 2
     for h in d.heads:
@@ -272,13 +272,13 @@ def test_the_diagnosis_and_the_query_key_view_of_a_layer():
 
 
 def test_the_query_key_view_pools_several_texts_and_keeps_every_softmax():
-    from attnviz.effects.explain import Residual, attentionviz, corpus_samples, query_key_view
+    from attnviz.effects.explain import KeptForward, attentionviz, corpus_samples, query_key_view
     from attnviz.figures.why import query_key_figure
 
     lm = loaded("llama")
     samples = corpus_samples(lm, 2, tokens=20)
     assert len(samples) == 2 and all(samples)
-    runs = [Residual(lm, TEXT)] + [Residual(lm, t) for t in samples]
+    runs = [KeptForward(lm, TEXT)] + [KeptForward(lm, t) for t in samples]
     view = query_key_view(runs, 1, 2)
     sizes = [r.n_tokens for r in runs]
     assert view.n == sum(sizes) and len(view.points) == 2 * view.n and view.samples.count(2) == sizes[2]
@@ -296,9 +296,9 @@ def test_the_query_key_view_pools_several_texts_and_keeps_every_softmax():
 
 
 def test_t_sne_is_an_option_and_a_missing_projection_library_is_one_line(monkeypatch):
-    from attnviz.effects.explain import Residual, project, query_key_view
+    from attnviz.effects.explain import KeptForward, project, query_key_view
 
-    run = Residual(loaded("llama"), TEXT)
+    run = KeptForward(loaded("llama"), TEXT)
     pytest.importorskip("sklearn")
     view = query_key_view(run, 2, 1, "tsne")
     again = query_key_view(run, 2, 1, "tsne")
@@ -315,10 +315,10 @@ def test_t_sne_is_an_option_and_a_missing_projection_library_is_one_line(monkeyp
 
 
 def test_an_attention_row_figure_marks_the_explained_key():
-    from attnviz.effects.explain import Residual
+    from attnviz.effects.explain import KeptForward
     from attnviz.figures.why import attention_row_figure
 
-    run = Residual(loaded("llama"), TEXT)
+    run = KeptForward(loaded("llama"), TEXT)
     row = run.probabilities(2, 1)[12]
     fig = attention_row_figure(row.numpy(), list(run.tokens), 12, 0)
     assert list(fig.data[0].y) == pytest.approx(row.tolist()) and fig.data[0].marker.color[0] == "#c0392b"
@@ -358,7 +358,7 @@ def test_the_why_page_opens_at_a_cell_and_a_query_click_updates_it(default_model
 
 
 def test_the_sweep_s_explain_measure_names_each_layer_s_leading_source():
-    from attnviz.effects.explain import Residual, diagnose
+    from attnviz.effects.explain import KeptForward, diagnose
     from attnviz.sweep import measures
     from attnviz.sweep.spec import Cell, parse
 
@@ -371,7 +371,7 @@ def test_the_sweep_s_explain_measure_names_each_layer_s_leading_source():
     from attnviz.effects.evaluate import token_ids
 
     text = lm.tokenizer.decode(token_ids(lm, measures.documents(cell.corpus).text, 40))
-    d = diagnose(Residual(lm, text, "fwd"), 2)
+    d = diagnose(KeptForward(lm, text, "fwd"), 2)
     assert rows[2]["top_source"] == d.leading()[0] and rows[2]["top_heads"] == d.leading()[1]
 
 

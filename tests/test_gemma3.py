@@ -9,7 +9,7 @@ import torch
 from attnviz.capture import capture
 from attnviz.core import models
 from attnviz.effects import causal
-from attnviz.effects.explain import Residual
+from attnviz.effects.explain import KeptForward
 from attnviz.plan import Keep
 from attnviz.recipe import Recipe
 
@@ -81,7 +81,7 @@ def test_patch_equals_a_hook_on_its_post_norm(gemma3_model, stock):
 def test_score_attribution_sums_to_the_captured_score(gemma3_model):
     lm = gemma3_model
     cap = capture(lm, ENGLISH, "fwd", Keep(layers=(9, 17), scores=True, storage_dtype=torch.float32))
-    run = Residual(lm, ENGLISH)
+    run = KeptForward(lm, ENGLISH)
     for layer, head, i, j in ((17, 0, 30, 0), (9, 2, 12, 3)):
         e = run.explain(layer, head, i, j)
         assert e.score == pytest.approx(float(cap.layer_scores(layer)[head, i, j]), abs=1e-4)

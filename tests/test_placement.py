@@ -77,7 +77,7 @@ def test_regions(spec):
 @pytest.mark.parametrize("kind", ["llama", "gemma2", "gpt_oss", "gpt2"])
 def test_explain_probabilities_sink_key_diagnosis_and_query_key_view(kind):
     def why(lm):
-        run = explain.Residual(lm, TEXT, "fwd", upto=2)
+        run = explain.KeptForward(lm, TEXT, "fwd", upto=2)
         return (run.probabilities(2, 1), run.sink_key(2, 1), run.explain(2, 1, "all", 0).score,
                 explain.diagnose(run, 2).key_side, explain.query_key_view(run, 2, 1).points)
 

@@ -13,7 +13,7 @@ import tiny
 from attnviz.cli import main
 from attnviz.core import models, precision
 from attnviz.effects import causal
-from attnviz.effects.explain import Residual, explain
+from attnviz.effects.explain import KeptForward, explain
 from attnviz.errors import AttnvizError, InputError
 from attnviz.flow.trace import trace
 from attnviz.support import in_dtype
@@ -70,7 +70,7 @@ def test_a_refusal_names_the_measured_miss_and_the_limit(default_bf16, monkeypat
 
     monkeypatch.setattr(schemes, "_rotation", lambda *args: None)  # the pieces lose their rotation
     with pytest.raises(InputError, match=r"miss the module's own by 0\.\d+ relative \(limit 0\.0312 in bfloat16\)"):
-        Residual(default_bf16, TEXT).layer_parts(3)
+        KeptForward(default_bf16, TEXT).layer_parts(3)
 
 
 def test_limits_follow_the_dtype():
@@ -92,8 +92,8 @@ def test_the_causal_check_in_bfloat16_agrees_with_float32(default_model, default
 
 def test_the_leaders_are_found_in_bfloat16(default_model, default_bf16):
     """The default causal check (attribution names the leaders) runs in bfloat16 and names what float32 names."""
-    ref = causal.leaders(Residual(default_model, TEXT))
-    got = causal.leaders(Residual(default_bf16, TEXT))
+    ref = causal.leaders(KeptForward(default_model, TEXT))
+    got = causal.leaders(KeptForward(default_bf16, TEXT))
     assert sum(len(v) for v in got.values()) == default_model.n_layers
     shared = sum(len(set(ref.get(s, [])) & set(layers)) for s, layers in got.items())
     assert shared >= default_model.n_layers - 3  # a near tie may flip a layer's leader in rounding
@@ -148,7 +148,7 @@ def test_attribution_past_gemma3_s_window_averages_only_the_queries_that_see_the
     from attnviz import corpus
 
     text = corpus.text_of(gemma3_model.tokenizer, corpus.head_ids(gemma3_model.tokenizer, corpus.stdlib().text, 600))
-    run = Residual(gemma3_model, text, upto=5)
+    run = KeptForward(gemma3_model, text, upto=5)
     n = run.n_tokens
     assert n > 560
     sliding = run.scheme.anatomy[0]
@@ -171,7 +171,7 @@ def test_the_allow_set_attribution_reads_is_the_one_stock_eager_computes(kind):
     a probability (its window applied as the model applies it)."""
     lm = tiny.loaded(kind)
     text = "The cat sat on the mat and looked at the door."
-    run = Residual(lm, text)
+    run = KeptForward(lm, text)
     with torch.no_grad():
         out = lm.model(torch.tensor([run.ids]), output_attentions=True)
     for layer in range(lm.n_layers):
@@ -182,7 +182,7 @@ def test_the_allow_set_attribution_reads_is_the_one_stock_eager_computes(kind):
 @pytest.mark.parametrize("kind", ["qwen2", "mistral", "gemma3_text"])
 def test_attribution_averages_over_the_queries_inside_a_tiny_family_s_window(kind):
     lm = tiny.loaded(kind)
-    run = Residual(lm, "The cat sat on the mat and looked at the door.")
+    run = KeptForward(lm, "The cat sat on the mat and looked at the door.")
     with torch.no_grad():
         out = lm.model(torch.tensor([run.ids]), output_attentions=True)
     for layer in range(lm.n_layers):

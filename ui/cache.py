@@ -250,14 +250,14 @@ def _text_fits(loaded: LoadedModel, text: str, made: Recipe) -> bool:
 
 
 def get_residual(loaded: LoadedModel, text: str, made: Recipe):
-    """One recorded residual stream (attnviz.effects.explain.Residual) per recipe and text, in the capture
+    """One recorded residual stream (attnviz.effects.explain.KeptForward) per recipe and text, in the capture
     cache: the Why page's attribution, diagnosis and query-key view all read it."""
-    from attnviz.effects.explain import Residual
+    from attnviz.effects.explain import KeptForward
 
     if not _text_fits(loaded, text, made):
         return None
     return jobs.run(("residual", made.key, text), f"Recording the residual stream under {made.arch}",
-                    lambda progress: Residual(loaded, text, made, on_layer=progress), store=_captures())
+                    lambda progress: KeptForward(loaded, text, made, on_layer=progress), store=_captures())
 
 
 def get_flow(loaded: LoadedModel, text: str, made: Recipe):

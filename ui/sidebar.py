@@ -9,7 +9,7 @@ import streamlit as st
 
 from attnviz.capture import Capture
 from attnviz.core import arch as arch_mod
-from attnviz.core import devices, interventions
+from attnviz.core import devices, interventions, masks
 from attnviz.errors import AttnvizError
 from attnviz.recipe import Recipe
 from attnviz.core.models import DEFAULT, SHIPPED, LoadedModel, shipped_installed
@@ -81,7 +81,7 @@ def _arch_controls(n_layers: int) -> str:
             return f"mask0&bidir(k={k}, k0={k0})"
         return f"{pick.lower()}(k={k})"
     if pick in ("NoSink-FWD", "NoSink-BIDIR"):
-        m = st.slider("m: hidden first keys", 1, 8, 1, key="arch_m")
+        m = st.slider("m: hidden first keys", 1, 8, arch_mod.MASKS.defaults(pick.lower())["m"], key="arch_m")
         return pick.lower() + (f"(m={m})" if m > 1 else "")
     if pick == "StableMask":
         horizon = st.number_input("SM-I: training length T (0: full StableMask)", 0, 1 << 20, 0, key="arch_T",
@@ -90,7 +90,7 @@ def _arch_controls(n_layers: int) -> str:
         suffix = f", T={horizon}" if horizon else ""
         if st.toggle("per-head ALiBi slopes", key="arch_alibi"):
             return f"stablemask(slopes=alibi{suffix})"
-        gamma = st.slider("gamma", 0.05, 2.0, 0.5, 0.05, key="arch_gamma")
+        gamma = st.slider("gamma", 0.05, 2.0, masks.stablemask().stable, 0.05, key="arch_gamma")  # the library's gamma
         return f"stablemask(gamma={gamma:g}{suffix})"
     if pick == "Sliding window":
         w = st.number_input("w: window", 1, 8192, 16, key="arch_w")
@@ -101,7 +101,7 @@ def _arch_controls(n_layers: int) -> str:
         return f"dilated(w={w}, d={d})"
     if pick == "Global + sliding":
         w = st.number_input("w: window", 1, 8192, 16, key="arch_gw")
-        g = st.number_input("g: global tokens", 0, 64, 1, key="arch_g")
+        g = st.number_input("g: global tokens", 0, 64, arch_mod.MASKS.defaults("global")["g"], key="arch_g")
         return f"global(w={w}, g={g})"
     if pick == "Advanced (string)":
         return st.text_input("Architecture string (docs/methods.md#the-call-syntax)", "fwd*22 + bidir*4 + nosink-bidir*4", key="arch_text",
@@ -130,10 +130,11 @@ def _intervention_controls(n_layers: int, n_heads: int) -> str | None:
     where = f"@{layers}" if layers else ""
     if pick == "sinkscale (ACT)":
         beta = st.slider("beta: share of the sink's attention kept", 0.0, 1.0, 0.3, 0.05, key="iv_beta")
-        key = st.number_input("sink key K", 0, 1 << 20, 0, key="iv_key")
+        key = st.number_input("sink key K", 0, 1 << 20, interventions.KINDS.defaults("sinkscale")["key"], key="iv_key")
         return f"sinkscale(key={key}, beta={beta:g}){where}"
     if pick == "sinklogit":
-        b = st.number_input("b: the extra logit (0: softmax-off-by-one)", -20.0, 20.0, 0.0, 0.5, key="iv_b")
+        b = st.number_input("b: the extra logit (0: softmax-off-by-one)", -20.0, 20.0,
+                            interventions.KINDS.defaults("sinklogit")["b"], 0.5, key="iv_b")
         return f"sinklogit(b={b:g}){where}"
     if pick == "temperature":
         t = st.number_input("t: scores divided by t", 0.05, 20.0, 2.0, 0.05, key="iv_t")

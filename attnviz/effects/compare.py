@@ -57,25 +57,53 @@ def where_sinks_are(cap: Capture, eps: float = metrics.SINK_EPS) -> list[dict | 
     return [next(iter(cap.sinks(layer, eps)), None) for layer in cap.layers]
 
 
-def describe_sinks(cap: Capture, eps: float = metrics.SINK_EPS) -> str:
-    """One sentence per distinct sink key: "the first '.' (key 10) in layers 1, 6–17", strongest key first; or that
-    no key is a sink."""
+def _sink_name(cap: Capture, key: int, token: str) -> str:
+    """A sink key in words: "the first token", "the first '.'" (of several), "'old'" or "key 7" (a blank token)."""
+    if key == 0:
+        return "the first token"
+    if not token.strip():
+        return f"key {key}"
+    first = cap.tokens.index(token) == key and cap.tokens.count(token) > 1
+    return f"the first {token.strip()!r}" if first else repr(token.strip())
+
+
+def describe_sinks(cap: Capture, eps: float = metrics.SINK_EPS, every: bool = False) -> str:
+    """One sentence per distinct sink key: "the first '.' (key 10) in layers 1, 6–17", the key with the most layers
+    first; or that no key is a sink. Each layer's strongest sink only (:func:`where_sinks_are`), or with ``every``
+    each layer's every sink key (:meth:`attnviz.capture.Capture.sinks`, what
+    :func:`attnviz.figures.sinks.sink_map` rings)."""
     from attnviz.core import syntax
 
     by_key: dict[int, list[int]] = {}
     tokens: dict[int, str] = {}
-    for layer, sink in zip(cap.layers, where_sinks_are(cap, eps)):
-        if sink is not None:
+    for layer in cap.layers:
+        found = cap.sinks(layer, eps)
+        for sink in found if every else found[:1]:
             by_key.setdefault(sink["key"], []).append(layer)
             tokens[sink["key"]] = sink["token"]
     if not by_key:
         return f"no key takes alpha above {eps:g} in any head of any layer"
     parts = []
     for key, layers in sorted(by_key.items(), key=lambda kv: -len(kv[1])):
-        token = tokens[key]
-        name = ("the first token" if key == 0 else
-                f"the first {token.strip()!r}" if token.strip() and cap.tokens.index(token) == key else
-                f"{token.strip()!r}" if token.strip() else f"key {key}")
-        parts.append(f"{name} (key {key}) in layer{'s' if len(layers) > 1 else ''} "
+        parts.append(f"{_sink_name(cap, key, tokens[key])} (key {key}) in layer{'s' if len(layers) > 1 else ''} "
                      f"{syntax.ranges(layers).replace('-', '–').replace(',', ', ')}")
     return "; ".join(parts)
+
+
+def main_sink(cap: Capture, eps: float = metrics.SINK_EPS) -> str:
+    """Where a capture's sink is, in one phrase: the key that is the strongest sink (:func:`where_sinks_are`) in the
+    most layers, in how many, in how many another key is, and in how many no key is a sink: "the first token (key 0) in
+    28 of 30 layers, no sink in 2"."""
+    found = where_sinks_are(cap, eps)
+    counts: dict[int, int] = {}
+    for sink in found:
+        if sink is not None:
+            counts[sink["key"]] = counts.get(sink["key"], 0) + 1
+    none = sum(sink is None for sink in found)
+    if not counts:
+        return f"no sink in any layer (no key takes alpha above {eps:g} in any head)"
+    key = max(counts, key=lambda k: (counts[k], -k))
+    token = next(s["token"] for s in found if s is not None and s["key"] == key)
+    other = len(found) - counts[key] - none
+    return (f"{_sink_name(cap, key, token)} (key {key}) in {counts[key]} of {len(found)} layers"
+            + (f", another key in {other}" if other else "") + (f", no sink in {none}" if none else ""))

@@ -34,8 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from attnviz.core import anatomy as anatomy_mod
-from attnviz.core import blocks as core_blocks
-from attnviz.core import precision
+from attnviz.core import precision, sites
 from attnviz.errors import InputError
 
 TOLERANCE = precision.FP32_TOLERANCE  # relative, in float32: the pieces must give back the module's own q and k
@@ -71,17 +70,6 @@ def _position_embedding(found) -> torch.nn.Module | None:
         return None
     tables = [m for m in found.base.children() if isinstance(m, torch.nn.Embedding) and m is not found.embed]
     return tables[0] if len(tables) == 1 else None
-
-
-def source_modules(model, s: Scheme, layer: int) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The modules whose outputs are the attention and the MLP source of ``layer``: what the layer adds
-    to the residual stream (:func:`attnviz.core.blocks.source_modules`), times its residual scale."""
-    return core_blocks.source_modules(model, layer)
-
-
-def first_row(out) -> torch.Tensor:
-    """A hooked module's output for the batch's one text: attention and MoE blocks return tuples."""
-    return core_blocks.output_tensor(out)[0].detach().float()
 
 
 @torch.no_grad()
@@ -170,20 +158,17 @@ def _call(found, layer, hidden: torch.Tensor, rotation: str, pass_norms: bool) -
             cos, sin = made
             made = (torch.ones_like(cos), torch.zeros_like(sin))
         kwargs["position_embeddings"] = made
-    hooks = []
-    if pass_norms:
-        for norm in _qk_norms(attn):
-            if norm is not None:
-                hooks.append(norm.register_forward_hook(lambda m, args, out: args[0]))
-    try:
-        with engine.catching() as caught:
-            try:
-                attn(hidden_states=hidden, **kwargs)
-            except engine.Caught:
-                pass
-    finally:
-        for hook in hooks:
-            hook.remove()
+    # the q/k norms give back their input: kept on the way in, returned on the way out (this thread only: the shared
+    # server's other sessions run the same model)
+    norms = [norm for norm in _qk_norms(attn) if norm is not None] if pass_norms else []
+    seen: dict = {}
+    with sites.module_hooks([(norm, sites.keep(seen, norm)) for norm in norms], inputs=True), \
+            sites.module_hooks([(norm, lambda out, norm=norm: seen.pop(norm)) for norm in norms]), \
+            engine.catching() as caught:
+        try:
+            attn(hidden_states=hidden, **kwargs)
+        except engine.Caught:
+            pass
     if "query" not in caught:
         raise InputError(f"score attribution: {found.family}'s attention module did not call the attention "
                          "function with its queries and keys")

@@ -102,10 +102,10 @@ def explain(lm: LoadedModel, cell: Cell) -> list[dict]:
     tokens: the source that leads the key side of the sink-key score in the most heads, in how many, and
     its mean share of those heads' scores."""
     from attnviz.effects.evaluate import token_ids
-    from attnviz.effects.explain import Residual, diagnose
+    from attnviz.effects.explain import KeptForward, diagnose
 
     ids = token_ids(lm, documents(cell.corpus).text, cell.options["max_tokens"])
-    run = Residual(lm, corpus_mod.text_of(lm.tokenizer, ids), recipe(lm, cell))
+    run = KeptForward(lm, corpus_mod.text_of(lm.tokenizer, ids), recipe(lm, cell))
     rows = []
     for layer in range(lm.n_layers):
         d = diagnose(run, layer)

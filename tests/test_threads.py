@@ -1,0 +1,132 @@
+"""Several visitors' forwards on ONE loaded model at once, as the shared server runs them (docs/sharing.md): every
+capability that reads or replaces activations does so at the engine's named sites (docs/methods.md#sites), which
+act only in the thread that asked. Two threads, held at a barrier so that their forwards overlap, each run one
+capability on its own text a few times; each thread's every result equals the same call run alone."""
+
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+
+import tiny
+
+REPEATS = 3
+# two texts of different lengths (one token per character on the tiny models): a function of one thread that
+# fired in the other's forward would read a stream of the wrong length, or the other text's numbers
+TEXTS = ("The keeper lit the lamp at dusk and watched the ships pass the rocks below.",
+         "A cat sat on the mat by the door.")
+
+
+def _plain(value):
+    """A result as plain data: dataclasses and objects by their fields, tensors as arrays."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "detach"):
+        return value.detach().cpu().numpy()
+    if isinstance(value, (str, int, float, bool, np.ndarray, np.generic)) or value is None:
+        return value
+    return _plain(vars(value)) if hasattr(value, "__dict__") else value
+
+
+def _assert_same(got, want, where="result"):
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and list(got) == list(want), f"{where}: {list(got)} != {list(want)}"
+        for k in want:
+            _assert_same(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), f"{where}: {len(got)} != {len(want)} items"
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_same(g, w, f"{where}[{i}]")
+    elif isinstance(want, (float, np.ndarray, np.floating)) and not isinstance(want, bool):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=where)
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+def _together(call, inputs):
+    """``call(x)`` for each of ``inputs`` in its own thread, all started together, :data:`REPEATS` times each (a
+    barrier before each round): every thread's results, or the first thread's error raised here."""
+    barrier = threading.Barrier(len(inputs))
+    results: dict = {}
+    errors: list = []
+
+    def work(i, x):
+        try:
+            for _ in range(REPEATS):
+                barrier.wait(timeout=600)
+                results.setdefault(i, []).append(_plain(call(x)))
+        except threading.BrokenBarrierError:
+            pass
+        except BaseException as error:  # noqa: BLE001: raised in the test's thread below
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(i, x), daemon=True) for i, x in enumerate(inputs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return [results[i] for i in range(len(inputs))]
+
+
+def _agree(call, inputs):
+    alone = [_plain(call(x)) for x in inputs]
+    for x, want, got in zip(inputs, alone, _together(call, inputs)):
+        for round_, result in enumerate(got):
+            _assert_same(result, want, f"{x!r} round {round_}")
+
+
+# each case: the model, the call on one input, the inputs of the two threads
+def _explain(lm):
+    from attnviz import explain
+
+    layer = lm.n_layers - 1
+    return lambda text: explain(lm, text, layer=layer, head=1, query=20, key=3).as_json(), TEXTS
+
+
+def _trace(lm):
+    from attnviz.flow import trace
+
+    def call(text):
+        flow = trace(lm, text, floor=0.0)
+        flow.meta.pop("seconds")  # the one entry that differs from run to run
+        return flow
+    return call, TEXTS
+
+
+def _scan(lm):
+    from attnviz.effects import causal
+
+    return lambda text: causal.scan(lm, text).as_json(), TEXTS
+
+
+def _patching(lm):
+    from attnviz.effects.patching import patching
+
+    pairs = (("The cat sat on the mat and", "The dog sat on the hat and"),
+             ("A keeper lit the lamp at dusk", "A sailor lit the fire at dawn"))
+    return lambda pair: patching(lm, *pair, "P", "R", site="resid"), pairs
+
+
+CASES = {"explain": _explain, "trace": _trace, "causal scan": _scan, "patching": _patching}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_threads_on_one_model_each_get_their_own_result(case):
+    call, inputs = CASES[case](tiny.loaded("llama"))
+    _agree(call, inputs)
+
+
+def test_score_attribution_of_the_default_model_in_two_threads(default_model):
+    """The shared server's case: layer 20, head 3 of the default model, two visitors' texts at once."""
+    from attnviz import explain
+
+    call = lambda text: explain(default_model, text, layer=20, head=3, query="all", key=0).as_json()  # noqa: E731
+    _agree(call, TEXTS)
