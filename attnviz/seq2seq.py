@@ -38,6 +38,12 @@ class Seq2SeqCapture:
     decoder: Capture
     cross: Capture
 
+    def as_json(self) -> dict:
+        """What `attnviz capture` prints of an encoder-decoder beside the files it wrote (docs/cli.md)."""
+        return {"model": self.encoder.meta["model"], "encoder_arch": self.encoder.arch, "target": self.target,
+                "generated": self.generated, "n_source_tokens": self.encoder.n_tokens,
+                "n_target_tokens": self.decoder.n_tokens, "forward_s": round(self.encoder.timing["forward_s"], 4)}
+
     def view(self, kind: str) -> Capture:
         if kind not in KINDS:
             raise InputError(f"unknown attention type '{kind}'; choose one of {', '.join(KINDS)}")

@@ -4,20 +4,17 @@ the embedding k-sweep and cached generation (docs/methods.md#evaluation, docs/me
 import pandas as pd
 import streamlit as st
 
-from attnviz import corpus, defaults
-from attnviz.effects import embedding, linformer, streaming
+from attnviz import corpus, defaults, options
+from attnviz.effects import embedding, generate, linformer, streaming
 from attnviz.figures import export
 from attnviz.core import residual
 from attnviz.core.arch import parse, with_k
-from attnviz.capture import capture
-from attnviz.plan import Keep
 from attnviz.recipe import Recipe
 from attnviz.errors import AttnvizError
 from attnviz.effects.evaluate import evaluate, token_ids
 from attnviz.figures import (compression_curves, generation_view, k_sweep, kept_keys, linformer_errors,
                              linformer_map, perplexity_bars, residual_table_figure, streaming_curves)
 from attnviz.kv import compress, presses
-from attnviz.effects.generate import generate
 from attnviz.core.models import cache_dir
 from attnviz.reports import reproduce as repro
 from ui import jobs, shared
@@ -122,7 +119,8 @@ def streaming_section() -> None:
     c1, c2, c3 = st.columns([3, 1, 1])
     policies_text = c1.text_input("Cache policies, separated by ';'", "dense; window(w=64); sink(s=4, w=60)",
                                   key="fx_st_policies")
-    tokens = int(c2.number_input("Tokens", 16, loaded.max_tokens, 400, step=100, key="fx_st_tokens"))
+    tokens = int(c2.number_input("Tokens", 16, loaded.max_tokens, min(streaming.MAX_TOKENS, loaded.max_tokens),
+                                 step=100, key="fx_st_tokens"))
     arch = c3.text_input("Architecture", "fwd", key="fx_st_arch", help="causal-compatible: fwd, nosink-fwd, ...")
     picked = source("fx_st_source")
     archs = checked([arch], "decode with a KV cache")
@@ -160,12 +158,12 @@ def sweep_section() -> None:
     c1, c2 = st.columns([3, 2])
     specs = split(c1.text_input("Named architectures, separated by ';'", "mask0-bidir; inplace-bidir",
                                 key="fx_sw_archs"))
-    L = loaded.n_layers
-    default_ks = sorted({0, 2, 4, 8, 12, 16, (3 * L) // 4, L} & set(range(L + 1)))
-    ks_text = c2.text_input("k values (or 'all')", ", ".join(map(str, default_ks)), key="fx_sw_ks")
+    L, probe, default_ks = loaded.n_layers, defaults.of(embedding.probe), defaults.one(embedding.sweep, "ks")
+    ks_text = c2.text_input("k values (or 'all')", "all" if default_ks is None else ", ".join(map(str, default_ks)),
+                            key="fx_sw_ks")
     c3, c4, c5 = st.columns(3)
-    m = int(c3.number_input("M tokens per half", 4, 256, 32, key="fx_sw_m"))
-    docs = int(c4.number_input("Documents", 2, 500, 24, key="fx_sw_docs"))
+    m = int(c3.number_input("M tokens per half", 4, 256, probe["m"], key="fx_sw_m"))
+    docs = c4.number_input("Documents", 2, 500, probe["max_docs"], key="fx_sw_docs", placeholder="all")
     metric = c5.radio("Score", ["recall_at_1", "mrr"], horizontal=True, key="fx_sw_metric",
                       format_func={"recall_at_1": "recall@1", "mrr": "MRR"}.get)
     picked = source("fx_sw_source")
@@ -182,7 +180,8 @@ def sweep_section() -> None:
     keys = [("sweep", loaded.model_id, picked[0], picked[1].documents if picked[0] == "sidebar" else (), t,
              tuple(ks), m, docs) for t in templates]
     if not all(jobs.cached(k) for k in keys) and not st.button("Run the sweep", key="fx_sw_run", type="primary"):
-        st.caption(f"{len(templates)} architecture(s) × {len(ks)} values of k × {2 * docs} sequences of {m} tokens.")
+        halves = "both halves of every document" if docs is None else f"{2 * docs} sequences"
+        st.caption(f"{len(templates)} architecture(s) × {len(ks)} values of k × {halves} of {m} tokens.")
         return
     rows = {t: jobs.run(key, f"k-sweep of {t}", lambda progress, t=t: embedding.sweep(
         loaded, picked[1].documents, t, ks, m=m, max_docs=docs, on_progress=progress))
@@ -200,8 +199,9 @@ def generation_section() -> None:
     c1, c2, c3 = st.columns([2, 2, 1])
     default_arch = settings.arch if parse(settings.arch, loaded.n_layers).causal_compatible else "fwd"
     arch = c1.text_input("Architecture", default_arch, key="fx_gen_arch")
-    policy_text = c2.text_input("Cache policy", "window(w=32)", key="fx_gen_policy")
-    new = int(c3.number_input("New tokens", 1, 128, 24, key="fx_gen_new"))
+    run = defaults.of(generate.generate)
+    policy_text = c2.text_input("Cache policy", run["policy"], key="fx_gen_policy")
+    new = int(c3.number_input("New tokens", 1, generate.MAX_NEW_TOKENS, run["max_new_tokens"], key="fx_gen_new"))
     archs = checked([arch], "generate")
     try:
         policy = streaming.parse_policy(policy_text).check(loaded)
@@ -215,8 +215,8 @@ def generation_section() -> None:
     key = ("generate", loaded.model_id, settings.text, archs[0], policy.spec, new)
     if not jobs.cached(key) and not st.button("Generate", key="fx_gen_run", type="primary"):
         return
-    gen = jobs.run(key, "Generating", lambda progress: generate(loaded, settings.text, archs[0], policy, new,
-                                                                  on_step=progress, max_bytes=full_maps_limit()))
+    gen = jobs.run(key, "Generating", lambda progress: generate.generate(
+        loaded, settings.text, archs[0], policy, new, on_step=progress, max_bytes=full_maps_limit()))
     if gen is None:
         return
     st.markdown(f"**Continuation:** {gen.text!r}")
@@ -263,21 +263,16 @@ def compression_section() -> None:
     ratios_text = c2.text_input("Ratios r", ", ".join(f"{r:g}" for r in kv["ratios"]), key="fx_kv_ratios")
     context = int(c3.number_input("Context C", 8, loaded.max_tokens, kv["context"], step=64, key="fx_kv_context"))
     picked = source("fx_kv_source")
-    tokens = int(st.number_input("Tokens in all (context + continuation)", 16, loaded.max_tokens, 400, step=64,
-                                 key="fx_kv_tokens"))
+    tokens = int(st.number_input("Tokens in all (context + continuation)", 16, loaded.max_tokens,
+                                 min(compress.MAX_TOKENS, loaded.max_tokens), step=64, key="fx_kv_tokens"))
     archs = checked([settings.arch], "compress a KV cache")
     try:
         if not chosen:
             raise AttnvizError("pick at least one press")
-        ratios = sorted({float(x) for x in ratios_text.replace(",", " ").split()})
-        if not ratios:
-            raise AttnvizError("give at least one ratio in [0, 1)")
+        ratios = sorted(set(options.ratios(ratios_text, "Ratios r")))  # the CLI's --ratios reader
         ids = token_ids(loaded, picked[1].text, tokens) if picked else None
         if ids is not None:
             compress.check(loaded, len(ids), context, ratios, [presses.parse(p) for p in chosen])
-    except ValueError:
-        st.error(f"ratios must be numbers, got '{ratios_text}'")
-        return
     except AttnvizError as err:
         st.error(str(err))
         return
@@ -314,33 +309,24 @@ def linformer_section() -> None:
                 "against full softmax attention and against the layer's real, masked output.")
     c1, c2, c3 = st.columns([2, 2, 1])
     layer = c1.slider("Layer", 0, loaded.n_layers - 1, loaded.n_layers - 1, key="fx_lin_layer")
-    ks_text = c2.text_input("k values", "2, 4, 8, 16, 32", key="fx_lin_ks")
-    kind = c3.radio("Projection", list(linformer.PROJECTIONS), key="fx_lin_kind")
+    ks_text = c2.text_input("k values", ", ".join(map(str, linformer.KS)), key="fx_lin_ks")
+    kind = c3.radio("Projection", linformer.PROJECTIONS, key="fx_lin_kind",
+                    index=linformer.PROJECTIONS.index(defaults.one(linformer.whatif, "kind")))
     if not settings.text.strip():
         st.warning("The text is empty: type something in the sidebar.")
         return
-    try:
-        n = len(loaded.tokenizer(settings.text)["input_ids"])
-        ks = sorted({linformer.check_k(int(x), n) for x in ks_text.replace(",", " ").split()})
-        if not ks:
-            raise AttnvizError("give at least one k")
-    except ValueError:
-        st.error(f"k values must be whole numbers, got '{ks_text}'")
-        return
+    try:  # the CLI's --ks reader and its what-if (attnviz linformer), every refusal before anything runs
+        prepared = linformer.prepare(loaded, settings.text, settings.arch, layer,
+                                     sorted(set(options.ks(ks_text, "k values"))), kind)
     except AttnvizError as err:
         st.error(str(err))
         return
+    ks = list(prepared.ks)
     job = ("linformer", loaded.model_id, settings.text, settings.arch, layer, tuple(ks), kind)
-
-    def compute(progress):
-        cap = capture(loaded, settings.text, settings.arch, Keep(layers=[layer], qkv=True, statistics=True))  # no n × n map
-        progress(1, 2)
-        return linformer.error_curve(cap.layer_qkv(layer), cap.allowed[layer], ks, kind), cap.tokens
-
-    found = jobs.run(job, f"Linformer on layer {layer}", compute)
-    if found is None:
+    curve = jobs.run(job, f"Linformer on layer {layer}", lambda progress: prepared.run())
+    if curve is None:
         return
-    results, tokens = found
+    results = curve.rows
     chosen = st.select_slider("Map at k", ks, value=ks[len(ks) // 2], key="fx_lin_show")
     fig_map = linformer_map(next(r for r in results if r.k == chosen))
     fig_err = linformer_errors(results)

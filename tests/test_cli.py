@@ -158,6 +158,7 @@ def test_generate_json(default_model):
     (["embed", "--arch", "fwd", "--sweep", "k"], "needs a named architecture"),
     (["generate", "--text", "hi", "--arch", "stablemask(gamma=0.5)"], "cannot decode"),
     (["eval", "--text-file", "EMPTY"], "is empty"),
+    (["sinks", "--text", "Hello world", "--key", "50"], "--key 50 is past the text's end: it has 2 tokens"),
 ])
 def test_effects_bad_input_is_one_line(args, message, default_model, tmp_path):
     (tmp_path / "one.txt").write_text("A single short document.")
@@ -167,6 +168,35 @@ def test_effects_bad_input_is_one_line(args, message, default_model, tmp_path):
     assert out.returncode == 2, out.stderr
     assert message in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith("attnviz: error:")
+    assert out.stdout == ""
+
+
+def test_sinks_key_of_one_text(default_model):
+    """``--key`` with one text: that key's rate beside keys 0 and 1 in every layer, named as the dataset's is;
+    without it the document is what it was."""
+    from attnviz.stats.metrics import SINK_EPS
+
+    plain = json.loads(run("sinks", "--text", ENGLISH).stdout)
+    keyed = json.loads(run("sinks", "--text", ENGLISH, "--key", "3").stdout)
+    assert "key" not in plain and all("key" not in layer for layer in plain["layers"])
+    assert keyed["key"] == 3 and {k: v for k, v in keyed.items() if k not in ("key", "layers")} == \
+        {k: v for k, v in plain.items() if k != "layers"}
+    for before, layer in zip(plain["layers"], keyed["layers"]):
+        assert layer["key"] == 3 and list(layer["sink_rate"]) == ["0", "1", "3"]
+        assert {k: v for k, v in layer.items() if k not in ("key", "sink_rate")} == \
+            {k: v for k, v in before.items() if k != "sink_rate"}
+        assert {k: layer["sink_rate"][k] for k in ("0", "1")} == before["sink_rate"]
+        alphas = np.array([h["alpha"][3] for h in layer["heads"]], dtype=float)
+        assert layer["sink_rate"]["3"] == pytest.approx(float(np.mean(alphas > SINK_EPS)))
+
+
+@pytest.mark.parametrize("metric", ["kl", "sink"])
+def test_patching_refuses_an_answer_its_metric_does_not_read(metric):
+    out = run("patching", "--clean", "The cat is", "--corrupted", "The dog is", "--answer", " big", "--wrong", " small",
+              "--metric", metric)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (f"attnviz: error: the {metric} metric reads no answer or wrong token: give --answer and "
+                          "--wrong with --metric logit_diff only\n")
 
 
 def test_sinks_over_a_dataset(default_model, tmp_path):

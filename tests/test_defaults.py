@@ -1,16 +1,17 @@
 """Defaults are declared once, on the library (attnviz.defaults): the CLI's options, the sweep's
-measure options and the library signatures must agree, and every numeric CLI default must come from
-one of the library places listed here."""
+measure options, the Effects page's widgets and the library signatures must agree, and every numeric CLI
+default (and every number box of the Effects page) must come from one of the library places listed here."""
 
 import argparse
+from pathlib import Path
 
 import pytest
 
 from attnviz.effects import dataset, embedding, evaluate, finetune, generate, heads, linformer, streaming
-from attnviz import defaults, doctor
+from attnviz import defaults, doctor, options
 from attnviz.stats import metrics
 from attnviz.cli import ALL, COMMANDS, build_parser
-from attnviz.kv import compress
+from attnviz.kv import compress, presses
 from attnviz.reports import html
 from attnviz import flow
 from attnviz.sweep.spec import measure_options
@@ -109,3 +110,103 @@ def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as done:
         build_parser(command).parse_args([command, "--help"])
     assert done.value.code == 0 and "usage: attnviz" in capsys.readouterr().out
+
+
+# --- the Effects page ------------------------------------------------------------------------------
+# Its widgets show the library's defaults, the same ones the CLI's options show (LIBRARY above), and it reads its
+# ratio and k boxes with the CLI's own reader (attnviz.options), so it refuses what the CLI refuses.
+
+PAGE = Path(__file__).resolve().parent.parent / "pages" / "effects.py"
+#: widget key -> (command, option dest) in LIBRARY: the page's default is the CLI's, and both the library's
+PAGE_WIDGETS = {
+    "fx_ppl_tokens": ("eval", "max_tokens"), "fx_st_tokens": ("stream", "max_tokens"),
+    "fx_kv_context": ("compress", "context"), "fx_kv_tokens": ("compress", "max_tokens"),
+    "fx_sw_m": ("embed", "m"), "fx_sw_docs": ("embed", "max_docs"),
+    "fx_gen_policy": ("generate", "policy"), "fx_gen_new": ("generate", "max_new_tokens"),
+    "fx_lin_kind": ("linformer", "projection"),
+}
+#: widget key -> the library's default, where the CLI's option shows it another way (or has none)
+PAGE_LIBRARY = {
+    "fx_ppl_window": D(evaluate.evaluate)["window"],  # the CLI's --window: None, "the window or the text"
+    "fx_kv_presses": list(presses.DEFAULTS),  # the CLI's --press: None, "all of them"
+}
+#: list boxes: widget key -> (the reader both use, the library's list)
+PAGE_LISTS = {
+    "fx_kv_ratios": (options.ratios, list(D(compress.compress)["ratios"])),
+    "fx_lin_ks": (options.ks, list(linformer.KS)),
+    "fx_sw_ks": (lambda text: embedding.parse_ks(text, 30), embedding.parse_ks(D(embedding.sweep)["ks"], 30)),
+}
+SECTIONS = ("Perplexity", "Streaming (KV cache)", "KV compression", "Embedding k-sweep", "Generation",
+            "Linformer what-if")
+
+
+@pytest.fixture(scope="module")
+def effects_page(model_cache, tmp_path_factory):
+    from test_app import app_test, on_page
+
+    at = app_test(tmp_path_factory.mktemp("effects"))
+    at.run()
+    return on_page(at, "pages/effects.py")
+
+
+def test_the_effects_page_shows_the_library_defaults(effects_page):
+    at, shown = effects_page, {}
+    for section in SECTIONS:
+        at.radio(key="fx_section").set_value(section).run()
+        assert not at.exception and not at.error, (section, [e.value for e in at.error])
+        for widget in (*at.number_input, *at.text_input, *at.radio, *at.multiselect):
+            if (widget.key or "").startswith("fx_") and widget.key != "fx_section":
+                shown[widget.key] = widget.value
+    for key, where in PAGE_WIDGETS.items():
+        assert shown[key] == LIBRARY[where], f"Effects page {key}: {shown[key]!r}, attnviz {where[0]} and the " \
+                                             f"library {LIBRARY[where]!r}"
+    for key, value in PAGE_LIBRARY.items():
+        assert shown[key] == value, f"Effects page {key}: {shown[key]!r}, library {value!r}"
+    for key, (read, value) in PAGE_LISTS.items():
+        assert read(shown[key]) == value, f"Effects page {key}: {shown[key]!r}, library {value!r}"
+    stray = {box.key for box in _number_boxes()} - set(PAGE_WIDGETS) - set(PAGE_LIBRARY)
+    assert not stray, f"number boxes on the Effects page whose default no library function declares: {stray}"
+
+
+def _number_boxes():
+    """The page's number boxes, read from its source: each one's default must be an expression (read off the
+    library), never a literal number written on the page."""
+    import ast
+    from types import SimpleNamespace
+
+    boxes = []
+    for node in ast.walk(ast.parse(PAGE.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "number_input":
+            named = {k.arg: k.value for k in node.keywords}
+            value = node.args[3] if len(node.args) > 3 else named.get("value")
+            assert value is not None and not isinstance(value, ast.Constant), \
+                f"pages/effects.py line {node.lineno}: a number box with a default of its own"
+            boxes.append(SimpleNamespace(key=named["key"].value))
+    return boxes
+
+
+@pytest.mark.parametrize("section,key,bad,argv", [
+    ("KV compression", "fx_kv_ratios", "0.5 0.9", ["compress", "--ratios", "0.5 0.9"]),
+    ("KV compression", "fx_kv_ratios", "0.5; 0.9", ["compress", "--ratios", "0.5; 0.9"]),
+    ("KV compression", "fx_kv_ratios", " , ", ["compress", "--ratios", " , "]),
+    ("Linformer what-if", "fx_lin_ks", "4 8", ["linformer", "--text", "Hello there", "--ks", "4 8"]),
+    ("Linformer what-if", "fx_lin_ks", "4, 8.5", ["linformer", "--text", "Hello there", "--ks", "4, 8.5"]),
+    ("Linformer what-if", "fx_lin_ks", "", ["linformer", "--text", "Hello there", "--ks", ""]),
+])
+def test_the_effects_page_refuses_what_the_cli_refuses(effects_page, capsys, section, key, bad, argv):
+    import re
+
+    from attnviz.cli import main
+
+    assert main(argv) == 2  # refused before a model loads
+    cli = re.sub(r"^attnviz: error: --\w+ ", "", capsys.readouterr().err.strip())
+    at = effects_page
+    at.radio(key="fx_section").set_value(section).run()
+    at.text_input(key=key).input(bad).run()
+    errors = [re.sub(r"^(Ratios r|k values) ", "", str(e.value)) for e in at.error]
+    assert not at.exception and errors == [cli], (errors, cli)
+    at.text_input(key=key).input(PAGE_DEFAULT_TEXT[key]).run()  # the next test starts from the default
+
+
+PAGE_DEFAULT_TEXT = {"fx_kv_ratios": ", ".join(f"{r:g}" for r in D(compress.compress)["ratios"]),
+                     "fx_lin_ks": ", ".join(map(str, linformer.KS))}

@@ -36,14 +36,14 @@ def attribution_check(loaded: LoadedModel, text: str) -> Check:
     split by source on the key side; the sources' sum against the score a capture records (pre-softmax, after a
     soft-cap's where the family caps)."""
     from attnviz.capture import capture
-    from attnviz.effects.explain import Residual
+    from attnviz.effects.attribution import KeptForward
     from attnviz.plan import Keep
     from attnviz.stats import metrics
 
     dtype = loaded.model.dtype
     top = loaded.n_layers - 1
     cap = capture(loaded, text, "fwd", Keep(layers=[top], scores=True, storage_dtype=torch.float32))
-    run = Residual(loaded, text, "fwd", upto=top)
+    run = KeptForward(loaded, text, "fwd", upto=top)
     allowed = run.allowed(top).cpu().numpy()
     key = metrics.auto_key(allowed)
     scores = cap.layer_scores(top)

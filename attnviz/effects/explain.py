@@ -17,7 +17,6 @@ from attnviz.effects.attribution import Explanation, KeptForward, _layer
 from attnviz.errors import InputError
 
 DIAGNOSIS_TOKENS = 256  # the text a sweep's explain measure diagnoses: its corpus's first tokens
-Residual = KeptForward  # the old name, until attnviz/doctor/pages.py reads the new one
 
 __all__ = ["DIAGNOSIS_TOKENS", "PROJECTIONS", "Diagnosis", "Explanation", "KeptForward", "QueryKeyView", "attentionviz",
            "corpus_samples", "diagnose", "explain", "project", "query_key_view"]

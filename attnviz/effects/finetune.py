@@ -46,6 +46,13 @@ class FinetuneResult:
     interrupted: bool = False
     variant: object = field(default=None, repr=False)
 
+    def as_json(self) -> dict:
+        """The seed's held-out metrics after (and ``before``) fine-tuning, and the first and last training loss."""
+        keep = ("residual", "arch", "steps", "seed", "eval_loss", "eval_perplexity", "eval_accuracy", "eval_runtime",
+                "eval_samples", "before")
+        return {"out": self.out, **{k: self.metrics[k] for k in keep}, "train_loss_first": self.losses[0],
+                "train_loss_last": self.losses[-1]}
+
 
 def chunks(ids: list[int], seq_len: int, eval_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(train, held-out) sequences of ``seq_len`` tokens, the held-out ones taken from the end."""

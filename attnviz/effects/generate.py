@@ -34,6 +34,14 @@ class Generation:
     steps: list[Step] = field(repr=False)
     policy: str = "dense"
     arch: str = "fwd"
+    model: str = ""
+    intervene: str | None = None  # the interventions (docs/methods.md#interventions), if any
+
+    def as_json(self) -> dict:
+        """What `attnviz generate` prints (docs/cli.md)."""
+        return {"model": self.model, "arch": self.arch, "policy": self.policy, "text": self.text,
+                **({"intervene": self.intervene} if self.intervene else {}),
+                "new_ids": self.new_ids, "prompt_tokens": len(self.prompt_ids)}
 
     def attention_rows(self, layer: int, head: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(values, evicted): (steps, positions) matrices. ``values`` holds each step's attention
@@ -110,4 +118,4 @@ def generate(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture =
             break
         feed(new[-1])
     return Generation(list(ids), new, loaded.tokenizer.decode(new), steps, decoder.policy.spec,
-                      decoder.architecture.spec)
+                      decoder.architecture.spec, loaded.model_id, decoder.interventions.spec or None)

@@ -108,3 +108,65 @@ def error_curve(qkv, allowed: np.ndarray, ks, kind: str = "segment", seed: int =
     q, keys, values = _per_head(qkv)
     references = exact(q, keys, values, None, qkv.scaling), exact(q, keys, values, allowed, qkv.scaling)
     return [whatif(qkv, allowed, k, kind, seed, references=references) for k in ks]
+
+
+@dataclass
+class Curve:
+    """The what-if on one layer of a text at several k (:func:`prepare`): one :class:`WhatIf` per k."""
+
+    model: str
+    arch: str
+    layer: int
+    projection: str
+    tokens: list[str]
+    rows: list[WhatIf]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    def as_json(self) -> dict:
+        """What `attnviz linformer` prints (docs/cli.md)."""
+        return {"model": self.model, "arch": self.arch, "layer": self.layer, "n_tokens": self.n_tokens,
+                "projection": self.projection,
+                "rows": [{"k": r.k, "error_full": round(r.error_full, 6), "error_masked": round(r.error_masked, 6)}
+                         for r in self.rows]}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The what-if made ready (:func:`prepare`): the capture that keeps the layer's q, k and v, the checked k."""
+
+    capture: object  # attnviz.capture.Prepared
+    layer: int
+    ks: tuple[int, ...]
+    kind: str
+    seed: int
+
+    def run(self) -> Curve:
+        """Capture the layer's q, k and v (no n × n map) and measure each k against the same references."""
+        cap = self.capture.run()
+        rows = error_curve(cap.layer_qkv(self.layer), cap.allowed[self.layer], self.ks, self.kind, self.seed)
+        return Curve(cap.meta["model"], cap.arch, self.layer, self.kind, list(cap.tokens), rows)
+
+
+def prepare(loaded, text: str, recipe="fwd", layer: int | str = -1, ks=KS, kind: str = "segment",
+            seed: int = 0) -> Prepared:
+    """Everything the what-if on one layer of ``text`` decides before it runs, every refusal raised here: the layer
+    (negative counts from the top), the capture under ``recipe`` (an architecture string or a recipe), each k checked
+    against the text's tokens, the projection. ``attnviz linformer`` and the Effects page both run
+    ``prepare(...).run()``."""
+    from attnviz.capture import parse_layers
+    from attnviz.capture import prepare as prepare_capture
+    from attnviz.plan import Keep
+
+    if kind not in PROJECTIONS:
+        raise InputError(f"unknown projection '{kind}': use 'segment' or 'gaussian'")
+    layers = parse_layers(str(layer), loaded.n_layers)
+    if len(layers) != 1:
+        raise InputError(f"the Linformer what-if reads one layer, got '{layer}'")
+    captured = prepare_capture(loaded, text, recipe, Keep(layers=layers, qkv=True, statistics=True))
+    checked = tuple(check_k(int(k), captured.n_tokens) for k in ks)
+    if not checked:
+        raise InputError("give at least one k")
+    return Prepared(captured, layers[0], checked, kind, seed)

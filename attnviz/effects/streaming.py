@@ -204,6 +204,18 @@ class StreamResult:
         return doc
 
 
+@dataclass
+class Comparison:
+    """Several policies streamed over the same tokens (`attnviz stream --compare`), each with its running curve."""
+
+    model: str
+    results: list[StreamResult]
+
+    def as_json(self) -> dict:
+        return {"model": self.model, "arch": self.results[0].arch, "tokens": self.results[0].tokens,
+                "policies": [r.as_json(curve=True) for r in self.results]}
+
+
 def stream(loaded: LoadedModel, ids: list[int], policy: Policy | str = "dense",
            arch: "str | arch_mod.Architecture | Recipe" = "fwd",
            on_step: Callable[[int, int], None] | None = None) -> StreamResult:

@@ -1,0 +1,117 @@
+"""``attnviz sinks``: attention-sink metrics of every layer and head, of one text or over a dataset
+(docs/methods.md#sink-metrics)."""
+
+from __future__ import annotations
+
+import math
+
+from attnviz.cli import common
+from attnviz.errors import AttnvizError
+
+N_ALPHA_KEYS = 8
+SINKS_REPORT = ("alpha", "column_mean", "discarded")  # what the sinks JSON reads: no entropy or allocation pass
+
+
+def options(p):
+    from attnviz import defaults
+    from attnviz.effects import dataset
+
+    run_, report = defaults.of(dataset.sinks), defaults.of(dataset.DatasetSinks.as_json)
+    common.model_args(p, corpus=True)
+    common.intervene_args(p, bos=True)
+    p.add_argument("--eps", type=float, default=report["eps"], help="sink threshold on alpha (%(default)s)")
+    p.add_argument("--residual", default=None, help=common.RESIDUAL_HELP)
+    unit = p.add_mutually_exclusive_group()
+    unit.add_argument("--per-doc", action="store_true", help="dataset mode: one sample per document (default)")
+    unit.add_argument("--per-line", action="store_true", help="dataset mode: one sample per non-empty line")
+    p.add_argument("--max-len", type=int, default=run_["max_len"],
+                   help="dataset mode: first N tokens of each sample (%(default)s)")
+    p.add_argument("--samples", type=int, default=run_["n_samples"],
+                   help="dataset mode: at most N samples (%(default)s)")
+    p.add_argument("--key", type=common.position_or("auto"), default=report["key"],
+                   help="the key position whose sink rate is read, or 'auto': in dataset mode the first key each "
+                        "layer's mask leaves open to its queries (0 under fwd, m under nosink-fwd(m)); of one text, a "
+                        "position adds its rate to those of keys 0 and 1 (a key past the text's end is refused); "
+                        "default %(default)s")
+
+
+def run(args) -> dict:
+    from attnviz.capture import prepare
+    from attnviz.core.hooks import layer_input_norms
+    from attnviz.plan import Keep
+
+    if not 0 <= args.eps <= 1:
+        raise AttnvizError(f"--eps must be between 0 and 1, got {args.eps}")
+    if args.corpus or args.per_doc or args.per_line:
+        return _dataset(args)
+    text = common.text(args)
+    common.check_intervene(args)
+    loaded = common.load(args)
+    prepared = prepare(loaded, text, common.recipe(args, loaded), Keep(statistics=SINKS_REPORT, value_norms=True))
+    if args.key != "auto" and args.key >= prepared.n_tokens:
+        raise AttnvizError(f"--key {args.key} is past the text's end: it has {prepared.n_tokens} tokens "
+                           f"(keys 0 to {prepared.n_tokens - 1})")
+    with layer_input_norms(loaded.model) as norms:  # n floats a layer: no hidden state kept, whatever the length
+        cap = prepared.run()
+    return sinks_report(cap, args.eps, norms, None if args.key == "auto" else args.key)
+
+
+def sinks_report(capture, eps: float, residual_norms: dict | None = None, key: int | None = None) -> dict:
+    """The `attnviz sinks --json` document for a capture (all layers recorded); ``residual_norms`` by layer, the
+    stream's norm entering it (:func:`attnviz.core.hooks.layer_input_norms`), for each sink's ``residual_norm``;
+    ``key``, a position whose sink rate each layer adds to those of keys 0 and 1 (the document and each layer then
+    name it, as the dataset's do)."""
+    from attnviz.stats import metrics
+
+    rated = (0, 1) if key is None else tuple(dict.fromkeys((0, 1, key)))
+    layers = []
+    for layer in capture.layers:
+        alphas = capture.stat(layer, "alpha")
+        probs_keys = capture.stat(layer, "column_mean").argmax(-1)
+        discarded = capture.stat(layer, "discarded").mean(-1)
+        layers.append({
+            "layer": layer,
+            "mask": capture.layer_masks[layer],
+            **({} if key is None else {"key": key}),
+            "sink_rate": {str(k): _null(metrics.sink_rate(alphas[:, k], eps)) if k < capture.n_tokens else None
+                          for k in rated},
+            "heads": [{
+                "head": h, "kv_group": capture.kv_groups[h], "sink_key": int(probs_keys[h]),
+                "alpha": [_null(alphas[h, k]) if k < capture.n_tokens else None for k in range(N_ALPHA_KEYS)],
+                "discarded_mass": _null(discarded[h]),
+            } for h in range(capture.n_heads)],
+            # every key that acts as a sink (docs/methods.md#sinks-at-any-key)
+            "sinks": capture.sinks(layer, eps, (residual_norms or {}).get(layer)),
+        })
+    return {"model": capture.meta["model"], "arch": capture.arch, "n_tokens": capture.n_tokens,
+            **({} if key is None else {"key": key}),
+            **({"residual": capture.meta["residual"]} if capture.meta.get("residual") else {}),
+            **{name: capture.meta[name] for name in ("intervene", "prepend") if capture.meta.get(name)},
+            **({"recipe": capture.recipe.to_dict()} if capture.recipe else {}),
+            "tokens": capture.tokens, "layers": layers}
+
+
+def _null(x: float):
+    return None if math.isnan(x) else round(float(x), 6)
+
+
+def _dataset(args) -> dict:
+    """Gu et al.'s protocol over many samples (docs/methods.md#sink-metrics): per-layer rates with 95% intervals."""
+    from attnviz.effects import dataset
+
+    if args.samples <= 0:
+        raise AttnvizError(f"--samples must be positive, got {args.samples}")
+    if args.max_len < 2:
+        raise AttnvizError(f"--max-len must be at least 2, got {args.max_len}")
+    if args.key != "auto" and args.key >= args.max_len:
+        raise AttnvizError(f"--key {args.key} is outside the samples' {args.max_len} tokens (--max-len)")
+    documents = common.corpus(args).documents
+    common.check_intervene(args)
+    if common.prepend(args):
+        raise AttnvizError("--bos / --prepend are for one text; the dataset protocol takes the samples as they are")
+    loaded = common.load(args)
+    bar, update = common.progress(f"sinks {args.arch}")
+    with bar:
+        result = dataset.sinks(loaded, documents, common.recipe(args, loaded), "line" if args.per_line else "doc",
+                               args.max_len, args.samples, on_progress=update)
+    return result.as_json(args.key, eps=args.eps) | common.intervene_json(args, loaded)
