@@ -18,11 +18,11 @@ __version__ = "0.1.0"
 
 #: public name -> the module that defines it
 _EXPORTS = {
-    "Architecture": "core.arch", "parse": "core.arch",
+    "Architecture": "core.spec.arch", "parse": "core.spec.arch",
     "Capture": "capture", "capture": "capture", "prepare": "capture",
     "AttnvizError": "errors", "ArchitectureError": "errors", "InputError": "errors", "MaskError": "errors",
     "ModelLoadError": "errors",
-    "LoadedModel": "core.models", "load": "core.models",
+    "LoadedModel": "core.loading.models", "load": "core.loading.models",
     "Recipe": "recipe", "Keep": "plan", "Budget": "plan",
     "explain": "effects.explain",
     "show": "viewer.widget", "show_compare": "viewer.widget", "save_html": "viewer.static",

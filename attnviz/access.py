@@ -59,7 +59,7 @@ class Access:
 
     @classmethod
     def from_env(cls, shared: bool, environ=os.environ) -> "Access":
-        from attnviz.core.models import SHIPPED, cache_dir
+        from attnviz.core.loading.models import SHIPPED, cache_dir
 
         cache = cache_dir()
         roots = tuple(_resolved(p) for p in environ.get("ATTNVIZ_ROOTS", "").split(":") if p.strip()) or (_resolved(cache),)

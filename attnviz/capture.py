@@ -13,13 +13,15 @@ import numpy as np
 import torch
 
 from attnviz import recipe as recipe_mod
-from attnviz.core import arch as arch_mod
-from attnviz.core import devices, engine, syntax
-from attnviz.core import models
-from attnviz.core.models import LoadedModel
+from attnviz.core.spec import arch as arch_mod
+from attnviz.core.model import devices
+from attnviz.core import engine
+from attnviz.core.spec import syntax
+from attnviz.core.loading import models
+from attnviz.core.loading.models import LoadedModel
 from attnviz.errors import InputError
 from attnviz import plan as plan_mod
-from attnviz.core.sizes import Masks, Shape
+from attnviz.core.sizing.sizes import Masks, Shape
 from attnviz.plan import Budget, Keep, Plan
 from attnviz.tokens import prefix_ids, tokenize  # noqa: F401 - text → tokens, the flow's first step
 from attnviz.recipe import Recipe
@@ -28,7 +30,7 @@ from attnviz.captured import Activations, Capture, QKV  # noqa: F401 - the captu
 
 
 def parse_layers(layers, n_layers: int) -> list[int]:
-    """The recorded layers, in the one layer-list syntax (:func:`attnviz.core.syntax.layers`): ``None``/"all"
+    """The recorded layers, in the one layer-list syntax (:func:`attnviz.core.spec.syntax.layers`): ``None``/"all"
     → every layer; "0,5,-1", "20-29" or a list → those layers (negative counts from the top)."""
     return syntax.layers(layers, n_layers)
 
@@ -147,7 +149,7 @@ def prepare(loaded: LoadedModel, text: str, recipe: "str | arch_mod.Architecture
             keep: Keep | None = None, budget: Budget | None = None, max_tokens: int | None = None) -> Prepared:
     """Everything a capture decides before it runs, in one call, in the flow's order: the text's tokens (under the
     recipe's BOS control, :func:`attnviz.tokens.tokenize`), the recipe made real (:func:`attnviz.recipe.build`),
-    what the plan reads once (the model's :class:`~attnviz.core.sizes.Shape`, the recorded layers, what the recipe's
+    what the plan reads once (the model's :class:`~attnviz.core.sizing.sizes.Shape`, the recorded layers, what the recipe's
     masks make a capture hold), then the plan under ``budget``, checked against the device
     (:func:`attnviz.plan.decide`: what a long text keeps instead of full maps, or a refusal that says what would fit;
     without a budget, ``keep`` as asked). Every refusal is raised here, before anything runs; the app asks this once

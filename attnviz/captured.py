@@ -17,7 +17,7 @@ import torch
 from attnviz.errors import AttnvizError
 from attnviz.recipe import Recipe
 from attnviz.stats import metrics
-from attnviz.core.reduce import summarise
+from attnviz.core.record.reduce import summarise
 
 FORMAT = "attnviz-capture/1"
 TOP_ACTIVATIONS = 8

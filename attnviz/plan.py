@@ -11,11 +11,11 @@ the layer inputs a long capture keeps so that a region resumes near its layer; o
 would fit. :func:`check_device` checks the device's working set at the block size :func:`block_bytes` picks.
 :func:`decide` does both for :func:`attnviz.capture.prepare`, which the app asks once, showing the answer.
 
-Every size a run works to is decided here, and the engine reads it (:class:`~attnviz.core.sizes.Sizes`): a query
+Every size a run works to is decided here, and the engine reads it (:class:`~attnviz.core.sizing.sizes.Sizes`): a query
 block's bytes on each device, the size above which an allow-set is made a block of rows at a time, and which
 layers' full maps are staged on a device. The plan reads what it needs once, before it computes: the model's
-:class:`~attnviz.core.sizes.Shape`, the recorded layers, and what the recipe's masks make a capture hold
-(:class:`~attnviz.core.sizes.Masks`); every estimate is then arithmetic on them.
+:class:`~attnviz.core.sizing.sizes.Shape`, the recorded layers, and what the recipe's masks make a capture hold
+(:class:`~attnviz.core.sizing.sizes.Masks`); every estimate is then arithmetic on them.
 ``tests/test_sizing.py`` captures with every allocation tracked and holds the estimates to what runs.
 """
 
@@ -26,11 +26,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from attnviz.core import devices, engine, estimates, syntax
-from attnviz.core.models import LoadedModel
-from attnviz.core.estimates import pooled_side  # noqa: F401 - the pooled maps' side, read here
-from attnviz.core.routes import route_notes  # noqa: F401 - what a statistics capture's route will be
-from attnviz.core.sizes import STAGE_SHARE, Masks, Shape, Sizes, whole_allow_bytes  # noqa: F401 - read here
+from attnviz.core.model import devices
+from attnviz.core import engine
+from attnviz.core.sizing import estimates
+from attnviz.core.spec import syntax
+from attnviz.core.loading.models import LoadedModel
+from attnviz.core.sizing.estimates import pooled_side  # noqa: F401 - the pooled maps' side, read here
+from attnviz.core.engine.routes import route_notes  # noqa: F401 - what a statistics capture's route will be
+from attnviz.core.sizing.sizes import STAGE_SHARE, Masks, Shape, Sizes, whole_allow_bytes  # noqa: F401 - read here
 from attnviz.errors import InputError
 from attnviz.stats import metrics
 
@@ -123,11 +126,11 @@ class Keep:
         return not self.statistics
 
     def recorded(self, n_layers: int) -> list[int]:
-        """The recorded layers of a model of ``n_layers`` (:func:`attnviz.core.syntax.layers`)."""
+        """The recorded layers of a model of ``n_layers`` (:func:`attnviz.core.spec.syntax.layers`)."""
         return syntax.layers(self.layers, n_layers)
 
     def host_bytes(self, loaded: "LoadedModel | Shape", n_tokens: int, masks: Masks | None = None) -> int:
-        """What the capture will hold (as :func:`attnviz.core.lru.nbytes` counts it), before it runs
+        """What the capture will hold (as :func:`ui.lru.nbytes` counts it), before it runs
         (:func:`estimates.held`), under the recipe's ``masks`` (:func:`masks_of`)."""
         shape = Shape.of(loaded)
         return estimates.held(shape, self, int(n_tokens), Masks() if masks is None else masks,
@@ -148,8 +151,8 @@ class Keep:
         """The recorders of one capture keeping this (``tokens``: the text's, for the statistics that read
         delimiters), in the order the engine feeds them: value norms first (the pooled value-weighted maps read
         them), q/k/v, then full maps (and score maps) or the statistics block by block, never a full map."""
-        from attnviz.core import recorders
-        from attnviz.core.reduce import Summaries
+        from attnviz.core.record import recorders
+        from attnviz.core.record.reduce import Summaries
 
         summaries = (Summaries(tokens, self.pool, None if self.statistics is True else self.statistics)
                      if self.statistics else None)

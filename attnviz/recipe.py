@@ -22,9 +22,9 @@ from attnviz.errors import InputError
 if TYPE_CHECKING:
     import torch
 
-    from attnviz.core.arch import Architecture
-    from attnviz.core.interventions import Interventions
-    from attnviz.core.models import LoadedModel
+    from attnviz.core.spec.arch import Architecture
+    from attnviz.core.spec.interventions import Interventions
+    from attnviz.core.loading.models import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class Built:
     recipe: Recipe
     architecture: "Architecture"
     interventions: "Interventions"
-    variant: object | None  # attnviz.core.residual.Variant
+    variant: object | None  # attnviz.core.engine.residual.Variant
 
     def only(self, purpose: str, *applies: str) -> "Built":
         """Refuse a recipe part that ``purpose`` does not apply (``applies``: "intervene", "prepend",
@@ -133,7 +133,7 @@ def build(loaded: "LoadedModel", arch="fwd", intervene=None, prepend: str | None
           residual: str | None = None) -> Built:
     """Settings, or a :class:`Recipe` passed as ``arch``, made real on ``loaded``. A recipe's own
     intervention, BOS control and variant are used; naming them again as well is refused."""
-    from attnviz.core import residual as residual_mod
+    from attnviz.core.engine import residual as residual_mod
 
     recipe, architecture, acts, residual = _canonical(loaded, arch, intervene, prepend, residual)
     return Built(recipe, architecture, acts, residual_mod.resolve(loaded, residual))
@@ -142,9 +142,9 @@ def build(loaded: "LoadedModel", arch="fwd", intervene=None, prepend: str | None
 def _canonical(loaded: "LoadedModel", arch, intervene, prepend, residual):
     """(canonical recipe, architecture, interventions, residual name as given) of these settings on ``loaded``,
     parsed and checked; nothing made on the device."""
-    from attnviz.core import arch as arch_mod
-    from attnviz.core import interventions as interventions_mod
-    from attnviz.core import residual as residual_mod
+    from attnviz.core.spec import arch as arch_mod
+    from attnviz.core.spec import interventions as interventions_mod
+    from attnviz.core.engine import residual as residual_mod
 
     if isinstance(arch, Recipe):
         given = [name for name, value in (("intervene", intervene), ("prepend", prepend), ("residual", residual))
@@ -185,7 +185,7 @@ def forward(loaded: "LoadedModel", variant, input_ids: "torch.Tensor", computes,
     import torch
 
     from attnviz.core import engine
-    from attnviz.core import residual as residual_mod
+    from attnviz.core.engine import residual as residual_mod
 
     record = engine.NOTHING if record is None else record
     feed = engine.Feed() if feed is None else feed

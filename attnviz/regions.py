@@ -16,11 +16,11 @@ import torch
 
 from attnviz.tokens import tokenize
 from attnviz.core import engine
-from attnviz.core.models import LoadedModel
+from attnviz.core.loading.models import LoadedModel
 from attnviz.errors import InputError
 from attnviz.plan import Sizes
 from attnviz.recipe import Recipe
-from attnviz.core.reduce import BlockReducer
+from attnviz.core.record.reduce import BlockReducer
 
 MAX_SIDE = 96  # cells a side: every cell of a zoomed region gets a hover value (figures.style.HOVER_MAX)
 
@@ -85,7 +85,7 @@ def region(loaded: LoadedModel, text: str, arch: "str | Recipe", layer: int, que
     """Layer ``layer``'s probabilities for ``queries`` × ``keys`` (half-open token ranges) at full
     resolution, under ``arch`` (an architecture string or a recipe: a region of a capture is made with the
     capture's own recipe, which :func:`of_capture` passes); ``on_layer(done, total)`` reports progress up
-    to that layer. ``block_bytes``: one query block's fp32 scores, else the plan's (:class:`attnviz.core.sizes.Sizes`).
+    to that layer. ``block_bytes``: one query block's fp32 scores, else the plan's (:class:`attnviz.core.sizing.sizes.Sizes`).
     ``resume_from`` (layer c <= ``layer``, its input hidden states (n, d)), kept by a forward of the
     same text under the same settings, runs only layers c..``layer`` (:func:`engine.resume`)."""
     from attnviz import recipe as recipe_mod

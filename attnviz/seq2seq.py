@@ -18,9 +18,10 @@ import torch
 
 from attnviz.capture import Capture, _versions
 from attnviz.tokens import tokenize
-from attnviz.core import arch as arch_mod
-from attnviz.core import engine, recorders
-from attnviz.core.models import LoadedModel
+from attnviz.core.spec import arch as arch_mod
+from attnviz.core import engine
+from attnviz.core.record import recorders
+from attnviz.core.loading.models import LoadedModel
 from attnviz.errors import InputError, ModelLoadError
 
 KINDS = {"encoder": "encoder self-attention", "decoder": "decoder self-attention",

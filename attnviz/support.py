@@ -1,9 +1,9 @@
 """Which capability works on which decoder family, asked of the code itself (docs/support.md is this table).
 
 Each capability's column is ✓ or the one line it refuses that family with: the model anatomy
-(:mod:`attnviz.core.anatomy`) for ``patch``, the causal check and resuming a forward; the check of a layer's
+(:mod:`attnviz.core.model.anatomy`) for ``patch``, the causal check and resuming a forward; the check of a layer's
 queries and keys (:mod:`attnviz.effects.schemes`) for score attribution; seed 003's conditions
-(:func:`attnviz.core.residual.why_not`) for residual variants. Maps and every architecture run on any decoder
+(:func:`attnviz.core.engine.residual.why_not`) for residual variants. Maps and every architecture run on any decoder
 whose attention goes through transformers' attention interface (loading refuses the others).
 """
 
@@ -19,7 +19,8 @@ TEXT = "A short text to read the layers by."
 
 def row(loaded) -> dict[str, str]:
     """Each capability's verdict on ``loaded``: "✓" or the reason it is refused."""
-    from attnviz.core import anatomy, residual
+    from attnviz.core.model import anatomy
+    from attnviz.core.engine import residual
     from attnviz.effects.explain import KeptForward
 
     out = {CAPABILITIES[0]: "✓"}
@@ -48,7 +49,7 @@ def in_dtype(loaded, dtype):
     """A copy of ``loaded`` in ``dtype``, its anatomy found again in that dtype."""
     import copy
 
-    from attnviz.core.models import LoadedModel
+    from attnviz.core.loading.models import LoadedModel
 
     model = copy.deepcopy(loaded.model)
     model.__dict__.pop("_attnviz_anatomy", None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from attnviz.core.models import LoadedModel
+from attnviz.core.loading.models import LoadedModel
 from attnviz.errors import InputError
 
 REMEMBERED = 32  # texts

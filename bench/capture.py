@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from attnviz.core import engine
 from attnviz import load
-from attnviz.core.arch import parse
+from attnviz.core.spec.arch import parse
 
 TEXT = ("Attention sinks are tokens that receive a large share of attention regardless of their meaning. "
         "In most decoder language models the first token plays that role in nearly every layer and head. ")

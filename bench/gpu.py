@@ -21,7 +21,7 @@ streaming case ``gpu stream shape=... policy=... per_token_ms=<ms> generate_ms=<
 (``region_s`` resumes from a long capture's kept layer inputs, as the app does; ``from_start_s`` runs
 the forward from the embeddings).
 With ``--warps 4 8`` a statistics case also prints ``gpu warps ... warps=<w> stats_s=<s> stats_vs_sdpa=<x>``
-for the fused kernel at each warp count (``attnviz.core.kernels.num_warps`` picks one by compiler figures).
+for the fused kernel at each warp count (``attnviz.core.kernel.kernels.num_warps`` picks one by compiler figures).
 Times are medians of ``--repeat`` runs after one warm-up. Goals: llama8b:32768 stats
 <= 2x SDPA and <= 4 GB above the model; llama8b:4096 faster than eager with <= 5 % of its memory;
 smollm2:8192 <= 0.3 s; a 96 x 96 region at 32,768 tokens <= 1 s; streaming <= 1.3x generate.
@@ -42,7 +42,7 @@ from attnviz.effects import streaming
 from attnviz import regions
 from attnviz.capture import capture
 from attnviz.plan import Keep
-from attnviz.core.models import LoadedModel
+from attnviz.core.loading.models import LoadedModel
 
 SHAPES = {  # (layers, heads, kv heads, hidden, intermediate, vocab, max positions)
     "smollm2": dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,

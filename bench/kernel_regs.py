@@ -14,7 +14,7 @@ warps (what an SM issues for one tile of a program).
 
 The baselines are the kernel's own alternatives in the same run: the masked tile against the full one
 (every tile cost the masked tile's work before full tiles were split off), 4 warps against 8
-(``attnviz.core.kernels.num_warps`` picks 4 on sm_90 in half precision, 8 elsewhere), and at the
+(``attnviz.core.kernel.kernels.num_warps`` picks 4 on sm_90 in half precision, 8 elsewhere), and at the
 launched warps one pass over QKᵀ (the row log-sum-exp read from the attention kernel, what the engine
 launches) against two (the kernel finds it itself: the fallback). These are compiler figures, not
 timings: timings need a GPU (bench/gpu.py).
@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from attnviz.core import kernels
+from attnviz.core.kernel import kernels
 
 OUTPUTS = {"stats": dict(pool=False), "pooled": dict(pool=True), "pooled+value+scores": dict(pool=True, value=True,
                                                                                             scores=True)}

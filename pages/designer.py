@@ -3,7 +3,7 @@
 import streamlit as st
 
 from attnviz import defaults
-from attnviz.core import arch as arch_mod
+from attnviz.core.spec import arch as arch_mod
 from attnviz.errors import AttnvizError
 from attnviz.figures import architecture_masks, stablemask_pseudo
 from ui.export import figure_downloads

@@ -7,15 +7,15 @@ import streamlit as st
 from attnviz import corpus, defaults, options
 from attnviz.effects import embedding, generate, linformer, streaming
 from attnviz.figures import export
-from attnviz.core import residual
-from attnviz.core.arch import parse, with_k
+from attnviz.core.engine import residual
+from attnviz.core.spec.arch import parse, with_k
 from attnviz.recipe import Recipe
 from attnviz.errors import AttnvizError
 from attnviz.effects.evaluate import evaluate, token_ids
 from attnviz.figures import (compression_curves, generation_view, k_sweep, kept_keys, linformer_errors,
                              linformer_map, perplexity_bars, residual_table_figure, streaming_curves)
 from attnviz.kv import compress, presses
-from attnviz.core.models import cache_dir
+from attnviz.core.loading.models import cache_dir
 from attnviz.reports import reproduce as repro
 from ui import jobs, shared
 from ui.export import figure_downloads

@@ -10,7 +10,7 @@ from attnviz.effects import dataset
 from attnviz.effects.compare import describe_sinks
 from attnviz.figures import export
 from attnviz.stats import metrics
-from attnviz.core.arch import parse
+from attnviz.core.spec.arch import parse
 from attnviz.errors import AttnvizError
 from attnviz.figures import (allocation_bars, alpha_by_key, alpha_grid, averaged_map, discarded_figure, key_profile,
                              massive_activations, rate_bars, sink_grid, sink_map, sink_shares, top_activation_rows)

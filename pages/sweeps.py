@@ -7,7 +7,7 @@ import streamlit as st
 from attnviz.figures import export
 from attnviz.errors import AttnvizError
 from attnviz.figures.sweeps import compression, recall_by_k, sink_rates, summary_table
-from attnviz.core.models import cache_dir
+from attnviz.core.loading.models import cache_dir
 from attnviz.sweep import spec as spec_mod
 from attnviz.sweep import store
 from ui import jobs, shared

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from attnviz.core import arch
+from attnviz.core.spec import arch
 from attnviz import capture, load, regions
 from attnviz.figures import export
 from attnviz.figures import (allocation_bars, alpha_grid, architecture_masks, difference, heatmap, key_profile,

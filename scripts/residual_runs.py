@@ -17,8 +17,8 @@ from pathlib import Path
 from attnviz import corpus, load
 from attnviz.effects.evaluate import token_ids
 from attnviz.effects.finetune import finetune
-from attnviz.core.models import cache_dir
-from attnviz.core.residual import METHODS, results_table
+from attnviz.core.loading.models import cache_dir
+from attnviz.core.engine.residual import METHODS, results_table
 
 
 def main() -> None:

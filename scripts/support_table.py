@@ -16,7 +16,7 @@ Made by `scripts/support_table.py` from the code itself (`attnviz/support.py`), 
 decoder family transformers builds that the conformance tests cover (`tests/tiny.py`); `tests/test_docs.py` fails
 when this file and the code disagree. ✓: the capability runs and equals stock transformers with hand-written
 hooks (`tests/test_conformance.py`); otherwise the one line it refuses the family with. The model anatomy
-(`attnviz/core/anatomy.py`, [docs/methods.md](methods.md#the-model-anatomy)) is where a family is taught: nothing
+(`attnviz/core/model/anatomy.py`, [docs/methods.md](methods.md#the-model-anatomy)) is where a family is taught: nothing
 here is a list of family names. Heads, streaming, compression, evaluation, generation and sweeps read the maps,
 so they work wherever the maps do.
 

@@ -147,7 +147,7 @@ def elsewhere(model: torch.nn.Module):
     """The model's weights on the simulated device inside (and every operation checked); back on the CPU after."""
     before = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
-    from attnviz.core import devices
+    from attnviz.core.model import devices
 
     factories = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
     devices.ASYNC_COPIES.add(DEVICE.type)  # the simulated device copies to the host as CUDA does

@@ -403,7 +403,7 @@ def test_residual_variant_in_the_sidebar_changes_the_capture(app):
 
 
 def test_effects_residual_table(app, tmp_path):
-    from attnviz.core.residual import SEED_TABLE
+    from attnviz.core.engine.residual import SEED_TABLE
 
     (tmp_path / "m1").mkdir()
     (tmp_path / "m1" / "metrics.json").write_text(json.dumps(

@@ -5,10 +5,11 @@ device out-of-memory error in the middle of a capture, the server serving on."""
 import pytest
 import torch
 
-from attnviz.core import routes
+from attnviz.core.engine import routes
 from attnviz import capture
 from attnviz.plan import Keep
-from attnviz.core import devices, engine
+from attnviz.core.model import devices
+from attnviz.core import engine
 from attnviz.errors import AttnvizError
 
 from conftest import ENGLISH

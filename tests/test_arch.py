@@ -2,7 +2,7 @@
 
 import pytest
 
-from attnviz.core.arch import parse
+from attnviz.core.spec.arch import parse
 from attnviz.errors import ArchitectureError
 
 L = 6

@@ -12,8 +12,10 @@ import torch
 from attnviz import plan as plan_mod
 from attnviz import recipe as recipe_mod
 from attnviz.capture import capture
-from attnviz.core import arch, engine, sites
-from attnviz.core import interventions as I
+from attnviz.core.spec import arch
+from attnviz.core import engine
+from attnviz.core.engine import sites
+from attnviz.core.spec import interventions as I
 from attnviz.effects import causal
 from attnviz.errors import InputError
 from attnviz.figures.heatmaps import layer_matrix

@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz.core import routes
+from attnviz.core.engine import routes
 from attnviz.core import engine
 from attnviz.stats import metrics
-from attnviz.core.arch import parse
+from attnviz.core.spec.arch import parse
 from attnviz.capture import capture
 from attnviz.plan import Keep
-from attnviz.core.reduce import LayerSummary
+from attnviz.core.record.reduce import LayerSummary
 
 from tiny import build, loaded
 

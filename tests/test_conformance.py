@@ -14,8 +14,9 @@ import torch
 from attnviz import regions
 from attnviz import recipe as recipe_mod
 from attnviz.capture import capture
-from attnviz.core import anatomy, engine
-from attnviz.core.models import LoadedModel
+from attnviz.core.model import anatomy
+from attnviz.core import engine
+from attnviz.core.loading.models import LoadedModel
 from attnviz.plan import Keep
 from attnviz.recipe import Recipe
 from attnviz.stats import metrics
@@ -172,7 +173,7 @@ def test_residual_variants_run_where_defined_and_are_refused_elsewhere(kind):
     """Where seed 003's recomputation is defined, method 2 leaves layers 0 and 1 as they are (the attention residual
     of layer 0 is X, and layer 1's attention reads the same stream) and changes layer 2; elsewhere the recipe is
     refused with the anatomy's reason."""
-    from attnviz.core import residual
+    from attnviz.core.engine import residual
     from attnviz.errors import ModelLoadError
 
     stock, lm = _pair(kind)
@@ -221,7 +222,7 @@ def test_the_doctor_passes_on_more_families(kind):
 def test_value_norms_make_nothing_of_the_hidden_size_per_key():
     """||W_O^h v_j|| through each head's d × d Gram matrix: no (B, H, n, hidden) temporary (680 MB at 32k tokens on
     the default model before)."""
-    from attnviz.core import modules
+    from attnviz.core.model import modules
 
     made = []
 

@@ -8,7 +8,7 @@ import torch
 
 from attnviz.core import engine
 from attnviz import regions
-from attnviz.core.arch import parse
+from attnviz.core.spec.arch import parse
 from attnviz.capture import capture
 from attnviz.plan import Keep
 
@@ -86,7 +86,7 @@ def test_doctor_passes_on_the_gpu_and_names_the_fallback_when_the_kernel_fails(m
     """On CUDA: the fused kernel against the block engine, and its speed; a kernel that will not compile is a
     FAIL that names the block engine as the fallback."""
     from attnviz import doctor
-    from attnviz.core import kernels
+    from attnviz.core.kernel import kernels
 
     lm = loaded("llama")
     lm.model.to("cuda", torch.bfloat16)
@@ -116,7 +116,7 @@ def test_doctor_passes_on_the_gpu_and_names_the_fallback_when_the_kernel_fails(m
 def test_every_fused_layer_gets_its_log_sum_exp_from_the_attention_kernel(spec, dtype, monkeypatch):
     """One pass over QK^T on a GPU too: flash (causal, half precision) or memory-efficient attention (any mask)
     gives each row's log-sum-exp; none falls back to two passes."""
-    from attnviz.core import kernels
+    from attnviz.core.kernel import kernels
 
     calls = []
     real = kernels.layer_statistics

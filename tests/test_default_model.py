@@ -8,7 +8,7 @@ from attnviz import capture, load
 from attnviz.plan import Keep
 from attnviz.stats import metrics
 from attnviz.errors import InputError, ModelLoadError
-from attnviz.core.models import DEFAULT_GGUF, default_gguf
+from attnviz.core.loading.models import DEFAULT_GGUF, default_gguf
 
 from conftest import ENGLISH
 

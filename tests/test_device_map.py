@@ -71,7 +71,7 @@ def test_cli_device_map_auto(model_dir):
 
 
 def test_where_a_mapped_model_runs_is_said_in_one_line(model_dir, tmp_path):
-    from attnviz.core import devices
+    from attnviz.core.model import devices
 
     mapped = load(str(model_dir), device_map=MAP, offload_folder=tmp_path / "offload")
     assert devices.describe(mapped.model) == "cpu + disk · float32"
@@ -81,7 +81,7 @@ def test_where_a_mapped_model_runs_is_said_in_one_line(model_dir, tmp_path):
 def test_a_model_mapped_to_the_cpu_and_disk_loads_in_float32_on_a_gpu_machine_too(model_dir, tmp_path, monkeypatch):
     """Where a mapped model runs decides its dtype: the CPU and disk mean float32, whether or not the machine
     has a GPU (simulated here: torch says CUDA is available, and the map never touches it)."""
-    from attnviz.core import devices
+    from attnviz.core.model import devices
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert devices.mapped_device(MAP) == "cpu" and devices.mapped_device("auto") == "cuda"

@@ -10,12 +10,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from attnviz.core import routes
-from attnviz.core import allowsets
-from attnviz.core import devices, engine, recorders
+from attnviz.core.engine import routes
+from attnviz.core.spec import allowsets
+from attnviz.core.model import devices
+from attnviz.core import engine
+from attnviz.core.record import recorders
 from attnviz.stats import metrics
-from attnviz.core import masks as M
-from attnviz.core.reduce import LayerSummary, Summaries
+from attnviz.core.spec import masks as M
+from attnviz.core.record.reduce import LayerSummary, Summaries
 from attnviz.regions import _Crop
 
 META = torch.device("meta")
@@ -158,7 +160,7 @@ def test_a_decoding_step_neither_copies_nor_reads_back(layers):
     loop read each token's log-probability back before the next step."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from attnviz.core.models import LoadedModel
+    from attnviz.core.loading.models import LoadedModel
     from attnviz.effects.streaming import CachedDecoder
 
     from tiny import VOCAB, CharTokenizer
@@ -182,7 +184,7 @@ def test_a_decoding_step_neither_copies_nor_reads_back(layers):
 def test_the_default_device_is_chosen_without_needing_a_gpu(monkeypatch):
     """The choice itself, on any machine: ATTNVIZ_DEVICE when set, else CUDA when torch sees it, else the CPU;
     and the dtype each choice loads in."""
-    from attnviz.core.models import _resolve_dtype
+    from attnviz.core.loading.models import _resolve_dtype
 
     monkeypatch.delenv("ATTNVIZ_DEVICE", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -205,7 +207,7 @@ def test_the_default_device_is_chosen_without_needing_a_gpu(monkeypatch):
     ("cpu", True, "cpu"),
 ])
 def test_where_a_device_map_puts_a_model_decides_its_dtype(device_map, cuda, expected, monkeypatch):
-    from attnviz.core.models import _resolve_dtype
+    from attnviz.core.loading.models import _resolve_dtype
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     assert devices.mapped_device(device_map) == expected

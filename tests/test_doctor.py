@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz.core import kernels, routes
+from attnviz.core.kernel import kernels
+from attnviz.core.engine import routes
 from attnviz import doctor, load
 from attnviz.capture import capture
 from attnviz.cli import main
 from attnviz.core import engine
-from attnviz.core import reduce
+from attnviz.core.record import reduce
 from attnviz.doctor import checks as doctor_checks, timing
 from attnviz.plan import Keep
 
@@ -152,7 +153,7 @@ def test_a_wrong_deep_page_capability_fails_its_check(defect, default_model, mon
     off, attribution's sources 5 % too large."""
     import importlib
 
-    from attnviz.core import interventions
+    from attnviz.core.spec import interventions
     from attnviz.flow import contributions
     from attnviz.effects.explain import KeptForward
 
@@ -281,7 +282,7 @@ def test_the_fused_kernel_check_runs_the_long_texts_geometry_and_catches_a_plant
     precision: a float32 kernel masks every tile): a text long enough for full tiles and a map that pools each
     tile to one cell (what a long text launches); both pass on the kernel as it is, and each fails on a kernel
     that gets its part wrong."""
-    from attnviz.core import kernels
+    from attnviz.core.kernel import kernels
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the kernel runs compiled on a GPU machine: tests/test_cuda.py runs the doctor there")

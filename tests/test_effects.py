@@ -8,7 +8,7 @@ import torch
 from attnviz import corpus
 from attnviz.effects import embedding
 from attnviz.core import engine
-from attnviz.core.arch import parse, with_k
+from attnviz.core.spec.arch import parse, with_k
 from attnviz.errors import ArchitectureError, InputError
 from attnviz.effects.evaluate import evaluate, windows
 from attnviz.effects.generate import generate

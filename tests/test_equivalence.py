@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz.core import engine, recorders
-from attnviz.core import masks as M
-from attnviz.core.arch import parse
+from attnviz.core import engine
+from attnviz.core.record import recorders
+from attnviz.core.spec import masks as M
+from attnviz.core.spec.arch import parse
 from attnviz.capture import capture
 from attnviz.errors import ModelLoadError
 

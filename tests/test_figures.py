@@ -6,7 +6,7 @@ import pytest
 
 from attnviz.effects import compare
 from attnviz.figures import export
-from attnviz.core.arch import parse
+from attnviz.core.spec.arch import parse
 from attnviz.capture import capture
 from attnviz.plan import Keep
 from attnviz.figures import (allocation_bars, architecture_masks, heatmap, key_profile, overview, panels,

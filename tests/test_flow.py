@@ -187,7 +187,7 @@ def test_a_head_output_that_is_not_its_weighted_values_is_refused(shift):
     """A family whose heads write something besides their probabilities times their values (here: a hook on the
     output projection moves one head's output) cannot be split by source token: routes refuse it, also when the
     change is small (the check along fixed random directions sees it)."""
-    from attnviz.core.modules import output_linear
+    from attnviz.core.model.modules import output_linear
     from attnviz.errors import InputError
 
     lm = tiny.loaded("llama")
@@ -232,7 +232,7 @@ def test_the_layer_assembled_from_narrowed_blocks_equals_the_whole_layer(monkeyp
     windowed masks, every layer's contributions equal those from the whole layer in one block with every key."""
     import importlib
 
-    from attnviz.core import devices
+    from attnviz.core.model import devices
 
     trace_mod = importlib.import_module("attnviz.flow.trace")
     lm = tiny.loaded("llama")

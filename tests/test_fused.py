@@ -1,4 +1,4 @@
-"""The fused statistics kernel (attnviz.core.kernels) in Triton's interpreter on the CPU:
+"""The fused statistics kernel (attnviz.core.kernel.kernels) in Triton's interpreter on the CPU:
 its sums against the definitions computed from the full probabilities, and a whole capture by the
 fused route against the block engine and docs/methods.md#sink-metrics."""
 
@@ -13,15 +13,16 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # conftest.py sets it on a machin
     pytest.skip("the kernel runs compiled on this GPU machine: tests/test_cuda.py checks it there",
                 allow_module_level=True)
 
-from attnviz.core import allowsets
-from attnviz.core import engine, kernels  # noqa: E402
+from attnviz.core.spec import allowsets
+from attnviz.core import engine  # noqa: E402
+from attnviz.core.kernel import kernels
 from attnviz.stats import metrics
-from attnviz.core.arch import parse  # noqa: E402
+from attnviz.core.spec.arch import parse  # noqa: E402
 from attnviz.capture import capture  # noqa: E402
 from attnviz.plan import Keep
 from attnviz.figures.style import max_pool  # noqa: E402
-from attnviz.core.masks import keep_self_if_empty  # noqa: E402
-from attnviz.core.reduce import pool_factor  # noqa: E402
+from attnviz.core.spec.masks import keep_self_if_empty  # noqa: E402
+from attnviz.core.record.reduce import pool_factor  # noqa: E402
 
 from tiny import loaded  # noqa: E402
 
@@ -239,7 +240,7 @@ def test_the_block_route_makes_each_blocks_allow_set_alone(spec, pool, monkeypat
     allow-set, so no tensor of n_q × n_kv elements exists during a statistics capture (before, one whole allow-set
     per mask); the host's copy the capture keeps is made a chunk of rows at a time. Statistics, pooled maps and the
     kept allow-set equal the whole-allow-set route's (full maps, which keep it whole)."""
-    from attnviz.core import reduce
+    from attnviz.core.record import reduce
 
     monkeypatch.setenv("ATTNVIZ_FUSED", "0")
     monkeypatch.setattr(allowsets, "CHUNK_ELEMENTS", 256)
@@ -264,7 +265,7 @@ def test_the_block_route_makes_each_blocks_allow_set_alone(spec, pool, monkeypat
 @pytest.mark.parametrize("spec", ["nosink-fwd(m=2)", "back", "sliding(w=9)", "global(w=5, g=2)"])
 def test_a_masks_layout_counted_by_chunks_equals_its_sums(spec, monkeypatch):
     """Any other mask's counts come from its allow-set a chunk of rows at a time, never as one n × n temporary."""
-    from attnviz.core import reduce
+    from attnviz.core.record import reduce
 
     monkeypatch.setattr(allowsets, "CHUNK_ELEMENTS", 5 * 75)  # five rows a chunk
     allow = _reference(spec)[2]

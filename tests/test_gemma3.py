@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attnviz.capture import capture
-from attnviz.core import models
+from attnviz.core.loading import models
 from attnviz.effects import causal
 from attnviz.effects.explain import KeptForward
 from attnviz.plan import Keep

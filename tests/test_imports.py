@@ -43,6 +43,6 @@ def test_a_capture_imports_torchs_compiler_and_distributed_tensors_only_through_
 
 
 def test_the_fused_kernels_modules_import_neither():
-    first = _first_importers("import torch\nfrom attnviz.core import kernels\nkernels.available()\n"
-                             "import attnviz.core._triton_stats\n")
+    first = _first_importers("import torch\nfrom attnviz.core.kernel import kernels\nkernels.available()\n"
+                             "import attnviz.core.kernel._triton_stats\n")
     assert not set(first) & set(HEAVY), first

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from attnviz.core import engine
-from attnviz.core import interventions as I
-from attnviz.core.arch import parse
+from attnviz.core.spec import interventions as I
+from attnviz.core.spec.arch import parse
 from attnviz.capture import capture
 from attnviz.recipe import Recipe
 from attnviz.plan import Keep

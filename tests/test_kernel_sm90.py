@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton was built without its CUDA backend")
 
-from attnviz.core import kernels  # noqa: E402
+from attnviz.core.kernel import kernels  # noqa: E402
 
 # every output the kernel can be asked for at once (the most registers), pooled by whole tiles and by G x G
 # cells, and the plain statistics; at the warps kernels.num_warps launches on each GPU

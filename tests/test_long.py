@@ -13,7 +13,7 @@ from attnviz.plan import Keep
 from attnviz.recipe import Recipe
 from attnviz.errors import InputError
 from attnviz.figures.style import max_pool
-from attnviz.core.lru import ByteLRU, nbytes
+from ui.lru import ByteLRU, nbytes
 
 from tiny import ARCHS, loaded
 
@@ -153,7 +153,7 @@ def test_learned_positions_resume_too():
 def test_families_that_cannot_resume_keep_no_checkpoints_and_run_from_the_start():
     import dataclasses
 
-    from attnviz.core import anatomy
+    from attnviz.core.model import anatomy
 
     lm = loaded("gpt2")  # its anatomy made to say it cannot (as for a layer called with arguments attnviz cannot make)
     found = anatomy.of(lm.model)

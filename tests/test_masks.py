@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz.core import masks as M
+from attnviz.core.spec import masks as M
 from attnviz.errors import MaskError
 
 

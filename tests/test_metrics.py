@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from attnviz.stats import metrics
-from attnviz.core.masks import fwd, nosink
+from attnviz.core.spec.masks import fwd, nosink
 
 FWD3 = fwd().matrix(3)
 # one head, causal: row 0 all on key 0; row 1 splits 0.8/0.2; row 2 0.6/0.1/0.3

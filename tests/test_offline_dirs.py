@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attnviz import capture, load
-from attnviz.core import models
+from attnviz.core.loading import models
 from attnviz.errors import ModelLoadError
 
 from test_cli import run

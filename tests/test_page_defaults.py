@@ -15,7 +15,7 @@ required parameters) are not listed here."""
 import pytest
 
 from attnviz import defaults, flow
-from attnviz.core import arch, interventions, masks
+from attnviz.core.spec import arch, interventions, masks
 from attnviz.effects import causal, dataset, embedding, evaluate, generate, heads, linformer, streaming
 from attnviz.effects import patching as patching_mod
 from attnviz.effects import walkthrough as W

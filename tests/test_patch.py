@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attnviz.capture import capture
-from attnviz.core.models import LoadedModel
+from attnviz.core.loading.models import LoadedModel
 from attnviz.effects.streaming import stream
 from attnviz.errors import InputError
 from attnviz.plan import Keep

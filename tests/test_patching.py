@@ -136,7 +136,7 @@ def test_the_recipe_applies_to_every_run():
 
 
 def test_the_sink_metric_resumed_equals_the_full_forward(monkeypatch):
-    from attnviz.core import anatomy
+    from attnviz.core.model import anatomy
 
     lm = tiny.loaded("qwen2")
     resumed = patching(lm, CLEAN, CORRUPTED, site="mlp", metric="sink")

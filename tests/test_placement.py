@@ -151,7 +151,7 @@ def test_other_accelerators_copy_to_the_host_and_wait(monkeypatch):
     """Only CUDA's copies are queued (an event says when they land); on MPS or XPU a queued copy to the host may be
     read before it lands, so there the copy waits."""
     import elsewhere
-    from attnviz.core import devices
+    from attnviz.core.model import devices
 
     lm = loaded("llama")
     with elsewhere.elsewhere(lm.model):

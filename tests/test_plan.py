@@ -75,7 +75,7 @@ def test_prepare_plans_once_and_its_run_is_the_capture(monkeypatch):
 
     from attnviz import recipe as recipe_mod
     from attnviz.capture import prepare
-    from attnviz.core import devices
+    from attnviz.core.model import devices
 
     lm, text = loaded("llama"), "The keeper lit the lamp at dusk."
     asked = Keep(hidden_states=True)

@@ -11,7 +11,8 @@ import torch
 
 import tiny
 from attnviz.cli import main
-from attnviz.core import models, precision
+from attnviz.core.loading import models
+from attnviz.core.model import precision
 from attnviz.effects import causal
 from attnviz.effects.explain import KeptForward, explain
 from attnviz.errors import AttnvizError, InputError

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz.core import engine, residual
-from attnviz.core.arch import parse
+from attnviz.core import engine
+from attnviz.core.engine import residual
+from attnviz.core.spec.arch import parse
 from attnviz.errors import ArchitectureError, InputError, ModelLoadError
 from attnviz.effects.finetune import finetune
 
@@ -135,8 +136,8 @@ def _load_dir(out):
     """Load a fine-tuned tiny directory the way models.load does (weights from safetensors + variant)."""
     from transformers import AutoModelForCausalLM
 
-    from attnviz.core.models import LoadedModel
-    from attnviz.core.residual import Variant
+    from attnviz.core.loading.models import LoadedModel
+    from attnviz.core.engine.residual import Variant
 
     model = AutoModelForCausalLM.from_pretrained(out, use_safetensors=True, attn_implementation="attnviz").eval()
     return LoadedModel(model, _SavingTokenizer(), str(out), None, 0.0, residual=Variant.load(out))

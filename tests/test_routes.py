@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz.core import reduce
+from attnviz.core.record import reduce
 from attnviz.stats import metrics
 from attnviz.core.engine import Facts, Route, choose_route
 
@@ -121,8 +121,9 @@ def test_recorders_own_their_results_and_the_run_keeps_no_store():
     never share a recorder (the residual variants' live probabilities are the run's own)."""
     import dataclasses
 
-    from attnviz.core import engine, recorders
-    from attnviz.core.arch import parse
+    from attnviz.core import engine
+    from attnviz.core.record import recorders
+    from attnviz.core.spec.arch import parse
     from tiny import build
 
     fields = {f.name for f in dataclasses.fields(engine.Run)}

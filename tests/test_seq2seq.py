@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from attnviz.core import arch
+from attnviz.core.spec import arch
 from attnviz import seq2seq
 from attnviz.capture import Capture
 from attnviz.errors import InputError
-from attnviz.core.models import load
+from attnviz.core.loading.models import load
 
 from tiny import S2S, char_tokenizer, loaded, seq2seq_loaded, seq2seq_pair
 

@@ -125,7 +125,7 @@ def test_the_cli_reads_residual_norms_without_keeping_a_hidden_state():
     """``attnviz sinks`` measures the stream's norm entering each layer with a hook (n floats a layer), the same
     numbers a capture's activations give, and no hidden state is kept."""
     from attnviz.cli import sinks_report
-    from attnviz.core.hooks import layer_input_norms
+    from attnviz.core.engine.hooks import layer_input_norms
 
     lm = tiny.loaded("gemma3_text")
     text = "The cat sat. On the mat, it slept; the dog watched the door."

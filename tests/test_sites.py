@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import tiny
-from attnviz.core import anatomy, engine, sites
-from attnviz.core.interventions import Patch
+from attnviz.core.model import anatomy
+from attnviz.core import engine
+from attnviz.core.engine import sites
+from attnviz.core.spec.interventions import Patch
 from attnviz.effects.patching import patching
 from attnviz.errors import InputError
 from attnviz.recipe import build
@@ -36,7 +38,7 @@ def test_each_site_reads_what_the_model_computes(kind):
     found = anatomy.of(model)
     ids = _ids()
     seen = {}
-    pairs = [(sites.Site(name, l), sites.keep(seen, (name, l))) for l in range(len(found.layers))
+    pairs = [(sites.Site(name, l), sites.save(seen, (name, l))) for l in range(len(found.layers))
              for name in ("resid_pre", "resid_post", "attn_out", "mlp_out", "head_z")
              + (() if found[l].parallel else ("resid_mid",))]
     hand = {}
@@ -70,7 +72,7 @@ def test_a_replacement_changes_the_chosen_rows_and_positions_alone(kind):
     L = anatomy.of(model)[1]
     ids = _ids(batch=2)
     source = {}
-    with sites.hooks(model, [(sites.Site("mlp_out", 1), sites.keep(source, "w"))]):
+    with sites.hooks(model, [(sites.Site("mlp_out", 1), sites.save(source, "w"))]):
         model(ids)
     put = sites.put(source["w"], rows=[1], positions=[[3, 5]])
     with sites.hooks(model, [(sites.Site("mlp_out", 1), put)]):
@@ -176,7 +178,7 @@ def test_a_resumed_forward_returns_what_it_made_and_its_head_is_checked_once():
     model.__dict__.pop("_attnviz_head_checked", None)
     calls = []
     real = engine.head_logits
-    from attnviz.core import forward as forward_mod
+    from attnviz.core.engine import forward as forward_mod
 
     forward_mod.head_logits, saved = (lambda *a, **k: calls.append(1) or real(*a, **k)), forward_mod.head_logits
     try:

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnviz import plan
 from attnviz.capture import capture, prepare
-from attnviz.core.lru import nbytes
+from ui.lru import nbytes
 from attnviz.plan import Keep
 from attnviz.recipe import Recipe
 from attnviz.tokens import tokenize
@@ -157,7 +157,7 @@ def test_the_engine_reads_its_sizes_from_the_plan():
     """The block size on each device and the staging of full maps are asked of the run's ``Sizes`` (the plan's),
     never computed by the engine; staged maps come out as the written ones."""
     from attnviz.core import engine
-    from attnviz.core.arch import parse
+    from attnviz.core.spec.arch import parse
 
     from tiny import loaded
 

@@ -226,7 +226,7 @@ def test_the_sweeps_page_reads_a_results_folder_and_runs_a_small_sweep(model_cac
 
 
 def test_auto_key_is_the_first_key_the_mask_leaves_open():
-    from attnviz.core import arch
+    from attnviz.core.spec import arch
     from attnviz.stats import metrics
 
     for spec, expected in [("fwd", 0), ("bidir", 0), ("nosink-fwd", 1), ("nosink-fwd(m=3)", 3),
@@ -275,7 +275,7 @@ def test_the_sinks_measure_reads_nosink_at_its_open_key(model_cache, tmp_path, c
     """The README example: with key = auto, NoSink-FWD's rate is read at key 1 and is defined in every layer."""
     from attnviz.sweep import measures
     from attnviz.sweep.spec import parse as parse_spec
-    from attnviz.core.models import load
+    from attnviz.core.loading.models import load
 
     grid = parse_spec(README_SPEC)
     cell = [c for c in grid.cells() if c.arch == "nosink-fwd"][0]

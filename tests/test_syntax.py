@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import pytest
 
-from attnviz.core import arch, interventions, syntax
+from attnviz.core.spec import arch, interventions, syntax
 from attnviz.errors import InputError
 from attnviz.kv import presses
 from attnviz.effects.streaming import POLICIES

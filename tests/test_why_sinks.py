@@ -216,7 +216,7 @@ def test_walkthrough_linformer_step_and_finite_entries():
 
 
 def test_byte_lru_evicts_by_bytes_not_count():
-    from attnviz.core.lru import ByteLRU, nbytes
+    from ui.lru import ByteLRU, nbytes
 
     cache = ByteLRU(budget=1000)
     cache.put("a", np.zeros(50, dtype=np.float64))  # 400 bytes

@@ -3,7 +3,7 @@
 import torch
 from transformers import AutoModelForCausalLM
 
-from attnviz.core.models import LoadedModel
+from attnviz.core.loading.models import LoadedModel
 
 VOCAB = 96
 
@@ -179,8 +179,9 @@ def long_kernel_case(device: str, dtype: torch.dtype, causal: bool, one_pass: bo
     600 causal keys (a partial last block) with a factor-64 pooled map (one cell a tile), given every row's
     log-sum-exp (``one_pass``, as the attention kernel gives it) or finding it; and the same sums computed in
     float64 from the full probabilities: (kernel's, expected), float64 on the CPU, keyed alike."""
-    from attnviz.core import allowsets, kernels
-    from attnviz.core.reduce import pool_factor
+    from attnviz.core.spec import allowsets
+    from attnviz.core.kernel import kernels
+    from attnviz.core.record.reduce import pool_factor
 
     n, heads, kv_heads, dim, cells = 600, 4, 2, 128, 10
     gen = torch.Generator().manual_seed(5)

@@ -9,14 +9,14 @@ import time
 
 import streamlit as st
 
-from attnviz.core import arch as arch_mod
-from attnviz.core import devices
+from attnviz.core.spec import arch as arch_mod
+from attnviz.core.model import devices
 from attnviz import plan as plan_mod
 from attnviz.capture import Capture, Prepared, prepare
 from attnviz.tokens import TooLong, tokenize
 from attnviz.errors import AttnvizError
-from attnviz.core.lru import ByteLRU
-from attnviz.core.models import LoadedModel, load
+from ui.lru import ByteLRU
+from attnviz.core.loading.models import LoadedModel, load
 from attnviz.plan import Keep
 from attnviz.recipe import Recipe
 from ui import jobs, shared

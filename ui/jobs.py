@@ -14,9 +14,9 @@ from typing import Callable, Hashable, TypeVar
 
 import streamlit as st
 
-from attnviz.core import devices
+from attnviz.core.model import devices
 from attnviz.errors import AttnvizError
-from attnviz.core.lru import ByteLRU
+from ui.lru import ByteLRU
 from ui import shared
 
 T = TypeVar("T")

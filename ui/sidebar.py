@@ -8,12 +8,13 @@ from dataclasses import dataclass
 import streamlit as st
 
 from attnviz.capture import Capture
-from attnviz.core import arch as arch_mod
-from attnviz.core import devices, interventions, masks
+from attnviz.core.spec import arch as arch_mod
+from attnviz.core.model import devices
+from attnviz.core.spec import interventions, masks
 from attnviz.errors import AttnvizError
 from attnviz.recipe import Recipe
-from attnviz.core.models import DEFAULT, SHIPPED, LoadedModel, shipped_installed
-from attnviz.core.residual import METHODS
+from attnviz.core.loading.models import DEFAULT, SHIPPED, LoadedModel, shipped_installed
+from attnviz.core.engine.residual import METHODS
 
 from ui import shared
 from ui.cache import get_capture, get_model

@@ -64,7 +64,7 @@ def load_args(p) -> None:
 
 
 def intervene_args(p, bos: bool = False) -> None:
-    from attnviz.core.interventions import USAGE
+    from attnviz.core.spec.interventions import USAGE
 
     p.add_argument("--intervene", default=None,
                    help=f"interventions (docs/methods.md#interventions), e.g. 'sinkscale(beta=0.3)@20-29; "
@@ -126,13 +126,13 @@ def out_file(arg: str, suffixes: tuple[str, ...], kind: str) -> Path:
 def check_intervene(args) -> None:
     """The intervention string's form, before a model is loaded (its layers and heads are checked
     against the model once it is)."""
-    from attnviz.core import interventions
+    from attnviz.core.spec import interventions
 
     interventions.parse(getattr(args, "intervene", None), 10**6, 10**6)
 
 
 def intervene_json(args, loaded) -> dict:
-    from attnviz.core import interventions
+    from attnviz.core.spec import interventions
 
     spec = interventions.parse(args.intervene, loaded.n_layers, loaded.n_heads).spec
     return {"intervene": spec} if spec else {}
@@ -148,7 +148,7 @@ def load(args):
     """The model; every runner reads its input first, so bad input fails before a model is loaded."""
     from huggingface_hub.utils import logging as hub_logging
 
-    from attnviz.core.models import load as load_model
+    from attnviz.core.loading.models import load as load_model
 
     hub_logging.set_verbosity_error()  # the one-line error below says it; no retry chatter
 

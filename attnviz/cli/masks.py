@@ -15,7 +15,7 @@ def options(p):
 def run(args) -> dict:
     if args.n < 1:
         raise AttnvizError(f"--n must be at least 1, got {args.n}")
-    from attnviz.core import arch as arch_mod
+    from attnviz.core.spec import arch as arch_mod
 
     architecture = arch_mod.parse(args.arch, args.layers)
     return {

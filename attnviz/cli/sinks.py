@@ -37,7 +37,7 @@ def options(p):
 
 def run(args) -> dict:
     from attnviz.capture import prepare
-    from attnviz.core.hooks import layer_input_norms
+    from attnviz.core.engine.hooks import layer_input_norms
     from attnviz.plan import Keep
 
     if not 0 <= args.eps <= 1:
@@ -58,7 +58,7 @@ def run(args) -> dict:
 
 def sinks_report(capture, eps: float, residual_norms: dict | None = None, key: int | None = None) -> dict:
     """The `attnviz sinks --json` document for a capture (all layers recorded); ``residual_norms`` by layer, the
-    stream's norm entering it (:func:`attnviz.core.hooks.layer_input_norms`), for each sink's ``residual_norm``;
+    stream's norm entering it (:func:`attnviz.core.engine.hooks.layer_input_norms`), for each sink's ``residual_norm``;
     ``key``, a position whose sink rate each layer adds to those of keys 0 and 1 (the document and each layer then
     name it, as the dataset's do)."""
     from attnviz.stats import metrics

@@ -40,9 +40,9 @@ number, relative to the output's norm.
 The checks live by family, one module each, and run in the order of one list (:data:`FAMILIES`, ``checks.py``):
 ``report.py`` (:class:`Check`, :class:`Report`), ``machine.py`` (the device, the environment), ``compare.py`` (limits,
 the text, differences), ``layers.py`` (layer inputs kept and fed, stock eager, casts: every hook through the
-engine's named sites, :mod:`attnviz.core.sites`), ``routes.py`` (each route against stock eager), ``fused.py`` (the
+engine's named sites, :mod:`attnviz.core.engine.sites`), ``routes.py`` (each route against stock eager), ``fused.py`` (the
 fused kernel), ``pages.py`` (what the deepest pages run), ``timing.py`` (speed). A check picks its route by argument
-(:func:`attnviz.core.routes.forcing`), never by editing the environment.
+(:func:`attnviz.core.engine.routes.forcing`), never by editing the environment.
 """
 
 from __future__ import annotations

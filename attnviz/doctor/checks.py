@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from attnviz.core.models import LoadedModel
+from attnviz.core.loading.models import LoadedModel
 from attnviz.doctor import fused, routes
 from attnviz.doctor.compare import EQUIVALENCE_TOKENS, text_of, tolerance
 from attnviz.doctor.layers import layer_count

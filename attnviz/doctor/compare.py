@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from attnviz.core import precision
-from attnviz.core.models import LoadedModel
+from attnviz.core.model import precision
+from attnviz.core.loading.models import LoadedModel
 
 FP32_TOLERANCE = precision.FP32_TOLERANCE  # docs/methods.md#devices
 FP16_STEP = 2.0 ** -10  # one float16 step, relative: what a pooled map (kept in float16) may differ by
@@ -16,7 +16,7 @@ EQUIVALENCE_TOKENS = 48
 
 def tolerance(dtype: torch.dtype) -> tuple[float, str]:
     """The limit for one layer's numbers computed in ``dtype`` by two routes fed the same layer input, and why
-    (:func:`attnviz.core.precision.tolerance`)."""
+    (:func:`attnviz.core.model.precision.tolerance`)."""
     return precision.tolerance(dtype)
 
 

@@ -1,4 +1,4 @@
-"""The fused statistics kernel (:mod:`attnviz.core.kernels`) at the geometry a long text launches, against the
+"""The fused statistics kernel (:mod:`attnviz.core.kernel.kernels`) at the geometry a long text launches, against the
 statistics' definitions and the max-pooled full maps, each layer fed the same input; a kernel that does not compile
 or run here is a FAIL that names the fallback (the block engine)."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from attnviz.core import kernels
-from attnviz.core.models import LoadedModel
-from attnviz.core.routes import forcing
+from attnviz.core.kernel import kernels
+from attnviz.core.loading.models import LoadedModel
+from attnviz.core.engine.routes import forcing
 from attnviz.doctor.compare import FP16_STEP, pooled_error, statistics_error, text_of
 from attnviz.doctor.layers import layer_io
 from attnviz.doctor.report import Check

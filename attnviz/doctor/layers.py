@@ -1,4 +1,4 @@
-"""What the checks hold the model to, through the engine's named sites (:mod:`attnviz.core.sites`) only: every decoder
+"""What the checks hold the model to, through the engine's named sites (:mod:`attnviz.core.engine.sites`) only: every decoder
 layer's input and output kept, or its input fed (:func:`layer_io`: two routes given the same layer input); stock
 transformers' eager forward (:func:`stock`); the model switched to another attention (:func:`implementation`) or cast
 to float32 (:func:`in_float32`) for the ``with`` block and back after."""
@@ -11,14 +11,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from attnviz.core import sites
-from attnviz.core.models import LoadedModel
+from attnviz.core.engine import sites
+from attnviz.core.loading.models import LoadedModel
 
 
 def layer_count(model) -> int | None:
-    """The decoder layers the model anatomy finds (:mod:`attnviz.core.anatomy`), or None for a family it cannot map:
+    """The decoder layers the model anatomy finds (:mod:`attnviz.core.model.anatomy`), or None for a family it cannot map:
     the anatomy's own probe forward is run here, before any check feeds a layer input."""
-    from attnviz.core import anatomy
+    from attnviz.core.model import anatomy
     from attnviz.errors import InputError
 
     try:

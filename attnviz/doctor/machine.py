@@ -8,8 +8,8 @@ import platform
 
 import torch
 
-from attnviz.core import devices
-from attnviz.core.models import LoadedModel
+from attnviz.core.model import devices
+from attnviz.core.loading.models import LoadedModel
 from attnviz.doctor.compare import dtype_name
 
 
@@ -65,7 +65,7 @@ def environment(loaded: LoadedModel | None = None) -> dict:
         found.append({"name": "mps", "free_mb": None})
     env = {"attnviz": v("attnviz") or "source", "torch": torch.__version__, "transformers": v("transformers"),
            "triton": v("triton"), "python": platform.python_version(), "platform": platform.platform(terse=True),
-           # the user's setting; the doctor's checks choose their route by argument (attnviz.core.routes.forcing)
+           # the user's setting; the doctor's checks choose their route by argument (attnviz.core.engine.routes.forcing)
            "devices": found, "fused_kernel": os.environ.get("ATTNVIZ_FUSED", "auto"),
            # routes' exact correction on the CPU: the compiled loop where numba is installed, else torch's gathers
            # (the same numbers, about 2.4 times the time: docs/methods.md#contributions)

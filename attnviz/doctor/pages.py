@@ -1,14 +1,15 @@
 """What the deepest pages run, in the model's own dtype (docs/cli.md#check-attnviz-on-this-machine): score attribution
 (the Why page), ``patch`` (its "Test it") and routes (the Routes page), each against an independent computation. Every
-activation they read or replace is one of the engine's named sites (:mod:`attnviz.core.sites`)."""
+activation they read or replace is one of the engine's named sites (:mod:`attnviz.core.engine.sites`)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from attnviz.core import precision, sites
-from attnviz.core.models import LoadedModel
+from attnviz.core.model import precision
+from attnviz.core.engine import sites
+from attnviz.core.loading.models import LoadedModel
 from attnviz.doctor.layers import layer_io, stock
 from attnviz.doctor.report import Check
 
@@ -106,8 +107,8 @@ def routes_check(loaded: LoadedModel, text: str) -> Check:
     definition (docs/methods.md#contributions), made from stock eager's probabilities, the layer's values and
     streams, each write W_O·A_ij·v_j written out in full."""
     from attnviz.capture import capture
-    from attnviz.core import anatomy
-    from attnviz.core.modules import output_projection
+    from attnviz.core.model import anatomy
+    from attnviz.core.model.modules import output_projection
     from attnviz.effects.schemes import norm_form
     from attnviz.flow import contributions
     from attnviz.flow.trace import trace
@@ -121,15 +122,15 @@ def routes_check(loaded: LoadedModel, text: str) -> Check:
     feed = {layer: ours.inputs[layer]}
     seen: dict = {}
 
-    def keep(name: str):
-        return sites.keep(seen, name, first_row=True, host=True, dtype=torch.float32)
+    def read(name: str):
+        return sites.save(seen, name, first_row=True, host=True, dtype=torch.float32)
 
     post_norm = L.attn_write is not L.attn
-    kept = [(sites.Site("attn_out", layer), keep("write"))]  # the write as the stream adds it (L.scale included)
+    kept = [(sites.Site("attn_out", layer), read("write"))]  # the write as the stream adds it (L.scale included)
     if post_norm:
-        kept.append((sites.Site("attn_block", layer), keep("o")))  # what the post-norm reads
+        kept.append((sites.Site("attn_block", layer), read("o")))  # what the post-norm reads
     if not L.parallel:
-        kept.append((sites.Site("resid_mid", layer), keep("y")))
+        kept.append((sites.Site("resid_mid", layer), read("y")))
     with sites.hooks(model, kept):
         maps, io = stock(loaded, flow.token_ids, feed=feed)
     with layer_io(model, feed=feed):

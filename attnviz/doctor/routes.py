@@ -1,14 +1,14 @@
 """Each route against stock eager attention or the statistics' definitions, layer by layer with the same layer input
 (docs/methods.md#devices): the block engine's full maps and layer outputs, the top layer recorded alone over layers
 that run through SDPA, the block engine's statistics and pooled maps; and the whole forward in float32. Each check
-takes its route by argument (:func:`attnviz.core.routes.forcing`), never through the environment."""
+takes its route by argument (:func:`attnviz.core.engine.routes.forcing`), never through the environment."""
 
 from __future__ import annotations
 
 import torch
 
-from attnviz.core.routes import forcing
-from attnviz.core.models import LoadedModel
+from attnviz.core.engine.routes import forcing
+from attnviz.core.loading.models import LoadedModel
 from attnviz.doctor.compare import (FP16_STEP, FP32_TOLERANCE, dtype_name, max_diff, pooled_error, relative,
                                     statistics_error)
 from attnviz.doctor.layers import LayerIO, in_float32, layer_io, stock

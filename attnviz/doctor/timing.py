@@ -1,5 +1,5 @@
 """Speed, reported and never judged: a statistics capture against a plain forward of the same tokens and, on CUDA,
-the fused kernel against the block engine, each route chosen by argument (:func:`attnviz.core.routes.forcing`).
+the fused kernel against the block engine, each route chosen by argument (:func:`attnviz.core.engine.routes.forcing`).
 Each timed window repeats the call until the plain forward has run for at least :data:`MIN_WINDOW_S`."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import time
 import numpy as np
 import torch
 
-from attnviz.core import devices, kernels
-from attnviz.core.models import LoadedModel
-from attnviz.core.routes import forcing
+from attnviz.core.model import devices
+from attnviz.core.kernel import kernels
+from attnviz.core.loading.models import LoadedModel
+from attnviz.core.engine.routes import forcing
 from attnviz.doctor.layers import implementation
 from attnviz.doctor.report import Check
 

@@ -29,9 +29,11 @@ from dataclasses import dataclass, field
 import torch
 
 from attnviz.tokens import tokenize
-from attnviz.core import allowsets, engine, sites
-from attnviz.core import models
-from attnviz.core.models import LoadedModel
+from attnviz.core.spec import allowsets
+from attnviz.core import engine
+from attnviz.core.engine import sites
+from attnviz.core.loading import models
+from attnviz.core.loading.models import LoadedModel
 from attnviz.effects import schemes
 from attnviz.errors import InputError
 from attnviz.recipe import build
@@ -107,7 +109,7 @@ def _layer(loaded: LoadedModel, layer: int) -> int:
 class KeptForward:
     """One forward under a recipe, kept for score attribution: the residual stream entering each layer and its
     sources (the embeddings, every attention block's and MLP block's write), float32. Not a residual variant
-    (:mod:`attnviz.core.residual`): the model's own forward, read."""
+    (:mod:`attnviz.core.engine.residual`): the model's own forward, read."""
 
     @torch.no_grad()
     def __init__(self, loaded: LoadedModel, text: str, arch="fwd", upto: int | None = None, on_layer=None):
@@ -125,7 +127,7 @@ class KeptForward:
         names = {f"{kind}.{l}": sites.Site(f"{kind}_out", l) for l in range(self.upto) for kind in ("attn", "mlp")}
         kept: dict[str, torch.Tensor] = {}
         progress = (lambda l: on_layer(l + 1, loaded.n_layers)) if on_layer else None
-        with sites.hooks(loaded.model, [(site, sites.keep(kept, name, first_row=True, dtype=torch.float32))
+        with sites.hooks(loaded.model, [(site, sites.save(kept, name, first_row=True, dtype=torch.float32))
                                         for name, site in names.items()]):
             _, hidden, _ = built.forward(loaded, torch.tensor([self.ids]),
                                          engine.Record.nothing(on_layer=progress),
@@ -163,7 +165,7 @@ class KeptForward:
 
     def allowed(self, layer: int) -> torch.Tensor:
         """(n, n) the layer's allow-set, on the run's device: its mask and the model's own sliding window there
-        together (:func:`attnviz.core.allowsets.allowed`), the cells the model computes, as a capture records them.
+        together (:func:`attnviz.core.spec.allowsets.allowed`), the cells the model computes, as a capture records them.
         Every average over "the queries that may see a key" reads it, and a cell outside it is refused."""
         if layer not in self._allowed:
             window = self.scheme.anatomy[layer].window

@@ -23,11 +23,13 @@ import numpy as np
 import torch
 
 from attnviz.capture import capture
-from attnviz.core import anatomy as anatomy_mod
-from attnviz.core import engine, models, sites
-from attnviz.core.interventions import Patch
-from attnviz.core.models import LoadedModel
-from attnviz.core.sink_recorders import SinkColumn
+from attnviz.core.model import anatomy as anatomy_mod
+from attnviz.core import engine
+from attnviz.core.loading import models
+from attnviz.core.engine import sites
+from attnviz.core.spec.interventions import Patch
+from attnviz.core.loading.models import LoadedModel
+from attnviz.core.record.sink_recorders import SinkColumn
 from attnviz.effects.evaluate import evaluate
 from attnviz.errors import InputError
 from attnviz.plan import Keep
@@ -118,7 +120,8 @@ def _check_sink(loaded: LoadedModel, text: str, recipe: Recipe) -> None:
     """Refuse, before any forward, a text too short to have a sink key in any layer under ``recipe`` (a key that
     every later query may see, docs/methods.md#auto-key): NoSink-FWD(m) hides the first m keys, so a text of m + 1
     tokens has none, and every number after would be NaN."""
-    from attnviz.core import allowsets, anatomy
+    from attnviz.core.spec import allowsets
+    from attnviz.core.model import anatomy
     from attnviz.recipe import build
     from attnviz.tokens import tokenize
 

@@ -72,7 +72,7 @@ def describe_sinks(cap: Capture, eps: float = metrics.SINK_EPS, every: bool = Fa
     first; or that no key is a sink. Each layer's strongest sink only (:func:`where_sinks_are`), or with ``every``
     each layer's every sink key (:meth:`attnviz.capture.Capture.sinks`, what
     :func:`attnviz.figures.sinks.sink_map` rings)."""
-    from attnviz.core import syntax
+    from attnviz.core.spec import syntax
 
     by_key: dict[int, list[int]] = {}
     tokens: dict[int, str] = {}

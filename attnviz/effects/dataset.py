@@ -22,9 +22,9 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from attnviz.core import arch as arch_mod
+from attnviz.core.spec import arch as arch_mod
 from attnviz.core import engine
-from attnviz.core.models import LoadedModel
+from attnviz.core.loading.models import LoadedModel
 from attnviz.corpus import head_ids
 from attnviz.errors import InputError
 from attnviz.stats import metrics

@@ -17,9 +17,9 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from attnviz.core import arch as arch_mod
+from attnviz.core.spec import arch as arch_mod
 from attnviz.core import engine
-from attnviz.core.models import LoadedModel
+from attnviz.core.loading.models import LoadedModel
 from attnviz.corpus import head_ids
 from attnviz.errors import InputError
 

@@ -15,8 +15,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from attnviz.core import arch as arch_mod
-from attnviz.core.models import LoadedModel
+from attnviz.core.spec import arch as arch_mod
+from attnviz.core.loading.models import LoadedModel
 from attnviz.corpus import head_ids
 from attnviz.errors import InputError
 

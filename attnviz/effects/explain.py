@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnviz.core import models
-from attnviz.core.models import LoadedModel
+from attnviz.core.loading import models
+from attnviz.core.loading.models import LoadedModel
 from attnviz.effects.attribution import Explanation, KeptForward, _layer
 from attnviz.errors import InputError
 

@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from attnviz import recipe
-from attnviz.core import engine, residual
-from attnviz.core.models import LoadedModel
+from attnviz.core import engine
+from attnviz.core.engine import residual
+from attnviz.core.loading.models import LoadedModel
 from attnviz.errors import InputError
 
 METRICS_FILE = "metrics.json"

@@ -16,8 +16,8 @@ from typing import Callable
 import numpy as np
 
 from attnviz.tokens import tokenize
-from attnviz.core import arch as arch_mod
-from attnviz.core.models import LoadedModel
+from attnviz.core.spec import arch as arch_mod
+from attnviz.core.loading.models import LoadedModel
 from attnviz.effects.streaming import CachedDecoder, Policy, Step
 from attnviz.errors import InputError
 

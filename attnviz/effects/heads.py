@@ -25,7 +25,7 @@ from attnviz.capture import capture
 from attnviz.plan import Keep
 from attnviz.recipe import Recipe
 from attnviz.core import engine
-from attnviz.core.models import LoadedModel
+from attnviz.core.loading.models import LoadedModel
 from attnviz.effects.evaluate import Evaluation, evaluate
 from attnviz.errors import InputError
 from attnviz.stats import metrics

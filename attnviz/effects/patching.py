@@ -5,7 +5,7 @@ Run a clean and a corrupted text of the same number of tokens; then, for every l
 that site into the corrupted run and measure a metric at the last position. The effect of each patch is
 (patched − corrupted) / (clean − corrupted) of the metric: 1 restores the clean run, 0 changes nothing.
 
-Sites (the engine's named sites, :mod:`attnviz.core.sites`, docs/methods.md#sites; no modelling code patched):
+Sites (the engine's named sites, :mod:`attnviz.core.engine.sites`, docs/methods.md#sites; no modelling code patched):
 
 - ``resid``: the residual stream entering layer l (the layer's input);
 - ``attn`` / ``mlp``: the block's write, as the stream adds it (a post-norm's output where the family has one);
@@ -29,9 +29,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from attnviz.core import anatomy as anatomy_mod
-from attnviz.core import engine, models, sites
-from attnviz.core.sink_recorders import SinkCell
+from attnviz.core.model import anatomy as anatomy_mod
+from attnviz.core import engine
+from attnviz.core.loading import models
+from attnviz.core.engine import sites
+from attnviz.core.record.sink_recorders import SinkCell
 from attnviz.errors import InputError
 
 SITES = ("resid", "attn", "mlp", "heads")
@@ -185,7 +187,7 @@ def patching(loaded, clean: str, corrupted: str, answer: str | None = None, wron
         return logits, attention, made
 
     kept: dict[int, torch.Tensor] = {}
-    logits_c, sink_c, _ = run(ids_c, [(sites.Site(_SITE[site], l), sites.keep(kept, l)) for l in layers])
+    logits_c, sink_c, _ = run(ids_c, [(sites.Site(_SITE[site], l), sites.save(kept, l)) for l in layers])
     logits_x, sink_x, made = run(ids_x, keep_inputs=resumes)
     checkpoints = made.checkpoints if resumes else {}
     if sink_x is not None:

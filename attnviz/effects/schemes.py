@@ -21,7 +21,7 @@ bias sum to q_i exactly. Nothing of this is a table of families:
 
 Then the parts are checked against the queries and keys the module makes on the run's own input: a layer
 whose pieces do not give back its queries and keys within 1e-4 relative (four steps of the dtype in half
-precision, where the module rounds what the float32 pieces do not: :mod:`attnviz.core.precision`) is refused with
+precision, where the module rounds what the float32 pieces do not: :mod:`attnviz.core.model.precision`) is refused with
 one line naming the difference and the limit (a low-rank attention such as DeepSeek's latent attention, whose
 projections have a norm between them, is one).
 """
@@ -33,8 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from attnviz.core import anatomy as anatomy_mod
-from attnviz.core import precision, sites
+from attnviz.core.model import anatomy as anatomy_mod
+from attnviz.core.model import precision
+from attnviz.core.engine import sites
 from attnviz.errors import InputError
 
 TOLERANCE = precision.FP32_TOLERANCE  # relative, in float32: the pieces must give back the module's own q and k
@@ -43,7 +44,7 @@ TOLERANCE = precision.FP32_TOLERANCE  # relative, in float32: the pieces must gi
 @dataclass(frozen=True)
 class Scheme:
     family: str
-    anatomy: object  # attnviz.core.anatomy.Anatomy
+    anatomy: object  # attnviz.core.model.anatomy.Anatomy
     rotary: bool  # rotary positions; else learned absolute positions, a source of their own ("pos")
 
     @property
@@ -162,7 +163,7 @@ def _call(found, layer, hidden: torch.Tensor, rotation: str, pass_norms: bool) -
     # server's other sessions run the same model)
     norms = [norm for norm in _qk_norms(attn) if norm is not None] if pass_norms else []
     seen: dict = {}
-    with sites.module_hooks([(norm, sites.keep(seen, norm)) for norm in norms], inputs=True), \
+    with sites.module_hooks([(norm, sites.save(seen, norm)) for norm in norms], inputs=True), \
             sites.module_hooks([(norm, lambda out, norm=norm: seen.pop(norm)) for norm in norms]), \
             engine.catching() as caught:
         try:

@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from attnviz.core import arch as arch_mod
-from attnviz.core import engine, syntax
-from attnviz.core.models import LoadedModel
+from attnviz.core.spec import arch as arch_mod
+from attnviz.core import engine
+from attnviz.core.spec import syntax
+from attnviz.core.loading.models import LoadedModel
 from attnviz.errors import InputError
 
 MAX_TOKENS = 1000  # the text `attnviz stream` reads by default

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnviz.core import masks as M
+from attnviz.core.spec import masks as M
 from attnviz.errors import InputError
 
 #: The lecture's practice matrices (seed 004).

@@ -6,7 +6,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from attnviz.core.arch import Architecture
+from attnviz.core.spec.arch import Architecture
 from attnviz.figures.style import layout
 
 
@@ -29,7 +29,7 @@ def architecture_masks(arch: Architecture, n: int = 12, cols: int = 6) -> go.Fig
 
 def stablemask_pseudo(n: int = 12, gamma: float | str = 0.5, head: int = 0, n_heads: int = 8) -> go.Figure:
     """P[i, j] = -gamma * j above the diagonal (docs/methods.md#stablemask); the causal part shows the scores A."""
-    from attnviz.core.masks import stable_gammas
+    from attnviz.core.spec.masks import stable_gammas
 
     g = float(stable_gammas(gamma, n_heads)[head])
     i, j = np.indices((n, n))

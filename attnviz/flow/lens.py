@@ -38,7 +38,7 @@ def _ends(loaded, logits: torch.Tensor, top: int) -> tuple[list, list]:
 def lens(loaded, flow: Flow, layer: int, point: str, token: int, write: bool = False, top: int = TOP) -> Reading:
     """What the stream of ``token`` after ``layer``'s ``point`` ("attn" or "mlp"; layer -1 "mlp" the first layer's
     input) promotes and suppresses; with ``write``, what that block's write alone adds (not for layer -1)."""
-    from attnviz.core import anatomy
+    from attnviz.core.model import anatomy
     from attnviz.effects.schemes import norm_form
 
     if point not in ("attn", "mlp") or not -1 <= layer < flow.n_layers or (layer == -1 and (point != "mlp" or write)):

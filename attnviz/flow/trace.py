@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from attnviz.core import anatomy as anatomy_mod
-from attnviz.core import engine, precision, sites
-from attnviz.core.modules import output_projection
-from attnviz.core.recorders import Recorder
+from attnviz.core.model import anatomy as anatomy_mod
+from attnviz.core import engine
+from attnviz.core.model import precision
+from attnviz.core.engine import sites
+from attnviz.core.model.modules import output_projection
+from attnviz.core.record.recorders import Recorder
 from attnviz.errors import InputError
 from attnviz.flow.contributions import attention_raw, kept_entries, normalised, proximity, raw_part
 
@@ -165,16 +167,16 @@ class _Layer:
         """(site, function) of the layer: its input x, its heads' outputs z, the attention block's own output o (where
         a post-norm follows it), its write as the stream adds it, the stream y after it (not with parallel blocks),
         and its output, which reduces the layer."""
-        l, keep = self.layer.index, self.keep
-        pairs = [(sites.Site("resid_pre", l), keep("x")), (sites.Site("head_z", l), keep("z")),
-                 (sites.Site("attn_out", l), keep("write")), (sites.Site("resid_post", l), keep("out", self.reduce))]
+        l, read = self.layer.index, self.read
+        pairs = [(sites.Site("resid_pre", l), read("x")), (sites.Site("head_z", l), read("z")),
+                 (sites.Site("attn_out", l), read("write")), (sites.Site("resid_post", l), read("out", self.reduce))]
         if self.post is not None:
-            pairs.append((sites.Site("attn_block", l), keep("o")))
+            pairs.append((sites.Site("attn_block", l), read("o")))
         if not self.layer.parallel:
-            pairs.append((sites.Site("resid_mid", l), keep("y")))
+            pairs.append((sites.Site("resid_mid", l), read("y")))
         return pairs
 
-    def keep(self, name: str, then=None):
+    def read(self, name: str, then=None):
         def fn(value):
             self.seen[name] = value[0].detach().float()
             if name == "x" and self.layer.index == 0:
@@ -264,7 +266,7 @@ def trace(loaded, text: str, recipe="fwd", max_tokens: int | None = None, on_lay
     from attnviz import recipe as recipe_mod
     from attnviz.tokens import tokenize
 
-    from attnviz.core.models import require
+    from attnviz.core.loading.models import require
 
     require(loaded, "routes")
     if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 <= floor < 1:

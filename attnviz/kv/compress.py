@@ -24,9 +24,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from attnviz.core import arch as arch_mod
+from attnviz.core.spec import arch as arch_mod
 from attnviz.core import engine
-from attnviz.core.models import LoadedModel
+from attnviz.core.loading.models import LoadedModel
 from attnviz.errors import InputError
 from attnviz.kv.presses import DEFAULTS, Context, Press, SnapKV, parse
 

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from attnviz.core import syntax
+from attnviz.core.spec import syntax
 from attnviz.errors import InputError
 
 #: Every press by name; parameters and defaults are read from each dataclass's fields.

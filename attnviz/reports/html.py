@@ -27,8 +27,8 @@ from attnviz import __version__
 from attnviz.capture import Capture, capture
 from attnviz.recipe import Recipe
 from attnviz.plan import Keep
-from attnviz.core.arch import resolve as resolve_arch
-from attnviz.core.models import LoadedModel
+from attnviz.core.spec.arch import resolve as resolve_arch
+from attnviz.core.loading.models import LoadedModel
 from attnviz.errors import InputError
 from attnviz.figures import alpha_grid, key_profile, shift_panels, sink_key_grids
 from attnviz.figures.export import ExportError, figure_bytes

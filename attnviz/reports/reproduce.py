@@ -31,8 +31,8 @@ import plotly.graph_objects as go
 
 from attnviz import __version__, corpus
 from attnviz.capture import capture
-from attnviz.core import residual
-from attnviz.core.models import LoadedModel, cache_dir
+from attnviz.core.engine import residual
+from attnviz.core.loading.models import LoadedModel, cache_dir
 from attnviz.effects import compare, dataset, embedding
 from attnviz.effects.evaluate import token_ids
 from attnviz.effects.streaming import stream

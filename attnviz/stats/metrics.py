@@ -202,8 +202,8 @@ def rollout(maps) -> np.ndarray:
 
 
 #: What a statistic is finished from (:class:`Statistic`): sums over one layer's probabilities A (float32, on
-#: the layer's device), accumulated block by block by the block engine (attnviz.core.reduce) or in one pass
-#: by the fused kernel (attnviz.core.kernels.SUMS says which it provides), and facts of the layer's mask.
+#: the layer's device), accumulated block by block by the block engine (attnviz.core.record.reduce) or in one pass
+#: by the fused kernel (attnviz.core.kernel.kernels.SUMS says which it provides), and facts of the layer's mask.
 SUMS = {
     "rowsum": "Σ_j A[i, j], per head and query",
     "plogp": "Σ_j A[i, j] log A[i, j], per head and query",
@@ -247,7 +247,7 @@ class Statistic:
     - ``floats`` per head and token is what :func:`attnviz.capture.estimate_bytes` counts.
 
     Adding a statistic is one declaration here and its test: the block engine accumulates whatever sums it
-    names; the fused route runs only when its kernel provides them all (``attnviz.core.kernels.SUMS``), else the
+    names; the fused route runs only when its kernel provides them all (``attnviz.core.kernel.kernels.SUMS``), else the
     layer takes the block engine: never a statistic left at zero.
     """
 

@@ -7,7 +7,7 @@ layer. The driver adds the cell's parameters, versions and timing (:mod:`.store`
 from __future__ import annotations
 
 from attnviz import corpus as corpus_mod
-from attnviz.core.models import LoadedModel
+from attnviz.core.loading.models import LoadedModel
 from attnviz.sweep.spec import Cell
 
 
@@ -122,7 +122,7 @@ def causal(lm: LoadedModel, cell: Cell) -> list[dict]:
     (the causal scan, docs/methods.md#the-causal-scan; ``leads`` names the layers attribution says it leads),
     patched at the sink token; per source and layer above it, the sink's attention before and after, and the
     perplexity before and after (``attnviz explain --test``)."""
-    from attnviz.core.syntax import ranges
+    from attnviz.core.spec.syntax import ranges
     from attnviz.effects import causal as causal_mod
     from attnviz.effects.evaluate import token_ids
 

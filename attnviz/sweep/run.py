@@ -40,7 +40,7 @@ def model_for(name: str):
     if name not in _MODEL:
         _MODEL.clear()
         gc.collect()
-        from attnviz.core.models import load
+        from attnviz.core.loading.models import load
 
         try:
             _MODEL[name] = load(name)

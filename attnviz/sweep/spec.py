@@ -157,8 +157,8 @@ def _check_corpus(name: str) -> None:
 
 def parse(text: str) -> Spec:
     """A spec from TOML text, every key checked (see the module docstring)."""
-    from attnviz.core import arch as arch_mod
-    from attnviz.core import interventions as interventions_mod
+    from attnviz.core.spec import arch as arch_mod
+    from attnviz.core.spec import interventions as interventions_mod
 
     try:
         raw = tomllib.loads(text)

@@ -1,0 +1,83 @@
+"""The fused statistics kernel compiled ahead of time for an NVIDIA GPU, on any machine: what
+:func:`attnviz.core.kernel.kernels.compiled_resources` runs in a child process (Triton's interpreter off)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+from attnviz.core.kernel import kernels
+
+# the integer arguments a long-context launch passes as multiples of 16 (32,768 tokens, head dim 128,
+# a 512-cell pooled map): Triton's launcher specialises such arguments and 16-byte aligned pointers
+# (torch's allocations are), so the variant compiled here is the one a GPU runs
+ALIGNED = {"n_q", "n_kv", "dim", "stride_qh", "stride_qn", "stride_kh", "stride_kn", "factor", "pooled_rows",
+           "pooled_cols"}
+
+
+def tile_loops(sass: str) -> list[dict]:
+    """Every loop of a disassembled kernel (a branch back to a label above it), in address order: its
+    ``instructions`` and the count of each opcode (``ops``, without modifiers)."""
+    labels, body = {}, []
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(body)
+        op = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if op:
+            body.append(op.group(1).strip())
+    loops = []
+    for end, text in enumerate(body):
+        back = re.search(r"BRA `?\(?(\.L_x_\d+)", text)
+        if back and labels.get(back.group(1), end + 1) <= end:
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0]
+                                      for i in body[labels[back.group(1)]:end + 1])
+            loops.append({"instructions": sum(ops.values()), "ops": dict(ops)})
+    return [loop for loop in loops if loop["instructions"] > 1]  # not the trap's self-loop
+
+
+def resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, pool: bool = True,
+              value: bool = False, scores: bool = False, causal: bool = True, granularity: int = 16,
+              num_warps: int | None = None, lse: bool = True, whole: bool = True, aligned: bool = True) -> dict:
+    """One variant of :func:`attnviz.core.kernel.kernels.compiled_resources`, in this process; ``num_warps`` None:
+    what :func:`attnviz.core.kernel.kernels.num_warps` launches on a GPU of that capability. ``aligned`` False: the variant
+    a text whose length is not a multiple of 16 launches (only the pointers and the head dimension's strides are)."""
+    if num_warps is None:
+        num_warps = kernels.warps_for(capability, dtype == "fp32")
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    kernel = kernels._kernel()
+    constants = kernels._constants(kernels.BLOCK_M, kernels.BLOCK_N, head_dim, dtype == "fp32", granularity, pool,
+                                   value, scores, causal, lse, whole)
+    pointers = {"q_ptr": dtype, "k_ptr": dtype, "allow_ptr": "i32", "ranges_ptr": "i32"}
+    signature = {name: "constexpr" if name in constants else
+                 "*" + pointers.get(name, "fp32") if name.endswith("_ptr") else
+                 "fp32" if name == "scale" else "i32" for name in kernel.arg_names}
+    aligned_ints = ALIGNED if aligned else {"dim", "stride_qh", "stride_qn", "stride_kh", "stride_kn"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+             if name not in constants and (name.endswith("_ptr") or name in aligned_ints)}
+    compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": num_warps})
+    arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        log = subprocess.run([get_ptxas(capability).path, f"-arch={arch}", "-v", ptx, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([knobs.nvidia.nvdisasm.path, "-c", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
+    return {"num_warps": num_warps, "registers": registers, "spill_stores": stores, "spill_loads": loads,
+            "shared": compiled.metadata.shared,
+            "tile_instructions": [loop["instructions"] for loop in tile_loops(sass)]}

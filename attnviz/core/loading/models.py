@@ -1,0 +1,236 @@
+"""Loading decoder LMs: a shipped offline model (:mod:`attnviz.core.loading.shipped`: SmolLM2-135M-Instruct by default,
+Gemma 3 270M) or any Hugging Face id or local directory. Weights are only ever read from safetensors or GGUF.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from attnviz.core.model import devices
+from attnviz.core.loading.shipped import (DEFAULT, DEFAULT_GGUF, DEFAULT_NAME, DEFAULT_PACKAGE, SHIPPED,  # noqa: F401
+                                  Progress, Shipped, _converted, cache_dir, default_gguf,
+                                  shipped_gguf, shipped_installed)
+from attnviz.errors import InputError, ModelLoadError
+
+
+def require(loaded, what: str) -> "LoadedModel":
+    """``loaded`` when it is a loaded model, else an :class:`InputError` in one line: ``what`` (a capability's call)
+    takes ``attnviz.load(...)``'s result, not a model's name."""
+    if not isinstance(loaded, LoadedModel):
+        hint = f": lm = attnviz.load({loaded[:60]!r}) first" if isinstance(loaded, str) else ""
+        raise InputError(f"{what} takes a loaded model (attnviz.load(...)), not a {type(loaded).__name__}{hint}")
+    return loaded
+
+
+@dataclass
+class LoadedModel:
+    """The model interface the rest of attnviz (and the app) talks to."""
+
+    model: object
+    tokenizer: object
+    model_id: str
+    model_file: str | None
+    load_seconds: float
+    residual: object = None  # a residual.Variant, for directories written by `attnviz finetune --residual`
+
+    @property
+    def config(self):
+        return self.model.config.get_text_config()
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        """T5, BART, Marian ...: see :mod:`attnviz.seq2seq`; ``n_layers`` then counts encoder layers."""
+        return bool(getattr(self.model.config, "is_encoder_decoder", False))
+
+    @property
+    def n_heads(self) -> int:
+        return int(self.config.num_attention_heads)
+
+    @property
+    def n_kv_heads(self) -> int:
+        return int(getattr(self.config, "num_key_value_heads", None) or self.n_heads)
+
+    @property
+    def max_tokens(self) -> int:
+        for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+            value = getattr(self.config, name, None)
+            if value:
+                return int(value)
+        return 2048
+
+    @property
+    def kv_groups(self) -> list[int]:
+        group = self.n_heads // self.n_kv_heads
+        return [h // group for h in range(self.n_heads)]
+
+
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """Whether the Hub's endpoint answers a TCP connection within ``timeout`` seconds.
+
+    Without this, an unknown name costs transformers' retries (~24 s here, where the Hub cannot be
+    reached) before it fails. Offline mode (``HF_HUB_OFFLINE=1``) means no: transformers then looks
+    only in the local cache, which is quick.
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return True  # transformers checks the local cache only: fast, and it says so itself
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout):
+            return True
+    except OSError:
+        return False
+
+
+def local_directory(name: str) -> str | None:
+    """The model directory ``name`` names on this machine, or None when it names none (a Hub id).
+
+    Any existing path is local, whatever its form: absolute (``/data/models/llama``), relative
+    (``./llama``, ``models/llama``), ``~`` or a bare directory name in the working directory
+    (``llama``). Those are never looked up on the Hub, so they load offline. A name that starts like
+    a path (``.``, ``/``, ``~``) but does not exist is refused here rather than sent to the Hub.
+    """
+    path = Path(name).expanduser()
+    if not (path.exists() or name.startswith((".", "/", "~"))):
+        return None
+    if not path.is_dir():
+        raise ModelLoadError(f"'{name}' is not a directory" if path.exists() else f"'{name}' does not exist")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"'{name}' is not a model directory (no config.json in it)")
+    return str(path.resolve())
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None and os.environ.get("ATTNVIZ_DTYPE", "").strip():
+        dtype = os.environ["ATTNVIZ_DTYPE"].strip()  # the app's and the CLI's default, like ATTNVIZ_DEVICE
+    if dtype in (None, "auto"):
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    try:
+        return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+                "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
+    except KeyError:
+        raise ModelLoadError(f"unknown dtype '{dtype}'; use float32, float16 or bfloat16") from None
+
+
+def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: str | None = None,
+         device_map: str | dict | None = None, trust_remote_code: bool = False,
+         progress: Progress | None = None, offload_folder: str | Path | None = None) -> LoadedModel:
+    """Load ``"default"``, a Hugging Face id or a local directory as a :class:`LoadedModel`.
+
+    Device defaults to ``ATTNVIZ_DEVICE`` when set, else CUDA when present (:func:`devices.default_device`),
+    in bfloat16 there and float32 on the CPU (statistics are
+    float32 on either, docs/methods.md#devices). ``device_map`` ("auto", "balanced", ... or a dict of module → device)
+    loads through accelerate across GPUs, the CPU and disk (``"disk"`` entries are offloaded to
+    ``offload_folder``, by default a folder of the cache directory); attnviz keeps each layer's state
+    on that layer's own device. ``trust_remote_code`` stays off unless asked for.
+    """
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSeq2SeqLM,
+        AutoTokenizer,
+    )
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    from attnviz.core.engine import KEY, prepare
+
+    progress = progress or (lambda message: None)
+    started = time.perf_counter()
+    if device_map in ("", "none"):
+        device_map = None
+    if device_map is not None and device is not None:
+        raise ModelLoadError("give either a device or a device map, not both")
+    device = devices.available(device or devices.default_device())
+    # a mapped model's dtype follows where the map puts it: float32 on the CPU and disk, even on a GPU machine
+    torch_dtype = _resolve_dtype(dtype, devices.mapped_device(device_map) if device_map else device)
+    name = (model or "").strip() or DEFAULT
+    model_file = None
+    if name in SHIPPED:
+        shipped = SHIPPED[name]
+        source = str(_converted(shipped, progress))
+        model_file = str(shipped_gguf(shipped))
+        local = True
+    else:
+        source, local = local_directory(name), True
+        if source is None:
+            source, local = name, False
+
+    progress(f"Loading {name}")
+    if not local and not hub_reachable():
+        raise ModelLoadError(
+            f"cannot find model '{name}': it is not a local model directory, and the Hugging Face Hub cannot be "
+            "reached from this machine — use 'default' or a local path"
+        )
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        raise ModelLoadError(
+            f"cannot find model '{name}': not a local model directory, and the Hugging Face Hub "
+            f"{'is switched off (HF_HUB_OFFLINE=1)' if offline else 'does not have it or cannot be reached'}"
+            " — use 'default' or a local path"
+        ) from err
+    except ValueError as err:
+        raise ModelLoadError(f"cannot load '{name}': {str(err).splitlines()[0]}") from err
+    seq2seq = bool(getattr(config, "is_encoder_decoder", False))
+    known = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES if seq2seq else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if config.model_type not in known:
+        kind = "an encoder-decoder without a generation head" if seq2seq else "not a decoder language model (causal LM)"
+        raise ModelLoadError(f"'{name}' is a {config.model_type} model, {kind}")
+    auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+    model_class = auto._model_mapping.get(type(config), None) if not trust_remote_code else None
+    if model_class is not None and not (model_class._can_set_attn_implementation() if seq2seq
+                                        else getattr(model_class, "_supports_attention_backend", False)):
+        raise ModelLoadError(
+            f"{model_class.__name__} ({config.model_type}) computes attention in its own code, not through "
+            "transformers' AttentionInterface, so attnviz cannot change or record its masks"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True,
+                      attn_implementation=KEY)
+        if device_map:
+            kwargs["device_map"] = device_map
+            folder = Path(offload_folder) if offload_folder else cache_dir() / "offload" / Path(source).name
+            kwargs["offload_folder"] = str(folder)
+        lm = auto.from_pretrained(source, **kwargs)
+    except OSError as err:
+        raise ModelLoadError(
+            f"cannot load weights of '{name}': {str(err).splitlines()[0]} (attnviz loads only safetensors or GGUF)"
+        ) from err
+    except (ValueError, KeyError, RuntimeError) as err:
+        if device_map is None:
+            raise
+        raise ModelLoadError(f"cannot load '{name}' with device map {device_map!r}: "
+                             f"{(str(err).splitlines() or [type(err).__name__])[0]}") from err
+    if not device_map:
+        lm = lm.to(device)
+    lm.eval()
+    prepare(lm)
+    variant = None
+    if Path(source).is_dir() and not seq2seq:
+        from attnviz.core.engine.residual import Variant
+
+        variant = Variant.load(Path(source))
+        if variant is not None:
+            variant = variant.to(lm.device)
+    return LoadedModel(lm, tokenizer, SHIPPED[name].name if name in SHIPPED else name, model_file,
+                       time.perf_counter() - started, residual=variant)

@@ -1,0 +1,277 @@
+"""Recorders: what a recorded layer keeps. The engine picks a layer's route and feeds every recorder of the
+run the same calls; it never knows which recorders it feeds (docs/layout.md#recorders).
+
+One protocol, :class:`Recorder`: a layer's inputs in (:meth:`~Recorder.start`), blocks of probabilities in
+(:meth:`~Recorder.block`, with the block's pre-softmax scores for a recorder that asks for them), its finished
+layers out (:meth:`~Recorder.finish`, :meth:`~Recorder.result`). Each recorder owns its results, by layer; the run
+keeps no store of its own and reads them by the recorder's ``kind`` (``run.probs``, ``run.scores``,
+``run.reduced``, ``run.value_norms``, ``run.qkv``, ``run.live``). A recorder declares what it needs of the route, and the engine reads only
+those declarations: the whole layer as one block, every key of a block, the scores, some rows only, or
+whether it can take a whole layer from the fused kernel's sums (:meth:`~Recorder.fused`) instead of blocks.
+
+:func:`for_record` makes a run's recorders from an :class:`attnviz.core.engine.run.Record`. Adding what a
+capture keeps is one recorder here and its line there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from attnviz.core.model import devices
+
+
+@dataclass(frozen=True)
+class LayerIn:
+    """What a recorder may read of a recorded layer before its blocks: the attention module, its queries
+    (B, H, n_q, d), keys and values (B, H_kv, n_kv, d) after RoPE, and the score scaling."""
+
+    module: object
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    scaling: float
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B, H, n_q, n_kv) of the layer's maps."""
+        return (self.query.shape[0], self.query.shape[1], self.query.shape[2], self.key.shape[2])
+
+
+class Recorder:
+    """One thing a recorded layer keeps. Declarations the route reads (class attributes or properties):
+
+    - ``whole_layer``: the layer's query rows come as one block;
+    - ``all_keys``: each block carries every key (else only the keys some of its rows may see);
+    - ``scores``: None, "raw" (the block's pre-softmax scores, every key) or "masked" (-inf where forbidden),
+      given to :meth:`block_scores`;
+    - ``only_rows``: (a, b), the only query rows it needs (the engine may skip the others' blocks when the
+      layer's output is not read further: a region's forward stops after its layer);
+    - ``fusable``: it can take a whole layer from the fused kernel (:meth:`fused_needs`, :meth:`fused`).
+    """
+
+    whole_layer = False
+    all_keys = False
+    scores: str | None = None
+    only_rows: tuple[int, int] | None = None
+    fusable = False
+    kind = ""  # what the run calls its results: "probs", "scores", "reduced", "value_norms", "qkv", "live"
+
+    @property
+    def results(self) -> dict:
+        """Its results by layer, as they are made (a recorder owns them; made once per recorder)."""
+        return self.__dict__.setdefault("_results", {})
+
+    def result(self) -> dict:
+        """Its finished results by layer, on the host where they go there (after the forward)."""
+        return self.results
+
+    def start(self, run, layer: int, inputs: LayerIn) -> None:
+        """Before the layer's first block (or its fused pass)."""
+
+    def block_scores(self, run, layer: int, q0: int, k0: int, scores: torch.Tensor, allow: torch.Tensor) -> None:
+        """A block's pre-softmax scores (B, H, b, w), as :attr:`scores` asked, before the softmax (read them
+        now: the engine then computes the softmax in place)."""
+
+    def block(self, run, layer: int, q0: int, k0: int, probs: torch.Tensor, allow: torch.Tensor) -> None:
+        """One block: ``probs`` (B, H, b, w) fp32 and ``allow`` (B, 1, b, w) of queries q0.. and keys k0.."""
+
+    def finish(self, run, layer: int) -> None:
+        """After the layer's last block: put the finished arrays in the run."""
+
+    def fused_needs(self, run, layer: int) -> dict:
+        """What the fused kernel must compute for this recorder (``pool``, ``delim``, ``value_norms``,
+        ``scores``), merged over the layer's recorders."""
+        return {}
+
+    def fused(self, run, layer: int, raw: dict, layout) -> None:
+        """The whole layer from the fused kernel's sums and the mask's layout (:class:`attnviz.core.record.reduce.Layout`)."""
+
+
+class ValueNorms(Recorder):
+    """||W_O^h v_j^h|| of every key (Kobayashi et al. 2020), on the layer's device (``run.value_norms``); read by
+    the statistics' pooled value-weighted maps and the fused kernel."""
+
+    fusable = True
+    kind = "value_norms"
+
+    def start(self, run, layer, inputs):
+        from attnviz.core.model.modules import value_norms
+
+        self.results[layer] = value_norms(inputs.module, inputs.value, inputs.query.shape[1])
+
+    def fused_needs(self, run, layer):
+        return {"value_norms": self.results[layer][0]}
+
+
+class QKV(Recorder):
+    """The layer's queries, keys and values on the host, float32, with the scaling (``run.qkv``)."""
+
+    fusable = True
+    kind = "qkv"
+
+    def start(self, run, layer, inputs):
+        self.results[layer] = (inputs.query.float().cpu(), inputs.key.float().cpu(), inputs.value.float().cpu(),
+                               inputs.scaling)
+
+
+class Maps(Recorder):
+    """Full maps in ``dtype`` (``run.probs``, or ``run.scores`` for the pre-softmax scores), filled block by block
+    (:class:`FullMaps`) and copied to the host once per layer."""
+
+    def __init__(self, dtype: torch.dtype, of_scores: bool = False):
+        self.dtype, self.of_scores = dtype, of_scores
+        self.kind = "scores" if of_scores else "probs"
+        self.scores = "raw" if of_scores else None
+        self.all_keys = of_scores  # scores are kept for every key, the masked ones included
+        self.current: FullMaps | None = None
+
+    def start(self, run, layer, inputs):
+        shape, device = inputs.shape, inputs.query.device
+        layer_bytes = shape[0] * shape[1] * shape[2] * shape[3] * self.dtype.itemsize
+        self.current = FullMaps(shape, self.dtype, device, stage=run.sizes.stages(layer_bytes, device))
+        self.results[layer] = self.current
+
+    def block_scores(self, run, layer, q0, k0, scores, allow):
+        self.current.put(q0, k0, scores)
+
+    def block(self, run, layer, q0, k0, probs, allow):
+        if not self.of_scores:
+            self.current.put(q0, k0, probs)
+
+    def finish(self, run, layer):
+        self.current.finish()
+        self.current = None
+
+    def result(self):
+        """The host arrays, once every layer's copy to them has landed (the forward never waits for one)."""
+        for layer, maps in self.results.items():
+            if isinstance(maps, FullMaps):
+                self.results[layer] = maps.host()
+        return self.results
+
+
+class Streamed(Recorder):
+    """A block reducer (:class:`attnviz.core.record.reduce.BlockReducer`: statistics, pooled maps, a region's crop) fed
+    block by block; its finished result goes to ``run.reduced``. With ``pooled_scores`` it also takes the masked
+    pre-softmax scores of each block. A reducer that can take the fused kernel's sums makes the layer fusable."""
+
+    kind = "reduced"
+
+    def __init__(self, reducer, pooled_scores: bool = False):
+        from attnviz.core.record.reduce import FusedReducer
+
+        self.reducer = reducer
+        self.scores = "masked" if pooled_scores else None
+        self.only_rows = getattr(reducer, "only_rows", None)
+        self.fusable = isinstance(reducer, FusedReducer) and reducer.fusable()
+        self.shape: tuple[int, int] = (0, 0)
+
+    def start(self, run, layer, inputs):
+        self.shape = inputs.shape[2:]
+
+    def block_scores(self, run, layer, q0, k0, scores, allow):
+        self.reducer.add_scores(layer, q0, scores, allow, *self.shape, k0)
+
+    def block(self, run, layer, q0, k0, probs, allow):
+        n_q, n_kv = self.shape
+        norms = run.value_norms.get(layer)  # the value norms recorder's, fed before this one
+        self.reducer.add(layer, q0, probs, allow, n_q=n_q, k0=k0, n_kv=n_kv,
+                         **({} if norms is None else {"value_norms": norms}))
+
+    def finish(self, run, layer):
+        self.results[layer] = self.reducer.finish(layer)  # on its way to the host (devices.HostCopy)
+
+    def result(self):
+        """Every layer's finished results on the host, the asynchronous copies waited for."""
+        for layer, values in self.results.items():
+            self.results[layer] = devices.landed(values)
+        return self.results
+
+    def fused_needs(self, run, layer):
+        return {"pool": self.reducer.pool, "delim": self.reducer.delim, "scores": self.scores is not None}
+
+    def fused(self, run, layer, raw, layout):
+        self.reducer.add_fused(layer, raw, layout)
+
+
+class Whole(Recorder):
+    """``fn(layer, probs, allow)`` on the layer's whole (B, H, n_q, n_kv) probabilities; its result goes to
+    ``run.reduced`` (a caller's own reduction: a dataset's moments, a cache's kept keys)."""
+
+    whole_layer = True
+    all_keys = True
+    kind = "reduced"
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def block(self, run, layer, q0, k0, probs, allow):
+        self.results[layer] = self.fn(layer, probs, allow)
+
+
+class Live(Recorder):
+    """Every layer's fp32 probabilities with their autograd graph, on the device (``run.live``): the residual
+    variants' own layer loop reads them."""
+
+    whole_layer = True
+    all_keys = True
+    kind = "live"
+
+    def block(self, run, layer, q0, k0, probs, allow):
+        self.results[layer] = probs
+
+
+def made(storage_dtype: torch.dtype, reducer=None, scores: bool = False, value_norms: bool = False,
+         qkv: bool = False) -> tuple[Recorder, ...]:
+    """A recorded layer's recorders, in the order they are fed (value norms first: the statistics' pooled
+    value-weighted maps read them): full maps in ``storage_dtype`` (and score maps) without a ``reducer``, a block
+    reducer (:class:`Streamed`) or a whole-layer function (:class:`Whole`) with one. ``Keep.recorders`` and
+    :func:`for_record` both make them here."""
+    out: list[Recorder] = ([ValueNorms()] if value_norms else []) + ([QKV()] if qkv else [])
+    if reducer is None:
+        out.append(Maps(storage_dtype))
+        if scores:
+            out.append(Maps(storage_dtype, of_scores=True))
+    elif callable(getattr(reducer, "add", None)):
+        out.append(Streamed(reducer, pooled_scores=scores))
+    else:
+        out.append(Whole(reducer))
+    return tuple(out)
+
+
+def for_record(record) -> tuple[Recorder, ...]:
+    """The recorders of an :class:`attnviz.core.engine.run.Record` given by its flags (:func:`made`)."""
+    return made(record.storage_dtype, record.reducer, record.scores, record.value_norms, record.qkv)
+
+
+class FullMaps:
+    """A recorded layer's full (B, H, n_q, n_kv) maps in the storage dtype, filled block by block.
+
+    The blocks are written straight into the host array, or, where ``stage`` (the plan's choice,
+    :meth:`attnviz.core.sizing.sizes.Sizes.stages`: on an accelerator with room for the layer), gathered on the device
+    and sent to pinned host memory in one asynchronous copy per layer, not one small synchronous copy per
+    block; the forward waits for the copies before it returns (``Run.collect``). :meth:`host` is the host array."""
+
+    def __init__(self, shape, dtype: torch.dtype, device: torch.device, stage: bool = False):
+        self.host_array = devices.host_buffer(shape, dtype, device)
+        self.stage = torch.zeros(shape, dtype=dtype, device=device) if stage else None
+        self.device, self.copying = device, False
+
+    def put(self, q0: int, k0: int, block: torch.Tensor) -> None:
+        target = self.host_array if self.stage is None else self.stage
+        target[:, :, q0:q0 + block.shape[2], k0:k0 + block.shape[3]] = block
+
+    def finish(self) -> None:
+        if self.stage is not None:
+            self.host_array.copy_(self.stage, non_blocking=True)
+            self.stage, self.copying = None, True
+
+    def host(self) -> torch.Tensor:
+        """The host array, once the copy to it has landed."""
+        if self.copying:
+            devices.synchronize(self.device)
+            self.copying = False
+        return self.host_array
