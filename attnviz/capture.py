@@ -131,6 +131,7 @@ class Prepared:
                     if keep.hidden_states else None),
             scores={l: run.scores[l][0].numpy() for l in run.scores},
             value_norm={l: run.value_norms[l][0].cpu().numpy() for l in run.value_norms},
+            learned_sink={l: share[0] for l, share in run.results("learned_sink").items()},
             activations=Activations.from_hidden(layer_states) if keep.activations else None,
             qkv={l: QKV(q[0].numpy(), k[0].numpy(), v[0].numpy(), float(scale))
                  for l, (q, k, v, scale) in run.qkv.items()},

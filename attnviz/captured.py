@@ -82,6 +82,9 @@ class Capture:
     # layer -> (H, n_q, n_kv): each head's own allow-set, for layers whose heads have masks of their own
     # (a headwindow intervention, a compressed cache); ``allowed`` holds the cells some head may see
     head_allowed: dict[int, np.ndarray] = field(default_factory=dict)
+    # layer -> (H, n_q) float32: each row's share taken by the model's learned sink (gpt-oss), from its logits;
+    # empty for a model without one (docs/methods.md#the-learned-sink-as-a-key)
+    learned_sink: dict[int, np.ndarray] = field(default_factory=dict)
     _summaries: dict[int, dict[str, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -185,15 +188,21 @@ class Capture:
             self._summaries[layer] = summarise(self.layer_probs(layer), self.layer_allowed(layer), self.tokens)
         return self._summaries[layer][name]
 
+    def learned_alpha(self, layer: int) -> np.ndarray | None:
+        """(H,) alpha of the model's learned sink in ``layer`` (:func:`attnviz.stats.metrics.learned_sink`); None
+        where the model has none."""
+        share = self.learned_sink.get(layer)
+        return None if share is None else metrics.learned_sink(share)
+
     def sinks(self, layer: int, eps: float = metrics.SINK_EPS, residual_norms=None) -> list[dict]:
         """Every key of ``layer`` that acts as a sink (:func:`attnviz.stats.metrics.sinks`), with the residual norm
         entering the layer (``residual_norms`` (n,), else where activations were kept) and the value norm where
-        value norms were."""
+        value norms were; the model's learned sink among them (key -1, kind "learned") where it is one."""
         norms = residual_norms if residual_norms is not None else (
             self.activations.norms[layer] if self.activations is not None else None)
         values = self.value_norm.get(layer) if self.value_norm else None
         return metrics.sinks(self.stat(layer, "alpha"), self.tokens, eps, norms,
-                             None if values is None else values.astype(np.float32))
+                             None if values is None else values.astype(np.float32), self.learned_alpha(layer))
 
     def memo(self, key, compute):
         """``compute()`` once per capture and key: figures reuse heavy per-capture numbers across reruns."""
@@ -231,6 +240,8 @@ class Capture:
             arrays[f"scores_{layer}"] = value
         for layer, value in self.value_norm.items():
             arrays[f"valuenorm_{layer}"] = value
+        for layer, value in self.learned_sink.items():
+            arrays[f"learnedsink_{layer}"] = value
         if self.activations is not None:
             for name, value in vars(self.activations).items():
                 arrays[f"act_{name}"] = value
@@ -271,6 +282,7 @@ class Capture:
             hidden=data["hidden"] if "hidden" in data.files else None,
             scores={l: data[f"scores_{l}"] for l in layers if f"scores_{l}" in data.files},
             value_norm={l: data[f"valuenorm_{l}"] for l in layers if f"valuenorm_{l}" in data.files},
+            learned_sink={l: data[f"learnedsink_{l}"] for l in layers if f"learnedsink_{l}" in data.files},
             activations=(Activations(**{f.name: data[f"act_{f.name}"] for f in fields(Activations)})
                          if "act_norms" in data.files else None),
             timing=header["timing"], meta=header["meta"], query_tokens=header.get("query_tokens"),

@@ -47,9 +47,13 @@ def show(cap, mode: str) -> None:
     server round trip. The other views (and the viewer switched off) keep server-side sliders in a
     fragment: a move reruns only this function, not the sidebar, the model lookup and the capture
     cache of the whole page."""
-    if mode == "weight" and st.session_state.get("hm_instant", True):
+    if mode == "weight" and st.session_state.get("hm_instant", True) and not cap.learned_sink:
         show_instant(cap)
         return
+    if mode == "weight" and cap.learned_sink:  # the browser's viewer draws the keys only
+        st.caption("This model gives each head a learned sink logit: the share of each row it takes is the column "
+                   "\"sink\" left of key 0, drawn here by the server ([definition]"
+                   "(definitions#the-learned-sink-as-a-key)).")
     # a click on the overview moves the sliders (applied before they are drawn)
     if "hm_jump" in st.session_state:
         st.session_state["hm_layer"], st.session_state["hm_head"] = st.session_state.pop("hm_jump")

@@ -14,7 +14,10 @@ from attnviz.core.spec.arch import parse
 from attnviz.errors import AttnvizError
 from attnviz.figures import (allocation_bars, alpha_by_key, alpha_grid, averaged_map, discarded_figure, key_profile,
                              massive_activations, rate_bars, sink_grid, sink_map, sink_shares, top_activation_rows)
-from ui import jobs
+from attnviz.figures.sinks import learned_grid
+from attnviz.effects import valley
+from attnviz.figures.valley import valley_figure
+from ui import cache, jobs
 from ui.export import data_downloads, figure_downloads
 from ui.sidebar import current_capture, page_context
 from ui.docs import definitions
@@ -59,6 +62,14 @@ def one_text(eps: float) -> None:
         fig_s = sink_grid(cap, key, eps)
         st.plotly_chart(fig_s, width="stretch", key="sk_sinks")
         figure_downloads(fig_s, export.describe(cap, figure=f"sinks{key}", eps=eps), key="sk_sinks_x")
+    fig_l = learned_grid(cap, eps)
+    if fig_l is not None:  # a model with a learned sink logit per head (gpt-oss)
+        st.plotly_chart(fig_l, width="stretch", key="sk_learned")
+        figure_downloads(fig_l, export.describe(cap, figure="learned-sink", eps=eps), key="sk_learned_x")
+        st.caption("This model gives each head a learned sink logit that takes a share of every row and is dropped: "
+                   "its alpha (the share averaged over the queries) per head, beside each key's above; the map of "
+                   "where the sinks are draws it as the column \"sink\" ([definition]"
+                   "(definitions#the-learned-sink-as-a-key)).")
     fig_b = allocation_bars(cap)
     st.plotly_chart(fig_b, width="stretch", key="sk_alloc")
     figure_downloads(fig_b, export.describe(cap, figure="allocation"), key="sk_alloc_x")
@@ -68,6 +79,7 @@ def one_text(eps: float) -> None:
     else:
         st.caption("Rows sum to 1 in every layer: no discarded mass (StableMask or learned sinks would show here).")
     data_downloads(cap, key="sk_data")
+    compression_valley(eps)
 
     st.subheader("Why is it a sink?")
     if not st.toggle("Value norms and massive activations (one more pass that records them)", key="sk_why"):
@@ -87,6 +99,38 @@ def one_text(eps: float) -> None:
                "the same tokens that become sinks; the markers are each layer's sink key.")
     figure_downloads(fig_m, export.describe(why, figure="massive-activations"), key="sk_massive_x")
     st.dataframe(pd.DataFrame(top_activation_rows(why)), hide_index=True, height=240)
+
+
+def compression_valley(eps: float) -> None:
+    """Queipo-de-Llano et al.'s Fig. 1 on the sidebar's text and recipe: the entropy of each layer's input beside
+    the sink and the first token's norm, from one more forward (attnviz.effects.valley), cached like the others."""
+    st.subheader("The compression valley")
+    definitions("the-compression-valley")
+    if not st.toggle("Entropy of each layer's input beside the sink (one more forward)", key="sk_valley"):
+        return
+    recipe = settings.recipe(loaded)
+    if recipe is None:
+        return
+    found = jobs.run(("valley", recipe.key, settings.text), f"Measuring the compression valley under {recipe.arch}",
+                     lambda progress: valley.measure(loaded, settings.text, recipe, cache.budget(), cache.job_tokens(),
+                                                     lambda layer: progress(layer + 1, loaded.n_layers)))
+    if found is None:
+        return
+    fig = valley_figure(found, eps)
+    st.plotly_chart(fig, width="stretch", key="sk_valley_fig")
+    meta = {"tool": "attnviz", "model": found.model, "arch": found.arch, "tokens": found.n_tokens, "eps": eps,
+            "figure": "compression-valley"}
+    figure_downloads(fig, meta, key="sk_valley_x")
+    low = found.valley()
+    if low is not None:
+        at = found.layers.index(low)
+        rate = found.sink_rate(eps)[at]
+        st.caption(f"The lowest entropy enters layer {low} (H = {found.entropy[at]:.3f}, from "
+                   f"{found.entropy[0]:.3f} entering layer 0); there the first token's norm is "
+                   f"{found.first_norm[at]:,.1f} (layer 0: {found.first_norm[0]:,.1f}) and the sink rate at key "
+                   f"{found.keys[at]} is {'undefined' if np.isnan(rate) else f'{rate:.0%}'}. H: {found.variant}.")
+    st.download_button("Per-layer entropy, norm and sink rate (.csv)", export.csv_bytes(pd.DataFrame(found.rows(eps))),
+                       key="sk_valley_csv", mime="text/csv", file_name=export.filename(meta, "csv"))
 
 
 def over_a_dataset(eps: float) -> None:

@@ -146,7 +146,7 @@ def test_spec_is_canonical_and_round_trips():
     ("ablate(how=zero)", "ablate needs heads"),
     ("headwindow(heads=9)", "head 9 does not exist"),
     ("headwindow(heads=1, w=0)", "s >= 0 and w >= 1"),
-    ("patch(block=ffn)", "block must be mlp or attn"),
+    ("patch(block=ffn)", "block must be mlp, attn or embed"),
     ("patch(value=one)", "value must be zero or mean"),
     ("patch(tokens=first)", "tokens must be positions"),
     ("sinkscale(beta=x)", "beta must be a number"),

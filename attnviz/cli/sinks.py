@@ -38,6 +38,7 @@ def options(p):
 def run(args) -> dict:
     from attnviz.capture import prepare
     from attnviz.core.engine.hooks import layer_input_norms
+    from attnviz.effects.valley import layer_entropies
     from attnviz.plan import Keep
 
     if not 0 <= args.eps <= 1:
@@ -51,16 +52,21 @@ def run(args) -> dict:
     if args.key != "auto" and args.key >= prepared.n_tokens:
         raise AttnvizError(f"--key {args.key} is past the text's end: it has {prepared.n_tokens} tokens "
                            f"(keys 0 to {prepared.n_tokens - 1})")
-    with layer_input_norms(loaded.model) as norms:  # n floats a layer: no hidden state kept, whatever the length
+    # n floats a layer and each layer's input entropy from a d x d matrix: no hidden state kept, whatever the length
+    with layer_input_norms(loaded.model) as norms, layer_entropies(loaded.model) as entropies:
         cap = prepared.run()
-    return sinks_report(cap, args.eps, norms, None if args.key == "auto" else args.key)
+    return sinks_report(cap, args.eps, norms, None if args.key == "auto" else args.key, entropies)
 
 
-def sinks_report(capture, eps: float, residual_norms: dict | None = None, key: int | None = None) -> dict:
+def sinks_report(capture, eps: float, residual_norms: dict | None = None, key: int | None = None,
+                 entropies: dict | None = None) -> dict:
     """The `attnviz sinks --json` document for a capture (all layers recorded); ``residual_norms`` by layer, the
     stream's norm entering it (:func:`attnviz.core.engine.hooks.layer_input_norms`), for each sink's ``residual_norm``;
     ``key``, a position whose sink rate each layer adds to those of keys 0 and 1 (the document and each layer then
-    name it, as the dataset's do)."""
+    name it, as the dataset's do). A model with a learned sink (gpt-oss) adds, per layer, its sink rate
+    (``learned_sink_rate``) and, per head, its alpha (``learned_sink``, beside ``alpha`` of each key); each layer's
+    ``sinks`` list it as key -1 of kind "learned" (docs/methods.md#the-learned-sink-as-a-key)."""
+    from attnviz.effects.valley import VARIANT  # ``entropies`` by layer (layer_entropies): each layer's "entropy"
     from attnviz.stats import metrics
 
     rated = (0, 1) if key is None else tuple(dict.fromkeys((0, 1, key)))
@@ -69,26 +75,31 @@ def sinks_report(capture, eps: float, residual_norms: dict | None = None, key: i
         alphas = capture.stat(layer, "alpha")
         probs_keys = capture.stat(layer, "column_mean").argmax(-1)
         discarded = capture.stat(layer, "discarded").mean(-1)
+        learned = capture.learned_alpha(layer)  # the model's learned sink, where it has one (gpt-oss)
         layers.append({
             "layer": layer,
             "mask": capture.layer_masks[layer],
             **({} if key is None else {"key": key}),
             "sink_rate": {str(k): _null(metrics.sink_rate(alphas[:, k], eps)) if k < capture.n_tokens else None
                           for k in rated},
+            **({} if learned is None else {"learned_sink_rate": _null(metrics.sink_rate(learned, eps))}),
             "heads": [{
                 "head": h, "kv_group": capture.kv_groups[h], "sink_key": int(probs_keys[h]),
                 "alpha": [_null(alphas[h, k]) if k < capture.n_tokens else None for k in range(N_ALPHA_KEYS)],
+                **({} if learned is None else {"learned_sink": _null(learned[h])}),
                 "discarded_mass": _null(discarded[h]),
             } for h in range(capture.n_heads)],
             # every key that acts as a sink (docs/methods.md#sinks-at-any-key)
             "sinks": capture.sinks(layer, eps, (residual_norms or {}).get(layer)),
+            # the matrix-based entropy of the layer's input (docs/methods.md#the-compression-valley)
+            **({} if entropies is None else {"entropy": _null(entropies.get(layer, math.nan))}),
         })
     return {"model": capture.meta["model"], "arch": capture.arch, "n_tokens": capture.n_tokens,
             **({} if key is None else {"key": key}),
             **({"residual": capture.meta["residual"]} if capture.meta.get("residual") else {}),
             **{name: capture.meta[name] for name in ("intervene", "prepend") if capture.meta.get(name)},
             **({"recipe": capture.recipe.to_dict()} if capture.recipe else {}),
-            "tokens": capture.tokens, "layers": layers}
+            "tokens": capture.tokens, "layers": layers, **({} if entropies is None else {"entropy_variant": VARIANT})}
 
 
 def _null(x: float):

@@ -61,6 +61,8 @@ def _sink_name(cap: Capture, key: int, token: str) -> str:
     """A sink key in words: "the first token", "the first '.'" (of several), "'old'" or "key 7" (a blank token)."""
     if key == 0:
         return "the first token"
+    if key == metrics.LEARNED_KEY:  # the model's own learned sink (docs/methods.md#the-learned-sink-as-a-key)
+        return "the learned sink"
     if not token.strip():
         return f"key {key}"
     first = cap.tokens.index(token) == key and cap.tokens.count(token) > 1

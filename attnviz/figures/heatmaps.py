@@ -8,6 +8,9 @@ from plotly.subplots import make_subplots
 
 from attnviz.capture import Capture
 from attnviz.figures.style import (
+    COLORSCALE,
+    HOVER_MAX,
+    MAX_PX,
     colour_range,
     layout,
     matrix_traces,
@@ -62,28 +65,62 @@ def layer_matrix(cap: Capture, layer: int, head: int | None = None, row_normalis
     return values
 
 
+def learned_column(cap: Capture, layer: int, head: int | None = None) -> np.ndarray | None:
+    """(m,) the share of each row the model's learned sink takes (docs/methods.md#the-learned-sink-as-a-key), of one
+    head or the head mean, max-pooled over the rows as the layer's map is (a long capture's pooled maps); None where
+    the model has no learned sink."""
+    share = cap.learned_sink.get(layer)
+    if share is None:
+        return None
+    column = share.mean(0) if head is None else share[head]
+    return max_pool(column.astype(np.float32)[:, None], 1, cap.pool_factor(layer))[:, 0]
+
+
+def _sink_trace(column: np.ndarray, zmin: float, zmax: float, log: bool, scale: int) -> go.Heatmap:
+    """The learned sink as a column of its own left of key 0 (x = −``scale``), on the map's colour scale; pooled
+    further, as the map's image is, where it has more rows than the map's hover shows."""
+    factor = int(np.ceil(len(column) / MAX_PX)) if len(column) > HOVER_MAX else 1
+    column = max_pool(column[:, None], 1, factor)[:, 0] if factor > 1 else column
+    return go.Heatmap(z=scaled(column, log)[:, None], customdata=column[:, None], x0=-scale, dx=scale, y0=0,
+                      dy=scale * factor, colorscale=COLORSCALE, zmin=zmin, zmax=zmax, showscale=False,
+                      hoverongaps=False, name="learned sink", xgap=0, ygap=0,
+                      hovertemplate="query %{y}<br>learned sink<br>p = %{customdata:.4f}<extra></extra>")
+
+
 def heatmap(cap: Capture, layer: int, head: int | None = None, log: bool = False, row_normalise: bool = False,
             zrange: tuple[float, float] | None = None, title: str | None = None, mode: str = "weight") -> go.Figure:
-    """One attention map, queries down, keys across; grey cells are masked, white ones got ~0.
+    """One attention map, queries down, keys across; grey cells are masked, white ones got ~0. A model's learned
+    sink (gpt-oss) is a column of its own, "sink", left of key 0, on the same colour scale (attention weights only).
 
     Logits can be negative: they get their own range and a linear scale (no log, no row norm).
     """
-    values = layer_matrix(cap, layer, head, row_normalise and mode != "logits", mode)
+    normalise = row_normalise and mode != "logits"
+    sink = learned_column(cap, layer, head) if mode == "weight" else None
+    values = layer_matrix(cap, layer, head, normalise and sink is None, mode)
+    if sink is not None and normalise:  # the learned sink is part of each row: normalised with its keys
+        with np.errstate(invalid="ignore", divide="ignore"):
+            top = np.fmax(np.nanmax(np.where(np.isnan(values), -np.inf, values), axis=1), sink)
+            values, sink = values / top[:, None], sink / top
     if mode == "logits":
         log, finite = False, values[np.isfinite(values)]
         zrange = zrange or ((float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0))
-    zmin, zmax = zrange or colour_range([values], log)
-    label = "row-normalised" if row_normalise and mode != "logits" else MODES[mode]
+    zmin, zmax = zrange or colour_range([values] + ([] if sink is None else [sink]), log)
+    label = "row-normalised" if normalise else MODES[mode]
     traces, _ = matrix_traces(values, None, None, zmin, zmax, log, colorbar_title=label,
                               hover_name=HOVER[mode], scale=cap.pool_factor(layer))
-    fig = go.Figure(traces)
+    fig = go.Figure(traces + ([] if sink is None else [_sink_trace(sink, zmin, zmax, log, cap.pool_factor(layer))]))
     shown = "rollout of layers 0–" + str(layer) if mode == "rollout" else head_label(cap, head)
     suffix = {"weight": "", "value": " · value-weighted", "logits": " · pre-softmax", "rollout": ""}[mode]
     title = title or f"layer {layer} · {cap.layer_masks[layer]} · {shown}{suffix}"
     layout(fig, title, height=560, masked_bg=True)
     cross = cap.query_tokens is not None  # cross-attention: target tokens down, source tokens across
-    fig.update_xaxes(title_text="source (key)" if cross else "key", side="bottom", **token_axis(cap.tokens),
-                     constrain="domain")
+    keys = token_axis(cap.tokens)
+    if sink is not None and "tickvals" in keys:  # the learned sink's column has a label of its own
+        keys.update(tickvals=[-1] + keys["tickvals"], ticktext=["sink"] + keys["ticktext"])
+    elif sink is not None:
+        fig.add_annotation(x=-cap.pool_factor(layer), y=1, xref="x", yref="paper", text="sink", showarrow=False,
+                           yanchor="bottom", font=dict(size=10))
+    fig.update_xaxes(title_text="source (key)" if cross else "key", side="bottom", **keys, constrain="domain")
     fig.update_yaxes(title_text="target (query)" if cross else "query", autorange="reversed", scaleanchor="x",
                      constrain="domain",
                      **token_axis(cap.row_tokens))

@@ -112,14 +112,39 @@ def discarded_figure(cap: Capture) -> go.Figure:
                            zmax=max(float(values.max()), 1e-3))
 
 
+def learned_matrix(cap: Capture) -> np.ndarray | None:
+    """(layers, heads) alpha of the model's learned sink (docs/methods.md#the-learned-sink-as-a-key), NaN in a layer
+    without one; None where the model has none."""
+    if not cap.learned_sink:
+        return None
+    return np.stack([np.full(cap.n_heads, np.nan) if (a := cap.learned_alpha(l)) is None else a for l in cap.layers])
+
+
+def learned_grid(cap: Capture, eps: float = metrics.SINK_EPS) -> go.Figure | None:
+    """Alpha of the model's learned sink per layer and head (gpt-oss), on alpha's scale (0 to 1) as key 0's grid, the
+    per-layer sink rate of the learned sink in the row labels; None where the model has none."""
+    values = learned_matrix(cap)
+    if values is None:
+        return None
+    fig = layer_head_grid(values, cap, f"alpha of the learned sink per layer and head; rate: alpha > {eps:g}",
+                          "alpha_sink")
+    rates = [metrics.sink_rate(row, eps) for row in values]
+    fig.update_yaxes(tickmode="array", tickvals=[str(l) for l in cap.layers],
+                     ticktext=[f"{l} ({'–' if np.isnan(r) else f'{r:.0%}'})" for l, r in zip(cap.layers, rates)])
+    return fig
+
+
 SECONDARY = "#e15759"  # a sink that is not the first token
 FIRST = "#1f1f1f"
+LEARNED = "#59a14f"  # the model's learned sink
 
 
 def sink_map(cap: Capture, eps: float = metrics.SINK_EPS) -> go.Figure:
     """Where the sinks are: each key's attention share (alpha averaged over heads) by layer, over the keys that may be
     sinks (:func:`attnviz.stats.metrics.sink_candidates`), every sink key (docs/methods.md#sinks-at-any-key) marked
-    with its token: the first token in black, a secondary sink (any other key) in red."""
+    with its token: the first token in black, a secondary sink (any other key) in red. A model's learned sink
+    (docs/methods.md#the-learned-sink-as-a-key) is a column of its own, "sink", left of key 0, ringed in green where
+    it is one."""
     n = metrics.sink_candidates(cap.n_tokens)
     share = np.full((len(cap.layers), n), np.nan)
     for row, layer in enumerate(cap.layers):
@@ -128,17 +153,26 @@ def sink_map(cap: Capture, eps: float = metrics.SINK_EPS) -> go.Figure:
         counts = defined.sum(0)
         share[row] = np.where(counts > 0, np.where(defined, alphas, 0).sum(0) / np.maximum(counts, 1), np.nan)
     labels = [f"{k} {cap.tokens[k]!r}" for k in range(n)]  # the key axis: each label sent once, not once a cell
+    ticks = [t.strip() or repr(t) for t in cap.tokens[:n]]
+    learned = learned_matrix(cap)
+    if learned is not None:  # the learned sink's column, left of key 0: its alpha averaged over heads
+        column = [float(np.nanmean(row)) if np.isfinite(row).any() else np.nan for row in learned]
+        share = np.concatenate([np.asarray(column)[:, None], share], axis=1)
+        labels, ticks = ["sink"] + labels, ["sink"] + ticks
     fig = go.Figure(go.Heatmap(z=share.astype(np.float32), x=labels, y=list(cap.layers), colorscale="Blues", zmin=0,
                                zmax=max(float(np.nanmax(share)) if np.isfinite(share).any() else 1.0, eps),
                                colorbar=dict(title="share"), hoverongaps=False,
                                hovertemplate="layer %{y}, key %{x}<br>share %{z:.3f}<extra></extra>"))
-    for kind, colour, name in (("first", FIRST, "first-token sink"), ("secondary", SECONDARY, "secondary sink")):
+    kinds = (("first", FIRST, "first-token sink"), ("secondary", SECONDARY, "secondary sink"))
+    for kind, colour, name in kinds + ((("learned", LEARNED, "learned sink"),) if learned is not None else ()):
         xs, ys, text = [], [], []
         for layer in cap.layers:
             for sink in cap.sinks(layer, eps):
-                if (sink["kind"] == "first") == (kind == "first"):
-                    xs.append(labels[sink["key"]]), ys.append(layer)
-                    text.append(f"{sink['token']!r}: {len(sink['heads'])} head(s), share {sink['share']:.2f}")
+                ring = sink["kind"] if sink["kind"] in ("first", "learned") else "secondary"
+                if ring != kind:
+                    continue
+                xs.append("sink" if kind == "learned" else labels[sink["key"] + (learned is not None)]), ys.append(layer)
+                text.append(f"{sink['token']!r}: {len(sink['heads'])} head(s), share {sink['share']:.2f}")
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", name=name, text=text,
                                  marker=dict(symbol="circle-open", size=11, color=colour, line=dict(width=2)),
                                  hovertemplate="layer %{y}, key %{x}: %{text}<extra>" + name + "</extra>"))
@@ -146,7 +180,6 @@ def sink_map(cap: Capture, eps: float = metrics.SINK_EPS) -> go.Figure:
            height=max(380, 16 * len(cap.layers)))
     fig.update_yaxes(autorange="reversed", title="layer")
     fig.update_xaxes(title="key", type="category", categoryorder="array", categoryarray=labels,
-                     **(dict(tickmode="array", tickvals=labels, ticktext=[t.strip() or repr(t) for t in cap.tokens[:n]])
-                        if n <= 48 else {}))
+                     **(dict(tickmode="array", tickvals=labels, ticktext=ticks) if n <= 48 else {}))
     fig.update_layout(legend=dict(orientation="h", y=-0.12))
     return fig

@@ -125,6 +125,16 @@ def discarded_mass(probs) -> np.ndarray:
     return np.clip(1.0 - _f32(probs).sum(-1), 0.0, None)
 
 
+def learned_sink(share) -> np.ndarray:
+    """Alpha of a model's learned sink per head (docs/methods.md#the-learned-sink-as-a-key): the mean over the
+    queries of the share it takes of each row, exp(s_h) / (exp(s_h) + Σ_k exp(z_qk)), as the capture keeps it
+    from the logits (``share`` (H, n_q)). Every query sees it, so it is the alpha of a key every query sees. (H,).
+
+    Not one of :data:`STATISTICS`: those are defined on the probabilities, and the learned sink's column is
+    dropped before them (1 − the row sum would also count StableMask's slots and ``sinklogit``)."""
+    return _f32(share).mean(-1)
+
+
 def is_delimiter(token: str) -> bool:
     """A token made only of punctuation and white space (newlines included)."""
     return bool(token) and all(
@@ -320,19 +330,30 @@ def sink_candidates(n: int) -> int:
     return max(1, (n + 1) // 2)
 
 
+LEARNED_KEY = -1  # the key of a model's learned sink in a layer's sinks: a slot of its own, before key 0
+LEARNED_TOKEN = "<learned sink>"  # ... and its token: it is no token of the text
+
+
 def key_kind(position: int, token: str) -> str:
-    """What a sink key is: "first" (the first token), "delimiter" (:func:`is_delimiter`) or "other"."""
+    """What a sink key is: "first" (the first token), "delimiter" (:func:`is_delimiter`) or "other"; a model's learned
+    sink (:data:`LEARNED_KEY`) is "learned"."""
+    if position == LEARNED_KEY:
+        return "learned"
     return "first" if position == 0 else "delimiter" if is_delimiter(token) else "other"
 
 
-def sinks(alphas, tokens: list[str], eps: float = SINK_EPS, residual_norms=None, value_norms=None) -> list[dict]:
+def sinks(alphas, tokens: list[str], eps: float = SINK_EPS, residual_norms=None, value_norms=None,
+          learned=None) -> list[dict]:
     """Every key of one layer that acts as a sink: key k is a sink of head h when alpha_k (the attention on k averaged
     over every query that may see it, :func:`alpha`) is above ``eps``, among the first :func:`sink_candidates` keys.
 
     ``alphas`` (H, n); ``residual_norms`` (n,) the residual stream's norm entering the layer (massive activations),
     ``value_norms`` (H, n) ||W_O^h v_j^h||, each optional. Each sink: its position, token, kind, the heads it is a
     sink of, its share (the mean alpha over those heads), the residual norm at it and its value norm (the mean over
-    those heads); strongest first (the largest alpha summed over its heads)."""
+    those heads); strongest first (the largest alpha summed over its heads). ``learned`` (H,): alpha of the model's
+    learned sink (:func:`learned_sink`), a sink of the heads where it is above ``eps`` too, listed as key
+    :data:`LEARNED_KEY` of kind "learned", token :data:`LEARNED_TOKEN`, no residual norm (it is no token) and value
+    norm 0 where value norms are given (it has no value: what it takes is dropped)."""
     alphas = np.asarray(alphas, dtype=np.float64)
     n = alphas.shape[-1]
     found = []
@@ -345,5 +366,12 @@ def sinks(alphas, tokens: list[str], eps: float = SINK_EPS, residual_norms=None,
                       "residual_norm": None if residual_norms is None else round(float(residual_norms[key]), 4),
                       "value_norm": None if value_norms is None else round(float(np.mean(value_norms[heads, key])), 6),
                       "_weight": float(alphas[heads, key].sum())})
+    if learned is not None:
+        learned = np.asarray(learned, dtype=np.float64)
+        heads = np.flatnonzero(np.nan_to_num(learned, nan=-1.0) > eps)
+        if heads.size:
+            found.append({"key": LEARNED_KEY, "token": LEARNED_TOKEN, "kind": "learned", "heads": heads.tolist(),
+                          "share": round(float(learned[heads].mean()), 6), "residual_norm": None,
+                          "value_norm": None if value_norms is None else 0.0, "_weight": float(learned[heads].sum())})
     found.sort(key=lambda s: -s.pop("_weight"))  # strongest first: the most attention over its heads together
     return found

@@ -147,8 +147,20 @@ def routes(lm: LoadedModel, cell: Cell) -> list[dict]:
              "threshold": threshold} for layer, (a, b) in enumerate(zip(every, last))]
 
 
+def valley(lm: LoadedModel, cell: Cell) -> list[dict]:
+    """The compression valley per layer (docs/methods.md#the-compression-valley) on the corpus's first ``max_tokens``
+    tokens: the matrix-based entropy of the layer's input, its first token's norm and the sink rate at the layer's
+    sink key and at key 0, from one forward (``attnviz sinks --json``'s ``entropy``)."""
+    from attnviz.effects import valley as valley_mod
+    from attnviz.effects.evaluate import token_ids
+
+    ids = token_ids(lm, documents(cell.corpus).text, cell.options["max_tokens"])
+    found = valley_mod.measure(lm, corpus_mod.text_of(lm.tokenizer, ids), recipe(lm, cell))
+    return found.rows(cell.options["eps"])
+
+
 RUN = {"sinks": sinks, "eval": evaluate, "embed": embed, "compress": compress, "heads": heads, "explain": explain,
-       "causal": causal, "routes": routes}
+       "causal": causal, "routes": routes, "valley": valley}
 
 
 def schema():
@@ -189,4 +201,6 @@ COLUMNS = {
                "perplexity_after": "float64"},
     "routes": {"layer": "int64", "key": "int64", "sink_share_all": "float64", "sink_share_last": "float64",
                "threshold": "float64"},
+    "valley": {"layer": "int64", "key": "int64", "entropy": "float64", "first_norm": "float64", "sink_rate": "float64",
+               "sink_rate_key0": "float64"},
 }

@@ -56,11 +56,12 @@ def measure_options() -> dict[str, dict[str, tuple[type | tuple[type, ...], obje
         "explain": {"max_tokens": (int, explain.DIAGNOSIS_TOKENS)},
         "causal": {"max_tokens": (int, explain.DIAGNOSIS_TOKENS), "value": (str, of(causal.check)["value"])},
         "routes": {"max_tokens": (int, explain.DIAGNOSIS_TOKENS), "threshold": (float, of(flow.routes)["threshold"])},
+        "valley": {"max_tokens": (int, explain.DIAGNOSIS_TOKENS), "eps": (float, report["eps"])},
     }
 
 
 #: measures whose library call takes an intervention (docs/methods.md#interventions)
-INTERVENES = {"sinks", "eval", "explain", "causal", "routes"}
+INTERVENES = {"sinks", "eval", "explain", "causal", "routes", "valley"}
 TOP_KEYS = {"models", "archs", "interventions", "corpora", "measures"}
 #: The README's example: the sink-rate table of two architectures (the Sweeps page starts from it).
 EXAMPLE = """models = ["default"]

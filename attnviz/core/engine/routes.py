@@ -162,7 +162,9 @@ def _block_probs(run, layer: int, mask: Mask, query, key, scaling, allow, bias, 
         scores.masked_fill_(~allow, float("-inf"))
         if mask.stable is not None:  # SM-I: the future slots up to T folded into one logit per row
             extra.append(mask.inference_logits(q_pos, n_heads).to(query.device))
+    sink_at = None  # the learned sink's column among the dropped ones
     if s_aux is not None:  # gpt-oss learned sink logit per head: an extra column, dropped after softmax
+        sink_at = n_kv + len(extra)
         extra.append(s_aux.float().reshape(1, -1, 1, 1).expand(batch, n_heads, n_q, 1))
     for intervention in acts:  # sinklogit: one more logit B per row, dropped after the softmax
         b = intervention.extra_logit()
@@ -171,7 +173,11 @@ def _block_probs(run, layer: int, mask: Mask, query, key, scaling, allow, bias, 
     if extra:
         scores = torch.cat([scores, *extra], dim=-1)
         scores = scores - scores.amax(-1, keepdim=True)
-        probs = torch.softmax(scores, dim=-1)[..., :n_kv]
+        probs = torch.softmax(scores, dim=-1)
+        if sink_at is not None:  # the learned sink's share of each row: its own softmax column, from the logits
+            for recorder in recs:  # (docs/methods.md#the-learned-sink-as-a-key)
+                recorder.block_sink(run, layer, q0, probs[..., sink_at])
+        probs = probs[..., :n_kv]
     elif torch.is_grad_enabled() and scores.requires_grad:  # training: autograd needs the out-of-place softmax
         probs = torch.softmax(scores, dim=-1)
     else:  # softmax in place: one b x n fp32 buffer instead of two (peak memory)

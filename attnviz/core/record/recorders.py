@@ -78,6 +78,11 @@ class Recorder:
     def block(self, run, layer: int, q0: int, k0: int, probs: torch.Tensor, allow: torch.Tensor) -> None:
         """One block: ``probs`` (B, H, b, w) fp32 and ``allow`` (B, 1, b, w) of queries q0.. and keys k0.."""
 
+    def block_sink(self, run, layer: int, q0: int, share: torch.Tensor) -> None:
+        """One block's learned-sink share (B, H, b) fp32, for a layer whose model gives each head a learned sink
+        logit (gpt-oss): each row's softmax column of that logit, before the engine drops it
+        (docs/methods.md#the-learned-sink-as-a-key). Before :meth:`block` of the same rows."""
+
     def finish(self, run, layer: int) -> None:
         """After the layer's last block: put the finished arrays in the run."""
 
@@ -197,6 +202,37 @@ class Streamed(Recorder):
         self.reducer.add_fused(layer, raw, layout)
 
 
+class LearnedSink(Recorder):
+    """Each row's learned-sink share per head (B, H, n_q) fp32 (``run.results("learned_sink")``), for layers whose
+    model gives each head a learned sink logit (:meth:`Recorder.block_sink`); nothing for the others. Fusable: the
+    route table never takes the fused route for such a layer (its kernel has no sink logit), so it gets its blocks."""
+
+    kind = "learned_sink"
+    fusable = True
+
+    def __init__(self, only_rows: tuple[int, int] | None = None):
+        self.only_rows = only_rows  # a region's rows: the engine may skip the others' blocks
+        self.n_q = 0
+
+    def start(self, run, layer, inputs):
+        self.n_q = inputs.shape[2]
+
+    def block_sink(self, run, layer, q0, share):
+        if layer not in self.results:
+            self.results[layer] = share.new_zeros(share.shape[0], share.shape[1], self.n_q)
+        self.results[layer][:, :, q0:q0 + share.shape[2]] = share.detach()
+
+    def finish(self, run, layer):
+        if layer in self.results:
+            self.results[layer] = devices.HostCopy(self.results[layer])
+
+    def result(self):
+        """Every such layer's (B, H, n_q) shares on the host as numpy, the asynchronous copies waited for."""
+        for layer, share in self.results.items():
+            self.results[layer] = devices.landed(share)
+        return self.results
+
+
 class Whole(Recorder):
     """``fn(layer, probs, allow)`` on the layer's whole (B, H, n_q, n_kv) probabilities; its result goes to
     ``run.reduced`` (a caller's own reduction: a dataset's moments, a cache's kept keys)."""
@@ -228,8 +264,9 @@ def made(storage_dtype: torch.dtype, reducer=None, scores: bool = False, value_n
          qkv: bool = False) -> tuple[Recorder, ...]:
     """A recorded layer's recorders, in the order they are fed (value norms first: the statistics' pooled
     value-weighted maps read them): full maps in ``storage_dtype`` (and score maps) without a ``reducer``, a block
-    reducer (:class:`Streamed`) or a whole-layer function (:class:`Whole`) with one. ``Keep.recorders`` and
-    :func:`for_record` both make them here."""
+    reducer (:class:`Streamed`) or a whole-layer function (:class:`Whole`) with one; beside maps or a block reducer, the
+    learned sink's share of each row (:class:`LearnedSink`: nothing where the model has no learned sink).
+    ``Keep.recorders`` and :func:`for_record` both make them here."""
     out: list[Recorder] = ([ValueNorms()] if value_norms else []) + ([QKV()] if qkv else [])
     if reducer is None:
         out.append(Maps(storage_dtype))
@@ -238,8 +275,8 @@ def made(storage_dtype: torch.dtype, reducer=None, scores: bool = False, value_n
     elif callable(getattr(reducer, "add", None)):
         out.append(Streamed(reducer, pooled_scores=scores))
     else:
-        out.append(Whole(reducer))
-    return tuple(out)
+        return tuple(out) + (Whole(reducer),)
+    return tuple(out) + (LearnedSink(getattr(reducer, "only_rows", None)),)  # kept where the model has one
 
 
 def for_record(record) -> tuple[Recorder, ...]:
