@@ -9,7 +9,7 @@ from attnviz.effects import causal
 from attnviz.effects.explain import PROJECTIONS, corpus_samples, diagnose, query_key_view
 from attnviz.errors import AttnvizError
 from attnviz.figures.why import (attention_row_figure, attribution_figure, causal_figure, diagnosis_figure,
-                                 query_key_figure, scan_figure)
+                                 paths_figure, query_key_figure, scan_figure)
 from ui import jobs
 from ui.cache import get_residual
 from ui.docs import definitions
@@ -163,6 +163,41 @@ with st.container(border=True):
             st.markdown("\n".join(lines) or "No single write is necessary: removing any one leaves over half the "
                         "sink's attention.")
             st.caption(f"Attribution's leaders: {', '.join(leaders) or 'none'}. Not scanned: {found.not_scanned}.")
+
+with st.container(border=True):
+    st.markdown("**Trace the paths**: each sender's write (by default the scan's necessary writers) removed at the sink "
+                "token from one receiver's input alone (a later block, a layer's keys or queries, or the head), every "
+                "other block reading the stream as it was: through which block the write makes the sink "
+                "([definition](definitions#path-patching)).")
+    given = st.text_input("Senders", "", key="why_senders", placeholder="the scan's necessary writers, or e.g. mlp.0")
+    paths_key = ("paths", recipe.key, settings.text, given.strip())
+    if st.button("Trace the paths", key="why_paths") or jobs.cached(paths_key):
+        from attnviz.effects.paths import paths as trace_paths
+
+        scanned = jobs.cached(("scan", recipe.key, settings.text))  # the scan already run: its writers, not again
+        senders = given.strip() or (scanned.necessary if scanned is not None else None)
+        try:
+            traced = jobs.run(paths_key, "Removing each sender from one receiver at a time", lambda progress: (
+                trace_paths(loaded, settings.text, recipe, senders, on_step=progress)))
+        except AttnvizError as err:
+            st.error(str(err))
+            traced = None
+        if traced is not None and not traced.senders:
+            st.info("No single write is necessary here (the scan names none), so there is no sender to trace: name "
+                    "one above.")
+        elif traced is not None:
+            fig_p = paths_figure(traced)
+            st.plotly_chart(fig_p, width="stretch", key="why_paths_fig")
+            figure_downloads(fig_p, {**meta, "figure": "paths"}, key="why_paths_x")
+            st.markdown("\n".join(f"- **{s}** makes the sink most through " + ", ".join(
+                f"{r} ({d:.0%})" for r, d in traced.strongest(s)) + "; cut from every receiver of a kind at once: " +
+                ", ".join(f"{r} {traced.drop(s, r):.0%}" for r in traced.receivers(s, single=False))
+                for s in traced.senders))
+            st.caption("A single receiver's fall is the sink's mean attention lost from its own layer up when that one "
+                       "receiver reads the stream without the write; a group's is on the scan's scale (every layer "
+                       "above the sender; `all` is the scan's removal). A query at the sink token sees that key alone "
+                       "under a causal mask, so its path changes nothing." +
+                       (f" Not receivers here: {traced.skipped}" if traced.skipped else ""))
 
 st.subheader("The sink's diagnosis of this layer")
 diagnosis = diagnose(run, layer)

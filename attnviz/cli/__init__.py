@@ -33,6 +33,9 @@ COMMANDS = {
                "earlier attention and MLP block), and without rotation",
     "routes": "contribution graph of a token (which tokens, through which heads and MLPs, feed it) and the share "
               "of the attention flow the sink key carries in each layer",
+    "paths": "path patching: each sender's write (by default the causal scan's necessary writers) removed at the "
+             "sink token from one later block's input, a layer's keys or queries, or the head alone; the sink's "
+             "attention and the perplexity after each",
     "patching": "activation patching between a clean and a corrupted text: every layer and position (or head) "
                 "of one site patched from the clean run, its effect on a metric at the last position",
     "doctor": "check attnviz on this machine: versions and devices, every route against stock transformers, "

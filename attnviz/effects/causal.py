@@ -10,7 +10,8 @@ falls in the layers it leads. Each check reports the attention on each layer's s
 before and after, in every layer, and the text's perplexity before and after.
 
 Without named sources every write is removed in turn: the causal scan (:func:`scan`, below), which names the
-necessary writers and their chains; attribution's leaders are marked in it.
+necessary writers and their chains; attribution's leaders are marked in it. Through which later block a necessary
+writer acts is path patching's question (:mod:`attnviz.effects.paths`).
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ import numpy as np
 import torch
 
 from attnviz.capture import capture
-from attnviz.core.model import anatomy as anatomy_mod
 from attnviz.core import engine
-from attnviz.core.loading import models
 from attnviz.core.engine import sites
-from attnviz.core.spec.interventions import Patch
+from attnviz.core.loading import models
 from attnviz.core.loading.models import LoadedModel
+from attnviz.core.model import anatomy as anatomy_mod
+from attnviz.core.spec.interventions import Patch
 from attnviz.core.record.sink_recorders import SinkColumn
 from attnviz.effects.evaluate import evaluate
 from attnviz.errors import InputError
@@ -82,13 +83,20 @@ class CausalCheck:
                 **({} if defined else {"sink_drop_undefined": "no attention on the sink key before the patch in the "
                                                               "layers measured (a share of nothing)"}),
                 "perplexity_before": round(self.before.perplexity, 4), "perplexity_after": round(self.after.perplexity, 4),
-                "layers": [{"layer": l, "key": self.before.keys[l], "before": _rounded(self.before.attention[l]),
-                            "after": _rounded(self.after.attention[l])} for l in above]}
+                "layers": [{"layer": l, "key": self.before.keys[l], "before": rounded(self.before.attention[l]),
+                            "after": rounded(self.after.attention[l])} for l in above]}
 
 
-def _rounded(x: float):
-    """x to 5 places; None where it is not defined (NaN: a layer whose sink key only its own query sees)."""
+def rounded(x: float):  # None where not defined (NaN: a layer whose sink key only its own query sees)
     return round(float(x), 5) if np.isfinite(x) else None
+
+
+def perplexities(logits: torch.Tensor, targets: torch.Tensor) -> list[float]:
+    """Each batch row's perplexity of ``targets`` (the text's tokens after the first) from its logits (B, n, V)."""
+    batch, vocab = logits.shape[0], logits.shape[-1]
+    nll = torch.nn.functional.cross_entropy(  # fused: no (B, n, V) log-probabilities written
+        logits[:, :-1].reshape(-1, vocab), targets.to(logits.device).repeat(batch), reduction="none")
+    return [float(np.exp(row.double().mean().item())) for row in nll.view(batch, -1).cpu()]
 
 
 def sources_of(text: str) -> list[str]:
@@ -116,7 +124,7 @@ def _check_layers(loaded: LoadedModel, sources: list[str]) -> None:
                              f"there is no sink to measure after it; choose a block in layers 0..{top - 1}")
 
 
-def _check_sink(loaded: LoadedModel, text: str, recipe: Recipe) -> None:
+def check_sink(loaded: LoadedModel, text: str, recipe: Recipe) -> None:
     """Refuse, before any forward, a text too short to have a sink key in any layer under ``recipe`` (a key that
     every later query may see, docs/methods.md#auto-key): NoSink-FWD(m) hides the first m keys, so a text of m + 1
     tokens has none, and every number after would be NaN."""
@@ -199,7 +207,7 @@ def check(loaded: LoadedModel, text: str, recipe, sources: list[str] | None = No
     recipe = Recipe.of(loaded, recipe)
     sources = sources_of(",".join(sources)) if not isinstance(sources, str) else sources_of(sources)
     _check_layers(loaded, sources)
-    _check_sink(loaded, text, recipe)
+    check_sink(loaded, text, recipe)
     led: dict[str, list[int]] = {}
     specs = [patch_spec(s, value) for s in sources]  # every source checked before the first forward
     total, done = 1 + len(sources), [0]
@@ -235,13 +243,11 @@ class Report:
 # --- the causal scan of every block (docs/methods.md#the-causal-scan) ----------------------------------------
 #
 # Each layer's attention and MLP write, and the embedding, removed at the sink token one at a time: what happens to
-# the sink and to the perplexity. Attribution names the sources the sink key's score sits in; only removing each write
-# says which are necessary, and the chain says how (the later writes at the sink token whose size changes with it).
-# Each check is the causal check's own, the same numbers as ``patch`` of that block alone (``tests/test_scan.py``):
-# the engine's ``patch`` of one batch row each (a layer's attention and MLP, and the embedding at layer 0, share one
-# batch), resumed from layer l's input kept by the one unpatched forward (the engine's checkpoints); the sink's
-# attention read by a recorder of its column alone, the perplexity from the same forward's logits, the writes' norms
-# at the named sites. The top layer's blocks are not scanned: no layer above reads their writes.
+# the sink and to the perplexity. Only removing each write says which are necessary; the chain (the later writes at
+# the sink token whose size changes with it) is a correlation inside one removal, not a path (path patching).
+# Each check is the causal check's own (``tests/test_scan.py``): the engine's ``patch`` of one batch row each, a
+# layer's blocks (and the embedding) in one batch resumed from layer l's kept input; the sink's attention read by a
+# recorder of its column alone, the perplexity from the same logits. The top layer's blocks are not scanned.
 
 NECESSARY = 0.5  # a write is necessary when removing it takes at least half the sink's attention away
 CHANGED = 0.5  # a later write "changes with it" when its norm at the sink token moves by at least half
@@ -310,7 +316,7 @@ def scan(loaded, text: str, recipe="fwd", value: str = "zero", leaders: bool = T
     if value not in ("zero", "mean"):
         raise InputError(f"the scan replaces a write by zero or mean, not {value!r}")
     recipe = Recipe.of(loaded, recipe)
-    _check_sink(loaded, text, recipe)
+    check_sink(loaded, text, recipe)
     built = build(loaded, recipe).only("the causal scan", "intervene", "prepend")
     built.architecture.require_causal("compute a perplexity")
     found, model = anatomy_mod.of(loaded.model), loaded.model
@@ -333,12 +339,6 @@ def scan(loaded, text: str, recipe="fwd", value: str = "zero", leaders: bool = T
             norms[(layer, block)] = write[:, sink_keys[layer]].float().norm(dim=-1)
         return fn
 
-    def perplexity(logits: torch.Tensor) -> list[float]:
-        batch, vocab = logits.shape[0], logits.shape[-1]
-        nll = torch.nn.functional.cross_entropy(  # fused: no (B, n, V) log-probabilities written
-            logits[:, :-1].reshape(-1, vocab), targets.to(logits.device).repeat(batch), reduction="none")
-        return [float(np.exp(row.double().mean().item())) for row in nll.view(batch, -1).cpu()]
-
     def removal(source: str, row: int) -> Patch:
         """The engine's ``patch`` of one block's write at its layer's sink token, in one batch row."""
         block, layer = ("embed", 0) if source == "embed" else (source.split(".")[0], int(source.split(".")[1]))
@@ -353,7 +353,7 @@ def scan(loaded, text: str, recipe="fwd", value: str = "zero", leaders: bool = T
         logits = logits.float()
         base_attention = [float(column.attention(l)[0]) for l in range(L)]
         base_norms = {f"{k[1]}.{k[0]}": float(v[0]) for k, v in norms.items()}
-        before = SinkProfile(sink_keys, base_attention, perplexity(logits)[0], n)
+        before = SinkProfile(sink_keys, base_attention, perplexities(logits, targets)[0], n)
         # the logits a resumed forward reads are the model's own (checked once per model)
         engine.checked_head(model, torch.tensor([ids]), run.checkpoints[L - 1], logits[:, -1], built.computes,
                             "the causal scan")
@@ -368,7 +368,7 @@ def scan(loaded, text: str, recipe="fwd", value: str = "zero", leaders: bool = T
             column = SinkColumn()
             resumed = engine.resume(model, run.checkpoints[layer], layer, torch.tensor([ids] * len(rows)), computes,
                                     engine.Record.every_layer(recorders=(column,)))
-            ppl = perplexity(resumed.logits(model, last_only=False).float())
+            ppl = perplexities(resumed.logits(model, last_only=False).float(), targets)
             for i, source in enumerate(rows):
                 attention = [base_attention[l] if l < layer else float(column.attention(l)[i]) for l in range(L)]
                 spec = (f"the embedding at the sink token replaced by {value}" if source == "embed"

@@ -258,3 +258,42 @@ def scan_figure(scan) -> go.Figure:
     fig.update_xaxes(title="layer", row=1, col=1)
     fig.update_xaxes(tickformat="+.0%", row=1, col=2)
     return fig
+
+
+PATH_KINDS = (("attn", "attention input"), ("keys", "keys"), ("queries", "queries"), ("mlp", "MLP input"))
+
+
+def paths_figure(found) -> go.Figure:
+    """Path patching (:class:`attnviz.effects.paths.Paths`): one panel per sender; in it, each single receiver's layer
+    (columns) and kind (rows: a block's input, the layer's keys, its queries, the MLP's input), the
+    fall of the sink's attention over the layers that cut can move (from the receiver's layer up) when the sender's
+    write is removed from that receiver's input alone (1: gone, 0: unchanged, below 0: the sink grows; blank: not
+    above the sender, or not a receiver of this family). The hover adds the scan's scale (over every layer above the
+    sender) and the perplexity."""
+    n = len(found.before.attention)
+    senders = found.senders or ["(no sender)"]
+    columns = [str(l) for l in range(n)]
+    fig = make_subplots(rows=len(senders), cols=1, shared_xaxes=True, vertical_spacing=0.08 if len(senders) > 1 else 0,
+                        subplot_titles=[f"{s} removed from one receiver" for s in senders])
+    kinds = [k for k, _ in PATH_KINDS]
+    for i, sender in enumerate(senders, 1):
+        z = np.full((len(PATH_KINDS), n), np.nan)
+        text = np.full(z.shape, "", dtype=object)
+        for receiver in found.receivers(sender, single=True):
+            if receiver == "head":  # no layer above it: its path changes the perplexity only (in the JSON)
+                continue
+            row, col = kinds.index(receiver.split(".")[0]), int(receiver.split(".")[1])
+            z[row, col] = found.reached(sender, receiver)
+            text[row, col] = (f"{found.drop(sender, receiver):+.1%} over every layer above {sender}; perplexity "
+                              f"{found.before.perplexity:.2f} → {found.after[sender, receiver].perplexity:.2f}")
+        fig.add_trace(go.Heatmap(z=z, x=columns, y=[label for _, label in PATH_KINDS], customdata=text,
+                                 colorscale="RdBu_r", zmin=-1, zmax=1, zmid=0, hoverongaps=False, showscale=i == 1,
+                                 colorbar=dict(title="sink's fall", orientation="h", x=0.5, xanchor="center", y=-0.12,
+                                               yanchor="top", len=0.6, thickness=12),
+                                 hovertemplate=f"{sender} removed from layer %{{x}}'s %{{y}}: the sink falls by "
+                                               "%{z:.0%} from that layer up<br>%{customdata}<extra></extra>"),
+                      row=i, col=1)
+        fig.update_yaxes(autorange="reversed", row=i, col=1)
+    layout(fig, "path patching: through which receiver each write makes the sink", height=170 * len(senders) + 170)
+    fig.update_xaxes(title="receiver's layer", type="category", row=len(senders), col=1)
+    return fig

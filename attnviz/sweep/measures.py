@@ -159,8 +159,27 @@ def valley(lm: LoadedModel, cell: Cell) -> list[dict]:
     return found.rows(cell.options["eps"])
 
 
+def paths(lm: LoadedModel, cell: Cell) -> list[dict]:
+    """Path patching (docs/methods.md#path-patching) on the corpus's first ``max_tokens`` tokens: each sender (the
+    causal scan's necessary writers unless named) cut from each receiver (``receivers``; by default each kind above
+    it at once and everything); per path and layer, the sink's attention before and after, the path's drop and
+    the perplexity before and after (``attnviz paths``)."""
+    from attnviz.effects import paths as paths_mod
+    from attnviz.effects.evaluate import token_ids
+
+    ids = token_ids(lm, documents(cell.corpus).text, cell.options["max_tokens"])
+    o = cell.options
+    found = paths_mod.paths(lm, corpus_mod.text_of(lm.tokenizer, ids), recipe(lm, cell), o["senders"] or None,
+                            o["receivers"] or None, o["value"])
+    return [{"sender": s, "receiver": r, "layer": layer, "key": found.before.keys[layer],
+             "sink_before": found.before.attention[layer], "sink_after": after.attention[layer],
+             "sink_drop": found.drop(s, r), "sink_drop_reached": found.reached(s, r),
+             "perplexity_before": found.before.perplexity, "perplexity_after": after.perplexity}
+            for (s, r), after in found.after.items() for layer in range(len(found.before.keys))]
+
+
 RUN = {"sinks": sinks, "eval": evaluate, "embed": embed, "compress": compress, "heads": heads, "explain": explain,
-       "causal": causal, "routes": routes, "valley": valley}
+       "causal": causal, "routes": routes, "valley": valley, "paths": paths}
 
 
 def schema():
@@ -201,6 +220,9 @@ COLUMNS = {
                "perplexity_after": "float64"},
     "routes": {"layer": "int64", "key": "int64", "sink_share_all": "float64", "sink_share_last": "float64",
                "threshold": "float64"},
+    "paths": {"sender": "string", "receiver": "string", "layer": "int64", "key": "int64", "sink_before": "float64",
+              "sink_after": "float64", "sink_drop": "float64", "sink_drop_reached": "float64",
+              "perplexity_before": "float64", "perplexity_after": "float64"},
     "valley": {"layer": "int64", "key": "int64", "entropy": "float64", "first_norm": "float64", "sink_rate": "float64",
                "sink_rate_key0": "float64"},
 }

@@ -38,6 +38,7 @@ def measure_options() -> dict[str, dict[str, tuple[type | tuple[type, ...], obje
     from attnviz.defaults import of
     from attnviz import flow
     from attnviz.effects import causal, dataset, embedding, evaluate, explain, heads
+    from attnviz.effects import paths
     from attnviz.kv import compress
 
     run, report = of(dataset.sinks), of(dataset.DatasetSinks.as_json)
@@ -57,11 +58,13 @@ def measure_options() -> dict[str, dict[str, tuple[type | tuple[type, ...], obje
         "causal": {"max_tokens": (int, explain.DIAGNOSIS_TOKENS), "value": (str, of(causal.check)["value"])},
         "routes": {"max_tokens": (int, explain.DIAGNOSIS_TOKENS), "threshold": (float, of(flow.routes)["threshold"])},
         "valley": {"max_tokens": (int, explain.DIAGNOSIS_TOKENS), "eps": (float, report["eps"])},
+        "paths": {"max_tokens": (int, explain.DIAGNOSIS_TOKENS), "senders": (str, ""),
+                  "receivers": (str, ",".join(paths.GROUPS)), "value": (str, of(paths.paths)["value"])},
     }
 
 
 #: measures whose library call takes an intervention (docs/methods.md#interventions)
-INTERVENES = {"sinks", "eval", "explain", "causal", "routes", "valley"}
+INTERVENES = {"sinks", "eval", "explain", "causal", "routes", "valley", "paths"}
 TOP_KEYS = {"models", "archs", "interventions", "corpora", "measures"}
 #: The README's example: the sink-rate table of two architectures (the Sweeps page starts from it).
 EXAMPLE = """models = ["default"]

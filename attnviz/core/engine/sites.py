@@ -7,6 +7,7 @@ points, found on the model's own modules (no modelling code is patched):
 - ``resid_pre``: the residual stream entering layer l; ``resid_mid``: the stream between its attention and its MLP
   (not where the blocks run in parallel); ``resid_post``: the layer's output;
 - ``attn_in`` / ``mlp_in``: what the block itself reads (after its pre-norm);
+- ``q_in`` / ``k_in``: what the query or the key projection alone reads (where the family has one of its own);
 - ``attn_out`` / ``mlp_out``: the block's write as the stream adds it, post-norm and residual multiplier included;
 - ``attn_block``: the attention block's own output, before a post-norm and the multiplier;
 - ``head_z``: every head's output before the output projection, (B, n, H, d).
@@ -32,11 +33,11 @@ from typing import Callable, Iterable
 import torch
 
 from attnviz.core.model import anatomy as anatomy_mod
-from attnviz.core.model.modules import output_linear
+from attnviz.core.model.modules import output_linear, projection
 from attnviz.errors import InputError
 
-NAMES = ("embed", "resid_pre", "resid_mid", "resid_post", "attn_in", "mlp_in", "attn_block", "attn_out", "mlp_out",
-         "head_z")
+NAMES = ("embed", "resid_pre", "resid_mid", "resid_post", "attn_in", "mlp_in", "q_in", "k_in", "attn_block", "attn_out",
+         "mlp_out", "head_z")
 _LOCK = threading.Lock()
 
 
@@ -79,6 +80,8 @@ def _where(model, s: Site) -> tuple[torch.nn.Module, bool, float]:
     if s.name == "resid_mid" and L.parallel:
         raise InputError(f"{found.family}'s MLP reads the layer's input (parallel blocks): there is no stream between "
                          "its attention and its MLP")
+    if s.name in ("q_in", "k_in"):
+        return projection(L.attn, s.name[0]), True, 1.0
     post_norm = L.attn_write is not L.attn
     return {"embed": (L.module, True, 1.0), "resid_pre": (L.module, True, 1.0),
             "resid_mid": (L.mlp_norm or L.mlp, True, 1.0), "resid_post": (L.module, False, 1.0),
@@ -86,6 +89,12 @@ def _where(model, s: Site) -> tuple[torch.nn.Module, bool, float]:
             "attn_block": (L.attn_write if post_norm else L.attn, post_norm, 1.0),
             "attn_out": (L.attn_write, False, L.scale), "mlp_out": (L.mlp_write, False, L.scale),
             "head_z": (output_linear(L.attn), True, 1.0)}[s.name]
+
+
+def check(model, s: Site) -> None:
+    """Refuse, in one line, a site this model does not have (a layer past the top, ``resid_mid`` of parallel blocks,
+    ``q_in`` / ``k_in`` of a fused projection), before any forward."""
+    _where(model, s)
 
 
 def _heads(model) -> int:

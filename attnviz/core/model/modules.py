@@ -21,6 +21,21 @@ def output_linear(module) -> torch.nn.Module:
     )
 
 
+def projection(module, which: str) -> torch.nn.Module:
+    """The attention's own query or key projection (``which``: "q" or "k"), a Linear that computes that alone
+    (``q_proj`` / ``k_proj``); or a clear refusal where the family computes them together with the values
+    (``qkv_proj``, ``query_key_value``, ``c_attn``, a low-rank ``kv_a_proj``): its input is then not the
+    queries' or the keys' alone."""
+    proj = getattr(module, f"{which}_proj", None)
+    if isinstance(proj, torch.nn.Linear):
+        return proj
+    fused = [name for name, _ in module.named_children() if name.endswith(("qkv_proj", "query_key_value", "c_attn",
+                                                                             "kv_a_proj_with_mqa", "q_a_proj"))]
+    how = f" ({', '.join(fused)})" if fused else ""
+    raise InputError(f"{type(module).__name__} has no projection of the {'queries' if which == 'q' else 'keys'} "
+                     f"alone{how}: what it reads is shared with the values, so it is not a site of its own")
+
+
 def _weight(proj) -> torch.Tensor:
     """W_O as (hidden, heads * head_dim) of a Linear or a Conv1D (which stores it transposed)."""
     return proj.weight if isinstance(proj, torch.nn.Linear) else proj.weight.T

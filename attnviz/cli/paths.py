@@ -1,0 +1,38 @@
+"""``attnviz paths``: path patching between blocks (docs/methods.md#path-patching): through which later block a
+write makes the sink."""
+
+from __future__ import annotations
+
+from attnviz.cli import common
+
+
+def options(p):
+    from attnviz import defaults
+    from attnviz.effects import paths
+
+    given = defaults.of(paths.paths)
+    common.model_args(p)
+    common.intervene_args(p, bos=True)
+    p.add_argument("--senders", default=given["senders"],
+                   help="the senders, e.g. mlp.0,mlp.11 or embed (default: the causal scan's necessary writers)")
+    p.add_argument("--receivers", default=given["receivers"],
+                   help="the receivers, e.g. attn.3,keys.5,queries.5,mlp.7,head (default: every one above each "
+                        "sender)")
+    p.add_argument("--value", choices=["zero", "mean"], default=given["value"],
+                   help="what the receiver reads in place of the sender's write at the sink token (%(default)s)")
+
+
+def run(args) -> dict:
+    from attnviz.effects import paths
+
+    text = common.text(args)
+    common.check_intervene(args)
+    loaded = common.load(args)
+    # a bad sender or receiver name is refused before any forward
+    senders = None if args.senders is None else paths.names(args.senders, "sender", loaded.n_layers)
+    receivers = None if args.receivers is None else paths.names(args.receivers, "receiver", loaded.n_layers)
+    bar, update = common.progress("path patching")
+    with bar:
+        result = paths.paths(loaded, text, common.recipe(args, loaded), senders, receivers, args.value,
+                             on_step=update)
+    return result.as_json()

@@ -1,0 +1,352 @@
+"""Path patching between blocks (docs/methods.md#path-patching; Wang et al. 2022): through which later block does a
+write make the sink?
+
+A **sender** is the embedding or a block's write (``embed``, ``attn.l``, ``mlp.l``) at the sink token of its layer (its
+auto key), as the causal scan removes it. A **receiver** above it is a later block's input (``attn.m``, ``mlp.m``), the
+keys or the queries of a later layer's heads (``keys.m``, ``queries.m``), or the model's head (``head``: the last
+layer's output before the final norm). The path sender → receiver is cut by removing the sender's write from that
+receiver's input alone: the receiver reads norm(stream − write) at the sink token (``zero``; ``mean``: − write + its
+mean over the other positions), where norm is the pre-norm the receiver reads through; every other block reads the
+stream as it was, and the receiver's changed output flows on. Measured as the scan measures a removal: the
+attention on every later layer's sink key, its drop over the layers above the sender, the perplexity.
+
+Removing a sender from every block input above it and from the head at once is the scan's removal of that sender
+(:func:`removal`, ``tests/test_paths.py``). A receiver at layer m changes nothing below m: the paths into layer m
+resume from its input, kept by the one unpatched forward (the engine's checkpoints), and share one batch, a row a
+path. Everything is read and replaced at the engine's named sites (``resid_pre``, ``resid_mid``, ``attn_in``,
+``mlp_in``, ``k_in``, ``q_in``, ``resid_post``) and resumed through the engine's one resumed forward.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from attnviz.core import engine
+from attnviz.core.engine import sites
+from attnviz.core.loading import models
+from attnviz.core.model import anatomy as anatomy_mod
+from attnviz.core.record.sink_recorders import SinkColumn
+from attnviz.effects.causal import SinkProfile, check_sink, perplexities, rounded
+from attnviz.errors import InputError
+from attnviz.recipe import Recipe
+
+_SENDER = re.compile(r"^(embed|(attn|mlp)\.(\d+))$")
+_RECEIVER = re.compile(r"^(head|all|(attn|mlp|keys|queries)\.(\d+|\*|(\d+)-(\d+)))$")
+_INPUT = {"attn": "attn_in", "mlp": "mlp_in", "keys": "k_in", "queries": "q_in"}
+PROJECTED = ("keys.", "queries.")
+#: the groups every sender is also cut from by default: each kind of receiver above it at once, and everything
+GROUPS = ("attn.*", "keys.*", "queries.*", "mlp.*", "all")
+
+
+def layer_of(block: str, n_layers: int) -> int:
+    """The layer a block belongs to (the embedding: 0; the head: the top layer, whose output it reads)."""
+    return 0 if block == "embed" else n_layers - 1 if block == "head" else int(block.split(".")[1])
+
+
+def names(text, what: str, n_layers: int) -> list[str]:
+    """The senders or receivers a comma-separated list (or a list) names, each checked, in one line. A receiver may be
+    a group cut at once: ``keys.12-29``, ``mlp.*`` (every one of that kind above the sender), ``all`` (every block's
+    input above the sender and the head: the scan's removal), or several joined by ``+`` (``mlp.1+attn.2``)."""
+    pattern = _SENDER if what == "sender" else _RECEIVER
+    given = [re.sub(r"\s+", "", part).lower() for part in (text.split(",") if isinstance(text, str) else text)]
+    given = [n for n in given if n]
+    if not given:
+        raise InputError(f"no {what} named: give blocks such as mlp.0,attn.3")
+    for name in given:
+        for part in name.split("+") if what == "receiver" else [name]:
+            match = pattern.match(part)
+            if match is None:
+                allowed = ("embed, attn.L or mlp.L" if what == "sender" else
+                           "attn.L, mlp.L, keys.L, queries.L (or L-M, or *), head, all, joined by +")
+                raise InputError(f"unknown {what} '{part}': expected {allowed}")
+            for layer in (match.group(3), *(match.groups()[3:] if what == "receiver" else ())):
+                if layer is not None and layer.isdigit() and int(layer) >= n_layers:
+                    raise InputError(f"{part}: layer {layer} does not exist (the model has layers 0..{n_layers - 1})")
+            if what == "sender" and match.group(3) is not None and int(match.group(3)) == n_layers - 1:
+                raise InputError(f"{name} writes into the top layer: no layer above it reads its write, so there is "
+                                 f"no sink to measure after it; choose a block in layers 0..{n_layers - 2}")
+    return list(dict.fromkeys(given))
+
+
+def members(receiver: str, sender: str, n_layers: int, parallel: bool = False) -> list[str]:
+    """The single receivers a receiver (or a group) cuts for ``sender``, each above it (a receiver that is not is
+    refused in one line)."""
+    above = receivers_of(sender, n_layers, parallel)
+    out = []
+    for part in receiver.split("+"):
+        if part == "all":
+            out += [r for r in above if not r.startswith(PROJECTED)]
+            continue
+        kind, _, which = part.partition(".")
+        if which == "*":
+            out += [r for r in above if r.startswith(kind + ".")]
+            continue
+        first, _, last = which.partition("-")
+        group = [part] if part == "head" or not last else [f"{kind}.{m}" for m in range(int(first), int(last) + 1)]
+        below = [r for r in group if r not in above]
+        if below:
+            raise InputError(f"{below[0]} is not above {sender}: a receiver reads the stream after its sender writes "
+                             f"it (above {sender}: {above[0]} to head)")
+        out += group
+    return list(dict.fromkeys(out))
+
+
+def receivers_of(sender: str, n_layers: int, parallel: bool = False) -> list[str]:
+    """Every receiver above ``sender`` in forward order: its own layer's MLP (after an attention, unless the blocks
+    read the layer's input in parallel), then each later layer's attention, keys, queries and MLP, then the head."""
+    start = layer_of(sender, n_layers) + (0 if sender == "embed" else 1)
+    out = [f"mlp.{start - 1}"] if sender.startswith("attn.") and not parallel else []
+    for m in range(start, n_layers):
+        out += [f"attn.{m}", f"keys.{m}", f"queries.{m}", f"mlp.{m}"]
+    return out + ["head"]
+
+
+@dataclass
+class Paths:
+    """Every path's sink profile, ``after[(sender, receiver)]``, beside the unpatched ``before``."""
+
+    recipe: dict
+    tokens: int
+    value: str
+    before: SinkProfile
+    senders: list[str]
+    after: dict[tuple[str, str], SinkProfile] = field(default_factory=dict)
+    cut: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # the single receivers each path cuts
+    skipped: str = ""  # the receivers this family does not have (fused projections), said once
+
+    def drop(self, sender: str, receiver: str) -> float:
+        """The mean fall of the sink's attention over the layers above the sender, as a share of before (the scan's
+        scale: 1 means gone, 0 unchanged)."""
+        n = len(self.before.attention)
+        return self._fall(sender, receiver, range(layer_of(sender, n) + (0 if sender == "embed" else 1), n))
+
+    def reached(self, sender: str, receiver: str) -> float:
+        """The same fall over the layers the cut can move: from the lowest receiver's own layer (the next one for an
+        MLP) up; NaN for the head alone. A path into layer 28's keys is judged on layers 28 and up, not diluted over
+        every layer above its sender."""
+        n = len(self.before.attention)
+        return self._fall(sender, receiver, range(self.reach_from(sender, receiver), n))
+
+    def reach_from(self, sender: str, receiver: str) -> int:
+        n = len(self.before.attention)
+        lowest = min(layer_of(r, n) + (1 if r.startswith("mlp.") else n if r == "head" else 0)
+                     for r in self.cut[sender, receiver])
+        return max(lowest, layer_of(sender, n) + (0 if sender == "embed" else 1))
+
+    def _fall(self, sender: str, receiver: str, layers) -> float:
+        layers = list(layers)
+        if not layers:
+            return float("nan")
+        before = np.nanmean([self.before.attention[l] for l in layers])
+        after = np.nanmean([self.after[sender, receiver].attention[l] for l in layers])
+        return float((before - after) / before) if before > 0 else float("nan")
+
+    def receivers(self, sender: str, single: bool | None = None) -> list[str]:
+        """``sender``'s receivers (``single``: only single ones; False: only groups; None: both)."""
+        return [r for s, r in self.after if s == sender and (single is None or (len(self.cut[s, r]) == 1) == single)]
+
+    def strongest(self, sender: str, k: int = 3, single: bool | None = True) -> list[tuple[str, float]]:
+        """The ``k`` receivers through which removing ``sender`` takes the most of the sink away in the layers the
+        cut can move (:meth:`reached`), with that fall."""
+        falls = [(r, self.reached(sender, r)) for r in self.receivers(sender, single)]
+        return sorted((f for f in falls if np.isfinite(f[1])), key=lambda f: -f[1])[:k]
+
+    def as_json(self) -> dict:
+        return {"recipe": self.recipe, "tokens": self.tokens, "value": self.value, "senders": self.senders,
+                "perplexity_before": round(self.before.perplexity, 4),
+                "sink_before": [{"layer": l, "key": k, "attention": rounded(a)}
+                                for l, (k, a) in enumerate(zip(self.before.keys, self.before.attention))],
+                "paths": [{"sender": s, "receiver": rc, "sink_drop": rounded(self.drop(s, rc)),
+                           "sink_drop_reached": rounded(self.reached(s, rc)), "reached_from": self.reach_from(s, rc),
+                           **({"cuts": self.cut[s, rc]} if self.cut[s, rc] != [rc] else {}),
+                           "perplexity_after": round(p.perplexity, 4),
+                           "attention_after": [rounded(a) for a in p.attention]}
+                          for (s, rc), p in self.after.items()],
+                **({"skipped": self.skipped} if self.skipped else {})}
+
+    def figure(self):
+        from attnviz.figures.why import paths_figure
+
+        return paths_figure(self)
+
+
+class _Cut:
+    """The site functions of one batch: row i removes ``delta_i`` (its sender's write at the sink token) from its
+    receivers' inputs alone. A block's, the keys' or the queries' input at the token becomes norm(stream − delta),
+    the stream read at the layer's input (or between its blocks, for an MLP) in the same forward, norm the pre-norm
+    the receiver reads through (none: the stream itself); the head's input is the top layer's output − delta."""
+
+    def __init__(self, found, rows: list[tuple[list[str], int, torch.Tensor]]):
+        self.found, self.rows = found, rows
+        self.streams: dict[tuple[str, int], torch.Tensor] = {}
+
+    def pairs(self) -> list:
+        top = len(self.found.layers) - 1
+        cuts: dict[tuple[str, int], list[tuple[int, int, torch.Tensor]]] = {}
+        for row, (receivers, token, delta) in enumerate(self.rows):
+            for receiver in receivers:
+                kind, m = ("head", top) if receiver == "head" else (receiver.split(".")[0], int(receiver.split(".")[1]))
+                cuts.setdefault((kind, m), []).append((row, token, delta))
+        pairs = []
+        for kind, m in sorted({self._stream(k, m) for k, m in cuts if k != "head"}, key=lambda s: (s[1], s[0])):
+            pairs.append((sites.Site(kind, m), self._read(kind, m)))
+        for (kind, m), rows in cuts.items():
+            if kind == "head":
+                pairs.append((sites.Site("resid_post", m), self._minus(rows)))
+            else:
+                layer = self.found[m]
+                norm = layer.mlp_norm if kind == "mlp" else layer.attn_norm
+                pairs.append((sites.Site(_INPUT[kind], m), self._normed(rows, self._stream(kind, m), norm)))
+        return pairs
+
+    def _stream(self, kind: str, m: int) -> tuple[str, int]:
+        return ("resid_mid" if kind == "mlp" and not self.found[m].parallel else "resid_pre", m)
+
+    def _read(self, kind: str, m: int):
+        def fn(value):
+            self.streams[kind, m] = value
+        return fn
+
+    def _normed(self, rows, stream: tuple[str, int], norm):
+        def fn(value):
+            value = value.clone()
+            for row, token, delta in rows:
+                x = self.streams[stream][row, token].float() - delta
+                x = x.to(value.dtype)
+                value[row, token] = norm.forward(x[None])[0] if norm is not None else x
+            return value
+        return fn
+
+    @staticmethod
+    def _minus(rows):
+        def fn(value):
+            value = value.clone()
+            for row, token, delta in rows:
+                value[row, token] = (value[row, token].float() - delta).to(value.dtype)
+            return value
+        return fn
+
+
+@torch.no_grad()
+def paths(loaded, text: str, recipe="fwd", senders=None, receivers=None, value: str = "zero",
+          on_step: Callable[[int, int], None] | None = None) -> Paths:
+    """Path patching of ``text`` under ``recipe`` (see the module docstring). ``senders``: blocks ("mlp.0,attn.3" or a
+    list; None: the causal scan's necessary writers); ``receivers``: the receivers to cut, each alone or a group at
+    once (:func:`names`; None: every single one above each sender, :func:`receivers_of`, and the :data:`GROUPS`);
+    ``value``: zero or mean. ``on_step(done, total)`` counts the forwards."""
+    return _run(loaded, text, recipe, senders, receivers, value, on_step)
+
+
+@torch.no_grad()
+def removal(loaded, text: str, sender: str, receivers, recipe="fwd", value: str = "zero") -> SinkProfile:
+    """The sink profile with ``sender`` removed from every one of ``receivers`` at once, in one forward: the scan's
+    removal of it where the receivers are every block input above it and the head (``"all"``)."""
+    joined = "+".join(names(receivers, "receiver", loaded.n_layers))
+    return next(iter(_run(loaded, text, recipe, [sender], [joined], value, None).after.values()))
+
+
+def _plan(model, found, chosen: list[str], asked: list[str] | None, L: int):
+    """Each sender's paths {receiver: the single receivers it cuts}, and why keys and queries are left out where the
+    family has no projection of its own for them (refused where they were asked for)."""
+    parallel = any(layer.parallel for layer in found.layers)
+    try:
+        sites.check(model, sites.Site("k_in", 0))
+        sites.check(model, sites.Site("q_in", 0))
+        skipped = ""
+    except InputError as err:
+        if asked is not None and any(p.startswith(PROJECTED) for r in asked for p in r.split("+")):
+            raise
+        skipped = str(err)
+    plan = {}
+    for s in chosen:
+        wanted = asked if asked is not None else receivers_of(s, L, parallel) + list(GROUPS)
+        if skipped:
+            wanted = [r for r in wanted if not r.startswith(PROJECTED)]
+        plan[s] = {r: members(r, s, L, parallel) for r in wanted}
+        plan[s] = {r: m for r, m in plan[s].items() if m}  # a group with nothing above the sender (mlp.* of mlp.28)
+    return plan, skipped
+
+
+def _run(loaded, text, recipe, senders, receivers, value, on_step) -> Paths:
+    from attnviz.effects.causal import scan
+    from attnviz.recipe import build
+    from attnviz.tokens import tokenize
+
+    models.require(loaded, "path patching")
+    if value not in ("zero", "mean"):
+        raise InputError(f"path patching removes a write by zero or mean, not {value!r}")
+    recipe = Recipe.of(loaded, recipe)
+    model, L = loaded.model, loaded.n_layers
+    if L < 2:
+        raise InputError("path patching needs a layer above its sender: this model has one layer")
+    chosen = None if senders is None else names(senders, "sender", L)
+    asked = None if receivers is None else names(receivers, "receiver", L)
+    check_sink(loaded, text, recipe)
+    built = build(loaded, recipe).only("path patching", "intervene", "prepend")
+    built.architecture.require_causal("compute a perplexity")
+    found = anatomy_mod.of(model)
+    if not found.resumable:
+        raise InputError(f"path patching resumes each patched forward from a layer's input: {found.why_not_resumable}")
+    if asked is not None and chosen is not None:
+        _plan(model, found, chosen, asked, L)  # a receiver below its sender is refused before any forward
+    ids, _ = tokenize(loaded, text, prepend=recipe.prepend)
+    built.check_text(len(ids))
+    n, done = len(ids), 0
+    if chosen is None:  # the scan's necessary writers: L forwards of its own, counted in the progress
+        def scanned(step, total):
+            if on_step:
+                on_step(step, total + L)
+        chosen = scan(loaded, text, recipe, value, leaders=False, on_step=scanned).necessary
+        done = L
+    plan, skipped = _plan(model, found, chosen, asked, L)
+    sink_keys = engine.sink_keys(built.architecture.layers, n, [layer.window for layer in found.layers])
+    targets = torch.tensor(ids[1:])
+
+    writes: dict[str, torch.Tensor] = {}
+    readers = [(sites.Site("embed" if s == "embed" else f"{s.split('.')[0]}_out", layer_of(s, L)),
+                sites.save(writes, s, first_row=True)) for s in chosen]
+    column = SinkColumn()
+    with sites.hooks(model, readers):
+        logits, _, run = built.forward(loaded, torch.tensor([ids]),
+                                       engine.Record.every_layer(recorders=(column,), checkpoints=frozenset(range(L))))
+    logits = logits.float()
+    engine.checked_head(model, torch.tensor([ids]), run.checkpoints[L - 1], logits[:, -1], built.computes,
+                        "path patching")
+    base = [float(column.attention(l)[0]) for l in range(L)]
+    before = SinkProfile(sink_keys, base, perplexities(logits, targets)[0], n)
+    deltas = {}
+    for s, write in writes.items():
+        token = sink_keys[layer_of(s, L)]
+        write = write.float()
+        mean = torch.cat([write[:token], write[token + 1:]]).mean(0) if value == "mean" else 0.0
+        deltas[s] = (token, write[token] - mean)
+    # one batch per lowest receiver layer, a row a path
+    by_layer: dict[int, list] = {}
+    for s in chosen:
+        for r, cut in plan[s].items():
+            by_layer.setdefault(min(layer_of(c, L) for c in cut), []).append((s, r, cut))
+    result = Paths(recipe.to_dict(), n, value, before, chosen, skipped=skipped)
+    total = done + len(by_layer)
+    for m, batch in sorted(by_layer.items()):
+        cutter = _Cut(found, [(cut, *deltas[s]) for s, _, cut in batch])
+        column = SinkColumn()
+        with sites.hooks(model, cutter.pairs()):
+            resumed = engine.resume(model, run.checkpoints[m], m, torch.tensor([ids] * len(batch)), built.computes,
+                                    engine.Record.every_layer(recorders=(column,)))
+        ppl = perplexities(resumed.logits(model, last_only=False).float(), targets)
+        for i, (s, r, cut) in enumerate(batch):
+            attention = [base[l] if l < m else float(column.attention(l)[i]) for l in range(L)]
+            result.after[s, r] = SinkProfile(sink_keys, attention, ppl[i], n)
+            result.cut[s, r] = cut
+        done += 1
+        if on_step:
+            on_step(done, total)
+    order = {s: list(plan[s]) for s in chosen}
+    result.after = dict(sorted(result.after.items(), key=lambda kv: (chosen.index(kv[0][0]),
+                                                                     order[kv[0][0]].index(kv[0][1]))))
+    return result

@@ -1,0 +1,267 @@
+"""Path patching between blocks (docs/methods.md#path-patching): a path's effect equals a stock forward with
+hand-written hooks that remove the sender's write from that receiver's input alone (tiny Gemma 3 and the default
+model); removing a sender from every receiver above it at once equals the causal scan's removal of it (several
+families, zero and mean); bad input in one line; the CLI's contract; the Why page's section."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import tiny
+from attnviz.cli import main
+from attnviz.core.model import anatomy
+from attnviz.effects import causal
+from attnviz.effects.paths import paths, receivers_of, removal
+from attnviz.errors import InputError
+
+TEXT = "The keeper lit the lamp. The ships passed the rocks, and the keeper slept."
+
+
+def _get(module, path):
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+@torch.no_grad()
+def _by_hand(model, ids, write_module, receiver, sink, layers, norms):
+    """The sink's attention per layer (stock eager maps: the mean over heads of the mean of key ``sink``'s column over
+    the queries that see it, a sliding window's included) and the perplexity, with the sender's write (read by a hook on ``write_module``'s
+    output) removed at the sink token from the receiver's input alone: a pre-hook on the block's pre-norm, or for
+    keys and queries on the projection, fed norm(stream − write) at the token; the head: the last layer's output."""
+    seen = {}
+    handles = [write_module.register_forward_hook(
+        lambda m, args, out: seen.__setitem__("write", (out[0] if isinstance(out, tuple) else out)[0, sink].clone()))]
+    kind, layer = ("head", len(layers) - 1) if receiver == "head" else receiver.split(".")
+    block = layers[int(layer)]
+    if kind in ("attn", "mlp"):
+        def minus(m, args):
+            x = args[0].clone()
+            x[0, sink] -= seen["write"]
+            return (x, *args[1:])
+        handles.append(_get(block, norms[kind]).register_forward_pre_hook(minus))
+    elif kind == "head":
+        def out_minus(m, args, out):
+            x = (out[0] if isinstance(out, tuple) else out).clone()
+            x[0, sink] -= seen["write"]
+            return (x, *out[1:]) if isinstance(out, tuple) else x
+        handles.append(block.register_forward_hook(out_minus))
+    else:
+        norm = _get(block, norms["attn"])
+        handles.append(block.register_forward_pre_hook(lambda m, args: seen.__setitem__("stream", args[0])))
+
+        def proj(m, args):
+            x = args[0].clone()
+            x[0, sink] = norm(seen["stream"][0, sink][None] - seen["write"])[0]
+            return (x, *args[1:])
+        handles.append(_get(block, f"self_attn.{kind[0]}_proj").register_forward_pre_hook(proj))
+    try:
+        out = model(ids, output_attentions=True)
+    finally:
+        for h in handles:
+            h.remove()
+    config = model.config
+    windows = [config.sliding_window if kind == "sliding_attention" else None
+               for kind in getattr(config, "layer_types", None) or [None] * len(layers)]
+    attention = [float(a[0, :, sink:sink + (w or a.shape[-1]), sink].mean(-1).mean())  # the queries that see it
+                 for a, w in zip(out.attentions, windows)]
+    nll = torch.nn.functional.cross_entropy(out.logits[0, :-1].float(), ids[0, 1:])
+    return attention, float(torch.exp(nll))
+
+
+GEMMA_NORMS = {"attn": "input_layernorm", "mlp": "pre_feedforward_layernorm"}
+
+
+@pytest.mark.parametrize("receiver", ["attn.1", "mlp.1", "keys.1", "keys.2", "queries.2", "head"])
+def test_a_path_equals_hand_written_hooks_on_stock_transformers(receiver):
+    """Tiny Gemma 3 (pre- and post-norms, a scaled embedding, q/k norms): MLP 0's write at the sink token removed from
+    one receiver; the effect is measurable (above the tolerance) except through the sink token's own query, which
+    under a causal mask sees key 0 alone: that path changes nothing, exactly."""
+    lm = tiny.loaded("gemma3_text")
+    stock = tiny.build("gemma3_text", "eager")
+    found = paths(lm, TEXT, "fwd", "mlp.0", receiver)
+    sink = found.before.keys[0]
+    ids = torch.tensor([lm.tokenizer(TEXT)["input_ids"]])
+    layers = stock.model.layers
+    attention, ppl = _by_hand(stock, ids, layers[0].post_feedforward_layernorm, receiver, sink, layers, GEMMA_NORMS)
+    after = found.after["mlp.0", receiver]
+    np.testing.assert_allclose(after.attention, attention, atol=1e-4)
+    assert after.perplexity == pytest.approx(ppl, rel=1e-4)
+    moved = max(abs(a - b) for a, b in zip(after.attention, found.before.attention))
+    if receiver.startswith("queries."):
+        assert moved == 0 and after.perplexity == found.before.perplexity
+    elif receiver != "head":  # the head reads the top layer's output: no attention above it
+        assert moved > 1e-3
+
+
+@pytest.mark.parametrize("receiver", ["mlp.11", "keys.12", "attn.12"])
+def test_a_path_on_the_default_model_equals_hand_written_hooks(default_model, receiver):
+    """SmolLM2: MLP 0's write removed from MLP 11's input alone, from layer 12's keys alone, from its attention's
+    input alone, against stock eager with hooks written here."""
+    from pydoc_data.topics import topics
+
+    text = topics["specialnames"][:400]
+    found = paths(default_model, text, "fwd", "mlp.0", receiver)
+    model = default_model.model
+    ids = torch.tensor([default_model.tokenizer(text)["input_ids"]])
+    norms = {"attn": "input_layernorm", "mlp": "post_attention_layernorm"}
+    model.set_attn_implementation("eager")
+    try:
+        attention, ppl = _by_hand(model, ids, model.model.layers[0].mlp, receiver, found.before.keys[0],
+                                  model.model.layers, norms)
+    finally:
+        model.set_attn_implementation("attnviz")
+    after = found.after["mlp.0", receiver]
+    np.testing.assert_allclose(after.attention, attention, atol=1e-4)
+    assert after.perplexity == pytest.approx(ppl, rel=1e-4)
+
+
+@pytest.mark.parametrize("value", ["zero", "mean"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text", "gpt_neox", "granite", "olmo2", "phi", "gpt2"])
+def test_removing_a_sender_from_every_receiver_is_the_scan_s_removal(kind, value):
+    lm = tiny.loaded(kind)
+    found = causal.scan(lm, TEXT, "fwd", value, leaders=False)
+    parallel = kind in ("gpt_neox", "phi")
+    for sender in ("embed", "attn.0", "mlp.1"):
+        every = [r for r in receivers_of(sender, lm.n_layers, parallel) if not r.startswith(("keys.", "queries."))]
+        together = removal(lm, TEXT, sender, every, value=value)
+        assert removal(lm, TEXT, sender, "all", value=value) == together
+        scanned = next(c for c in found.checks if c.source == sender)
+        np.testing.assert_allclose(together.attention, scanned.after.attention, atol=1e-5, err_msg=sender)
+        assert together.perplexity == pytest.approx(scanned.after.perplexity, rel=1e-5), sender
+
+
+def test_the_paths_run_under_a_recipe_and_in_half_precision():
+    lm = tiny.loaded("llama")
+    found = paths(lm, TEXT, "nosink-fwd", "mlp.0", "attn.1,keys.2,head")
+    assert found.before.keys == [1] * lm.n_layers  # NoSink-FWD's sink key
+    half = tiny.loaded("llama")
+    half.model.to(torch.bfloat16)
+    low = paths(half, TEXT, "fwd", "mlp.0", "attn.1,keys.2,head")
+    full = paths(lm, TEXT, "fwd", "mlp.0", "attn.1,keys.2,head")
+    for key, profile in full.after.items():
+        np.testing.assert_allclose(low.after[key].attention, profile.attention, atol=2e-2)
+
+
+def test_default_senders_are_the_scan_s_necessary_writers_and_fused_projections_are_said(default_model):
+    lm = tiny.loaded("gpt_neox")  # one query_key_value projection: keys and queries are not receivers
+    found = paths(lm, TEXT, "fwd", "mlp.0", None)
+    assert not any(r.startswith(("keys.", "queries.")) for r in found.receivers("mlp.0"))
+    assert "query_key_value" in found.skipped
+    with pytest.raises(InputError, match="no projection of the keys alone"):
+        paths(lm, TEXT, "fwd", "mlp.0", "keys.1")
+    text = "The old lighthouse keeper climbed the stairs every evening. He lit the lamp."
+    steps = []
+    traced = paths(default_model, text, "fwd", None, "head", on_step=lambda d, t: steps.append((d, t)))
+    assert traced.senders == causal.scan(default_model, text, "fwd", leaders=False).necessary
+    assert steps[-1][0] == steps[-1][1]
+
+
+def test_bad_input_is_one_line():
+    lm = tiny.loaded("llama")
+    with pytest.raises(InputError, match="attn.0 is not above mlp.1"):
+        paths(lm, TEXT, "fwd", "mlp.1", "attn.0")
+    with pytest.raises(InputError, match="unknown receiver 'ffn.2'"):
+        paths(lm, TEXT, "fwd", "mlp.0", "ffn.2")
+    with pytest.raises(InputError, match="unknown sender 'keys.0'"):
+        paths(lm, TEXT, "fwd", "keys.0", "attn.2")
+    with pytest.raises(InputError, match="does not exist"):
+        paths(lm, TEXT, "fwd", "mlp.40", "head")
+    with pytest.raises(InputError, match="top layer"):
+        paths(lm, TEXT, "fwd", "mlp.2", "head")
+    with pytest.raises(InputError, match="zero or mean"):
+        paths(lm, TEXT, "fwd", "mlp.0", "head", value="resample")
+
+
+def test_the_cli_prints_every_path(capsys, monkeypatch):
+    lm = tiny.loaded("llama")
+    monkeypatch.setattr("attnviz.cli.common.load", lambda args: lm)
+    assert main(["paths", "--text", TEXT, "--senders", "mlp.0", "--receivers", "attn.1,keys.2,head", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [p["receiver"] for p in doc["paths"]] == ["attn.1", "keys.2", "head"]
+    assert all(p["sender"] == "mlp.0" and len(p["attention_after"]) == lm.n_layers for p in doc["paths"])
+    assert len(doc["sink_before"]) == lm.n_layers and doc["value"] == "zero"
+    for bad, said in ((["--senders", "mlp.1", "--receivers", "attn.1"], "not above mlp.1"),
+                      (["--senders", "mlp.0", "--receivers", "nope.1"], "unknown receiver")):
+        assert main(["paths", "--text", TEXT, *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0]
+
+
+def test_the_figure_has_a_panel_per_sender_and_every_cell_measured():
+    lm = tiny.loaded("gemma3_text")
+    found = paths(lm, TEXT, "fwd", "embed,mlp.0", None)
+    fig = found.figure()
+    assert len(fig.data) == 2
+    for trace, sender in zip(fig.data, found.senders):
+        z = np.array(trace.z, dtype=float)
+        reaching = [r for r in found.receivers(sender, single=True) if found.reach_from(sender, r) < lm.n_layers]
+        assert np.isfinite(z).sum() == len(reaching) > 0  # not the head, nor the top MLP: no layer above them
+        assert np.nanmax(np.abs(z)) > 0
+
+
+def test_the_why_page_traces_the_paths_and_refuses_a_bad_sender(default_model, tmp_path):
+    from test_app import app_test, charts, on_page, texts
+
+    at = app_test(tmp_path)
+    at.run()
+    at.query_params.update({"layer": "29", "head": "3", "query": "all", "key": "0"})
+    on_page(at, "pages/why.py")
+    at.text_input(key="why_senders").set_value("mlp.0").run()
+    at.button(key="why_paths").click().run()
+    assert not at.exception and not at.error, texts(at.error)
+    figure = next(f for f in charts(at) if "path patching" in str(f["layout"]["title"]["text"]))
+    assert len(figure["data"]) == 1
+    assert any("**mlp.0** makes the sink most through" in m.value for m in at.markdown)
+    at.text_input(key="why_senders").set_value("mlp.99").run()
+    at.button(key="why_paths").click().run()
+    assert not at.exception and any("does not exist" in e.value for e in at.error)
+
+
+@pytest.mark.parametrize("kind", tiny.FAMILIES)
+def test_the_paths_run_on_every_family_the_anatomy_maps(kind):
+    """Every tiny family: the embedding traced to every receiver above it; each path's numbers defined; keys and
+    queries receivers wherever the family has their projections of their own, else said why not."""
+    lm = tiny.loaded(kind)
+    windows = [layer.window for layer in anatomy.of(lm.model).layers]
+    # every layer windowed (tiny windows of 4 or 5): a text inside one window has a key every query sees
+    text = TEXT[:min(windows) - 1] if all(windows) else TEXT * 3
+    found = paths(lm, text, "fwd", "embed", None)
+    got = found.receivers("embed", single=True)
+    separate = not found.skipped
+    groups = ["attn.*", "keys.*", "queries.*", "mlp.*", "all"]
+    assert found.receivers("embed", single=False) == [g for g in groups if separate or g[0] in "am"]
+    layers = anatomy.of(lm.model).layers
+    parallel = any(layer.parallel for layer in layers)
+    expected = [r for r in receivers_of("embed", lm.n_layers, parallel)
+                if separate or not r.startswith(("keys.", "queries."))]
+    assert sorted(got) == sorted(expected)
+    assert all(np.isfinite(p.perplexity) for p in found.after.values())
+    assert separate == all(hasattr(layer.attn, "k_proj") and hasattr(layer.attn, "q_proj") for layer in layers)
+
+
+def test_the_sweep_measure_gives_a_row_per_path_and_layer():
+    from attnviz.sweep import measures
+    from attnviz.sweep.spec import Cell, measure_options
+
+    options = {name: default for name, (_, default) in measure_options()["paths"].items()}
+    options.update(senders="embed,mlp.0", max_tokens=60)
+    rows = measures.paths(tiny.loaded("gemma3_text"), Cell("paths", "tiny", "fwd", "", "stdlib:specialnames", options))
+    assert all(set(r) == set(measures.COLUMNS["paths"]) for r in rows)
+    assert {(r["sender"], r["receiver"]) for r in rows} == {(s, g) for s in ("embed", "mlp.0")
+                                                             for g in ("attn.*", "keys.*", "queries.*", "mlp.*", "all")}
+    assert len(rows) == 2 * 5 * 3
+    every = [r for r in rows if r["receiver"] == "all" and r["sender"] == "mlp.0"]
+    assert every[0]["sink_drop"] == pytest.approx(
+        next(c for c in causal.scan(tiny.loaded("gemma3_text"), _first_tokens(60), "fwd", leaders=False).checks
+             if c.source == "mlp.0").drop(), abs=1e-5)
+
+
+def _first_tokens(n):
+    from attnviz.corpus import load, text_of
+    from attnviz.effects.evaluate import token_ids
+
+    lm = tiny.loaded("gemma3_text")
+    return text_of(lm.tokenizer, token_ids(lm, load("stdlib:specialnames").text, n))
