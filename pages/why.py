@@ -9,7 +9,7 @@ from attnviz.effects import causal
 from attnviz.effects.explain import PROJECTIONS, corpus_samples, diagnose, query_key_view
 from attnviz.errors import AttnvizError
 from attnviz.figures.why import (attention_row_figure, attribution_figure, causal_figure, diagnosis_figure,
-                                 paths_figure, query_key_figure, scan_figure)
+                                 paths_bars_figure, paths_figure, query_key_figure, scan_figure)
 from ui import jobs
 from ui.cache import get_residual
 from ui.docs import definitions
@@ -189,6 +189,10 @@ with st.container(border=True):
             fig_p = paths_figure(traced)
             st.plotly_chart(fig_p, width="stretch", key="why_paths_fig")
             figure_downloads(fig_p, {**meta, "figure": "paths"}, key="why_paths_x")
+            if any(traced.receivers(s, single=False) for s in traced.senders):
+                fig_g = paths_bars_figure(traced)
+                st.plotly_chart(fig_g, width="stretch", key="why_paths_groups")
+                figure_downloads(fig_g, {**meta, "figure": "paths_groups"}, key="why_paths_groups_x")
             st.markdown("\n".join(f"- **{s}** makes the sink most through " + ", ".join(
                 f"{r} ({d:.0%})" for r, d in traced.strongest(s)) + "; cut from every receiver of a kind at once: " +
                 ", ".join(f"{r} {traced.drop(s, r):.0%}" for r in traced.receivers(s, single=False))

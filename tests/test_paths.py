@@ -4,6 +4,8 @@ model); removing a sender from every receiver above it at once equals the causal
 families, zero and mean); bad input in one line; the CLI's contract; the Why page's section."""
 
 import json
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -212,8 +214,9 @@ def test_the_why_page_traces_the_paths_and_refuses_a_bad_sender(default_model, t
     at.text_input(key="why_senders").set_value("mlp.0").run()
     at.button(key="why_paths").click().run()
     assert not at.exception and not at.error, texts(at.error)
-    figure = next(f for f in charts(at) if "path patching" in str(f["layout"]["title"]["text"]))
-    assert len(figure["data"]) == 1
+    titles = [str(f["layout"]["title"]["text"]) for f in charts(at)]
+    figure = next(f for f in charts(at) if "through which receiver" in str(f["layout"]["title"]["text"]))
+    assert len(figure["data"]) == 1 and any("the sink's fall when a write is removed" in t for t in titles)
     assert any("**mlp.0** makes the sink most through" in m.value for m in at.markdown)
     at.text_input(key="why_senders").set_value("mlp.99").run()
     at.button(key="why_paths").click().run()
@@ -265,3 +268,52 @@ def _first_tokens(n):
 
     lm = tiny.loaded("gemma3_text")
     return text_of(lm.tokenizer, token_ids(lm, load("stdlib:specialnames").text, n))
+
+
+def _stdlib(lm, n=256):
+    from attnviz.corpus import load, text_of
+    from attnviz.effects.evaluate import token_ids
+
+    return text_of(lm.tokenizer, token_ids(lm, load("stdlib").text, n))
+
+
+def test_the_readme_s_paths_on_the_default_model(default_model):
+    """SmolLM2, the first 256 stdlib tokens: MLP 0 does not act through MLP 11 (the chain's reading); it acts through
+    layers 1-10, two ways each enough alone (every attention input, and MLPs 1-2)."""
+    found = paths(default_model, _stdlib(default_model), "fwd", "mlp.0",
+                  "mlp.11,attn.*,mlp.*,attn.*+mlp.1-2,attn.1-10+mlp.1-10,all")
+    drop = {r: found.drop("mlp.0", r) for r in found.receivers("mlp.0")}
+    assert abs(drop["mlp.11"]) < 0.02 and drop["attn.*"] < 0.1 and drop["mlp.*"] < 0.15
+    assert drop["attn.*+mlp.1-2"] > 0.85 and drop["attn.1-10+mlp.1-10"] > 0.85 and drop["all"] > 0.85
+
+
+def test_the_readme_s_paths_on_gemma3(gemma3_model):
+    """Gemma 3 270M, the same tokens: MLP 1 acts through MLP 2 and MLP 3 together, either enough alone."""
+    found = paths(gemma3_model, _stdlib(gemma3_model), "fwd", "mlp.1", "mlp.2,mlp.3,mlp.2-3,attn.*")
+    drop = {r: found.drop("mlp.1", r) for r in found.receivers("mlp.1")}
+    assert drop["mlp.2"] < 0.05 and drop["mlp.3"] < 0.05 and drop["attn.*"] < 0.15 and drop["mlp.2-3"] > 0.75
+
+
+def test_the_group_bars_mark_the_scan_s_removal():
+    from attnviz.figures.why import paths_bars_figure
+
+    found = paths(tiny.loaded("gemma3_text"), TEXT, "fwd", "embed,mlp.0", "mlp.*,attn.*,all")
+    fig = paths_bars_figure(found)
+    assert len(fig.data) == 2
+    for trace, sender in zip(fig.data, found.senders):
+        assert list(trace.y) == ["mlp.*", "attn.*", "all"]
+        np.testing.assert_allclose(trace.x, [found.drop(sender, r) for r in trace.y])
+        assert trace.marker.color[-1] != trace.marker.color[0]  # the scan's removal stands out
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not shutil.which("chromium") and not os.environ.get("ATTNVIZ_REQUIRE_BROWSER"),
+                    reason="needs chromium (bash scripts/setup.sh dev)")
+def test_both_figures_render_in_chromium():
+    from attnviz.figures import export
+    from attnviz.figures.why import paths_bars_figure, paths_figure
+
+    found = paths(tiny.loaded("gemma3_text"), TEXT, "fwd", "embed,mlp.0", None)
+    for fig in (paths_figure(found), paths_bars_figure(found)):
+        data = export.figure_bytes(fig, "png", {"tool": "attnviz", "figure": "paths"})
+        assert data.startswith(b"\x89PNG") and len(data) > 10_000

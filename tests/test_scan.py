@@ -77,7 +77,8 @@ def test_necessary_writers_and_their_chain_on_the_default_model(default_model):
     assert found.necessary == [s for s in blocks_of(L) if drops[s] >= NECESSARY]
     assert {"mlp.0", "mlp.11"} <= set(found.necessary)
     chain = {w["block"]: w for w in found.chains["mlp.0"]}
-    assert chain["mlp.11"]["norm_after"] < 0.5 * chain["mlp.11"]["norm_before"]  # MLP 0 makes MLP 11 write the sink
+    # removing MLP 0 shrinks MLP 11's write: a chain (path patching finds no path through MLP 11, tests/test_paths.py)
+    assert chain["mlp.11"]["norm_after"] < 0.5 * chain["mlp.11"]["norm_before"]
     for source in ("mlp.0", "attn.11"):
         [alone] = causal.check(default_model, LIGHTHOUSE, "fwd", [source])
         _same(next(c for c in found.checks if c.source == source), alone, source)
@@ -109,7 +110,8 @@ def test_the_why_page_draws_the_scan(default_model, tmp_path):
 
 def test_gemma3_s_necessary_writers_include_one_attribution_never_names(gemma3_model):
     """The README's answer on Gemma 3 270M: on the first 256 tokens of the stdlib corpus, MLP 1 is necessary
-    although attribution names it in no layer, because removing it shrinks MLP 3's write at the sink token."""
+    although attribution names it in no layer, and removing it shrinks MLP 3's write at the sink token (a chain, a
+    correlation: the path goes through MLPs 2 and 3 together, tests/test_paths.py)."""
     from attnviz import corpus
     from attnviz.effects.evaluate import token_ids
 

@@ -297,3 +297,31 @@ def paths_figure(found) -> go.Figure:
     layout(fig, "path patching: through which receiver each write makes the sink", height=170 * len(senders) + 170)
     fig.update_xaxes(title="receiver's layer", type="category", row=len(senders), col=1)
     return fig
+
+
+def paths_bars_figure(found, single: bool | None = False) -> go.Figure:
+    """Path patching's groups (:class:`attnviz.effects.paths.Paths`; ``single``: which receivers, as
+    :meth:`~attnviz.effects.paths.Paths.receivers`): one panel per sender, a bar per receiver, the fall of the sink's
+    attention over every layer above the sender (the causal scan's scale) when the sender's write is removed from
+    those receivers' inputs at once; the bar of ``all`` (the scan's removal) in red, a thin line at 0.5 (the scan's
+    "necessary")."""
+    senders = found.senders or ["(no sender)"]
+    fig = make_subplots(rows=1, cols=len(senders), shared_yaxes=False, horizontal_spacing=0.12,
+                        subplot_titles=[f"{s} removed from" for s in senders])
+    for i, sender in enumerate(senders, 1):
+        names = found.receivers(sender, single) if sender in found.senders else []
+        drops = [found.drop(sender, r) for r in names]
+        fig.add_trace(go.Bar(x=drops, y=names, orientation="h", showlegend=False,
+                             marker_color=["#c0392b" if r == "all" else "#4c72b0" for r in names],
+                             customdata=[f"{found.after[sender, r].perplexity:.1f}" for r in names],
+                             hovertemplate=f"{sender} removed from %{{y}}: the sink falls by %{{x:.0%}}; perplexity "
+                                           f"{found.before.perplexity:.1f} → %{{customdata}}<extra></extra>"),
+                      row=1, col=i)
+        fig.add_vline(x=0.5, line_width=1, line_dash="dot", line_color="#7f7f7f", row=1, col=i)
+        fig.update_yaxes(autorange="reversed", row=1, col=i)
+        fig.update_xaxes(range=[min(-0.1, min(drops, default=0) - 0.05), 1.05], tickformat=".0%", row=1, col=i)
+    layout(fig, "path patching: the sink's fall when a write is removed from these receivers alone",
+           height=max(300, 26 * max(len(found.receivers(s, single)) for s in found.senders or [""]) + 160)
+           if found.senders else 300)
+    fig.update_xaxes(title="the sink's fall (every layer above the sender)", row=1, col=(len(senders) + 1) // 2)
+    return fig
