@@ -190,9 +190,16 @@ def over_a_dataset(eps: float) -> None:
         fig_m = averaged_map(result, layer, None if head == "mean" else int(head), spread)
         st.plotly_chart(fig_m, width="stretch", key="sk_ds_map")
         figure_downloads(fig_m, {**meta, "figure": "dataset-map", "layer": layer, "head": head}, key="sk_ds_map_x")
+    learned = [r for r in doc["layers"] if "learned_sink_rate" in r]
+    if learned:  # a model with a learned sink logit per head: its own sink, beside the keys'
+        st.caption("The model's learned sink (a logit per head that takes a share of every row) is a sink in "
+                   + ", ".join(f"layer {r['layer']}: {r['learned_sink_rate']['mean']:.0%}" for r in learned)
+                   + " of heads (its alpha > eps; [definition](definitions#the-learned-sink-as-a-key)).")
     rows = pd.DataFrame([{"layer": r["layer"], "mask": r["mask"], "sink_rate": r["sink_rate"]["mean"],
                           "ci95_low": (r["sink_rate"]["ci95"] or [None])[0],
-                          "ci95_high": (r["sink_rate"]["ci95"] or [None, None])[1]} for r in doc["layers"]])
+                          "ci95_high": (r["sink_rate"]["ci95"] or [None, None])[1],
+                          **({"learned_sink_rate": r["learned_sink_rate"]["mean"]} if learned else {})}
+                         for r in doc["layers"]])
     st.download_button("Per-layer rates (.csv)", export.csv_bytes(rows), key="sk_ds_csv", mime="text/csv",
                        file_name=export.filename({**meta, "figure": "dataset-rates"}, "csv"))
 

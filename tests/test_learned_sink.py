@@ -179,6 +179,12 @@ def test_the_pages_draw_the_sink_column(model_cache, model_dir, tmp_path):
     ring = next(t for t in where["data"] if t.get("name") == "learned sink")
     assert ring["x"] and set(ring["x"]) == {"sink"} and 0 in ring["y"]
     assert any("alpha of the learned sink" in c["layout"]["title"]["text"] for c in charts(at))
+    at.radio(key="sk_view").set_value("a dataset").run()  # the dataset mode says it too
+    at.number_input(key="sk_maxlen").set_value(16).run()
+    at.number_input(key="sk_samples").set_value(3).run()
+    at.button(key="sk_ds_run").click().run()
+    assert not at.exception and not at.error, texts(at.error)
+    assert any("learned sink" in c.value and "layer 0: 25%" in c.value for c in at.caption)
 
 
 @pytest.mark.browser
@@ -203,3 +209,24 @@ def test_chromium_draws_the_sink_column_left_of_key_0(captures, tmp_path):
         drawn = page.eval_on_selector_all(".heatmaplayer .hm", "els => els.length")
     assert ticks[0][0] == "sink" and ticks[0][1] < min(x for _, x in ticks[1:])
     assert drawn == 2  # the keys' map and the sink's column
+
+
+def test_the_dataset_mode_reports_the_learned_sink():
+    """Sinks over many samples: each sample's learned-sink alpha per layer and head equals stock eager's dropped
+    column (the mean over the rows), and each layer's learned_sink_rate is the share of heads above eps; a model
+    without one gives no such field."""
+    from attnviz.effects import dataset
+
+    documents = [TEXT, "A second document about the sea and the light on the rocks, written to be long enough."]
+    lm = loaded()
+    found = dataset.sinks(lm, documents, "fwd", max_len=24, n_samples=None)
+    ids, _ = dataset.samples(lm, documents, "doc", 24, None)
+    for i, sample in enumerate(ids):
+        expected = np.stack([column.mean(-1) for column in stock_columns(sample)])  # (L, H)
+        np.testing.assert_allclose(found.learned[i], expected, atol=1e-6)
+    doc = found.as_json()
+    rates = [layer["learned_sink_rate"]["mean"] for layer in doc["layers"]]
+    assert rates[0] == pytest.approx(0.25)  # head 0 of 4 in layer 0
+    assert rates == pytest.approx(np.mean(found.learned > 0.3, axis=-1).mean(0).tolist(), abs=1e-6)
+    plain = dataset.sinks(tiny.loaded("llama"), documents, "fwd", max_len=24, n_samples=None)
+    assert plain.learned is None and "learned" not in json.dumps(plain.as_json())

@@ -135,16 +135,32 @@ def test_removing_a_sender_from_every_receiver_is_the_scan_s_removal(kind, value
         assert together.perplexity == pytest.approx(scanned.after.perplexity, rel=1e-5), sender
 
 
-def test_the_paths_run_under_a_recipe_and_in_half_precision():
-    lm = tiny.loaded("llama")
-    found = paths(lm, TEXT, "nosink-fwd", "mlp.0", "attn.1,keys.2,head")
-    assert found.before.keys == [1] * lm.n_layers  # NoSink-FWD's sink key
-    half = tiny.loaded("llama")
-    half.model.to(torch.bfloat16)
-    low = paths(half, TEXT, "fwd", "mlp.0", "attn.1,keys.2,head")
-    full = paths(lm, TEXT, "fwd", "mlp.0", "attn.1,keys.2,head")
+@pytest.mark.parametrize("arch,intervene", [("nosink-fwd", None), ("fwd", "temperature(t=2)@1; ablate(heads=1)@0"),
+                                             ("mask0-fwd(k=1)", "sinkscale(beta=0.3)@2")])
+def test_the_paths_run_under_a_recipe(arch, intervene):
+    """Under an architecture and interventions: the sink key is the recipe's, and every receiver at once is the
+    scan's removal under the same recipe."""
+    from attnviz.recipe import Recipe
+
+    lm = tiny.loaded("gemma3_text")
+    recipe = Recipe.of(lm, arch, intervene)
+    found = paths(lm, TEXT, recipe, "mlp.0", "attn.1,keys.2,all")
+    scanned = next(c for c in causal.scan(lm, TEXT, recipe, leaders=False).checks if c.source == "mlp.0")
+    assert found.before.keys == scanned.before.keys
+    np.testing.assert_allclose(found.after["mlp.0", "all"].attention, scanned.after.attention, atol=1e-5)
+    if arch == "nosink-fwd":  # NoSink-FWD's sink key in the full layer (the windowed ones have none: NaN)
+        assert found.before.keys[2] == 1 and np.isnan(found.before.attention[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_paths_in_half_precision_follow_float32(dtype):
+    lm, half = tiny.loaded("gemma3_text"), tiny.loaded("gemma3_text")
+    half.model.to(dtype)
+    low = paths(half, TEXT, "fwd", "mlp.0", "attn.1,keys.2,mlp.1,head,all")
+    full = paths(lm, TEXT, "fwd", "mlp.0", "attn.1,keys.2,mlp.1,head,all")
     for key, profile in full.after.items():
-        np.testing.assert_allclose(low.after[key].attention, profile.attention, atol=2e-2)
+        np.testing.assert_allclose(low.after[key].attention, profile.attention, atol=2e-2, err_msg=str(key))
+        assert low.after[key].perplexity == pytest.approx(profile.perplexity, rel=5e-2)
 
 
 def test_default_senders_are_the_scan_s_necessary_writers_and_fused_projections_are_said(default_model):

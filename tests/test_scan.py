@@ -123,3 +123,16 @@ def test_gemma3_s_necessary_writers_include_one_attribution_never_names(gemma3_m
     chain = {w["block"]: w["change"] for w in found.chains["mlp.1"]}
     assert chain["mlp.3"] < -0.8
     assert next(c for c in found.checks if c.source == "mlp.5").drop(list(range(6, 18))) < 0.3  # a leader, not a cause
+
+
+@pytest.mark.parametrize("kind,arch", [("gemma3_text", "nosink-fwd"), ("gemma3_text", "fwd"), ("qwen2", "nosink-fwd")])
+def test_a_removal_changes_nothing_below_it_under_a_model_s_window(kind, arch):
+    """A block's removal cannot move the sink in a layer whose attention ran before it (an MLP's own layer and below):
+    those layers read as before, a model's sliding window included (the embedding's patch reads a layer's sink key
+    before that layer's attention has run: the run knows the model's windows from the anatomy)."""
+    lm = tiny.loaded(kind)
+    found = scan(lm, TEXT, arch, leaders=False)
+    for check in found.checks:
+        below = range(0, check.layer + (1 if check.source.startswith("mlp.") else 0))
+        np.testing.assert_array_equal([check.after.attention[l] for l in below],
+                                      [check.before.attention[l] for l in below], err_msg=check.source)

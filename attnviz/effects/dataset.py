@@ -25,6 +25,7 @@ import torch
 from attnviz.core.spec import arch as arch_mod
 from attnviz.core import engine
 from attnviz.core.loading.models import LoadedModel
+from attnviz.core.record import recorders
 from attnviz.corpus import head_ids
 from attnviz.errors import InputError
 from attnviz.stats import metrics
@@ -72,6 +73,19 @@ class DatasetSinks:
     map_sq: np.ndarray = field(repr=False)
     allowed: np.ndarray = field(repr=False)  # (L, T, T) allow-set of a full-length sample
     skipped: int = 0
+    # (S, L, H) the learned sink's alpha (its share of each row, the mean over the rows) where the model gives its
+    # heads a learned sink logit (docs/methods.md#the-learned-sink-as-a-key); NaN in the layers without one
+    learned: np.ndarray | None = field(default=None, repr=False)
+
+    def learned_rates(self, eps: float = SINK_EPS) -> np.ndarray | None:
+        """(S, L) the share of heads whose learned sink takes alpha > eps, per sample and layer (NaN where the layer
+        has none); None for a model without a learned sink."""
+        if self.learned is None:
+            return None
+        defined = np.isfinite(self.learned)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(defined.any(-1), (np.nan_to_num(self.learned, nan=-np.inf) > eps).sum(-1)
+                            / defined.sum(-1), np.nan)
 
     @property
     def n_samples(self) -> int:
@@ -135,13 +149,16 @@ class DatasetSinks:
 
     def as_json(self, key: int | str = "auto", eps: float = SINK_EPS) -> dict:
         """``key``: a token position, or ``"auto"`` (each layer's :meth:`keys`); each layer says its key."""
-        per_layer = self.rates(key, eps)
+        per_layer, learned = self.rates(key, eps), self.learned_rates(eps)
         keys = self.keys(key)
         doc = {"model": self.model, "arch": self.arch, "unit": self.unit, "max_len": self.max_len, "eps": eps,
                "key": key if key == "auto" else int(key), "samples": self.n_samples,
                "short_samples": self.short_samples, "skipped": self.skipped,
                "layers": [{"layer": l, "mask": self.layer_masks[l], "key": int(keys[l]),
-                           "sink_rate": interval(per_layer[:, l])} for l in range(per_layer.shape[1])],
+                           "sink_rate": interval(per_layer[:, l]),
+                           **({} if learned is None or not np.isfinite(learned[:, l]).any()
+                              else {"learned_sink_rate": interval(learned[:, l])})}
+                          for l in range(per_layer.shape[1])],
                "model_rate": interval(self.model_rates(key, eps))}
         if self.short_samples:
             doc["note"] = (f"{self.short_samples} of {self.n_samples} samples are shorter than {self.max_len} tokens "
@@ -193,6 +210,7 @@ def sinks(loaded: LoadedModel, documents: Sequence[str], arch: "str | arch_mod.A
     # each layer's allow-set at the full length (the auto key reads it even when every sample is shorter);
     # a full-length sample's own allow-set replaces it below
     allowed = np.stack([_matrix(mask, max_len) for mask in architecture.layers])
+    learned = None
     order = sorted(range(len(ids)), key=lambda i: (-len(ids[i]), i))
     batches = []
     for i in order:
@@ -213,14 +231,19 @@ def sinks(loaded: LoadedModel, documents: Sequence[str], arch: "str | arch_mod.A
                 map_sq[layer] += (p * p).sum(0).cpu().numpy()
             return _alpha(probs, allow).cpu().numpy()
 
+        sink = recorders.LearnedSink()
         _, run = engine.forward(loaded.model, torch.tensor([ids[i] for i in batch]),
                                 engine.Computes(tuple(architecture.layers), acts),
-                                engine.Record(reducer=reducer, storage_dtype=torch.float32))
+                                engine.Record(recorders=(recorders.Whole(reducer), sink)))
         for layer, values in run.reduced.items():
             alpha[batch, layer, :, :n] = values
+        for layer, share in sink.result().items():  # (B, H, n) each row's share, from the model's own logits
+            if learned is None:
+                learned = np.full((len(ids), L, H), np.nan, dtype=np.float32)
+            learned[batch, layer] = share.mean(-1)
         done += len(batch)
         if on_progress:
             on_progress(done, len(ids))
     return DatasetSinks(loaded.model_id, architecture.spec, architecture.layer_names, unit, max_len,
                         np.array([len(x) for x in ids]), alpha, map_sum.astype(np.float32),
-                        map_sq.astype(np.float32), allowed, skipped)
+                        map_sq.astype(np.float32), allowed, skipped, learned)
