@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import ids_on, timed
+
 ATTNVIZ = [sys.executable, "-m", "attnviz"]
 
 
@@ -34,10 +36,9 @@ def sdpa_child(path: str) -> dict:
     lm.model.set_attn_implementation("sdpa")
     ids = lm.tokenizer(Path(path).read_text(encoding="utf-8"))["input_ids"]
     with torch.inference_mode():
-        lm.model(input_ids=torch.tensor([[1, 2, 3]]))
-        start = time.perf_counter()
-        lm.model(input_ids=torch.tensor([ids]))
-    return {"side": "sdpa", "seconds": time.perf_counter() - start, "tokens": len(ids)}
+        lm.model(input_ids=ids_on(lm.model, [1, 2, 3]))
+        seconds = timed(lm.model, lambda: lm.model(input_ids=ids_on(lm.model, ids)))
+    return {"side": "sdpa", "seconds": seconds, "tokens": len(ids)}
 
 
 def text_of(n: int) -> str:

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 from attnviz import corpus, load
 from attnviz.effects.evaluate import evaluate, token_ids, windows
 from attnviz.effects.streaming import stream
+from common import ids_on
 
 
 def timed(fn) -> float:
@@ -51,9 +52,9 @@ def main() -> None:
     def hf_eval():
         total = 0.0
         for start, end, first in spans:
-            labels = torch.tensor([ids[start:end]])
+            labels = ids_on(stock, ids[start:end])
             labels[0, : first - start] = -100
-            total += float(stock(torch.tensor([ids[start:end]]), labels=labels).loss) * (end - first)
+            total += float(stock(ids_on(stock, ids[start:end]), labels=labels).loss) * (end - first)
         return total
 
     def ours_eval():
@@ -64,13 +65,13 @@ def main() -> None:
 
     @torch.inference_mode()
     def hf_generate():
-        return stock.generate(torch.tensor([stream_ids[:1]]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return stock.generate(ids_on(stock, stream_ids[:1]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
     def ours_stream():
         return stream(loaded, stream_ids, "dense")
 
     with torch.inference_mode():  # warm-up
-        stock(torch.tensor([ids[:32]]))
+        stock(ids_on(stock, ids[:32]))
     evaluate(loaded, ids[:64], "fwd", window=64)
 
     times: dict[str, list[float]] = {name: [] for name in ("hf_eval", "ours_eval", "hf_generate", "ours_stream")}

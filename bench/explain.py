@@ -48,9 +48,8 @@ def main() -> None:
         del cap
         times["cell"].append(timed(lambda: attnviz.explain(lm, text, "fwd", layer=29, head=3, query=n - 1, key=0))[0])
         times["key"].append(timed(lambda: attnviz.explain(lm, text, "fwd", layer=29, head=3, query="all", key=0))[0])
-        run = KeptForward(lm, text, "fwd")
-        times["view"].append(timed(lambda: query_key_figure(query_key_view(run, 29, 3)))[0])
-        del run
+        kept = KeptForward(lm, text, "fwd")
+        times["view"].append(timed(lambda: query_key_figure(query_key_view(kept, 29, 3)))[0])
         print({k: round(v[-1], 3) for k, v in times.items()}, flush=True)
     m = {k: statistics.median(v) for k, v in times.items()}
     print(f"explain n={n} capture_s={m['capture']:.2f} cell_s={m['cell']:.2f} key_s={m['key']:.2f} "

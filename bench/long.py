@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from common import ids_on
+
 
 def rss_mb() -> float:
     with open("/proc/self/statm") as f:
@@ -41,7 +43,7 @@ def child(side: str, n: int) -> dict:
     if side == "sdpa":
         lm.model.set_attn_implementation("sdpa")
         with torch.inference_mode():
-            lm.model(input_ids=torch.tensor([[1, 2, 3]]))
+            lm.model(input_ids=ids_on(lm.model, [1, 2, 3]))
     else:
         capture(lm, "warm up", "fwd", Keep(statistics=True))
     before = rss_mb()
@@ -50,7 +52,7 @@ def child(side: str, n: int) -> dict:
     start = time.perf_counter()
     if side == "sdpa":  # stock transformers SDPA: is_causal, the fused kernel, no n x n mask
         with torch.inference_mode():
-            lm.model(input_ids=torch.tensor([ids]))
+            lm.model(input_ids=ids_on(lm.model, ids))
         tokens = len(ids)
     else:
         cap = capture(lm, text, "fwd", Keep(statistics=True))

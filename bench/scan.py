@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+
+from common import ids_on, timed
 
 
 def main() -> None:
@@ -22,6 +23,7 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--n", type=int, default=313)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--device", default=None, help="cpu | cuda (default: as attnviz.load chooses)")
     args = parser.parse_args()
 
     import torch
@@ -29,30 +31,29 @@ def main() -> None:
     from attnviz import corpus, load
     from attnviz.effects.causal import scan
 
-    lm = load(args.model)
+    lm = load(args.model, device=args.device)
     ids = corpus.head_ids(lm.tokenizer, corpus.stdlib("specialnames").text, args.n)
     text = corpus.text_of(lm.tokenizer, ids)
-    tensor = torch.tensor([lm.tokenizer(text)["input_ids"]])
+    tensor = ids_on(lm.model, lm.tokenizer(text)["input_ids"])
 
     def plain():
         with torch.inference_mode():
-            lm.model(tensor)
+            for _ in range(3):
+                lm.model(tensor)
+
+    def scanned():
+        scan(lm, text, leaders=False)
 
     plain()
-    scan(lm, text, leaders=False)
+    scanned()
     times: dict[str, list[float]] = {"plain": [], "scan": []}
     for _ in range(args.repeat):
-        start = time.perf_counter()
-        for _ in range(3):
-            plain()
-        times["plain"].append((time.perf_counter() - start) / 3)
-        start = time.perf_counter()
-        scan(lm, text, leaders=False)
-        times["scan"].append(time.perf_counter() - start)
+        times["plain"].append(timed(lm.model, plain) / 3)
+        times["scan"].append(timed(lm.model, scanned))
     forward_s, scan_s = statistics.median(times["plain"]), statistics.median(times["scan"])
     L = lm.n_layers
-    print(f"scan model={args.model} n={tensor.shape[1]} layers={L} forward_s={forward_s:.3f} scan_s={scan_s:.2f} "
-          f"ratio={scan_s / ((2 * L + 1) * forward_s):.2f}")
+    print(f"scan model={args.model} device={lm.model.device} n={tensor.shape[1]} layers={L} forward_s={forward_s:.3f} "
+          f"scan_s={scan_s:.2f} ratio={scan_s / ((2 * L + 1) * forward_s):.2f}")
 
 
 if __name__ == "__main__":

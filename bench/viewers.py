@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import ids_on
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 DRAWN = {  # per viewer: a JS expression true once its first map is drawn
@@ -49,7 +51,7 @@ def attention_of(n: int):
     model = lm.model
     model.set_attn_implementation("eager")
     with torch.no_grad():
-        attention = model(torch.tensor([ids]), output_attentions=True).attentions
+        attention = model(ids_on(model, ids), output_attentions=True).attentions
     tokens = [lm.tokenizer.decode([i]) for i in ids]
     return attention, tokens
 

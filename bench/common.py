@@ -1,0 +1,39 @@
+"""What the benchmarks share so that each runs on whatever device the model was loaded on (a GPU where one is
+present, as ``attnviz.load`` chooses): token ids made on the model's device, and a clock that waits for the device
+before it reads the time (a CUDA call returns before its kernels finish)."""
+
+from __future__ import annotations
+
+import time
+
+
+def ids_on(model, ids, **kwargs):
+    """``ids`` (a list of token ids, or a list of such lists) as a (1, n) or (B, n) long tensor on ``model``'s
+    device: a CPU tensor handed to a CUDA model stops its embedding ("index is on cpu, different from other tensors
+    on cuda:0")."""
+    import torch
+
+    rows = ids if ids and isinstance(ids[0], (list, tuple)) else [ids]
+    return torch.tensor(rows, dtype=torch.long, device=_device(model), **kwargs)
+
+
+def _device(model):
+    return getattr(model, "device", None) or next(model.parameters()).device
+
+
+def sync(model) -> None:
+    """Wait for ``model``'s device to finish what was queued (nothing to wait for on a CPU)."""
+    import torch
+
+    device = _device(model)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(model, fn) -> float:
+    """Seconds ``fn()`` takes, the device's queued work included."""
+    sync(model)
+    start = time.perf_counter()
+    fn()
+    sync(model)
+    return time.perf_counter() - start

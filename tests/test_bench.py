@@ -1,0 +1,55 @@
+"""The benchmarks run on whatever device the model is on: no bench makes a tensor on the CPU for a model that may be
+on a GPU (bench/scan.py's plain forward did: "index is on cpu, different from other tensors on cuda:0"), the shared
+helpers put ids on the model's device, and bench/scan.py runs end to end on a saved model (on CUDA where there is
+one: the test marked ``cuda``)."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiny
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+sys.path.insert(0, str(BENCH))
+MADE_HERE = {"tensor", "zeros", "ones", "arange", "full", "empty", "randn", "rand", "randint"}
+OWN_DEVICE = {"common.py", "gpu.py", "kernel_regs.py"}  # the helpers, and the GPU benches that place every tensor
+
+
+def test_no_bench_makes_a_tensor_without_naming_its_device():
+    offenders = []
+    for path in sorted(BENCH.glob("*.py")):
+        if path.name in OWN_DEVICE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MADE_HERE
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+                    and not any(k.arg == "device" for k in node.keywords)):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders, f"tensors made on the CPU whatever the model's device (use common.ids_on): {offenders}"
+
+
+def test_ids_land_on_the_model_s_device():
+    from common import ids_on, timed
+
+    model = tiny.build("llama").to("meta")  # stands for a GPU: not the CPU
+    one, batch = ids_on(model, [1, 2, 3]), ids_on(model, [[1, 2], [3, 4]])
+    assert one.device.type == batch.device.type == "meta" and one.shape == (1, 3) and batch.shape == (2, 2)
+    assert one.dtype == torch.long
+    assert timed(model, lambda: None) >= 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_scan_bench_runs_on_the_model_s_device(device, model_cache, tmp_path):
+    where = tmp_path / "tiny-llama"
+    tiny.build("llama").save_pretrained(where)
+    tiny.char_tokenizer().save_pretrained(where)
+    out = subprocess.run([sys.executable, str(BENCH / "scan.py"), "--model", str(where), "--n", "60", "--repeat", "1",
+                          "--device", device], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("scan ") and f"device={device}" in last and "ratio=" in last
