@@ -159,7 +159,7 @@ def _block_probs(run, layer: int, mask: Mask, query, key, scaling, allow, bias, 
         pseudo = pseudo.permute(1, 0, 2)[:, :, None, :]  # (B, H, 1, n_kv)
         scores = torch.where(allow, scores, torch.where(future, pseudo, float("-inf")))
     else:
-        scores.masked_fill_(~allow, float("-inf"))
+        _forbid(scores, allow)
         if mask.stable is not None:  # SM-I: the future slots up to T folded into one logit per row
             extra.append(mask.inference_logits(q_pos, n_heads).to(query.device))
     sink_at = None  # the learned sink's column among the dropped ones
@@ -188,6 +188,20 @@ def _block_probs(run, layer: int, mask: Mask, query, key, scaling, allow, bias, 
     for intervention in acts:  # sinkscale: after the softmax
         probs = intervention.probabilities(probs, k0)  # the block's first key
     return probs
+
+
+def _forbid(scores: torch.Tensor, allow: torch.Tensor) -> None:
+    """-inf in ``scores`` wherever ``allow`` is False. On a CPU only over the columns some row of the block may not
+    see (a causal block's last b of its keys): the same cells, a fraction of the pass (bench/long.py); on a GPU the
+    whole block, with no host wait for the range."""
+    forbidden = ~allow
+    if scores.device.type != "cpu":
+        scores.masked_fill_(forbidden, float("-inf"))
+        return
+    columns = forbidden.flatten(0, -2).any(0).nonzero()
+    if columns.numel():
+        c0, c1 = int(columns[0]), int(columns[-1]) + 1
+        scores[..., c0:c1].masked_fill_(forbidden[..., c0:c1], float("-inf"))
 
 
 def route_notes(statistics=None) -> tuple[str, ...]:

@@ -138,8 +138,9 @@ class LayerSummary:
         if "delim" in sums:
             sums["delim"][:, rows] = probs @ self.delim[cols]
         if "plogp" in sums:  # head by head: a temporary of one head's rows, not of the whole block
-            for head, p in enumerate(probs):
-                sums["plogp"][head, rows] = torch.special.xlogy(p, p).sum(-1)
+            tiny = torch.finfo(torch.float32).tiny  # p · log max(p, tiny): 0 where p is 0, as xlogy(p, p) (to an
+            for head, p in enumerate(probs):  # ulp), in place in one temporary: ~8x faster on a CPU (bench/long.py)
+                sums["plogp"][head, rows] = p.clamp_min(tiny).log_().mul_(p).sum(-1)
         for extra in self.sums_needed:
             if isinstance(extra, metrics.RowSum):
                 sums[extra.name][:, rows] = extra.of(probs, allow)
