@@ -176,13 +176,14 @@ with st.container(border=True):
 
         scanned = jobs.cached(("scan", recipe.key, settings.text))  # the scan already run: its writers, not again
         senders = given.strip() or (scanned.necessary if scanned is not None else None)
+        traced = None
         try:
-            traced = jobs.run(paths_key, "Removing each sender from one receiver at a time", lambda progress: (
-                trace_paths(loaded, settings.text, recipe, senders, on_step=progress)))
+            if senders != []:  # [] : the scan already said no single write is necessary (said below)
+                traced = jobs.run(paths_key, "Removing each sender from one receiver at a time", lambda progress: (
+                    trace_paths(loaded, settings.text, recipe, senders, on_step=progress)))
         except AttnvizError as err:
             st.error(str(err))
-            traced = None
-        if traced is not None and not traced.senders:
+        if senders == [] or (traced is not None and not traced.senders):
             st.info("No single write is necessary here (the scan names none), so there is no sender to trace: name "
                     "one above.")
         elif traced is not None:
@@ -197,10 +198,11 @@ with st.container(border=True):
                 f"{r} ({d:.0%})" for r, d in traced.strongest(s)) + "; cut from every receiver of a kind at once: " +
                 ", ".join(f"{r} {traced.drop(s, r):.0%}" for r in traced.receivers(s, single=False))
                 for s in traced.senders))
-            st.caption("A single receiver's fall is the sink's mean attention lost from its own layer up when that one "
-                       "receiver reads the stream without the write; a group's is on the scan's scale (every layer "
-                       "above the sender; `all` is the scan's removal). A query at the sink token sees that key alone "
-                       "under a causal mask, so its path changes nothing." +
+            st.caption("A single receiver's fall is the sink's mean attention lost in the layers it can move (from its "
+                       "own layer up, from the next for an MLP) when that one receiver reads the stream without the "
+                       "write; a group's is on the scan's scale (every layer above the sender; `all` is the scan's "
+                       "removal). Under a causal mask a query at the sink token sees that key alone (with no learned "
+                       "sink), so its path changes nothing there." +
                        (f" Not receivers here: {traced.skipped}" if traced.skipped else ""))
 
 st.subheader("The sink's diagnosis of this layer")

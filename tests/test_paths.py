@@ -333,3 +333,38 @@ def test_both_figures_render_in_chromium():
     for fig in (paths_figure(found), paths_bars_figure(found)):
         data = export.figure_bytes(fig, "png", {"tool": "attnviz", "figure": "paths"})
         assert data.startswith(b"\x89PNG") and len(data) > 10_000
+
+
+def test_a_sender_one_layer_below_the_top_draws_and_its_groups_stay_groups():
+    """mlp.1 of a three-layer model: each group holds one receiver, and is still a group (not drawn as a cell)."""
+    from attnviz.figures.why import paths_bars_figure, paths_figure
+
+    lm = tiny.loaded("gemma3_text")
+    found = paths(lm, TEXT, "fwd", "mlp.1", None)
+    assert found.receivers("mlp.1", single=False) == ["attn.*", "keys.*", "queries.*", "mlp.*", "all"]
+    assert found.cut["mlp.1", "attn.*"] == ["attn.2"]
+    assert found.after["mlp.1", "attn.*"].attention == found.after["mlp.1", "attn.2"].attention
+    assert len(paths_figure(found).data) == 1 and len(paths_bars_figure(found).data) == 1
+
+
+def test_ranges_run_upwards_and_the_scan_s_senders_skip_what_is_below_them(monkeypatch):
+    lm = tiny.loaded("llama")
+    with pytest.raises(InputError, match="a range runs upwards"):
+        paths(lm, TEXT, "fwd", "embed", "keys.2-1")
+
+    class Scanned:
+        necessary = ["mlp.1"]
+
+    monkeypatch.setattr(causal, "scan", lambda *a, **k: Scanned())
+    found = paths(lm, TEXT, "fwd", None, "attn.1,mlp.2,head")  # attn.1 is below the scan's mlp.1: left out for it
+    assert found.senders == ["mlp.1"] and found.receivers("mlp.1") == ["mlp.2", "head"]
+    with pytest.raises(InputError, match="not above mlp.1"):  # a sender the caller names: refused
+        paths(lm, TEXT, "fwd", "mlp.1", "attn.1,head")
+
+
+def test_the_groups_keyword_leaves_out_what_a_fused_family_lacks():
+    lm = tiny.loaded("gpt_neox")
+    found = paths(lm, TEXT, "fwd", "mlp.0", "groups")
+    assert found.receivers("mlp.0") == ["attn.*", "mlp.*", "all"] and "query_key_value" in found.skipped
+    with pytest.raises(InputError, match="no projection of the keys alone"):
+        paths(lm, TEXT, "fwd", "mlp.0", "keys.*")

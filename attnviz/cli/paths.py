@@ -16,8 +16,9 @@ def options(p):
     p.add_argument("--senders", default=given["senders"],
                    help="the senders, e.g. mlp.0,mlp.11 or embed (default: the causal scan's necessary writers)")
     p.add_argument("--receivers", default=given["receivers"],
-                   help="the receivers, e.g. attn.3,keys.5,queries.5,mlp.7,head (default: every one above each "
-                        "sender)")
+                   help="the receivers, e.g. attn.3,keys.5,mlp.7,head; a group cut at once, keys.12-29, mlp.*, all "
+                        "(the scan's removal), or parts joined by +; 'groups': attn.*, keys.*, queries.*, mlp.*, all "
+                        "(default: every single receiver above each sender, and the groups)")
     p.add_argument("--value", choices=["zero", "mean"], default=given["value"],
                    help="what the receiver reads in place of the sender's write at the sink token (%(default)s)")
 
@@ -28,11 +29,8 @@ def run(args) -> dict:
     text = common.text(args)
     common.check_intervene(args)
     loaded = common.load(args)
-    # a bad sender or receiver name is refused before any forward
-    senders = None if args.senders is None else paths.names(args.senders, "sender", loaded.n_layers)
-    receivers = None if args.receivers is None else paths.names(args.receivers, "receiver", loaded.n_layers)
-    bar, update = common.progress("path patching")
+    bar, update = common.progress("path patching")  # bad names are refused before any forward
     with bar:
-        result = paths.paths(loaded, text, common.recipe(args, loaded), senders, receivers, args.value,
+        result = paths.paths(loaded, text, common.recipe(args, loaded), args.senders, args.receivers, args.value,
                              on_step=update)
     return result.as_json()

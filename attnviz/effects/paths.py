@@ -35,6 +35,7 @@ from attnviz.effects.causal import SinkProfile, check_sink, perplexities, rounde
 from attnviz.errors import InputError
 from attnviz.recipe import Recipe
 
+_SINGLE = re.compile(r"^(head|(attn|mlp|keys|queries)\.\d+)$")
 _SENDER = re.compile(r"^(embed|(attn|mlp)\.(\d+))$")
 _RECEIVER = re.compile(r"^(head|all|(attn|mlp|keys|queries)\.(\d+|\*|(\d+)-(\d+)))$")
 _INPUT = {"attn": "attn_in", "mlp": "mlp_in", "keys": "k_in", "queries": "q_in"}
@@ -51,8 +52,11 @@ def layer_of(block: str, n_layers: int) -> int:
 def names(text, what: str, n_layers: int) -> list[str]:
     """The senders or receivers a comma-separated list (or a list) names, each checked, in one line. A receiver may be
     a group cut at once: ``keys.12-29``, ``mlp.*`` (every one of that kind above the sender), ``all`` (every block's
-    input above the sender and the head: the scan's removal), or several joined by ``+`` (``mlp.1+attn.2``)."""
+    input above the sender and the head: the scan's removal), or several joined by ``+`` (``mlp.1+attn.2``);
+    ``groups`` names the :data:`GROUPS`."""
     pattern = _SENDER if what == "sender" else _RECEIVER
+    if what == "receiver" and isinstance(text, str) and text.strip().lower() == "groups":
+        return list(GROUPS)
     given = [re.sub(r"\s+", "", part).lower() for part in (text.split(",") if isinstance(text, str) else text)]
     given = [n for n in given if n]
     if not given:
@@ -67,6 +71,9 @@ def names(text, what: str, n_layers: int) -> list[str]:
             for layer in (match.group(3), *(match.groups()[3:] if what == "receiver" else ())):
                 if layer is not None and layer.isdigit() and int(layer) >= n_layers:
                     raise InputError(f"{part}: layer {layer} does not exist (the model has layers 0..{n_layers - 1})")
+            if what == "receiver" and match.group(4) is not None and int(match.group(4)) > int(match.group(5)):
+                raise InputError(f"{part}: a range runs upwards (write {match.group(2)}.{match.group(5)}-"
+                                 f"{match.group(4)})")
             if what == "sender" and match.group(3) is not None and int(match.group(3)) == n_layers - 1:
                 raise InputError(f"{name} writes into the top layer: no layer above it reads its write, so there is "
                                  f"no sink to measure after it; choose a block in layers 0..{n_layers - 2}")
@@ -142,13 +149,13 @@ class Paths:
         layers = list(layers)
         if not layers:
             return float("nan")
-        before = np.nanmean([self.before.attention[l] for l in layers])
-        after = np.nanmean([self.after[sender, receiver].attention[l] for l in layers])
+        before = np.mean([self.before.attention[l] for l in layers])  # as the scan's drop: NaN where a layer is
+        after = np.mean([self.after[sender, receiver].attention[l] for l in layers])  # (no sink key there)
         return float((before - after) / before) if before > 0 else float("nan")
 
     def receivers(self, sender: str, single: bool | None = None) -> list[str]:
         """``sender``'s receivers (``single``: only single ones; False: only groups; None: both)."""
-        return [r for s, r in self.after if s == sender and (single is None or (len(self.cut[s, r]) == 1) == single)]
+        return [r for s, r in self.after if s == sender and (single is None or bool(_SINGLE.match(r)) == single)]
 
     def strongest(self, sender: str, k: int = 3, single: bool | None = True) -> list[tuple[str, float]]:
         """The ``k`` receivers through which removing ``sender`` takes the most of the sink away in the layers the
@@ -250,25 +257,42 @@ def removal(loaded, text: str, sender: str, receivers, recipe="fwd", value: str 
     return next(iter(_run(loaded, text, recipe, [sender], [joined], value, None).after.values()))
 
 
-def _plan(model, found, chosen: list[str], asked: list[str] | None, L: int):
-    """Each sender's paths {receiver: the single receivers it cuts}, and why keys and queries are left out where the
-    family has no projection of its own for them (refused where they were asked for)."""
-    parallel = any(layer.parallel for layer in found.layers)
+def _projections(model) -> str:
+    """Why this family's keys and queries are not receivers of their own (a fused projection), or ""."""
     try:
         sites.check(model, sites.Site("k_in", 0))
         sites.check(model, sites.Site("q_in", 0))
-        skipped = ""
     except InputError as err:
-        if asked is not None and any(p.startswith(PROJECTED) for r in asked for p in r.split("+")):
-            raise
-        skipped = str(err)
+        return str(err)
+    return ""
+
+
+def _plan(model, found, chosen: list[str], asked: list[str] | None, L: int, lenient: bool = False,
+          optional: bool = False):
+    """Each sender's paths {receiver: the single receivers it cuts}, and why keys and queries are left out where the
+    family has no projection of its own for them (refused where they were named, unless ``optional``: the default
+    receivers, the keyword ``groups``). ``lenient``: the senders are the scan's, not the caller's: a receiver not
+    above one of them is left out for it instead of refused."""
+    parallel = any(layer.parallel for layer in found.layers)
+    skipped = _projections(model)
+    if skipped and not optional and asked is not None and any(p.startswith(PROJECTED) for r in asked
+                                                              for p in r.split("+")):
+        raise InputError(skipped)
     plan = {}
     for s in chosen:
         wanted = asked if asked is not None else receivers_of(s, L, parallel) + list(GROUPS)
         if skipped:
-            wanted = [r for r in wanted if not r.startswith(PROJECTED)]
-        plan[s] = {r: members(r, s, L, parallel) for r in wanted}
-        plan[s] = {r: m for r, m in plan[s].items() if m}  # a group with nothing above the sender (mlp.* of mlp.28)
+            wanted = [r for r in wanted if not any(p.startswith(PROJECTED) for p in r.split("+"))]
+        plan[s] = {}
+        for r in wanted:
+            try:
+                cut = members(r, s, L, parallel)
+            except InputError:
+                if not lenient:
+                    raise
+                continue
+            if cut:
+                plan[s][r] = cut
     return plan, skipped
 
 
@@ -278,6 +302,7 @@ def _run(loaded, text, recipe, senders, receivers, value, on_step) -> Paths:
     from attnviz.tokens import tokenize
 
     models.require(loaded, "path patching")
+    value = str(value).strip().lower()
     if value not in ("zero", "mean"):
         raise InputError(f"path patching removes a write by zero or mean, not {value!r}")
     recipe = Recipe.of(loaded, recipe)
@@ -286,24 +311,27 @@ def _run(loaded, text, recipe, senders, receivers, value, on_step) -> Paths:
         raise InputError("path patching needs a layer above its sender: this model has one layer")
     chosen = None if senders is None else names(senders, "sender", L)
     asked = None if receivers is None else names(receivers, "receiver", L)
+    optional = asked is None or (isinstance(receivers, str) and receivers.strip().lower() == "groups")
     check_sink(loaded, text, recipe)
     built = build(loaded, recipe).only("path patching", "intervene", "prepend")
     built.architecture.require_causal("compute a perplexity")
     found = anatomy_mod.of(model)
     if not found.resumable:
         raise InputError(f"path patching resumes each patched forward from a layer's input: {found.why_not_resumable}")
-    if asked is not None and chosen is not None:
-        _plan(model, found, chosen, asked, L)  # a receiver below its sender is refused before any forward
+    # refused before any forward: a receiver not above a sender the caller named, keys or queries of a family that
+    # has no projection of their own
+    _plan(model, found, chosen or [], asked, L, optional=optional)
     ids, _ = tokenize(loaded, text, prepend=recipe.prepend)
     built.check_text(len(ids))
     n, done = len(ids), 0
+    lenient = chosen is None
     if chosen is None:  # the scan's necessary writers: L forwards of its own, counted in the progress
         def scanned(step, total):
             if on_step:
-                on_step(step, total + L)
+                on_step(step, total + L)  # the paths' batches: at most one a layer
         chosen = scan(loaded, text, recipe, value, leaders=False, on_step=scanned).necessary
         done = L
-    plan, skipped = _plan(model, found, chosen, asked, L)
+    plan, skipped = _plan(model, found, chosen, asked, L, lenient, optional)
     sink_keys = engine.sink_keys(built.architecture.layers, n, [layer.window for layer in found.layers])
     targets = torch.tensor(ids[1:])
 

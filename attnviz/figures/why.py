@@ -266,7 +266,8 @@ PATH_KINDS = (("attn", "attention input"), ("keys", "keys"), ("queries", "querie
 def paths_figure(found) -> go.Figure:
     """Path patching (:class:`attnviz.effects.paths.Paths`): one panel per sender; in it, each single receiver's layer
     (columns) and kind (rows: a block's input, the layer's keys, its queries, the MLP's input), the
-    fall of the sink's attention over the layers that cut can move (from the receiver's layer up) when the sender's
+    fall of the sink's attention over the layers that cut can move (from the receiver's layer up, from the next one
+    for an MLP) when the sender's
     write is removed from that receiver's input alone (1: gone, 0: unchanged, below 0: the sink grows; blank: not
     above the sender, or not a receiver of this family). The hover adds the scan's scale (over every layer above the
     sender) and the perplexity."""
@@ -291,7 +292,7 @@ def paths_figure(found) -> go.Figure:
                                  colorbar=dict(title="sink's fall", orientation="h", x=0.5, xanchor="center", y=-0.12,
                                                yanchor="top", len=0.6, thickness=12),
                                  hovertemplate=f"{sender} removed from layer %{{x}}'s %{{y}}: the sink falls by "
-                                               "%{z:.0%} from that layer up<br>%{customdata}<extra></extra>"),
+                                               "%{z:.0%} in the layers it can move<br>%{customdata}<extra></extra>"),
                       row=i, col=1)
         fig.update_yaxes(autorange="reversed", row=i, col=1)
     layout(fig, "path patching: through which receiver each write makes the sink", height=170 * len(senders) + 170)

@@ -161,8 +161,8 @@ def valley(lm: LoadedModel, cell: Cell) -> list[dict]:
 
 def paths(lm: LoadedModel, cell: Cell) -> list[dict]:
     """Path patching (docs/methods.md#path-patching) on the corpus's first ``max_tokens`` tokens: each sender (the
-    causal scan's necessary writers unless named) cut from each receiver (``receivers``; by default each kind above
-    it at once and everything); per path and layer, the sink's attention before and after, the path's drop and
+    causal scan's necessary writers unless named) cut from each receiver (``receivers``; by default ``groups``: each
+    kind above it at once, and everything); per path and layer, the sink's attention before and after, the path's drop and
     the perplexity before and after (``attnviz paths``)."""
     from attnviz.effects import paths as paths_mod
     from attnviz.effects.evaluate import token_ids

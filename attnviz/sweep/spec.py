@@ -59,7 +59,7 @@ def measure_options() -> dict[str, dict[str, tuple[type | tuple[type, ...], obje
         "routes": {"max_tokens": (int, explain.DIAGNOSIS_TOKENS), "threshold": (float, of(flow.routes)["threshold"])},
         "valley": {"max_tokens": (int, explain.DIAGNOSIS_TOKENS), "eps": (float, report["eps"])},
         "paths": {"max_tokens": (int, explain.DIAGNOSIS_TOKENS), "senders": (str, ""),
-                  "receivers": (str, ",".join(paths.GROUPS)), "value": (str, of(paths.paths)["value"])},
+                  "receivers": (str, "groups"), "value": (str, of(paths.paths)["value"])},
     }
 
 
