@@ -158,7 +158,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         block_allow = allow.rows(q0, q1)[..., k0:k1]
         probs = routes._block_probs(run, layer, mask, query[:, :, q0:q1], key[:, :, k0:k1], scaling, block_allow,
                              None if bias is None else bias[:, :, q0:q1, k0:k1], softcap, s_aux, q_pos[:, q0:q1],
-                             kv_pos[:, k0:k1], q0, k0, recs)
+                             kv_pos[:, k0:k1], q0, k0, recs, plain_causal and not head_mask)
         for recorder in recs:
             recorder.block(run, layer, q0, k0, probs, block_allow)
         b = q1 - q0

@@ -73,13 +73,15 @@ def make_run(model, input_ids: torch.Tensor, computes, record: Record = Record()
         if mask.horizon is not None and int(positions.max()) + 1 > mask.horizon:
             raise InputError(f"{mask.name} was set for at most T={mask.horizon} tokens but the text reaches "
                              f"{int(positions.max()) + 1}: raise T or shorten the text")
-    try:  # the model's own windows, before any attention reports its own (an embedding patch reads the sink key)
-        windows = {i: layer.window for i, layer in enumerate(anatomy.of(model).layers)}
-    except InputError:
-        windows = {}
+    def model_window(layer: int) -> int | None:  # before the layer's attention reports its own (an embedding patch)
+        try:
+            return anatomy.of(model)[layer].window
+        except InputError:
+            return None
+
     return Run(masks, frozenset(range(total) if record.layers is None else record.layers), positions, valid,
                recorders=record.recorders if record.recorders is not None else recorders_mod.for_record(record),
-               on_layer=record.on_layer, windows=windows,
+               on_layer=record.on_layer, model_window=model_window,
                keep_graph=record.keep_graph, interventions=computes.interventions,
                sizes=record.sizes or Sizes.given(record.block_bytes, record.whole_allow_bytes),
                unpadded=True if kv_positions is not None or attention_mask is None else None,

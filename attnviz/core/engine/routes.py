@@ -131,7 +131,7 @@ def _fused_layer(run, layer: int, recs, query, key, value, allow, scaling: float
 
 
 def _block_probs(run, layer: int, mask: Mask, query, key, scaling, allow, bias, softcap, s_aux, q_pos, kv_pos,
-                 q0: int = 0, k0: int = 0, recs=()) -> torch.Tensor:
+                 q0: int = 0, k0: int = 0, recs=(), causal: bool = False) -> torch.Tensor:
     """(B, H, b, w) fp32 probabilities of one block of b query rows and w keys (the block's first: q0, k0);
     recorders that ask for the block's pre-softmax scores (``recs``) get them before the softmax."""
     batch, n_heads, n_q, dim = query.shape
@@ -159,7 +159,7 @@ def _block_probs(run, layer: int, mask: Mask, query, key, scaling, allow, bias, 
         pseudo = pseudo.permute(1, 0, 2)[:, :, None, :]  # (B, H, 1, n_kv)
         scores = torch.where(allow, scores, torch.where(future, pseudo, float("-inf")))
     else:
-        _forbid(scores, allow)
+        _forbid(scores, allow, q0, k0, causal)
         if mask.stable is not None:  # SM-I: the future slots up to T folded into one logit per row
             extra.append(mask.inference_logits(q_pos, n_heads).to(query.device))
     sink_at = None  # the learned sink's column among the dropped ones
@@ -190,18 +190,13 @@ def _block_probs(run, layer: int, mask: Mask, query, key, scaling, allow, bias, 
     return probs
 
 
-def _forbid(scores: torch.Tensor, allow: torch.Tensor) -> None:
-    """-inf in ``scores`` wherever ``allow`` is False. On a CPU only over the columns some row of the block may not
-    see (a causal block's last b of its keys): the same cells, a fraction of the pass (bench/long.py); on a GPU the
-    whole block, with no host wait for the range."""
-    forbidden = ~allow
-    if scores.device.type != "cpu":
-        scores.masked_fill_(forbidden, float("-inf"))
-        return
-    columns = forbidden.flatten(0, -2).any(0).nonzero()
-    if columns.numel():
-        c0, c1 = int(columns[0]), int(columns[-1]) + 1
-        scores[..., c0:c1].masked_fill_(forbidden[..., c0:c1], float("-inf"))
+def _forbid(scores: torch.Tensor, allow: torch.Tensor, q0: int, k0: int, causal: bool) -> None:
+    """-inf in ``scores`` wherever ``allow`` is False. Under a plain causal mask (no window, no padding, no head's
+    own mask: ``causal``) the block's rows q0.. see every key up to q0, so only the columns past it can hold a
+    forbidden cell: the same cells, a fraction of the pass (bench/long.py), with no read of the allow-set."""
+    start = max(q0 + 1 - k0, 0) if causal else 0
+    if start < scores.shape[-1]:
+        scores[..., start:].masked_fill_(~allow[..., start:], float("-inf"))
 
 
 def route_notes(statistics=None) -> tuple[str, ...]:

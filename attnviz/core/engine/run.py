@@ -139,6 +139,9 @@ class Cached:
     _allow_cache: dict = field(default_factory=dict)
     _device_cache: dict = field(default_factory=dict)
     windows: dict = field(default_factory=dict)  # layer -> the model's own sliding window there (None: none)
+    # layer -> the model's own window from its anatomy, for a sink key read before the layer's attention has run
+    # (an embedding patch): asked only then, so a run on a model the anatomy does not map costs nothing
+    model_window: Callable[[int], int | None] | None = None
 
 
 @dataclass

@@ -240,11 +240,13 @@ class AllowSets:
     def sink_key(self, layer: int) -> int:
         """The position of the layer's sink key under its mask and the model's window there (:func:`auto_key`),
         over the run's longest row; once per layer. The window is the one the layer's attention was called
-        with (a block's output hook runs after its attention)."""
+        with (a block's output hook runs after its attention), or before it has run, the model's own there."""
         key = ("sink key", layer)
         if key not in self._allow_cache:
             n = int(self.positions.max()) + 1
-            self._allow_cache[key] = auto_key(self.masks[layer], n, self.windows.get(layer))
+            window = (self.windows[layer] if layer in self.windows
+                      else self.model_window(layer) if self.model_window is not None else None)
+            self._allow_cache[key] = auto_key(self.masks[layer], n, window)
         return self._allow_cache[key]
 
     def has_head_mask(self, layer: int) -> bool:
