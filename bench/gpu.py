@@ -20,8 +20,9 @@ eager_s=<s|oom>``; the region case prints ``gpu region shape=... n=... side=96 r
 streaming case ``gpu stream shape=... policy=... per_token_ms=<ms> generate_ms=<ms> ratio=<x>``
 (``region_s`` resumes from a long capture's kept layer inputs, as the app does; ``from_start_s`` runs
 the forward from the embeddings).
-With ``--warps 4 8`` a statistics case also prints ``gpu warps ... warps=<w> stats_s=<s> stats_vs_sdpa=<x>``
-for the fused kernel at each warp count (``attnviz.core.kernel.kernels.num_warps`` picks one by compiler figures).
+With ``--launch 64x64:4:3 128x64:8:2`` a statistics case also prints ``gpu launch ... launch=<TILE:WARPS:STAGES>
+stats_s=<s> stats_vs_sdpa=<x>`` for the fused kernel at each launch choice (``attnviz.core.kernel.kernels.launch``
+takes the card's measured one from ``TUNED``; bench/kernel_sweep.py measures them on one layer).
 Times are medians of ``--repeat`` runs after one warm-up. Goals: llama8b:32768 stats
 <= 2x SDPA and <= 4 GB above the model; llama8b:4096 faster than eager with <= 5 % of its memory;
 smollm2:8192 <= 0.3 s; a 96 x 96 region at 32,768 tokens <= 1 s; streaming <= 1.3x generate.
@@ -130,24 +131,39 @@ def text_of(loaded: LoadedModel, n: int) -> tuple[str, torch.Tensor]:
     return loaded.tokenizer.decode(ids[0].tolist()), ids
 
 
+def profiled(fn, title: str) -> None:
+    """One run of ``fn`` under torch's profiler: the kernels by GPU time, the host's time and the launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    print(f"# profile {title}: launches={launches}", flush=True)
+    print(events.table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60), flush=True)
+
+
 def stats_case(loaded: LoadedModel, shape: str, n: int, device: str, repeat: int, eager: bool,
-               warps: list[int] | None = None) -> None:
+               launches: list[str] | None = None, profile: bool = False) -> None:
     text, ids = text_of(loaded, n)
     ids = ids.to(device)
     sdpa_s, _ = timed(lambda: stock(loaded, "sdpa", ids), device, repeat)
-    before = os.environ.get("ATTNVIZ_KERNEL_WARPS")
-    for count in warps or []:  # the kernel at each warp count, against the same SDPA baseline
-        os.environ["ATTNVIZ_KERNEL_WARPS"] = str(count)
+    names = ("ATTNVIZ_KERNEL_TILE", "ATTNVIZ_KERNEL_WARPS", "ATTNVIZ_KERNEL_STAGES")
+    for choice in launches or []:  # the kernel at each launch choice, against the same SDPA baseline
+        before = {name: os.environ.get(name) for name in names}
+        os.environ.update(zip(names, choice.split(":")))
         try:
             seconds, peak = timed(lambda: capture(loaded, text, "fwd", Keep(statistics=True, pool=512)), device, repeat)
         finally:
-            if before is None:
-                os.environ.pop("ATTNVIZ_KERNEL_WARPS")
-            else:
-                os.environ["ATTNVIZ_KERNEL_WARPS"] = before
-        print(f"gpu warps shape={shape} n={n} warps={count} stats_s={seconds:.3f} sdpa_s={sdpa_s:.3f} "
+            for name, value in before.items():
+                os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+        print(f"gpu launch shape={shape} n={n} launch={choice} stats_s={seconds:.3f} sdpa_s={sdpa_s:.3f} "
               f"stats_vs_sdpa={seconds / sdpa_s:.2f} stats_peak_mb={peak:.0f}", flush=True)
     stats_s, peak = timed(lambda: capture(loaded, text, "fwd", Keep(statistics=True, pool=512)), device, repeat)
+    if profile:
+        profiled(lambda: capture(loaded, text, "fwd", Keep(statistics=True, pool=512)), f"stats {shape}:{n}")
+        profiled(lambda: stock(loaded, "sdpa", ids), f"sdpa {shape}:{n}")
     eager_s = "skipped"
     if eager:
         try:
@@ -204,8 +220,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--skip-eager", action="store_true", help="no eager output_attentions baseline")
-    parser.add_argument("--warps", type=int, nargs="*", choices=(4, 8),
-                        help="also time the statistics kernel at these warp counts (ATTNVIZ_KERNEL_WARPS)")
+    parser.add_argument("--profile", action="store_true", help="also print a profile of each statistics case")
+    parser.add_argument("--launch", nargs="*", help="also time the statistics kernel at these launch choices, each "
+                                                    "TILE:WARPS:STAGES (64x64:4:3; ATTNVIZ_KERNEL_TILE, _WARPS, _STAGES)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     print(f"# device={args.device} ({torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}) "
@@ -221,7 +238,7 @@ def main() -> None:
             models[shape] = build(shape, args.device, dtype)
         loaded = models[shape]
         if kind == "stats":
-            stats_case(loaded, shape, n, args.device, args.repeat, not args.skip_eager, args.warps)
+            stats_case(loaded, shape, n, args.device, args.repeat, not args.skip_eager, args.launch, args.profile)
         elif kind == "region":
             region_case(loaded, shape, n, args.device, args.repeat)
         else:

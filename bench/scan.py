@@ -8,6 +8,11 @@ logits of every position: what a perplexity reads) and ``scan`` runs the whole s
 ``scan model=<M> n=<N> layers=<L> forward_s=<s> scan_s=<s> ratio=<scan / ((2L + 1) forwards)>`` (the goal: ratio
 <= 0.75). The text is the first ``--n`` tokens of ``specialnames`` (Python's reference docs). Run it on a quiet
 machine: anything else running moves both sides.
+
+With ``--patching N`` it also times activation patching of the residual stream (every layer, every one of the
+first N positions: one batched, resumed forward a layer) from that text into the same text with its second token
+changed, against one plain forward of the N tokens: ``patching model=<M> n=<N> layers=<L> forward_s=<s>
+patching_s=<s> ratio=<patching / (L N forwards)>``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=313)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--device", default=None, help="cpu | cuda (default: as attnviz.load chooses)")
+    parser.add_argument("--patching", type=int, default=0, help="also time activation patching on this many tokens")
     args = parser.parse_args()
 
     import torch
@@ -54,6 +60,34 @@ def main() -> None:
     L = lm.n_layers
     print(f"scan model={args.model} device={lm.model.device} n={tensor.shape[1]} layers={L} forward_s={forward_s:.3f} "
           f"scan_s={scan_s:.2f} ratio={scan_s / ((2 * L + 1) * forward_s):.2f}")
+    if args.patching:
+        patching_case(lm, args.model, ids[:args.patching], args.repeat)
+
+
+def patching_case(lm, model: str, ids: list[int], repeat: int) -> None:
+    import torch
+
+    from attnviz import corpus
+    from attnviz.effects.patching import patching
+
+    clean = corpus.text_of(lm.tokenizer, ids)
+    corrupted = corpus.text_of(lm.tokenizer, ids[:1] + [ids[1] + 1] + ids[2:])
+    tensor = ids_on(lm.model, lm.tokenizer(clean)["input_ids"])
+
+    def plain():
+        with torch.inference_mode():
+            lm.model(tensor)
+
+    def patched():
+        patching(lm, clean, corrupted, site="resid", metric=lambda logits: logits[:, 0])
+
+    plain()
+    patched()
+    forward = statistics.median(timed(lm.model, plain) for _ in range(repeat))
+    seconds = statistics.median(timed(lm.model, patched) for _ in range(repeat))
+    n, L = tensor.shape[1], lm.n_layers
+    print(f"patching model={model} device={lm.model.device} n={n} layers={L} forward_s={forward:.4f} "
+          f"patching_s={seconds:.3f} ratio={seconds / (L * n * forward):.3f}")
 
 
 if __name__ == "__main__":

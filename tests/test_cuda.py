@@ -128,13 +128,23 @@ def test_every_fused_layer_gets_its_log_sum_exp_from_the_attention_kernel(spec, 
 
 
 @pytest.mark.parametrize("arch", ["fwd", "mask0-bidir(k=2)", "sliding(w=5)*3"])
-def test_routes_on_cuda_equal_routes_on_the_cpu(arch):
-    """Contributions on the GPU run torch's path (the compiled loop is the CPU's): every layer's contributions equal
-    the CPU's, which the CPU tests hold to the written-out definition (docs/methods.md#contributions)."""
-    from attnviz.flow import trace
+def test_routes_on_cuda_equal_routes_on_the_cpu(arch, monkeypatch):
+    """Contributions on the GPU run one Triton pass a layer (the compiled loop is the CPU's) and keep their entries on
+    the device: every layer's contributions equal the CPU's, which the CPU tests hold to the written-out definition
+    (docs/methods.md#contributions), at floor 0 and at the default floor (the kept entries alike)."""
+    from attnviz.flow import contributions, trace
 
+    calls = []
+    real = contributions.attention_raw_triton
+    monkeypatch.setattr(contributions, "attention_raw_triton", lambda *a: calls.append(1) or real(*a))
     cpu = trace(_on("llama", "cpu", torch.float32), TEXT, arch, floor=0.0)
     gpu = trace(_on("llama", "cuda", torch.float32), TEXT, arch, floor=0.0)
+    assert len(calls) == len(gpu.layers)
+    cpu_kept = trace(_on("llama", "cpu", torch.float32), TEXT, arch)
+    gpu_kept = trace(_on("llama", "cuda", torch.float32), TEXT, arch)
+    for a, b in zip(cpu_kept.layers, gpu_kept.layers):
+        np.testing.assert_array_equal(a.sum_index, b.sum_index)
+        np.testing.assert_allclose(a.attn_weight, b.attn_weight, atol=1e-4)
     for a, b in zip(cpu.layers, gpu.layers):
         np.testing.assert_allclose(a.dense(cpu.n_heads, cpu.n_tokens), b.dense(gpu.n_heads, gpu.n_tokens), atol=1e-4)
         np.testing.assert_allclose(a.attn_residual, b.attn_residual, atol=1e-4)
@@ -150,15 +160,21 @@ def test_the_deep_pages_run_in_bfloat16_on_cuda_as_on_the_cpu(kind):
     half_agrees(_on(kind, "cpu", torch.float32), _on(kind, "cuda", torch.bfloat16), TEXT)
 
 
+@pytest.mark.parametrize("stages", ["2", "4"])
+@pytest.mark.parametrize("tile", [(64, 64), (128, 64), (64, 128), (128, 128)], ids=["64x64", "128x64", "64x128",
+                                                                                   "128x128"])
 @pytest.mark.parametrize("warps", ["4", "8"])
 @pytest.mark.parametrize("one_pass", [True, False], ids=["lse", "two-pass"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "packed"])
-def test_the_fused_kernel_at_either_warp_count_gives_the_definitions_on_cuda(causal, one_pass, warps, monkeypatch):
-    """The kernel compiled for this GPU at 4 and at 8 warps, bf16, at its launch geometry (full tiles below
-    the diagonal, each tile pooled to one cell), against the sums of the full probabilities."""
+def test_the_fused_kernel_at_either_warp_count_gives_the_definitions_on_cuda(causal, one_pass, warps, tile, stages,
+                                                                             monkeypatch):
+    """The kernel compiled for this GPU at 4 and at 8 warps, every tile and pipeline depth a GPU's measured launch
+    may take (attnviz.core.kernel.kernels.TUNED), bf16, full tiles below the diagonal, against the sums of the full
+    probabilities."""
     from tiny import long_kernel_case
 
     monkeypatch.setenv("ATTNVIZ_KERNEL_WARPS", warps)
-    got, expected = long_kernel_case("cuda", torch.bfloat16, causal, one_pass)
+    monkeypatch.setenv("ATTNVIZ_KERNEL_STAGES", stages)
+    got, expected = long_kernel_case("cuda", torch.bfloat16, causal, one_pass, tile)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, atol=1e-3, rtol=2e-3, msg=name)

@@ -349,15 +349,16 @@ def test_a_row_with_no_key_gives_zeros_not_nan():
     torch.testing.assert_close(raw["rowsum"][:, :5], torch.ones(H, 5), atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("tile", [(64, 64), (128, 64), (64, 128)], ids=["64x64", "128x64", "64x128"])
 @pytest.mark.parametrize("one_pass", [True, False], ids=["lse", "two-pass"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "packed"])
-def test_the_launch_geometry_in_half_precision_gives_the_definitions(causal, one_pass):
-    """The kernel's own 64 x 64 tiles, float16 inputs and head dim 128 over 600 keys: full tiles below the
-    diagonal, a partial last block, each tile pooled to one cell (a factor of 64, as at 32,768 tokens on a
-    512-cell map), with the attention kernel's log-sum-exp (what a GPU launches) and without. (Triton's
+def test_the_launch_geometry_in_half_precision_gives_the_definitions(causal, one_pass, tile):
+    """The kernel's 64 x 64 tiles (and the larger ones a GPU's measured launch may take: a tile then spans two
+    pooled cells), float16 inputs and head dim 128 over 600 keys: full tiles below the diagonal, a partial last
+    block, each 64 x 64 tile pooled to one cell (a factor of 64, as at 32,768 tokens on a 512-cell map), with the attention kernel's log-sum-exp (what a GPU launches) and without. (Triton's
     interpreter multiplies bfloat16 as raw bits, so bfloat16 is checked on a GPU: tests/test_cuda.py.)"""
     from tiny import long_kernel_case
 
-    got, expected = long_kernel_case("cpu", torch.float16, causal, one_pass)
+    got, expected = long_kernel_case("cpu", torch.float16, causal, one_pass, tile)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, atol=2e-5, rtol=2e-5, msg=name)

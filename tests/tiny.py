@@ -174,8 +174,9 @@ def half_agrees(reference: LoadedModel, half: LoadedModel, text: str) -> None:
     assert drops[1] == pytest.approx(drops[0], abs=0.05)
 
 
-def long_kernel_case(device: str, dtype: torch.dtype, causal: bool, one_pass: bool = True) -> tuple[dict, dict]:
-    """The fused statistics kernel at its launch geometry (64 x 64 tiles, head dim 128, grouped queries) on
+def long_kernel_case(device: str, dtype: torch.dtype, causal: bool, one_pass: bool = True,
+                     tile: tuple[int, int] = (64, 64)) -> tuple[dict, dict]:
+    """The fused statistics kernel at a launch geometry (``tile``: 64 x 64 by default; head dim 128, grouped queries) on
     600 causal keys (a partial last block) with a factor-64 pooled map (one cell a tile), given every row's
     log-sum-exp (``one_pass``, as the attention kernel gives it) or finding it; and the same sums computed in
     float64 from the full probabilities: (kernel's, expected), float64 on the CPU, keyed alike."""
@@ -190,12 +191,12 @@ def long_kernel_case(device: str, dtype: torch.dtype, causal: bool, one_pass: bo
     allow = torch.ones(n, n, dtype=torch.bool).tril()
     delim = (torch.arange(n) % 9 == 4).float()
     factor = pool_factor(n, cells)
-    assert factor == kernels.BLOCK_M == kernels.BLOCK_N
+    assert factor == kernels.BLOCK_M == kernels.BLOCK_N  # one cell a default tile; larger tiles span cells
     scores = (q.double() @ k.double().repeat_interleave(heads // kv_heads, 0).transpose(-1, -2)) * dim ** -0.5
     lse = torch.logsumexp(scores.masked_fill(~allow, float("-inf")), -1).float().to(device) if one_pass else None
     raw = kernels.layer_statistics(q.to(device), k.to(device), None if causal else allow.to(device),
-                                   allowsets._block_ranges(allow[None, None], kernels.BLOCK_M), dim ** -0.5,
-                                   delim.to(device), factor, (cells, cells), causal=causal, lse=lse)
+                                   allowsets._block_ranges(allow[None, None], tile[0]), dim ** -0.5,
+                                   delim.to(device), factor, (cells, cells), causal=causal, lse=lse, block=tile)
     probs = torch.softmax(scores.masked_fill(~allow, float("-inf")), -1)
     side = cells * factor  # padded with zero probabilities to whole cells (a maximum of probabilities is >= 0)
     padded = torch.nn.functional.pad(probs, (0, side - n, 0, side - n))

@@ -86,7 +86,47 @@ def attention_raw(y: torch.Tensor, probs: torch.Tensor, value: torch.Tensor, w_o
     compiled loop (:mod:`attnviz.flow.kernel`) where numba is installed; elsewhere, :func:`attention_raw_torch`."""
     if _compiled(y) is not None:
         return attention_raw_compiled(y, probs, value, w_out, c)
+    if on_gpu(y):  # looked up at the call: the tests route a CPU tensor here, through Triton's interpreter
+        return attention_raw_triton(y, probs, value, w_out, c)
     return attention_raw_torch(y, probs, value, w_out, c)
+
+
+def on_gpu(tensor: torch.Tensor) -> bool:
+    """Whether routes take the GPU's one-pass route for ``tensor``: a CUDA tensor with Triton installed (ROCm and
+    other devices keep the torch path), unless ``ATTNVIZ_FUSED=0`` switches the kernels off."""
+    import os
+
+    from attnviz.core.kernel import kernels
+
+    return (tensor.device.type == "cuda" and not getattr(torch.version, "hip", None) and kernels.available()
+            and os.environ.get("ATTNVIZ_FUSED", "") != "0")
+
+
+ROUTE_TILE = (32, 32, 8)  # queries, keys and stream dimensions a program of the routes kernel takes at once
+ROUTE_SKIP = True  # skip the blocks of dimensions no key can pass (off: the cost on any weights, bench/routes.py)
+
+
+@torch.no_grad()
+def attention_raw_triton(y, probs, value, w_out, c) -> torch.Tensor:
+    """:func:`attention_raw` as one Triton pass over the layer (:mod:`attnviz.flow._triton_routes`): the linear part
+    is one batched matrix product, then each (head, query, key) tile is weighted and corrected in registers, no
+    host wait and nothing (n_q, n_kv, D) in memory. A CUDA device's route; on a CPU it runs in Triton's interpreter
+    (the tests)."""
+    from attnviz.flow._triton_routes import raw_tile
+
+    n_heads, n_q, n_kv = probs.shape
+    group = n_heads // value.shape[0]
+    v = (value.repeat_interleave(group, 0) if group > 1 else value).float()  # (H, n_kv, d)
+    w_out = w_out.float()
+    sign = torch.where(y >= 0, 1.0, -1.0).float().contiguous()
+    raw = torch.matmul(torch.matmul(sign, w_out), v.transpose(1, 2)).contiguous()  # (s_i · W̃ v_j), then in place
+    written = torch.matmul(w_out, v.transpose(1, 2)).contiguous()  # (H, D, n_kv): W̃ v_j by dimension
+    hi, lo = written.amax(2).contiguous(), written.amin(2).contiguous()
+    bm, bn, bd = ROUTE_TILE
+    raw_tile[(n_heads, -(-n_q // bm), -(-n_kv // bn))](
+        raw, raw, probs.float().contiguous(), c.float().contiguous(), written, sign, y.abs().float().contiguous(),
+        hi, lo, n_q, n_kv, y.shape[1], BM=bm, BN=bn, BD=bd, SKIP=ROUTE_SKIP, num_warps=4)
+    return raw
 
 
 def _kernel():

@@ -8,6 +8,7 @@ residual stream stay.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -17,10 +18,12 @@ import torch
 from attnviz.core.model import anatomy as anatomy_mod
 from attnviz.core import engine
 from attnviz.core.model import precision
+from attnviz.core.model.devices import HostCopy
 from attnviz.core.engine import sites
 from attnviz.core.model.modules import output_projection
 from attnviz.core.record.recorders import Recorder
 from attnviz.errors import InputError
+from attnviz.flow import contributions
 from attnviz.flow.contributions import attention_raw, kept_entries, normalised, proximity, raw_part
 
 FLOOR = 0.005  # contributions below it are not kept (a graph's threshold may not go below it)
@@ -132,6 +135,22 @@ def _close(a: torch.Tensor, b: torch.Tensor, tolerance: float, slack: "torch.Ten
 DIRECTIONS = 8  # random directions the heads' outputs are compared along when no intervention ran
 
 
+def _nonzero(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
+    """The indices of ``mask``'s ``count`` true entries, one tensor a dimension: sized in advance, so the device is
+    not waited for a second time (``nonzero`` waits to learn the count); a torch without it for this device, as
+    ``nonzero``."""
+    try:
+        return torch.nonzero_static(mask, size=count).unbind(1)
+    except (NotImplementedError, RuntimeError):
+        return torch.nonzero(mask, as_tuple=True)
+
+
+@functools.cache
+def _directions(d: int, device: torch.device) -> torch.Tensor:
+    """(d, DIRECTIONS) fixed random directions on ``device``, made once (not a copy to the device a layer)."""
+    return torch.randn(d, DIRECTIONS, generator=torch.Generator().manual_seed(0)).to(device)
+
+
 def _made(probs: torch.Tensor, value: torch.Tensor, z: torch.Tensor, tolerance: float, exact: bool) -> torch.Tensor:
     """(n, H): each head's output ``z`` (n, H, d) is its probabilities times its values (H, n_kv, d).
 
@@ -141,8 +160,7 @@ def _made(probs: torch.Tensor, value: torch.Tensor, z: torch.Tensor, tolerance: 
     the tolerance agrees along all eight only by chance (never seen: each agreement is a few-in-a-thousand event)."""
     if exact:
         return _close(torch.einsum("hqk,hkd->qhd", probs, value), z, tolerance)
-    gen = torch.Generator().manual_seed(0)
-    r = torch.randn(value.shape[-1], DIRECTIONS, generator=gen).to(value)
+    r = _directions(value.shape[-1], value.device)
     made = torch.einsum("hqk,hkr->qhr", probs, value @ r)
     scale = z.norm(dim=-1).clamp(min=1e-6) * r.norm(dim=0).amax()
     return (z @ r - made).abs().amax(-1) <= tolerance * scale
@@ -180,10 +198,31 @@ class _Layer:
         def fn(value):
             self.seen[name] = value[0].detach().float()
             if name == "x" and self.layer.index == 0:
-                self.tracer.streams.append(self.seen["x"].cpu())
+                self.tracer.streams.append(HostCopy(self.seen["x"][None]))
             if then is not None:
                 then()
         return fn
+
+    def check(self, flags, probs, value, z, x, y, written, slack) -> None:
+        """Refuse the layer, in words, where its write cannot be split by source token: without an intervention,
+        its heads' outputs must be their probabilities times their values and the stream after it its input plus
+        its write. ``flags`` the device's (all heads made, all rows close, ...) read once."""
+        heads_all, rows_all = flags[:2]
+        tracer, L = self.tracer, self.layer
+        if tracer.intervened or (heads_all and rows_all):
+            return
+        n_heads = self.n_heads
+        d = value.shape[-1]
+        group = n_heads // value.shape[0]
+        what = ("its heads' outputs are not their probabilities times their values" if not heads_all
+                else "the stream after it is not its input plus its write")
+        missed = float(_miss(y - x, written, slack).max()) if heads_all else float(
+            _miss(torch.einsum("hqk,hkd->qhd", probs, value.repeat_interleave(group, 0)),
+                  z.view(z.shape[0], n_heads, d)).max())
+        raise InputError(f"routes: {tracer.family} layer {L.index}: the attention's write is not the sum of its "
+                         f"heads' weighted values ({what}: off by {missed:.3g} of a row's size, limit "
+                         f"{tracer.tolerance:.3g} in {precision.name(tracer.dtype)}), so it cannot be split by "
+                         f"source token")
 
     @torch.no_grad()
     def reduce(self) -> None:
@@ -218,28 +257,32 @@ class _Layer:
         slack = precision.stream_rounding(tracer.dtype, torch.maximum(x.abs().amax(-1), y.abs().amax(-1)))
         rows_ok = _close(y - x, written, tol, slack)
         keep = heads_ok & rows_ok[:, None]  # (n, H)
-        # one read from the device for every flag the host needs (each read waits for the device)
-        heads_all, rows_all, dropped = torch.stack((heads_ok.all(), rows_ok.all(), (~keep).sum())).tolist()
-        if not tracer.intervened and not (heads_all and rows_all):
-            what = ("its heads' outputs are not their probabilities times their values" if not heads_all
-                    else "the stream after it is not its input plus its write")
-            missed = float(_miss(y - x, written, slack).max()) if heads_all else float(
-                _miss(torch.einsum("hqk,hkd->qhd", probs, value.repeat_interleave(group, 0)),
-                      z.view(z.shape[0], n_heads, d)).max())
-            raise InputError(f"routes: {tracer.family} layer {L.index}: the attention's write is not the sum of its "
-                             f"heads' weighted values ({what}: off by {missed:.3g} of a row's size, limit {tol:.3g} in "
-                             f"{precision.name(tracer.dtype)}), so it cannot be split by source token")
-        raw = attention_raw(y, probs if not dropped else probs * keep.T[:, :, None], value, per_head, c)
+        if tracer.intervened:  # (query, head) outputs it replaced take no token edges (all kept: a product by 1)
+            probs = probs * keep.T[:, :, None]
+        raw = attention_raw(y, probs, value, per_head, c)  # on a GPU one Triton pass, no wait
         raw_residual = raw_part(x, y)
         total = raw.sum((0, 2)) + raw_residual
         inv = normalised(torch.ones_like(total), total)  # 1 / total, 0 for a zero stream
         residual = raw_residual * inv
-        index, weight, sum_index, sum_weight = kept_entries(raw, inv, tracer.floor)
         mlp = proximity(torch.stack((out - y, y)), out)
-        shares = torch.stack((residual, mlp[0], mlp[1])).cpu().numpy()  # one copy to the host, not three
-        tracer.layers.append(LayerFlow(shares[0], index, weight, sum_index, sum_weight, shares[1], shares[2],
-                                       L.parallel, int(dropped)))
-        tracer.streams += list(torch.stack((y, out)).cpu())
+        shares = HostCopy(torch.stack((residual, mlp[0], mlp[1])))  # one copy to the host, not three
+        streams = HostCopy(torch.stack((y, out)))
+        if not contributions.on_gpu(raw):  # on the CPU the compiled pass keeps the entries
+            flags = torch.stack((heads_ok.all(), rows_ok.all(), (~keep).sum())).tolist()
+            self.check(flags, probs, value, z, x, y, written, slack)
+            kept = kept_entries(raw, inv, tracer.floor)
+        else:  # the device keeps them; one read from it a layer: the checks' flags and how many entries are kept
+            heads = raw.mul_(inv[None, :, None])
+            summed = heads.sum(0)
+            over, sum_over = heads >= tracer.floor, summed >= tracer.floor
+            flags = torch.stack((heads_ok.all(), rows_ok.all(), (~keep).sum(), over.sum(), sum_over.sum())).tolist()
+            self.check(flags, probs, value, z, x, y, written, slack)
+            h, i, j = _nonzero(over, int(flags[3]))
+            si, sj = _nonzero(sum_over, int(flags[4]))
+            kept = (HostCopy(torch.cat((torch.stack((i, j, h), 1).flatten(), torch.stack((si, sj), 1).flatten())).int()),
+                    HostCopy(torch.cat((heads[h, i, j], summed[si, sj]))), int(flags[3]))
+        tracer.pending.append((kept, shares, int(flags[2])))
+        tracer.streams.append(streams)
         self.seen = {}
 
 
@@ -254,8 +297,21 @@ class _Tracer:
         # (docs/methods.md#devices)
         self.tolerance = max(1e-3, precision.decomposition_tolerance(self.dtype))
         self.recorded: dict = {}
-        self.layers: list[LayerFlow] = []
-        self.streams: list[torch.Tensor] = []
+        self.pending: list[tuple] = []  # each layer's results on their way to the host
+        self.streams: list[HostCopy] = []  # (1, n, D) the first layer's input, then (2, n, D) each layer's streams
+
+    def landed(self, parallel: list[bool]) -> tuple[list[LayerFlow], np.ndarray]:
+        """Every layer's results on the host, waited for once after the forward."""
+        layers = []
+        for (kept, shares, dropped), par in zip(self.pending, parallel):
+            if isinstance(kept[0], HostCopy):
+                indices, weights, k = kept[0].result(), kept[1].result(), kept[2]
+                kept = indices[:3 * k].reshape(k, 3), weights[:k], indices[3 * k:].reshape(-1, 2), weights[k:]
+            index, weight, sum_index, sum_weight = kept
+            shares = shares.result()
+            layers.append(LayerFlow(shares[0], index, weight, sum_index, sum_weight, shares[1], shares[2], par,
+                                    dropped))
+        return layers, np.concatenate([s.result() for s in self.streams])
 
 
 def trace(loaded, text: str, recipe="fwd", max_tokens: int | None = None, on_layer=None,
@@ -287,7 +343,7 @@ def trace(loaded, text: str, recipe="fwd", max_tokens: int | None = None, on_lay
     n = len(ids)
     windows = [layer.window for layer in tracer.anatomy.layers]
     sinks = engine.sink_keys(built.architecture.layers, n, windows)
-    streams = torch.stack(tracer.streams).numpy()
-    return Flow(tokens, list(ids), built.recipe, built.architecture.spec, loaded.n_heads, sinks, tracer.layers,
+    flows, streams = tracer.landed([layer.parallel for layer in tracer.anatomy.layers])
+    return Flow(tokens, list(ids), built.recipe, built.architecture.spec, loaded.n_heads, sinks, flows,
                 streams, floor, meta={"model": loaded.model_id, "seconds": time.perf_counter() - started,
                                       "n_layers": loaded.n_layers})

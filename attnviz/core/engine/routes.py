@@ -105,11 +105,12 @@ def _fused_layer(run, layer: int, recs, query, key, value, allow, scaling: float
     needs: dict = {}
     for recorder in recs:
         needs.update(recorder.fused_needs(run, layer))
-    if plain_causal:  # nothing n_q x n_kv: a block of rows q0.. sees keys 0 .. q0 + BLOCK_M - 1
-        ends = torch.arange(kernels.BLOCK_M, n_q + kernels.BLOCK_M, kernels.BLOCK_M, device=query.device)
+    bm, bn = kernels.launch(query.device, query.dtype == torch.float32)[:2]  # the tile this GPU runs best
+    if plain_causal:  # nothing n_q x n_kv: a block of rows q0.. sees keys 0 .. q0 + bm - 1
+        ends = torch.arange(bm, n_q + bm, bm, device=query.device)
         ranges = torch.stack([torch.zeros_like(ends), ends.clamp(max=n_kv)], dim=-1).to(torch.int32)
     else:
-        ranges = allow.range_tensor(kernels.BLOCK_M)
+        ranges = allow.range_tensor(bm)
     layout = allow.layout()
     factor = pooled_shape = None
     if needs.get("pool"):
@@ -122,7 +123,7 @@ def _fused_layer(run, layer: int, recs, query, key, value, allow, scaling: float
     raw = kernels.layer_statistics(query[0], key[0], None if plain_causal else allow.bits(), ranges,
                                    scaling, delim[-n_kv:], factor, pooled_shape,
                                    needs.get("value_norms"), scores=bool(needs.get("scores")), causal=plain_causal,
-                                   lse=None if lse is None else lse[0])
+                                   lse=None if lse is None else lse[0], block=(bm, bn))
     for recorder in recs:
         recorder.fused(run, layer, raw, layout)
         recorder.finish(run, layer)

@@ -41,20 +41,22 @@ def tile_loops(sass: str) -> list[dict]:
 
 def resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, pool: bool = True,
               value: bool = False, scores: bool = False, causal: bool = True, granularity: int = 16,
-              num_warps: int | None = None, lse: bool = True, whole: bool = True, aligned: bool = True) -> dict:
+              num_warps: int | None = None, lse: bool = True, whole: bool = True, aligned: bool = True,
+              tile: tuple[int, int] | None = None, num_stages: int | None = None) -> dict:
     """One variant of :func:`attnviz.core.kernel.kernels.compiled_resources`, in this process; ``num_warps`` None:
     what :func:`attnviz.core.kernel.kernels.num_warps` launches on a GPU of that capability. ``aligned`` False: the variant
-    a text whose length is not a multiple of 16 launches (only the pointers and the head dimension's strides are)."""
+    a text whose length is not a multiple of 16 launches (only the pointers and the head dimension's strides are).
+    ``tile`` (BM, BN) and ``num_stages``: a launch choice of :data:`attnviz.core.kernel.kernels.TUNED` (default: the
+    kernel's 64 x 64 and Triton's default stages)."""
     if num_warps is None:
         num_warps = kernels.warps_for(capability, dtype == "fp32")
     import triton
-    from triton import knobs
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
     kernel = kernels._kernel()
-    constants = kernels._constants(kernels.BLOCK_M, kernels.BLOCK_N, head_dim, dtype == "fp32", granularity, pool,
+    bm, bn = tile or (kernels.BLOCK_M, kernels.BLOCK_N)
+    constants = kernels._constants(bm, bn, head_dim, dtype == "fp32", granularity, pool,
                                    value, scores, causal, lse, whole)
     pointers = {"q_ptr": dtype, "k_ptr": dtype, "allow_ptr": "i32", "ranges_ptr": "i32"}
     signature = {name: "constexpr" if name in constants else
@@ -63,8 +65,36 @@ def resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, po
     aligned_ints = ALIGNED if aligned else {"dim", "stride_qh", "stride_qn", "stride_kh", "stride_kn"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
              if name not in constants and (name.endswith("_ptr") or name in aligned_ints)}
+    options = {"num_warps": num_warps, **({} if num_stages is None else {"num_stages": num_stages})}
     compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", capability, 32),
-                              options={"num_warps": num_warps})
+                              options=options)
+    return _read(compiled, capability, num_warps)
+
+
+def routes_resources(capability: int = 90) -> dict:
+    """The routes kernel (:mod:`attnviz.flow._triton_routes`) compiled ahead of time for an NVIDIA GPU of
+    ``capability``, at its launch's tile: what ptxas allocates, as :func:`resources` reads it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from attnviz.flow import contributions
+    from attnviz.flow._triton_routes import raw_tile
+
+    bm, bn, bd = contributions.ROUTE_TILE
+    constants = {"BM": bm, "BN": bn, "BD": bd, "SKIP": contributions.ROUTE_SKIP}
+    signature = {name: "constexpr" if name in constants else "*fp32" if name.endswith("_ptr") else "i32"
+                 for name in raw_tile.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(raw_tile.arg_names) if name.endswith("_ptr")}
+    compiled = triton.compile(ASTSource(raw_tile, signature, constants, attrs), target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": 4})
+    return _read(compiled, capability, 4)
+
+
+def _read(compiled, capability: int, num_warps: int) -> dict:
+    from triton import knobs
+    from triton.backends.nvidia.compiler import get_ptxas
+
     arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")

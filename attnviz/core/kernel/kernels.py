@@ -72,10 +72,37 @@ def num_warps(device: torch.device, fp32: bool) -> int:
     setting = os.environ.get("ATTNVIZ_KERNEL_WARPS", "")
     if setting in ("4", "8"):
         return int(setting)
+    capability = _capability(device)
+    return NUM_WARPS if capability is None else warps_for(capability, fp32)
+
+
+def _capability(device: torch.device) -> int | None:
     if device.type == "cuda" and not getattr(torch.version, "hip", None):
         major, minor = torch.cuda.get_device_capability(device)
-        return warps_for(10 * major + minor, fp32)
-    return NUM_WARPS
+        return 10 * major + minor
+    return None
+
+
+#: Measured choices per GPU (compute capability, half precision): (query rows, keys a tile, pipeline stages of the
+#: K loads). Filled from ``python bench/kernel_sweep.py`` on the card (docs/gpu.md); a GPU not listed, fp32 and the
+#: CPU's interpreter keep (BLOCK_M, BLOCK_N) and Triton's default stages.
+TUNED: dict[int, tuple[int, int, int]] = {}
+
+
+def launch(device: torch.device, fp32: bool) -> tuple[int, int, int, int | None]:
+    """(BM, BN, warps, stages) of the statistics kernel on ``device``: :data:`TUNED` where the card is listed,
+    else the defaults; ``ATTNVIZ_KERNEL_TILE=BMxBN``, ``ATTNVIZ_KERNEL_WARPS`` and ``ATTNVIZ_KERNEL_STAGES`` override
+    each (how bench/kernel_sweep.py times the choices)."""
+    bm, bn, stages = BLOCK_M, BLOCK_N, None
+    capability = _capability(device)
+    if capability in TUNED and not fp32:
+        bm, bn, stages = TUNED[capability]
+    tile = os.environ.get("ATTNVIZ_KERNEL_TILE", "")
+    if tile:
+        bm, bn = (int(x) for x in tile.lower().split("x"))
+    if os.environ.get("ATTNVIZ_KERNEL_STAGES", ""):
+        stages = int(os.environ["ATTNVIZ_KERNEL_STAGES"])
+    return bm, bn, num_warps(device, fp32), stages
 
 
 def available() -> bool:
@@ -224,7 +251,7 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor | None, ranges: torch.Tensor,
                      scaling: float, delim: torch.Tensor, pool_factor: int | None = None,
                      pooled_shape: tuple[int, int] | None = None, norms: torch.Tensor | None = None,
-                     scores: bool = False, block: tuple[int, int] = (BLOCK_M, BLOCK_N),
+                     scores: bool = False, block: tuple[int, int] | None = None,
                      causal: bool = False, lse: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Raw per-row, per-column and pooled sums of one layer (batch of one) on the layer's device.
 
@@ -232,7 +259,8 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     :func:`pack_allow` (ignored, may be None,
     with ``causal``: the plain causal mask with queries at the last n_q positions, computed inside the
     kernel from the indices instead of read from n_q x n_kv bytes; square only), ``ranges`` the
-    (blocks, 2) key range of every block of ``block[0]`` query rows (the engine's ``_block_ranges``),
+    (blocks, 2) key range of every block of ``block[0]`` query rows (the engine's ``_block_ranges``; ``block``
+    None: :func:`launch`'s tile for the device),
     ``delim`` (n_kv,) delimiter flags, ``norms`` (H, n_kv) value norms for pooled A·‖W_O v‖, ``lse`` (H, n_q)
     every row's log-sum-exp of its scaled allowed scores (natural log, float32) when the forward's attention
     computed it (:func:`attention_with_lse`): the kernel then passes over QKᵀ once instead of twice.
@@ -240,10 +268,12 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     ``colsum`` (H, n_kv) and, with a pool, ``pooled`` (and ``pooled_value`` / ``pooled_scores``)
     (H, rows, cols), NaN-free: cells no query may see hold 0 (-inf for scores).
     """
-    bm, bn = block
     heads, n_q, dim = query.shape
     n_kv = key.shape[1]
     device = query.device
+    bm, bn, warps, stages = launch(device, query.dtype == torch.float32)
+    if block is not None:
+        bm, bn = block
     f32 = {"dtype": torch.float32, "device": device}
     query, key = query.contiguous(), key.contiguous()
     out = {name: torch.zeros(heads, n_q, **f32) for name in ("rowsum", "plogp", "diag", "key0", "delim")}
@@ -277,7 +307,7 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         **_constants(bm, bn, dim, query.dtype == torch.float32, g, pool, norms is not None, scores, causal,
                      lse is not None, whole),
-        num_warps=num_warps(device, query.dtype == torch.float32))
+        num_warps=warps, **({} if stages is None else {"num_stages": stages}))
     if pool:
         out["pooled"] = pooled
         if norms is not None:
@@ -292,7 +322,8 @@ def compiled_resources(*variants: dict) -> list[dict]:
     variant: ``registers`` a thread, ``spill_stores`` / ``spill_loads`` bytes a thread, ``shared``
     bytes a program. A variant names ``capability`` (90: H100/H200, 80: A100), ``dtype`` ("bf16",
     "fp16", "fp32"), ``head_dim`` and optionally ``pool``, ``value``, ``scores``, ``causal``,
-    ``granularity``, ``whole``, ``num_warps``, ``lse`` (defaults: what a 512-px statistics capture of a
+    ``granularity``, ``whole``, ``num_warps``, ``lse``, ``tile`` (BM, BN), ``num_stages``, or ``routes`` (True: the
+    routes kernel of attnviz.flow._triton_routes instead, at its tile) (defaults: what a 512-px statistics capture of a
     causal model launches at 32,768 tokens). Each dict also gives ``tile_instructions``: the SASS
     instructions a thread runs for one tile in each tile loop, in the kernel's order (a causal kernel's
     full tiles, then its masked ones). Where the kernel is bound by its arithmetic, as it is at long
@@ -310,8 +341,9 @@ def compiled_resources(*variants: dict) -> list[dict]:
     root = str(Path(__file__).resolve().parents[3])  # the folder that holds the attnviz package
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    code = ("import json, sys; from attnviz.core.kernel._kernel_build import resources; "
-            "print(json.dumps([resources(**v) for v in json.loads(sys.argv[1])]))")
+    code = ("import json, sys; from attnviz.core.kernel._kernel_build import resources, routes_resources; "
+            "print(json.dumps([routes_resources(v.get('capability', 90)) if v.get('routes') else resources(**v) "
+            "for v in json.loads(sys.argv[1])]))")
     done = subprocess.run([sys.executable, "-c", code, json.dumps(variants)], env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"compiling the kernel failed:\n{done.stderr[-4000:]}")
