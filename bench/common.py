@@ -37,3 +37,17 @@ def timed(model, fn) -> float:
     fn()
     sync(model)
     return time.perf_counter() - start
+
+
+def profiled(fn, title: str, rows: int = 18) -> None:
+    """One run of ``fn`` under torch's profiler on a GPU: its kernels by GPU time, the host's time and the launches."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    print(f"# profile {title}: launches={launches}", flush=True)
+    print(events.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60), flush=True)

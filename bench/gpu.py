@@ -44,6 +44,7 @@ from attnviz import regions
 from attnviz.capture import capture
 from attnviz.plan import Keep
 from attnviz.core.loading.models import LoadedModel
+from common import profiled
 
 SHAPES = {  # (layers, heads, kv heads, hidden, intermediate, vocab, max positions)
     "smollm2": dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
@@ -129,19 +130,6 @@ def text_of(loaded: LoadedModel, n: int) -> tuple[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(n)
     ids = torch.randint(0, loaded.tokenizer.vocab, (1, n), generator=generator)
     return loaded.tokenizer.decode(ids[0].tolist()), ids
-
-
-def profiled(fn, title: str) -> None:
-    """One run of ``fn`` under torch's profiler: the kernels by GPU time, the host's time and the launches."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
-    print(f"# profile {title}: launches={launches}", flush=True)
-    print(events.table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60), flush=True)
 
 
 def stats_case(loaded: LoadedModel, shape: str, n: int, device: str, repeat: int, eager: bool,

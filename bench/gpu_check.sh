@@ -15,15 +15,16 @@ step card; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" >>"$log" 2>&1
 step model; python3 bench/random_model.py .gpu/smol /tmp/smol --dtype float32 >>"$log" 2>&1
 step tests; timeout "${TESTS_S:-100}" python3 -m pytest -m cuda tests/test_cuda.py -q -n 8 -p no:cacheprovider 2>&1 | tail -15 >>"$log"
-step sweep; timeout "${SWEEP_S:-80}" python3 bench/kernel_sweep.py --tiles 64x64 128x64 64x128 --stages 2 3 >"$out/sweep.log" 2>&1; tail -3 "$out/sweep.log" >>"$log"
+step sweep; timeout "${SWEEP_S:-80}" python3 bench/kernel_sweep.py --tiles 64x64 128x64 --warps 4 --stages 3 4 5 >"$out/sweep.log" 2>&1; tail -3 "$out/sweep.log" >>"$log"
 best=$(sed -n 's/^best tile=\([0-9x]*\) warps=\([0-9]*\) stages=\([0-9]*\).*/\1:\2:\3/p' "$out/sweep.log")
 step "stats (best launch: ${best:-none})"
 timeout "${STATS_S:-110}" python3 bench/gpu.py --case llama8b:32768 --case llama8b:4096 --case smollm2:4096 --skip-eager \
   --repeat 3 ${best:+--launch $best} >>"$log" 2>&1
-step profile; timeout 35 python3 bench/gpu.py --case smollm2:4096 --skip-eager --repeat 1 --profile >"$out/profile.log" 2>&1
+step profile; timeout 40 python3 bench/gpu.py --case smollm2:4096 --skip-eager --repeat 1 --profile >"$out/profile.log" 2>&1
+timeout 50 python3 bench/gpu.py --case llama8b:32768 --skip-eager --repeat 1 --profile >>"$out/profile.log" 2>&1
 for dtype in float32 bfloat16; do
   step "routes $dtype"; timeout 35 python3 bench/routes.py --model /tmp/smol --device cuda --dtype $dtype --repeat 3 2>&1 | grep -E '^routes|Error' | tail -3 >>"$log"
 done
-step "routes dense"; timeout 35 python3 bench/routes.py --model /tmp/smol --device cuda --dtype float32 --repeat 3 --dense 2>&1 | grep -E '^routes|Error' | tail -3 >>"$log"
+step "routes dense"; timeout 35 python3 bench/routes.py --model /tmp/smol --device cuda --dtype float32 --repeat 3 --dense --profile 2>&1 | tail -40 >>"$out/profile.log"; grep '^routes' "$out/profile.log" | tail -1 >>"$log"
 step scan; timeout 45 python3 bench/scan.py --model /tmp/smol --device cuda --repeat 3 --patching 64 2>&1 | grep -E '^(scan|patching)|Error' | tail -4 >>"$log"
 step done

@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="cpu | cuda (default: as attnviz.load chooses)")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: as attnviz.load chooses)")
     parser.add_argument("--dense", action="store_true", help="the GPU's routes pass without skipping dimensions")
+    parser.add_argument("--profile", action="store_true", help="also print a profile of one routes run (a GPU)")
     args = parser.parse_args()
 
     from attnviz import corpus, load
@@ -69,6 +70,10 @@ def main() -> None:
         sync(lm.model)
         times["routes"].append(time.perf_counter() - start)
         del flow
+    if args.profile:
+        from common import profiled
+
+        profiled(lambda: trace(lm, text), f"routes n={args.n}")
     capture_s, routes_s = statistics.median(times["capture"]), statistics.median(times["routes"])
     print(f"routes n={args.n} device={lm.model.device} dtype={lm.model.dtype} dense={args.dense} "
           f"capture_s={capture_s:.3f} routes_s={routes_s:.3f} ratio={routes_s / capture_s:.2f}")

@@ -85,6 +85,7 @@ def test_full_maps_come_back_through_pinned_memory():
 def test_doctor_passes_on_the_gpu_and_names_the_fallback_when_the_kernel_fails(monkeypatch):
     """On CUDA: the fused kernel against the block engine, and its speed; a kernel that will not compile is a
     FAIL that names the block engine as the fallback."""
+    pytest.importorskip("plotly", reason="the doctor's report draws figures (a GPU machine may lack plotly)")
     from attnviz import doctor
     from attnviz.core.kernel import kernels
 
@@ -160,9 +161,8 @@ def test_the_deep_pages_run_in_bfloat16_on_cuda_as_on_the_cpu(kind):
     half_agrees(_on(kind, "cpu", torch.float32), _on(kind, "cuda", torch.bfloat16), TEXT)
 
 
-@pytest.mark.parametrize("stages", ["2", "4"])
-@pytest.mark.parametrize("tile", [(64, 64), (128, 64), (64, 128), (128, 128)], ids=["64x64", "128x64", "64x128",
-                                                                                   "128x128"])
+@pytest.mark.parametrize("stages", ["3", "4"])
+@pytest.mark.parametrize("tile", [(64, 64), (128, 64)], ids=["64x64", "128x64"])
 @pytest.mark.parametrize("warps", ["4", "8"])
 @pytest.mark.parametrize("one_pass", [True, False], ids=["lse", "two-pass"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "packed"])
@@ -178,3 +178,30 @@ def test_the_fused_kernel_at_either_warp_count_gives_the_definitions_on_cuda(cau
     got, expected = long_kernel_case("cuda", torch.bfloat16, causal, one_pass, tile)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, atol=1e-3, rtol=2e-3, msg=name)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_the_attention_kernel_s_log_sum_exp_is_every_row_s_on_cuda(heads, monkeypatch):
+    """The log-sum-exp the statistics read from the layer's attention kernel (cuDNN's where it agrees with flash
+    attention on this GPU, else flash attention's) is each row's log-sum-exp of its scaled causal scores, and the
+    output is SDPA's; the same with cuDNN switched off."""
+    from attnviz.core.kernel import kernels
+
+    gen = torch.Generator().manual_seed(7)
+    n_heads, kv_heads = heads
+    q = torch.randn(1, n_heads, 300, 64, generator=gen).to("cuda", torch.bfloat16)
+    k = torch.randn(1, kv_heads, 300, 64, generator=gen).to("cuda", torch.bfloat16)
+    v = torch.randn(1, kv_heads, 300, 64, generator=gen).to("cuda", torch.bfloat16)
+    scores = (q.double() @ k.double().repeat_interleave(n_heads // kv_heads, 1).transpose(-1, -2)) * 0.125
+    expected = torch.logsumexp(scores.masked_fill(torch.ones(300, 300, dtype=torch.bool, device="cuda").triu(1),
+                                                  float("-inf")), -1)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125,
+                                                                 enable_gqa=n_heads != kv_heads)
+    for cudnn in ("", "0"):
+        monkeypatch.setenv("ATTNVIZ_CUDNN", cudnn)
+        kernels.cudnn_agrees.cache_clear()
+        out, lse = kernels.attention_with_lse(q, k, v, None, 0.125, True)
+        assert lse is not None and lse.shape == (1, n_heads, 300)
+        torch.testing.assert_close(lse.double(), expected, atol=2e-2, rtol=1e-3)
+        torch.testing.assert_close(out.float(), reference.float(), atol=2e-2, rtol=2e-2)
+    kernels.cudnn_agrees.cache_clear()

@@ -212,3 +212,23 @@ def test_where_a_device_map_puts_a_model_decides_its_dtype(device_map, cuda, exp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     assert devices.mapped_device(device_map) == expected
     assert _resolve_dtype(None, expected) == (torch.float32 if expected == "cpu" else torch.bfloat16)
+
+
+def test_a_layer_s_results_come_back_in_one_copy_a_dtype(monkeypatch):
+    """From a GPU a finished layer's results travel joined by dtype (one concatenation, one copy and one event a
+    dtype, not one of each a tensor); the dict that lands is the one sent, every array in its shape and dtype.
+    Checked here with the host copy's own type standing in for a GPU's."""
+    made = []
+    real = devices.HostCopy.__init__
+    monkeypatch.setattr(devices.HostCopy, "__init__", lambda self, tensor: made.append(tensor.shape) or real(self, tensor))
+    monkeypatch.setattr(devices, "ASYNC_COPIES", {"cpu"})  # the CPU's tensors take the GPU's path
+    values = {"alpha": torch.rand(3, 7), "entropy": torch.rand(3, 5), "key0_allowed": torch.rand(5) > 0.5,
+              "pooled": torch.rand(3, 4, 4).half(), "pool_factor": np.array(8), "rowsum": torch.rand(3, 5)}
+    sent = devices.host_copies(values)
+    assert isinstance(sent, devices.PackedCopy) and len(made) == 3  # float32, bool, float16
+    landed = devices.landed(sent)
+    assert landed.keys() == values.keys()
+    for name, value in values.items():
+        expected = value.numpy() if isinstance(value, torch.Tensor) else value
+        np.testing.assert_array_equal(landed[name], expected)
+        assert landed[name].dtype == expected.dtype and landed[name].shape == expected.shape, name

@@ -102,7 +102,8 @@ def on_gpu(tensor: torch.Tensor) -> bool:
             and os.environ.get("ATTNVIZ_FUSED", "") != "0")
 
 
-ROUTE_TILE = (32, 32, 8)  # queries, keys and stream dimensions a program of the routes kernel takes at once
+ROUTE_TILE = (64, 64, 16)  # queries and keys a program of the routes kernel takes, stream dimensions a bound tests
+ROUTE_WARPS = 8  # at 4, a 64 x 64 tile takes every register a thread has (255; 8: no spill either way)
 ROUTE_SKIP = True  # skip the blocks of dimensions no key can pass (off: the cost on any weights, bench/routes.py)
 
 
@@ -118,14 +119,15 @@ def attention_raw_triton(y, probs, value, w_out, c) -> torch.Tensor:
     group = n_heads // value.shape[0]
     v = (value.repeat_interleave(group, 0) if group > 1 else value).float()  # (H, n_kv, d)
     w_out = w_out.float()
-    sign = torch.where(y >= 0, 1.0, -1.0).float().contiguous()
+    sign = torch.where(y >= 0, 1.0, -1.0).float()
     raw = torch.matmul(torch.matmul(sign, w_out), v.transpose(1, 2)).contiguous()  # (s_i · W̃ v_j), then in place
     written = torch.matmul(w_out, v.transpose(1, 2)).contiguous()  # (H, D, n_kv): W̃ v_j by dimension
     hi, lo = written.amax(2).contiguous(), written.amin(2).contiguous()
     bm, bn, bd = ROUTE_TILE
     raw_tile[(n_heads, -(-n_q // bm), -(-n_kv // bn))](
-        raw, raw, probs.float().contiguous(), c.float().contiguous(), written, sign, y.abs().float().contiguous(),
-        hi, lo, n_q, n_kv, y.shape[1], BM=bm, BN=bn, BD=bd, SKIP=ROUTE_SKIP, num_warps=4)
+        raw, raw, probs.float().contiguous(), c.float().contiguous(), written, sign.T.contiguous(),
+        y.abs().float().T.contiguous(), hi, lo, n_q, n_kv, y.shape[1], BM=bm, BN=bn, BD=bd, SKIP=ROUTE_SKIP,
+        num_warps=ROUTE_WARPS)
     return raw
 
 

@@ -106,11 +106,8 @@ def _fused_layer(run, layer: int, recs, query, key, value, allow, scaling: float
     for recorder in recs:
         needs.update(recorder.fused_needs(run, layer))
     bm, bn = kernels.launch(query.device, query.dtype == torch.float32)[:2]  # the tile this GPU runs best
-    if plain_causal:  # nothing n_q x n_kv: a block of rows q0.. sees keys 0 .. q0 + bm - 1
-        ends = torch.arange(bm, n_q + bm, bm, device=query.device)
-        ranges = torch.stack([torch.zeros_like(ends), ends.clamp(max=n_kv)], dim=-1).to(torch.int32)
-    else:
-        ranges = allow.range_tensor(bm)
+    # nothing n_q x n_kv for a plain causal mask: a block of rows q0.. sees keys 0 .. q0 + bm - 1
+    ranges = allow.causal_ranges(bm) if plain_causal else allow.range_tensor(bm)
     layout = allow.layout()
     factor = pooled_shape = None
     if needs.get("pool"):

@@ -87,8 +87,8 @@ def routes_resources(capability: int = 90) -> dict:
                  for name in raw_tile.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(raw_tile.arg_names) if name.endswith("_ptr")}
     compiled = triton.compile(ASTSource(raw_tile, signature, constants, attrs), target=GPUTarget("cuda", capability, 32),
-                              options={"num_warps": 4})
-    return _read(compiled, capability, 4)
+                              options={"num_warps": contributions.ROUTE_WARPS})
+    return _read(compiled, capability, contributions.ROUTE_WARPS)
 
 
 def _read(compiled, capability: int, num_warps: int) -> dict:

@@ -233,6 +233,9 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     else:
         tries = []
         if causal and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
+            if cudnn_agrees(query.device, query.dtype):  # what SDPA itself runs on Hopper: the forward's own cost
+                tries.append(lambda: ops._scaled_dot_product_cudnn_attention(query, key, value, None, True, 0.0, True,
+                                                                            False, scale=scaling))
             tries.append(lambda: ops._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False,
                                                                         scale=scaling))
         tries.append(lambda: ops._scaled_dot_product_efficient_attention(query, key, value, bias, True, 0.0, causal,
@@ -244,8 +247,29 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             if devices.is_out_of_memory(err):
                 raise
             continue
-        return out, lse[..., :n_q].float()
+        return out, lse.reshape(lse.shape[0], lse.shape[1], -1)[..., :n_q].float()  # cuDNN's: (B, H, n, 1)
     return plain()
+
+
+@functools.cache
+def cudnn_agrees(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether cuDNN's attention runs here and gives what flash attention gives, the output and every row's natural
+    log-sum-exp, on a small causal case (once a process, per device and dtype): only then does a layer take its
+    log-sum-exp from cuDNN. Nothing documents the layout and base of cuDNN's statistics as flash attention's are,
+    so they are checked where they are used. ``ATTNVIZ_CUDNN=0`` says no."""
+    if os.environ.get("ATTNVIZ_CUDNN", "") == "0" or device.type != "cuda" or getattr(torch.version, "hip", None):
+        return False
+    ops = torch.ops.aten
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 80, 64, device=device, generator=gen).to(dtype) for _ in range(3))
+    try:
+        out, lse = ops._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=0.125)[:2]
+        ref_out, ref_lse = ops._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=0.125)[:2]
+        lse = lse.reshape(1, 2, -1)[..., :80].float()
+        return bool(torch.allclose(lse, ref_lse[..., :80].float(), atol=1e-3, rtol=1e-3)
+                    and torch.allclose(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2))
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor | None, ranges: torch.Tensor,
@@ -276,24 +300,29 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
         bm, bn = block
     f32 = {"dtype": torch.float32, "device": device}
     query, key = query.contiguous(), key.contiguous()
-    out = {name: torch.zeros(heads, n_q, **f32) for name in ("rowsum", "plogp", "diag", "key0", "delim")}
-    out["colsum"] = torch.zeros(heads, n_kv, **f32)
+    # every output in one allocation (one launch to zero it, not ten: on a small model launches are the cost)
     pool = pool_factor is not None
     rows, cols = pooled_shape if pool else (1, 1)
+    maps = 1 + (norms is not None) if pool else 0
+    flat = torch.zeros(heads * (5 * n_q + n_kv + maps * rows * cols), **f32)
+    names = ("rowsum", "plogp", "diag", "key0", "delim")
+    out = dict(zip(names, flat[:5 * heads * n_q].view(5, heads, n_q)))
+    out["colsum"] = flat[5 * heads * n_q:heads * (5 * n_q + n_kv)].view(heads, n_kv)
+    grids = flat[heads * (5 * n_q + n_kv):].view(maps, heads, rows, cols) if pool else None
     g = granularity(pool_factor) if pool else 1
     whole = pool and pool_factor % bm == 0 and pool_factor % bn == 0  # a tile lies in one pooled cell
     if bn % 32:
         raise ValueError(f"key tiles of {bn} do not hold whole 32-key words of the packed allow-set")
     if pool and (bm % g or bn % g):
         raise ValueError(f"pooling granularity {g} does not divide the kernel's {bm} x {bn} tiles")
-    pooled = torch.zeros(heads, rows, cols, **f32)
-    pooled_value = torch.zeros(heads, rows, cols, **f32) if norms is not None else pooled
+    dummy = _dummy(device)  # read by no program: the pointer of an output or input a launch leaves out
+    pooled = grids[0] if pool else dummy
+    pooled_value = grids[1] if pool and norms is not None else pooled
     pooled_scores = torch.full((heads, rows, cols), float("-inf"), **f32) if scores else pooled
-    dummy = torch.zeros(1, **f32)
     if causal:
         if n_q != n_kv:
             raise ValueError(f"the causal route takes square layers, not {n_q} queries over {n_kv} keys")
-        packed = torch.zeros(1, dtype=torch.int32, device=device)
+        packed = _dummy(device, torch.int32)
     else:
         packed = allow if allow.dtype == torch.int32 else pack_allow(allow)
     _kernel()[(heads, -(-n_q // bm))](
@@ -315,6 +344,12 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
         if scores:
             out["pooled_scores"] = pooled_scores
     return out
+
+
+@functools.lru_cache(maxsize=16)
+def _dummy(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One element on ``device``, made once: the pointer a launch passes where it reads or writes nothing."""
+    return torch.zeros(1, dtype=dtype, device=device)
 
 
 def compiled_resources(*variants: dict) -> list[dict]:

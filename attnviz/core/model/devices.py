@@ -142,14 +142,45 @@ class HostCopy:
         return self.host.numpy()
 
 
-def host_copies(values: dict) -> dict:
-    """Every tensor of a finished layer's results sent to the host (:class:`HostCopy`), the rest as it is."""
+class PackedCopy:
+    """A finished layer's results on their way to the host together: the tensors of each dtype joined into one on
+    the device (one concatenation), one queued copy a dtype into pinned memory and one event, where a
+    :class:`HostCopy` of each would cost a pinned buffer, a copy and an event apiece (on a small model on a GPU
+    those calls, not the bytes, are the layer's cost: docs/gpu.md). :meth:`result` gives the dict back, numpy
+    arrays in their shapes."""
+
+    def __init__(self, values: dict):
+        self.values = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
+        self.parts: list[tuple[HostCopy, list[tuple[str, tuple, int]]]] = []
+        groups: dict = {}
+        for k, v in values.items():
+            if isinstance(v, torch.Tensor):
+                groups.setdefault(v.dtype, []).append((k, v))
+        for tensors in groups.values():
+            joined = torch.cat([v.reshape(-1) for _, v in tensors]) if len(tensors) > 1 else tensors[0][1].reshape(-1)
+            self.parts.append((HostCopy(joined), [(k, tuple(v.shape), v.numel()) for k, v in tensors]))
+
+    def result(self) -> dict:
+        out = dict(self.values)
+        for copy, layout in self.parts:
+            flat, at = copy.result(), 0
+            for k, shape, size in layout:
+                out[k] = flat[at:at + size].reshape(shape)
+                at += size
+        return out
+
+
+def host_copies(values: dict):
+    """A finished layer's results sent to the host: from a GPU joined by dtype (:class:`PackedCopy`), each tensor
+    of another device by itself (:class:`HostCopy`), the rest as it is; :func:`landed` gives the dict back."""
+    if any(isinstance(v, torch.Tensor) and v.device.type in ASYNC_COPIES for v in values.values()):
+        return PackedCopy(values)
     return {k: HostCopy(v) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
 
 
 def landed(values):
     """``values`` (a dict of results, or one) with every :class:`HostCopy` waited for, as numpy arrays."""
-    if isinstance(values, HostCopy):
+    if isinstance(values, (HostCopy, PackedCopy)):
         return values.result()
     if isinstance(values, dict):
         return {k: v.result() if isinstance(v, HostCopy) else v for k, v in values.items()}

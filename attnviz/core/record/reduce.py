@@ -41,6 +41,11 @@ class FusedReducer(BlockReducer):
     pool: int | None = None
     delim: torch.Tensor | None = None
 
+    def _delim_on(self, device) -> None:
+        """The text's delimiter flags moved to the layer's device once, not copied again for every layer."""
+        if self.delim is not None and self.delim.device != torch.device(device):
+            self.delim = self.delim.to(device, torch.float32)
+
     def fusable(self) -> bool:
         """Whether the fused kernel provides every sum this reducer needs (else the engine feeds it blocks)."""
         return True
@@ -95,10 +100,7 @@ class LayerSummary:
                       "key0_allowed": torch.zeros(*heads, n_q, dtype=torch.bool, device=device),
                       "query_index": torch.arange(n_q, **f32), "n_q": n_q}
         if self.delim is not None:
-            self.delim = self.delim.to(**f32)
-            delim_q = torch.zeros(n_q, **f32)  # the delimiter flag of query i's own key i
-            delim_q[:min(n_q, n_kv)] = self.delim[:min(n_q, n_kv)]
-            self.facts["delim_q"] = delim_q
+            self.facts["delim_q"] = self.delimiters_of_queries(device)
 
     def add(self, q0: int, probs: torch.Tensor, allow: torch.Tensor, k0: int = 0, zero_outside: bool = False) -> None:
         """``probs`` (H, b, w) and ``allow`` (b, w) bool, or (H, b, w) where each head has its own mask, for
@@ -145,17 +147,24 @@ class LayerSummary:
             if isinstance(extra, metrics.RowSum):
                 sums[extra.name][:, rows] = extra.of(probs, allow)
 
-    def add_fused(self, raw: dict[str, torch.Tensor], layout: Layout) -> None:
-        """A whole layer from :func:`attnviz.core.kernel.kernels.layer_statistics`' sums and its mask's :class:`Layout`."""
-        self._start(raw["rowsum"].device)
-        for name in self.sums:
-            self.sums[name] = raw["colsum" if name == "colsum_allowed" else name].float()  # 0 wherever forbidden
-        facts = self.facts
-        facts["col_counts"] = layout.col_counts.to(self.device).float()
-        facts["row_counts"] = layout.row_counts.to(self.device).float()
-        n = min(self.n_q, self.n_kv)
-        facts["self_seen"][:n] = layout.diagonal[:n].to(self.device).float()
-        facts["key0_allowed"] = layout.key0.to(self.device)
+    def add_fused(self, raw: dict[str, torch.Tensor], layout: Layout, delim_q: torch.Tensor | None = None) -> None:
+        """A whole layer from :func:`attnviz.core.kernel.kernels.layer_statistics`' sums and its mask's :class:`Layout`:
+        nothing allocated or copied, the sums are the kernel's and the facts the layout's (made once a mask);
+        ``delim_q`` the text's (:meth:`delimiters_of_queries`), when the caller made it once for every layer."""
+        self.device = device = raw["rowsum"].device
+        names = [x.name if isinstance(x, metrics.RowSum) else x for x in self.sums_needed]
+        # the kernel's probabilities are 0 wherever forbidden: its column sums are the allowed-only ones too
+        self.sums = {name: raw["colsum" if name == "colsum_allowed" else name] for name in names}
+        self.facts = {**layout.facts(device), "n_q": self.n_q}
+        if self.delim is not None:
+            self.facts["delim_q"] = delim_q if delim_q is not None else self.delimiters_of_queries(device)
+
+    def delimiters_of_queries(self, device) -> torch.Tensor:
+        """The delimiter flag of query i's own key i, float32 on ``device``."""
+        self.delim = self.delim.to(device, torch.float32)
+        delim_q = torch.zeros(self.n_q, dtype=torch.float32, device=device)
+        delim_q[:min(self.n_q, self.n_kv)] = self.delim[:min(self.n_q, self.n_kv)]
+        return delim_q
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The finished statistics, still on the layer's device: each from its declaration's sums."""
@@ -205,6 +214,7 @@ class Summaries(FusedReducer):
         self.pooled: dict[int, PooledMap] = {}
         self.pooled_value: dict[int, PooledMap] = {}
         self.pooled_scores: dict[int, PooledMap] = {}
+        self._delim_q: dict = {}  # the delimiter flag of each query's own key, by device and shape
 
     def fusable(self) -> bool:
         """The fused kernel provides every sum the kept statistics are finished from (``kernels.SUMS``)."""
@@ -235,6 +245,7 @@ class Summaries(FusedReducer):
         pool, the value-weighted maps A[i, j]·||W_O v_j|| are max-pooled too (stats "pooled_value")."""
         if layer not in self.layers:
             heads, n_kv = probs.shape[1], n_kv or probs.shape[-1]
+            self._delim_on(probs.device)
             self.layers[layer] = LayerSummary(heads, n_q, n_kv, delim=self.delim, statistics=self.statistics)
             if self.pool:
                 self.pooled[layer] = PooledMap(heads, n_q, n_kv, self.pool)
@@ -253,11 +264,19 @@ class Summaries(FusedReducer):
         """A whole layer at once from :func:`attnviz.core.kernel.kernels.layer_statistics` (the fused route) and its
         mask's :class:`Layout`: the same statistics and pooled maps as the blocks would give."""
         heads, n_q, n_kv = raw["rowsum"].shape[0], layout.n_q, layout.n_kv
+        device = raw["rowsum"].device
+        self._delim_on(device)
         self.layers[layer] = summary = LayerSummary(heads, n_q, n_kv, delim=self.delim, statistics=self.statistics)
-        summary.add_fused(raw, layout)
+        delim_q = None
+        if self.delim is not None:  # made once for every layer of the text on this device
+            key = (str(device), n_q, n_kv)
+            if key not in self._delim_q:
+                self._delim_q[key] = summary.delimiters_of_queries(device)
+            delim_q = self._delim_q[key]
+        summary.add_fused(raw, layout, delim_q)
         if self.pool:
-            factor = PooledMap(heads, n_q, n_kv, self.pool).factor
-            seen = layout.seen(factor)  # one grid for every pooled kind
+            factor = pool_factor(max(n_q, n_kv), self.pool)
+            seen = layout.seen(factor)  # one grid for every pooled kind, made once a mask
             for name, store in (("pooled", self.pooled), ("pooled_value", self.pooled_value),
                                 ("pooled_scores", self.pooled_scores)):
                 if name in raw:

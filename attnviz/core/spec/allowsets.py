@@ -25,10 +25,30 @@ class Layout:
         self.n_q, self.n_kv = n_q, n_kv
         self.col_counts, self.row_counts, self.diagonal, self.key0 = col_counts, row_counts, diagonal, key0
         self._seen_of = seen_of
+        self._made: dict = {}  # what every layer with this mask reads, made once
 
     def seen(self, factor: int) -> torch.Tensor:
-        """(⌈n_q / f⌉, ⌈n_kv / f⌉) bool: the f × f cells under which the mask allows anything."""
-        return self._seen_of(factor)
+        """(⌈n_q / f⌉, ⌈n_kv / f⌉) bool: the f × f cells under which the mask allows anything (made once a
+        factor: every layer with this mask reads it)."""
+        key = ("seen", factor)
+        if key not in self._made:
+            self._made[key] = self._seen_of(factor)
+        return self._made[key]
+
+    def facts(self, device) -> dict:
+        """The statistics' facts of the mask on ``device``, float32, made once a device (every layer with this mask
+        reads them; read only): ``col_counts``, ``row_counts``, ``self_seen`` (n_kv: whether key i's own query
+        sees it), ``key0_allowed`` (bool) and ``query_index``."""
+        key = ("facts", str(device))
+        if key not in self._made:
+            f32 = {"dtype": torch.float32, "device": device}
+            n = min(self.n_q, self.n_kv)
+            self_seen = torch.zeros(self.n_kv, **f32)
+            self_seen[:n] = self.diagonal[:n].to(**f32)
+            self._made[key] = {"col_counts": self.col_counts.to(**f32), "row_counts": self.row_counts.to(**f32),
+                               "self_seen": self_seen, "key0_allowed": self.key0.to(device),
+                               "query_index": torch.arange(self.n_q, **f32)}
+        return self._made[key]
 
     @classmethod
     def causal(cls, n: int, device) -> "Layout":
@@ -136,6 +156,14 @@ class AllowSet:
         if ("ranges", rows) not in self._cache:
             self._cache["ranges", rows] = [tuple(r) for r in self.range_tensor(rows).tolist()]
         return self._cache["ranges", rows]
+
+    def causal_ranges(self, rows: int) -> torch.Tensor:
+        """The (blocks, 2) int32 key ranges of blocks of ``rows`` queries under the plain causal mask (a block of
+        rows q0.. sees keys 0 .. q0 + rows - 1), by arithmetic, on the device, made once."""
+        if ("causal ranges", rows) not in self._cache:
+            ends = torch.arange(rows, self.n_q + rows, rows, device=self.device).clamp_(max=self.n_kv)
+            self._cache["causal ranges", rows] = torch.stack([torch.zeros_like(ends), ends], dim=-1).to(torch.int32)
+        return self._cache["causal ranges", rows]
 
     def range_tensor(self, rows: int) -> torch.Tensor:
         """The (blocks, 2) int32 key ranges of :meth:`ranges`, left on the device (the fused kernel reads them)."""
