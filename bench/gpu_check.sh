@@ -1,30 +1,52 @@
 #!/bin/sh
 # attnviz's GPU checks and benchmarks in one run, on a GPU machine without network (docs/gpu.md):
-#   sh bench/gpu_check.sh [OUT_DIR]
+#   sh bench/gpu_check.sh [OUT_DIR]            every step
+#   STEPS="tests stats" sh bench/gpu_check.sh  some of: tests sweep stats profile routes scan
 # Needs the default model's config and tokenizer in .gpu/smol (a loaded model's config.save_pretrained and
 # tokenizer.save_pretrained), from which bench/random_model.py makes a random-weight model of its shape. Writes
 # gpu.log (the card, the CUDA tests, every bench line), sweep.log (bench/kernel_sweep.py) and profile.log.
 # Each step has its own time limit, so one that hangs leaves the others' lines.
 set -u
 out=${1:-${OUT:-/tmp/attnviz-gpu}}
+steps=" ${STEPS:-tests sweep stats profile routes scan} "
 mkdir -p "$out"
 log=$out/gpu.log
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 step() { echo "## $(date -u +%H:%M:%S) $*" >>"$log"; }
+wanted() { case "$steps" in *" $1 "*) return 0;; esac; return 1; }
 step card; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$log" 2>&1
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" >>"$log" 2>&1
-step model; python3 bench/random_model.py .gpu/smol /tmp/smol --dtype float32 >>"$log" 2>&1
-step tests; timeout "${TESTS_S:-100}" python3 -m pytest -m cuda tests/test_cuda.py -q -n 8 -p no:cacheprovider 2>&1 | tail -15 >>"$log"
-step sweep; timeout "${SWEEP_S:-80}" python3 bench/kernel_sweep.py --tiles 64x64 128x64 --warps 4 --stages 3 4 5 >"$out/sweep.log" 2>&1; tail -3 "$out/sweep.log" >>"$log"
-best=$(sed -n 's/^best tile=\([0-9x]*\) warps=\([0-9]*\) stages=\([0-9]*\).*/\1:\2:\3/p' "$out/sweep.log")
-step "stats (best launch: ${best:-none})"
-timeout "${STATS_S:-110}" python3 bench/gpu.py --case llama8b:32768 --case llama8b:4096 --case smollm2:4096 --skip-eager \
-  --repeat 3 ${best:+--launch $best} >>"$log" 2>&1
-step profile; timeout 40 python3 bench/gpu.py --case smollm2:4096 --skip-eager --repeat 1 --profile >"$out/profile.log" 2>&1
-timeout 50 python3 bench/gpu.py --case llama8b:32768 --skip-eager --repeat 1 --profile >>"$out/profile.log" 2>&1
-for dtype in float32 bfloat16; do
-  step "routes $dtype"; timeout 35 python3 bench/routes.py --model /tmp/smol --device cuda --dtype $dtype --repeat 3 2>&1 | grep -E '^routes|Error' | tail -3 >>"$log"
-done
-step "routes dense"; timeout 35 python3 bench/routes.py --model /tmp/smol --device cuda --dtype float32 --repeat 3 --dense --profile 2>&1 | tail -40 >>"$out/profile.log"; grep '^routes' "$out/profile.log" | tail -1 >>"$log"
-step scan; timeout 45 python3 bench/scan.py --model /tmp/smol --device cuda --repeat 3 --patching 64 2>&1 | grep -E '^(scan|patching)|Error' | tail -4 >>"$log"
+if wanted tests; then
+  step tests; timeout "${TESTS_S:-100}" python3 -m pytest -m cuda tests/test_cuda.py -q -n 8 -p no:cacheprovider 2>&1 | tail -15 >>"$log"
+fi
+best=
+if wanted sweep; then
+  step sweep; timeout "${SWEEP_S:-80}" python3 bench/kernel_sweep.py --tiles 64x64 128x64 --warps 4 --stages 3 4 5 >"$out/sweep.log" 2>&1
+  tail -3 "$out/sweep.log" >>"$log"
+  best=$(sed -n 's/^best tile=\([0-9x]*\) warps=\([0-9]*\) stages=\([0-9]*\).*/\1:\2:\3/p' "$out/sweep.log")
+fi
+if wanted stats; then
+  step "stats (best launch: ${best:-not swept})"
+  timeout "${STATS_S:-110}" python3 bench/gpu.py --case llama8b:32768 --case llama8b:4096 --case smollm2:4096 \
+    --skip-eager --repeat 3 ${best:+--launch $best} >>"$log" 2>&1
+fi
+if wanted profile; then
+  step profile; timeout 40 python3 bench/gpu.py --case smollm2:4096 --skip-eager --repeat 1 --profile >"$out/profile.log" 2>&1
+  timeout 50 python3 bench/gpu.py --case llama8b:32768 --skip-eager --repeat 1 --profile >>"$out/profile.log" 2>&1
+fi
+if wanted routes || wanted scan; then
+  step model; python3 bench/random_model.py .gpu/smol /tmp/smol --dtype float32 >>"$log" 2>&1
+fi
+if wanted routes; then
+  for dtype in float32 bfloat16; do
+    step "routes $dtype"; timeout 35 python3 bench/routes.py --model /tmp/smol --device cuda --dtype $dtype --repeat 3 \
+      2>&1 | grep -E '^routes|Error' | tail -3 >>"$log"
+  done
+  step "routes dense"; timeout 40 python3 bench/routes.py --model /tmp/smol --device cuda --dtype float32 --repeat 3 \
+    --dense --profile >"$out/routes_profile.log" 2>&1; grep -E '^routes|Error' "$out/routes_profile.log" | tail -2 >>"$log"
+fi
+if wanted scan; then
+  step scan; timeout 45 python3 bench/scan.py --model /tmp/smol --device cuda --repeat 3 --patching 64 2>&1 \
+    | grep -E '^(scan|patching)|Error' | tail -4 >>"$log"
+fi
 step done
