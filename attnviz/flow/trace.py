@@ -127,17 +127,22 @@ def _miss(a: torch.Tensor, b: torch.Tensor, slack: "torch.Tensor | float" = 0.0)
     return ((a - b).abs().amax(-1) - slack).clamp(min=0) / scale
 
 
+def _close(a: torch.Tensor, b: torch.Tensor, tolerance: float, slack: "torch.Tensor | float" = 0.0) -> torch.Tensor:
+    """Per row (last dimension reduced): a equals b within ``tolerance`` of the row's size, plus ``slack``."""
+    return _miss(a, b, slack) <= tolerance
+
+
 DIRECTIONS = 8  # random directions the heads' outputs are compared along when no intervention ran
 
 
-def _nonzero(mask: torch.Tensor, size: int) -> torch.Tensor:
-    """(size, dims) the indices of ``mask``'s true entries, then rows of -1: sized in advance (:func:`most_kept`), so
-    the device is not waited for (``nonzero`` waits to learn the count); a torch without it for this device, as
-    ``nonzero`` (which waits)."""
+def _nonzero(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
+    """The indices of ``mask``'s ``count`` true entries, one tensor a dimension: sized in advance, so the device is
+    not waited for a second time (``nonzero`` waits to learn the count); a torch without it for this device, as
+    ``nonzero``."""
     try:
-        return torch.nonzero_static(mask, size=size, fill_value=-1)
+        return torch.nonzero_static(mask, size=count).unbind(1)
     except (NotImplementedError, RuntimeError):
-        return torch.nonzero(mask)
+        return torch.nonzero(mask, as_tuple=True)
 
 
 @functools.cache
@@ -146,27 +151,19 @@ def _directions(d: int, device: torch.device) -> torch.Tensor:
     return torch.randn(d, DIRECTIONS, generator=torch.Generator().manual_seed(0)).to(device)
 
 
-def _made(probs: torch.Tensor, value: torch.Tensor, z: torch.Tensor, exact: bool) -> torch.Tensor:
-    """(n, H): how far each head's output ``z`` (n, H, d) is from its probabilities times its values (H, n_kv, d),
-    relative to the output's size.
+def _made(probs: torch.Tensor, value: torch.Tensor, z: torch.Tensor, tolerance: float, exact: bool) -> torch.Tensor:
+    """(n, H): each head's output ``z`` (n, H, d) is its probabilities times its values (H, n_kv, d).
 
     Under an intervention, row by row in every dimension (which (query, head) outputs it replaced). Without one the
     question is only whether the family computes its heads that way at all, so the check runs along
     :data:`DIRECTIONS` fixed random directions: a product with d/8 of the cost, and an output that differs beyond
     the tolerance agrees along all eight only by chance (never seen: each agreement is a few-in-a-thousand event)."""
     if exact:
-        return _miss(torch.einsum("hqk,hkd->qhd", probs, value), z)
+        return _close(torch.einsum("hqk,hkd->qhd", probs, value), z, tolerance)
     r = _directions(value.shape[-1], value.device)
     made = torch.einsum("hqk,hkr->qhr", probs, value @ r)
     scale = z.norm(dim=-1).clamp(min=1e-6) * r.norm(dim=0).amax()
-    return (z @ r - made).abs().amax(-1) / scale
-
-
-def most_kept(n_q: int, entries: int, floor: float) -> int:
-    """The most entries at or above ``floor`` a layer's normalised contributions can hold: each query's add up to at
-    most 1 (its residual share is the rest), so a query keeps at most 1 / floor of them, heads apart or summed (a
-    thousandth more for float32's rounding); all of them at floor 0."""
-    return entries if floor <= 0 else min(entries, n_q * (int((1 + 1e-3) / floor) + 1))
+    return (z @ r - made).abs().amax(-1) <= tolerance * scale
 
 
 class _Layer:
@@ -206,20 +203,26 @@ class _Layer:
                 then()
         return fn
 
-    def check(self, flags) -> None:
+    def check(self, flags, probs, value, z, x, y, written, slack) -> None:
         """Refuse the layer, in words, where its write cannot be split by source token: without an intervention,
         its heads' outputs must be their probabilities times their values and the stream after it its input plus
-        its write. ``flags``: the largest miss of a head's output and of a row of the stream, read from the device
-        once (on a GPU after the forward)."""
-        heads_miss, rows_miss = flags[:2]
-        tracer, tol = self.tracer, self.tracer.tolerance
-        if tracer.intervened or (heads_miss <= tol and rows_miss <= tol):
+        its write. ``flags`` the device's (all heads made, all rows close, ...) read once."""
+        heads_all, rows_all = flags[:2]
+        tracer, L = self.tracer, self.layer
+        if tracer.intervened or (heads_all and rows_all):
             return
-        what, missed = (("its heads' outputs are not their probabilities times their values", heads_miss)
-                        if heads_miss > tol else ("the stream after it is not its input plus its write", rows_miss))
-        raise InputError(f"routes: {tracer.family} layer {self.layer.index}: the attention's write is not the sum of "
-                         f"its heads' weighted values ({what}: off by {missed:.3g} of a row's size, limit {tol:.3g} "
-                         f"in {precision.name(tracer.dtype)}), so it cannot be split by source token")
+        n_heads = self.n_heads
+        d = value.shape[-1]
+        group = n_heads // value.shape[0]
+        what = ("its heads' outputs are not their probabilities times their values" if not heads_all
+                else "the stream after it is not its input plus its write")
+        missed = float(_miss(y - x, written, slack).max()) if heads_all else float(
+            _miss(torch.einsum("hqk,hkd->qhd", probs, value.repeat_interleave(group, 0)),
+                  z.view(z.shape[0], n_heads, d)).max())
+        raise InputError(f"routes: {tracer.family} layer {L.index}: the attention's write is not the sum of its "
+                         f"heads' weighted values ({what}: off by {missed:.3g} of a row's size, limit "
+                         f"{tracer.tolerance:.3g} in {precision.name(tracer.dtype)}), so it cannot be split by "
+                         f"source token")
 
     @torch.no_grad()
     def reduce(self) -> None:
@@ -247,13 +250,13 @@ class _Layer:
         # what the heads output is their probabilities times their values, unless an intervention replaced it
         group = n_heads // value.shape[0]
         tol = tracer.tolerance
-        heads_miss = _made(probs, value.repeat_interleave(group, 0), z.view(z.shape[0], n_heads, d),
-                           exact=tracer.intervened)  # (n, H)
+        heads_ok = _made(probs, value.repeat_interleave(group, 0), z.view(z.shape[0], n_heads, d), tol,
+                         exact=tracer.intervened)  # (n, H)
         # the block's write is its heads' (a patch replaces it); in half precision y − x carries the rounding of y,
         # which is relative to the stream (massive at a sink token), not to the write
         slack = precision.stream_rounding(tracer.dtype, torch.maximum(x.abs().amax(-1), y.abs().amax(-1)))
-        rows_miss = _miss(y - x, written, slack)
-        keep = (heads_miss <= tol) & (rows_miss <= tol)[:, None]  # (n, H)
+        rows_ok = _close(y - x, written, tol, slack)
+        keep = heads_ok & rows_ok[:, None]  # (n, H)
         if tracer.intervened:  # (query, head) outputs it replaced take no token edges (all kept: a product by 1)
             probs = probs * keep.T[:, :, None]
         raw = attention_raw(y, probs, value, per_head, c)  # on a GPU one Triton pass, no wait
@@ -264,23 +267,21 @@ class _Layer:
         mlp = proximity(torch.stack((out - y, y)), out)
         shares = HostCopy(torch.stack((residual, mlp[0], mlp[1])))  # one copy to the host, not three
         streams = HostCopy(torch.stack((y, out)))
-        flags = torch.stack((heads_miss.max(), rows_miss.max(), (~keep).sum().float()))
-        if not contributions.on_gpu(raw):  # on the CPU the compiled pass keeps the entries, and nothing waits
-            flags = flags.tolist()
-            self.check(flags)
+        if not contributions.on_gpu(raw):  # on the CPU the compiled pass keeps the entries
+            flags = torch.stack((heads_ok.all(), rows_ok.all(), (~keep).sum())).tolist()
+            self.check(flags, probs, value, z, x, y, written, slack)
             kept = kept_entries(raw, inv, tracer.floor)
-        else:  # the device keeps them, in arrays of their largest size: nothing in the layer waits for the device
+        else:  # the device keeps them; one read from it a layer: the checks' flags and how many entries are kept
             heads = raw.mul_(inv[None, :, None])
             summed = heads.sum(0)
-            n = heads.shape[1]
-            hij = _nonzero(heads >= tracer.floor, most_kept(n, heads.numel(), tracer.floor))
-            sij = _nonzero(summed >= tracer.floor, most_kept(n, summed.numel(), tracer.floor))
-            h, i, j = hij.unbind(1)
-            si, sj = sij.unbind(1)
-            kept = HostCopy(torch.cat((torch.stack((i, j, h), 1).flatten(), torch.stack((si, sj), 1).flatten())).int()), HostCopy(
-                torch.cat((heads[h, i, j], summed[si, sj], flags))), len(h)
-            flags = None  # read after the forward
-        tracer.pending.append((self, kept, shares, None if flags is None else int(flags[2])))
+            over, sum_over = heads >= tracer.floor, summed >= tracer.floor
+            flags = torch.stack((heads_ok.all(), rows_ok.all(), (~keep).sum(), over.sum(), sum_over.sum())).tolist()
+            self.check(flags, probs, value, z, x, y, written, slack)
+            h, i, j = _nonzero(over, int(flags[3]))
+            si, sj = _nonzero(sum_over, int(flags[4]))
+            kept = (HostCopy(torch.cat((torch.stack((i, j, h), 1).flatten(), torch.stack((si, sj), 1).flatten())).int()),
+                    HostCopy(torch.cat((heads[h, i, j], summed[si, sj]))), int(flags[3]))
+        tracer.pending.append((kept, shares, int(flags[2])))
         tracer.streams.append(streams)
         self.seen = {}
 
@@ -300,19 +301,12 @@ class _Tracer:
         self.streams: list[HostCopy] = []  # (1, n, D) the first layer's input, then (2, n, D) each layer's streams
 
     def landed(self, parallel: list[bool]) -> tuple[list[LayerFlow], np.ndarray]:
-        """Every layer's results on the host, waited for once after the forward; a layer the checks refuse is
-        refused here, the first one in order (on a GPU nothing in the forward waited to read its checks)."""
+        """Every layer's results on the host, waited for once after the forward."""
         layers = []
-        for (layer, kept, shares, dropped), par in zip(self.pending, parallel):
-            if isinstance(kept[0], HostCopy):  # the device's: the entries, then rows of -1; the flags last
-                indices, weights, size = kept[0].result(), kept[1].result(), kept[2]
-                flags = weights[-3:].tolist()
-                layer.check(flags)
-                dropped = int(flags[2])
-                index = indices[:3 * size].reshape(size, 3)
-                sum_index = indices[3 * size:].reshape(-1, 2)
-                k, sk = int((index[:, 2] >= 0).sum()), int((sum_index[:, 0] >= 0).sum())
-                kept = index[:k], weights[:k], sum_index[:sk], weights[size:size + sk]
+        for (kept, shares, dropped), par in zip(self.pending, parallel):
+            if isinstance(kept[0], HostCopy):
+                indices, weights, k = kept[0].result(), kept[1].result(), kept[2]
+                kept = indices[:3 * k].reshape(k, 3), weights[:k], indices[3 * k:].reshape(-1, 2), weights[k:]
             index, weight, sum_index, sum_weight = kept
             shares = shares.result()
             layers.append(LayerFlow(shares[0], index, weight, sum_index, sum_weight, shares[1], shares[2], par,
