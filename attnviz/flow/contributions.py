@@ -84,10 +84,10 @@ def attention_raw(y: torch.Tensor, probs: torch.Tensor, value: torch.Tensor, w_o
     ``w_out`` (H, D, d) each head's output projection (post-norm gain folded in), ``c`` (n_q,) the per-query factor.
     Everything float32 on one device; nothing (n_q, n_kv, D) is made. On the CPU the correction runs as one
     compiled loop (:mod:`attnviz.flow.kernel`) where numba is installed; elsewhere, :func:`attention_raw_torch`."""
-    if _compiled(y) is not None:
-        return attention_raw_compiled(y, probs, value, w_out, c)
     if on_gpu(y):  # looked up at the call: the tests route a CPU tensor here, through Triton's interpreter
         return attention_raw_triton(y, probs, value, w_out, c)
+    if _compiled(y) is not None:
+        return attention_raw_compiled(y, probs, value, w_out, c)
     return attention_raw_torch(y, probs, value, w_out, c)
 
 
