@@ -115,7 +115,13 @@ def _patching(lm):
     return lambda pair: patching(lm, *pair, "P", "R", site="resid"), pairs
 
 
-CASES = {"explain": _explain, "trace": _trace, "causal scan": _scan, "patching": _patching}
+def _paths(lm):
+    from attnviz.effects import paths
+
+    return lambda text: paths.paths(lm, text, senders=["mlp.0"], receivers="groups").as_json(), TEXTS
+
+
+CASES = {"explain": _explain, "trace": _trace, "causal scan": _scan, "patching": _patching, "path patching": _paths}
 
 
 @pytest.mark.parametrize("case", list(CASES))
