@@ -89,3 +89,15 @@ def test_a_causal_kernel_runs_full_tiles_without_the_masks_work(used):
     assert full <= 0.85 * masked, causal
     assert len(packed["tile_instructions"]) == 1, packed
     assert causal["num_warps"] == kernels.HOPPER_WARPS  # sm_90 in half precision
+
+
+def test_the_tuned_launch_and_the_routes_kernel_compile_without_spilling():
+    """The launch kept for sm_90 (kernels.TUNED: its tile and pipeline stages) at what a 512-cell capture of a causal
+    model launches, and the routes kernel (attnviz.flow._triton_routes) at its tile, for sm_90 and sm_80: nothing
+    spills to local memory."""
+    bm, bn, stages = kernels.TUNED[90]
+    tuned = dict(capability=90, dtype="bf16", head_dim=128, causal=True, tile=(bm, bn), num_stages=stages,
+                 whole=bm == bn == 64)
+    for got in kernels.compiled_resources(tuned, dict(routes=True, capability=90), dict(routes=True, capability=80)):
+        assert got["spill_stores"] == 0 and got["spill_loads"] == 0, got
+        assert got["tile_instructions"], got

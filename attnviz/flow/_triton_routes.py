@@ -36,7 +36,7 @@ def raw_tile(out_ptr, lin_ptr, probs_ptr, c_ptr, written_ptr, sign_ptr, size_ptr
         raw = tl.load(lin_ptr + at, mask=ok, other=0.0) * a
         corr = tl.zeros([BM, BN], tl.float32)
         dims0 = tl.arange(0, BD)
-        written = written_ptr + head * width * n_kv
+        written = written_ptr + head.to(tl.int64) * width * n_kv  # past 2^31 at 10k tokens of a 14B model
         for d0 in range(0, width, BD):
             dims = d0 + dims0
             dim_ok = dims < width

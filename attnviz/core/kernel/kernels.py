@@ -256,20 +256,28 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 @functools.cache
 def cudnn_agrees(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether cuDNN's attention runs here and gives what flash attention gives, the output and every row's natural
-    log-sum-exp, on a small causal case (once a process, per device and dtype): only then does a layer take its
+    log-sum-exp, on two small causal cases, one with a key of massive scores, head dims 64 and 128 (once a process,
+    per device and dtype; cuDNN before 9.3 got large scores wrong): only then does a layer take its
     log-sum-exp from cuDNN. Nothing documents the layout and base of cuDNN's statistics as flash attention's are,
     so they are checked where they are used. ``ATTNVIZ_CUDNN=0`` says no."""
     if os.environ.get("ATTNVIZ_CUDNN", "") == "0" or device.type != "cuda" or getattr(torch.version, "hip", None):
         return False
     ops = torch.ops.aten
     gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 80, 64, device=device, generator=gen).to(dtype) for _ in range(3))
     try:
-        out, lse = ops._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=0.125)[:2]
-        ref_out, ref_lse = ops._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=0.125)[:2]
-        lse = lse.reshape(1, 2, -1)[..., :80].float()
-        return bool(torch.allclose(lse, ref_lse[..., :80].float(), atol=1e-3, rtol=1e-3)
-                    and torch.allclose(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2))
+        # a plain case, and one with a sink: a key whose scores are massive (the activations this project measures)
+        for n, d, sink in ((80, 64, 0.0), (200, 128, 40.0)):
+            q, k, v = (torch.randn(1, 2, n, d, device=device, generator=gen) for _ in range(3))
+            k[:, :, 0] *= 1.0 + sink
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+            scale = d ** -0.5
+            out, lse = ops._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)[:2]
+            ref_out, ref_lse = ops._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[:2]
+            lse = lse.reshape(1, 2, -1)[..., :n].float()
+            if not (torch.allclose(lse, ref_lse[..., :n].float(), atol=1e-3, rtol=1e-3)
+                    and torch.allclose(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)):
+                return False
+        return True
     except (RuntimeError, NotImplementedError):
         return False
 
