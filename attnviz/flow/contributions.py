@@ -58,15 +58,34 @@ def kept_entries(raw: torch.Tensor, inv: torch.Tensor, floor: float):
 
 def kept_entries_torch(raw: torch.Tensor, inv: torch.Tensor, floor: float):
     """:func:`kept_entries` in torch operations (any device); ``raw`` is scaled in place."""
-    heads = raw.mul_(inv[None, :, None])  # (H, n, n), in place: one pass over the layer
-    summed = heads.sum(0)
-    kept = heads >= floor
-    h, i, j = torch.nonzero(kept, as_tuple=True)
-    si, sj = torch.nonzero(summed >= floor, as_tuple=True)
+    heads, summed, over, sum_over = scaled_and_kept(raw, inv, floor)
+    h, i, j = torch.nonzero(over, as_tuple=True)
+    indices, weights = joined(heads, summed, (h, i, j), torch.nonzero(sum_over, as_tuple=True))
     # two copies to the host (each waits for the device), not four: the indices together, the weights together
-    indices = torch.cat((torch.stack((i, j, h), 1).flatten(), torch.stack((si, sj), 1).flatten())).int().cpu().numpy()
-    weights = torch.cat((heads[kept], summed[si, sj])).cpu().numpy()
-    k = h.numel()
+    return split_kept(indices.cpu().numpy(), weights.cpu().numpy(), h.numel())
+
+
+def scaled_and_kept(raw: torch.Tensor, inv: torch.Tensor, floor: float):
+    """A layer's normalised contributions ``raw`` (H, n, n_kv) times ``inv`` (n,), in place (one pass over the
+    layer), their sum over heads, and where each is at or above ``floor``."""
+    heads = raw.mul_(inv[None, :, None])
+    summed = heads.sum(0)
+    return heads, summed, heads >= floor, summed >= floor
+
+
+def joined(heads: torch.Tensor, summed: torch.Tensor, hij, sij) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept entries at ``hij`` (head, query, source) and, heads summed, at ``sij`` (query, source), as two
+    tensors for the host: every index (query, source, head, then query, source) in one int32 tensor, every weight in
+    one. :func:`split_kept` takes them apart."""
+    h, i, j = hij
+    si, sj = sij
+    indices = torch.cat((torch.stack((i, j, h), 1).flatten(), torch.stack((si, sj), 1).flatten())).int()
+    return indices, torch.cat((heads[h, i, j], summed[si, sj]))
+
+
+def split_kept(indices: np.ndarray, weights: np.ndarray, k: int):
+    """:func:`joined`'s arrays on the host, ``k`` of them per head: (index (k, 3), weight (k,), sum_index (K', 2),
+    sum_weight (K',)), as :func:`kept_entries` returns them."""
     return indices[:3 * k].reshape(k, 3), weights[:k], indices[3 * k:].reshape(-1, 2), weights[k:]
 
 

@@ -272,15 +272,12 @@ class _Layer:
             self.check(flags, probs, value, z, x, y, written, slack)
             kept = kept_entries(raw, inv, tracer.floor)
         else:  # the device keeps them; one read from it a layer: the checks' flags and how many entries are kept
-            heads = raw.mul_(inv[None, :, None])
-            summed = heads.sum(0)
-            over, sum_over = heads >= tracer.floor, summed >= tracer.floor
+            heads, summed, over, sum_over = contributions.scaled_and_kept(raw, inv, tracer.floor)
             flags = torch.stack((heads_ok.all(), rows_ok.all(), (~keep).sum(), over.sum(), sum_over.sum())).tolist()
             self.check(flags, probs, value, z, x, y, written, slack)
-            h, i, j = _nonzero(over, int(flags[3]))
-            si, sj = _nonzero(sum_over, int(flags[4]))
-            kept = (HostCopy(torch.cat((torch.stack((i, j, h), 1).flatten(), torch.stack((si, sj), 1).flatten())).int()),
-                    HostCopy(torch.cat((heads[h, i, j], summed[si, sj]))), int(flags[3]))
+            indices, weights = contributions.joined(heads, summed, _nonzero(over, int(flags[3])),
+                                                    _nonzero(sum_over, int(flags[4])))
+            kept = HostCopy(indices), HostCopy(weights), int(flags[3])
         tracer.pending.append((kept, shares, int(flags[2])))
         tracer.streams.append(streams)
         self.seen = {}
@@ -304,9 +301,8 @@ class _Tracer:
         """Every layer's results on the host, waited for once after the forward."""
         layers = []
         for (kept, shares, dropped), par in zip(self.pending, parallel):
-            if isinstance(kept[0], HostCopy):
-                indices, weights, k = kept[0].result(), kept[1].result(), kept[2]
-                kept = indices[:3 * k].reshape(k, 3), weights[:k], indices[3 * k:].reshape(-1, 2), weights[k:]
+            if isinstance(kept[0], HostCopy):  # the device's, on their way
+                kept = contributions.split_kept(kept[0].result(), kept[1].result(), kept[2])
             index, weight, sum_index, sum_weight = kept
             shares = shares.result()
             layers.append(LayerFlow(shares[0], index, weight, sum_index, sum_weight, shares[1], shares[2], par,
