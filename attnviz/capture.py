@@ -15,6 +15,7 @@ import torch
 from attnviz import recipe as recipe_mod
 from attnviz.core.spec import arch as arch_mod
 from attnviz.core.model import devices
+from attnviz.core.record.packed import Packed, PackedMaps
 from attnviz.core import engine
 from attnviz.core.spec import syntax
 from attnviz.core.loading import models
@@ -124,7 +125,7 @@ class Prepared:
             text=self.text, tokens=list(self.tokens), token_ids=list(self.ids), arch=architecture.spec,
             layer_masks=architecture.layer_names, layers=layers, kv_groups=loaded.kv_groups,
             allowed=run.host_allowed(layers), head_allowed=run.head_allowed(layers),
-            probs={l: run.probs[l][0].numpy() for l in run.probs},
+            probs=PackedMaps({l: p if isinstance(p, Packed) else p[0].numpy() for l, p in run.probs.items()}),
             stats={l: run.reduced[l] for l in run.reduced},
             next_logprobs=torch.log_softmax(logits, -1).cpu().numpy(),
             hidden=(torch.stack([h[0] for h in layer_states]).to(torch.float16).cpu().numpy()

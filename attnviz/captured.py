@@ -17,6 +17,7 @@ import torch
 from attnviz.errors import AttnvizError
 from attnviz.recipe import Recipe
 from attnviz.stats import metrics
+from attnviz.core.record.packed import PackedMaps
 from attnviz.core.record.reduce import summarise
 
 FORMAT = "attnviz-capture/1"
@@ -64,7 +65,8 @@ class Capture:
     layers: list[int]
     kv_groups: list[int]
     allowed: dict[int, np.ndarray]  # (n_q, n_kv) per layer: the cells some head may see
-    probs: dict[int, np.ndarray] = field(default_factory=dict)
+    # layer -> (H, n_q, n_kv) full maps, held packed (docs/methods.md#full-maps-held-packed): a read gives the array
+    probs: PackedMaps = field(default_factory=PackedMaps)
     stats: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     next_logprobs: np.ndarray | None = None
     hidden: np.ndarray | None = None
@@ -87,6 +89,10 @@ class Capture:
     learned_sink: dict[int, np.ndarray] = field(default_factory=dict)
     _summaries: dict[int, dict[str, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        if not isinstance(self.probs, PackedMaps):
+            self.probs = PackedMaps(self.probs)
 
     @property
     def n_tokens(self) -> int:

@@ -150,13 +150,14 @@ class Keep:
     def recorders(self, tokens: list[str]) -> tuple:
         """The recorders of one capture keeping this (``tokens``: the text's, for the statistics that read
         delimiters), in the order the engine feeds them: value norms first (the pooled value-weighted maps read
-        them), q/k/v, then full maps (and score maps) or the statistics block by block, never a full map."""
+        them), q/k/v, then full maps (held packed: docs/methods.md#full-maps-held-packed; and score maps) or the
+        statistics block by block, never a full map."""
         from attnviz.core.record import recorders
         from attnviz.core.record.reduce import Summaries
 
         summaries = (Summaries(tokens, self.pool, None if self.statistics is True else self.statistics)
                      if self.statistics else None)
-        return recorders.made(self.storage_dtype, summaries, self.scores, self.value_norms, self.qkv)
+        return recorders.made(self.storage_dtype, summaries, self.scores, self.value_norms, self.qkv, packed=True)
 
     def record(self, shape: Shape, tokens: list[str], layers: list[int], on_layer=None, kept=None) -> engine.Record:
         """What the engine records for this keep on a model of ``shape`` over ``tokens``: the recorded ``layers``

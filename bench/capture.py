@@ -3,8 +3,10 @@
     python bench/capture.py --n 1024 [--repeat 3]
 
 Measures a plain SDPA forward, HF eager with ``output_attentions=True``, attnviz capture of all
-layers (fp16 storage) and of one layer. Time is the median of ``--repeat`` runs; peak memory is the
-growth of the process's peak resident set (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``)
+layers (``attnviz.capture``: fp16 storage, held packed) and of one layer, and the engine's forward alone with every
+layer's maps whole (``engine_all``: what the capture packs). Time is the median of ``--repeat`` runs; peak memory is the
+growth of the process's peak resident set (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``, after
+giving freed heap back with ``malloc_trim``)
 or of ``torch.cuda.max_memory_allocated`` on CUDA, over what was resident before the call, with the
 call's result still held. Ends with the line
 ``capture_all_vs_eager N=<N> time_ratio=<all/eager time> mem_ratio=<all/eager peak memory>``.
@@ -13,6 +15,7 @@ call's result still held. Ends with the line
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import statistics
 import time
@@ -22,7 +25,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from attnviz.core import engine
-from attnviz import load
+from attnviz import Keep, capture, load
+from attnviz.capture import prepare
 from attnviz.core.spec.arch import parse
 
 TEXT = ("Attention sinks are tokens that receive a large share of attention regardless of their meaning. "
@@ -36,11 +40,21 @@ def _rss_kib(field: str) -> int:
     return 0
 
 
+def _trim() -> None:
+    """Give freed heap back to the system (glibc's ``malloc_trim``), so what an earlier case freed but the
+    allocator kept resident does not hide the next case's growth."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def measure(fn, device: str, repeat: int) -> tuple[float, float]:
     """(median seconds, peak bytes above the starting footprint) of ``fn()``, result held during the peak."""
     times, peaks = [], []
     for _ in range(repeat):
         gc.collect()
+        _trim()
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -71,8 +85,11 @@ def main() -> None:
     models = {impl: AutoModelForCausalLM.from_pretrained(source, attn_implementation=impl, dtype=torch.float32,
                                                          use_safetensors=True).to(args.device).eval()
               for impl in ("sdpa", "eager")}
-    ids = loaded.tokenizer(TEXT * (args.n // 20 + 1))["input_ids"][: args.n]
-    if len(ids) < args.n:
+    text = loaded.tokenizer.decode(loaded.tokenizer(TEXT * (args.n // 20 + 1))["input_ids"][: args.n])
+    prepared = {"all": prepare(loaded, text, "fwd"),
+                "one": prepare(loaded, text, "fwd", Keep(layers=(loaded.n_layers - 1,)))}
+    ids = list(prepared["all"].ids)  # the capture's own tokens (within a token of N), the baselines' too
+    if abs(len(ids) - args.n) > 2:
         raise SystemExit(f"could only make {len(ids)} tokens")
     input_ids = torch.tensor([ids], device=args.device)
     fwd = list(parse("fwd", loaded.n_layers).layers)
@@ -86,21 +103,25 @@ def main() -> None:
         return models["eager"](input_ids=input_ids, use_cache=False, output_attentions=True).attentions
 
     def capture_all():
-        return engine.forward(loaded.model, input_ids, fwd)[1].probs
+        return prepared["all"].run()
 
     def capture_one():
-        top = engine.Record(layers=frozenset({loaded.n_layers - 1}))
-        return engine.forward(loaded.model, input_ids, fwd, top)[1].probs
+        return prepared["one"].run()
+
+    def engine_all():
+        return engine.forward(loaded.model, input_ids, fwd)[1].probs
 
     short = input_ids[:, :32]
     with torch.inference_mode():  # warm-up: allocator, kernels, lazy imports
         for impl in models.values():
             impl(input_ids=short, use_cache=False)
         engine.forward(loaded.model, short, fwd)
+        capture(loaded, TEXT, "fwd")
 
     results = {}
     for name, fn in [("sdpa_forward", sdpa), ("hf_eager_output_attentions", eager),
-                     ("attnviz_capture_all", capture_all), ("attnviz_capture_one_layer", capture_one)]:
+                     ("attnviz_capture_all", capture_all), ("attnviz_capture_one_layer", capture_one),
+                     ("engine_all_whole_maps", engine_all)]:
         seconds, peak = measure(fn, args.device, args.repeat)
         results[name] = (seconds, peak)
         print(f"{name:28s} N={args.n} time_s={seconds:.3f} peak_mb={peak / 2**20:.1f}", flush=True)

@@ -125,7 +125,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                                              enable_gqa=group > 1)
         return run.finish(layer, out)
 
-    inputs = recorders_mod.LayerIn(module, query, key, value, scaling)
+    inputs = recorders_mod.LayerIn(module, query, key, value, scaling, allow)
     for recorder in recs:
         recorder.start(run, layer, inputs)
     kv_pos = run.positions[:, -n_kv:].to(query.device)

@@ -105,7 +105,8 @@ def _fused_layer(run, layer: int, recs, query, key, value, allow, scaling: float
     needs: dict = {}
     for recorder in recs:
         needs.update(recorder.fused_needs(run, layer))
-    bm, bn = kernels.launch(query.device, query.dtype == torch.float32)[:2]  # the tile this GPU runs best
+    tile = kernels.launch(query.device, query.dtype == torch.float32)  # what this GPU runs best, asked once
+    bm = tile[0]
     # nothing n_q x n_kv for a plain causal mask: a block of rows q0.. sees keys 0 .. q0 + bm - 1
     ranges = allow.causal_ranges(bm) if plain_causal else allow.range_tensor(bm)
     layout = allow.layout()
@@ -120,7 +121,7 @@ def _fused_layer(run, layer: int, recs, query, key, value, allow, scaling: float
     raw = kernels.layer_statistics(query[0], key[0], None if plain_causal else allow.bits(), ranges,
                                    scaling, delim[-n_kv:], factor, pooled_shape,
                                    needs.get("value_norms"), scores=bool(needs.get("scores")), causal=plain_causal,
-                                   lse=None if lse is None else lse[0], block=(bm, bn))
+                                   lse=None if lse is None else lse[0], block=tile)
     for recorder in recs:
         recorder.fused(run, layer, raw, layout)
         recorder.finish(run, layer)

@@ -285,7 +285,7 @@ def cudnn_agrees(device: torch.device, dtype: torch.dtype) -> bool:
 def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor | None, ranges: torch.Tensor,
                      scaling: float, delim: torch.Tensor, pool_factor: int | None = None,
                      pooled_shape: tuple[int, int] | None = None, norms: torch.Tensor | None = None,
-                     scores: bool = False, block: tuple[int, int] | None = None,
+                     scores: bool = False, block: tuple | None = None,
                      causal: bool = False, lse: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Raw per-row, per-column and pooled sums of one layer (batch of one) on the layer's device.
 
@@ -294,7 +294,7 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     with ``causal``: the plain causal mask with queries at the last n_q positions, computed inside the
     kernel from the indices instead of read from n_q x n_kv bytes; square only), ``ranges`` the
     (blocks, 2) key range of every block of ``block[0]`` query rows (the engine's ``_block_ranges``; ``block``
-    None: :func:`launch`'s tile for the device),
+    (BM, BN), or the whole (BM, BN, warps, stages) of :func:`launch`; None: :func:`launch`'s for the device),
     ``delim`` (n_kv,) delimiter flags, ``norms`` (H, n_kv) value norms for pooled A·‖W_O v‖, ``lse`` (H, n_q)
     every row's log-sum-exp of its scaled allowed scores (natural log, float32) when the forward's attention
     computed it (:func:`attention_with_lse`): the kernel then passes over QKᵀ once instead of twice.
@@ -305,9 +305,11 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     heads, n_q, dim = query.shape
     n_kv = key.shape[1]
     device = query.device
-    bm, bn, warps, stages = launch(device, query.dtype == torch.float32)
-    if block is not None:
-        bm, bn = block
+    if block is not None and len(block) == 4:  # the caller's launch() already: the environment read once a layer
+        bm, bn, warps, stages = block
+    else:
+        bm, bn, warps, stages = launch(device, query.dtype == torch.float32)
+        bm, bn = (bm, bn) if block is None else block
     f32 = {"dtype": torch.float32, "device": device}
     query, key = query.contiguous(), key.contiguous()
     # every output in one allocation (one launch to zero it, not ten: on a small model launches are the cost)

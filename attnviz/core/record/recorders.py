@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from attnviz.core.model import devices
+from attnviz.core.record import packed as packed_mod
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class LayerIn:
     key: torch.Tensor
     value: torch.Tensor
     scaling: float
+    allow: object = None  # the layer's allow-set (attnviz.core.spec.allowsets.AllowSet): no probability outside it
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -126,8 +128,8 @@ class Maps(Recorder):
     """Full maps in ``dtype`` (``run.probs``, or ``run.scores`` for the pre-softmax scores), filled block by block
     (:class:`FullMaps`) and copied to the host once per layer."""
 
-    def __init__(self, dtype: torch.dtype, of_scores: bool = False):
-        self.dtype, self.of_scores = dtype, of_scores
+    def __init__(self, dtype: torch.dtype, of_scores: bool = False, packed: bool = False):
+        self.dtype, self.of_scores, self.packed = dtype, of_scores, packed and not of_scores
         self.kind = "scores" if of_scores else "probs"
         self.scores = "raw" if of_scores else None
         self.all_keys = of_scores  # scores are kept for every key, the masked ones included
@@ -136,7 +138,8 @@ class Maps(Recorder):
     def start(self, run, layer, inputs):
         shape, device = inputs.shape, inputs.query.device
         layer_bytes = shape[0] * shape[1] * shape[2] * shape[3] * self.dtype.itemsize
-        self.current = FullMaps(shape, self.dtype, device, stage=run.sizes.stages(layer_bytes, device))
+        spans = inputs.allow.spans() if self.packed and shape[0] == 1 and inputs.allow is not None else None
+        self.current = FullMaps(shape, self.dtype, device, stage=run.sizes.stages(layer_bytes, device), spans=spans)
         self.results[layer] = self.current
 
     def block_scores(self, run, layer, q0, k0, scores, allow):
@@ -261,15 +264,17 @@ class Live(Recorder):
 
 
 def made(storage_dtype: torch.dtype, reducer=None, scores: bool = False, value_norms: bool = False,
-         qkv: bool = False) -> tuple[Recorder, ...]:
+         qkv: bool = False, packed: bool = False) -> tuple[Recorder, ...]:
     """A recorded layer's recorders, in the order they are fed (value norms first: the statistics' pooled
     value-weighted maps read them): full maps in ``storage_dtype`` (and score maps) without a ``reducer``, a block
     reducer (:class:`Streamed`) or a whole-layer function (:class:`Whole`) with one; beside maps or a block reducer, the
-    learned sink's share of each row (:class:`LearnedSink`: nothing where the model has no learned sink).
+    learned sink's share of each row (:class:`LearnedSink`: nothing where the model has no learned sink). ``packed``:
+    each full probability map is held as its rows' spans (:class:`attnviz.core.record.packed.Packed`), what a
+    capture keeps.
     ``Keep.recorders`` and :func:`for_record` both make them here."""
     out: list[Recorder] = ([ValueNorms()] if value_norms else []) + ([QKV()] if qkv else [])
     if reducer is None:
-        out.append(Maps(storage_dtype))
+        out.append(Maps(storage_dtype, packed=packed))
         if scores:
             out.append(Maps(storage_dtype, of_scores=True))
     elif callable(getattr(reducer, "add", None)):
@@ -290,14 +295,25 @@ class FullMaps:
     The blocks are written straight into the host array, or, where ``stage`` (the plan's choice,
     :meth:`attnviz.core.sizing.sizes.Sizes.stages`: on an accelerator with room for the layer), gathered on the device
     and sent to pinned host memory in one asynchronous copy per layer, not one small synchronous copy per
-    block; the forward waits for the copies before it returns (``Run.collect``). :meth:`host` is the host array."""
+    block; the forward waits for the copies before it returns (``Run.collect``). :meth:`host` is the host array, or
+    with ``spans`` (one map, B = 1: each query row's first and one past its last key the layer's mask allows) the
+    layer held packed on them (:class:`attnviz.core.record.packed.Packed`), where that pays: blocks are written
+    straight into it, so nothing whole is made on the host (a staged layer is packed once its copy lands)."""
 
-    def __init__(self, shape, dtype: torch.dtype, device: torch.device, stage: bool = False):
-        self.host_array = devices.host_buffer(shape, dtype, device)
-        self.stage = torch.zeros(shape, dtype=dtype, device=device) if stage else None
-        self.device, self.copying = device, False
+    def __init__(self, shape, dtype: torch.dtype, device: torch.device, stage: bool = False, spans=None):
+        numpy_dtype = torch.empty(0, dtype=dtype).numpy().dtype if dtype != torch.bfloat16 else None
+        if spans is not None and (numpy_dtype is None or not packed_mod.worth(*spans, shape[3])):
+            spans = None
+        self.spans, self.stage = spans, torch.zeros(shape, dtype=dtype, device=device) if stage else None
+        self.filling = (packed_mod.Packed.empty(shape[1:], *spans, numpy_dtype)
+                        if spans is not None and self.stage is None else None)
+        self.host_array = devices.host_buffer(shape, dtype, device) if self.filling is None else None
+        self.device, self.dtype, self.copying = device, dtype, False
 
     def put(self, q0: int, k0: int, block: torch.Tensor) -> None:
+        if self.filling is not None:
+            self.filling.put(q0, k0, block[0].to(self.dtype).cpu().numpy())
+            return
         target = self.host_array if self.stage is None else self.stage
         target[:, :, q0:q0 + block.shape[2], k0:k0 + block.shape[3]] = block
 
@@ -306,9 +322,15 @@ class FullMaps:
             self.host_array.copy_(self.stage, non_blocking=True)
             self.stage, self.copying = None, True
 
-    def host(self) -> torch.Tensor:
-        """The host array, once the copy to it has landed."""
+    def host(self) -> "torch.Tensor | packed_mod.Packed":
+        """The host array (or the layer held packed), once the copy to it has landed."""
+        if self.filling is not None:
+            return self.filling
         if self.copying:
             devices.synchronize(self.device)
             self.copying = False
+            if self.spans is not None:
+                self.filling = packed_mod.pack(self.host_array[0].numpy(), *self.spans)
+                self.host_array = None
+                return self.filling
         return self.host_array

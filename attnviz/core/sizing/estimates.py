@@ -29,7 +29,8 @@ def _named(keep) -> tuple[str, ...] | None:
 def held(shape: Shape, keep, n: int, masks: Masks, recorded: list[int]) -> int:
     """What a capture of ``n`` tokens of ``recorded`` layers keeping ``keep`` will hold on the host.
 
-    Full maps: storage-dtype (H, n, n) per recorded layer; statistics: :func:`metrics.statistic_floats` per head and
+    Full maps: storage-dtype (H, n, n) per recorded layer, their lower triangle where every mask is causal (held
+    packed: docs/methods.md#full-maps-held-packed); statistics: :func:`metrics.statistic_floats` per head and
     token per layer, plus the fp16 pooled maps (and pooled value-weighted maps and scores when ``value_norms`` /
     ``scores`` ask for them) at the side :func:`pooled_side` gives; the recorded layers' allow-sets as the recipe's
     ``masks`` make them (:meth:`Masks.host_bytes`); the extras; the checkpoints; the last position's log-probs."""
@@ -38,8 +39,10 @@ def held(shape: Shape, keep, n: int, masks: Masks, recorded: list[int]) -> int:
         pooled_maps = 1 + keep.value_norms + keep.scores  # weights, and value-weighted maps / scores when asked
         floats = metrics.statistic_floats(_named(keep))
         per_layer = heads * n * 4 * floats + heads * pooled_side(n, keep.pool) ** 2 * 2 * pooled_maps
-    else:
-        per_layer = heads * n * n * keep.storage_dtype.itemsize * (1 + keep.scores)
+    else:  # probabilities held packed under causal masks (their lower triangle, and the spans), scores whole
+        triangle = n * (n + 1) // 2 if masks.causal and n > 1 else n * n
+        per_layer = heads * (triangle + n * n * keep.scores) * keep.storage_dtype.itemsize
+        per_layer += 8 * (3 * n + 1) if triangle < n * n else 0
     per_layer += heads * n * 4 if keep.value_norms else 0
     per_layer += (heads + 2 * shape.n_kv_heads) * n * shape.head_dim * 4 if keep.qkv else 0  # fp32 q, k, v
     boundaries = shape.n_layers + 1  # the embeddings and every layer's output

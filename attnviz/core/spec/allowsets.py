@@ -90,6 +90,16 @@ class Layout:
         return cls(n_q, n_kv, col_counts.float(), row_counts.float(), diagonal, allow[:, 0].clone(), seen_of)
 
 
+def row_spans(seen: "np.ndarray") -> tuple["np.ndarray", "np.ndarray"]:
+    """(lo, hi) int64 of each row of an (n_q, n_kv) bool array: its first and one past its last true cell (lo = hi = 0
+    for a row with none)."""
+    n_kv = seen.shape[1]
+    any_ = seen.any(1)
+    lo = np.where(any_, seen.argmax(1), 0).astype(np.int64)
+    hi = np.where(any_, n_kv - seen[:, ::-1].argmax(1), 0).astype(np.int64)
+    return lo, hi
+
+
 class AllowSet:
     """One layer's allow-set: which keys each query may see (B, 1, n_q, n_kv), or each head's own (B, H, ...) where
     the layer's heads have masks of their own. The one type the engine asks, whatever its kind:
@@ -202,6 +212,13 @@ class AllowSet:
                     out[q0:q0 + step] = self._host_rows(q0, min(q0 + step, self.n_q)).any(0)
                 self._cache["host"] = out
         return self._cache["host"]
+
+    def spans(self) -> tuple["np.ndarray", "np.ndarray"]:
+        """(lo, hi) int64 of each query row: its first and one past its last key some head may see (of
+        :meth:`host`, made once): the cells a capture's maps are held on (docs/methods.md#full-maps-held-packed)."""
+        if "spans" not in self._cache:
+            self._cache["spans"] = row_spans(self.host())
+        return self._cache["spans"]
 
     def head_host(self) -> "np.ndarray | None":
         """(H, n_q, n_kv) on the host, each head's own set, where the heads have masks of their own; else None."""

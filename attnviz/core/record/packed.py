@@ -1,0 +1,169 @@
+"""Full maps held as the cells that can be non-zero: each query row's span of keys, from its first to its last
+non-zero cell over every head (docs/methods.md#full-maps-held-packed).
+
+A causal map keeps only its lower triangle, a sliding window only its band: half of a causal layer's storage, less
+under a window. The spans come from the values themselves, so packing is exact whatever the mask and whatever an
+intervention did to the probabilities (a cell outside every span is zero; a zero inside one is kept as it is).
+:class:`PackedMaps` is the ``layer -> (H, n_q, n_kv)`` mapping a :class:`attnviz.captured.Capture` holds: it packs
+what it is given and hands back the full array on every read, with the last few reads kept whole.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from attnviz.core.spec.allowsets import row_spans
+
+WORTH = 0.75  # pack only where the spans hold at most this share of the cells: else the array is kept whole
+READS_KEPT = 2  # full arrays kept after a read (a page reads one layer many times in a row)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One layer's (H, n_q, n_kv) map as its rows' spans: row i's keys ``lo[i] .. hi[i] - 1`` of every head, laid
+    end to end in ``values`` (H, total) from ``start[i]``."""
+
+    shape: tuple[int, int, int]
+    lo: np.ndarray  # (n_q,) int64
+    hi: np.ndarray  # (n_q,) int64
+    start: np.ndarray  # (n_q + 1,) int64: row i's values are values[:, start[i]:start[i + 1]]
+    values: np.ndarray  # (H, total) in the map's dtype
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.values.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.lo.nbytes + self.hi.nbytes + self.start.nbytes
+
+    @classmethod
+    def empty(cls, shape, lo: np.ndarray, hi: np.ndarray, dtype) -> "Packed":
+        """A layer of ``shape`` (H, n_q, n_kv) held on the spans ``lo .. hi``, every cell zero, filled by :meth:`put`."""
+        start = np.zeros(len(lo) + 1, dtype=np.int64)
+        np.cumsum(hi - lo, out=start[1:])
+        return cls(tuple(shape), lo, hi, start, np.zeros((shape[0], int(start[-1])), dtype=dtype))
+
+    def put(self, q0: int, k0: int, block: np.ndarray) -> None:
+        """Write ``block`` (H, b, w), the cells of queries q0.. and keys k0.., where they fall in the spans (a cell
+        outside every span must be zero: it is not kept)."""
+        b, w = block.shape[1:]
+        rows = zip(self.lo[q0:q0 + b].tolist(), self.hi[q0:q0 + b].tolist(), self.start[q0:q0 + b].tolist())
+        for r, (lo, hi, s) in enumerate(rows):
+            a, e = max(lo, k0), min(hi, k0 + w)
+            if e > a:
+                self.values[:, s + a - lo:s + e - lo] = block[:, r, a - k0:e - k0]
+
+    def full(self) -> np.ndarray:
+        """The (H, n_q, n_kv) array, zero outside the spans."""
+        out = np.zeros(self.shape, dtype=self.values.dtype)
+        for i, (lo, hi, s) in enumerate(zip(self.lo.tolist(), self.hi.tolist(), self.start.tolist())):
+            if hi > lo:
+                out[:, i, lo:hi] = self.values[:, s:s + hi - lo]
+        return out
+
+
+def spans(maps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`row_spans` of the cells of an (H, n_q, n_kv) array that are non-zero in some head. A negative zero
+    counts as non-zero, so it is kept as it is."""
+    bits = maps.view(f"u{maps.dtype.itemsize}") if maps.dtype.kind == "f" else maps
+    return row_spans(np.logical_or.reduce(bits != 0, axis=0) if maps.shape[0] else np.zeros(maps.shape[1:], bool))
+
+
+def worth(lo: np.ndarray, hi: np.ndarray, n_kv: int) -> bool:
+    """Whether spans ``lo .. hi`` hold at most :data:`WORTH` of the cells of ``len(lo)`` rows of ``n_kv`` keys."""
+    return int((hi - lo).sum()) <= WORTH * len(lo) * n_kv
+
+
+def pack(maps: np.ndarray, lo: np.ndarray | None = None, hi: np.ndarray | None = None) -> "Packed | np.ndarray":
+    """``maps`` (H, n_q, n_kv) as :class:`Packed` on its spans (``lo``, ``hi``: given where every cell outside them
+    is known to be zero; else found in the values) where they hold at most :data:`WORTH` of its cells; else
+    ``maps`` itself."""
+    if maps.ndim != 3 or maps.size == 0:
+        return maps
+    if lo is None or hi is None:
+        lo, hi = spans(maps)
+    if not worth(lo, hi, maps.shape[2]):
+        return maps
+    held = Packed.empty(maps.shape, lo, hi, maps.dtype)
+    held.put(0, 0, maps)
+    return held
+
+
+class PackedMaps(MutableMapping):
+    """``layer -> (H, n_q, n_kv)`` full maps, held packed (:func:`pack`). Reading a layer gives the whole array (a
+    fresh one, or one of the last :data:`READS_KEPT` read, which are shared: do not write into it); setting one
+    packs it. Safe to read from several threads (the app's shared server)."""
+
+    def __init__(self, items=()):
+        self._held: dict = {}
+        self._reads: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+        for layer, maps in dict(items).items():
+            self[layer] = maps
+
+    def __getitem__(self, layer):
+        held = self._held[layer]
+        if not isinstance(held, Packed):
+            return held
+        with self._lock:
+            if layer in self._reads:
+                self._reads.move_to_end(layer)
+                return self._reads[layer]
+        full = held.full()
+        full.flags.writeable = False
+        with self._lock:
+            self._reads[layer] = full
+            while len(self._reads) > READS_KEPT:
+                self._reads.popitem(last=False)
+        return full
+
+    def __setitem__(self, layer, maps) -> None:
+        held = maps if isinstance(maps, Packed) else pack(np.asarray(maps))
+        with self._lock:
+            self._held[layer] = held
+            self._reads.pop(layer, None)
+
+    def __delitem__(self, layer) -> None:
+        with self._lock:
+            del self._held[layer]
+            self._reads.pop(layer, None)
+
+    def __iter__(self):
+        return iter(list(self._held))
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, layer) -> bool:
+        return layer in self._held
+
+    def __repr__(self) -> str:
+        return f"PackedMaps(layers={sorted(self._held)}, held_bytes={self.nbytes})"
+
+    def __getstate__(self):
+        return {"held": self._held}
+
+    def __setstate__(self, state):
+        self.__init__()
+        self._held = state["held"]
+
+    @property
+    def nbytes(self) -> int:
+        """What the maps hold, packed."""
+        return sum(h.nbytes for h in self._held.values())
+
+    @property
+    def held_bytes(self) -> int:
+        """What they hold, packed, and the reads kept whole (what a cache of captures weighs)."""
+        with self._lock:
+            return self.nbytes + sum(full.nbytes for full in self._reads.values())
+
+    def packed(self, layer) -> "Packed | np.ndarray":
+        """The layer as held: :class:`Packed`, or the whole array where packing would not pay."""
+        return self._held[layer]
