@@ -76,6 +76,20 @@ def test_regions_on_cuda_equal_the_cpu(spec):
     np.testing.assert_array_equal(gpu.allowed, cpu.allowed)
 
 
+@pytest.mark.parametrize("spec", ["fwd", "sliding(w=7)*3"])
+def test_a_capture_on_cuda_holds_its_maps_packed_as_on_the_cpu(spec):
+    """Staged on the GPU, packed there, and only the spans' cells copied to the host
+    (docs/methods.md#full-maps-held-packed)."""
+    from attnviz.core.record.packed import Packed
+
+    cpu = capture(_on("llama", "cpu", torch.float32), TEXT, spec)
+    gpu = capture(_on("llama", "cuda", torch.float32), TEXT, spec)
+    for layer in cpu.layers:
+        held = gpu.probs.packed(layer)
+        assert isinstance(held, Packed) and held.values.shape == cpu.probs.packed(layer).values.shape
+        np.testing.assert_allclose(gpu.layer_probs(layer), cpu.layer_probs(layer), atol=2e-3)
+
+
 def test_full_maps_come_back_through_pinned_memory():
     lm = _on("llama", "cuda", torch.float32)
     _, run = engine.forward(lm.model, torch.tensor([CharTokenizer()(TEXT)["input_ids"]]), list(parse("fwd", 3).layers))

@@ -148,8 +148,25 @@ def test_a_staged_layer_is_packed_once_it_lands():
     staged.put(0, 0, maps[:, :, :4].float())
     staged.put(4, 0, maps[:, :, 4:].float())
     staged.finish()
+    assert tuple(staged.host_array.shape) == (2, 45)  # only the spans' cells crossed to the host
     held = staged.host()
     assert isinstance(held, Packed) and (held.full() == maps[0].numpy()).all()
     whole = FullMaps(tuple(maps.shape), torch.bfloat16, torch.device("cpu"), spans=(lo, hi))  # no numpy dtype
     whole.put(0, 0, maps.float())
     assert isinstance(whole.host(), torch.Tensor)
+
+
+@pytest.mark.parametrize("arch", ["fwd", "sliding(w=7)*3", "fwd*2 + bidir"])
+def test_a_capture_staged_on_its_device_holds_the_same_maps(monkeypatch, arch):
+    """The route of an accelerator with room for a layer (gathered on the device, packed there, one copy of the
+    packed cells to the host), forced on the CPU: the same maps as blocks written straight to the host."""
+    from attnviz.core.sizing.sizes import Sizes
+
+    lm = loaded("llama")
+    direct = capture(lm, TEXT, arch)
+    with monkeypatch.context() as m:
+        m.setattr(Sizes, "stages", staticmethod(lambda nbytes, device: True))
+        staged = capture(lm, TEXT, arch)
+    for layer in direct.layers:
+        assert type(staged.probs.packed(layer)) is type(direct.probs.packed(layer))
+        assert (staged.probs[layer].view(np.uint16) == direct.probs[layer].view(np.uint16)).all(), layer

@@ -45,9 +45,14 @@ class Packed:
     @classmethod
     def empty(cls, shape, lo: np.ndarray, hi: np.ndarray, dtype) -> "Packed":
         """A layer of ``shape`` (H, n_q, n_kv) held on the spans ``lo .. hi``, every cell zero, filled by :meth:`put`."""
-        start = np.zeros(len(lo) + 1, dtype=np.int64)
-        np.cumsum(hi - lo, out=start[1:])
+        start = starts(lo, hi)
         return cls(tuple(shape), lo, hi, start, np.zeros((shape[0], int(start[-1])), dtype=dtype))
+
+    @classmethod
+    def of(cls, shape, lo: np.ndarray, hi: np.ndarray, values: np.ndarray) -> "Packed":
+        """A layer of ``shape`` whose spans' cells are ``values`` (H, total), gathered as :func:`flat_index` lays
+        them out (on the device, before the copy to the host)."""
+        return cls(tuple(shape), lo, hi, starts(lo, hi), values)
 
     def put(self, q0: int, k0: int, block: np.ndarray) -> None:
         """Write ``block`` (H, b, w), the cells of queries q0.. and keys k0.., where they fall in the spans (a cell
@@ -66,6 +71,21 @@ class Packed:
             if hi > lo:
                 out[:, i, lo:hi] = self.values[:, s:s + hi - lo]
         return out
+
+
+def starts(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """(n_q + 1,) int64: where each row's cells begin, laid end to end, and the total last."""
+    start = np.zeros(len(lo) + 1, dtype=np.int64)
+    np.cumsum(hi - lo, out=start[1:])
+    return start
+
+
+def flat_index(lo: np.ndarray, hi: np.ndarray, n_kv: int) -> np.ndarray:
+    """The position in a row-major (n_q, n_kv) map of each cell of the spans, in their packed order: a layer's
+    ``maps.reshape(H, -1)[:, flat_index]`` is its packed values."""
+    start = starts(lo, hi)
+    offset = np.arange(len(lo), dtype=np.int64) * n_kv + lo - start[:-1]
+    return np.repeat(offset, hi - lo) + np.arange(int(start[-1]), dtype=np.int64)
 
 
 def spans(maps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -134,12 +134,14 @@ class Maps(Recorder):
         self.scores = "raw" if of_scores else None
         self.all_keys = of_scores  # scores are kept for every key, the masked ones included
         self.current: FullMaps | None = None
+        self.indices: dict = {}  # a staged layer's gather index on its device, made once a mask (FullMaps.index)
 
     def start(self, run, layer, inputs):
         shape, device = inputs.shape, inputs.query.device
         layer_bytes = shape[0] * shape[1] * shape[2] * shape[3] * self.dtype.itemsize
         spans = inputs.allow.spans() if self.packed and shape[0] == 1 and inputs.allow is not None else None
-        self.current = FullMaps(shape, self.dtype, device, stage=run.sizes.stages(layer_bytes, device), spans=spans)
+        self.current = FullMaps(shape, self.dtype, device, stage=run.sizes.stages(layer_bytes, device), spans=spans,
+                                indices=self.indices)
         self.results[layer] = self.current
 
     def block_scores(self, run, layer, q0, k0, scores, allow):
@@ -298,17 +300,22 @@ class FullMaps:
     block; the forward waits for the copies before it returns (``Run.collect``). :meth:`host` is the host array, or
     with ``spans`` (one map, B = 1: each query row's first and one past its last key the layer's mask allows) the
     layer held packed on them (:class:`attnviz.core.record.packed.Packed`), where that pays: blocks are written
-    straight into it, so nothing whole is made on the host (a staged layer is packed once its copy lands)."""
+    straight into it, so nothing whole is made on the host; a staged layer is packed on the device (one gather,
+    its index made once a mask: ``indices``) and only the packed cells are copied to the host."""
 
-    def __init__(self, shape, dtype: torch.dtype, device: torch.device, stage: bool = False, spans=None):
+    def __init__(self, shape, dtype: torch.dtype, device: torch.device, stage: bool = False, spans=None,
+                 indices: dict | None = None):
         numpy_dtype = torch.empty(0, dtype=dtype).numpy().dtype if dtype != torch.bfloat16 else None
         if spans is not None and (numpy_dtype is None or not packed_mod.worth(*spans, shape[3])):
             spans = None
-        self.spans, self.stage = spans, torch.zeros(shape, dtype=dtype, device=device) if stage else None
+        self.shape, self.spans = tuple(shape), spans
+        self.stage = torch.zeros(shape, dtype=dtype, device=device) if stage else None
         self.filling = (packed_mod.Packed.empty(shape[1:], *spans, numpy_dtype)
                         if spans is not None and self.stage is None else None)
-        self.host_array = devices.host_buffer(shape, dtype, device) if self.filling is None else None
+        whole = self.filling is None and (spans is None or self.stage is None)
+        self.host_array = devices.host_buffer(shape, dtype, device) if whole else None
         self.device, self.dtype, self.copying = device, dtype, False
+        self.indices = {} if indices is None else indices
 
     def put(self, q0: int, k0: int, block: torch.Tensor) -> None:
         if self.filling is not None:
@@ -319,8 +326,20 @@ class FullMaps:
 
     def finish(self) -> None:
         if self.stage is not None:
-            self.host_array.copy_(self.stage, non_blocking=True)
+            source = self.stage
+            if self.spans is not None:  # only the spans' cells cross to the host
+                source = self.stage[0].reshape(self.shape[1], -1).index_select(1, self.index())
+                self.host_array = devices.host_buffer(tuple(source.shape), self.dtype, self.device)
+            self.host_array.copy_(source, non_blocking=True)
             self.stage, self.copying = None, True
+
+    def index(self) -> torch.Tensor:
+        """The spans' :func:`~attnviz.core.record.packed.flat_index` on the layer's device, made once a mask."""
+        lo, hi = self.spans
+        key = (id(lo), str(self.device))
+        if key not in self.indices:  # the spans are kept beside it: their id names them while the run lasts
+            self.indices[key] = (lo, torch.from_numpy(packed_mod.flat_index(lo, hi, self.shape[3])).to(self.device))
+        return self.indices[key][1]
 
     def host(self) -> "torch.Tensor | packed_mod.Packed":
         """The host array (or the layer held packed), once the copy to it has landed."""
@@ -330,7 +349,7 @@ class FullMaps:
             devices.synchronize(self.device)
             self.copying = False
             if self.spans is not None:
-                self.filling = packed_mod.pack(self.host_array[0].numpy(), *self.spans)
+                self.filling = packed_mod.Packed.of(self.shape[1:], *self.spans, self.host_array.numpy())
                 self.host_array = None
                 return self.filling
         return self.host_array

@@ -61,7 +61,7 @@ def working(shape: Shape, keep, n: int, masks: Masks, recorded: list[int]) -> in
     - its attention: queries, keys, values, the output gathered block by block, one query block's working set
       (:func:`block_copies` fp32 copies of a block of :meth:`Sizes.block_of` bytes), the layer's statistics and
       pooled maps while they are made (fp32; finished layers go to the host), its full maps where they are staged
-      on the device (:meth:`Sizes.room`);
+      on the device (:meth:`Sizes.room`), with their packed cells and the index that gathers them;
     - its MLP: three n × intermediate activations, beside the sum after attention;
 
     and, for the whole forward: the allow-sets, one n × n bool each (``masks.device``), or a block's rows of each
@@ -81,6 +81,8 @@ def working(shape: Shape, keep, n: int, masks: Masks, recorded: list[int]) -> in
             1 + keep.value_norms + keep.scores)
     maps = heads * n * n * keep.storage_dtype.itemsize * (1 + keep.scores) if keep.full_maps else 0
     staged = maps if maps and not shape.on_cpu and Sizes.room(maps, shape.free) else 0
+    if staged and masks.causal and n > 1:  # beside it, its probabilities packed for the host and their gather index
+        staged += n * (n + 1) // 2 * (heads * keep.storage_dtype.itemsize + 8)
     attention = n * (2 * heads + 2 * shape.n_kv_heads) * shape.head_dim * itemsize + int(block) + made + staged
     layer = 3 * n * hidden * itemsize + max(attention, n * (hidden + 3 * shape.inner) * itemsize)
     cells = (shape.n_layers + 1) * n * hidden  # every layer's hidden states, the embeddings first
