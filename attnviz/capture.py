@@ -15,6 +15,7 @@ import torch
 from attnviz import recipe as recipe_mod
 from attnviz.core.spec import arch as arch_mod
 from attnviz.core.model import devices
+from attnviz.core.record import recorders
 from attnviz.core.record.packed import Packed, PackedMaps
 from attnviz.core import engine
 from attnviz.core.spec import syntax
@@ -125,12 +126,13 @@ class Prepared:
             text=self.text, tokens=list(self.tokens), token_ids=list(self.ids), arch=architecture.spec,
             layer_masks=architecture.layer_names, layers=layers, kv_groups=loaded.kv_groups,
             allowed=run.host_allowed(layers), head_allowed=run.head_allowed(layers),
-            probs=PackedMaps({l: p if isinstance(p, Packed) else p[0].numpy() for l, p in run.probs.items()}),
+            probs=PackedMaps({l: p if isinstance(p, Packed) else recorders.on_host(p[0])
+                              for l, p in run.probs.items()}),
             stats={l: run.reduced[l] for l in run.reduced},
             next_logprobs=torch.log_softmax(logits, -1).cpu().numpy(),
             hidden=(torch.stack([h[0] for h in layer_states]).to(torch.float16).cpu().numpy()
                     if keep.hidden_states else None),
-            scores={l: run.scores[l][0].numpy() for l in run.scores},
+            scores={l: recorders.on_host(run.scores[l][0]) for l in run.scores},
             value_norm={l: run.value_norms[l][0].cpu().numpy() for l in run.value_norms},
             learned_sink={l: share[0] for l, share in run.results("learned_sink").items()},
             activations=Activations.from_hidden(layer_states) if keep.activations else None,

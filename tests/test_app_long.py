@@ -135,7 +135,7 @@ def test_every_page_works_on_a_long_capture(model_cache, tmp_path, env):
     """Every page on a text past the full-maps limit (the 8,192-token path at ~600 tokens): the
     statistics pages draw, and each view that needs more than statistics and pooled maps says what
     would fit instead of failing (bench/pages_long.py runs the same pages at 8,192)."""
-    env("ATTNVIZ_FULL_MAPS_MB", "12")  # ~670 tokens: 30 full layers ~250 MB do not fit, one (~9 MB) does
+    env("ATTNVIZ_FULL_MAPS_MB", "12")  # ~670 tokens: 30 full layers ~140 MB do not fit, one (~5 MB) does
     at = app_test(tmp_path)
     at.run()
     at.sidebar.text_area(key="text").input(LONG).run()
@@ -161,8 +161,8 @@ def test_every_page_works_on_a_long_capture(model_cache, tmp_path, env):
     on_page(at, "pages/sinks.py")
     at.toggle(key="sk_why").set_value(True).run()
     assert not at.exception and "What would fit" in texts(at.error)
-    assert "One layer alone would take ~31 MB" in texts(at.error)  # with the hidden states of every layer
-    env("ATTNVIZ_FULL_MAPS_MB", "40")  # one layer and the hidden states fit, two do not
+    assert "One layer alone would take ~28 MB" in texts(at.error)  # packed, with the hidden states of every layer
+    env("ATTNVIZ_FULL_MAPS_MB", "30")  # one packed layer and the hidden states fit (~28 MB), two do not
     at.run()
     assert re.search(r"fewer recorded layers \([12] of 30 fit at this length: `attnviz capture --layers`\)",
                      texts(at.error)), texts(at.error)

@@ -85,7 +85,7 @@ def test_the_store_reads_the_same_from_many_threads_and_pickles():
     for t in threads:
         t.join()
     assert errors == []
-    assert len(store._reads) <= packed.READS_KEPT
+    assert len(packed._READS) <= packed.READS_KEPT  # the reads kept whole: a few over the whole process
     back = pickle.loads(pickle.dumps(store))
     assert sorted(back) == list(range(5)) and all((back[l] == whole[l]).all() for l in range(5))
     with pytest.raises(ValueError):  # a read is shared: it cannot be written into
@@ -151,9 +151,12 @@ def test_a_staged_layer_is_packed_once_it_lands():
     assert tuple(staged.host_array.shape) == (2, 45)  # only the spans' cells crossed to the host
     held = staged.host()
     assert isinstance(held, Packed) and (held.full() == maps[0].numpy()).all()
-    whole = FullMaps(tuple(maps.shape), torch.bfloat16, torch.device("cpu"), spans=(lo, hi))  # no numpy dtype
-    whole.put(0, 0, maps.float())
-    assert isinstance(whole.host(), torch.Tensor)
+    half = FullMaps(tuple(maps.shape), torch.bfloat16, torch.device("cpu"), stage=True, spans=(lo, hi))
+    half.put(0, 0, maps.float())
+    half.finish()
+    held = half.host()  # numpy has no bfloat16: its values, held in float32
+    assert isinstance(held, Packed) and held.dtype == np.float32
+    assert (held.full() == maps[0].to(torch.bfloat16).float().numpy()).all()
 
 
 @pytest.mark.parametrize("arch", ["fwd", "sliding(w=7)*3", "fwd*2 + bidir"])
@@ -170,3 +173,54 @@ def test_a_capture_staged_on_its_device_holds_the_same_maps(monkeypatch, arch):
     for layer in direct.layers:
         assert type(staged.probs.packed(layer)) is type(direct.probs.packed(layer))
         assert (staged.probs[layer].view(np.uint16) == direct.probs[layer].view(np.uint16)).all(), layer
+
+
+def test_a_read_never_keeps_what_a_write_replaced(monkeypatch):
+    """A layer set while another thread unpacks its old value: the old read is not kept, later reads see the new."""
+    rng = np.random.default_rng(5)
+    old, new = (_masked(rng, 2, 12, 12, np.tri(12, dtype=bool)) for _ in range(2))
+    store = PackedMaps({0: old})
+    unpack = Packed.full
+
+    def slow_full(self):
+        out = unpack(self)
+        if self is store.packed(0):  # the write lands while this read unpacks
+            store[0] = new
+        return out
+
+    monkeypatch.setattr(Packed, "full", slow_full)
+    assert (store[0] == old).all()  # this read saw the value it began with
+    monkeypatch.setattr(Packed, "full", unpack)
+    assert (store[0] == new).all()
+
+
+def test_bfloat16_maps_are_kept_in_float32_with_bfloat16_s_values():
+    lm = loaded("llama")
+    cap = capture(lm, TEXT, "fwd*2 + bidir", Keep(storage_dtype=torch.bfloat16, scores=True))
+    exact = capture(lm, TEXT, "fwd*2 + bidir", Keep(storage_dtype=torch.float32))
+    for layer in cap.layers:
+        assert cap.probs[layer].dtype == np.float32 and cap.scores[layer].dtype == np.float32
+        rounded = torch.from_numpy(np.array(exact.probs[layer])).to(torch.bfloat16).float().numpy()
+        np.testing.assert_array_equal(cap.probs[layer], rounded)
+    assert isinstance(cap.probs.packed(0), Packed) and not isinstance(cap.probs.packed(2), Packed)  # bidir: whole
+
+
+def test_layers_with_masks_of_their_own_share_one_gather_index(monkeypatch):
+    """Each layer whose heads have masks of their own has an allow-set of its own; its spans are the layer mask's,
+    so the staged route makes their gather index once, not once a layer."""
+    from attnviz.core.record import recorders
+    from attnviz.core.sizing.sizes import Sizes
+
+    made = []
+    real = recorders.Maps.start
+
+    def start(self, run, layer, inputs):
+        real(self, run, layer, inputs)
+        made.append(self)
+
+    monkeypatch.setattr(recorders.Maps, "start", start)
+    monkeypatch.setattr(Sizes, "stages", staticmethod(lambda nbytes, device: True))
+    lm = loaded("llama")
+    cap = capture(lm, TEXT, Recipe.of(lm, "fwd", "headwindow(heads=1, s=2, w=5)"))
+    assert len(cap.head_allowed) == len(cap.layers) == 3
+    assert len({id(m) for m in made}) == 1 and len(made[0].indices) == 1

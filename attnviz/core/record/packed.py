@@ -5,7 +5,7 @@ A causal map keeps only its lower triangle, a sliding window only its band: half
 under a window. The spans come from the values themselves, so packing is exact whatever the mask and whatever an
 intervention did to the probabilities (a cell outside every span is zero; a zero inside one is kept as it is).
 :class:`PackedMaps` is the ``layer -> (H, n_q, n_kv)`` mapping a :class:`attnviz.captured.Capture` holds: it packs
-what it is given and hands back the full array on every read, with the last few reads kept whole.
+what it is given and hands back the full array on every read, with the process's last few reads kept whole.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import numpy as np
 from attnviz.core.spec.allowsets import row_spans
 
 WORTH = 0.75  # pack only where the spans hold at most this share of the cells: else the array is kept whole
-READS_KEPT = 2  # full arrays kept after a read (a page reads one layer many times in a row)
+READS_KEPT = 4  # whole arrays kept after a read, over every store of the process (a page reads a layer many times)
+_READS: OrderedDict = OrderedDict()  # (store's token, layer) -> the whole read-only array, the last read last
+_READS_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -117,12 +119,12 @@ def pack(maps: np.ndarray, lo: np.ndarray | None = None, hi: np.ndarray | None =
 
 class PackedMaps(MutableMapping):
     """``layer -> (H, n_q, n_kv)`` full maps, held packed (:func:`pack`). Reading a layer gives the whole array (a
-    fresh one, or one of the last :data:`READS_KEPT` read, which are shared: do not write into it); setting one
-    packs it. Safe to read from several threads (the app's shared server)."""
+    fresh one, or one of the last :data:`READS_KEPT` read in this process, which are shared: do not write into
+    it); setting one packs it. Safe to read from several threads (the app's shared server)."""
 
     def __init__(self, items=()):
         self._held: dict = {}
-        self._reads: OrderedDict = OrderedDict()
+        self._token = object()  # names this store in the reads kept (unique while it lives)
         self._lock = threading.Lock()
         for layer, maps in dict(items).items():
             self[layer] = maps
@@ -131,28 +133,30 @@ class PackedMaps(MutableMapping):
         held = self._held[layer]
         if not isinstance(held, Packed):
             return held
-        with self._lock:
-            if layer in self._reads:
-                self._reads.move_to_end(layer)
-                return self._reads[layer]
+        key = (self._token, layer)
+        with _READS_LOCK:
+            if key in _READS:
+                _READS.move_to_end(key)
+                return _READS[key]
         full = held.full()
         full.flags.writeable = False
-        with self._lock:
-            self._reads[layer] = full
-            while len(self._reads) > READS_KEPT:
-                self._reads.popitem(last=False)
+        with self._lock, _READS_LOCK:
+            if self._held.get(layer) is held:  # not replaced while it was unpacked: keep the read
+                _READS[key] = full
+                while len(_READS) > READS_KEPT:
+                    _READS.popitem(last=False)
         return full
 
     def __setitem__(self, layer, maps) -> None:
         held = maps if isinstance(maps, Packed) else pack(np.asarray(maps))
-        with self._lock:
+        with self._lock, _READS_LOCK:
             self._held[layer] = held
-            self._reads.pop(layer, None)
+            _READS.pop((self._token, layer), None)
 
     def __delitem__(self, layer) -> None:
-        with self._lock:
+        with self._lock, _READS_LOCK:
             del self._held[layer]
-            self._reads.pop(layer, None)
+            _READS.pop((self._token, layer), None)
 
     def __iter__(self):
         return iter(list(self._held))
@@ -176,13 +180,14 @@ class PackedMaps(MutableMapping):
     @property
     def nbytes(self) -> int:
         """What the maps hold, packed."""
-        return sum(h.nbytes for h in self._held.values())
+        with self._lock:
+            return sum(h.nbytes for h in self._held.values())
 
     @property
     def held_bytes(self) -> int:
-        """What they hold, packed, and the reads kept whole (what a cache of captures weighs)."""
-        with self._lock:
-            return self.nbytes + sum(full.nbytes for full in self._reads.values())
+        """What a cache of captures weighs of it: what it holds, packed (the reads kept whole are the process's,
+        at most :data:`READS_KEPT` layers over every store)."""
+        return self.nbytes
 
     def packed(self, layer) -> "Packed | np.ndarray":
         """The layer as held: :class:`Packed`, or the whole array where packing would not pay."""

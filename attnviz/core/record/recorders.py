@@ -265,6 +265,16 @@ class Live(Recorder):
         self.results[layer] = probs
 
 
+def _numpy_dtype(dtype: torch.dtype):
+    """The numpy dtype a host array of ``dtype`` is held in: its own, float32 for bfloat16 (numpy has none)."""
+    return torch.empty(0, dtype=torch.float32 if dtype == torch.bfloat16 else dtype).numpy().dtype
+
+
+def on_host(tensor: torch.Tensor):
+    """A host tensor as numpy, bfloat16 values held in float32 (:func:`_numpy_dtype`)."""
+    return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
+
+
 def made(storage_dtype: torch.dtype, reducer=None, scores: bool = False, value_norms: bool = False,
          qkv: bool = False, packed: bool = False) -> tuple[Recorder, ...]:
     """A recorded layer's recorders, in the order they are fed (value norms first: the statistics' pooled
@@ -305,12 +315,11 @@ class FullMaps:
 
     def __init__(self, shape, dtype: torch.dtype, device: torch.device, stage: bool = False, spans=None,
                  indices: dict | None = None):
-        numpy_dtype = torch.empty(0, dtype=dtype).numpy().dtype if dtype != torch.bfloat16 else None
-        if spans is not None and (numpy_dtype is None or not packed_mod.worth(*spans, shape[3])):
+        if spans is not None and not packed_mod.worth(*spans, shape[3]):
             spans = None
         self.shape, self.spans = tuple(shape), spans
         self.stage = torch.zeros(shape, dtype=dtype, device=device) if stage else None
-        self.filling = (packed_mod.Packed.empty(shape[1:], *spans, numpy_dtype)
+        self.filling = (packed_mod.Packed.empty(shape[1:], *spans, _numpy_dtype(dtype))
                         if spans is not None and self.stage is None else None)
         whole = self.filling is None and (spans is None or self.stage is None)
         self.host_array = devices.host_buffer(shape, dtype, device) if whole else None
@@ -319,7 +328,7 @@ class FullMaps:
 
     def put(self, q0: int, k0: int, block: torch.Tensor) -> None:
         if self.filling is not None:
-            self.filling.put(q0, k0, block[0].to(self.dtype).cpu().numpy())
+            self.filling.put(q0, k0, on_host(block[0].to(self.dtype).cpu()))
             return
         target = self.host_array if self.stage is None else self.stage
         target[:, :, q0:q0 + block.shape[2], k0:k0 + block.shape[3]] = block
@@ -329,17 +338,21 @@ class FullMaps:
             source = self.stage
             if self.spans is not None:  # only the spans' cells cross to the host
                 source = self.stage[0].reshape(self.shape[1], -1).index_select(1, self.index())
-                self.host_array = devices.host_buffer(tuple(source.shape), self.dtype, self.device)
+                if self.dtype == torch.bfloat16:  # numpy has no bfloat16: its values, held in float32
+                    source = source.float()
+                self.host_array = devices.host_buffer(tuple(source.shape), source.dtype, self.device)
             self.host_array.copy_(source, non_blocking=True)
             self.stage, self.copying = None, True
 
     def index(self) -> torch.Tensor:
-        """The spans' :func:`~attnviz.core.record.packed.flat_index` on the layer's device, made once a mask."""
+        """The spans' :func:`~attnviz.core.record.packed.flat_index` on the layer's device, made once a set of spans
+        (named by their values: a layer whose heads have masks of their own has an allow-set of its own, whose
+        spans are most often the layer mask's)."""
         lo, hi = self.spans
-        key = (id(lo), str(self.device))
-        if key not in self.indices:  # the spans are kept beside it: their id names them while the run lasts
-            self.indices[key] = (lo, torch.from_numpy(packed_mod.flat_index(lo, hi, self.shape[3])).to(self.device))
-        return self.indices[key][1]
+        key = (lo.tobytes(), hi.tobytes(), self.shape[3], str(self.device))
+        if key not in self.indices:
+            self.indices[key] = torch.from_numpy(packed_mod.flat_index(lo, hi, self.shape[3])).to(self.device)
+        return self.indices[key]
 
     def host(self) -> "torch.Tensor | packed_mod.Packed":
         """The host array (or the layer held packed), once the copy to it has landed."""

@@ -17,6 +17,7 @@ import torch
 
 from attnviz.core.model import devices
 from attnviz.core.record.pooled import pool_factor
+from attnviz.core.record.packed import WORTH
 from attnviz.core.sizing.sizes import Masks, Shape, Sizes
 from attnviz.stats import metrics
 
@@ -39,10 +40,11 @@ def held(shape: Shape, keep, n: int, masks: Masks, recorded: list[int]) -> int:
         pooled_maps = 1 + keep.value_norms + keep.scores  # weights, and value-weighted maps / scores when asked
         floats = metrics.statistic_floats(_named(keep))
         per_layer = heads * n * 4 * floats + heads * pooled_side(n, keep.pool) ** 2 * 2 * pooled_maps
-    else:  # probabilities held packed under causal masks (their lower triangle, and the spans), scores whole
+    else:  # probabilities held packed under causal masks (their lower triangle, and the spans), scores whole;
+        # bfloat16 maps are held in float32 (numpy has no bfloat16)
+        itemsize = 4 if keep.storage_dtype == torch.bfloat16 else keep.storage_dtype.itemsize
         triangle = n * (n + 1) // 2 if masks.causal and n > 1 else n * n
-        per_layer = heads * (triangle + n * n * keep.scores) * keep.storage_dtype.itemsize
-        per_layer += 8 * (3 * n + 1) if triangle < n * n else 0
+        per_layer = heads * (triangle + n * n * keep.scores) * itemsize + (8 * (3 * n + 1) if triangle < n * n else 0)
     per_layer += heads * n * 4 if keep.value_norms else 0
     per_layer += (heads + 2 * shape.n_kv_heads) * n * shape.head_dim * 4 if keep.qkv else 0  # fp32 q, k, v
     boundaries = shape.n_layers + 1  # the embeddings and every layer's output
@@ -81,8 +83,10 @@ def working(shape: Shape, keep, n: int, masks: Masks, recorded: list[int]) -> in
             1 + keep.value_norms + keep.scores)
     maps = heads * n * n * keep.storage_dtype.itemsize * (1 + keep.scores) if keep.full_maps else 0
     staged = maps if maps and not shape.on_cpu and Sizes.room(maps, shape.free) else 0
-    if staged and masks.causal and n > 1:  # beside it, its probabilities packed for the host and their gather index
-        staged += n * (n + 1) // 2 * (heads * keep.storage_dtype.itemsize + 8)
+    if staged and n > 1:  # beside it, its probabilities packed for the host (float32 from bfloat16) and their index
+        cells = n * (n + 1) // 2 if masks.causal else int(WORTH * n * n)  # the most a packed layer holds
+        half = 4 if keep.storage_dtype == torch.bfloat16 else 0
+        staged += cells * (heads * (keep.storage_dtype.itemsize + half) + 8)
     attention = n * (2 * heads + 2 * shape.n_kv_heads) * shape.head_dim * itemsize + int(block) + made + staged
     layer = 3 * n * hidden * itemsize + max(attention, n * (hidden + 3 * shape.inner) * itemsize)
     cells = (shape.n_layers + 1) * n * hidden  # every layer's hidden states, the embeddings first
