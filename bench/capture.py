@@ -3,12 +3,12 @@
     python bench/capture.py --n 1024 [--repeat 3]
 
 Measures a plain SDPA forward, HF eager with ``output_attentions=True``, attnviz capture of all
-layers (``attnviz.capture``: fp16 storage, held packed) and of one layer, and the engine's forward alone with every
-layer's maps whole (``engine_all``: what the capture packs). Time is the median of ``--repeat`` runs; peak memory is the
-growth of the process's peak resident set (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``, after
-giving freed heap back with ``malloc_trim``)
-or of ``torch.cuda.max_memory_allocated`` on CUDA, over what was resident before the call, with the
-call's result still held. Ends with the line
+layers (``attnviz.capture``: fp16 storage, held packed) and of one layer, and the engine's forward alone
+with every layer's maps whole (``engine_all_whole_maps``: what the capture packs). Time is the median of
+``--repeat`` runs; peak memory is the growth of the process's peak resident set (Linux ``VmHWM``, reset
+through ``/proc/self/clear_refs``, after giving freed heap back with ``malloc_trim``) or of
+``torch.cuda.max_memory_allocated`` on CUDA, over what was resident before the call, with the call's result
+still held. Ends with the line
 ``capture_all_vs_eager N=<N> time_ratio=<all/eager time> mem_ratio=<all/eager peak memory>``.
 """
 

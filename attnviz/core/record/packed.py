@@ -2,8 +2,9 @@
 non-zero cell over every head (docs/methods.md#full-maps-held-packed).
 
 A causal map keeps only its lower triangle, a sliding window only its band: half of a causal layer's storage, less
-under a window. The spans come from the values themselves, so packing is exact whatever the mask and whatever an
-intervention did to the probabilities (a cell outside every span is zero; a zero inside one is kept as it is).
+under a window. The engine packs on the mask's spans (``AllowSet.spans``: no probability lies outside the mask); an
+array given here is packed on the spans of its own non-zero cells, so packing it is exact whatever it holds (a cell
+outside every span is zero; a zero inside one is kept as it is).
 :class:`PackedMaps` is the ``layer -> (H, n_q, n_kv)`` mapping a :class:`attnviz.captured.Capture` holds: it packs
 what it is given and hands back the full array on every read, with the process's last few reads kept whole.
 """
@@ -46,7 +47,8 @@ class Packed:
 
     @classmethod
     def empty(cls, shape, lo: np.ndarray, hi: np.ndarray, dtype) -> "Packed":
-        """A layer of ``shape`` (H, n_q, n_kv) held on the spans ``lo .. hi``, every cell zero, filled by :meth:`put`."""
+        """A layer of ``shape`` (H, n_q, n_kv) held on the spans ``lo .. hi``, every cell zero, filled by
+        :meth:`put`."""
         start = starts(lo, hi)
         return cls(tuple(shape), lo, hi, start, np.zeros((shape[0], int(start[-1])), dtype=dtype))
 

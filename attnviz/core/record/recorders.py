@@ -321,8 +321,8 @@ class FullMaps:
         self.stage = torch.zeros(shape, dtype=dtype, device=device) if stage else None
         self.filling = (packed_mod.Packed.empty(shape[1:], *spans, _numpy_dtype(dtype))
                         if spans is not None and self.stage is None else None)
-        whole = self.filling is None and (spans is None or self.stage is None)
-        self.host_array = devices.host_buffer(shape, dtype, device) if whole else None
+        # whole on the host only where not packed (a packed staged layer's host array is made at finish, its size)
+        self.host_array = devices.host_buffer(shape, dtype, device) if spans is None else None
         self.device, self.dtype, self.copying = device, dtype, False
         self.indices = {} if indices is None else indices
 
