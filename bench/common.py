@@ -51,3 +51,26 @@ def profiled(fn, title: str, rows: int = 18) -> None:
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
     print(f"# profile {title}: launches={launches}", flush=True)
     print(events.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60), flush=True)
+
+
+#: reads that make a GPU's host wait for the device: data-dependent shapes, a tensor's truth, a scalar
+WAITS = {"aten.nonzero.default", "aten.nonzero_numpy.default", "aten.is_nonzero.default", "aten.item.default",
+         "aten._local_scalar_dense.default"}
+
+
+def dispatch_counter():
+    """A torch dispatch mode that counts, while it is entered, every operation dispatched (``.ops``; on CUDA about
+    one launch each, views included) and those of them that make a GPU's host wait (``.waits``, :data:`WAITS`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = self.waits = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            self.waits += str(func) in WAITS
+            return func(*args, **(kwargs or {}))
+
+    return Count()

@@ -85,25 +85,12 @@ def count_ops(lm, text: str, n: int) -> None:
     from unittest import mock
 
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from attnviz.capture import capture
     from attnviz.flow import contributions
     from attnviz.flow.trace import trace
 
-    # reads that make the host wait for the device: data-dependent shapes, a tensor's truth, a scalar
-    waits = {"aten.nonzero.default", "aten.nonzero_numpy.default", "aten.is_nonzero.default", "aten.item.default",
-             "aten._local_scalar_dense.default"}
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = self.waits = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops += 1
-            self.waits += str(func) in waits
-            return func(*args, **(kwargs or {}))
+    from common import dispatch_counter
 
     copies = []  # and every copy to the host (on a CPU tensor a no-op that dispatches nothing): counted at the call
     real_cpu, real_tolist = torch.Tensor.cpu, torch.Tensor.tolist
@@ -124,7 +111,7 @@ def count_ops(lm, text: str, n: int) -> None:
         for name, run in (("capture", lambda: capture(lm, text, "fwd")), ("routes", lambda: trace(lm, text))):
             copies.clear()
             launches.clear()
-            with torch.no_grad(), Count() as count:
+            with torch.no_grad(), dispatch_counter() as count:
                 run()
             count.waits += len(copies)
             count.ops += len(launches)

@@ -31,7 +31,9 @@ COPIES = {aten.copy_.default}
 
 
 #: every copy from the simulated device to the host, in order: ("wait", op) for one that waits for the device
-#: (``.cpu()``, ``.item()``, ``.tolist()``, a blocking ``copy_``), ("async", op) for a ``copy_(non_blocking=True)``
+#: (``.cpu()``, ``.item()``, ``.tolist()``, a blocking ``copy_``), ("async", op) for a ``copy_(non_blocking=True)``;
+#: and every copy of a host tensor to the device, ("upload", op): from pageable memory, as a CPU tensor is, CUDA's copy
+#: waits for every operation queued before it (PyTorch synchronises the stream after it), so the host stops there
 TRANSFERS: list[tuple[str, str]] = []
 
 
@@ -64,6 +66,10 @@ class OnDevice(torch.Tensor):
         return _run(func, args, kwargs or {})
 
 
+def _host_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, OnDevice) and value.device.type == "cpu"
+
+
 def _named_devices(args, kwargs) -> list[torch.device]:
     named = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.device)]
     if isinstance(kwargs.get("device"), str):
@@ -92,6 +98,9 @@ def _run(func, args, kwargs):
         TRANSFERS.append(("wait", str(func)))
     elif func in COPIES and not isinstance(args[0], OnDevice) and isinstance(args[1], OnDevice):
         TRANSFERS.append(("async" if (args[2] if len(args) > 2 else kwargs.get("non_blocking")) else "wait", str(func)))
+    elif (func in COPIES and isinstance(args[0], OnDevice) and _host_tensor(args[1])) or (
+            func not in COPIES and named and named[-1].type == DEVICE.type and any(map(_host_tensor, leaves))):
+        TRANSFERS.append(("upload", str(func)))  # from pageable host memory: on CUDA the host waits for the device
     args2, kwargs2 = tree_map(unwrap, args), tree_map(unwrap, kwargs)
     if isinstance(kwargs2.get("device"), str) and torch.device(kwargs2["device"]).type == DEVICE.type:
         kwargs2["device"] = CPU

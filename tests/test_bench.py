@@ -53,3 +53,29 @@ def test_the_scan_bench_runs_on_the_model_s_device(device, model_cache, tmp_path
     assert out.returncode == 0, out.stderr[-2000:]
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("scan ") and f"device={device}" in last and "ratio=" in last
+
+
+def test_a_gpu_s_host_dispatches_a_bounded_few_operations_for_each_recorded_layer():
+    """bench/host.py's count of what a GPU's host does for a statistics capture on the fused route: each recorded
+    layer beyond the first adds at most 25 operations (about 20: the attention kernel, the statistics kernel's launch
+    and the tensors it is handed) and no copy to the host, since fused layers are finished and copied together
+    (attnviz.core.record.reduce.FusedLayers; finishing each layer alone added about 77 operations and two copies a
+    layer). A count, not a time: docs/gpu.md#the-hosts-share-measured-on-a-cpu."""
+    import gpu
+    import host
+
+    from attnviz.capture import capture
+    from attnviz.plan import Keep
+
+    lm = gpu.build("tiny", "cpu", torch.bfloat16)
+    text, _ = gpu.text_of(lm, 16)
+    with torch.no_grad():
+        capture(lm, text, "fwd", Keep(statistics=True, pool=512))  # the model's anatomy is probed once, here
+        every = host.count(lambda: capture(lm, text, "fwd", Keep(statistics=True, pool=512)))
+        one = host.count(lambda: capture(lm, text, "fwd", Keep(statistics=True, pool=512, layers=[0])))
+    layers = lm.model.config.num_hidden_layers
+    assert every["launches"] == layers and one["launches"] == 1  # every recorded layer took the fused route
+    assert (every["ops"] - one["ops"]) / (layers - 1) <= 25, (every, one)
+    assert every["copies"] == one["copies"] <= 3 and every["waits"] == 0
+    line = host.measure("tiny", 16, 1, "bfloat16")  # the bench's own line
+    assert line.startswith("host shape=tiny n=16 ") and "host_ratio=" in line and "capture_copies=3 " in line

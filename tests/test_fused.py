@@ -155,6 +155,31 @@ def test_a_capture_by_the_fused_route_equals_the_block_engine(spec, monkeypatch)
         np.testing.assert_allclose(fused.stats[layer]["allocation"], metrics.allocation(a, full.tokens), atol=1e-5)
 
 
+@pytest.mark.parametrize("spec", ["fwd", "nosink-fwd*2 + bidir"])
+def test_fused_layers_finished_together_equal_each_finished_alone(spec, monkeypatch):
+    """Fused layers' sums wait and are finished together (one set of operations for the group, stacked over the
+    layers, each mask's layers apart); finishing each layer alone (a group of one byte) gives the same arrays."""
+    from attnviz.core.record import reduce
+
+    lm = loaded("llama")
+    keep = Keep(statistics=True, pool=24, value_norms=True, scores=True)
+    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
+    finished = []
+    real = reduce.FusedLayers.finish
+    monkeypatch.setattr(reduce.FusedLayers, "finish", lambda self: finished.append(len(self.layers)) or real(self))
+    together = capture(lm, TEXT, spec, keep)
+    assert finished[0] == 3  # one group: every layer (later calls find it finished)
+    monkeypatch.setattr(reduce, "GROUP_BYTES", 1)
+    finished.clear()
+    alone = capture(lm, TEXT, spec, keep)
+    assert finished[:3] == [1, 1, 1]
+    for layer in range(3):
+        assert together.stats[layer].keys() == alone.stats[layer].keys()
+        for name, value in alone.stats[layer].items():
+            np.testing.assert_array_equal(together.stats[layer][name], value, err_msg=f"{name} L{layer}")
+    assert not np.array_equal(together.stats[0]["alpha"], together.stats[2]["alpha"], equal_nan=True)
+
+
 def test_masks_the_kernel_cannot_express_keep_the_block_engine(monkeypatch):
     monkeypatch.setenv("ATTNVIZ_FUSED", "1")
     calls = []

@@ -147,6 +147,41 @@ def test_a_statistics_capture_sends_its_results_to_the_host_without_waiting():
     assert set(cap.stats[0]) >= {"alpha", "entropy", "pooled"} and isinstance(cap.stats[0]["alpha"], np.ndarray)
 
 
+@pytest.mark.parametrize("route", ["blocks", "fused"])
+def test_a_capture_copies_nothing_to_the_device_layer_by_layer(route, monkeypatch):
+    """A copy of a host tensor to a GPU waits for everything queued before it (from pageable memory PyTorch
+    synchronises the stream), so a copy a layer keeps the host from running ahead of the device, and on a small model
+    the capture's time becomes the host's plus the device's (docs/gpu.md#the-hosts-share-measured-on-a-cpu). The
+    positions, the padding and the delimiter flags go to the device once a run, on the block route and on the fused
+    route (its kernel's launch counted, not run: only where tensors are is tested here)."""
+    import elsewhere
+    from attnviz.core.engine import routes
+    from attnviz.core.kernel import kernels
+
+    launches = []
+    if route == "fused":
+        monkeypatch.setattr(kernels, "available", lambda: True)
+        monkeypatch.setattr(kernels, "_kernel", lambda: type("Launch", (), {
+            "__getitem__": lambda self, grid: lambda *a, **k: launches.append(grid)})())
+    lm = loaded("llama")
+    phases = []
+    lm.model.register_forward_pre_hook(lambda *a: phases.append(len(elsewhere.TRANSFERS)))
+    lm.model.register_forward_hook(lambda *a: phases.append(len(elsewhere.TRANSFERS)))
+
+    def uploads(keep):
+        phases.clear()
+        with elsewhere.elsewhere(lm.model), routes.forcing(fused=route == "fused"):
+            elsewhere.TRANSFERS.clear()
+            cap = capture(lm, TEXT, "fwd", keep)
+            assert len(cap.layers) == len(keep.layers or range(lm.n_layers)) and lm.n_layers >= 3
+            return [t for t in elsewhere.TRANSFERS[phases[0]:phases[1]] if t[0] == "upload"]
+
+    for statistics in (True, ["alpha"]):  # with and without the delimiters
+        every = uploads(Keep(statistics=statistics, pool=8))
+        assert len(every) <= 3 and len(every) == len(uploads(Keep(statistics=statistics, pool=8, layers=[1]))), every
+    assert launches if route == "fused" else not launches
+
+
 def test_other_accelerators_copy_to_the_host_and_wait(monkeypatch):
     """Only CUDA's copies are queued (an event says when they land); on MPS or XPU a queued copy to the host may be
     read before it lands, so there the copy waits."""

@@ -128,8 +128,6 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     inputs = recorders_mod.LayerIn(module, query, key, value, scaling, allow)
     for recorder in recs:
         recorder.start(run, layer, inputs)
-    kv_pos = run.positions[:, -n_kv:].to(query.device)
-    q_pos = run.query_positions(n_q, query.device)
     if route is routes.Route.FUSED:
         try:
             return routes._fused_layer(run, layer, recs, query, key, value, allow, scaling, plain_causal)
@@ -139,6 +137,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             kernels.disable(err)
         if allow.kind == "causal":  # the block engine reads the allow-set
             allow = run.allow_set(layer, n_q, n_kv, sliding_window, query.device, "whole", n_heads)
+    kv_pos = run.positions_on(query.device)[:, -n_kv:]
+    q_pos = run.query_positions(n_q, query.device)
     rows = n_q if run.keep_graph or torch.is_grad_enabled() or any(r.whole_layer for r in recs) \
         else run.block_rows(batch * n_heads * n_kv, query.device)
     # Each block computes only the keys some of its rows may see (half the work under a causal mask).

@@ -28,7 +28,7 @@ def _patch(layer: int, block: str):
         if not acts:
             return None
         n = value.shape[1]
-        positions = run.positions[:, -n:].to(value.device)
+        positions = run.positions_on(value.device)[:, -n:]
         valid = run.valid_on(value.device)[:, -n:]
         for intervention in acts:
             value = intervention.block_output(value, positions, valid, run.sink_key(layer))

@@ -114,7 +114,8 @@ def _fused_layer(run, layer: int, recs, query, key, value, allow, scaling: float
     if needs.get("pool"):
         factor = pool_factor(max(n_q, n_kv), needs["pool"])
         pooled_shape = (-(-n_q // factor), -(-n_kv // factor))
-    delim = needs["delim"] if needs.get("delim") is not None else torch.zeros(n_kv)
+    # no delimiters asked: zeros made on the device once (zeros made on the host would be copied there a layer)
+    delim = needs["delim"] if needs.get("delim") is not None else kernels.zeros(query.device, n_kv)
     # the layer's output and every row's log-sum-exp from one attention kernel: the statistics pass once over QK^T
     out, lse = kernels.attention_with_lse(query, key, value, None if plain_causal else allow.whole(), scaling,
                                           plain_causal)

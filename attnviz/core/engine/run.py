@@ -203,10 +203,6 @@ class Run(Recorded, Cached, AllowSets, Asked):
     qkv = property(lambda self: self.results("qkv"), doc="(q, k, v, scaling) on the host by layer.")
     live = property(lambda self: self.results("live"), doc="keep_graph: every layer's fp32 probabilities.")
 
-    def query_positions(self, n_q: int, device) -> torch.Tensor:
-        source = self.positions if self.q_positions is None else self.q_positions
-        return source[:, -n_q:].to(device)
-
     def recorders_at(self, layer: int) -> tuple:
         """The recorders fed by ``layer``: the run's own for a recorded layer, and the live probabilities of every
         layer when the graph is kept (residual variants)."""

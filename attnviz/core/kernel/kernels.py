@@ -17,8 +17,7 @@ Which layers take it: a recorded layer of a statistics capture (``Keep(statistic
 device with Triton available, batch 1, no StableMask/SM-I pseudo-logits, learned sinks, softcapping or
 position bias (those keep the block engine, which handles every case). ``ATTNVIZ_FUSED=0`` turns the
 route off; ``ATTNVIZ_FUSED=1`` forces it on any device, which with ``TRITON_INTERPRET=1`` runs the
-kernel in Triton's interpreter on the CPU: that is how the tests check it against the definitions
-(docs/methods.md#sink-metrics) on a machine without a GPU. That variable is the user's setting; a caller
+kernel in Triton's interpreter on the CPU (how the tests check it against docs/methods.md#sink-metrics). A caller
 forces or forbids the route for its own calls, in its own thread, with :func:`attnviz.core.engine.routes.forcing`.
 
 The kernel's outputs per head: row sums, Σ p·log p, the diagonal, key 0's probability and the
@@ -28,16 +27,12 @@ the pooled grid. Pooling factors are multiples of the kernel's pooling granulari
 two up to 16) by :func:`attnviz.core.record.reduce.pool_factor`; where the factor is a multiple of both tile
 sides (64 and up: 32,768 tokens on a 512-cell map), a tile lies in one cell and pools to one maximum.
 
-What a tile costs. Scores are kept in base 2 (one ``exp2`` a probability, as flash attention). A causal
-half-precision kernel splits each row block's keys into *full* tiles, wholly below the diagonal, which need no mask, no
-diagonal and no test of a key, and the few tiles at the diagonal, which mask each score
-(:mod:`attnviz.core.kernel._triton_stats`). At 32,768 tokens almost every tile is full. Compiled for sm_90 (bf16,
-head dim 128, statistics and a 512-cell map), a full tile costs a thread 503 instructions at 8 warps where
-every tile cost 773 before; at 4 warps, 723 instructions for twice the scores a thread
-(``compiled_resources``' ``tile_instructions``; ``python bench/kernel_regs.py``).
+What a tile costs: scores in base 2 (one ``exp2`` a probability); a causal half-precision kernel runs each row
+block's *full* tiles, wholly below the diagonal, without a mask, and masks only the few at the diagonal
+(:mod:`attnviz.core.kernel._triton_stats`; the SASS counts: ``compiled_resources``, ``python bench/kernel_regs.py``).
 
-What is computed from these (alpha, entropy normalised, allocation, ...) is
-:class:`attnviz.core.record.reduce.LayerSummary`'s own code, shared with the block engine.
+The statistics are finished from these sums by their declarations (:mod:`attnviz.stats.metrics`), several fused
+layers at once (:class:`attnviz.core.record.reduce.FusedLayers`).
 """
 
 from __future__ import annotations
@@ -249,7 +244,8 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             if devices.is_out_of_memory(err):
                 raise
             continue
-        return out, lse.reshape(lse.shape[0], lse.shape[1], -1)[..., :n_q].float()  # cuDNN's: (B, H, n, 1)
+        lse = lse if lse.dim() == 3 else lse.reshape(lse.shape[0], lse.shape[1], -1)  # cuDNN's: (B, H, n, 1)
+        return out, (lse if lse.shape[-1] == n_q else lse[..., :n_q]).float()
     return plain()
 
 
@@ -311,7 +307,8 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
         bm, bn, warps, stages = launch(device, query.dtype == torch.float32)
         bm, bn = (bm, bn) if block is None else block
     f32 = {"dtype": torch.float32, "device": device}
-    query, key = query.contiguous(), key.contiguous()
+    # the kernel reads rows and heads by their strides: only a tensor whose last dimension is strided is copied
+    query, key = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key))
     # every output in one allocation (one launch to zero it, not ten: on a small model launches are the cost)
     pool = pool_factor is not None
     rows, cols = pooled_shape if pool else (1, 1)
@@ -327,21 +324,20 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
         raise ValueError(f"key tiles of {bn} do not hold whole 32-key words of the packed allow-set")
     if pool and (bm % g or bn % g):
         raise ValueError(f"pooling granularity {g} does not divide the kernel's {bm} x {bn} tiles")
-    dummy = _dummy(device)  # read by no program: the pointer of an output or input a launch leaves out
+    dummy = zeros(device)  # read by no program: the pointer of an output or input a launch leaves out
     pooled = grids[0] if pool else dummy
     pooled_value = grids[1] if pool and norms is not None else pooled
     pooled_scores = torch.full((heads, rows, cols), float("-inf"), **f32) if scores else pooled
     if causal:
         if n_q != n_kv:
             raise ValueError(f"the causal route takes square layers, not {n_q} queries over {n_kv} keys")
-        packed = _dummy(device, torch.int32)
+        packed = zeros(device, 1, torch.int32)
     else:
         packed = allow if allow.dtype == torch.int32 else pack_allow(allow)
     _kernel()[(heads, -(-n_q // bm))](
         query, key, packed,
-        ranges.to(device, torch.int32).contiguous(),
-        delim.to(**f32).contiguous(), dummy if norms is None else norms.to(**f32).contiguous(),
-        dummy if lse is None else lse.to(**f32).contiguous(),
+        _on(ranges, device, torch.int32), _on(delim, device), dummy if norms is None else _on(norms, device),
+        dummy if lse is None else _on(lse, device),
         out["rowsum"], out["plogp"], out["diag"], out["key0"], out["delim"], out["colsum"],
         pooled, pooled_value, pooled_scores,
         n_q, n_kv, dim, heads // key.shape[0], float(scaling), 0, pool_factor or 1, rows, cols,
@@ -358,10 +354,17 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     return out
 
 
+def _on(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``tensor`` as the kernel reads it: itself where it is so already (no operation dispatched), else a copy."""
+    if tensor.dtype == dtype and tensor.device == device and tensor.is_contiguous():
+        return tensor
+    return tensor.to(device, dtype).contiguous()
+
+
 @functools.lru_cache(maxsize=16)
-def _dummy(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """One element on ``device``, made once: the pointer a launch passes where it reads or writes nothing."""
-    return torch.zeros(1, dtype=dtype, device=device)
+def zeros(device: torch.device, n: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``n`` zeros on ``device``, made once, read only: a pointer a launch leaves unread, or no delimiter flags."""
+    return torch.zeros(n, dtype=dtype, device=device)
 
 
 def compiled_resources(*variants: dict) -> list[dict]:

@@ -117,7 +117,15 @@ def host_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
 ASYNC_COPIES = {"cuda"}
 
 
-class HostCopy:
+class Landing:
+    """Results on their way to the host: :meth:`result` waits for them (once, after the forward) and gives numpy
+    arrays (:func:`landed`)."""
+
+    def result(self):
+        raise NotImplementedError
+
+
+class HostCopy(Landing):
     """A finished result on its way to the host. From a CUDA GPU it goes into pinned memory with one asynchronous
     copy, queued on the device's stream after the kernels that made it, so the next layer is queued without
     waiting for it (other accelerators copy and wait, :data:`ASYNC_COPIES`); :meth:`result` waits for it (once, after the forward: :meth:`attnviz.core.engine.Run.collect`)
@@ -142,7 +150,7 @@ class HostCopy:
         return self.host.numpy()
 
 
-class PackedCopy:
+class PackedCopy(Landing):
     """A finished layer's results on their way to the host together: the tensors of each dtype joined into one on
     the device (one concatenation), one queued copy a dtype into pinned memory and one event, where a
     :class:`HostCopy` of each would cost a pinned buffer, a copy and an event apiece (on a small model on a GPU
@@ -179,11 +187,11 @@ def host_copies(values: dict):
 
 
 def landed(values):
-    """``values`` (a dict of results, or one) with every :class:`HostCopy` waited for, as numpy arrays."""
-    if isinstance(values, (HostCopy, PackedCopy)):
+    """``values`` (a dict of results, or one) with every :class:`Landing` waited for, as numpy arrays."""
+    if isinstance(values, Landing):
         return values.result()
     if isinstance(values, dict):
-        return {k: v.result() if isinstance(v, HostCopy) else v for k, v in values.items()}
+        return {k: v.result() if isinstance(v, Landing) else v for k, v in values.items()}
     return values
 
 

@@ -147,18 +147,6 @@ class LayerSummary:
             if isinstance(extra, metrics.RowSum):
                 sums[extra.name][:, rows] = extra.of(probs, allow)
 
-    def add_fused(self, raw: dict[str, torch.Tensor], layout: Layout, delim_q: torch.Tensor | None = None) -> None:
-        """A whole layer from :func:`attnviz.core.kernel.kernels.layer_statistics`' sums and its mask's :class:`Layout`:
-        nothing allocated or copied, the sums are the kernel's and the facts the layout's (made once a mask);
-        ``delim_q`` the text's (:meth:`delimiters_of_queries`), when the caller made it once for every layer."""
-        self.device = device = raw["rowsum"].device
-        names = [x.name if isinstance(x, metrics.RowSum) else x for x in self.sums_needed]
-        # the kernel's probabilities are 0 wherever forbidden: its column sums are the allowed-only ones too
-        self.sums = {name: raw["colsum" if name == "colsum_allowed" else name] for name in names}
-        self.facts = {**layout.facts(device), "n_q": self.n_q}
-        if self.delim is not None:
-            self.facts["delim_q"] = delim_q if delim_q is not None else self.delimiters_of_queries(device)
-
     def delimiters_of_queries(self, device) -> torch.Tensor:
         """The delimiter flag of query i's own key i, float32 on ``device``."""
         self.delim = self.delim.to(device, torch.float32)
@@ -215,6 +203,7 @@ class Summaries(FusedReducer):
         self.pooled_value: dict[int, PooledMap] = {}
         self.pooled_scores: dict[int, PooledMap] = {}
         self._delim_q: dict = {}  # the delimiter flag of each query's own key, by device and shape
+        self._waiting: FusedLayers | None = None  # fused layers whose sums wait to be finished together
 
     def fusable(self) -> bool:
         """The fused kernel provides every sum the kept statistics are finished from (``kernels.SUMS``)."""
@@ -262,27 +251,28 @@ class Summaries(FusedReducer):
 
     def add_fused(self, layer: int, raw: dict[str, torch.Tensor], layout: Layout) -> None:
         """A whole layer at once from :func:`attnviz.core.kernel.kernels.layer_statistics` (the fused route) and its
-        mask's :class:`Layout`: the same statistics and pooled maps as the blocks would give."""
-        heads, n_q, n_kv = raw["rowsum"].shape[0], layout.n_q, layout.n_kv
-        device = raw["rowsum"].device
-        self._delim_on(device)
-        self.layers[layer] = summary = LayerSummary(heads, n_q, n_kv, delim=self.delim, statistics=self.statistics)
-        delim_q = None
-        if self.delim is not None:  # made once for every layer of the text on this device
-            key = (str(device), n_q, n_kv)
-            if key not in self._delim_q:
-                self._delim_q[key] = summary.delimiters_of_queries(device)
-            delim_q = self._delim_q[key]
-        summary.add_fused(raw, layout, delim_q)
-        if self.pool:
-            factor = pool_factor(max(n_q, n_kv), self.pool)
-            seen = layout.seen(factor)  # one grid for every pooled kind, made once a mask
-            for name, store in (("pooled", self.pooled), ("pooled_value", self.pooled_value),
-                                ("pooled_scores", self.pooled_scores)):
-                if name in raw:
-                    store[layer] = PooledMap(heads, n_q, n_kv, self.pool).set(raw[name], seen)
+        mask's :class:`Layout`: the same statistics and pooled maps as the blocks would give. Its sums wait on the
+        device with the layers before it and are finished with them (:class:`FusedLayers`)."""
+        self._delim_on(raw["rowsum"].device)
+        if self._waiting is None:
+            self._waiting = FusedLayers(self)
+        self._waiting.add(layer, raw, layout)
 
-    def finish(self, layer: int) -> dict[str, np.ndarray]:
+    def delim_q(self, device, n_q: int, n_kv: int) -> torch.Tensor:
+        """The delimiter flag of each query's own key on ``device``, made once a text, device and shape."""
+        key = (str(device), n_q, n_kv)
+        if key not in self._delim_q:
+            self._delim_q[key] = LayerSummary(1, n_q, n_kv, delim=self.delim,
+                                              statistics=self.statistics).delimiters_of_queries(device)
+        return self._delim_q[key]
+
+    def finish(self, layer: int):
+        waiting = self._waiting
+        if waiting is not None and layer in waiting.layers:
+            if waiting.nbytes >= GROUP_BYTES:  # enough wait: finish them now, and start another group
+                waiting.finish()
+                self._waiting = None
+            return Finished(waiting, layer)
         out = self.layers.pop(layer).tensors()
         if self.pool:
             pooled = self.pooled.pop(layer)
@@ -292,6 +282,86 @@ class Summaries(FusedReducer):
             if layer in self.pooled_scores:
                 out["pooled_scores"] = self.pooled_scores.pop(layer).tensor()
         return devices.host_copies(out)  # on their way to the host: the run collects them after the forward
+
+
+#: Fused layers' sums wait on their device until this many bytes of them wait (and at the end of the forward), then
+#: are finished together: one set of operations for the group, where finishing each layer alone cost about 45 a
+#: layer, which on a small model on a GPU the host launches one by one: the capture's cost there
+#: (docs/gpu.md#the-hosts-share-measured-on-a-cpu).
+GROUP_BYTES = 64 * 2**20
+
+
+class FusedLayers:
+    """Fused layers finished together. Each layer's kernel sums (:func:`attnviz.core.kernel.kernels.layer_statistics`)
+    wait on the device; :meth:`finish` stacks the sums of the layers that share a mask's :class:`Layout`, device and
+    shape, finishes every statistic and pooled map of them at once (the statistics' declarations broadcast over the
+    stacked layers as over the heads), and sends them to the host in one copy a dtype. :class:`Finished` gives each
+    layer its own back."""
+
+    def __init__(self, owner: "Summaries"):
+        self.owner = owner
+        self.layers: dict[int, tuple[dict, Layout]] = {}
+        self.nbytes = 0
+        self.copies: dict[int, tuple] | None = None  # layer: (its group's copy, its index in the stack)
+        self.landed: dict[int, dict] = {}  # id of a copy: its numpy arrays
+
+    def add(self, layer: int, raw: dict[str, torch.Tensor], layout: Layout) -> None:
+        self.layers[layer] = (raw, layout)
+        self.nbytes += sum(v.numel() * v.element_size() for v in raw.values())
+
+    def finish(self) -> None:
+        """Finish every waiting layer and queue the copies to the host; the sums are let go."""
+        if self.copies is not None:
+            return
+        owner, self.copies = self.owner, {}
+        parts: dict = {}
+        for layer, (raw, layout) in self.layers.items():
+            key = (id(layout), str(raw["rowsum"].device), tuple(raw["rowsum"].shape), tuple(sorted(raw)))
+            parts.setdefault(key, []).append(layer)
+        needed = [x.name if isinstance(x, metrics.RowSum) else x for x in metrics.needed_sums(owner.statistics)]
+        for layers in parts.values():
+            raws = [self.layers[layer][0] for layer in layers]
+            layout = self.layers[layers[0]][1]
+            device, (n_q, n_kv) = raws[0]["rowsum"].device, (layout.n_q, layout.n_kv)
+
+            def stacked(name):
+                return raws[0][name][None] if len(raws) == 1 else torch.stack([raw[name] for raw in raws])
+
+            known = {**layout.facts(device), "n_q": n_q}
+            if owner.delim is not None:
+                known["delim_q"] = owner.delim_q(device, n_q, n_kv)
+            for name in needed:  # the kernel's probabilities are 0 wherever forbidden: its column sums are allowed-only
+                known[name] = stacked("colsum" if name == "colsum_allowed" else name)
+            out = {s.name: s.finish(known, torch) for s in owner.statistics}
+            if owner.pool:
+                factor = pool_factor(max(n_q, n_kv), owner.pool)
+                seen = layout.seen(factor).to(device)  # one grid for every pooled kind, made once a mask
+                for name in ("pooled", "pooled_value", "pooled_scores"):
+                    if name in raws[0]:  # as PooledMap.tensor: fp16, NaN where nothing was allowed
+                        out[name] = torch.where(seen, stacked(name), float("nan")).to(torch.float16)
+                out["pool_factor"] = np.array(factor)
+            copy = devices.host_copies(out)
+            for index, layer in enumerate(layers):
+                self.copies[layer] = (copy, index)
+        self.layers = {}
+
+    def result(self, layer: int) -> dict[str, np.ndarray]:
+        """``layer``'s finished results on the host (its group finished first where it still waits)."""
+        self.finish()
+        copy, index = self.copies[layer]
+        if id(copy) not in self.landed:
+            self.landed[id(copy)] = devices.landed(copy)
+        return {k: v[index] if k != "pool_factor" else v for k, v in self.landed[id(copy)].items()}
+
+
+class Finished(devices.Landing):
+    """One fused layer's results, finished with its group (:class:`FusedLayers`) and on their way to the host."""
+
+    def __init__(self, group: FusedLayers, layer: int):
+        self.group, self.layer = group, layer
+
+    def result(self) -> dict[str, np.ndarray]:
+        return self.group.result(self.layer)
 
 
 def summarise(probs, allowed, tokens: list[str] | None = None) -> dict[str, np.ndarray]:

@@ -18,6 +18,7 @@ import torch
 from attnviz.core.model import devices
 from attnviz.core.record.pooled import pool_factor
 from attnviz.core.record.packed import WORTH
+from attnviz.core.record.reduce import GROUP_BYTES
 from attnviz.core.sizing.sizes import Masks, Shape, Sizes
 from attnviz.stats import metrics
 
@@ -66,12 +67,13 @@ def working(shape: Shape, keep, n: int, masks: Masks, recorded: list[int]) -> in
       on the device (:meth:`Sizes.room`), with their packed cells and the index that gathers them;
     - its MLP: three n × intermediate activations, beside the sum after attention;
 
-    and, for the whole forward: the allow-sets, one n × n bool each (``masks.device``), or a block's rows of each
-    where a statistics capture makes them a block of rows at a time (above the whole-allow size); every recorded
-    layer's value norms; every layer's hidden states when asked, and after the forward what is made of them (their
-    stack, the activations' fp32 copies) where that is more; the last position's logits. Full maps go to the host
-    as they are made, so they count against host memory (:func:`held`), not here; on the CPU the two are one memory,
-    and a capture's peak there is at most their sum."""
+    and, for the whole forward: on a GPU, the fused layers' sums waiting to be finished together; the allow-sets,
+    one n × n bool each (``masks.device``), or a block's rows of each where a statistics capture makes them a block
+    of rows at a time (above the whole-allow size); every recorded layer's value norms; every layer's hidden states
+    when asked, and after the forward what is made of them (their stack, the activations' fp32 copies) where that
+    is more; the last position's logits. Full maps go to the host as they are made, so they count against host
+    memory (:func:`held`), not here; on the CPU the two are one memory, and a capture's peak there is at most their
+    sum."""
     heads, itemsize, hidden = shape.n_heads, shape.itemsize, shape.hidden
     sizes = Sizes.of(keep)
     rows = min(n, max(1, sizes.block_of(shape.block) // (4 * heads * n)))
@@ -100,7 +102,11 @@ def working(shape: Shape, keep, n: int, masks: Masks, recorded: list[int]) -> in
     # (an AllowSet of kind "rows"): only a block's rows are ever on the device, not n × n
     rowwise = keep.statistics and n * n > sizes.whole_allow and not masks.per_head(recorded)
     allow = masks.device * (rows if rowwise else n) * n
-    return max(layer + states, after) + norms + allow + 4 * shape.vocab
+    # on a GPU's fused route, the layers' kernel sums wait to be finished together (reduce.GROUP_BYTES, and one
+    # layer more), then are stacked beside themselves
+    raw = heads * (6 * n + (1 + keep.value_norms + keep.scores) * pooled_side(n, keep.pool) ** 2) * 4
+    waiting = 2 * min(len(recorded) * raw, GROUP_BYTES + raw) if keep.statistics and not shape.on_cpu else 0
+    return max(layer + states, after) + norms + allow + waiting + 4 * shape.vocab
 
 
 def block_copies(shape: Shape, keep, masks: Masks, recorded=()) -> float:

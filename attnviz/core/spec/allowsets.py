@@ -259,12 +259,12 @@ class AllowSets:
         """(B, 1, q1 - q0, n_kv): query rows q0 .. q1 - 1 of the layer's mask (and window, and padding), made
         alone (a row's allowed keys depend on that row only, keep-self included)."""
         mask = self.masks[layer]
-        kv_pos = self.positions[:, -n_kv:].to(device)
+        kv_pos = self.positions_on(device)[:, -n_kv:]
         q_pos = self.query_positions(n_q, device)[:, q0:q1]
         allow = mask.allow(q_pos[:, None, :, None], kv_pos[:, None, None, :])
         if window and mask.causal_type:
             allow = allow & ((q_pos[:, None, :, None] - kv_pos[:, None, None, :]) < window)
-        allow = allow & self.valid[:, -n_kv:].to(device)[:, None, None, :]
+        allow = allow & self.valid_on(device)[:, -n_kv:][:, None, None, :]
         return keep_self_if_empty(allow, n_kv - n_q + q0)
 
     def block_rows(self, row_elements: int, device=None) -> int:
@@ -277,9 +277,23 @@ class AllowSets:
 
     def valid_on(self, device) -> torch.Tensor:
         """``valid`` on ``device``, copied there once per run."""
-        key = ("valid", torch.device(device))
+        return self._on("valid", self.valid, device)
+
+    def query_positions(self, n_q: int, device) -> torch.Tensor:
+        """The last ``n_q`` query positions (the keys' own where queries are the keys) on ``device``."""
+        if self.q_positions is None:
+            return self.positions_on(device)[:, -n_q:]
+        return self._on("query positions", self.q_positions, device)[:, -n_q:]
+
+    def positions_on(self, device) -> torch.Tensor:
+        """``positions`` on ``device``, copied there once per run: a copy from pageable host memory makes a GPU's
+        host wait for every operation queued before it, so one a layer would keep the host from running ahead."""
+        return self._on("positions", self.positions, device)
+
+    def _on(self, name: str, tensor: torch.Tensor, device) -> torch.Tensor:
+        key = (name, torch.device(device))
         if key not in self._device_cache:
-            self._device_cache[key] = self.valid.to(device)
+            self._device_cache[key] = tensor.to(device)
         return self._device_cache[key]
 
     def sink_key(self, layer: int) -> int:
@@ -310,7 +324,7 @@ class AllowSets:
             if key not in self._allow_cache:
                 self._allow_cache[key] = self.head_masks[layer](n_q, n_kv, device)
             masks.append(self._allow_cache[key][:, q0:q1])
-        kv_pos, q_pos = self.positions[0, -n_kv:].to(device), self.query_positions(n_q, device)[0, q0:q1]
+        kv_pos, q_pos = self.positions_on(device)[0, -n_kv:], self.query_positions(n_q, device)[0, q0:q1]
         for intervention in self.interventions.at(layer):
             made = intervention.key_mask(q_pos, kv_pos, n_heads)
             if made is not None:
