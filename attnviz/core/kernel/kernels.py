@@ -20,12 +20,11 @@ route off; ``ATTNVIZ_FUSED=1`` forces it on any device, which with ``TRITON_INTE
 kernel in Triton's interpreter on the CPU (how the tests check it against docs/methods.md#sink-metrics). A caller
 forces or forbids the route for its own calls, in its own thread, with :func:`attnviz.core.engine.routes.forcing`.
 
-The kernel's outputs per head: row sums, Σ p·log p, the diagonal, key 0's probability and the
-delimiter share per query; column sums per key (atomic adds across query blocks); and max-pooled
-maps of the probabilities (and, when asked, of A·‖W_O v‖ and of the allowed scores) by atomic max on
-the pooled grid. Pooling factors are multiples of the kernel's pooling granularity G (a power of
-two up to 16) by :func:`attnviz.core.record.reduce.pool_factor`; where the factor is a multiple of both tile
-sides (64 and up: 32,768 tokens on a 512-cell map), a tile lies in one cell and pools to one maximum.
+The kernel's outputs per head: row sums, Σ p·log p, the diagonal, key 0's probability and the delimiter share per
+query; column sums per key (atomic adds across query blocks); and max-pooled maps of the probabilities (and, when
+asked, of A·‖W_O v‖ and of the allowed scores) by atomic max on the pooled grid. Pooling factors are multiples of
+the pooling granularity G (a power of two up to 16; :func:`attnviz.core.record.reduce.pool_factor`); where the
+factor is a multiple of both tile sides (64 and up), a tile lies in one cell and pools to one maximum.
 
 What a tile costs: scores in base 2 (one ``exp2`` a probability); a causal half-precision kernel runs each row
 block's *full* tiles, wholly below the diagonal, without a mask, and masks only the few at the diagonal
@@ -47,11 +46,10 @@ from attnviz.core.model import devices
 
 BLOCK_M = 64  # query rows per program
 BLOCK_N = 64  # keys per tile
-# Warps per program: 8 before Hopper and for fp32 models (with 4, ptxas spills there), 4 on sm_90 (Hopper)
-# in half precision, where one warpgroup's 64-row wgmma holds a whole tile: its row sums stay inside a warp, a
-# tile costs 28 % fewer warp-instructions and 12 barriers instead of 19, and nothing spills. These are
-# compiler figures read on a CPU (tests/test_kernel_sm90.py, `python bench/kernel_regs.py`);
-# ATTNVIZ_KERNEL_WARPS=4 or 8 overrides the choice, so `python bench/gpu.py --warps 4 8` times both on a card.
+# Warps per program: 8 before Hopper and for fp32 models (with 4, ptxas spills there), 4 on sm_90 (Hopper) in half
+# precision, where one warpgroup's 64-row wgmma holds a whole tile: 28 % fewer warp-instructions a tile, 12 barriers
+# instead of 19, no spill (compiler figures: tests/test_kernel_sm90.py, `python bench/kernel_regs.py`);
+# ATTNVIZ_KERNEL_WARPS=4 or 8 overrides the choice (`python bench/gpu.py --warps 4 8` times both on a card).
 NUM_WARPS = 8
 HOPPER_WARPS = 4
 
@@ -193,17 +191,15 @@ def _constants(bm: int, bn: int, head_dim: int, fp32: bool, g: int, pool: bool, 
 
 def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allow: torch.Tensor | None,
                        scaling: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A layer's attention output (B, H, n_q, d) and every row's log-sum-exp (B, H, n_q) from one attention
-    kernel, the one the forward runs anyway: on the CPU ``_scaled_dot_product_flash_attention_for_cpu``; on
-    CUDA flash attention (causal, half precision) or the memory-efficient kernel (any mask, any dtype), both
-    of which compute the log-sum-exp for their backward. The statistics kernel then reads it and passes over
-    QKᵀ once. ``allow`` (B, 1, n_q, n_kv) bool, or None with ``causal``. Where no such kernel runs (another
-    device, a shape it refuses) or ``ATTNVIZ_FUSED_LSE=0``, the output comes from SDPA and the log-sum-exp is
-    None: the statistics kernel finds it itself, in a first pass."""
+    """A layer's attention output (B, H, n_q, d) and every row's log-sum-exp (B, H, n_q) from one attention kernel,
+    the one the forward runs anyway: on the CPU ``_scaled_dot_product_flash_attention_for_cpu``; on CUDA cuDNN's or
+    flash attention (causal, half precision) or the memory-efficient kernel (any mask, any dtype), which compute the
+    log-sum-exp for their backward: the statistics kernel then passes over QKᵀ once. ``allow`` (B, 1, n_q, n_kv)
+    bool, or None with ``causal``. Where no such kernel runs (another device, a shape it refuses) or
+    ``ATTNVIZ_FUSED_LSE=0``, the output comes from SDPA and the log-sum-exp is None (the kernel finds it itself)."""
     import torch.nn.functional as F
 
-    heads, kv_heads = query.shape[1], key.shape[1]
-    n_q = query.shape[2]
+    heads, kv_heads, n_q = query.shape[1], key.shape[1], query.shape[2]
 
     def plain():
         mask = None if causal else allow
@@ -307,8 +303,8 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
         bm, bn, warps, stages = launch(device, query.dtype == torch.float32)
         bm, bn = (bm, bn) if block is None else block
     f32 = {"dtype": torch.float32, "device": device}
-    # the kernel reads rows and heads by their strides: only a tensor whose last dimension is strided is copied
-    query, key = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key))
+    # read by their strides in int32: copied where the last dimension is strided or an offset would pass 2^31
+    query, key = (x if x.stride(-1) == 1 and _span(x) < 2**31 else x.contiguous() for x in (query, key))
     # every output in one allocation (one launch to zero it, not ten: on a small model launches are the cost)
     pool = pool_factor is not None
     rows, cols = pooled_shape if pool else (1, 1)
@@ -352,6 +348,10 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
         if scores:
             out["pooled_scores"] = pooled_scores
     return out
+
+
+def _span(tensor: torch.Tensor) -> int:  # the largest offset read
+    return sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride()))
 
 
 def _on(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -254,7 +254,7 @@ class Summaries(FusedReducer):
         mask's :class:`Layout`: the same statistics and pooled maps as the blocks would give. Its sums wait on the
         device with the layers before it and are finished with them (:class:`FusedLayers`)."""
         self._delim_on(raw["rowsum"].device)
-        if self._waiting is None:
+        if self._waiting is None or self._waiting.copies is not None:  # none, or one finished (a run before)
             self._waiting = FusedLayers(self)
         self._waiting.add(layer, raw, layout)
 
@@ -306,6 +306,8 @@ class FusedLayers:
         self.landed: dict[int, dict] = {}  # id of a copy: its numpy arrays
 
     def add(self, layer: int, raw: dict[str, torch.Tensor], layout: Layout) -> None:
+        if self.copies is not None:
+            raise RuntimeError("these fused layers were finished: a layer added now would never be")
         self.layers[layer] = (raw, layout)
         self.nbytes += sum(v.numel() * v.element_size() for v in raw.values())
 
@@ -313,7 +315,7 @@ class FusedLayers:
         """Finish every waiting layer and queue the copies to the host; the sums are let go."""
         if self.copies is not None:
             return
-        owner, self.copies = self.owner, {}
+        owner, copies = self.owner, {}  # kept only once every part is made: an error leaves the group as it was
         parts: dict = {}
         for layer, (raw, layout) in self.layers.items():
             key = (id(layout), str(raw["rowsum"].device), tuple(raw["rowsum"].shape), tuple(sorted(raw)))
@@ -324,8 +326,12 @@ class FusedLayers:
             layout = self.layers[layers[0]][1]
             device, (n_q, n_kv) = raws[0]["rowsum"].device, (layout.n_q, layout.n_kv)
 
+            made: dict = {}
+
             def stacked(name):
-                return raws[0][name][None] if len(raws) == 1 else torch.stack([raw[name] for raw in raws])
+                if name not in made:
+                    made[name] = raws[0][name][None] if len(raws) == 1 else torch.stack([raw[name] for raw in raws])
+                return made[name]
 
             known = {**layout.facts(device), "n_q": n_q}
             if owner.delim is not None:
@@ -342,8 +348,9 @@ class FusedLayers:
                 out["pool_factor"] = np.array(factor)
             copy = devices.host_copies(out)
             for index, layer in enumerate(layers):
-                self.copies[layer] = (copy, index)
-        self.layers = {}
+                copies[layer] = (copy, index)
+            del made, out
+        self.copies, self.layers = copies, {}
 
     def result(self, layer: int) -> dict[str, np.ndarray]:
         """``layer``'s finished results on the host (its group finished first where it still waits)."""

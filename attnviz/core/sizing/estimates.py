@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import torch
 
+from attnviz.core.kernel import kernels
 from attnviz.core.model import devices
 from attnviz.core.record.pooled import pool_factor
 from attnviz.core.record.packed import WORTH
@@ -102,10 +103,11 @@ def working(shape: Shape, keep, n: int, masks: Masks, recorded: list[int]) -> in
     # (an AllowSet of kind "rows"): only a block's rows are ever on the device, not n × n
     rowwise = keep.statistics and n * n > sizes.whole_allow and not masks.per_head(recorded)
     allow = masks.device * (rows if rowwise else n) * n
-    # on a GPU's fused route, the layers' kernel sums wait to be finished together (reduce.GROUP_BYTES, and one
-    # layer more), then are stacked beside themselves
+    # on the fused route (CUDA with Triton), the layers' kernel sums wait to be finished together
+    # (reduce.GROUP_BYTES, and one layer more), then are stacked beside themselves
     raw = heads * (6 * n + (1 + keep.value_norms + keep.scores) * pooled_side(n, keep.pool) ** 2) * 4
-    waiting = 2 * min(len(recorded) * raw, GROUP_BYTES + raw) if keep.statistics and not shape.on_cpu else 0
+    fused = keep.statistics and torch.device(shape.device).type == "cuda" and kernels.available()
+    waiting = 2 * min(len(recorded) * raw, GROUP_BYTES + raw) if fused else 0
     return max(layer + states, after) + norms + allow + waiting + 4 * shape.vocab
 
 
