@@ -17,7 +17,7 @@ counts instead what a GPU would be asked to do, on this CPU: the torch operation
 CUDA, about one kernel launch each; views included) and the reads that make the host wait for the device
 (``nonzero``, a tensor's truth, a scalar, a copy to pageable memory or a list), with routes on the route a GPU
 takes (the Triton pass counted as one launch a layer, not run: its numbers are not read; the kept entries on the
-device).
+device) and the capture's full maps staged on the device as a GPU with room for a layer stages them.
 Prints ``routes-ops n=<N> capture_ops=<k> routes_ops=<k> ops_ratio=<x> capture_waits=<k> routes_waits=<k>``.
 A count, not a time: it is the same on a busy machine.
 """
@@ -104,7 +104,11 @@ def count_ops(lm, text: str, n: int) -> None:
     from attnviz.flow import _triton_routes
 
     counted = {}
-    with mock.patch.object(contributions, "on_gpu", lambda tensor: True), mock.patch.object(
+    from attnviz.core.sizing.sizes import Sizes
+
+    # full maps staged on the device and copied once a layer, as on a GPU with room for a layer
+    with mock.patch.object(Sizes, "stages", staticmethod(lambda nbytes, device: True)), mock.patch.object(
+            contributions, "on_gpu", lambda tensor: True), mock.patch.object(
             _triton_routes, "raw_tile", Launch()), mock.patch.object(
             torch.Tensor, "cpu", lambda self, *a, **k: copies.append(1) or real_cpu(self, *a, **k)), mock.patch.object(
             torch.Tensor, "tolist", lambda self: copies.append(1) or real_tolist(self)):
