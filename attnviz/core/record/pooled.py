@@ -18,6 +18,12 @@ def pool_factor(n: int, size: int) -> int:
     return -(-f // 16) * 16
 
 
+def shown(values: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """Pooled maxima (.., rows, cols) as a capture keeps them: fp16, NaN in the cells ``seen`` (rows, cols) says no
+    query may look under."""
+    return torch.where(seen, values, float("nan")).to(torch.float16)
+
+
 class PooledMap:
     """Every head's map max-pooled to at most ``size`` cells a side, one factor f for both axes,
     accumulated block by block on the device of the blocks: the overview a long text can afford
@@ -53,15 +59,9 @@ class PooledMap:
         seen, _, _ = self._pool(allow.to(probs.device, torch.uint8)[None], q0, k0, 0)
         self.seen[r:r + seen.shape[1], c:c + seen.shape[2]] |= seen[0].bool()
 
-    def set(self, values: torch.Tensor, seen: torch.Tensor) -> "PooledMap":
-        """The whole pooled grid at once (the fused kernel's), with the cells its mask allows anything under
-        (:meth:`Layout.seen`)."""
-        self.values, self.seen = values.float(), seen.to(values.device)
-        return self
-
     def tensor(self) -> torch.Tensor:
         """The pooled maps in fp16, NaN where nothing was allowed, on the device of the blocks."""
-        return torch.where(self.seen, self.values, float("nan")).to(torch.float16)
+        return shown(self.values, self.seen)
 
     def result(self) -> np.ndarray:
         return self.tensor().cpu().numpy()

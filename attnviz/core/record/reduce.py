@@ -15,7 +15,7 @@ import torch
 
 from attnviz.core.model import devices
 from attnviz.core.spec.allowsets import Layout  # noqa: F401 - the counts the statistics read
-from attnviz.core.record.pooled import PooledMap, pool_factor  # noqa: F401 - pool_factor: read here by the fused route
+from attnviz.core.record.pooled import PooledMap, pool_factor, shown  # noqa: F401 - pool_factor: routes reads it here
 from attnviz.stats import metrics
 
 
@@ -150,9 +150,7 @@ class LayerSummary:
     def delimiters_of_queries(self, device) -> torch.Tensor:
         """The delimiter flag of query i's own key i, float32 on ``device``."""
         self.delim = self.delim.to(device, torch.float32)
-        delim_q = torch.zeros(self.n_q, dtype=torch.float32, device=device)
-        delim_q[:min(self.n_q, self.n_kv)] = self.delim[:min(self.n_q, self.n_kv)]
-        return delim_q
+        return delimiters_of_queries(self.delim, self.n_q, self.n_kv, device)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The finished statistics, still on the layer's device: each from its declaration's sums."""
@@ -164,6 +162,13 @@ class LayerSummary:
     def result(self) -> dict[str, np.ndarray]:
         """The finished statistics on the host: the one copy per layer."""
         return to_host(self.tensors())
+
+
+def delimiters_of_queries(delim: torch.Tensor, n_q: int, n_kv: int, device) -> torch.Tensor:
+    """The delimiter flag of query i's own key i (``delim`` the text's flags by key), float32 on ``device``."""
+    delim_q = torch.zeros(n_q, dtype=torch.float32, device=device)
+    delim_q[:min(n_q, n_kv)] = delim[:min(n_q, n_kv)].to(device, torch.float32)
+    return delim_q
 
 
 def _layer_allow(allow: torch.Tensor) -> torch.Tensor:
@@ -262,16 +267,14 @@ class Summaries(FusedReducer):
         """The delimiter flag of each query's own key on ``device``, made once a text, device and shape."""
         key = (str(device), n_q, n_kv)
         if key not in self._delim_q:
-            self._delim_q[key] = LayerSummary(1, n_q, n_kv, delim=self.delim,
-                                              statistics=self.statistics).delimiters_of_queries(device)
+            self._delim_q[key] = delimiters_of_queries(self.delim, n_q, n_kv, device)
         return self._delim_q[key]
 
     def finish(self, layer: int):
         waiting = self._waiting
         if waiting is not None and layer in waiting.layers:
-            if waiting.nbytes >= GROUP_BYTES:  # enough wait: finish them now, and start another group
+            if waiting.nbytes >= GROUP_BYTES:  # enough wait: finish them now (the next layer starts another group)
                 waiting.finish()
-                self._waiting = None
             return Finished(waiting, layer)
         out = self.layers.pop(layer).tensors()
         if self.pool:
@@ -343,8 +346,8 @@ class FusedLayers:
                 factor = pool_factor(max(n_q, n_kv), owner.pool)
                 seen = layout.seen(factor).to(device)  # one grid for every pooled kind, made once a mask
                 for name in ("pooled", "pooled_value", "pooled_scores"):
-                    if name in raws[0]:  # as PooledMap.tensor: fp16, NaN where nothing was allowed
-                        out[name] = torch.where(seen, stacked(name), float("nan")).to(torch.float16)
+                    if name in raws[0]:
+                        out[name] = shown(stacked(name), seen)
                 out["pool_factor"] = np.array(factor)
             copy = devices.host_copies(out)
             for index, layer in enumerate(layers):
