@@ -136,3 +136,82 @@ def test_score_attribution_of_the_default_model_in_two_threads(default_model):
 
     call = lambda text: explain(default_model, text, layer=20, head=3, query="all", key=0).as_json()  # noqa: E731
     _agree(call, TEXTS)
+
+
+def _hidden_ids(lm, text="The cat sat on the mat."):
+    import torch
+
+    return torch.tensor([lm.tokenizer(text)["input_ids"]])
+
+
+def _forward_in_another_thread(model, ids):
+    """The logits of one plain forward run in a thread of its own, or that thread's error raised here."""
+    out: list = []
+
+    def work():
+        try:
+            out.append(model(input_ids=ids).logits.detach().clone())
+        except BaseException as error:  # noqa: BLE001: raised in the test's thread below
+            out.append(error)
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+@pytest.mark.parametrize("name", ["resid_pre", "attn_in", "resid_mid"])
+def test_a_forward_in_another_thread_while_torch_marks_a_hook_as_taking_keywords_is_untouched(name):
+    """torch adds a pre-hook and, a step later, marks it as taking keyword arguments (and unmarks it a step after
+    removing it); a forward in another thread between the two steps calls it without them. Held at that step here:
+    the other thread's forward is the plain one, and nothing raises."""
+    import torch
+
+    from attnviz.core.engine import sites
+
+    lm = tiny.loaded("llama")
+    ids = _hidden_ids(lm)
+    with torch.no_grad():
+        plain = lm.model(input_ids=ids).logits
+        with sites.hooks(lm.model, [(sites.site(name, 1), lambda v: v * 0.5)]):
+            hooked = lm.model(input_ids=ids).logits
+            module = sites._where(lm.model, sites.site(name, 1))[0]
+            marked = module._forward_pre_hooks_with_kwargs
+            ours = [key for key in marked if key in module._forward_pre_hooks]
+            assert ours, "the site's pre-hook is registered as taking keywords"
+            for key in ours:
+                del marked[key]  # the moment between torch's two steps
+            other = _forward_in_another_thread(lm.model, ids)
+            mine = lm.model(input_ids=ids).logits
+    assert not torch.allclose(hooked, plain)
+    torch.testing.assert_close(other, plain, rtol=0, atol=0)
+    # in the thread that registered it (an engine function registered for every thread, :func:`sites.install`): a
+    # value passed by position is still replaced; one passed by keyword (the attention's input) is not seen that once
+    torch.testing.assert_close(mine, plain if name == "attn_in" else hooked, rtol=0, atol=0)
+
+
+def test_the_anatomy_probe_reads_its_own_forward_not_another_thread_s():
+    """The probe hooks every layer of a model the server may share: a forward of another thread during it (here, run
+    after the probe's own forward, before its hooks are removed) changes nothing the probe records."""
+    import torch
+
+    from attnviz.core.model import anatomy, probe as probe_mod
+
+    lm = tiny.loaded("llama")
+    config = anatomy._config(lm.model)
+    base, layers = anatomy._layer_list(lm.model, config)
+    n = int(config.num_hidden_layers)
+    args = (layers, n, anatomy._attention, anatomy._mlp, anatomy._is_norm, config)
+    alone, _ = probe_mod.probe(lm.model, base, *args)
+    longer = _hidden_ids(lm, "A much longer text than the probe's own few tokens, run in another thread.")
+
+    def interleaved(**kwargs):
+        out = base(**kwargs)
+        _forward_in_another_thread(lm.model, longer)  # while the probe's hooks are still in place
+        return out
+    beside, _ = probe_mod.probe(lm.model, interleaved, *args)
+    for index, (a, b) in enumerate(zip(alone, beside)):
+        assert set(a) == set(b), index
+        for key in ("layer_in", "layer_out", "attn_in", "attn_out", "mlp_in", "mlp_out"):
+            torch.testing.assert_close(b[key], a[key], rtol=0, atol=0, msg=f"layer {index} {key}")

@@ -102,6 +102,9 @@ def _heads(model) -> int:
     return int(config.num_attention_heads)
 
 
+_UNSEEN = object()  # a pre-hook called without its keyword arguments (:func:`_wrap`)
+
+
 def _wrap(model, s: Site, fn: Callable, owner: int | None, first: bool = False):
     """A torch hook around ``fn``: the thread check, the argument and tuple handling, the site's shape, written once."""
     module, pre, factor = (s.module, s.pre, 1.0) if isinstance(s, _Module) else _where(model, s)
@@ -120,11 +123,16 @@ def _wrap(model, s: Site, fn: Callable, owner: int | None, first: bool = False):
         return new.to(old.dtype)
 
     if pre:
-        def hook(mod, args, kwargs):
+        def hook(mod, args, kwargs=_UNSEEN):
+            # torch marks a hook as taking keywords a step after adding it, and unmarks it a step after removing it:
+            # a forward in another thread at that moment calls it without them (``_UNSEEN``)
             if owner is not None and threading.get_ident() != owner:
                 return None
+            unseen = kwargs is _UNSEEN
             if args:
                 value = args[0]
+            elif unseen:
+                return None  # the value was passed by keyword, which this call does not show
             else:
                 name = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
                 value = kwargs[name]
@@ -132,6 +140,8 @@ def _wrap(model, s: Site, fn: Callable, owner: int | None, first: bool = False):
             if new is None:
                 return None
             new = back(new, value)
+            if unseen:
+                return (new, *args[1:])
             return ((new, *args[1:]), kwargs) if args else (args, {**kwargs, name: new})
         return module.register_forward_pre_hook(hook, with_kwargs=True, prepend=first)
 

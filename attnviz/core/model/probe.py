@@ -3,6 +3,8 @@ norm, and the arithmetic that checks a layer adds up (its output is its input pl
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 PROBE_TOKENS = 8
@@ -28,9 +30,12 @@ def probe(model, base, layer_list, n_layers, attention, mlp, is_norm, config):
     and ``mlp(layer, config)`` find a layer's blocks, ``is_norm(module)`` its norms (the anatomy's rules)."""
     seen: list[dict] = [dict(norms={}) for _ in range(n_layers)]
     handles = []
+    owner = threading.get_ident()  # the model may be shared: another thread's forward is not the probe's
 
     def keep(index, key):
-        def pre(module, args, kwargs):
+        def pre(module, args, kwargs=None):  # called without keywords only from another thread (sites._wrap)
+            if threading.get_ident() != owner:
+                return
             seen[index][key + "_in"] = _first_input(args, kwargs)
             if key == "layer":
                 seen[index]["kwargs"] = {k for k, v in kwargs.items() if v is not None and v is not False}
@@ -39,12 +44,16 @@ def probe(model, base, layer_list, n_layers, attention, mlp, is_norm, config):
             if key == "attn":
                 seen[index]["attn_names"] = set(kwargs)
 
-        def post(module, args, kwargs, out):
+        def post(module, args, kwargs, out=None):
+            if threading.get_ident() != owner:
+                return
             seen[index][key + "_out"] = output_tensor(out)
         return pre, post
 
     def keep_norm(index, name):
         def post(module, args, out):
+            if threading.get_ident() != owner:
+                return
             seen[index]["norms"][name] = (args[0] if args else None, output_tensor(out))
         return post
 
