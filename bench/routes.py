@@ -17,8 +17,10 @@ counts instead what a GPU would be asked to do, on this CPU: the torch operation
 CUDA, about one kernel launch each; views included) and the reads that make the host wait for the device
 (``nonzero``, a tensor's truth, a scalar, a copy to pageable memory or a list), with routes on the route a GPU
 takes (the Triton pass counted as one launch a layer, not run: its numbers are not read; the kept entries on the
-device) and the capture's full maps staged on the device as a GPU with room for a layer stages them.
-Prints ``routes-ops n=<N> capture_ops=<k> routes_ops=<k> ops_ratio=<x> capture_waits=<k> routes_waits=<k>``.
+device) and the capture's full maps staged on the device as a GPU with room for a layer stages them. A layer's
+counts, read from a queued copy after the next layer is queued (the device busy meanwhile), are counted apart.
+Prints ``routes-ops n=<N> capture_ops=<k> routes_ops=<k> ops_ratio=<x> capture_waits=<k> routes_waits=<k>
+routes_reads_behind=<k>``.
 A count, not a time: it is the same on a busy machine.
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 
@@ -105,24 +108,41 @@ def count_ops(lm, text: str, n: int) -> None:
 
     counted = {}
     from attnviz.core.sizing.sizes import Sizes
+    from attnviz.core.model.devices import HostCopy
+
+    trace_mod = sys.modules["attnviz.flow.trace"]
+    behind, forward = [], {"on": True}  # results read during the forward: a layer's, after the next one is queued
+    real_result, real_landed = HostCopy.result, trace_mod._Tracer.landed
+
+    def result(self):
+        behind.extend([1] if forward["on"] else [])
+        return real_result(self)
+
+    def landed(self, *args):
+        forward["on"] = False
+        return real_landed(self, *args)
 
     # full maps staged on the device and copied once a layer, as on a GPU with room for a layer
     with mock.patch.object(Sizes, "stages", staticmethod(lambda nbytes, device: True)), mock.patch.object(
             contributions, "on_gpu", lambda tensor: True), mock.patch.object(
             _triton_routes, "raw_tile", Launch()), mock.patch.object(
             torch.Tensor, "cpu", lambda self, *a, **k: copies.append(1) or real_cpu(self, *a, **k)), mock.patch.object(
-            torch.Tensor, "tolist", lambda self: copies.append(1) or real_tolist(self)):
+            torch.Tensor, "tolist", lambda self: copies.append(1) or real_tolist(self)), mock.patch.object(
+            HostCopy, "result", result), mock.patch.object(trace_mod._Tracer, "landed", landed):
         for name, run in (("capture", lambda: capture(lm, text, "fwd")), ("routes", lambda: trace(lm, text))):
             copies.clear()
             launches.clear()
+            behind.clear()
+            forward["on"] = True
             with torch.no_grad(), dispatch_counter() as count:
                 run()
             count.waits += len(copies)
             count.ops += len(launches)
+            count.behind = len(behind) if name == "routes" else 0
             counted[name] = count
     print(f"routes-ops n={n} capture_ops={counted['capture'].ops} routes_ops={counted['routes'].ops} "
           f"ops_ratio={counted['routes'].ops / counted['capture'].ops:.2f} capture_waits={counted['capture'].waits} "
-          f"routes_waits={counted['routes'].waits}")
+          f"routes_waits={counted['routes'].waits} routes_reads_behind={counted['routes'].behind}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 attention's own probabilities (``output_attentions``), values and streams read with hooks written here by hand for
 each family, every (query, source, head) write made out in full and measured with the L1 distance."""
 
+import importlib
 import os
 
 import numpy as np
@@ -190,16 +191,26 @@ def test_the_cpu_runs_the_compiled_correction_where_the_requirements_are_install
     assert called  # float64: the torch path
 
 
+ROUTES = ["cpu", pytest.param("gpu", marks=pytest.mark.skipif(
+    not INTERPRETED, reason="Triton compiles for the GPU here: tests/test_cuda.py"))]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("layer", [1, -1])
 @pytest.mark.parametrize("shift", [0.5, 0.05])
-def test_a_head_output_that_is_not_its_weighted_values_is_refused(shift):
+def test_a_head_output_that_is_not_its_weighted_values_is_refused(shift, layer, route, monkeypatch):
     """A family whose heads write something besides their probabilities times their values (here: a hook on the
-    output projection moves one head's output) cannot be split by source token: routes refuse it, also when the
-    change is small (the check along fixed random directions sees it)."""
+    output projection moves one head's output) cannot be split by source token: routes refuse it, naming the layer,
+    also when the change is small (the check along fixed random directions sees it), on the CPU's route and on the
+    GPU's (which reads a layer's checks while the next one runs, the last layer's after the forward)."""
     from attnviz.core.model.modules import output_linear
     from attnviz.errors import InputError
 
+    if route == "gpu":
+        monkeypatch.setattr(contributions, "on_gpu", lambda tensor: True)
     lm = tiny.loaded("llama")
-    attn = lm.model.model.layers[1].self_attn
+    layer = layer % lm.n_layers
+    attn = lm.model.model.layers[layer].self_attn
     d = attn.head_dim
 
     def move(module, args):
@@ -209,7 +220,8 @@ def test_a_head_output_that_is_not_its_weighted_values_is_refused(shift):
 
     handle = output_linear(attn).register_forward_pre_hook(move)
     try:
-        with pytest.raises(InputError, match="cannot be split by source token"):
+        with pytest.raises(InputError, match=f"layer {layer}: .*their probabilities times their values.*cannot be "
+                                             "split by source token"):
             trace(lm, TEXT)
     finally:
         handle.remove()
@@ -335,17 +347,21 @@ def test_the_correction_is_the_same_in_any_chunking_and_a_gpu_takes_bigger_chunk
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="Triton compiles for the GPU here: tests/test_cuda.py")
-def test_routes_on_a_gpu_wait_for_the_device_once_a_layer(monkeypatch):
-    """Every read that makes the host wait for a GPU, counted on the CPU with the route a GPU takes (the Triton pass
-    in its interpreter, the kept entries on the device): one read a layer, of its checks' flags and how many entries
-    it keeps; every result goes to the host by a queued copy, waited for once after the forward. No ``nonzero``,
-    ``topk`` or copy to pageable memory (the torch path before waited eight times a layer). The numbers are the
-    CPU's compiled route's."""
+def test_routes_on_a_gpu_read_each_layer_while_the_next_one_runs(monkeypatch):
+    """Every read from a GPU, counted on the CPU with the route a GPU takes (the Triton pass in its interpreter, the
+    kept entries on the device): one a layer, of its checks' flags and how many entries it keeps, by a queued copy
+    read only after the next layer's work is queued (so the device is never idle while the host waits; the last
+    layer's after the forward); every other result is waited for once after the forward. No ``nonzero``, ``topk``,
+    ``.item()`` or copy to pageable memory (the torch path before waited eight times a layer, and the route since
+    once a layer with nothing queued). The numbers are the CPU's compiled route's."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    trace_mod = importlib.import_module("attnviz.flow.trace")  # the package's ``trace`` is the function
 
     waits = {"aten.nonzero.default", "aten.nonzero_numpy.default", "aten.is_nonzero.default", "aten.item.default",
              "aten._local_scalar_dense.default"}
-    seen, ops = [], []
+    seen, ops, reads = [], [], []
+    state = {"layers": 0, "after": False}
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -353,21 +369,49 @@ def test_routes_on_a_gpu_wait_for_the_device_once_a_layer(monkeypatch):
             ops.append(str(func))
             return func(*args, **(kwargs or {}))
 
+    class Copy(trace_mod.HostCopy):  # when each copy was queued and when it was read, in layers queued
+        def __init__(self, tensor):
+            super().__init__(tensor)
+            self.queued = state["layers"]
+
+        def result(self):
+            reads.append((self.queued, state["layers"], state["after"]))
+            return super().result()
+
+    start, landed = trace_mod._Probs.start, trace_mod._Tracer.landed
+
+    def counting_start(self, *args):
+        state["layers"] += 1
+        return start(self, *args)
+
+    def after_forward(self, *args):
+        state["after"] = True
+        return landed(self, *args)
+
     for kind in ("llama", "qwen2"):
         lm = tiny.loaded(kind)
         cpu_flow = trace(lm, TEXT)
         with monkeypatch.context() as m:
             m.setattr(contributions, "on_gpu", lambda tensor: True)
+            m.setattr(trace_mod, "HostCopy", Copy)
+            m.setattr(trace_mod._Probs, "start", counting_start)
+            m.setattr(trace_mod._Tracer, "landed", after_forward)
             cpu, tolist = torch.Tensor.cpu, torch.Tensor.tolist
             m.setattr(torch.Tensor, "cpu", lambda self, *a, **k: seen.append("cpu") or cpu(self, *a, **k))
             m.setattr(torch.Tensor, "tolist", lambda self: seen.append("tolist") or tolist(self))
             seen.clear()
             ops.clear()
+            reads.clear()
+            state.update(layers=0, after=False)
             with Count():
                 flow = trace(lm, TEXT)
         layers = len(flow.layers)
-        # beside a few reads once a run (the token ids' list, on the host already; a window's mask), one a layer
-        assert seen.count("tolist") >= layers and layers <= len(seen) <= layers + 3, (kind, len(seen), layers, seen)
+        during = [(queued, now) for queued, now, after in reads if not after]
+        # one read a layer during the forward, each of a layer before the last one queued; the last after it
+        assert len(during) == layers - 1 and all(now > queued for queued, now in during), (kind, reads)
+        assert [queued for queued, _ in during] == list(range(1, layers)), (kind, reads)
+        # beside a few reads once a run (the token ids' list, on the host already; a window's mask), none
+        assert "cpu" not in seen and len(seen) <= 3, (kind, seen)
         assert not any("topk" in op or op.startswith("aten.nonzero.") for op in ops), kind
         for a, b in zip(flow.layers, cpu_flow.layers):
             np.testing.assert_array_equal(a.attn_index, b.attn_index)

@@ -24,7 +24,7 @@ from attnviz.core.model.modules import output_projection
 from attnviz.core.record.recorders import Recorder
 from attnviz.errors import InputError
 from attnviz.flow import contributions
-from attnviz.flow.contributions import attention_raw, kept_entries, normalised, proximity, raw_part
+from attnviz.flow.contributions import attention_raw, kept_entries, normalised
 
 FLOOR = 0.005  # contributions below it are not kept (a graph's threshold may not go below it)
 
@@ -120,16 +120,30 @@ class _Probs(Recorder):
         self.buffer[:, q0:q0 + rows, k0:k0 + keys] = probs[0]
 
 
-def _miss(a: torch.Tensor, b: torch.Tensor, slack: "torch.Tensor | float" = 0.0) -> torch.Tensor:
+def _miss(a: torch.Tensor, b: torch.Tensor, slack: "torch.Tensor | None" = None) -> torch.Tensor:
     """Per row (last dimension reduced): how far a is from b, relative to the row's size, less ``slack`` (an absolute
-    allowance per row: the rounding of the stream the difference was taken from)."""
+    allowance per row: the rounding of the stream the difference was taken from; none in float32)."""
     scale = torch.maximum(a.abs().amax(-1), b.abs().amax(-1)).clamp(min=1e-6)
-    return ((a - b).abs().amax(-1) - slack).clamp(min=0) / scale
+    apart = (a - b).abs().amax(-1)
+    return (apart if slack is None else (apart - slack).clamp(min=0)) / scale
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, tolerance: float, slack: "torch.Tensor | float" = 0.0) -> torch.Tensor:
-    """Per row (last dimension reduced): a equals b within ``tolerance`` of the row's size, plus ``slack``."""
-    return _miss(a, b, slack) <= tolerance
+def _rows(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, written: torch.Tensor, dtype: torch.dtype):
+    """A layer's per-row numbers from its streams (n, D): x before its attention, y after it, ``out`` after its MLP,
+    ``written`` its attention's write. Returns how far y − x is from the write (:func:`_miss`; in half precision less
+    the rounding of the stream, which is relative to the stream, massive at a sink token, not to the write), the
+    stream before's raw contribution to y (:func:`contributions.raw_part`), and the MLP's normalised shares of
+    ``out`` (its write, the stream before: :func:`contributions.proximity` with the L1 norms each needs made once)."""
+    moved = y - x
+    y_abs = y.abs()
+    slack = None
+    if precision.half(dtype):
+        slack = precision.stream_rounding(dtype, torch.maximum(x.abs().amax(-1), y_abs.amax(-1)))
+    y_l1 = y_abs.sum(-1)
+    residual = (y_l1 - moved.abs().sum(-1)).clamp(min=0)  # ‖y‖₁ − ‖y − x‖₁
+    out_l1 = out.abs().sum(-1)
+    mlp = torch.stack((out_l1 - y_l1, out_l1 - (out - y).abs().sum(-1))).clamp(min=0)  # out − its write is y
+    return _miss(moved, written, slack), residual, normalised(mlp, mlp.sum(0))
 
 
 DIRECTIONS = 8  # random directions the heads' outputs are compared along when no intervention ran
@@ -146,24 +160,27 @@ def _nonzero(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
 
 
 @functools.cache
-def _directions(d: int, device: torch.device) -> torch.Tensor:
-    """(d, DIRECTIONS) fixed random directions on ``device``, made once (not a copy to the device a layer)."""
-    return torch.randn(d, DIRECTIONS, generator=torch.Generator().manual_seed(0)).to(device)
+def _directions(d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d, DIRECTIONS) fixed random directions on ``device`` and their largest norm, made once (not a copy to the
+    device a layer)."""
+    r = torch.randn(d, DIRECTIONS, generator=torch.Generator().manual_seed(0)).to(device)
+    return r, r.norm(dim=0).amax()
 
 
-def _made(probs: torch.Tensor, value: torch.Tensor, z: torch.Tensor, tolerance: float, exact: bool) -> torch.Tensor:
-    """(n, H): each head's output ``z`` (n, H, d) is its probabilities times its values (H, n_kv, d).
+def _made(probs: torch.Tensor, value: torch.Tensor, z: torch.Tensor, exact: bool) -> torch.Tensor:
+    """(n, H): how far each head's output ``z`` (n, H, d) is from its probabilities times its values (H, n_kv, d),
+    relative to the output's size (within the tolerance: made so).
 
     Under an intervention, row by row in every dimension (which (query, head) outputs it replaced). Without one the
     question is only whether the family computes its heads that way at all, so the check runs along
     :data:`DIRECTIONS` fixed random directions: a product with d/8 of the cost, and an output that differs beyond
     the tolerance agrees along all eight only by chance (never seen: each agreement is a few-in-a-thousand event)."""
     if exact:
-        return _close(torch.einsum("hqk,hkd->qhd", probs, value), z, tolerance)
-    r = _directions(value.shape[-1], value.device)
+        return _miss(torch.einsum("hqk,hkd->qhd", probs, value), z)
+    r, r_norm = _directions(value.shape[-1], value.device)
     made = torch.einsum("hqk,hkr->qhr", probs, value @ r)
-    scale = z.norm(dim=-1).clamp(min=1e-6) * r.norm(dim=0).amax()
-    return (z @ r - made).abs().amax(-1) <= tolerance * scale
+    scale = z.norm(dim=-1).clamp(min=1e-6) * r_norm
+    return (z @ r - made).abs().amax(-1) / scale
 
 
 class _Layer:
@@ -196,29 +213,26 @@ class _Layer:
 
     def read(self, name: str, then=None):
         def fn(value):
-            self.seen[name] = value[0].detach().float()
+            value = value[0]  # under no_grad (:func:`trace`): nothing to detach
+            self.seen[name] = value if value.dtype == torch.float32 else value.float()
             if name == "x" and self.layer.index == 0:
                 self.tracer.streams.append(HostCopy(self.seen["x"][None]))
             if then is not None:
                 then()
         return fn
 
-    def check(self, flags, probs, value, z, x, y, written, slack) -> None:
+    def check(self, flags) -> None:
         """Refuse the layer, in words, where its write cannot be split by source token: without an intervention,
         its heads' outputs must be their probabilities times their values and the stream after it its input plus
-        its write. ``flags`` the device's (all heads made, all rows close, ...) read once."""
+        its write. ``flags`` the device's, read once: (all heads made, all rows close, (query, head) outputs
+        replaced, entries kept, entries kept with the heads summed, the heads' largest miss, the rows')."""
         heads_all, rows_all = flags[:2]
         tracer, L = self.tracer, self.layer
         if tracer.intervened or (heads_all and rows_all):
             return
-        n_heads = self.n_heads
-        d = value.shape[-1]
-        group = n_heads // value.shape[0]
         what = ("its heads' outputs are not their probabilities times their values" if not heads_all
                 else "the stream after it is not its input plus its write")
-        missed = float(_miss(y - x, written, slack).max()) if heads_all else float(
-            _miss(torch.einsum("hqk,hkd->qhd", probs, value.repeat_interleave(group, 0)),
-                  z.view(z.shape[0], n_heads, d)).max())
+        missed = flags[6] if heads_all else flags[5]
         raise InputError(f"routes: {tracer.family} layer {L.index}: the attention's write is not the sum of its "
                          f"heads' weighted values ({what}: off by {missed:.3g} of a row's size, limit "
                          f"{tracer.tolerance:.3g} in {precision.name(tracer.dtype)}), so it cannot be split by "
@@ -232,7 +246,9 @@ class _Layer:
         s = L.scale
         written = seen["write"]  # as the stream adds it: s times the block's write
         y = seen["y"] if "y" in seen else x + written
-        w_out = output_projection(L.attn).detach().float().to(x.device)  # (D, H d)
+        w_out = output_projection(L.attn)  # (D, H d)
+        if w_out.dtype != torch.float32 or w_out.device != x.device:
+            w_out = w_out.float().to(x.device)
         n_heads, width = self.n_heads, w_out.shape[0]
         d = w_out.shape[1] // n_heads
         if value.shape[-1] != d or probs.shape[0] != n_heads:
@@ -250,37 +266,45 @@ class _Layer:
         # what the heads output is their probabilities times their values, unless an intervention replaced it
         group = n_heads // value.shape[0]
         tol = tracer.tolerance
-        heads_ok = _made(probs, value.repeat_interleave(group, 0), z.view(z.shape[0], n_heads, d), tol,
-                         exact=tracer.intervened)  # (n, H)
-        # the block's write is its heads' (a patch replaces it); in half precision y − x carries the rounding of y,
-        # which is relative to the stream (massive at a sink token), not to the write
-        slack = precision.stream_rounding(tracer.dtype, torch.maximum(x.abs().amax(-1), y.abs().amax(-1)))
-        rows_ok = _close(y - x, written, tol, slack)
+        heads_miss = _made(probs, value.repeat_interleave(group, 0), z.view(z.shape[0], n_heads, d),
+                           exact=tracer.intervened)  # (n, H)
+        heads_ok = heads_miss <= tol
+        # the block's write is its heads' (a patch replaces it)
+        rows_miss, raw_residual, mlp = _rows(x, y, out, written, tracer.dtype)
+        rows_ok = rows_miss <= tol
         keep = heads_ok & rows_ok[:, None]  # (n, H)
         if tracer.intervened:  # (query, head) outputs it replaced take no token edges (all kept: a product by 1)
             probs = probs * keep.T[:, :, None]
         raw = attention_raw(y, probs, value, per_head, c)  # on a GPU one Triton pass, no wait
-        raw_residual = raw_part(x, y)
         total = raw.sum((0, 2)) + raw_residual
         inv = normalised(torch.ones_like(total), total)  # 1 / total, 0 for a zero stream
         residual = raw_residual * inv
-        mlp = proximity(torch.stack((out - y, y)), out)
         shares = HostCopy(torch.stack((residual, mlp[0], mlp[1])))  # one copy to the host, not three
         streams = HostCopy(torch.stack((y, out)))
-        if not contributions.on_gpu(raw):  # on the CPU the compiled pass keeps the entries
-            flags = torch.stack((heads_ok.all(), rows_ok.all(), (~keep).sum())).tolist()
-            self.check(flags, probs, value, z, x, y, written, slack)
-            kept = kept_entries(raw, inv, tracer.floor)
-        else:  # the device keeps them; one read from it a layer: the checks' flags and how many entries are kept
-            heads, summed, over, sum_over = contributions.scaled_and_kept(raw, inv, tracer.floor)
-            flags = torch.stack((heads_ok.all(), rows_ok.all(), (~keep).sum(), over.sum(), sum_over.sum())).tolist()
-            self.check(flags, probs, value, z, x, y, written, slack)
-            indices, weights = contributions.joined(heads, summed, _nonzero(over, int(flags[3])),
-                                                    _nonzero(sum_over, int(flags[4])))
-            kept = HostCopy(indices), HostCopy(weights), int(flags[3])
-        tracer.pending.append((kept, shares, int(flags[2])))
         tracer.streams.append(streams)
         self.seen = {}
+        missed = (heads_miss.amax(), rows_miss.amax())
+        if not contributions.on_gpu(raw):  # on the CPU the compiled pass keeps the entries
+            flags = torch.stack((heads_ok.all(), rows_ok.all(), (~keep).sum(), *missed)).tolist()
+            self.check([*flags[:3], 0, 0, *flags[3:]])
+            tracer.pending.append([kept_entries(raw, inv, tracer.floor), shares, int(flags[2])])
+            return
+        # the device keeps them; how many it keeps (and the checks' flags) come to the host a layer late, read while
+        # the next layer runs: the host never waits for a device with nothing queued (docs/gpu.md)
+        heads, summed, over, sum_over = contributions.scaled_and_kept(raw, inv, tracer.floor)
+        counts = (over.sum(dtype=torch.float64), sum_over.sum(dtype=torch.float64))
+        flags = HostCopy(torch.stack((heads_ok.all(), rows_ok.all(), (~keep).sum(dtype=torch.float64), *counts,
+                                      *missed)))
+        entry = [None, shares, 0]
+        tracer.pending.append(entry)
+
+        def finish():
+            read = flags.result().tolist()
+            self.check(read)
+            k = int(read[3])
+            indices, weights = contributions.joined(heads, summed, _nonzero(over, k), _nonzero(sum_over, int(read[4])))
+            entry[0], entry[2] = (HostCopy(indices), HostCopy(weights), k), int(read[2])
+        tracer.behind(finish)
 
 
 class _Tracer:
@@ -294,11 +318,20 @@ class _Tracer:
         # (docs/methods.md#devices)
         self.tolerance = max(1e-3, precision.decomposition_tolerance(self.dtype))
         self.recorded: dict = {}
-        self.pending: list[tuple] = []  # each layer's results on their way to the host
+        self.pending: list[list] = []  # each layer's results on their way to the host: [kept, shares, replaced]
+        self.waiting = None  # a GPU's layer whose kept entries wait for its counts (:meth:`behind`)
         self.streams: list[HostCopy] = []  # (1, n, D) the first layer's input, then (2, n, D) each layer's streams
+
+    def behind(self, finish=None) -> None:
+        """Run the layer before's ``finish`` (it reads that layer's counts: a wait for the device to reach its end,
+        with this layer queued behind it), and keep this one's for the next layer or :meth:`landed`."""
+        earlier, self.waiting = self.waiting, finish
+        if earlier is not None:
+            earlier()
 
     def landed(self, parallel: list[bool]) -> tuple[list[LayerFlow], np.ndarray]:
         """Every layer's results on the host, waited for once after the forward."""
+        self.behind()
         layers = []
         for (kept, shares, dropped), par in zip(self.pending, parallel):
             if isinstance(kept[0], HostCopy):  # the device's, on their way
