@@ -40,7 +40,17 @@ def proximity(parts: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
 
 def normalised(raw: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """``raw / total``, 0 where nothing contributes (a zero stream)."""
-    return torch.where(total > 0, raw / total.clamp(min=torch.finfo(raw.dtype).tiny), torch.zeros_like(raw))
+    return torch.where(total > 0, raw / total.clamp(min=torch.finfo(raw.dtype).tiny), 0.0)
+
+
+def inverse(total: torch.Tensor) -> torch.Tensor:
+    """``1 / total``, 0 where nothing contributes: :func:`normalised` of ones, in fewer operations."""
+    return torch.where(total > 0, total.clamp(min=torch.finfo(total.dtype).tiny).reciprocal(), 0.0)
+
+
+def _f32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float32, without a call where it is already (on a GPU each call is the host's work)."""
+    return tensor if tensor.dtype == torch.float32 else tensor.float()
 
 
 def kept_entries(raw: torch.Tensor, inv: torch.Tensor, floor: float):
@@ -136,16 +146,16 @@ def attention_raw_triton(y, probs, value, w_out, c) -> torch.Tensor:
 
     n_heads, n_q, n_kv = probs.shape
     group = n_heads // value.shape[0]
-    v = (value.repeat_interleave(group, 0) if group > 1 else value).float()  # (H, n_kv, d)
-    w_out = w_out.float()
-    sign = torch.where(y >= 0, 1.0, -1.0).float()
+    v = _f32(value.repeat_interleave(group, 0) if group > 1 else value)  # (H, n_kv, d)
+    w_out = _f32(w_out)
+    sign = torch.where(y >= 0, 1.0, -1.0)  # float32: y is
     raw = torch.matmul(torch.matmul(sign, w_out), v.transpose(1, 2)).contiguous()  # (s_i · W̃ v_j), then in place
     written = torch.matmul(w_out, v.transpose(1, 2)).contiguous()  # (H, D, n_kv): W̃ v_j by dimension
     hi, lo = written.amax(2).contiguous(), written.amin(2).contiguous()
     bm, bn, bd = ROUTE_TILE
     raw_tile[(n_heads, -(-n_q // bm), -(-n_kv // bn))](
-        raw, raw, probs.float().contiguous(), c.float().contiguous(), written, sign.T.contiguous(),
-        y.abs().float().T.contiguous(), hi, lo, n_q, n_kv, y.shape[1], BM=bm, BN=bn, BD=bd, SKIP=ROUTE_SKIP,
+        raw, raw, _f32(probs).contiguous(), _f32(c).contiguous(), written, sign.t().contiguous(),
+        _f32(y).abs().t().contiguous(), hi, lo, n_q, n_kv, y.shape[1], BM=bm, BN=bn, BD=bd, SKIP=ROUTE_SKIP,
         num_warps=ROUTE_WARPS)
     return raw
 

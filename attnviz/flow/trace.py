@@ -277,7 +277,7 @@ class _Layer:
             probs = probs * keep.T[:, :, None]
         raw = attention_raw(y, probs, value, per_head, c)  # on a GPU one Triton pass, no wait
         total = raw.sum((0, 2)) + raw_residual
-        inv = normalised(torch.ones_like(total), total)  # 1 / total, 0 for a zero stream
+        inv = contributions.inverse(total)  # 1 / total, 0 for a zero stream
         residual = raw_residual * inv
         shares = HostCopy(torch.stack((residual, mlp[0], mlp[1])))  # one copy to the host, not three
         streams = HostCopy(torch.stack((y, out)))
