@@ -423,6 +423,30 @@ def test_routes_on_a_gpu_read_each_layer_while_the_next_one_runs(monkeypatch):
         np.testing.assert_allclose(flow.streams, cpu_flow.streams, atol=1e-6)
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="Triton compiles for the GPU here: tests/test_cuda.py")
+def test_routes_on_a_gpu_hold_one_layer_s_contributions_at_a_time(monkeypatch):
+    """A layer read a layer late is finished before the next layer's (H, n, n) contributions are made: when any
+    layer's are made, no earlier layer's are still alive (a GPU's longest text is as long as before)."""
+    import gc
+    import weakref
+
+    made: list = []
+    alive: list = []
+    real = contributions.scaled_and_kept
+
+    def spy(raw, inv, floor):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in made))
+        made.append(weakref.ref(raw))
+        return real(raw, inv, floor)
+
+    monkeypatch.setattr(contributions, "on_gpu", lambda tensor: True)
+    monkeypatch.setattr(contributions, "scaled_and_kept", spy)
+    lm = tiny.loaded("llama")
+    trace(lm, TEXT)
+    assert len(alive) == lm.n_layers and alive == [0] * lm.n_layers, alive
+
+
 def test_routes_on_a_gpu_dispatch_a_bounded_few_operations_a_layer(default_model, monkeypatch):
     """On a GPU routes are bound by the host: every torch operation is a launch or at least the dispatcher's work.
     Counted on the CPU on the route a GPU takes (the routes pass's launch stubbed, not run), the default model's

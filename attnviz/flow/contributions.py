@@ -148,7 +148,7 @@ def attention_raw_triton(y, probs, value, w_out, c) -> torch.Tensor:
     group = n_heads // value.shape[0]
     v = _f32(value.repeat_interleave(group, 0) if group > 1 else value)  # (H, n_kv, d)
     w_out = _f32(w_out)
-    sign = torch.where(y >= 0, 1.0, -1.0)  # float32: y is
+    sign = _f32(torch.where(y >= 0, 1.0, -1.0))  # torch's default dtype, float32 unless a user changed it
     raw = torch.matmul(torch.matmul(sign, w_out), v.transpose(1, 2)).contiguous()  # (s_i · W̃ v_j), then in place
     written = torch.matmul(w_out, v.transpose(1, 2)).contiguous()  # (H, D, n_kv): W̃ v_j by dimension
     hi, lo = written.amax(2).contiguous(), written.amin(2).contiguous()

@@ -230,17 +230,21 @@ class _Layer:
         tracer, L = self.tracer, self.layer
         if tracer.intervened or (heads_all and rows_all):
             return
-        what = ("its heads' outputs are not their probabilities times their values" if not heads_all
-                else "the stream after it is not its input plus its write")
+        what = ("its heads' outputs are not their probabilities times their values (off by {:.3g} of an output's "
+                "size along fixed random directions" if not heads_all
+                else "the stream after it is not its input plus its write (off by {:.3g} of a row's size")
         missed = flags[6] if heads_all else flags[5]
         raise InputError(f"routes: {tracer.family} layer {L.index}: the attention's write is not the sum of its "
-                         f"heads' weighted values ({what}: off by {missed:.3g} of a row's size, limit "
+                         f"heads' weighted values ({what.format(missed)}, limit "
                          f"{tracer.tolerance:.3g} in {precision.name(tracer.dtype)}), so it cannot be split by "
                          f"source token")
 
     @torch.no_grad()
     def reduce(self) -> None:
         seen, L, tracer = self.seen, self.layer, self.tracer
+        # a GPU's layer before is finished first: this layer's forward is queued behind it, and its contributions are
+        # freed before this layer's are made (one layer's (H, n, n) arrays at a time)
+        tracer.behind()
         probs, value = tracer.recorded.pop("probs"), tracer.recorded.pop("value")
         x, z, out = seen["x"], seen["z"], seen["out"]
         s = L.scale
@@ -304,7 +308,7 @@ class _Layer:
             k = int(read[3])
             indices, weights = contributions.joined(heads, summed, _nonzero(over, k), _nonzero(sum_over, int(read[4])))
             entry[0], entry[2] = (HostCopy(indices), HostCopy(weights), k), int(read[2])
-        tracer.behind(finish)
+        tracer.waiting = finish  # run at the next layer's reduce (:meth:`_Tracer.behind`) or after the forward
 
 
 class _Tracer:
@@ -322,10 +326,10 @@ class _Tracer:
         self.waiting = None  # a GPU's layer whose kept entries wait for its counts (:meth:`behind`)
         self.streams: list[HostCopy] = []  # (1, n, D) the first layer's input, then (2, n, D) each layer's streams
 
-    def behind(self, finish=None) -> None:
-        """Run the layer before's ``finish`` (it reads that layer's counts: a wait for the device to reach its end,
-        with this layer queued behind it), and keep this one's for the next layer or :meth:`landed`."""
-        earlier, self.waiting = self.waiting, finish
+    def behind(self) -> None:
+        """Run the waiting layer's ``finish``, if any: it reads that layer's counts, a wait for the device to reach
+        that layer's end while the layers after it are queued (or, after the forward, for the last layer)."""
+        earlier, self.waiting = self.waiting, None
         if earlier is not None:
             earlier()
 

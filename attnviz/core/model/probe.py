@@ -33,7 +33,8 @@ def probe(model, base, layer_list, n_layers, attention, mlp, is_norm, config):
     owner = threading.get_ident()  # the model may be shared: another thread's forward is not the probe's
 
     def keep(index, key):
-        def pre(module, args, kwargs=None):  # called without keywords only from another thread (sites._wrap)
+        def pre(module, args, kwargs=None):  # torch adds a hook and marks it as taking keywords in two steps: a
+            # forward of another thread between them calls it without them (docs/methods.md#sites)
             if threading.get_ident() != owner:
                 return
             seen[index][key + "_in"] = _first_input(args, kwargs)
