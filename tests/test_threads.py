@@ -215,3 +215,56 @@ def test_the_anatomy_probe_reads_its_own_forward_not_another_thread_s():
         assert set(a) == set(b), index
         for key in ("layer_in", "layer_out", "attn_in", "attn_out", "mlp_in", "mlp_out"):
             torch.testing.assert_close(b[key], a[key], rtol=0, atol=0, msg=f"layer {index} {key}")
+
+
+@pytest.mark.parametrize("where", ["sites", "capture"])
+def test_an_error_in_a_forward_comes_out_as_itself_while_another_thread_changes_the_hooks(where):
+    """After an error in a module's forward torch loops over the module's forward hooks without a copy: another
+    thread adding a hook there at that moment (played here by a hook torch calls in that loop) turns the error into
+    "OrderedDict mutated during iteration". Inside the engine's sites, and in any run of the engine, the error comes
+    out as itself: a refusal stays a refusal."""
+    import torch
+
+    from attnviz.core.engine import sites
+    from attnviz.core.model import anatomy
+    from attnviz.errors import InputError
+
+    lm = tiny.loaded("llama")
+    ids = _hidden_ids(lm)
+    module = anatomy.of(lm.model)[1].module
+    added = []
+
+    def refuse(value):
+        raise InputError("a planted refusal")
+
+    def another_thread(mod, args, out):  # torch runs it in its clean-up loop, after the error
+        added.append(mod.register_forward_hook(lambda *a: None))
+
+    def run():
+        # after the refusing function, and not the last (torch's loop stops quietly after its last hook)
+        handles = [module.register_forward_hook(another_thread, always_call=True),
+                   module.register_forward_hook(lambda *a: None)]
+        try:
+            if where == "sites":
+                lm.model(input_ids=ids)
+            else:  # a run of the engine (its recorders, its masks), the function registered as torch's own hook
+                from attnviz.capture import capture
+
+                capture(lm, "The cat sat on the mat.", "fwd")
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    with pytest.raises(InputError, match="a planted refusal"), torch.no_grad():
+        if where == "sites":
+            with sites.hooks(lm.model, [(sites.site("resid_post", 1), refuse)]):
+                run()
+        else:
+            first = module.register_forward_hook(lambda mod, args, out: refuse(out))
+            try:
+                run()
+            finally:
+                first.remove()
+    assert added, "the clean-up loop ran the hook that changes the module's hooks"
+    for extra in added:
+        extra.remove()

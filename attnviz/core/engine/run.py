@@ -20,6 +20,7 @@ from attnviz.core.spec.allowsets import AllowSet, AllowSets
 from attnviz.core.spec.interventions import NONE, Interventions
 from attnviz.core.spec.masks import Mask
 from attnviz.core.sizing.sizes import Sizes
+from attnviz.core.engine import sites
 from attnviz.errors import ModelLoadError
 
 _RUN: contextvars.ContextVar["Run | None"] = contextvars.ContextVar("attnviz_run", default=None)
@@ -250,7 +251,8 @@ def active(run: Run):
     """Make ``run`` the attnviz run of this thread/context while the block runs."""
     token = _RUN.set(run)
     try:
-        yield run
+        with sites.unmasked():  # another thread's hooks changing during torch's clean-up: the error itself
+            yield run
     finally:
         _RUN.reset(token)
         for each in getattr(run, "runs", {"": run}).values():

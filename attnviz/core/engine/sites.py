@@ -158,6 +158,21 @@ def _wrap(model, s: Site, fn: Callable, owner: int | None, first: bool = False):
 
 
 @contextmanager
+def unmasked():
+    """Inside, a forward's error comes out as itself where torch's clean-up after it raised another: after an error
+    in a module's forward, torch loops over the module's forward hooks without a copy, and another thread adding or
+    removing one at that moment (the shared server's other visitors) raises "OrderedDict mutated during iteration"
+    (or "changed size"), with the first error as its context."""
+    try:
+        yield
+    except RuntimeError as err:
+        context = err.__context__
+        if str(err).endswith("during iteration") and isinstance(context, Exception):
+            raise context from None
+        raise
+
+
+@contextmanager
 def hooks(model, pairs: Iterable[tuple[Site, Callable]]):
     """Inside, every forward of this thread calls each ``fn(value)`` at its site (read, or replace by returning a
     tensor); other threads' forwards on the same model are untouched. Removed on leaving, whatever happens."""
@@ -166,7 +181,8 @@ def hooks(model, pairs: Iterable[tuple[Site, Callable]]):
     try:
         for s, fn in pairs:
             handles.append(_wrap(model, s, fn, owner))
-        yield
+        with unmasked():
+            yield
     finally:
         for handle in handles:
             handle.remove()
