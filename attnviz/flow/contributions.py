@@ -48,7 +48,7 @@ def inverse(total: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, total.clamp(min=torch.finfo(total.dtype).tiny).reciprocal(), 0.0)
 
 
-def _f32(tensor: torch.Tensor) -> torch.Tensor:
+def as_float32(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` in float32, without a call where it is already (on a GPU each call is the host's work)."""
     return tensor if tensor.dtype == torch.float32 else tensor.float()
 
@@ -146,16 +146,16 @@ def attention_raw_triton(y, probs, value, w_out, c) -> torch.Tensor:
 
     n_heads, n_q, n_kv = probs.shape
     group = n_heads // value.shape[0]
-    v = _f32(value.repeat_interleave(group, 0) if group > 1 else value)  # (H, n_kv, d)
-    w_out = _f32(w_out)
-    sign = _f32(torch.where(y >= 0, 1.0, -1.0))  # torch's default dtype, float32 unless a user changed it
+    v = as_float32(value.repeat_interleave(group, 0) if group > 1 else value)  # (H, n_kv, d)
+    w_out = as_float32(w_out)
+    sign = as_float32(torch.where(y >= 0, 1.0, -1.0))  # torch's default dtype, float32 unless a user changed it
     raw = torch.matmul(torch.matmul(sign, w_out), v.transpose(1, 2)).contiguous()  # (s_i · W̃ v_j), then in place
     written = torch.matmul(w_out, v.transpose(1, 2)).contiguous()  # (H, D, n_kv): W̃ v_j by dimension
     hi, lo = written.amax(2).contiguous(), written.amin(2).contiguous()
     bm, bn, bd = ROUTE_TILE
     raw_tile[(n_heads, -(-n_q // bm), -(-n_kv // bn))](
-        raw, raw, _f32(probs).contiguous(), _f32(c).contiguous(), written, sign.t().contiguous(),
-        _f32(y).abs().t().contiguous(), hi, lo, n_q, n_kv, y.shape[1], BM=bm, BN=bn, BD=bd, SKIP=ROUTE_SKIP,
+        raw, raw, as_float32(probs).contiguous(), as_float32(c).contiguous(), written, sign.t().contiguous(),
+        as_float32(y).abs().t().contiguous(), hi, lo, n_q, n_kv, y.shape[1], BM=bm, BN=bn, BD=bd, SKIP=ROUTE_SKIP,
         num_warps=ROUTE_WARPS)
     return raw
 

@@ -213,8 +213,7 @@ class _Layer:
 
     def read(self, name: str, then=None):
         def fn(value):
-            value = value[0]  # under no_grad (:func:`trace`): nothing to detach
-            self.seen[name] = value if value.dtype == torch.float32 else value.float()
+            self.seen[name] = contributions.as_float32(value[0])  # under no_grad (:func:`trace`): nothing to detach
             if name == "x" and self.layer.index == 0:
                 self.tracer.streams.append(HostCopy(self.seen["x"][None]))
             if then is not None:
@@ -224,8 +223,8 @@ class _Layer:
     def check(self, flags) -> None:
         """Refuse the layer, in words, where its write cannot be split by source token: without an intervention,
         its heads' outputs must be their probabilities times their values and the stream after it its input plus
-        its write. ``flags`` the device's, read once: (all heads made, all rows close, (query, head) outputs
-        replaced, entries kept, entries kept with the heads summed, the heads' largest miss, the rows')."""
+        its write. ``flags`` the device's, read once: (all heads made, all rows close, ..., the heads' largest miss,
+        the rows' largest miss)."""
         heads_all, rows_all = flags[:2]
         tracer, L = self.tracer, self.layer
         if tracer.intervened or (heads_all and rows_all):
@@ -233,7 +232,7 @@ class _Layer:
         what = ("its heads' outputs are not their probabilities times their values (off by {:.3g} of an output's "
                 "size along fixed random directions" if not heads_all
                 else "the stream after it is not its input plus its write (off by {:.3g} of a row's size")
-        missed = flags[6] if heads_all else flags[5]
+        missed = flags[-1] if heads_all else flags[-2]
         raise InputError(f"routes: {tracer.family} layer {L.index}: the attention's write is not the sum of its "
                          f"heads' weighted values ({what.format(missed)}, limit "
                          f"{tracer.tolerance:.3g} in {precision.name(tracer.dtype)}), so it cannot be split by "
@@ -250,9 +249,9 @@ class _Layer:
         s = L.scale
         written = seen["write"]  # as the stream adds it: s times the block's write
         y = seen["y"] if "y" in seen else x + written
-        w_out = output_projection(L.attn)  # (D, H d)
-        if w_out.dtype != torch.float32 or w_out.device != x.device:
-            w_out = w_out.float().to(x.device)
+        w_out = contributions.as_float32(output_projection(L.attn))  # (D, H d)
+        if w_out.device != x.device:
+            w_out = w_out.to(x.device)
         n_heads, width = self.n_heads, w_out.shape[0]
         d = w_out.shape[1] // n_heads
         if value.shape[-1] != d or probs.shape[0] != n_heads:
@@ -290,11 +289,11 @@ class _Layer:
         missed = (heads_miss.amax(), rows_miss.amax())
         if not contributions.on_gpu(raw):  # on the CPU the compiled pass keeps the entries
             flags = torch.stack((heads_ok.all(), rows_ok.all(), (~keep).sum(), *missed)).tolist()
-            self.check([*flags[:3], 0, 0, *flags[3:]])
+            self.check(flags)
             tracer.pending.append([kept_entries(raw, inv, tracer.floor), shares, int(flags[2])])
             return
-        # the device keeps them; how many it keeps (and the checks' flags) come to the host a layer late, read while
-        # the next layer runs: the host never waits for a device with nothing queued (docs/gpu.md)
+        # the device keeps them; how many it keeps (flags 3 and 4, beside the checks') come to the host a layer late,
+        # read while the next layer runs: the host never waits for a device with nothing queued (docs/gpu.md)
         heads, summed, over, sum_over = contributions.scaled_and_kept(raw, inv, tracer.floor)
         counts = (over.sum(dtype=torch.float64), sum_over.sum(dtype=torch.float64))
         flags = HostCopy(torch.stack((heads_ok.all(), rows_ok.all(), (~keep).sum(dtype=torch.float64), *counts,
