@@ -20,7 +20,7 @@ eager_s=<s|oom>``; the region case prints ``gpu region shape=... n=... side=96 r
 streaming case ``gpu stream shape=... policy=... per_token_ms=<ms> generate_ms=<ms> ratio=<x>``
 (``region_s`` resumes from a long capture's kept layer inputs, as the app does; ``from_start_s`` runs
 the forward from the embeddings).
-With ``--launch 64x64:4:3 128x64:8:2`` a statistics case also prints ``gpu launch ... launch=<TILE:WARPS:STAGES>
+With ``--launch 64x64:4:3 128x64:8:2:1`` a statistics case also prints ``gpu launch ... launch=<TILE:WARPS:STAGES[:GROUPS]>
 stats_s=<s> stats_vs_sdpa=<x>`` for the fused kernel at each launch choice (``attnviz.core.kernel.kernels.launch``
 takes the card's measured one from ``TUNED``; bench/kernel_sweep.py measures them on one layer).
 Times are medians of ``--repeat`` runs after one warm-up. Goals: llama8b:32768 stats
@@ -137,7 +137,7 @@ def stats_case(loaded: LoadedModel, shape: str, n: int, device: str, repeat: int
     text, ids = text_of(loaded, n)
     ids = ids.to(device)
     sdpa_s, _ = timed(lambda: stock(loaded, "sdpa", ids), device, repeat)
-    names = ("ATTNVIZ_KERNEL_TILE", "ATTNVIZ_KERNEL_WARPS", "ATTNVIZ_KERNEL_STAGES")
+    names = ("ATTNVIZ_KERNEL_TILE", "ATTNVIZ_KERNEL_WARPS", "ATTNVIZ_KERNEL_STAGES", "ATTNVIZ_KERNEL_GROUPS")
     for choice in launches or []:  # the kernel at each launch choice, against the same SDPA baseline
         before = {name: os.environ.get(name) for name in names}
         os.environ.update(zip(names, choice.split(":")))
@@ -210,7 +210,8 @@ def main() -> None:
     parser.add_argument("--skip-eager", action="store_true", help="no eager output_attentions baseline")
     parser.add_argument("--profile", action="store_true", help="also print a profile of each statistics case")
     parser.add_argument("--launch", nargs="*", help="also time the statistics kernel at these launch choices, each "
-                                                    "TILE:WARPS:STAGES (64x64:4:3; ATTNVIZ_KERNEL_TILE, _WARPS, _STAGES)")
+                                                    "TILE:WARPS:STAGES[:GROUPS] (64x64:4:3:4; ATTNVIZ_KERNEL_TILE, "
+                                                    "_WARPS, _STAGES, _GROUPS)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     print(f"# device={args.device} ({torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}) "

@@ -21,9 +21,9 @@ if wanted tests; then
 fi
 best=
 if wanted sweep; then
-  step sweep; timeout "${SWEEP_S:-80}" python3 bench/kernel_sweep.py --tiles 64x64 128x64 --warps 4 --stages 3 4 5 >"$out/sweep.log" 2>&1
+  step sweep; timeout "${SWEEP_S:-120}" python3 bench/kernel_sweep.py --tiles 64x64 128x64 --warps 4 --stages 2 3 4 --groups 1 4 >"$out/sweep.log" 2>&1
   tail -3 "$out/sweep.log" >>"$log"
-  best=$(sed -n 's/^best tile=\([0-9x]*\) warps=\([0-9]*\) stages=\([0-9]*\).*/\1:\2:\3/p' "$out/sweep.log")
+  best=$(sed -n 's/^best tile=\([0-9x]*\) warps=\([0-9]*\) stages=\([0-9]*\) groups=\([0-9]*\).*/\1:\2:\3:\4/p' "$out/sweep.log")
 fi
 if wanted stats; then
   step "stats (best launch: ${best:-not swept})"

@@ -8,9 +8,11 @@ first thing that makes a kernel slow), shared memory a program, and the disassem
 Prints one line a variant:
 ``kernel sm=<cc> dtype=<dtype> d=<head dim> mask=<causal|packed> outputs=<...> passes=<1|2> warps=<w>
 registers=<r> spill_stores=<B> spill_loads=<B> shared=<B> tile_instructions=<full>,<masked>
-warp_instructions=<...> full_vs_masked=<x>``: ``tile_instructions`` a thread runs for one tile in each
-loop (a causal kernel's full tiles, then its masked ones), ``warp_instructions`` the same times the
-warps (what an SM issues for one tile of a program).
+tile_barriers=<full>,<masked> warp_instructions=<...> full_vs_masked=<x>``: ``tile_instructions`` a thread runs
+for one tile in each loop (a causal kernel's full tiles, then its masked ones), ``tile_barriers`` how many of them
+make a warp wait for the program's other warps, ``warp_instructions`` the instructions times the warps (what an
+SM issues for one tile of a program). Each variant at the row groups it launches with
+(``attnviz.core.kernel.kernels.row_groups``: a warp's each on sm_90 in half precision).
 
 The baselines are the kernel's own alternatives in the same run: the masked tile against the full one
 (every tile cost the masked tile's work before full tiles were split off), 4 warps against 8
@@ -47,12 +49,13 @@ def main() -> None:
         # (the two-pass kernel's log-sum-exp loops come first)
         split = row["causal"] and row["dtype"] != "fp32"
         loops = got.pop("tile_instructions")[-2 if split else -1:]
+        barriers = got.pop("tile_barriers")[-2 if split else -1:]
         got.pop("num_warps")
         ratio = f" full_vs_masked={loops[0] / loops[1]:.2f}" if split else ""
         print(f"kernel sm={row['capability']} dtype={row['dtype']} d={row['head_dim']} "
               f"mask={'causal' if row['causal'] else 'packed'} outputs={row['_outputs']} passes={1 if row['lse'] else 2} "
               f"warps={row['num_warps']} " + " ".join(f"{k}={v}" for k, v in got.items())
-              + f" tile_instructions={','.join(map(str, loops))}"
+              + f" tile_instructions={','.join(map(str, loops))} tile_barriers={','.join(map(str, barriers))}"
               f" warp_instructions={','.join(str(n * row['num_warps']) for n in loops)}{ratio}", flush=True)
 
 

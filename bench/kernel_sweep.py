@@ -5,10 +5,11 @@ same layer, same run: the figures :data:`attnviz.core.kernel.kernels.TUNED` keep
 
 One layer shaped like Llama-3-8B's (random bfloat16 Q, K, V; causal; every row's log-sum-exp from the flash
 kernel, as a capture takes it; a 512-cell pooled map of the probabilities), the kernel launched at each tile
-(BM x BN), warp count and number of pipeline stages. Each line: ``sweep tile=<BMxBN> warps=<w> stages=<s>
+(BM x BN), warp count, number of pipeline stages and row groups (``kernels.row_groups``: 1, the program's column
+sums; 4, a warp's each). Each line: ``sweep tile=<BMxBN> warps=<w> stages=<s> groups=<g>
 kernel_ms=<ms> flash_ms=<ms> ratio=<kernel / flash> max_diff=<largest difference from the default launch's sums>``
 (``failed`` where the compiler refuses a choice: out of shared memory or registers). Ends with ``best tile=...
-warps=... stages=...``, the fastest choice whose sums equal the default's (1e-4 of a row's, every statistic). Needs
+warps=... stages=... groups=...``, the fastest choice whose sums equal the default's (1e-4 of a row's, every statistic). Needs
 a CUDA GPU; the baseline and every choice are timed in the same process.
 """
 
@@ -31,9 +32,11 @@ def main() -> None:
     parser.add_argument("--tiles", nargs="*", default=["64x64", "128x64", "64x128", "128x128"])
     parser.add_argument("--warps", nargs="*", type=int, default=[4, 8])
     parser.add_argument("--stages", nargs="*", type=int, default=[1, 2, 3, 4])
+    parser.add_argument("--groups", nargs="*", type=int, default=[1, 4],
+                        help="row groups that add their column sums apart (kernels.row_groups; 4: one a warp at 4 warps)")
     args = parser.parse_args()
 
-    from attnviz.core.kernel import kernels
+    from attnviz.core.kernel import kernels, lse as attention
     from attnviz.core.record.pooled import pool_factor
 
     device = torch.device("cuda")
@@ -60,8 +63,8 @@ def main() -> None:
             times.append(start.elapsed_time(end))
         return statistics.median(times)
 
-    flash_ms = timed(lambda: kernels.attention_with_lse(q, k, v, None, scaling, True))
-    _, lse = kernels.attention_with_lse(q, k, v, None, scaling, True)
+    flash_ms = timed(lambda: attention.attention_with_lse(q, k, v, None, scaling, True))
+    _, lse = attention.attention_with_lse(q, k, v, None, scaling, True)
     print(f"# {torch.cuda.get_device_name()} capability={torch.cuda.get_device_capability()} n={n} heads={h}/{hk} "
           f"d={d} flash_ms={flash_ms:.2f}", flush=True)
 
@@ -75,27 +78,30 @@ def main() -> None:
 
     reference = None
     best = None
-    for tile, warps, stages in itertools.product(args.tiles, args.warps, args.stages):
+    for tile, warps, stages, groups in itertools.product(args.tiles, args.warps, args.stages, args.groups):
         bm, bn = (int(x) for x in tile.split("x"))
+        if bm % (16 * groups) or kernels.BLOCK_M % (16 * groups):
+            continue
         os.environ["ATTNVIZ_KERNEL_WARPS"] = str(warps)
         os.environ["ATTNVIZ_KERNEL_STAGES"] = str(stages)
+        os.environ["ATTNVIZ_KERNEL_GROUPS"] = str(groups)
         try:
             got = run(bm, bn)
             ms = timed(lambda: run(bm, bn))
         except Exception as err:  # noqa: BLE001 - a choice the compiler refuses is a line, not the end of the sweep
-            print(f"sweep tile={tile} warps={warps} stages={stages} failed {type(err).__name__}: "
+            print(f"sweep tile={tile} warps={warps} stages={stages} groups={groups} failed {type(err).__name__}: "
                   f"{str(err).splitlines()[0][:120] if str(err) else ''}", flush=True)
             continue
         if reference is None:
             reference = got
         diff = max(float(((got[key] - reference[key]).abs() / reference[key].abs().clamp(min=1.0)).max())
                    for key in ("rowsum", "plogp", "diag", "key0", "colsum", "pooled"))
-        print(f"sweep tile={tile} warps={warps} stages={stages} kernel_ms={ms:.2f} flash_ms={flash_ms:.2f} "
+        print(f"sweep tile={tile} warps={warps} stages={stages} groups={groups} kernel_ms={ms:.2f} flash_ms={flash_ms:.2f} "
               f"ratio={ms / flash_ms:.2f} max_diff={diff:.1e}", flush=True)
         if diff <= 1e-4 and (best is None or ms < best[0]):
-            best = (ms, tile, warps, stages)
+            best = (ms, tile, warps, stages, groups)
     if best is not None:
-        print(f"best tile={best[1]} warps={best[2]} stages={best[3]} kernel_ms={best[0]:.2f} "
+        print(f"best tile={best[1]} warps={best[2]} stages={best[3]} groups={best[4]} kernel_ms={best[0]:.2f} "
               f"ratio={best[0] / flash_ms:.2f}", flush=True)
 
 

@@ -175,20 +175,22 @@ def test_the_deep_pages_run_in_bfloat16_on_cuda_as_on_the_cpu(kind):
     half_agrees(_on(kind, "cpu", torch.float32), _on(kind, "cuda", torch.bfloat16), TEXT)
 
 
+@pytest.mark.parametrize("groups", ["1", "4"])
 @pytest.mark.parametrize("stages", ["3", "4"])
 @pytest.mark.parametrize("tile", [(64, 64), (128, 64)], ids=["64x64", "128x64"])
 @pytest.mark.parametrize("warps", ["4", "8"])
 @pytest.mark.parametrize("one_pass", [True, False], ids=["lse", "two-pass"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "packed"])
 def test_the_fused_kernel_at_either_warp_count_gives_the_definitions_on_cuda(causal, one_pass, warps, tile, stages,
-                                                                             monkeypatch):
-    """The kernel compiled for this GPU at 4 and at 8 warps, every tile and pipeline depth a GPU's measured launch
-    may take (attnviz.core.kernel.kernels.TUNED), bf16, full tiles below the diagonal, against the sums of the full
-    probabilities."""
+                                                                             groups, monkeypatch):
+    """The kernel compiled for this GPU at 4 and at 8 warps, every tile, pipeline depth and row grouping of the
+    column sums a GPU's measured launch may take (attnviz.core.kernel.kernels.TUNED, row_groups), bf16, full tiles
+    below the diagonal, against the sums of the full probabilities."""
     from tiny import long_kernel_case
 
     monkeypatch.setenv("ATTNVIZ_KERNEL_WARPS", warps)
     monkeypatch.setenv("ATTNVIZ_KERNEL_STAGES", stages)
+    monkeypatch.setenv("ATTNVIZ_KERNEL_GROUPS", groups)
     got, expected = long_kernel_case("cuda", torch.bfloat16, causal, one_pass, tile)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, atol=1e-3, rtol=2e-3, msg=name)
@@ -199,7 +201,7 @@ def test_the_attention_kernel_s_log_sum_exp_is_every_row_s_on_cuda(heads, monkey
     """The log-sum-exp the statistics read from the layer's attention kernel (cuDNN's where it agrees with flash
     attention on this GPU, else flash attention's) is each row's log-sum-exp of its scaled causal scores, and the
     output is SDPA's; the same with cuDNN switched off."""
-    from attnviz.core.kernel import kernels
+    from attnviz.core.kernel import lse as attention
 
     gen = torch.Generator().manual_seed(7)
     n_heads, kv_heads = heads
@@ -213,9 +215,9 @@ def test_the_attention_kernel_s_log_sum_exp_is_every_row_s_on_cuda(heads, monkey
                                                                  enable_gqa=n_heads != kv_heads)
     for cudnn in ("", "0"):
         monkeypatch.setenv("ATTNVIZ_CUDNN", cudnn)
-        kernels.cudnn_agrees.cache_clear()
-        out, lse = kernels.attention_with_lse(q, k, v, None, 0.125, True)
+        attention.cudnn_agrees.cache_clear()
+        out, lse = attention.attention_with_lse(q, k, v, None, 0.125, True)
         assert lse is not None and lse.shape == (1, n_heads, 300)
         torch.testing.assert_close(lse.double(), expected, atol=2e-2, rtol=1e-3)
         torch.testing.assert_close(out.float(), reference.float(), atol=2e-2, rtol=2e-2)
-    kernels.cudnn_agrees.cache_clear()
+    attention.cudnn_agrees.cache_clear()

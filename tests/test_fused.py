@@ -16,6 +16,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # conftest.py sets it on a machin
 from attnviz.core.spec import allowsets
 from attnviz.core import engine  # noqa: E402
 from attnviz.core.kernel import kernels
+from attnviz.core.kernel.lse import attention_with_lse
 from attnviz.stats import metrics
 from attnviz.core.spec.arch import parse  # noqa: E402
 from attnviz.capture import capture  # noqa: E402
@@ -76,7 +77,7 @@ def test_one_pass_with_the_forwards_log_sum_exp_gives_the_two_pass_sums(spec):
     q, k, allow, scores, probs = _reference(spec)
     v = torch.randn(H_KV, N, D)
     causal = spec == "fwd"
-    out, lse = kernels.attention_with_lse(q[None], k[None], v[None], None if causal else allow[None, None],
+    out, lse = attention_with_lse(q[None], k[None], v[None], None if causal else allow[None, None],
                                           D ** -0.5, causal)
     torch.testing.assert_close(lse[0], torch.logsumexp(scores.masked_fill(~allow, float("-inf")), -1),
                                atol=1e-5, rtol=1e-5)
@@ -387,3 +388,37 @@ def test_the_launch_geometry_in_half_precision_gives_the_definitions(causal, one
     got, expected = long_kernel_case("cpu", torch.float16, causal, one_pass, tile)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, atol=2e-5, rtol=2e-5, msg=name)
+
+
+@pytest.mark.parametrize("tile, groups", [((64, 64), 4), ((128, 64), 4), ((64, 64), 2)], ids=["64x64-4", "128x64-4",
+                                                                                              "64x64-2"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "packed"])
+def test_column_sums_added_a_row_group_at_a_time_give_the_definitions(causal, tile, groups, monkeypatch):
+    """Hopper's launch adds a tile's column sums one group of 16-row slabs at a time, a warp's each
+    (kernels.row_groups), so that no warp waits for another; a tile of 128 rows holds two slabs a group. The column
+    sums, and every other sum and map, still equal the definitions."""
+    from tiny import long_kernel_case
+
+    monkeypatch.setenv("ATTNVIZ_KERNEL_GROUPS", str(groups))
+    launched = []
+    constants = kernels._constants
+    monkeypatch.setattr(kernels, "_constants", lambda *a: launched.append(constants(*a)) or launched[-1])
+    got, expected = long_kernel_case("cpu", torch.float16, causal, True, tile)
+    assert [c["SPLIT"] for c in launched] == [groups]
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, atol=2e-5, rtol=2e-5, msg=name)
+
+
+def test_the_row_groups_follow_the_gpu_and_a_wrong_setting_is_refused(monkeypatch):
+    """One group a warp on Hopper in half precision, where a warp holds 16 of every 64 rows; one group elsewhere
+    (an A100's 8 warps, float32 models, the CPU's interpreter). ATTNVIZ_KERNEL_GROUPS overrides it; a setting that
+    splits a 16-row slab is refused with the reason."""
+    assert kernels.row_groups(90, False, 64, 4) == 4 and kernels.row_groups(90, False, 128, 4) == 4
+    assert kernels.row_groups(80, False, 64, 8) == 1 and kernels.row_groups(90, True, 64, 8) == 1
+    assert kernels.row_groups(0, False, 64, 8) == 1
+    assert kernels.launch(torch.device("cpu"), False)[4] == 1
+    monkeypatch.setenv("ATTNVIZ_KERNEL_GROUPS", "2")
+    assert kernels.launch(torch.device("cpu"), False)[4] == 2
+    monkeypatch.setenv("ATTNVIZ_KERNEL_GROUPS", "8")
+    with pytest.raises(ValueError, match="16-row slab"):
+        kernels.launch(torch.device("cpu"), False)

@@ -91,13 +91,28 @@ def test_a_causal_kernel_runs_full_tiles_without_the_masks_work(used):
     assert causal["num_warps"] == kernels.HOPPER_WARPS  # sm_90 in half precision
 
 
+def test_hopper_s_column_sums_a_warp_at_a_time_exchange_nothing_between_warps():
+    """The launch on sm_90 in half precision adds a tile's column sums one warp at a time (kernels.row_groups): the
+    reshape into warps' 16-row slabs stays in registers, so a full tile of a 512-cell capture at 32,768 tokens waits
+    at no more than 4 barriers (12 with the program's column sums, whose rows sit in four warps) and runs fewer
+    instructions; nothing spills."""
+    bm, bn, stages = kernels.TUNED[90]
+    groups = kernels.row_groups(90, False, bm, kernels.HOPPER_WARPS)
+    assert groups == kernels.HOPPER_WARPS
+    base = dict(capability=90, dtype="bf16", head_dim=128, causal=True, tile=(bm, bn), num_stages=stages)
+    split, whole = kernels.compiled_resources(dict(base, split=groups), dict(base, split=1))
+    assert split["spill_stores"] == split["spill_loads"] == 0, split
+    assert split["tile_barriers"][0] <= 4 < 10 <= whole["tile_barriers"][0], (split, whole)
+    assert split["tile_instructions"][0] <= 0.92 * whole["tile_instructions"][0], (split, whole)
+
+
 def test_the_tuned_launch_and_the_routes_kernel_compile_without_spilling():
     """The launch kept for sm_90 (kernels.TUNED: its tile and pipeline stages) at what a 512-cell capture of a causal
     model launches, and the routes kernel (attnviz.flow._triton_routes) at its tile, for sm_90 and sm_80: nothing
     spills to local memory."""
     bm, bn, stages = kernels.TUNED[90]
     tuned = dict(capability=90, dtype="bf16", head_dim=128, causal=True, tile=(bm, bn), num_stages=stages,
-                 whole=bm == bn == 64)
+                 whole=bm == bn == 64, split=kernels.row_groups(90, False, bm, kernels.HOPPER_WARPS))
     for got in kernels.compiled_resources(tuned, dict(routes=True, capability=90), dict(routes=True, capability=80)):
         assert got["spill_stores"] == 0 and got["spill_loads"] == 0, got
         assert got["tile_instructions"], got

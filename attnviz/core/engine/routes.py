@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from attnviz.core.kernel import kernels
+from attnviz.core.kernel.lse import attention_with_lse
 from attnviz.core.spec.masks import Mask
 from attnviz.core.record.reduce import Summaries, pool_factor
 from attnviz.stats.metrics import RowSum
@@ -117,8 +118,7 @@ def _fused_layer(run, layer: int, recs, query, key, value, allow, scaling: float
     # no delimiters asked: zeros made on the device once (zeros made on the host would be copied there a layer)
     delim = needs["delim"] if needs.get("delim") is not None else kernels.zeros(query.device, n_kv)
     # the layer's output and every row's log-sum-exp from one attention kernel: the statistics pass once over QK^T
-    out, lse = kernels.attention_with_lse(query, key, value, None if plain_causal else allow.whole(), scaling,
-                                          plain_causal)
+    out, lse = attention_with_lse(query, key, value, None if plain_causal else allow.whole(), scaling, plain_causal)
     raw = kernels.layer_statistics(query[0], key[0], None if plain_causal else allow.bits(), ranges,
                                    scaling, delim[-n_kv:], factor, pooled_shape,
                                    needs.get("value_norms"), scores=bool(needs.get("scores")), causal=plain_causal,

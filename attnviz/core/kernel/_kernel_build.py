@@ -42,12 +42,13 @@ def tile_loops(sass: str) -> list[dict]:
 def resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, pool: bool = True,
               value: bool = False, scores: bool = False, causal: bool = True, granularity: int = 16,
               num_warps: int | None = None, lse: bool = True, whole: bool = True, aligned: bool = True,
-              tile: tuple[int, int] | None = None, num_stages: int | None = None) -> dict:
+              tile: tuple[int, int] | None = None, num_stages: int | None = None, split: int | None = None) -> dict:
     """One variant of :func:`attnviz.core.kernel.kernels.compiled_resources`, in this process; ``num_warps`` None:
     what :func:`attnviz.core.kernel.kernels.num_warps` launches on a GPU of that capability. ``aligned`` False: the variant
     a text whose length is not a multiple of 16 launches (only the pointers and the head dimension's strides are).
     ``tile`` (BM, BN) and ``num_stages``: a launch choice of :data:`attnviz.core.kernel.kernels.TUNED` (default: the
-    kernel's 64 x 64 and Triton's default stages)."""
+    kernel's 64 x 64 and Triton's default stages); ``split`` the row groups (None: what
+    :func:`attnviz.core.kernel.kernels.row_groups` launches)."""
     if num_warps is None:
         num_warps = kernels.warps_for(capability, dtype == "fp32")
     import triton
@@ -56,8 +57,10 @@ def resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, po
 
     kernel = kernels._kernel()
     bm, bn = tile or (kernels.BLOCK_M, kernels.BLOCK_N)
+    if split is None:
+        split = kernels.row_groups(capability, dtype == "fp32", bm, num_warps)
     constants = kernels._constants(bm, bn, head_dim, dtype == "fp32", granularity, pool,
-                                   value, scores, causal, lse, whole)
+                                   value, scores, causal, lse, whole, split)
     pointers = {"q_ptr": dtype, "k_ptr": dtype, "allow_ptr": "i32", "ranges_ptr": "i32"}
     signature = {name: "constexpr" if name in constants else
                  "*" + pointers.get(name, "fp32") if name.endswith("_ptr") else
@@ -110,4 +113,5 @@ def _read(compiled, capability: int, num_warps: int) -> dict:
     stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
     return {"num_warps": num_warps, "registers": registers, "spill_stores": stores, "spill_loads": loads,
             "shared": compiled.metadata.shared,
-            "tile_instructions": [loop["instructions"] for loop in tile_loops(sass)]}
+            "tile_instructions": [loop["instructions"] for loop in tile_loops(sass)],
+            "tile_barriers": [loop["ops"].get("BAR", 0) for loop in tile_loops(sass)]}

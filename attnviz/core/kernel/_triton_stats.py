@@ -68,7 +68,9 @@ def pool_tile(ptr, tile, head, block, start, factor, pooled_rows, pooled_cols,
     base = head * pooled_rows * pooled_cols
     if WHOLE:
         cell_r = (block * BM) // factor
-        cell_c = start // factor
+        # start // factor without an integer division a tile: the tile's index over the tiles a cell, in float32,
+        # exact below 2^22 tiles (a quotient (t + 0.5) / T lies 0.5 / T from an integer; float32 errs by 2^-23 of it)
+        cell_c = tl.cast((start // BN + 0.5) * (1.0 / (factor // BN)), tl.int32)
         tl.atomic_max(ptr + base + cell_r * pooled_cols + cell_c, tl.max(tl.max(tile, axis=1), axis=0),
                       mask=(cell_r < pooled_rows) & (cell_c < pooled_cols), sem="relaxed")
     else:
@@ -86,7 +88,7 @@ def sums_tile(q, k_ptr, allow_ptr, delim_ptr, norms_ptr, colsum_ptr, pooled_ptr,
               head, block, n_kv, dim, scale2, q_offset, stride_kn, factor, pooled_rows, pooled_cols,
               BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, POOL: tl.constexpr, VALUE: tl.constexpr,
               SCORES: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-              WHOLE: tl.constexpr):
+              WHOLE: tl.constexpr, SPLIT: tl.constexpr):
     """Pass 2 over one tile: its probabilities, every statistic accumulated from registers."""
     cols, col_ok, s2, ok = scores_tile(q, k_ptr, allow_ptr, rows, row_ok, dims, start, n_kv, dim, scale2,
                                        q_offset, stride_kn, BN, PRECISION, CAUSAL, MASKED)
@@ -105,9 +107,17 @@ def sums_tile(q, k_ptr, allow_ptr, delim_ptr, norms_ptr, colsum_ptr, pooled_ptr,
         lo = block * BM + q_offset
         if (start < lo + BM) & (start + BN > lo):
             diag += tl.sum(tl.where(cols[None, :] == rows[:, None] + q_offset, p, 0.0), axis=1)
-    d = tl.load(delim_ptr + cols, mask=col_ok, other=0.0)
+    if MASKED:
+        d = tl.load(delim_ptr + cols, mask=col_ok, other=0.0)
+    else:  # every key of a full tile exists
+        d = tl.load(delim_ptr + cols)
     delim_acc += tl.sum(p * d[None, :], axis=1)
-    tl.atomic_add(colsum_ptr + head * n_kv + cols, tl.sum(p, axis=0), mask=col_ok, sem="relaxed")
+    if SPLIT > 1:  # a column sum a group of 16-row slabs (a warp's, on Hopper): no exchange between warps
+        part = tl.sum(tl.sum(tl.reshape(p, (BM // (16 * SPLIT), SPLIT, 16, BN)), axis=2), axis=0)
+        tl.atomic_add(tl.broadcast_to((colsum_ptr + head * n_kv + cols)[None, :], (SPLIT, BN)), part,
+                      mask=tl.broadcast_to(col_ok[None, :], (SPLIT, BN)), sem="relaxed")
+    else:
+        tl.atomic_add(colsum_ptr + head * n_kv + cols, tl.sum(p, axis=0), mask=col_ok, sem="relaxed")
     if POOL:
         pool_tile(pooled_ptr, p, head, block, start, factor, pooled_rows, pooled_cols, BM, BN, G, WHOLE)
         if VALUE:
@@ -130,7 +140,7 @@ def layer_stats(q_ptr, k_ptr, allow_ptr, ranges_ptr, delim_ptr, norms_ptr, lse_p
                 stride_qh, stride_qn, stride_kh, stride_kn,
                 BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                 POOL: tl.constexpr, VALUE: tl.constexpr, SCORES: tl.constexpr, PRECISION: tl.constexpr,
-                CAUSAL: tl.constexpr, LSE: tl.constexpr, WHOLE: tl.constexpr):
+                CAUSAL: tl.constexpr, LSE: tl.constexpr, WHOLE: tl.constexpr, SPLIT: tl.constexpr):
     """One program: BM query rows of one head. With ``LSE`` each row's log-sum-exp over its allowed keys is
     read (the forward's own attention computed it), else pass 1 finds it; then one pass over every tile
     accumulates the statistics (see attnviz.core.kernel.kernels): first the full tiles, then the masked ones. Heads
@@ -177,7 +187,7 @@ def layer_stats(q_ptr, k_ptr, allow_ptr, ranges_ptr, delim_ptr, norms_ptr, lse_p
                 q, k_head, allow_ptr, delim_ptr, norms_ptr, colsum_ptr, pooled_ptr, pooled_value_ptr,
                 pooled_scores_ptr, rows, row_ok, dims, start, lse2, rowsum, plogp, diag, key0, delim_acc, head, block,
                 n_kv, dim, scale2, q_offset, stride_kn, factor, pooled_rows, pooled_cols,
-                BM, BN, G, POOL, VALUE, SCORES, PRECISION, CAUSAL, masked == 1, WHOLE)
+                BM, BN, G, POOL, VALUE, SCORES, PRECISION, CAUSAL, masked == 1, WHOLE, SPLIT)
     out = head * n_q + rows
     tl.store(rowsum_ptr + out, rowsum, mask=row_ok)
     tl.store(plogp_ptr + out, plogp * LN2, mask=row_ok)

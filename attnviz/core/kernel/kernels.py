@@ -7,7 +7,7 @@ entropy, column sums, pooling, the cast for P·V). At 32k tokens on a Llama-3-8B
 of traffic, ten times the SDPA forward. The alternative the issue names, SDPA for the output plus a
 torch pass over the log-sum-exp, saves only the max/sum/divide passes. A kernel keeps each 64 × 64
 tile of scores in registers and accumulates every statistic from it, given each row's log-sum-exp.
-That log-sum-exp comes from the layer's own attention kernel (:func:`attention_with_lse`: flash or
+That log-sum-exp comes from the layer's own attention kernel (:func:`attnviz.core.kernel.lse.attention_with_lse`: flash or
 memory-efficient attention compute it anyway, for their backward), which also gives the layer's output,
 so the statistics cost one more QKᵀ product, compute-bound like the forward itself. Where no such kernel
 runs, the statistics kernel finds the log-sum-exp itself in a first pass (as flash attention does) and
@@ -21,8 +21,9 @@ kernel in Triton's interpreter on the CPU (how the tests check it against docs/m
 forces or forbids the route for its own calls, in its own thread, with :func:`attnviz.core.engine.routes.forcing`.
 
 The kernel's outputs per head: row sums, Σ p·log p, the diagonal, key 0's probability and the delimiter share per
-query; column sums per key (atomic adds across query blocks); and max-pooled maps of the probabilities (and, when
-asked, of A·‖W_O v‖ and of the allowed scores) by atomic max on the pooled grid. Pooling factors are multiples of
+query; column sums per key (atomic adds across query blocks and, on Hopper, across a block's warps:
+:func:`row_groups`); and max-pooled maps of the probabilities (and, when asked, of A·‖W_O v‖ and of the allowed
+scores) by atomic max on the pooled grid. Pooling factors are multiples of
 the pooling granularity G (a power of two up to 16; :func:`attnviz.core.record.reduce.pool_factor`); where the
 factor is a multiple of both tile sides (64 and up), a tile lies in one cell and pools to one maximum.
 
@@ -84,10 +85,11 @@ def _capability(device: torch.device) -> int | None:
 TUNED: dict[int, tuple[int, int, int]] = {90: (64, 64, 3)}
 
 
-def launch(device: torch.device, fp32: bool) -> tuple[int, int, int, int | None]:
-    """(BM, BN, warps, stages) of the statistics kernel on ``device``: :data:`TUNED` where the card is listed,
-    else the defaults; ``ATTNVIZ_KERNEL_TILE=BMxBN``, ``ATTNVIZ_KERNEL_WARPS`` and ``ATTNVIZ_KERNEL_STAGES`` override
-    each (how bench/kernel_sweep.py times the choices)."""
+def launch(device: torch.device, fp32: bool) -> tuple[int, int, int, int | None, int]:
+    """(BM, BN, warps, stages, row groups) of the statistics kernel on ``device``: :data:`TUNED` where the card is
+    listed, else the defaults, and :func:`row_groups`; ``ATTNVIZ_KERNEL_TILE=BMxBN``, ``ATTNVIZ_KERNEL_WARPS``,
+    ``ATTNVIZ_KERNEL_STAGES`` and ``ATTNVIZ_KERNEL_GROUPS`` override each (how bench/kernel_sweep.py times the
+    choices)."""
     bm, bn, stages = BLOCK_M, BLOCK_N, None
     capability = _capability(device)
     if capability in TUNED and not fp32:
@@ -97,7 +99,20 @@ def launch(device: torch.device, fp32: bool) -> tuple[int, int, int, int | None]
         bm, bn = (int(x) for x in tile.lower().split("x"))
     if os.environ.get("ATTNVIZ_KERNEL_STAGES", ""):
         stages = int(os.environ["ATTNVIZ_KERNEL_STAGES"])
-    return bm, bn, num_warps(device, fp32), stages
+    warps = num_warps(device, fp32)
+    groups = int(os.environ.get("ATTNVIZ_KERNEL_GROUPS", "") or row_groups(capability or 0, fp32, bm, warps))
+    if groups < 1 or bm % (16 * groups):
+        raise ValueError(f"ATTNVIZ_KERNEL_GROUPS={groups}: a tile of {bm} rows holds no whole 16-row slab a group")
+    return bm, bn, warps, stages, groups
+
+
+def row_groups(capability: int, fp32: bool, bm: int, warps: int) -> int:
+    """How many groups of a tile's rows add their column sums to memory apart (the kernel's ``SPLIT``). On Hopper in
+    half precision a warp of the warpgroup holds 16 of every 64 rows of the tensor cores' result, so one group a
+    warp sums within the warp and exchanges nothing between warps: 3 barriers a tile instead of 12, 13 % fewer
+    instructions (`python bench/kernel_regs.py`), for ``warps`` times the column sums' atomic adds. Elsewhere the
+    warps share rows and columns differently and one group (the program's column sums) compiles to less."""
+    return warps if capability // 10 == 9 and not fp32 and bm % (16 * warps) == 0 else 1
 
 
 def available() -> bool:
@@ -181,97 +196,12 @@ SUMS = frozenset({"rowsum", "plogp", "diag", "key0", "delim", "colsum", "colsum_
 
 
 def _constants(bm: int, bn: int, head_dim: int, fp32: bool, g: int, pool: bool, value: bool,
-               scores: bool, causal: bool, lse: bool = True, whole: bool = False) -> dict:
+               scores: bool, causal: bool, lse: bool = True, whole: bool = False, split: int = 1) -> dict:
     """The kernel's compile-time constants, one definition for the launch and for
     :func:`compiled_resources`, so the variants checked for spills are the ones launched."""
     return dict(BM=bm, BN=bn, D=max(16, 1 << (head_dim - 1).bit_length()), G=g, POOL=pool, VALUE=value,
-                SCORES=scores, CAUSAL=causal, LSE=lse, WHOLE=whole,
+                SCORES=scores, CAUSAL=causal, LSE=lse, WHOLE=whole, SPLIT=split,
                 PRECISION="ieee" if fp32 else "tf32")  # fp32 models: no TF32 rounding (docs/methods.md#devices)
-
-
-def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allow: torch.Tensor | None,
-                       scaling: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A layer's attention output (B, H, n_q, d) and every row's log-sum-exp (B, H, n_q) from one attention kernel,
-    the one the forward runs anyway: on the CPU ``_scaled_dot_product_flash_attention_for_cpu``; on CUDA cuDNN's or
-    flash attention (causal, half precision) or the memory-efficient kernel (any mask, any dtype), which compute the
-    log-sum-exp for their backward: the statistics kernel then passes over QKᵀ once. ``allow`` (B, 1, n_q, n_kv)
-    bool, or None with ``causal``. Where no such kernel runs (another device, a shape it refuses) or
-    ``ATTNVIZ_FUSED_LSE=0``, the output comes from SDPA and the log-sum-exp is None (the kernel finds it itself)."""
-    import torch.nn.functional as F
-
-    heads, kv_heads, n_q = query.shape[1], key.shape[1], query.shape[2]
-
-    def plain():
-        mask = None if causal else allow
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scaling,
-                                              enable_gqa=heads != kv_heads), None
-
-    # ROCm reports "cuda" too, and whether its kernels' log-sum-exp is natural was not checked: two passes there
-    if (os.environ.get("ATTNVIZ_FUSED_LSE", "") == "0" or query.device.type not in ("cpu", "cuda")
-            or getattr(torch.version, "hip", None)):
-        return plain()
-    if heads != kv_heads:  # these kernels take one key head per query head
-        key = key.repeat_interleave(heads // kv_heads, dim=1)
-        value = value.repeat_interleave(heads // kv_heads, dim=1)
-    bias = None
-    if not causal:  # an additive mask, one row of keys per query, expanded (not copied) over the heads
-        n_kv = allow.shape[-1]
-        bias = torch.zeros(allow.shape[0], 1, n_q, n_kv + (-n_kv % 16), dtype=query.dtype, device=query.device)
-        bias[..., n_kv:] = float("-inf")  # rows padded to 16 keys: the memory-efficient kernel reads aligned rows
-        bias = bias[..., :n_kv].masked_fill_(~allow, float("-inf")).expand(-1, heads, -1, -1)
-    ops = torch.ops.aten
-    if query.device.type == "cpu":
-        tries = [lambda: ops._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal, attn_mask=bias,
-                                                                         scale=scaling)]
-    else:
-        tries = []
-        if causal and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
-            if cudnn_agrees(query.device, query.dtype):  # what SDPA itself runs on Hopper: the forward's own cost
-                tries.append(lambda: ops._scaled_dot_product_cudnn_attention(query, key, value, None, True, 0.0, True,
-                                                                            False, scale=scaling))
-            tries.append(lambda: ops._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False,
-                                                                        scale=scaling))
-        tries.append(lambda: ops._scaled_dot_product_efficient_attention(query, key, value, bias, True, 0.0, causal,
-                                                                        scale=scaling))
-    for attempt in tries:  # flash where it applies, else (or where this GPU refuses it) memory-efficient attention
-        try:
-            out, lse = attempt()[:2]
-        except (RuntimeError, NotImplementedError) as err:  # a shape, dtype or GPU this build's kernels refuse
-            if devices.is_out_of_memory(err):
-                raise
-            continue
-        lse = lse if lse.dim() == 3 else lse.reshape(lse.shape[0], lse.shape[1], -1)  # cuDNN's: (B, H, n, 1)
-        return out, (lse if lse.shape[-1] == n_q else lse[..., :n_q]).float()
-    return plain()
-
-
-@functools.cache
-def cudnn_agrees(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether cuDNN's attention runs here and gives what flash attention gives, the output and every row's natural
-    log-sum-exp, on two small causal cases, one with a key of massive scores, head dims 64 and 128 (once a process,
-    per device and dtype; cuDNN before 9.3 got large scores wrong): only then does a layer take its
-    log-sum-exp from cuDNN. Nothing documents the layout and base of cuDNN's statistics as flash attention's are,
-    so they are checked where they are used. ``ATTNVIZ_CUDNN=0`` says no."""
-    if os.environ.get("ATTNVIZ_CUDNN", "") == "0" or device.type != "cuda" or getattr(torch.version, "hip", None):
-        return False
-    ops = torch.ops.aten
-    gen = torch.Generator(device=device).manual_seed(0)
-    try:
-        # a plain case, and one with a sink: a key whose scores are massive (the activations this project measures)
-        for n, d, sink in ((80, 64, 0.0), (200, 128, 40.0)):
-            q, k, v = (torch.randn(1, 2, n, d, device=device, generator=gen) for _ in range(3))
-            k[:, :, 0] *= 1.0 + sink
-            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-            scale = d ** -0.5
-            out, lse = ops._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)[:2]
-            ref_out, ref_lse = ops._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[:2]
-            lse = lse.reshape(1, 2, -1)[..., :n].float()
-            if not (torch.allclose(lse, ref_lse[..., :n].float(), atol=1e-3, rtol=1e-3)
-                    and torch.allclose(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)):
-                return False
-        return True
-    except (RuntimeError, NotImplementedError):
-        return False
 
 
 def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor | None, ranges: torch.Tensor,
@@ -289,7 +219,7 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     (BM, BN), or the whole (BM, BN, warps, stages) of :func:`launch`; None: :func:`launch`'s for the device),
     ``delim`` (n_kv,) delimiter flags, ``norms`` (H, n_kv) value norms for pooled A·‖W_O v‖, ``lse`` (H, n_q)
     every row's log-sum-exp of its scaled allowed scores (natural log, float32) when the forward's attention
-    computed it (:func:`attention_with_lse`): the kernel then passes over QKᵀ once instead of twice.
+    computed it (:func:`attnviz.core.kernel.lse.attention_with_lse`): the kernel then passes over QKᵀ once instead of twice.
     Returns fp32 ``rowsum``, ``plogp`` (Σ p·log p), ``diag``, ``key0``, ``delim`` (H, n_q),
     ``colsum`` (H, n_kv) and, with a pool, ``pooled`` (and ``pooled_value`` / ``pooled_scores``)
     (H, rows, cols), NaN-free: cells no query may see hold 0 (-inf for scores).
@@ -297,11 +227,13 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     heads, n_q, dim = query.shape
     n_kv = key.shape[1]
     device = query.device
-    if block is not None and len(block) == 4:  # the caller's launch() already: the environment read once a layer
-        bm, bn, warps, stages = block
+    if block is not None and len(block) == 5:  # the caller's launch() already: the environment read once a layer
+        bm, bn, warps, stages, groups = block
     else:
-        bm, bn, warps, stages = launch(device, query.dtype == torch.float32)
-        bm, bn = (bm, bn) if block is None else block
+        bm, bn, warps, stages, groups = launch(device, query.dtype == torch.float32)
+        if block is not None:
+            bm, bn = block
+            groups = groups if bm % (16 * groups) == 0 else 1
     f32 = {"dtype": torch.float32, "device": device}
     # read by their strides in int32: copied where the last dimension is strided or an offset would pass 2^31
     query, key = (x if x.stride(-1) == 1 and _span(x) < 2**31 else x.contiguous() for x in (query, key))
@@ -339,7 +271,7 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
         n_q, n_kv, dim, heads // key.shape[0], float(scaling), 0, pool_factor or 1, rows, cols,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         **_constants(bm, bn, dim, query.dtype == torch.float32, g, pool, norms is not None, scores, causal,
-                     lse is not None, whole),
+                     lse is not None, whole, groups),
         num_warps=warps, **({} if stages is None else {"num_stages": stages}))
     if pool:
         out["pooled"] = pooled
@@ -372,10 +304,12 @@ def compiled_resources(*variants: dict) -> list[dict]:
     variant: ``registers`` a thread, ``spill_stores`` / ``spill_loads`` bytes a thread, ``shared``
     bytes a program. A variant names ``capability`` (90: H100/H200, 80: A100), ``dtype`` ("bf16",
     "fp16", "fp32"), ``head_dim`` and optionally ``pool``, ``value``, ``scores``, ``causal``,
-    ``granularity``, ``whole``, ``num_warps``, ``lse``, ``tile`` (BM, BN), ``num_stages``, or ``routes`` (True: the
+    ``granularity``, ``whole``, ``num_warps``, ``lse``, ``tile`` (BM, BN), ``num_stages``, ``split`` (row groups:
+    :func:`row_groups`), or ``routes`` (True: the
     routes kernel of attnviz.flow._triton_routes instead, at its tile) (defaults: what a 512-px statistics capture of a
     causal model launches at 32,768 tokens). Each dict also gives ``tile_instructions``: the SASS
-    instructions a thread runs for one tile in each tile loop, in the kernel's order (a causal kernel's
+    instructions a thread runs for one tile in each tile loop (and ``tile_barriers``, the barriers among them, where
+    a warp waits for the program's others), in the kernel's order (a causal kernel's
     full tiles, then its masked ones). Where the kernel is bound by its arithmetic, as it is at long
     contexts, a GPU's time per tile follows that count.
 

@@ -1,0 +1,97 @@
+"""A layer's attention output and every row's log-sum-exp from one attention kernel, the one the forward runs
+anyway: what the fused statistics kernel (:mod:`attnviz.core.kernel.kernels`) reads so that it passes over QKᵀ
+once. Which kernel gives them, and when cuDNN's are trusted (:func:`cudnn_agrees`), is decided here."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from attnviz.core.model import devices
+
+
+def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allow: torch.Tensor | None,
+                       scaling: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's attention output (B, H, n_q, d) and every row's log-sum-exp (B, H, n_q) from one attention kernel,
+    the one the forward runs anyway: on the CPU ``_scaled_dot_product_flash_attention_for_cpu``; on CUDA cuDNN's or
+    flash attention (causal, half precision) or the memory-efficient kernel (any mask, any dtype), which compute the
+    log-sum-exp for their backward: the statistics kernel then passes over QKᵀ once. ``allow`` (B, 1, n_q, n_kv)
+    bool, or None with ``causal``. Where no such kernel runs (another device, a shape it refuses) or
+    ``ATTNVIZ_FUSED_LSE=0``, the output comes from SDPA and the log-sum-exp is None (the kernel finds it itself)."""
+    import torch.nn.functional as F
+
+    heads, kv_heads, n_q = query.shape[1], key.shape[1], query.shape[2]
+
+    def plain():
+        mask = None if causal else allow
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scaling,
+                                              enable_gqa=heads != kv_heads), None
+
+    # ROCm reports "cuda" too, and whether its kernels' log-sum-exp is natural was not checked: two passes there
+    if (os.environ.get("ATTNVIZ_FUSED_LSE", "") == "0" or query.device.type not in ("cpu", "cuda")
+            or getattr(torch.version, "hip", None)):
+        return plain()
+    if heads != kv_heads:  # these kernels take one key head per query head
+        key = key.repeat_interleave(heads // kv_heads, dim=1)
+        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    bias = None
+    if not causal:  # an additive mask, one row of keys per query, expanded (not copied) over the heads
+        n_kv = allow.shape[-1]
+        bias = torch.zeros(allow.shape[0], 1, n_q, n_kv + (-n_kv % 16), dtype=query.dtype, device=query.device)
+        bias[..., n_kv:] = float("-inf")  # rows padded to 16 keys: the memory-efficient kernel reads aligned rows
+        bias = bias[..., :n_kv].masked_fill_(~allow, float("-inf")).expand(-1, heads, -1, -1)
+    ops = torch.ops.aten
+    if query.device.type == "cpu":
+        tries = [lambda: ops._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal, attn_mask=bias,
+                                                                         scale=scaling)]
+    else:
+        tries = []
+        if causal and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
+            if cudnn_agrees(query.device, query.dtype):  # what SDPA itself runs on Hopper: the forward's own cost
+                tries.append(lambda: ops._scaled_dot_product_cudnn_attention(query, key, value, None, True, 0.0, True,
+                                                                            False, scale=scaling))
+            tries.append(lambda: ops._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False,
+                                                                        scale=scaling))
+        tries.append(lambda: ops._scaled_dot_product_efficient_attention(query, key, value, bias, True, 0.0, causal,
+                                                                        scale=scaling))
+    for attempt in tries:  # flash where it applies, else (or where this GPU refuses it) memory-efficient attention
+        try:
+            out, lse = attempt()[:2]
+        except (RuntimeError, NotImplementedError) as err:  # a shape, dtype or GPU this build's kernels refuse
+            if devices.is_out_of_memory(err):
+                raise
+            continue
+        lse = lse if lse.dim() == 3 else lse.reshape(lse.shape[0], lse.shape[1], -1)  # cuDNN's: (B, H, n, 1)
+        return out, (lse if lse.shape[-1] == n_q else lse[..., :n_q]).float()
+    return plain()
+
+
+@functools.cache
+def cudnn_agrees(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether cuDNN's attention runs here and gives what flash attention gives, the output and every row's natural
+    log-sum-exp, on two small causal cases, one with a key of massive scores, head dims 64 and 128 (once a process,
+    per device and dtype; cuDNN before 9.3 got large scores wrong): only then does a layer take its
+    log-sum-exp from cuDNN. Nothing documents the layout and base of cuDNN's statistics as flash attention's are,
+    so they are checked where they are used. ``ATTNVIZ_CUDNN=0`` says no."""
+    if os.environ.get("ATTNVIZ_CUDNN", "") == "0" or device.type != "cuda" or getattr(torch.version, "hip", None):
+        return False
+    ops = torch.ops.aten
+    gen = torch.Generator(device=device).manual_seed(0)
+    try:
+        # a plain case, and one with a sink: a key whose scores are massive (the activations this project measures)
+        for n, d, sink in ((80, 64, 0.0), (200, 128, 40.0)):
+            q, k, v = (torch.randn(1, 2, n, d, device=device, generator=gen) for _ in range(3))
+            k[:, :, 0] *= 1.0 + sink
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+            scale = d ** -0.5
+            out, lse = ops._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)[:2]
+            ref_out, ref_lse = ops._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[:2]
+            lse = lse.reshape(1, 2, -1)[..., :n].float()
+            if not (torch.allclose(lse, ref_lse[..., :n].float(), atol=1e-3, rtol=1e-3)
+                    and torch.allclose(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)):
+                return False
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
