@@ -94,7 +94,7 @@ def test_a_causal_kernel_runs_full_tiles_without_the_masks_work(used):
 def test_hopper_s_column_sums_a_warp_at_a_time_exchange_nothing_between_warps():
     """The launch on sm_90 in half precision adds a tile's column sums one warp at a time (kernels.row_groups): the
     reshape into warps' 16-row slabs stays in registers, so a full tile of a 512-cell capture at 32,768 tokens waits
-    at no more than 4 barriers (12 with the program's column sums, whose rows sit in four warps) and runs fewer
+    at no more than 3 barriers (12 with the program's column sums, whose rows sit in four warps) and runs fewer
     instructions; nothing spills."""
     bm, bn, stages = kernels.TUNED[90]
     groups = kernels.row_groups(90, False, bm, kernels.HOPPER_WARPS)
@@ -102,7 +102,7 @@ def test_hopper_s_column_sums_a_warp_at_a_time_exchange_nothing_between_warps():
     base = dict(capability=90, dtype="bf16", head_dim=128, causal=True, tile=(bm, bn), num_stages=stages)
     split, whole = kernels.compiled_resources(dict(base, split=groups), dict(base, split=1))
     assert split["spill_stores"] == split["spill_loads"] == 0, split
-    assert split["tile_barriers"][0] <= 4 < 10 <= whole["tile_barriers"][0], (split, whole)
+    assert split["tile_barriers"][0] <= 3 < 10 <= whole["tile_barriers"][0], (split, whole)
     assert split["tile_instructions"][0] <= 0.92 * whole["tile_instructions"][0], (split, whole)
 
 

@@ -62,17 +62,26 @@ def lse_tile(q, k_ptr, allow_ptr, rows, row_ok, dims, start, n_kv, dim, scale2, 
 
 @triton.jit
 def pool_tile(ptr, tile, head, block, start, factor, pooled_rows, pooled_cols,
-              BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, WHOLE: tl.constexpr):
+              BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, WHOLE: tl.constexpr, SPLIT: tl.constexpr):
     """Max-pool one tile into its cells by atomic max: with ``WHOLE`` (the pooling factor a multiple of both
-    tile sides, so the tile lies in one cell) one maximum and one atomic, else G x G maxima by a reshape."""
+    tile sides, so the tile lies in one cell) one maximum and one atomic (``SPLIT`` > 1: one a row group, each from
+    the group's own warp), else G x G maxima by a reshape."""
     base = head * pooled_rows * pooled_cols
     if WHOLE:
         cell_r = (block * BM) // factor
         # start // factor without an integer division a tile: the tile's index over the tiles a cell, in float32,
         # exact below 2^22 tiles (a quotient (t + 0.5) / T lies 0.5 / T from an integer; float32 errs by 2^-23 of it)
         cell_c = tl.cast((start // BN + 0.5) * (1.0 / (factor // BN)), tl.int32)
-        tl.atomic_max(ptr + base + cell_r * pooled_cols + cell_c, tl.max(tl.max(tile, axis=1), axis=0),
-                      mask=(cell_r < pooled_rows) & (cell_c < pooled_cols), sem="relaxed")
+        if SPLIT > 1:  # each group's maximum from its first thread of 32 (a warp's, in a blocked layout of 32 x SPLIT)
+            slabs = tl.max(tl.max(tl.reshape(tile, (BM // (16 * SPLIT), SPLIT, 16, BN)), axis=3), axis=2)
+            lanes = tl.reshape(tl.broadcast_to(tl.max(slabs, axis=0)[:, None], (SPLIT, 32)), (SPLIT * 32,))
+            lane = tl.arange(0, SPLIT * 32)
+            tl.atomic_max(ptr + base + cell_r * pooled_cols + cell_c + lane * 0, lanes,
+                          mask=(lane % 32 == 0) & (lane * 0 + cell_r < pooled_rows) & (lane * 0 + cell_c < pooled_cols),
+                          sem="relaxed")
+        else:
+            tl.atomic_max(ptr + base + cell_r * pooled_cols + cell_c, tl.max(tl.max(tile, axis=1), axis=0),
+                          mask=(cell_r < pooled_rows) & (cell_c < pooled_cols), sem="relaxed")
     else:
         cell_r = (block * BM + tl.arange(0, BM // G) * G) // factor
         cell_c = (start + tl.arange(0, BN // G) * G) // factor
@@ -119,16 +128,16 @@ def sums_tile(q, k_ptr, allow_ptr, delim_ptr, norms_ptr, colsum_ptr, pooled_ptr,
     else:
         tl.atomic_add(colsum_ptr + head * n_kv + cols, tl.sum(p, axis=0), mask=col_ok, sem="relaxed")
     if POOL:
-        pool_tile(pooled_ptr, p, head, block, start, factor, pooled_rows, pooled_cols, BM, BN, G, WHOLE)
+        pool_tile(pooled_ptr, p, head, block, start, factor, pooled_rows, pooled_cols, BM, BN, G, WHOLE, SPLIT)
         if VALUE:
             nv = tl.load(norms_ptr + head * n_kv + cols, mask=col_ok, other=0.0)
             pool_tile(pooled_value_ptr, p * nv[None, :], head, block, start, factor, pooled_rows, pooled_cols,
-                      BM, BN, G, WHOLE)
+                      BM, BN, G, WHOLE, SPLIT)
         if SCORES:  # the maxima in base 2, back to natural units (ln 2 > 0 keeps the order)
             if MASKED:
                 s2 = tl.where(ok, s2, float("-inf"))
             pool_tile(pooled_scores_ptr, s2 * LN2, head, block, start, factor, pooled_rows, pooled_cols,
-                      BM, BN, G, WHOLE)
+                      BM, BN, G, WHOLE, SPLIT)
     return rowsum, plogp, diag, key0, delim_acc
 
 

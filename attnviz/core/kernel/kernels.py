@@ -109,9 +109,10 @@ def launch(device: torch.device, fp32: bool) -> tuple[int, int, int, int | None,
 def row_groups(capability: int, fp32: bool, bm: int, warps: int) -> int:
     """How many groups of a tile's rows add their column sums to memory apart (the kernel's ``SPLIT``). On Hopper in
     half precision a warp of the warpgroup holds 16 of every 64 rows of the tensor cores' result, so one group a
-    warp sums within the warp and exchanges nothing between warps: 3 barriers a tile instead of 12, 13 % fewer
-    instructions (`python bench/kernel_regs.py`), for ``warps`` times the column sums' atomic adds. Elsewhere the
-    warps share rows and columns differently and one group (the program's column sums) compiles to less."""
+    warp sums (and takes a one-cell tile's maximum) within the warp and exchanges nothing between warps: 2 barriers
+    a full tile instead of 12, 19 % fewer instructions (`python bench/kernel_regs.py`), for ``warps`` times the
+    column sums' atomic adds (docs/gpu.md#column-sums-a-warp-at-a-time-counted-on-a-cpu). Elsewhere the warps
+    share rows and columns differently and one group (the program's sums) compiles to less."""
     return warps if capability // 10 == 9 and not fp32 and bm % (16 * warps) == 0 else 1
 
 
