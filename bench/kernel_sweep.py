@@ -80,7 +80,7 @@ def main() -> None:
     best = None
     for tile, warps, stages, groups in itertools.product(args.tiles, args.warps, args.stages, args.groups):
         bm, bn = (int(x) for x in tile.split("x"))
-        if bm % (16 * groups) or kernels.BLOCK_M % (16 * groups):
+        if bm % (16 * groups):
             continue
         os.environ["ATTNVIZ_KERNEL_WARPS"] = str(warps)
         os.environ["ATTNVIZ_KERNEL_STAGES"] = str(stages)

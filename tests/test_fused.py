@@ -339,25 +339,29 @@ def test_a_statistic_the_kernel_does_not_compute_takes_the_block_engine_never_a_
     assert calls  # without it, the fused route again
 
 
+@pytest.mark.parametrize("f, groups", [(32, 1), (64, 1), (64, 2)], ids=["f32", "f64", "f64-2groups"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "packed"])
 @pytest.mark.parametrize("one_pass", [True, False], ids=["lse", "two-pass"])
-def test_full_tiles_and_one_cell_tiles_equal_the_definitions(causal, one_pass, monkeypatch):
+def test_full_tiles_and_one_cell_tiles_equal_the_definitions(causal, one_pass, f, groups, monkeypatch):
     """Tiles of 32 x 32 over 75 causal keys in float16 (a float32 kernel masks every tile): rows 32-63 have a
     full tile below the diagonal (key 0's), rows 64-74 are a partial block that masks every tile; a pooling
-    factor of 32 puts each tile in one cell (one maximum a tile). Every sum and map equals the definitions,
-    through either kind of tile."""
+    factor of 32 puts each tile in one cell (one maximum a tile), a factor of 64 two tiles a cell side (the cell
+    found without an integer division), and two row groups send two maxima a tile. Every sum and every map (the
+    probabilities', A·‖W_O v‖'s, the scores') equals the definitions, through either kind of tile."""
     q, k, allow, scores, probs = _reference("fwd", seed=3, dtype=torch.float16)
     delim = torch.from_numpy((np.arange(N) % 6 == 2).astype(np.float32))
     norms = torch.rand(H, N) + 0.5
-    f, cells = 32, -(-N // 32)
+    cells = -(-N // f)
     lse = torch.logsumexp(scores.masked_fill(~allow, float("-inf")), -1) if one_pass else None
+    monkeypatch.setenv("ATTNVIZ_KERNEL_GROUPS", str(groups))
     launched = []
     constants = kernels._constants
     monkeypatch.setattr(kernels, "_constants", lambda *a: launched.append(constants(*a)) or launched[-1])
     raw = kernels.layer_statistics(q, k, None if causal else allow, allowsets._block_ranges(allow[None, None], 32),
                                    D ** -0.5, delim, f, (cells, cells), norms, scores=True, block=(32, 32),
                                    causal=causal, lse=lse)
-    assert [(c["WHOLE"], c["PRECISION"]) for c in launched] == [(True, "tf32")]  # tf32: full tiles on
+    # tf32: full tiles on
+    assert [(c["WHOLE"], c["PRECISION"], c["SPLIT"]) for c in launched] == [(True, "tf32", groups)]
     _assert_definitions(raw, probs, scores, allow, delim, norms, cells, f)
 
 
@@ -413,12 +417,26 @@ def test_the_row_groups_follow_the_gpu_and_a_wrong_setting_is_refused(monkeypatc
     """One group a warp on Hopper in half precision, where a warp holds 16 of every 64 rows; one group elsewhere
     (an A100's 8 warps, float32 models, the CPU's interpreter). ATTNVIZ_KERNEL_GROUPS overrides it; a setting that
     splits a 16-row slab is refused with the reason."""
+    monkeypatch.delenv("ATTNVIZ_KERNEL_GROUPS", raising=False)
+    monkeypatch.delenv("ATTNVIZ_KERNEL_TILE", raising=False)
     assert kernels.row_groups(90, False, 64, 4) == 4 and kernels.row_groups(90, False, 128, 4) == 4
     assert kernels.row_groups(80, False, 64, 8) == 1 and kernels.row_groups(90, True, 64, 8) == 1
     assert kernels.row_groups(0, False, 64, 8) == 1
     assert kernels.launch(torch.device("cpu"), False)[4] == 1
     monkeypatch.setenv("ATTNVIZ_KERNEL_GROUPS", "2")
     assert kernels.launch(torch.device("cpu"), False)[4] == 2
+    assert kernels.launch(torch.device("cpu"), False, (32, 64))[:2] == (32, 64)
     monkeypatch.setenv("ATTNVIZ_KERNEL_GROUPS", "8")
     with pytest.raises(ValueError, match="16-row slab"):
         kernels.launch(torch.device("cpu"), False)
+    assert kernels.launch(torch.device("cpu"), False, (128, 64))[4] == 8  # the caller's tile holds 8 slabs
+
+
+def test_more_keys_than_one_cell_pooling_counts_exactly_are_refused():
+    """A tile pooled to one cell finds its cell in float32, exact below 2^20 tiles: a layer of 2^26 keys (meta
+    tensors: nothing is allocated) is refused with the reason, before any launch."""
+    n = 2**26
+    q, k = (torch.empty(1, n, 64, dtype=torch.float16, device="meta") for _ in range(2))
+    with pytest.raises(ValueError, match="one-cell pooling counts exactly"):
+        kernels.layer_statistics(q, k, None, torch.empty(n // 64, 2, dtype=torch.int32, device="meta"), 0.125,
+                                 torch.empty(n, device="meta"), 64, (n // 64, n // 64), causal=True, block=(64, 64))

@@ -70,7 +70,8 @@ def pool_tile(ptr, tile, head, block, start, factor, pooled_rows, pooled_cols,
     if WHOLE:
         cell_r = (block * BM) // factor
         # start // factor without an integer division a tile: the tile's index over the tiles a cell, in float32,
-        # exact below 2^22 tiles (a quotient (t + 0.5) / T lies 0.5 / T from an integer; float32 errs by 2^-23 of it)
+        # exact below 2^20 tiles (a quotient (t + 0.5) / T lies 0.5 / T from an integer; float32's reciprocal, 2 ulp at
+        # worst, and product err by less than 2^-21 of it); kernels.layer_statistics refuses more
         cell_c = tl.cast((start // BN + 0.5) * (1.0 / (factor // BN)), tl.int32)
         if SPLIT > 1:  # each group's maximum from its first thread of 32 (a warp's, in a blocked layout of 32 x SPLIT)
             slabs = tl.max(tl.max(tl.reshape(tile, (BM // (16 * SPLIT), SPLIT, 16, BN)), axis=3), axis=2)

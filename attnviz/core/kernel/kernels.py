@@ -43,7 +43,6 @@ from pathlib import Path
 
 import torch
 
-from attnviz.core.model import devices
 
 BLOCK_M = 64  # query rows per program
 BLOCK_N = 64  # keys per tile
@@ -85,18 +84,21 @@ def _capability(device: torch.device) -> int | None:
 TUNED: dict[int, tuple[int, int, int]] = {90: (64, 64, 3)}
 
 
-def launch(device: torch.device, fp32: bool) -> tuple[int, int, int, int | None, int]:
+def launch(device: torch.device, fp32: bool,
+           tile: tuple[int, int] | None = None) -> tuple[int, int, int, int | None, int]:
     """(BM, BN, warps, stages, row groups) of the statistics kernel on ``device``: :data:`TUNED` where the card is
-    listed, else the defaults, and :func:`row_groups`; ``ATTNVIZ_KERNEL_TILE=BMxBN``, ``ATTNVIZ_KERNEL_WARPS``,
-    ``ATTNVIZ_KERNEL_STAGES`` and ``ATTNVIZ_KERNEL_GROUPS`` override each (how bench/kernel_sweep.py times the
-    choices)."""
+    listed, else the defaults, and :func:`row_groups` for the tile; ``ATTNVIZ_KERNEL_TILE=BMxBN``,
+    ``ATTNVIZ_KERNEL_WARPS``, ``ATTNVIZ_KERNEL_STAGES`` and ``ATTNVIZ_KERNEL_GROUPS`` override each (how
+    bench/kernel_sweep.py times the choices), and a caller's ``tile`` (BM, BN) overrides the tile."""
     bm, bn, stages = BLOCK_M, BLOCK_N, None
     capability = _capability(device)
     if capability in TUNED and not fp32:
         bm, bn, stages = TUNED[capability]
-    tile = os.environ.get("ATTNVIZ_KERNEL_TILE", "")
-    if tile:
-        bm, bn = (int(x) for x in tile.lower().split("x"))
+    setting = os.environ.get("ATTNVIZ_KERNEL_TILE", "")
+    if setting:
+        bm, bn = (int(x) for x in setting.lower().split("x"))
+    if tile is not None:
+        bm, bn = tile
     if os.environ.get("ATTNVIZ_KERNEL_STAGES", ""):
         stages = int(os.environ["ATTNVIZ_KERNEL_STAGES"])
     warps = num_warps(device, fp32)
@@ -110,9 +112,10 @@ def row_groups(capability: int, fp32: bool, bm: int, warps: int) -> int:
     """How many groups of a tile's rows add their column sums to memory apart (the kernel's ``SPLIT``). On Hopper in
     half precision a warp of the warpgroup holds 16 of every 64 rows of the tensor cores' result, so one group a
     warp sums (and takes a one-cell tile's maximum) within the warp and exchanges nothing between warps: 2 barriers
-    a full tile instead of 12, 19 % fewer instructions (`python bench/kernel_regs.py`), for ``warps`` times the
-    column sums' atomic adds (docs/gpu.md#column-sums-a-warp-at-a-time-counted-on-a-cpu). Elsewhere the warps
-    share rows and columns differently and one group (the program's sums) compiles to less."""
+    a full tile instead of 12, 19 % fewer instructions with a 512-cell map, 14 % without
+    (`python bench/kernel_regs.py`), for ``warps`` times the column sums' atomic adds
+    (docs/gpu.md#column-sums-a-warp-at-a-time-counted-on-a-cpu). Elsewhere the warps share rows and columns
+    differently and one group (the program's sums) compiles to less."""
     return warps if capability // 10 == 9 and not fp32 and bm % (16 * warps) == 0 else 1
 
 
@@ -217,7 +220,8 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     with ``causal``: the plain causal mask with queries at the last n_q positions, computed inside the
     kernel from the indices instead of read from n_q x n_kv bytes; square only), ``ranges`` the
     (blocks, 2) key range of every block of ``block[0]`` query rows (the engine's ``_block_ranges``; ``block``
-    (BM, BN), or the whole (BM, BN, warps, stages) of :func:`launch`; None: :func:`launch`'s for the device),
+    (BM, BN), or the whole (BM, BN, warps, stages, row groups) of :func:`launch`; None: :func:`launch`'s for the
+    device),
     ``delim`` (n_kv,) delimiter flags, ``norms`` (H, n_kv) value norms for pooled A·‖W_O v‖, ``lse`` (H, n_q)
     every row's log-sum-exp of its scaled allowed scores (natural log, float32) when the forward's attention
     computed it (:func:`attnviz.core.kernel.lse.attention_with_lse`): the kernel then passes over QKᵀ once instead of twice.
@@ -231,10 +235,7 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     if block is not None and len(block) == 5:  # the caller's launch() already: the environment read once a layer
         bm, bn, warps, stages, groups = block
     else:
-        bm, bn, warps, stages, groups = launch(device, query.dtype == torch.float32)
-        if block is not None:
-            bm, bn = block
-            groups = groups if bm % (16 * groups) == 0 else 1
+        bm, bn, warps, stages, groups = launch(device, query.dtype == torch.float32, block)
     f32 = {"dtype": torch.float32, "device": device}
     # read by their strides in int32: copied where the last dimension is strided or an offset would pass 2^31
     query, key = (x if x.stride(-1) == 1 and _span(x) < 2**31 else x.contiguous() for x in (query, key))
@@ -249,6 +250,8 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     grids = flat[heads * (5 * n_q + n_kv):].view(maps, heads, rows, cols) if pool else None
     g = granularity(pool_factor) if pool else 1
     whole = pool and pool_factor % bm == 0 and pool_factor % bn == 0  # a tile lies in one pooled cell
+    if whole and n_kv // bn >= 2**20:  # the kernel finds a tile's cell in float32, exact below 2^20 tiles
+        raise ValueError(f"{n_kv} keys are more than the kernel's one-cell pooling counts exactly in {bn}-key tiles")
     if bn % 32:
         raise ValueError(f"key tiles of {bn} do not hold whole 32-key words of the packed allow-set")
     if pool and (bm % g or bn % g):
