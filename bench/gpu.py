@@ -20,8 +20,8 @@ eager_s=<s|oom>``; the region case prints ``gpu region shape=... n=... side=96 r
 streaming case ``gpu stream shape=... policy=... per_token_ms=<ms> generate_ms=<ms> ratio=<x>``
 (``region_s`` resumes from a long capture's kept layer inputs, as the app does; ``from_start_s`` runs
 the forward from the embeddings).
-With ``--launch 64x64:4:3 128x64:8:2:1`` a statistics case also prints ``gpu launch ... launch=<TILE:WARPS:STAGES[:GROUPS]>
-stats_s=<s> stats_vs_sdpa=<x>`` for the fused kernel at each launch choice (``attnviz.core.kernel.kernels.launch``
+With ``--launch 64x64:4:3 128x64:8:2:1`` a statistics case also prints ``gpu launch ...
+launch=<TILE:WARPS:STAGES[:GROUPS]> stats_s=<s> stats_vs_sdpa=<x>`` for the fused kernel at each launch choice (``attnviz.core.kernel.kernels.launch``
 takes the card's measured one from ``TUNED``; bench/kernel_sweep.py measures them on one layer).
 Times are medians of ``--repeat`` runs after one warm-up. Goals: llama8b:32768 stats
 <= 2x SDPA and <= 4 GB above the model; llama8b:4096 faster than eager with <= 5 % of its memory;

@@ -9,8 +9,8 @@ kernel, as a capture takes it; a 512-cell pooled map of the probabilities), the 
 sums; 4, a warp's each). Each line: ``sweep tile=<BMxBN> warps=<w> stages=<s> groups=<g>
 kernel_ms=<ms> flash_ms=<ms> ratio=<kernel / flash> max_diff=<largest difference from the default launch's sums>``
 (``failed`` where the compiler refuses a choice: out of shared memory or registers). Ends with ``best tile=...
-warps=... stages=... groups=...``, the fastest choice whose sums equal the default's (1e-4 of a row's, every statistic). Needs
-a CUDA GPU; the baseline and every choice are timed in the same process.
+warps=... stages=... groups=...``, the fastest choice whose sums equal the default's (1e-4 of a row's, every
+statistic). Needs a CUDA GPU; the baseline and every choice are timed in the same process.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--warps", nargs="*", type=int, default=[4, 8])
     parser.add_argument("--stages", nargs="*", type=int, default=[1, 2, 3, 4])
     parser.add_argument("--groups", nargs="*", type=int, default=[1, 4],
-                        help="row groups that add their column sums apart (kernels.row_groups; 4: one a warp at 4 warps)")
+                        help="row groups that add their column sums apart (kernels.row_groups; 4: a warp each)")
     args = parser.parse_args()
 
     from attnviz.core.kernel import kernels, lse as attention
@@ -96,8 +96,8 @@ def main() -> None:
             reference = got
         diff = max(float(((got[key] - reference[key]).abs() / reference[key].abs().clamp(min=1.0)).max())
                    for key in ("rowsum", "plogp", "diag", "key0", "colsum", "pooled"))
-        print(f"sweep tile={tile} warps={warps} stages={stages} groups={groups} kernel_ms={ms:.2f} flash_ms={flash_ms:.2f} "
-              f"ratio={ms / flash_ms:.2f} max_diff={diff:.1e}", flush=True)
+        print(f"sweep tile={tile} warps={warps} stages={stages} groups={groups} kernel_ms={ms:.2f} "
+              f"flash_ms={flash_ms:.2f} ratio={ms / flash_ms:.2f} max_diff={diff:.1e}", flush=True)
         if diff <= 1e-4 and (best is None or ms < best[0]):
             best = (ms, tile, warps, stages, groups)
     if best is not None:

@@ -42,7 +42,8 @@ def tile_loops(sass: str) -> list[dict]:
 def resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, pool: bool = True,
               value: bool = False, scores: bool = False, causal: bool = True, granularity: int = 16,
               num_warps: int | None = None, lse: bool = True, whole: bool = True, aligned: bool = True,
-              tile: tuple[int, int] | None = None, num_stages: int | None = None, split: int | None = None) -> dict:
+              tile: tuple[int, int] | None = None, num_stages: int | None = None,
+              split: int | None = None) -> dict:
     """One variant of :func:`attnviz.core.kernel.kernels.compiled_resources`, in this process; ``num_warps`` None:
     what :func:`attnviz.core.kernel.kernels.num_warps` launches on a GPU of that capability. ``aligned`` False: the variant
     a text whose length is not a multiple of 16 launches (only the pointers and the head dimension's strides are).
@@ -111,7 +112,7 @@ def _read(compiled, capability: int, num_warps: int) -> dict:
                               check=True).stdout
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
     stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
+    loops = tile_loops(sass)
     return {"num_warps": num_warps, "registers": registers, "spill_stores": stores, "spill_loads": loads,
-            "shared": compiled.metadata.shared,
-            "tile_instructions": [loop["instructions"] for loop in tile_loops(sass)],
-            "tile_barriers": [loop["ops"].get("BAR", 0) for loop in tile_loops(sass)]}
+            "shared": compiled.metadata.shared, "tile_instructions": [loop["instructions"] for loop in loops],
+            "tile_barriers": [loop["ops"].get("BAR", 0) for loop in loops]}

@@ -61,6 +61,13 @@ def lse_tile(q, k_ptr, allow_ptr, rows, row_ok, dims, start, n_kv, dim, scale2, 
 
 
 @triton.jit
+def slabs(tile, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
+    """A tile's rows as (repeats, SPLIT groups, 16 rows, BN): row r in slab (r // 16) % SPLIT of repeat
+    r // (16 · SPLIT), the layout in which a Hopper warp holds one group (attnviz.core.kernel.kernels.row_groups)."""
+    return tl.reshape(tile, (BM // (16 * SPLIT), SPLIT, 16, BN))
+
+
+@triton.jit
 def pool_tile(ptr, tile, head, block, start, factor, pooled_rows, pooled_cols,
               BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, WHOLE: tl.constexpr, SPLIT: tl.constexpr):
     """Max-pool one tile into its cells by atomic max: with ``WHOLE`` (the pooling factor a multiple of both
@@ -74,8 +81,8 @@ def pool_tile(ptr, tile, head, block, start, factor, pooled_rows, pooled_cols,
         # worst, and product err by less than 2^-21 of it); kernels.layer_statistics refuses more
         cell_c = tl.cast((start // BN + 0.5) * (1.0 / (factor // BN)), tl.int32)
         if SPLIT > 1:  # each group's maximum from its first thread of 32 (a warp's, in a blocked layout of 32 x SPLIT)
-            slabs = tl.max(tl.max(tl.reshape(tile, (BM // (16 * SPLIT), SPLIT, 16, BN)), axis=3), axis=2)
-            lanes = tl.reshape(tl.broadcast_to(tl.max(slabs, axis=0)[:, None], (SPLIT, 32)), (SPLIT * 32,))
+            groups = tl.max(tl.max(tl.max(slabs(tile, BM, BN, SPLIT), axis=3), axis=2), axis=0)
+            lanes = tl.reshape(tl.broadcast_to(groups[:, None], (SPLIT, 32)), (SPLIT * 32,))
             lane = tl.arange(0, SPLIT * 32)
             tl.atomic_max(ptr + base + cell_r * pooled_cols + cell_c + lane * 0, lanes,
                           mask=(lane % 32 == 0) & (lane * 0 + cell_r < pooled_rows) & (lane * 0 + cell_c < pooled_cols),
@@ -123,7 +130,7 @@ def sums_tile(q, k_ptr, allow_ptr, delim_ptr, norms_ptr, colsum_ptr, pooled_ptr,
         d = tl.load(delim_ptr + cols)
     delim_acc += tl.sum(p * d[None, :], axis=1)
     if SPLIT > 1:  # a column sum a group of 16-row slabs (a warp's, on Hopper): no exchange between warps
-        part = tl.sum(tl.sum(tl.reshape(p, (BM // (16 * SPLIT), SPLIT, 16, BN)), axis=2), axis=0)
+        part = tl.sum(tl.sum(slabs(p, BM, BN, SPLIT), axis=2), axis=0)
         tl.atomic_add(tl.broadcast_to((colsum_ptr + head * n_kv + cols)[None, :], (SPLIT, BN)), part,
                       mask=tl.broadcast_to(col_ok[None, :], (SPLIT, BN)), sem="relaxed")
     else:

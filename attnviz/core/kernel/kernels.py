@@ -7,8 +7,8 @@ entropy, column sums, pooling, the cast for P·V). At 32k tokens on a Llama-3-8B
 of traffic, ten times the SDPA forward. The alternative the issue names, SDPA for the output plus a
 torch pass over the log-sum-exp, saves only the max/sum/divide passes. A kernel keeps each 64 × 64
 tile of scores in registers and accumulates every statistic from it, given each row's log-sum-exp.
-That log-sum-exp comes from the layer's own attention kernel (:func:`attnviz.core.kernel.lse.attention_with_lse`: flash or
-memory-efficient attention compute it anyway, for their backward), which also gives the layer's output,
+That log-sum-exp comes from the layer's own attention kernel (:func:`attnviz.core.kernel.lse.attention_with_lse`:
+flash or memory-efficient attention compute it anyway, for their backward), which also gives the layer's output,
 so the statistics cost one more QKᵀ product, compute-bound like the forward itself. Where no such kernel
 runs, the statistics kernel finds the log-sum-exp itself in a first pass (as flash attention does) and
 SDPA gives the output: two QKᵀ products.
@@ -221,10 +221,10 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     kernel from the indices instead of read from n_q x n_kv bytes; square only), ``ranges`` the
     (blocks, 2) key range of every block of ``block[0]`` query rows (the engine's ``_block_ranges``; ``block``
     (BM, BN), or the whole (BM, BN, warps, stages, row groups) of :func:`launch`; None: :func:`launch`'s for the
-    device),
-    ``delim`` (n_kv,) delimiter flags, ``norms`` (H, n_kv) value norms for pooled A·‖W_O v‖, ``lse`` (H, n_q)
-    every row's log-sum-exp of its scaled allowed scores (natural log, float32) when the forward's attention
-    computed it (:func:`attnviz.core.kernel.lse.attention_with_lse`): the kernel then passes over QKᵀ once instead of twice.
+    device), ``delim`` (n_kv,) delimiter flags, ``norms`` (H, n_kv) value norms for pooled A·‖W_O v‖, ``lse``
+    (H, n_q) every row's log-sum-exp of its scaled allowed scores (natural log, float32) when the forward's
+    attention computed it (:func:`attnviz.core.kernel.lse.attention_with_lse`): the kernel then passes over QKᵀ
+    once instead of twice.
     Returns fp32 ``rowsum``, ``plogp`` (Σ p·log p), ``diag``, ``key0``, ``delim`` (H, n_q),
     ``colsum`` (H, n_kv) and, with a pool, ``pooled`` (and ``pooled_value`` / ``pooled_scores``)
     (H, rows, cols), NaN-free: cells no query may see hold 0 (-inf for scores).
