@@ -21,7 +21,8 @@ streaming case ``gpu stream shape=... policy=... per_token_ms=<ms> generate_ms=<
 (``region_s`` resumes from a long capture's kept layer inputs, as the app does; ``from_start_s`` runs
 the forward from the embeddings).
 With ``--launch 64x64:4:3 128x64:8:2:1`` a statistics case also prints ``gpu launch ...
-launch=<TILE:WARPS:STAGES[:GROUPS]> stats_s=<s> stats_vs_sdpa=<x>`` for the fused kernel at each launch choice (``attnviz.core.kernel.kernels.launch``
+launch=<TILE:WARPS:STAGES[:GROUPS[:REGISTERS]]> stats_s=<s> stats_vs_sdpa=<x>`` for the fused kernel at each launch
+choice (``attnviz.core.kernel.kernels.launch``
 takes the card's measured one from ``TUNED``; bench/kernel_sweep.py measures them on one layer).
 Times are medians of ``--repeat`` runs after one warm-up. Goals: llama8b:32768 stats
 <= 2x SDPA and <= 4 GB above the model; llama8b:4096 faster than eager with <= 5 % of its memory;
@@ -137,7 +138,8 @@ def stats_case(loaded: LoadedModel, shape: str, n: int, device: str, repeat: int
     text, ids = text_of(loaded, n)
     ids = ids.to(device)
     sdpa_s, _ = timed(lambda: stock(loaded, "sdpa", ids), device, repeat)
-    names = ("ATTNVIZ_KERNEL_TILE", "ATTNVIZ_KERNEL_WARPS", "ATTNVIZ_KERNEL_STAGES", "ATTNVIZ_KERNEL_GROUPS")
+    names = ("ATTNVIZ_KERNEL_TILE", "ATTNVIZ_KERNEL_WARPS", "ATTNVIZ_KERNEL_STAGES", "ATTNVIZ_KERNEL_GROUPS",
+             "ATTNVIZ_KERNEL_REGISTERS")
     for choice in launches or []:  # the kernel at each launch choice, against the same SDPA baseline
         before = {name: os.environ.get(name) for name in names}
         os.environ.update(zip(names, choice.split(":")))
@@ -210,8 +212,8 @@ def main() -> None:
     parser.add_argument("--skip-eager", action="store_true", help="no eager output_attentions baseline")
     parser.add_argument("--profile", action="store_true", help="also print a profile of each statistics case")
     parser.add_argument("--launch", nargs="*", help="also time the statistics kernel at these launch choices, each "
-                                                    "TILE:WARPS:STAGES[:GROUPS] (64x64:4:3:4; ATTNVIZ_KERNEL_TILE, "
-                                                    "_WARPS, _STAGES, _GROUPS)")
+                                                    "TILE:WARPS:STAGES[:GROUPS[:REGISTERS]] (64x64:4:2:4:128; "
+                                                    "ATTNVIZ_KERNEL_TILE, _WARPS, _STAGES, _GROUPS, _REGISTERS)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     print(f"# device={args.device} ({torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}) "

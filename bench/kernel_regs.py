@@ -14,6 +14,13 @@ make a warp wait for the program's other warps, ``warp_instructions`` the instru
 SM issues for one tile of a program). Each variant at the row groups it launches with
 (``attnviz.core.kernel.kernels.row_groups``: a warp's each on sm_90 in half precision).
 
+Each line also gives ``programs_per_sm``: how many programs an SM holds at once by CUDA's occupancy rules
+(``attnviz.core.kernel.kernels.programs_per_sm``: the registers, the shared memory, the warps). Then one line a register
+cap that could let Hopper hold one program more: ``cap sm=90 outputs=<...> stages=<s> registers_cap=<r>
+registers=<r> spill_stores=<B> programs_per_sm=<uncapped>-><capped> tile_instructions=<full>,<masked>
+vs_uncapped=<x>`` (the long capture's launch, ``ATTNVIZ_KERNEL_REGISTERS``; whether it pays is timed on a GPU by
+bench/kernel_sweep.py --registers).
+
 The baselines are the kernel's own alternatives in the same run: the masked tile against the full one
 (every tile cost the masked tile's work before full tiles were split off), 4 warps against 8
 (``attnviz.core.kernel.kernels.num_warps`` picks 4 on sm_90 in half precision, 8 elsewhere), and at the
@@ -57,6 +64,18 @@ def main() -> None:
               f"warps={row['num_warps']} " + " ".join(f"{k}={v}" for k, v in got.items())
               + f" tile_instructions={','.join(map(str, loops))} tile_barriers={','.join(map(str, barriers))}"
               f" warp_instructions={','.join(str(n * row['num_warps']) for n in loops)}{ratio}", flush=True)
+    # register caps on the long capture's launch (sm_90: 64 x 64, 4 warps, a warp's row groups), at 2 stages, whose
+    # shared memory leaves room for 4 programs where 3 stages leave room for 3
+    caps = [("pooled", 2, 128), ("pooled+value+scores", 2, 168), ("pooled+value+scores", 3, 168)]
+    base = dict(capability=90, dtype="bf16", head_dim=128, causal=True, tile=(64, 64))
+    variants = [dict(base, num_stages=stages, **OUTPUTS[outputs], **extra)
+                for outputs, stages, cap in caps for extra in ({}, {"maxnreg": cap})]
+    results = kernels.compiled_resources(*variants)
+    for (outputs, stages, cap), free, capped in zip(caps, results[::2], results[1::2]):
+        print(f"cap sm=90 outputs={outputs} stages={stages} registers_cap={cap} registers={capped['registers']} "
+              f"spill_stores={capped['spill_stores']} programs_per_sm={free['programs_per_sm']}->"
+              f"{capped['programs_per_sm']} tile_instructions={','.join(map(str, capped['tile_instructions'][-2:]))} "
+              f"vs_uncapped={capped['tile_instructions'][-2] / free['tile_instructions'][-2]:.3f}", flush=True)
 
 
 

@@ -5,11 +5,12 @@ same layer, same run: the figures :data:`attnviz.core.kernel.kernels.TUNED` keep
 
 One layer shaped like Llama-3-8B's (random bfloat16 Q, K, V; causal; every row's log-sum-exp from the flash
 kernel, as a capture takes it; a 512-cell pooled map of the probabilities), the kernel launched at each tile
-(BM x BN), warp count, number of pipeline stages and row groups (``kernels.row_groups``: 1, the program's column
-sums; 4, a warp's each). Each line: ``sweep tile=<BMxBN> warps=<w> stages=<s> groups=<g>
-kernel_ms=<ms> flash_ms=<ms> ratio=<kernel / flash> max_diff=<largest difference from the default launch's sums>``
+(BM x BN), warp count, number of pipeline stages, row groups (``kernels.row_groups``: 1, the program's column
+sums; 4, a warp's each) and register cap (``--registers``: 0, the compiler's choice; 128 lets an H100 or H200 hold
+four programs an SM at 2 stages where it holds three: ``kernels.programs_per_sm``). Each line: ``sweep
+tile=<BMxBN> warps=<w> stages=<s> groups=<g> registers=<r> kernel_ms=<ms> flash_ms=<ms> ratio=<kernel / flash> max_diff=<largest difference from the default launch's sums>``
 (``failed`` where the compiler refuses a choice: out of shared memory or registers). Ends with ``best tile=...
-warps=... stages=... groups=...``, the fastest choice whose sums equal the default's (1e-4 of a row's, every
+warps=... stages=... groups=... registers=...``, the fastest choice whose sums equal the default's (1e-4 of a row's, every
 statistic). Needs a CUDA GPU; the baseline and every choice are timed in the same process.
 """
 
@@ -34,6 +35,8 @@ def main() -> None:
     parser.add_argument("--stages", nargs="*", type=int, default=[1, 2, 3, 4])
     parser.add_argument("--groups", nargs="*", type=int, default=[1, 4],
                         help="row groups that add their column sums apart (kernels.row_groups; 4: a warp each)")
+    parser.add_argument("--registers", nargs="*", type=int, default=[0],
+                        help="caps on a thread's registers (0: none; kernels.launch's registers)")
     args = parser.parse_args()
 
     from attnviz.core.kernel import kernels, lse as attention
@@ -78,30 +81,33 @@ def main() -> None:
 
     reference = None
     best = None
-    for tile, warps, stages, groups in itertools.product(args.tiles, args.warps, args.stages, args.groups):
+    for tile, warps, stages, groups, cap in itertools.product(args.tiles, args.warps, args.stages, args.groups,
+                                                              args.registers):
         bm, bn = (int(x) for x in tile.split("x"))
         if bm % (16 * groups):
             continue
         os.environ["ATTNVIZ_KERNEL_WARPS"] = str(warps)
         os.environ["ATTNVIZ_KERNEL_STAGES"] = str(stages)
         os.environ["ATTNVIZ_KERNEL_GROUPS"] = str(groups)
+        os.environ["ATTNVIZ_KERNEL_REGISTERS"] = str(cap)
         try:
             got = run(bm, bn)
             ms = timed(lambda: run(bm, bn))
         except Exception as err:  # noqa: BLE001 - a choice the compiler refuses is a line, not the end of the sweep
-            print(f"sweep tile={tile} warps={warps} stages={stages} groups={groups} failed {type(err).__name__}: "
+            print(f"sweep tile={tile} warps={warps} stages={stages} groups={groups} registers={cap} failed {type(err).__name__}: "
                   f"{str(err).splitlines()[0][:120] if str(err) else ''}", flush=True)
             continue
         if reference is None:
             reference = got
         diff = max(float(((got[key] - reference[key]).abs() / reference[key].abs().clamp(min=1.0)).max())
                    for key in ("rowsum", "plogp", "diag", "key0", "colsum", "pooled"))
-        print(f"sweep tile={tile} warps={warps} stages={stages} groups={groups} kernel_ms={ms:.2f} "
+        print(f"sweep tile={tile} warps={warps} stages={stages} groups={groups} registers={cap} kernel_ms={ms:.2f} "
               f"flash_ms={flash_ms:.2f} ratio={ms / flash_ms:.2f} max_diff={diff:.1e}", flush=True)
         if diff <= 1e-4 and (best is None or ms < best[0]):
-            best = (ms, tile, warps, stages, groups)
+            best = (ms, tile, warps, stages, groups, cap)
     if best is not None:
-        print(f"best tile={best[1]} warps={best[2]} stages={best[3]} groups={best[4]} kernel_ms={best[0]:.2f} "
+        print(f"best tile={best[1]} warps={best[2]} stages={best[3]} groups={best[4]} registers={best[5]} "
+              f"kernel_ms={best[0]:.2f} "
               f"ratio={best[0] / flash_ms:.2f}", flush=True)
 
 

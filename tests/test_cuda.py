@@ -196,6 +196,20 @@ def test_the_fused_kernel_at_either_warp_count_gives_the_definitions_on_cuda(cau
         torch.testing.assert_close(got[name], value, atol=1e-3, rtol=2e-3, msg=name)
 
 
+@pytest.mark.parametrize("registers", ["128", "168"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "packed"])
+def test_the_fused_kernel_with_its_registers_capped_gives_the_definitions_on_cuda(causal, registers, monkeypatch):
+    """The kernel with a thread's registers capped (ATTNVIZ_KERNEL_REGISTERS: an SM then holds a program more,
+    kernels.programs_per_sm) at 2 stages, bf16, against the sums of the full probabilities."""
+    from tiny import long_kernel_case
+
+    monkeypatch.setenv("ATTNVIZ_KERNEL_REGISTERS", registers)
+    monkeypatch.setenv("ATTNVIZ_KERNEL_STAGES", "2")
+    got, expected = long_kernel_case("cuda", torch.bfloat16, causal, True, (64, 64))
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, atol=1e-3, rtol=2e-3, msg=name)
+
+
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
 def test_the_attention_kernel_s_log_sum_exp_is_every_row_s_on_cuda(heads, monkeypatch):
     """The log-sum-exp the statistics read from the layer's attention kernel (cuDNN's where it agrees with flash

@@ -432,6 +432,37 @@ def test_the_row_groups_follow_the_gpu_and_a_wrong_setting_is_refused(monkeypatc
     assert kernels.launch(torch.device("cpu"), False, (128, 64))[4] == 8  # the caller's tile holds 8 slabs
 
 
+def test_a_register_cap_reaches_the_launch_and_a_wrong_one_is_refused(monkeypatch):
+    """ATTNVIZ_KERNEL_REGISTERS caps a thread's registers (so that an SM holds more programs:
+    kernels.programs_per_sm): the cap reaches the kernel's launch as Triton's ``maxnreg``, the sums still equal the
+    definitions, 0 means no cap, and a cap ptxas cannot take is refused with the reason."""
+    from tiny import long_kernel_case
+
+    monkeypatch.setenv("ATTNVIZ_KERNEL_REGISTERS", "128")
+    assert kernels.launch(torch.device("cpu"), False)[5] == 128
+    launched = []
+    kernel = kernels._kernel()
+
+    class Recording:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launched.append(kwargs)
+                return kernel[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(kernels, "_kernel", lambda: Recording())
+    got, expected = long_kernel_case("cpu", torch.float16, True, True, (64, 64))
+    assert [kwargs.get("maxnreg") for kwargs in launched] == [128]
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, atol=2e-5, rtol=2e-5, msg=name)
+    monkeypatch.setenv("ATTNVIZ_KERNEL_REGISTERS", "0")
+    assert kernels.launch(torch.device("cpu"), False)[5] is None
+    for wrong in ("100", "32", "256"):
+        monkeypatch.setenv("ATTNVIZ_KERNEL_REGISTERS", wrong)
+        with pytest.raises(ValueError, match="multiple of 8 from 64 to 255"):
+            kernels.launch(torch.device("cpu"), False)
+
+
 def test_more_keys_than_one_cell_pooling_counts_exactly_are_refused():
     """A tile pooled to one cell finds its cell in float32, exact below 2^20 tiles: a layer of 2^26 keys (meta
     tensors: nothing is allocated) is refused with the reason, before any launch."""

@@ -116,3 +116,31 @@ def test_the_tuned_launch_and_the_routes_kernel_compile_without_spilling():
     for got in kernels.compiled_resources(tuned, dict(routes=True, capability=90), dict(routes=True, capability=80)):
         assert got["spill_stores"] == 0 and got["spill_loads"] == 0, got
         assert got["tile_instructions"], got
+
+
+def test_the_programs_an_sm_holds_follow_cuda_s_occupancy_rules():
+    """Registers go to warps 256 at a time and each program takes 1 KB of shared memory beside its own; the
+    smallest of the register file's, the shared memory's, the warps' and the programs' limits counts."""
+    assert kernels.programs_per_sm(90, 167, 66560, 4) == 3  # 168 x 128 = 21,504 registers; 67,584 bytes
+    assert kernels.programs_per_sm(90, 128, 50176, 4) == 4  # 16,384 registers; 51,200 of 233,472 bytes: 4.56
+    assert kernels.programs_per_sm(90, 64, 0, 4) == 8 and kernels.programs_per_sm(90, 32, 0, 4) == 16  # 64 warps
+    assert kernels.programs_per_sm(90, 255, 50176, 4) == 2  # 256 x 128 registers
+    assert kernels.programs_per_sm(80, 168, 66560, 8) == 1  # 43,008 registers a program
+    assert kernels.programs_per_sm(75, 128, 0, 4) is None
+
+
+def test_a_register_cap_lets_hopper_hold_one_program_more_without_spilling():
+    """At 2 stages the long capture's launch on sm_90 takes 168 registers a thread, so an SM holds 3 programs; capped
+    at 128 (``ATTNVIZ_KERNEL_REGISTERS``, bench/kernel_sweep.py --registers) it holds 4 (its shared memory allows 4),
+    spills nothing and runs at most 8 % more instructions a tile. The heaviest pooled variant (251 registers: 2
+    programs) holds 3 at 168. Whether the extra warps pay is timed on a GPU, not here."""
+    base = dict(capability=90, dtype="bf16", head_dim=128, causal=True, tile=(64, 64), num_stages=2)
+    heavy = dict(base, value=True, scores=True)
+    free, capped, heavy_free, heavy_capped = kernels.compiled_resources(
+        base, dict(base, maxnreg=128), heavy, dict(heavy, maxnreg=168))
+    assert (free["programs_per_sm"], capped["programs_per_sm"]) == (3, 4), (free, capped)
+    assert (heavy_free["programs_per_sm"], heavy_capped["programs_per_sm"]) == (2, 3), (heavy_free, heavy_capped)
+    for got in (capped, heavy_capped):
+        assert got["spill_stores"] == got["spill_loads"] == 0, got
+    assert capped["tile_instructions"][0] <= 1.08 * free["tile_instructions"][0], (free, capped)
+    assert heavy_capped["tile_instructions"][0] <= 1.08 * heavy_free["tile_instructions"][0], (heavy_free, heavy_capped)

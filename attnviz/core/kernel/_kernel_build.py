@@ -43,13 +43,14 @@ def resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, po
               value: bool = False, scores: bool = False, causal: bool = True, granularity: int = 16,
               num_warps: int | None = None, lse: bool = True, whole: bool = True, aligned: bool = True,
               tile: tuple[int, int] | None = None, num_stages: int | None = None,
-              split: int | None = None) -> dict:
+              split: int | None = None, maxnreg: int | None = None) -> dict:
     """One variant of :func:`attnviz.core.kernel.kernels.compiled_resources`, in this process; ``num_warps`` None:
     what :func:`attnviz.core.kernel.kernels.num_warps` launches on a GPU of that capability. ``aligned`` False: the variant
     a text whose length is not a multiple of 16 launches (only the pointers and the head dimension's strides are).
     ``tile`` (BM, BN) and ``num_stages``: a launch choice of :data:`attnviz.core.kernel.kernels.TUNED` (default: the
     kernel's 64 x 64 and Triton's default stages); ``split`` the row groups (None: what
-    :func:`attnviz.core.kernel.kernels.row_groups` launches)."""
+    :func:`attnviz.core.kernel.kernels.row_groups` launches); ``maxnreg`` a cap on a thread's registers (the launch's
+    ``registers``)."""
     if num_warps is None:
         num_warps = kernels.warps_for(capability, dtype == "fp32")
     import triton
@@ -69,7 +70,8 @@ def resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, po
     aligned_ints = ALIGNED if aligned else {"dim", "stride_qh", "stride_qn", "stride_kh", "stride_kn"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
              if name not in constants and (name.endswith("_ptr") or name in aligned_ints)}
-    options = {"num_warps": num_warps, **({} if num_stages is None else {"num_stages": num_stages})}
+    options = {"num_warps": num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+               **({} if maxnreg is None else {"maxnreg": maxnreg})}
     compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", capability, 32),
                               options=options)
     return _read(compiled, capability, num_warps)
@@ -113,6 +115,8 @@ def _read(compiled, capability: int, num_warps: int) -> dict:
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
     stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
     loops = tile_loops(sass)
+    shared = compiled.metadata.shared
     return {"num_warps": num_warps, "registers": registers, "spill_stores": stores, "spill_loads": loads,
-            "shared": compiled.metadata.shared, "tile_instructions": [loop["instructions"] for loop in loops],
+            "shared": shared, "programs_per_sm": kernels.programs_per_sm(capability, registers, shared, num_warps),
+            "tile_instructions": [loop["instructions"] for loop in loops],
             "tile_barriers": [loop["ops"].get("BAR", 0) for loop in loops]}

@@ -85,11 +85,13 @@ TUNED: dict[int, tuple[int, int, int]] = {90: (64, 64, 3)}
 
 
 def launch(device: torch.device, fp32: bool,
-           tile: tuple[int, int] | None = None) -> tuple[int, int, int, int | None, int]:
-    """(BM, BN, warps, stages, row groups) of the statistics kernel on ``device``: :data:`TUNED` where the card is
-    listed, else the defaults, and :func:`row_groups` for the tile; ``ATTNVIZ_KERNEL_TILE=BMxBN``,
-    ``ATTNVIZ_KERNEL_WARPS``, ``ATTNVIZ_KERNEL_STAGES`` and ``ATTNVIZ_KERNEL_GROUPS`` override each (how
-    bench/kernel_sweep.py times the choices), and a caller's ``tile`` (BM, BN) overrides the tile."""
+           tile: tuple[int, int] | None = None) -> tuple[int, int, int, int | None, int, int | None]:
+    """(BM, BN, warps, stages, row groups, registers) of the statistics kernel on ``device``: :data:`TUNED` where
+    the card is listed, else the defaults, and :func:`row_groups` for the tile; ``registers`` a cap on a thread's
+    registers (None: the compiler's choice; a cap lets an SM hold more programs: :func:`programs_per_sm`).
+    ``ATTNVIZ_KERNEL_TILE=BMxBN``, ``ATTNVIZ_KERNEL_WARPS``, ``ATTNVIZ_KERNEL_STAGES``, ``ATTNVIZ_KERNEL_GROUPS``
+    and ``ATTNVIZ_KERNEL_REGISTERS`` (0: no cap) override each (how bench/kernel_sweep.py times the choices), and a
+    caller's ``tile`` (BM, BN) overrides the tile."""
     bm, bn, stages = BLOCK_M, BLOCK_N, None
     capability = _capability(device)
     if capability in TUNED and not fp32:
@@ -105,7 +107,33 @@ def launch(device: torch.device, fp32: bool,
     groups = int(os.environ.get("ATTNVIZ_KERNEL_GROUPS", "") or row_groups(capability or 0, fp32, bm, warps))
     if groups < 1 or bm % (16 * groups):
         raise ValueError(f"ATTNVIZ_KERNEL_GROUPS={groups}: a tile of {bm} rows holds no whole 16-row slab a group")
-    return bm, bn, warps, stages, groups
+    registers = int(os.environ.get("ATTNVIZ_KERNEL_REGISTERS", "") or 0) or None
+    if registers is not None and not (MIN_REGISTERS <= registers <= 255 and registers % 8 == 0):
+        raise ValueError(f"ATTNVIZ_KERNEL_REGISTERS={registers}: a thread's registers are capped at a multiple of 8 "
+                         f"from {MIN_REGISTERS} to 255 (0: no cap)")
+    return bm, bn, warps, stages, groups, registers
+
+
+#: The smallest register cap taken: below it the tile's scores alone (32 fp32 a thread at 64 x 64 and 4 warps) and
+#: the tensor cores' operands leave ptxas nothing to work with, and it spills.
+MIN_REGISTERS = 64
+
+#: What an NVIDIA SM holds, by compute capability: (32-bit registers, shared memory in bytes, warps, programs);
+#: each program also takes 1 KB of shared memory the runtime reserves (CUDA's occupancy rules).
+SM_LIMITS = {80: (65536, 164 * 1024, 64, 32), 90: (65536, 228 * 1024, 64, 32)}
+
+
+def programs_per_sm(capability: int, registers: int, shared: int, warps: int) -> int | None:
+    """How many programs of ``warps`` warps, each thread with ``registers`` registers and the program with ``shared``
+    bytes of shared memory, one SM of ``capability`` runs at once (None: a capability not listed in
+    :data:`SM_LIMITS`). Registers go to warps 256 at a time (a thread's count rounded up to 8). More programs give
+    each scheduler more warps to switch to while one waits for a load, an exp2 or a shuffle."""
+    if capability not in SM_LIMITS:
+        return None
+    file, memory, max_warps, max_programs = SM_LIMITS[capability]
+    by_registers = file // (-(-registers // 8) * 8 * 32 * warps)
+    by_shared = memory // (shared + 1024)
+    return min(by_registers, by_shared, max_warps // warps, max_programs)
 
 
 def row_groups(capability: int, fp32: bool, bm: int, warps: int) -> int:
@@ -220,8 +248,8 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     with ``causal``: the plain causal mask with queries at the last n_q positions, computed inside the
     kernel from the indices instead of read from n_q x n_kv bytes; square only), ``ranges`` the
     (blocks, 2) key range of every block of ``block[0]`` query rows (the engine's ``_block_ranges``; ``block``
-    (BM, BN), or the whole (BM, BN, warps, stages, row groups) of :func:`launch`; None: :func:`launch`'s for the
-    device), ``delim`` (n_kv,) delimiter flags, ``norms`` (H, n_kv) value norms for pooled A·‖W_O v‖, ``lse``
+    (BM, BN), or the whole (BM, BN, warps, stages, row groups, registers) of :func:`launch`; None: :func:`launch`'s
+    for the device), ``delim`` (n_kv,) delimiter flags, ``norms`` (H, n_kv) value norms for pooled A·‖W_O v‖, ``lse``
     (H, n_q) every row's log-sum-exp of its scaled allowed scores (natural log, float32) when the forward's
     attention computed it (:func:`attnviz.core.kernel.lse.attention_with_lse`): the kernel then passes over QKᵀ
     once instead of twice.
@@ -232,10 +260,10 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     heads, n_q, dim = query.shape
     n_kv = key.shape[1]
     device = query.device
-    if block is not None and len(block) == 5:  # the caller's launch() already: the environment read once a layer
-        bm, bn, warps, stages, groups = block
+    if block is not None and len(block) == 6:  # the caller's launch() already: the environment read once a layer
+        bm, bn, warps, stages, groups, registers = block
     else:
-        bm, bn, warps, stages, groups = launch(device, query.dtype == torch.float32, block)
+        bm, bn, warps, stages, groups, registers = launch(device, query.dtype == torch.float32, block)
     f32 = {"dtype": torch.float32, "device": device}
     # read by their strides in int32: copied where the last dimension is strided or an offset would pass 2^31
     query, key = (x if x.stride(-1) == 1 and _span(x) < 2**31 else x.contiguous() for x in (query, key))
@@ -276,7 +304,8 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         **_constants(bm, bn, dim, query.dtype == torch.float32, g, pool, norms is not None, scores, causal,
                      lse is not None, whole, groups),
-        num_warps=warps, **({} if stages is None else {"num_stages": stages}))
+        num_warps=warps, **({} if stages is None else {"num_stages": stages}),
+        **({} if registers is None else {"maxnreg": registers}))
     if pool:
         out["pooled"] = pooled
         if norms is not None:
@@ -308,7 +337,8 @@ def compiled_resources(*variants: dict) -> list[dict]:
     variant: ``registers`` a thread, ``spill_stores`` / ``spill_loads`` bytes a thread, ``shared``
     bytes a program. A variant names ``capability`` (90: H100/H200, 80: A100), ``dtype`` ("bf16",
     "fp16", "fp32"), ``head_dim`` and optionally ``pool``, ``value``, ``scores``, ``causal``,
-    ``granularity``, ``whole``, ``num_warps``, ``lse``, ``tile`` (BM, BN), ``num_stages``, ``split`` (row groups:
+    ``granularity``, ``whole``, ``num_warps``, ``lse``, ``tile`` (BM, BN), ``num_stages``, ``maxnreg`` (a cap on a
+    thread's registers), ``split`` (row groups:
     :func:`row_groups`), or ``routes`` (True: the
     routes kernel of attnviz.flow._triton_routes instead, at its tile) (defaults: what a 512-px statistics capture of a
     causal model launches at 32,768 tokens). Each dict also gives ``tile_instructions``: the SASS
