@@ -60,17 +60,39 @@ WAITS = {"aten.nonzero.default", "aten.nonzero_numpy.default", "aten.is_nonzero.
 
 def dispatch_counter():
     """A torch dispatch mode that counts, while it is entered, every operation dispatched (``.ops``; on CUDA about
-    one launch each, views included) and those of them that make a GPU's host wait (``.waits``, :data:`WAITS`)."""
+    one launch each, views included), those of them that make a GPU's host wait (``.waits``, :data:`WAITS`), and the
+    bytes they write (``.written``: :func:`written_bytes`). On a GPU every written byte is a byte the device's memory
+    takes in, so ``.written`` bounds a pass's traffic from below."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.ops = self.waits = 0
+            self.ops = self.waits = self.written = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.ops += 1
             self.waits += str(func) in WAITS
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            self.written += written_bytes(func, args, kwargs, out)
+            return out
 
     return Count()
+
+
+def written_bytes(func, args, kwargs, out) -> int:
+    """The bytes ``func`` wrote into its outputs ``out``: each output's, except one its schema declares an alias of an
+    input that it does not write (a view); an in-place or ``out=`` operation's output counts."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    outputs = tree_leaves(out)
+    returns = func._schema.returns
+    total = 0
+    for i, tensor in enumerate(outputs):
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        alias = returns[min(i, len(returns) - 1)].alias_info if returns else None
+        if alias is None or alias.is_write:
+            total += tensor.numel() * tensor.element_size()
+    return total

@@ -78,10 +78,12 @@ class WordTokenizer:
         return self.vocab
 
 
-def build(shape: str, device: str, dtype: torch.dtype) -> LoadedModel:
+def build(shape: str, device: str, dtype: torch.dtype, layers: int | None = None) -> LoadedModel:
+    """A random-weight model of ``shape`` (:data:`SHAPES`), with ``layers`` layers instead of the shape's if given."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(**SHAPES[shape], rope_theta=500000.0)
+    config = LlamaConfig(**{**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})},
+                         rope_theta=500000.0)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=engine.KEY).eval()

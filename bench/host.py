@@ -2,7 +2,7 @@
 bound by the host (SmolLM2 at 4,096 tokens: the GPU worked 22 ms of an H200's 65 ms, docs/gpu.md), its time is the
 host's, and the host's work can be counted and timed without a GPU.
 
-    python bench/host.py [--shape thin] [--n 64] [--repeat 15] [--dtype bfloat16]
+    python bench/host.py [--shape thin] [--n 64] [--repeat 15] [--dtype bfloat16] [--layers N]
 
 Builds a random-weight model (bench/gpu.py's shapes; ``thin`` is SmolLM2's 30 layers and 9 / 3 heads with almost no
 arithmetic, so what is timed is the framework's and attnviz's own work) and runs, in the same process:
@@ -13,10 +13,14 @@ arithmetic, so what is timed is the framework's and attnviz's own work) and runs
 - ``sdpa``: one stock forward with transformers' SDPA attention, the baseline of ``bench/gpu.py``.
 
 Prints ``host shape=<s> n=<N> capture_ops=<k> sdpa_ops=<k> extra_ops_per_layer=<x> capture_waits=<k>
-capture_copies=<k> capture_ms=<ms> sdpa_ms=<ms> host_ratio=<x>``. The operations are torch's dispatched operations
-(on CUDA each is about one launch or, for a view, host work alone) plus the kernel's launches; the waits are reads
-that make a GPU's host wait (a scalar, a tensor's truth, ``nonzero``, a list, a copy to pageable memory); the times
-are medians of ``--repeat`` alternating runs. The counts are the same on a busy machine; the times need a quiet one.
+capture_copies=<k> extra_mb_per_layer=<MB> capture_ms=<ms> sdpa_ms=<ms> host_ratio=<x>``. The operations are torch's
+dispatched operations (on CUDA each is about one launch or, for a view, host work alone) plus the kernel's launches;
+the waits are reads that make a GPU's host wait (a scalar, a tensor's truth, ``nonzero``, a list, a copy to pageable
+memory); the times are medians of ``--repeat`` alternating runs. ``extra_mb_per_layer`` is what the capture's operations write beyond
+SDPA's, a layer (``common.dispatch_counter``'s bytes: views aside; the statistics kernel's own outputs are the
+zeroed buffer it is handed): the bytes a GPU's memory takes in outside the kernel. ``--layers`` builds the shape
+with fewer layers (``--shape llama8b --layers 2``: the 8B shape's layers, what one of them writes, in a CPU's
+memory). The counts are the same on a busy machine; the times need a quiet one.
 ``host_ratio`` stands in for the GPU's time ratio where both sides are bound by the host: an estimate, to be said as
 one (docs/gpu.md#the-hosts-share-measured-on-a-cpu).
 """
@@ -36,8 +40,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--layers", type=int, default=None, help="layers instead of the shape's")
     args = parser.parse_args()
-    print(measure(args.shape, args.n, args.repeat, args.dtype), flush=True)
+    print(measure(args.shape, args.n, args.repeat, args.dtype, args.layers), flush=True)
 
 
 def as_a_gpu_runs(launches: list | None = None) -> ExitStack:
@@ -87,17 +92,17 @@ def count(fn) -> dict:
         with as_a_gpu_runs(launches), dispatch_counter() as counted:
             fn()
     return {"ops": counted.ops + len(launches), "waits": counted.waits, "copies": len(copies),
-            "launches": len(launches)}
+            "launches": len(launches), "written": counted.written}
 
 
-def measure(shape: str, n: int, repeat: int, dtype: str) -> str:
+def measure(shape: str, n: int, repeat: int, dtype: str, layers: int | None = None) -> str:
     import torch
 
     from attnviz.capture import capture
     from attnviz.plan import Keep
     import gpu
 
-    loaded = gpu.build(shape, "cpu", getattr(torch, dtype))
+    loaded = gpu.build(shape, "cpu", getattr(torch, dtype), layers)
     text, ids = gpu.text_of(loaded, n)
     keep = Keep(statistics=True, pool=512)
     layers = loaded.model.config.num_hidden_layers
@@ -122,7 +127,9 @@ def measure(shape: str, n: int, repeat: int, dtype: str) -> str:
     cap, base = counted["capture"], counted["sdpa"]
     return (f"host shape={shape} n={n} dtype={dtype} capture_ops={cap['ops']} sdpa_ops={base['ops']} "
             f"extra_ops_per_layer={(cap['ops'] - base['ops']) / layers:.1f} capture_waits={cap['waits']} "
-            f"capture_copies={cap['copies']} capture_ms={capture_ms:.1f} sdpa_ms={sdpa_ms:.1f} "
+            f"capture_copies={cap['copies']} "
+            f"extra_mb_per_layer={(cap['written'] - base['written']) / layers / 1e6:.2f} "
+            f"capture_ms={capture_ms:.1f} sdpa_ms={sdpa_ms:.1f} "
             f"host_ratio={capture_ms / sdpa_ms:.2f}")
 
 

@@ -79,3 +79,49 @@ def test_a_gpu_s_host_dispatches_a_bounded_few_operations_for_each_recorded_laye
     assert every["copies"] == one["copies"] <= 3 and every["waits"] == 0
     line = host.measure("tiny", 16, 1, "bfloat16")  # the bench's own line
     assert line.startswith("host shape=tiny n=16 ") and "host_ratio=" in line and "capture_copies=3 " in line
+    assert "extra_mb_per_layer=" in line
+
+
+def test_the_bytes_an_operation_writes_count_new_and_mutated_tensors_not_views():
+    """common.dispatch_counter's ``written``: a new tensor's bytes and an in-place operation's output count; a view,
+    and a conversion to the dtype a tensor already has (no operation at all), add nothing."""
+    import common
+
+    x = torch.ones(1000)
+    with common.dispatch_counter() as counted:
+        fresh = torch.zeros(1000)  # 4,000 bytes
+        fresh.view(10, 100), fresh[:10], fresh.unsqueeze(0)  # views: nothing written
+        fresh.add_(x)  # in place: 4,000
+        fresh.to(torch.float16)  # 2,000
+        fresh.to(torch.float32)  # the same dtype: not dispatched
+        torch.stack([fresh, x])  # 8,000
+    assert counted.written == 4000 + 4000 + 2000 + 8000
+    with common.dispatch_counter() as counted:
+        torch.empty(8, 8, device="meta").transpose(0, 1)  # a meta tensor: its size, no memory; then a view
+    assert counted.written == 8 * 8 * 4
+
+
+def test_what_a_statistics_capture_writes_beyond_sdpa_grows_with_the_tokens_not_their_square():
+    """bench/host.py's bytes a layer beyond SDPA's, for a capture on the fused route (16-cell maps, a 4-layer model):
+    the kernel's outputs, the keys and values repeated to every head for the attention kernel and the statistics'
+    finishing are each a few vectors of a head's tokens, so doubling the tokens at most doubles them. Anything of
+    a layer's n x n (a copy of its scores or probabilities, a map finished at full size) would quadruple; at 128
+    tokens one such float32 copy is 256 KB a layer, beside the about 150 KB written now."""
+    import gpu
+    import host
+
+    from attnviz.capture import capture
+    from attnviz.plan import Keep
+
+    lm = gpu.build("tiny", "cpu", torch.bfloat16)
+    keep = Keep(statistics=True, pool=16)
+    extra = {}
+    with torch.no_grad():
+        for n in (128, 256):
+            text, ids = gpu.text_of(lm, n)
+            capture(lm, text, "fwd", keep)
+            cap = host.count(lambda: capture(lm, text, "fwd", keep))
+            base = host.count(lambda: gpu.stock(lm, "sdpa", ids))
+            extra[n] = (cap["written"] - base["written"]) / lm.model.config.num_hidden_layers
+    repeated = 2 * 4 * 128 * 16 * 2  # keys and values, 4 heads, 128 tokens, head dim 16, bfloat16
+    assert repeated < extra[128] and extra[256] <= 2.1 * extra[128], extra
