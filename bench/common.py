@@ -61,8 +61,7 @@ WAITS = {"aten.nonzero.default", "aten.nonzero_numpy.default", "aten.is_nonzero.
 def dispatch_counter():
     """A torch dispatch mode that counts, while it is entered, every operation dispatched (``.ops``; on CUDA about
     one launch each, views included), those of them that make a GPU's host wait (``.waits``, :data:`WAITS`), and the
-    bytes they write (``.written``: :func:`written_bytes`). On a GPU every written byte is a byte the device's memory
-    takes in, so ``.written`` bounds a pass's traffic from below."""
+    bytes they write (``.written``: :func:`written_bytes`): on a GPU, bytes the device's memory takes in."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -81,18 +80,25 @@ def dispatch_counter():
 
 
 def written_bytes(func, args, kwargs, out) -> int:
-    """The bytes ``func`` wrote into its outputs ``out``: each output's, except one its schema declares an alias of an
-    input that it does not write (a view); an in-place or ``out=`` operation's output counts."""
+    """The bytes ``func`` wrote into its outputs ``out``: each output's, except a view, an output that its schema
+    may alias to an input, that ``func`` does not write, and that shares an input's memory (under inference mode a
+    conversion or a ``contiguous`` reaches the dispatcher as one such operation and copies: it counts). An in-place
+    or ``out=`` operation's output counts, so a buffer made by ``empty`` and then filled counts twice: a count of
+    what is written, not a bound on it. A meta tensor, which has no memory, is a view where its schema says so."""
     import torch
     from torch.utils._pytree import tree_leaves
 
     outputs = tree_leaves(out)
     returns = func._schema.returns
+    memory = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs or {}))
+              if isinstance(t, torch.Tensor) and t.device.type != "meta"}
     total = 0
     for i, tensor in enumerate(outputs):
         if not isinstance(tensor, torch.Tensor):
             continue
         alias = returns[min(i, len(returns) - 1)].alias_info if returns else None
-        if alias is None or alias.is_write:
+        view = alias is not None and not alias.is_write and (
+            tensor.device.type == "meta" or tensor.untyped_storage().data_ptr() in memory)
+        if not view:
             total += tensor.numel() * tensor.element_size()
     return total

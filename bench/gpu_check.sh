@@ -22,10 +22,11 @@ fi
 best=
 if wanted sweep; then
   # stages 2 with 128 registers: four programs an SM on Hopper, where the default holds three (docs/gpu.md)
-  step sweep; timeout "${SWEEP_S:-150}" python3 bench/kernel_sweep.py --tiles 64x64 128x64 --warps 4 --stages 2 3 \
+  step sweep; timeout "${SWEEP_S:-180}" python3 bench/kernel_sweep.py --tiles 64x64 128x64 --warps 4 --stages 2 3 \
     --groups 1 4 --registers 0 128 >"$out/sweep.log" 2>&1
   tail -3 "$out/sweep.log" >>"$log"
-  best=$(sed -n 's/^best tile=\([0-9x]*\) warps=\([0-9]*\) stages=\([0-9]*\) groups=\([0-9]*\) registers=\([0-9]*\).*/\1:\2:\3:\4:\5/p' \
+  num='\([0-9]*\)'
+  best=$(sed -n "s/^best tile=\([0-9x]*\) warps=$num stages=$num groups=$num registers=$num.*/\1:\2:\3:\4:\5/p" \
     "$out/sweep.log")
 fi
 if wanted stats; then

@@ -16,11 +16,11 @@ Prints ``host shape=<s> n=<N> capture_ops=<k> sdpa_ops=<k> extra_ops_per_layer=<
 capture_copies=<k> extra_mb_per_layer=<MB> capture_ms=<ms> sdpa_ms=<ms> host_ratio=<x>``. The operations are torch's
 dispatched operations (on CUDA each is about one launch or, for a view, host work alone) plus the kernel's launches;
 the waits are reads that make a GPU's host wait (a scalar, a tensor's truth, ``nonzero``, a list, a copy to pageable
-memory); the times are medians of ``--repeat`` alternating runs. ``extra_mb_per_layer`` is what the capture's operations write beyond
-SDPA's, a layer (``common.dispatch_counter``'s bytes: views aside; the statistics kernel's own outputs are the
-zeroed buffer it is handed): the bytes a GPU's memory takes in outside the kernel. ``--layers`` builds the shape
-with fewer layers (``--shape llama8b --layers 2``: the 8B shape's layers, what one of them writes, in a CPU's
-memory). The counts are the same on a busy machine; the times need a quiet one.
+memory); the times are medians of ``--repeat`` alternating runs. ``extra_mb_per_layer`` is what the capture's
+operations write beyond SDPA's, a layer (``common.dispatch_counter``'s bytes: views aside; the statistics kernel's
+own outputs are the zeroed buffer it is handed): the bytes a GPU's memory takes in outside the kernel. ``--layers``
+builds the shape with fewer layers (``--shape llama8b --layers 2``: the 8B shape's layers, what one of them writes,
+in a CPU's memory). The counts are the same on a busy machine; the times need a quiet one.
 ``host_ratio`` stands in for the GPU's time ratio where both sides are bound by the host: an estimate, to be said as
 one (docs/gpu.md#the-hosts-share-measured-on-a-cpu).
 """

@@ -8,10 +8,10 @@ kernel, as a capture takes it; a 512-cell pooled map of the probabilities), the 
 (BM x BN), warp count, number of pipeline stages, row groups (``kernels.row_groups``: 1, the program's column
 sums; 4, a warp's each) and register cap (``--registers``: 0, the compiler's choice; 128 lets an H100 or H200 hold
 four programs an SM at 2 stages where it holds three: ``kernels.programs_per_sm``). Each line: ``sweep
-tile=<BMxBN> warps=<w> stages=<s> groups=<g> registers=<r> kernel_ms=<ms> flash_ms=<ms> ratio=<kernel / flash> max_diff=<largest difference from the default launch's sums>``
-(``failed`` where the compiler refuses a choice: out of shared memory or registers). Ends with ``best tile=...
-warps=... stages=... groups=... registers=...``, the fastest choice whose sums equal the default's (1e-4 of a row's, every
-statistic). Needs a CUDA GPU; the baseline and every choice are timed in the same process.
+tile=<BMxBN> warps=<w> stages=<s> groups=<g> registers=<r> kernel_ms=<ms> flash_ms=<ms> ratio=<kernel / flash>
+max_diff=<largest difference from the default launch's sums>`` (``failed`` where the compiler refuses a choice: out
+of shared memory or registers). Ends with ``best tile=... warps=... stages=... groups=... registers=...``, the
+fastest choice whose sums equal the default's (1e-4 of a row's, every statistic). Needs a CUDA GPU; the baseline and every choice are timed in the same process.
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def main() -> None:
             got = run(bm, bn)
             ms = timed(lambda: run(bm, bn))
         except Exception as err:  # noqa: BLE001 - a choice the compiler refuses is a line, not the end of the sweep
-            print(f"sweep tile={tile} warps={warps} stages={stages} groups={groups} registers={cap} failed {type(err).__name__}: "
-                  f"{str(err).splitlines()[0][:120] if str(err) else ''}", flush=True)
+            print(f"sweep tile={tile} warps={warps} stages={stages} groups={groups} registers={cap} failed "
+                  f"{type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}", flush=True)
             continue
         if reference is None:
             reference = got

@@ -84,7 +84,9 @@ def test_a_gpu_s_host_dispatches_a_bounded_few_operations_for_each_recorded_laye
 
 def test_the_bytes_an_operation_writes_count_new_and_mutated_tensors_not_views():
     """common.dispatch_counter's ``written``: a new tensor's bytes and an in-place operation's output count; a view,
-    and a conversion to the dtype a tensor already has (no operation at all), add nothing."""
+    and a conversion to the dtype a tensor already has (no operation at all), add nothing. Under inference mode (how
+    attnviz runs a forward) a conversion and a ``contiguous`` that copy reach the dispatcher as operations whose
+    schema allows a view: they count all the same."""
     import common
 
     x = torch.ones(1000)
@@ -96,6 +98,11 @@ def test_the_bytes_an_operation_writes_count_new_and_mutated_tensors_not_views()
         fresh.to(torch.float32)  # the same dtype: not dispatched
         torch.stack([fresh, x])  # 8,000
     assert counted.written == 4000 + 4000 + 2000 + 8000
+    with torch.inference_mode(), common.dispatch_counter() as counted:
+        fresh = torch.zeros(1000)  # 4,000 bytes
+        fresh.to(torch.float16), fresh.to(torch.float32)  # 2,000; the same dtype: itself
+        fresh.view(10, 100).t().contiguous(), fresh.view(10, 100).contiguous()  # a copy: 4,000; itself
+    assert counted.written == 4000 + 2000 + 4000
     with common.dispatch_counter() as counted:
         torch.empty(8, 8, device="meta").transpose(0, 1)  # a meta tensor: its size, no memory; then a view
     assert counted.written == 8 * 8 * 4

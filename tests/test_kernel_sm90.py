@@ -132,8 +132,8 @@ def test_the_programs_an_sm_holds_follow_cuda_s_occupancy_rules():
 def test_a_register_cap_lets_hopper_hold_one_program_more_without_spilling():
     """At 2 stages the long capture's launch on sm_90 takes 168 registers a thread, so an SM holds 3 programs; capped
     at 128 (``ATTNVIZ_KERNEL_REGISTERS``, bench/kernel_sweep.py --registers) it holds 4 (its shared memory allows 4),
-    spills nothing and runs at most 8 % more instructions a tile. The heaviest pooled variant (251 registers: 2
-    programs) holds 3 at 168. Whether the extra warps pay is timed on a GPU, not here."""
+    spills nothing and runs at most 8 % more instructions a tile. The heaviest pooled variant (251 registers at 2
+    stages: 2 programs) holds 3 at 168. Whether the extra warps pay is timed on a GPU, not here."""
     base = dict(capability=90, dtype="bf16", head_dim=128, causal=True, tile=(64, 64), num_stages=2)
     heavy = dict(base, value=True, scores=True)
     free, capped, heavy_free, heavy_capped = kernels.compiled_resources(

@@ -108,14 +108,15 @@ def launch(device: torch.device, fp32: bool,
     if groups < 1 or bm % (16 * groups):
         raise ValueError(f"ATTNVIZ_KERNEL_GROUPS={groups}: a tile of {bm} rows holds no whole 16-row slab a group")
     registers = int(os.environ.get("ATTNVIZ_KERNEL_REGISTERS", "") or 0) or None
-    if registers is not None and not (MIN_REGISTERS <= registers <= 255 and registers % 8 == 0):
+    if registers is not None and not (MIN_REGISTERS <= registers <= 248 and registers % 8 == 0):
         raise ValueError(f"ATTNVIZ_KERNEL_REGISTERS={registers}: a thread's registers are capped at a multiple of 8 "
-                         f"from {MIN_REGISTERS} to 255 (0: no cap)")
+                         f"from {MIN_REGISTERS} to 248 (0: no cap)")
     return bm, bn, warps, stages, groups, registers
 
 
-#: The smallest register cap taken: below it the tile's scores alone (32 fp32 a thread at 64 x 64 and 4 warps) and
-#: the tensor cores' operands leave ptxas nothing to work with, and it spills.
+#: The smallest register cap taken: a 64 x 64 tile's scores alone are 32 fp32 a thread at 4 warps, and its
+#: probabilities as many. How low a cap goes without spilling depends on the variant (the compiled figures say:
+#: tests/test_kernel_sm90.py).
 MIN_REGISTERS = 64
 
 #: What an NVIDIA SM holds, by compute capability: (32-bit registers, shared memory in bytes, warps, programs);
@@ -127,7 +128,8 @@ def programs_per_sm(capability: int, registers: int, shared: int, warps: int) ->
     """How many programs of ``warps`` warps, each thread with ``registers`` registers and the program with ``shared``
     bytes of shared memory, one SM of ``capability`` runs at once (None: a capability not listed in
     :data:`SM_LIMITS`). Registers go to warps 256 at a time (a thread's count rounded up to 8). More programs give
-    each scheduler more warps to switch to while one waits for a load, an exp2 or a shuffle."""
+    each scheduler more warps to switch to while one waits for a load, an exp2 or a shuffle. Exact for programs of 4
+    warps or more (the kernel's): smaller ones also meet a register limit of each quarter of the SM."""
     if capability not in SM_LIMITS:
         return None
     file, memory, max_warps, max_programs = SM_LIMITS[capability]
