@@ -105,7 +105,7 @@ def measure(shape: str, n: int, repeat: int, dtype: str, layers: int | None = No
     loaded = gpu.build(shape, "cpu", getattr(torch, dtype), layers)
     text, ids = gpu.text_of(loaded, n)
     keep = Keep(statistics=True, pool=512)
-    layers = loaded.model.config.num_hidden_layers
+    n_layers = loaded.model.config.num_hidden_layers
 
     def stats():
         with as_a_gpu_runs():
@@ -126,9 +126,9 @@ def measure(shape: str, n: int, repeat: int, dtype: str, layers: int | None = No
     capture_ms, sdpa_ms = (1e3 * statistics.median(times[k]) for k in ("capture", "sdpa"))
     cap, base = counted["capture"], counted["sdpa"]
     return (f"host shape={shape} n={n} dtype={dtype} capture_ops={cap['ops']} sdpa_ops={base['ops']} "
-            f"extra_ops_per_layer={(cap['ops'] - base['ops']) / layers:.1f} capture_waits={cap['waits']} "
+            f"extra_ops_per_layer={(cap['ops'] - base['ops']) / n_layers:.1f} capture_waits={cap['waits']} "
             f"capture_copies={cap['copies']} "
-            f"extra_mb_per_layer={(cap['written'] - base['written']) / layers / 1e6:.2f} "
+            f"extra_mb_per_layer={(cap['written'] - base['written']) / n_layers / 1e6:.2f} "
             f"capture_ms={capture_ms:.1f} sdpa_ms={sdpa_ms:.1f} "
             f"host_ratio={capture_ms / sdpa_ms:.2f}")
 

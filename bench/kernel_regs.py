@@ -64,8 +64,8 @@ def main() -> None:
               f"warps={row['num_warps']} " + " ".join(f"{k}={v}" for k, v in got.items())
               + f" tile_instructions={','.join(map(str, loops))} tile_barriers={','.join(map(str, barriers))}"
               f" warp_instructions={','.join(str(n * row['num_warps']) for n in loops)}{ratio}", flush=True)
-    # register caps on the long capture's launch (sm_90: 64 x 64, 4 warps, a warp's row groups), at 2 stages, whose
-    # shared memory leaves room for 4 programs where 3 stages leave room for 3
+    # register caps on the long capture's launch (sm_90: 64 x 64, 4 warps, a warp's row groups): at 2 stages the
+    # shared memory leaves room for 4 programs (3 at 3 stages), so 128 registers give 4; the heaviest variant's 168, 3
     caps = [("pooled", 2, 128), ("pooled+value+scores", 2, 168), ("pooled+value+scores", 3, 168)]
     base = dict(capability=90, dtype="bf16", head_dim=128, causal=True, tile=(64, 64))
     variants = [dict(base, num_stages=stages, **OUTPUTS[outputs], **extra)

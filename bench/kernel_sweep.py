@@ -11,7 +11,8 @@ four programs an SM at 2 stages where it holds three: ``kernels.programs_per_sm`
 tile=<BMxBN> warps=<w> stages=<s> groups=<g> registers=<r> kernel_ms=<ms> flash_ms=<ms> ratio=<kernel / flash>
 max_diff=<largest difference from the default launch's sums>`` (``failed`` where the compiler refuses a choice: out
 of shared memory or registers). Ends with ``best tile=... warps=... stages=... groups=... registers=...``, the
-fastest choice whose sums equal the default's (1e-4 of a row's, every statistic). Needs a CUDA GPU; the baseline and every choice are timed in the same process.
+fastest choice whose sums equal the default's (1e-4 of a row's, every statistic). Needs a CUDA GPU; the baseline
+and every choice are timed in the same process.
 """
 
 from __future__ import annotations
@@ -107,8 +108,7 @@ def main() -> None:
             best = (ms, tile, warps, stages, groups, cap)
     if best is not None:
         print(f"best tile={best[1]} warps={best[2]} stages={best[3]} groups={best[4]} registers={best[5]} "
-              f"kernel_ms={best[0]:.2f} "
-              f"ratio={best[0] / flash_ms:.2f}", flush=True)
+              f"kernel_ms={best[0]:.2f} ratio={best[0] / flash_ms:.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -461,6 +461,9 @@ def test_a_register_cap_reaches_the_launch_and_a_wrong_one_is_refused(monkeypatc
         monkeypatch.setenv("ATTNVIZ_KERNEL_REGISTERS", wrong)
         with pytest.raises(ValueError, match="multiple of 8 from 64 to 248"):
             kernels.launch(torch.device("cpu"), False)
+    monkeypatch.setenv("ATTNVIZ_KERNEL_REGISTERS", "many")
+    with pytest.raises(ValueError, match="ATTNVIZ_KERNEL_REGISTERS='many': not a whole number"):
+        kernels.launch(torch.device("cpu"), False)
 
 
 def test_more_keys_than_one_cell_pooling_counts_exactly_are_refused():

@@ -101,17 +101,30 @@ def launch(device: torch.device, fp32: bool,
         bm, bn = (int(x) for x in setting.lower().split("x"))
     if tile is not None:
         bm, bn = tile
-    if os.environ.get("ATTNVIZ_KERNEL_STAGES", ""):
-        stages = int(os.environ["ATTNVIZ_KERNEL_STAGES"])
+    setting = _whole_number("ATTNVIZ_KERNEL_STAGES")
+    stages = stages if setting is None else setting
     warps = num_warps(device, fp32)
-    groups = int(os.environ.get("ATTNVIZ_KERNEL_GROUPS", "") or row_groups(capability or 0, fp32, bm, warps))
+    groups = _whole_number("ATTNVIZ_KERNEL_GROUPS")
+    groups = row_groups(capability or 0, fp32, bm, warps) if groups is None else groups
     if groups < 1 or bm % (16 * groups):
         raise ValueError(f"ATTNVIZ_KERNEL_GROUPS={groups}: a tile of {bm} rows holds no whole 16-row slab a group")
-    registers = int(os.environ.get("ATTNVIZ_KERNEL_REGISTERS", "") or 0) or None
+    registers = _whole_number("ATTNVIZ_KERNEL_REGISTERS") or None
     if registers is not None and not (MIN_REGISTERS <= registers <= 248 and registers % 8 == 0):
         raise ValueError(f"ATTNVIZ_KERNEL_REGISTERS={registers}: a thread's registers are capped at a multiple of 8 "
                          f"from {MIN_REGISTERS} to 248 (0: no cap)")
     return bm, bn, warps, stages, groups, registers
+
+
+def _whole_number(name: str) -> int | None:
+    """The whole number an environment setting of the launch holds (None: unset or empty); anything else is refused
+    with the setting's name."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: not a whole number") from None
 
 
 #: The smallest register cap taken: a 64 x 64 tile's scores alone are 32 fp32 a thread at 4 warps, and its
