@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from attnviz.errors import AttnvizError
+from attnviz.errors import AttnvizError, InputError
 from attnviz.recipe import Recipe
 from attnviz.stats import metrics
 from attnviz.core.record.packed import PackedMaps
@@ -194,16 +194,26 @@ class Capture:
             self._summaries[layer] = summarise(self.layer_probs(layer), self.layer_allowed(layer), self.tokens)
         return self._summaries[layer][name]
 
+    def check_layer(self, layer) -> int:
+        """``layer`` as a recorded layer's index; anything else (a layer not recorded, a string, a bool) is refused
+        in one line naming the recorded layers."""
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or int(layer) not in self.layers:
+            raise InputError(f"no recorded layer {layer!r}: this capture recorded layers {_spans(self.layers)}")
+        return int(layer)
+
     def learned_alpha(self, layer: int) -> np.ndarray | None:
         """(H,) alpha of the model's learned sink in ``layer`` (:func:`attnviz.stats.metrics.learned_sink`); None
-        where the model has none."""
+        where the model has none (a layer not recorded is refused)."""
+        layer = self.check_layer(layer)
         share = self.learned_sink.get(layer)
         return None if share is None else metrics.learned_sink(share)
 
     def sinks(self, layer: int, eps: float = metrics.SINK_EPS, residual_norms=None) -> list[dict]:
         """Every key of ``layer`` that acts as a sink (:func:`attnviz.stats.metrics.sinks`), with the residual norm
         entering the layer (``residual_norms`` (n,), else where activations were kept) and the value norm where
-        value norms were; the model's learned sink among them (key -1, kind "learned") where it is one."""
+        value norms were; the model's learned sink among them (key -1, kind "learned") where it is one. A layer not
+        recorded, or an ``eps`` outside 0..1, is refused."""
+        layer, eps = self.check_layer(layer), metrics.check_eps(eps)
         norms = residual_norms if residual_norms is not None else (
             self.activations.norms[layer] if self.activations is not None else None)
         values = self.value_norm.get(layer) if self.value_norm else None
@@ -295,3 +305,10 @@ class Capture:
             recipe=(Recipe.from_dict(header["recipe"]) if "recipe" in header
                     else Recipe.from_meta(header["meta"], header["arch"]) if header["meta"].get("model") else None),
         )
+
+
+def _spans(layers: list[int]) -> str:
+    """Recorded layers in short: "0-29", or "0, 5, 29"."""
+    if layers and list(layers) == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
+        return f"{layers[0]}-{layers[-1]}"
+    return ", ".join(map(str, layers))

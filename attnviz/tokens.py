@@ -39,7 +39,9 @@ def prefix_ids(loaded: LoadedModel, prepend: str | None) -> list[int]:
 
 def tokenize(loaded: LoadedModel, text: str, max_tokens: int | None = None,
              prepend: str | None = None) -> tuple[list[int], list[str]]:
-    """Token ids and their display strings of ``text`` (:func:`_tokenize`), remembered for the last texts."""
+    """Token ids and their display strings of ``text`` (:func:`_tokenize`), remembered for the last texts.
+    ``max_tokens``: a whole number of tokens, at least 1 (anything else is refused)."""
+    check_max_tokens(max_tokens)
     key = (id(loaded.tokenizer), loaded.model_id, text, max_tokens, prepend)
     with _lock:
         hit = _memo.get(key)
@@ -53,6 +55,26 @@ def tokenize(loaded: LoadedModel, text: str, max_tokens: int | None = None,
             while len(_memo) > REMEMBERED:
                 _memo.popitem(last=False)
     return list(hit[0]), list(hit[1])
+
+
+def check_max_tokens(max_tokens) -> None:
+    """Refuse, in one line, a cap on the tokens that is not a whole number of at least 1 (None: no cap)."""
+    if max_tokens is None:
+        return
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) and not hasattr(max_tokens, "__index__"):
+        raise InputError(f"max_tokens must be a whole number of tokens, not {max_tokens!r}")
+    if int(max_tokens) < 1:
+        raise InputError(f"max_tokens must be at least 1 token, got {max_tokens}")
+
+
+def embedding_rows(loaded: LoadedModel) -> int | None:
+    """How many token ids the model's input embedding has rows for (None where the model shows no embedding)."""
+    try:
+        embedding = loaded.model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    rows = getattr(embedding, "num_embeddings", None)
+    return int(rows) if rows else None
 
 
 def _tokenize(loaded: LoadedModel, text: str, max_tokens: int | None,
@@ -73,4 +95,10 @@ def _tokenize(loaded: LoadedModel, text: str, max_tokens: int | None,
         raise TooLong(f"the text is {len(ids)} tokens long; this view captures at most {max_tokens}: shorten it")
     if len(ids) < 1:
         raise InputError("the text produced no tokens")
+    rows = embedding_rows(loaded)
+    past = [(i, t) for i, t in enumerate(ids) if rows is not None and not 0 <= t < rows]
+    if past:
+        i, t = past[0]
+        raise InputError(f"token {i} ({loaded.tokenizer.decode([t])!r}, id {t}) is past {loaded.model_id}'s embedding, "
+                         f"which has {rows} rows ({len(past)} such token(s)): the tokenizer does not belong to the model")
     return tuple(ids), tuple(loaded.tokenizer.decode([i]) for i in ids)

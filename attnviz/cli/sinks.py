@@ -24,10 +24,11 @@ def options(p):
     unit = p.add_mutually_exclusive_group()
     unit.add_argument("--per-doc", action="store_true", help="dataset mode: one sample per document (default)")
     unit.add_argument("--per-line", action="store_true", help="dataset mode: one sample per non-empty line")
-    p.add_argument("--max-len", type=int, default=run_["max_len"],
-                   help="dataset mode: first N tokens of each sample (%(default)s)")
-    p.add_argument("--samples", type=int, default=run_["n_samples"],
-                   help="dataset mode: at most N samples (%(default)s)")
+    # None when not given: a corpus-only option beside --text is refused, never ignored
+    p.add_argument("--max-len", type=int, default=None,
+                   help=f"dataset mode: first N tokens of each sample ({run_['max_len']})")
+    p.add_argument("--samples", type=int, default=None,
+                   help=f"dataset mode: at most N samples ({run_['n_samples']})")
     p.add_argument("--key", type=common.position_or("auto"), default=report["key"],
                    help="the key position whose sink rate is read, or 'auto': in dataset mode the first key each "
                         "layer's mask leaves open to its queries (0 under fwd, m under nosink-fwd(m)); of one text, a "
@@ -45,6 +46,10 @@ def run(args) -> dict:
         raise AttnvizError(f"--eps must be between 0 and 1, got {args.eps}")
     if args.corpus or args.per_doc or args.per_line:
         return _dataset(args)
+    given = [flag for flag, value in (("--max-len", args.max_len), ("--samples", args.samples)) if value is not None]
+    if given:
+        raise AttnvizError(f"{' and '.join(given)} {'take' if len(given) > 1 else 'takes'} samples from a corpus (--corpus, --per-doc, --per-line); "
+                           "one text is measured whole")
     text = common.text(args)
     common.check_intervene(args)
     loaded = common.load(args)
@@ -94,12 +99,30 @@ def sinks_report(capture, eps: float, residual_norms: dict | None = None, key: i
             # the matrix-based entropy of the layer's input (docs/methods.md#the-compression-valley)
             **({} if entropies is None else {"entropy": _null(entropies.get(layer, math.nan))}),
         })
+    why = _null_reasons(capture.n_tokens, layers)
     return {"model": capture.meta["model"], "arch": capture.arch, "n_tokens": capture.n_tokens,
+            **({"null_reasons": why} if why else {}),
             **({} if key is None else {"key": key}),
             **({"residual": capture.meta["residual"]} if capture.meta.get("residual") else {}),
             **{name: capture.meta[name] for name in ("intervene", "prepend") if capture.meta.get(name)},
             **({"recipe": capture.recipe.to_dict()} if capture.recipe else {}),
             "tokens": capture.tokens, "layers": layers, **({} if entropies is None else {"entropy_variant": VARIANT})}
+
+
+def _null_reasons(n: int, layers: list[dict]) -> dict:
+    """Why the document's nulls are null, one line a field that has one (docs/cli.md#sinks)."""
+    why = {}
+    if any(v is None for layer in layers for v in layer["sink_rate"].values()):
+        why["sink_rate"] = ("a sink rate is null at a key past the text's end, or where no head's alpha is defined "
+                            "there" + (": a one-token text has no query after its one key" if n < 2 else ""))
+    if any(a is None for layer in layers for head in layer["heads"] for a in head["alpha"]):
+        why["alpha"] = (f"alpha lists keys 0-{N_ALPHA_KEYS - 1}: null past the text's end ({n} token{'s' if n != 1 else ''}) and where no "
+                        "later query may see the key (alpha averages over the queries after it, "
+                        "docs/methods.md#sink-metrics)")
+    if any("entropy" in layer and layer["entropy"] is None for layer in layers):
+        why["entropy"] = ("a one-token text has no spread to measure (the entropy needs two or more tokens)" if n < 2
+                          else "the layer's input was not finite (an overflow) or was not read")
+    return why
 
 
 def _null(x: float):
@@ -108,8 +131,12 @@ def _null(x: float):
 
 def _dataset(args) -> dict:
     """Gu et al.'s protocol over many samples (docs/methods.md#sink-metrics): per-layer rates with 95% intervals."""
+    from attnviz import defaults
     from attnviz.effects import dataset
 
+    run_ = defaults.of(dataset.sinks)
+    args.max_len = run_["max_len"] if args.max_len is None else args.max_len
+    args.samples = run_["n_samples"] if args.samples is None else args.samples
     if args.samples <= 0:
         raise AttnvizError(f"--samples must be positive, got {args.samples}")
     if args.max_len < 2:

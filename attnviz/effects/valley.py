@@ -67,7 +67,15 @@ def layer_entropies(model):
     def entropy_of(index):
         def fn(value):
             z = value[0].detach()
-            entropies[index] = spectrum.matrix_entropy(gram_spectrum(z), z.shape[0])
+            # a stream that overflowed (float16) has no spectrum: NaN here, and the forward's own overflow check
+            # refuses the run in one line at the layer's attention
+            if not bool(torch.isfinite(z).all()):
+                entropies[index] = float("nan")
+                return
+            try:
+                entropies[index] = spectrum.matrix_entropy(gram_spectrum(z), z.shape[0])
+            except torch.linalg.LinAlgError:  # float64 on the d x d Gram converges; recorded as undefined if not
+                entropies[index] = float("nan")
         return fn
 
     pairs = [(sites.Site("resid_pre", index), entropy_of(index)) for index in range(len(decoder_layers(model) or []))]
@@ -116,9 +124,28 @@ class Valley:
                 for i, layer in enumerate(self.layers)]
 
     def as_json(self, eps: float = metrics.SINK_EPS) -> dict:
+        """The document `attnviz sinks` and the page read; ``null_reasons`` says why any value is null."""
+        eps = metrics.check_eps(eps)
+        rows = self.rows(eps)
+        why = null_reasons(self.n_tokens, rows)
         return {"model": self.model, "arch": self.arch, "n_tokens": self.n_tokens, "eps": eps,
                 "entropy_variant": self.variant, "valley_layer": self.valley(),
-                **({"recipe": self.recipe} if self.recipe else {}), "layers": self.rows(eps)}
+                **({"recipe": self.recipe} if self.recipe else {}), "layers": rows,
+                **({"null_reasons": why} if why else {})}
+
+
+def null_reasons(n_tokens: int, rows: list[dict]) -> dict:
+    """Why the nulls of a per-layer document are null, one line a field that has one (empty where none is)."""
+    why = {}
+    if any(r.get("entropy", 0) is None for r in rows):
+        why["entropy"] = ("a one-token text has no spread to measure (the entropy needs two or more tokens)"
+                          if n_tokens < 2 else "the layer's input was not read, or was not finite (an overflow)")
+    rates = [k for r in rows for k in ("sink_rate", "sink_rate_key0") if k in r and r[k] is None]
+    if rates:
+        why["sink_rate"] = ("alpha is the attention a key receives from the queries after it: a one-token text has "
+                            "none (docs/methods.md#sink-metrics)" if n_tokens < 2 else
+                            "no head's alpha is defined at that key: no later query may see it under the mask")
+    return why
 
 
 def _none(x):
@@ -141,10 +168,12 @@ def of_capture(cap, entropies: dict, norms: dict) -> Valley:
 def measure(loaded, text: str, recipe="fwd", budget=None, max_tokens: int | None = None, on_layer=None) -> Valley:
     """The compression valley of ``text`` under ``recipe`` (an architecture string or a
     :class:`~attnviz.recipe.Recipe`): one forward (a capture keeping alpha only), the entropy and the residual norms
-    read at each layer's input as it runs. ``budget`` / ``max_tokens`` as :func:`attnviz.capture.prepare`'s;
-    ``on_layer(i)`` after each layer."""
+    read at each layer's input as it runs. ``budget`` / ``max_tokens`` as :func:`attnviz.capture.prepare`'s
+    (``max_tokens`` a whole number, at least 1); ``on_layer(i)`` after each layer."""
     from attnviz.capture import prepare
+    from attnviz.tokens import check_max_tokens
 
+    check_max_tokens(max_tokens)
     prepared = prepare(loaded, text, recipe, Keep(statistics=("alpha",)), budget, max_tokens)
     with layer_input_norms(loaded.model) as norms, layer_entropies(loaded.model) as entropies:
         cap = prepared.run(on_layer)

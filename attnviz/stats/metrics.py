@@ -13,7 +13,19 @@ from typing import Callable
 
 import numpy as np
 
+from attnviz.errors import InputError
+
 SINK_EPS = 0.3
+
+
+def check_eps(eps, what: str = "eps") -> float:
+    """``eps``, a sink threshold on alpha, as a float between 0 and 1; anything else (NaN, inf, a string, None, a
+    bool) is refused in one line, as the command line refuses it."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)):
+        raise InputError(f"{what} must be a number between 0 and 1, not {eps!r}")
+    if not 0 <= float(eps) <= 1:  # NaN fails both comparisons
+        raise InputError(f"{what} must be between 0 and 1, got {eps}")
+    return float(eps)
 ALLOCATION_PARTS = ("first", "delimiter", "diagonal", "other", "discarded")
 
 
