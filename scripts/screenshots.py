@@ -48,7 +48,7 @@ def main() -> None:
                 folder.fill(results)
                 folder.press("Enter")
             if name in BUTTONS or name == "sweeps":  # its figure comes after the click
-                page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"]').first.wait_for(timeout=300_000)
+                page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"]').first.wait_for(timeout=1_200_000)
             if name == "definitions":  # text only: wait for the document and the end of the run
                 page.locator('[data-testid="stMain"] h1').first.wait_for(timeout=120_000)
                 page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')",

@@ -128,7 +128,8 @@ def table(text: str, header: str) -> list[list[str]]:
 
 def registered_pages() -> dict[str, str]:
     """Each page app.py registers: its title -> its file's stem (pages/<stem>.py); every file in pages/ is one."""
-    found = dict(re.findall(r'st\.Page\(str\(PAGES_DIR / "(\w+)\.py"\), title="([^"]+)"', (ROOT / "app.py").read_text()))
+    app = (ROOT / "app.py").read_text()
+    found = dict(re.findall(r'st\.Page\([^\n]*?"(\w+)\.py"[^\n]*?title="([^"]+)"', app))
     assert sorted(found) == sorted(p.stem for p in (ROOT / "pages").glob("*.py")), found
     return {title: stem for stem, title in found.items()}
 
