@@ -24,7 +24,7 @@ settings, loaded = page_context()
 st.title("Sweeps")
 definitions("sink-rate", "auto-key", "evaluation", "kv-cache-compression", "head-classes")
 st.markdown("A grid of models × architectures × interventions × corpora × measures, one Ray task per cell "
-            "(`attnviz sweep spec.toml --out DIR`, README: Sweeps). Point this page at a results folder.")
+            "(`attnviz sweep spec.toml --out DIR`, docs/sweeps.md). Point this page at a results folder.")
 folder = st.text_input("Results folder", str(cache_dir() / "sweeps" / "example"), key="sw_folder")
 
 with st.expander("Run a small sweep here (local Ray)", expanded=False):

@@ -1,4 +1,4 @@
-"""The README's Effects figures, computed on the default model and exported as paper PNGs.
+"""The Effects figures of docs/benchmarks.md, computed on the default model and exported as paper PNGs.
 
     .venv/bin/python scripts/effects_figures.py [--out assets/effects]
 

@@ -4,8 +4,8 @@
 
 Renders, from captures of the default model, each kind of figure the app exports (heatmap, panels,
 zoomed region, key profile, alpha and sink grids, allocation, sink shifting, difference, mask
-small multiples) as a PDF at the double-column preset, title left out, plus a PNG preview of each
-(the PNGs are what the README links). About a minute on a 2-core CPU.
+small multiples) as a PDF at the double-column preset, title left out, plus a PNG preview of each. About a
+minute on a 2-core CPU. (The path-patching figures that docs/findings.md shows are scripts/paths_findings.py's.)
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ a tracker number or the old reference document."""
 import importlib
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -105,30 +106,86 @@ def test_the_definitions_page_renders_the_document(tmp_path):
     assert "## Sink metrics" in text and "### Auto key" in text and "tests/test_metrics.py" in text
 
 
-def test_the_readme_says_what_is_true():
-    """The number of commands it names, its screenshots shown once, and what each heatmap view sends."""
-    from attnviz.cli import COMMANDS
-
-    readme = (ROOT / "README.md").read_text()
-    words = {14: "Fourteen", 15: "Fifteen", 16: "Sixteen", 17: "Seventeen", 18: "Eighteen", 19: "Nineteen", 20: "Twenty"}
-    assert f"{words[len(COMMANDS)]} commands" in readme
-    for shot in ("heatmaps", "shifting", "sinks", "effects"):
-        assert readme.count(f"assets/screenshots/{shot}.png") == 1, shot
-    assert readme.count("scripts/screenshots.py") == 1
-    assert "instant viewer" in readme and "docs/viewer.md" in readme
+def section(text: str, heading: str) -> str:
+    """The lines under a `## heading` of a Markdown text, up to the next `## `."""
+    lines = text.splitlines()
+    start = lines.index(f"## {heading}") + 1
+    stop = next((i for i in range(start, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return "\n".join(lines[start:stop])
 
 
-def test_the_readme_lists_every_page():
-    """Every page app.py registers has its row in the README's page table, and the table has no other."""
-    pages = re.findall(r'st\.Page\([^\n]*title="([^"]+)"', (ROOT / "app.py").read_text())
-    lines = (ROOT / "README.md").read_text().splitlines()
-    start = lines.index("| page | what it shows |") + 2
+def table(text: str, header: str) -> list[list[str]]:
+    """The cells of the Markdown table under ``header`` (its first line), one list a row."""
+    lines = text.splitlines()
+    start = lines.index(header) + 2
     rows = []
     for line in lines[start:]:
         if not line.startswith("| "):
             break
-        rows.append(line.split("|")[1].strip())
-    assert len(pages) == 13 and sorted(rows) == sorted(pages), (pages, rows)
+        rows.append([cell.strip() for cell in line.strip().strip("|").split(" | ")])
+    return rows
+
+
+def registered_pages() -> dict[str, str]:
+    """Each page app.py registers: its title -> its file's stem (pages/<stem>.py); every file in pages/ is one."""
+    app = (ROOT / "app.py").read_text()
+    found = dict(re.findall(r'st\.Page\([^\n]*?"(\w+)\.py"[^\n]*?title="([^"]+)"', app))
+    assert sorted(found) == sorted(p.stem for p in (ROOT / "pages").glob("*.py")), found
+    return {title: stem for stem, title in found.items()}
+
+
+def test_every_command_is_documented_and_listed():
+    """Each registered command has its row in docs/cli.md's table (and the table no other), and the README's
+    command-line section names it."""
+    from attnviz.cli import COMMANDS
+
+    rows = table((ROOT / "docs" / "cli.md").read_text(), "| command | what it does | where it is described |")
+    assert [row[0] for row in rows] == [f"`{name}`" for name in COMMANDS]
+    assert all("](" in row[2] for row in rows), "each row links where the command is described"
+    listed = section((ROOT / "README.md").read_text(), "Command line")
+    assert not [name for name in COMMANDS if f"`{name}`" not in listed]
+
+
+def test_the_readme_shows_every_page():
+    """The README's page table has one row per registered page (and no other), each linking that page's
+    screenshot, a PNG in assets/screenshots/ that scripts/screenshots.py makes; docs/app.md describes each."""
+    spec = importlib.util.spec_from_file_location("screenshots", ROOT / "scripts" / "screenshots.py")
+    shots = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        spec.loader.exec_module(shots)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    pages = registered_pages()
+    readme = (ROOT / "README.md").read_text()
+    rows = table(readme, "| page | what it answers | screenshot |")
+    assert sorted(row[0] for row in rows) == sorted(pages)
+    for title, _, shot in rows:
+        stem = pages[title]
+        assert shot == f"[{stem}](assets/screenshots/{stem}.png)", (title, shot)
+        assert (ROOT / "assets" / "screenshots" / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", stem
+    assert sorted(shots.PAGES) == sorted(pages.values())
+    assert readme.count("scripts/screenshots.py") == 1
+    described = table((ROOT / "docs" / "app.md").read_text(), "| page | what it shows |")
+    assert sorted(row[0] for row in described) == sorted(pages)
+
+
+def test_the_findings_are_a_short_part_of_the_readme():
+    """The README's findings: at most ten lines, at most 15 % of its words, each with a number and a link into
+    docs/findings.md; every finding there is linked, and each has its command and what was not measured."""
+    readme = (ROOT / "README.md").read_text()
+    findings = section(readme, "Findings")
+    lines = [line for line in findings.splitlines() if line.startswith("- ")]
+    assert 0 < len(lines) <= 10
+    assert len(findings.split()) <= 0.15 * len(readme.split()), (len(findings.split()), len(readme.split()))
+    for line in lines:
+        assert "](docs/findings.md#" in line and re.search(r"\d", line.split("](")[-1]), line
+    document = (ROOT / "docs" / "findings.md").read_text()
+    headings_ = [line[3:] for line in document.splitlines() if line.startswith("## ")]
+    assert headings_ and not [h for h in headings_ if f"docs/findings.md#{anchor(h)})" not in findings]
+    for heading in headings_:
+        body = section(document, heading)
+        assert "**Command:**" in body and "**Not measured" in body, heading
 
 
 def test_the_support_table_matches_the_code():
