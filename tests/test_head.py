@@ -55,7 +55,8 @@ def test_the_head_and_the_lens_at_the_top_are_the_models_own_logits(kind):
         reading = flow.lens(lm, traced, traced.n_layers - 1, "mlp", token, top=VOCAB // 2)
         got = _by_id(reading)
         torch.testing.assert_close(got, stock[token], rtol=1e-5, atol=1e-6)
-        assert [t for t, _ in reading.promoted[:5]] == [lm.tokenizer.decode([int(i)]) for i in stock[token].topk(5).indices]
+        ranked = [lm.tokenizer.decode([int(i)]) for i in stock[token].topk(5).indices]
+        assert [t for t, _ in reading.promoted[:5]] == ranked
     # the engine's head on the last layer's output, as a resumed forward reads it
     top = torch.from_numpy(traced.stream(traced.n_layers - 1, "mlp"))[None]
     torch.testing.assert_close(engine.head_logits(lm.model, top), stock[-1:], rtol=1e-5, atol=1e-6)
