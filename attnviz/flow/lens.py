@@ -52,10 +52,13 @@ def lens(loaded, flow: Flow, layer: int, point: str, token: int, write: bool = F
     if not 0 <= token < flow.n_tokens:
         raise InputError(f"token {token} does not exist: the text has tokens 0..{flow.n_tokens - 1}")
     head = model_head.of(loaded.model)
-    weight = head.output.weight
-    stream = torch.from_numpy(flow.stream(layer, point)[token]).to(weight.device)
+    dtype, device = head.output.weight.dtype, head.output.weight.device
+    stream = torch.from_numpy(flow.stream(layer, point)[token]).to(device)
+    # in float32 from the run's own activations: the final norm in the model's dtype as its forward runs it, then
+    # the output layer (with its bias) and the family's scalings
+    reading = head.scaled(head.output32(head.normed(stream.to(dtype)[None])))[0]
     if not write:
-        logits = head(stream.to(weight.dtype)[None]).float()[0]
+        logits = head.capped(reading)
         what = f"the stream of token {token} after layer {layer}'s {point}"
     else:
         before = torch.from_numpy(flow.stream(layer - 1, "mlp") if point == "attn" else flow.stream(layer, "attn"))
@@ -65,8 +68,7 @@ def lens(loaded, flow: Flow, layer: int, point: str, token: int, write: bool = F
             piece = form.linear(piece[None], form.inv(stream[None]))[0]
         # the bias belongs to no block's write; the scalings are linear; the cap is not, so the write is scaled by
         # the ratio the cap applies to the stream's own reading of each token
-        reading = head.scaled(head.output(head.normed(stream.to(weight.dtype)[None])).float()[0])
-        logits = head.scaled(piece @ weight.detach().float().T) * head.cap_ratio(reading)
+        logits = head.scaled(head.output32(piece, bias=False)) * head.cap_ratio(reading)
         what = f"layer {layer}'s {point} write at token {token}"
     promoted, suppressed = _ends(loaded, logits, top)
     return Reading(what, promoted, suppressed)

@@ -44,6 +44,14 @@ class Head:
         small = z.abs() < 1e-12
         return torch.where(small, torch.ones_like(z), self.capped(z) / torch.where(small, torch.ones_like(z), z))
 
+    def output32(self, normed: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        """The output layer in float32 (its weight and bias cast), for readings computed in float32 from a
+        half-precision run's activations; ``bias=False`` leaves the bias out (a part of a stream that is not all of
+        it)."""
+        given = getattr(self.output, "bias", None) if bias else None
+        return torch.nn.functional.linear(normed.float(), self.output.weight.float(),
+                                          None if given is None else given.float())
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """The logits of ``hidden`` (..., d), in the output layer's dtype: final norm, output layer (its bias
         included), scale, cap. Differentiable (the residual variants train through it)."""
