@@ -1,7 +1,7 @@
 """The model's head written once (attnviz/core/model/head.py): the engine's logits and the logit lens against the stock
-model's own ``logits`` on four families whose heads add something to the final norm and output layer (Phi: an output
-bias; Gemma 2: a soft cap; Granite: ``logits_scaling``; Cohere 2: ``logit_scale``), and the lens's reading of a block's
-write against its definition written out by hand (docs/methods.md#routes)."""
+model's own ``logits`` on families whose heads add something to the final norm and output layer (Phi: an output
+bias; Gemma 2: a soft cap; Granite: ``logits_scaling``; Cohere and Cohere 2: ``logit_scale``), and the lens's reading
+of a block's write against its definition written out by hand (docs/methods.md#routes)."""
 
 import pytest
 import torch
@@ -12,13 +12,26 @@ from attnviz.core.model import head
 
 from tiny import VOCAB, loaded
 
-FAMILIES = ("phi", "gemma2", "granite", "cohere2")
+FAMILIES = ("phi", "gemma2", "granite", "cohere", "cohere2")
 TEXT = "Hello there, world."
 
 
 def _loaded(kind: str):
     """A tiny model of ``kind`` whose head's extra part is large enough to be seen: Phi's output bias drawn at random
-    (transformers initialises it to zero), Gemma 2's cap lowered to 0.5 (its random logits are about 0.2)."""
+    (transformers initialises it to zero), Gemma 2's cap lowered to 0.5 (its random logits are about 0.2); Cohere
+    (not in tests/tiny.py) built here the same way, with a logit scale of 0.25."""
+    if kind == "cohere":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from attnviz.core.loading.models import LoadedModel
+        from tiny import CharTokenizer
+
+        config = AutoConfig.for_model("cohere", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=512, logit_scale=0.25)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+        return LoadedModel(model, CharTokenizer(), "tiny-cohere", None, 0.0)
     lm = loaded(kind)
     if kind == "phi":
         with torch.no_grad():
@@ -64,8 +77,8 @@ def test_the_head_and_the_lens_at_the_top_are_the_models_own_logits(kind):
 
 
 def _write_by_hand(lm, traced, layer: int, point: str, token: int) -> torch.Tensor:
-    """docs/methods.md#routes written out for these four families: the write through the final norm's linear part at
-    the stream's own scale (LayerNorm for Phi and Cohere 2: centred; RMSNorm for Granite and Gemma 2, whose weight is
+    """docs/methods.md#routes written out for these families: the write through the final norm's linear part at
+    the stream's own scale (LayerNorm for Phi and Cohere: centred; RMSNorm for Granite and Gemma 2, whose weight is
     1 + γ), the output weight without its bias, Granite's division and Cohere's factor, and for Gemma 2 the cap's
     ratio cap·tanh(z/cap)/z at the stream's own logit z."""
     model, config = lm.model, lm.model.config
@@ -76,7 +89,7 @@ def _write_by_hand(lm, traced, layer: int, point: str, token: int) -> torch.Tens
     norm = model.model.final_layernorm if kind == "phi" else model.model.norm
     eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None)
     gamma = norm.weight.detach().double() + (1.0 if kind == "gemma2" else 0.0)
-    if kind in ("phi", "cohere2"):
+    if kind in ("phi", "cohere", "cohere2"):
         piece, variance = piece - piece.mean(), stream.var(unbiased=False)
     else:
         variance = (stream ** 2).mean()
@@ -84,7 +97,7 @@ def _write_by_hand(lm, traced, layer: int, point: str, token: int) -> torch.Tens
     write = weight @ (gamma * piece / torch.sqrt(variance + eps))
     if kind == "granite":
         write = write / config.logits_scaling
-    if kind == "cohere2":
+    if kind in ("cohere", "cohere2"):
         write = write * config.logit_scale
     if kind == "gemma2":
         with torch.no_grad():

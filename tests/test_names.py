@@ -9,8 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "attnviz"
-READERS = [*sorted(PACKAGE.rglob("*.py")), *sorted((ROOT / "pages").rglob("*.py")), *sorted((ROOT / "ui").rglob("*.py")),
-           ROOT / "app.py"]
+READERS = [*sorted(PACKAGE.rglob("*.py")), *sorted((ROOT / "pages").rglob("*.py")),
+           *sorted((ROOT / "ui").rglob("*.py")), ROOT / "app.py"]
 
 # Private names still read across the modules of core/engine and core/kernel, whose owner makes them public in a
 # change of its own; each is (the reading file, the name). The integrator deletes these after merging that change.

@@ -1,4 +1,4 @@
-"""Command line: ``attnviz <command>`` (also ``python -m attnviz``), one command per entry of its registry, ``COMMANDS``.
+"""Command line: ``attnviz <command>`` (also ``python -m attnviz``), one per entry of the registry ``COMMANDS``.
 
 The commands read masks and sinks, capture and save maps, measure what a mask does (perplexity, streaming,
 generation, embeddings, KV-cache compression, Linformer, fine-tuning with a residual variant), look inside the
