@@ -37,7 +37,8 @@ def parse_layers(layers, n_layers: int) -> list[int]:
     return syntax.layers(layers, n_layers)
 
 
-def _versions() -> dict[str, str]:
+def versions() -> dict[str, str]:
+    """The versions a capture's metadata records (attnviz, torch, transformers, numpy, Python)."""
     import transformers
 
     from attnviz import __version__
@@ -145,7 +146,7 @@ class Prepared:
                   "n_layers": loaded.n_layers, "n_heads": loaded.n_heads, "n_kv_heads": loaded.n_kv_heads,
                   **({"residual": variant.name} if variant is not None else {}),
                   **({"intervene": acts.spec} if acts else {}), **({"prepend": prepend} if prepend else {}),
-                  "versions": _versions()},
+                  "versions": versions()},
         )
 
 

@@ -124,12 +124,6 @@ class Capture:
             return 1
         return int(self.stats[layer]["pool_factor"])
 
-    def allowed_of(self, layer: int, head: int | None = None) -> np.ndarray:
-        """The cells ``head`` of ``layer`` may see (n_q, n_kv): its own mask where the layer's heads have their
-        own (a headwindow intervention), else the layer's; ``head=None``: the cells some head may see."""
-        own = self.head_allowed.get(layer)
-        return self.allowed[layer] if own is None or head is None else own[head]
-
     def layer_allowed(self, layer: int) -> np.ndarray:
         """(n_q, n_kv), or (H, n_q, n_kv) where the layer's heads have masks of their own: what every
         statistic of the layer is read through (each head through its own mask)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnviz.capture import Capture, _versions
+from attnviz.capture import Capture, versions
 from attnviz.tokens import tokenize
 from attnviz.core.spec import arch as arch_mod
 from attnviz.core import engine
@@ -177,7 +177,7 @@ def capture_seq2seq(loaded: LoadedModel, source: str, target: str | None = None,
     meta = {"model": loaded.model_id, "model_file": loaded.model_file, "encoder_arch": architecture.spec,
             "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
             "storage_dtype": str(storage_dtype).replace("torch.", ""), "device": str(model.device),
-            "source": source, "target": target_text, "generated": generated, "versions": _versions()}
+            "source": source, "target": target_text, "generated": generated, "versions": versions()}
     timing = {"forward_s": forward_s, "total_s": time.perf_counter() - started}
 
     def build(kind, text, tokens, ids, spec, layer_names, query_tokens=None, next_logprobs=None):

@@ -24,7 +24,7 @@ def stock(gemma3_model):
     """The same converted weights loaded by stock transformers, eager."""
     from transformers import AutoModelForCausalLM
 
-    source = models._converted(models.SHIPPED["gemma3-270m"], lambda message: None)
+    source = models.converted(models.SHIPPED["gemma3-270m"], lambda message: None)
     return AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager", dtype=torch.float32).eval()
 
 

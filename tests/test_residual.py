@@ -62,6 +62,33 @@ def test_each_method_equals_a_direct_implementation(name):
     assert (got - plain).abs().max() > 1e-3  # the variant changes the function
 
 
+@pytest.mark.parametrize("name", residual.METHODS)
+def test_a_variants_logits_go_through_the_models_whole_head(name):
+    """Granite with unit residual and embedding multipliers is a decoder the variants run on, and its head divides by
+    ``logits_scaling``: the variant's logits are the direct implementation's through that head (the model's own head,
+    attnviz/core/model/head.py), not its final norm and output layer alone."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("granite", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=512, residual_multiplier=1.0, embedding_multiplier=1.0,
+                                  logits_scaling=4.0)
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+    ours = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+    ours.load_state_dict(stock.state_dict())
+    ids = _ids()
+    with torch.no_grad():
+        expected = direct(stock, ids, name) / 4.0
+        got, _ = residual.forward(ours, residual.Variant(name, 3), ids, list(parse("fwd", 3).layers))
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+        if name == "method2":  # on a one-layer model Method 2 is the plain forward: the stock logits themselves
+            config.num_hidden_layers = 1
+            one = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+            got, _ = residual.forward(one, residual.Variant(name, 1), ids, list(parse("fwd", 1).layers))
+            torch.testing.assert_close(got, one(ids).logits, atol=1e-6, rtol=1e-5)
+
+
 def test_weights_are_ones_one_over_l_and_learned_from_one_over_l():
     sums = residual.Variant("method1", 4).weights
     means = residual.Variant("method3.1", 4).weights

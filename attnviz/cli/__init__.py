@@ -1,4 +1,9 @@
-"""Command line: ``attnviz masks | sinks | capture | eval | embed | stream | generate`` (also ``python -m attnviz``).
+"""Command line: ``attnviz <command>`` (also ``python -m attnviz``), one per entry of the registry ``COMMANDS``.
+
+The commands read masks and sinks, capture and save maps, measure what a mask does (perplexity, streaming,
+generation, embeddings, KV-cache compression, Linformer, fine-tuning with a residual variant), look inside the
+model (head classes, score attribution, routes, path and activation patching), check the machine (``doctor``), and
+make reports, the papers' figures and sweeps; ``attnviz --help`` lists them with their one line each.
 
 The JSON shapes printed here are a contract other tools rely on (docs/cli.md); bad input exits
 non-zero with one line on stderr, never a traceback (``ATTNVIZ_DEBUG=1`` shows it).

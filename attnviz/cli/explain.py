@@ -58,4 +58,4 @@ def _causal(args, text: str) -> dict:
     bar, update = common.progress("causal check")
     with bar:
         checks = causal.check(loaded, text, recipe, sources, args.value, on_step=update)
-    return causal.Report(recipe.to_dict(), checks[0].before.tokens, checks).as_json()
+    return causal.CausalReport(recipe.to_dict(), checks[0].before.tokens, checks).as_json()

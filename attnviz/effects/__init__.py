@@ -1,1 +1,7 @@
-"""What a mask does to the model: evaluation, streaming, generation, embeddings, Linformer, head classes, sinks over a dataset, A-vs-B measures, score attribution, fine-tuning, the walkthrough."""
+"""What a mask does to the model, one module per analysis: evaluation (``evaluate``), streaming with a KV cache
+(``streaming``), generation (``generate``), embeddings (``embedding``), the Linformer what-if (``linformer``), head
+classes (``heads``), sinks over a dataset (``dataset``), A-vs-B measures (``compare``), the causal check and scan
+(``causal``), path patching (``paths``), activation patching (``patching``), score attribution and the sink's
+diagnosis (``explain`` over ``attribution`` and ``schemes``), fine-tuning (``finetune``), the walkthrough
+(``walkthrough``) and the compression valley (``valley``). Each is listed with its files in docs/layout.md; the
+commands that run them are ``attnviz.cli.COMMANDS``."""

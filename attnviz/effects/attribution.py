@@ -96,7 +96,7 @@ class Explanation:
         return attribution_figure(self)
 
 
-def _layer(loaded: LoadedModel, layer: int) -> int:
+def checked_layer(loaded: LoadedModel, layer: int) -> int:
     """``layer`` counted from the bottom (negative counts from the top), refused when it does not exist."""
     if not isinstance(layer, numbers.Integral) or isinstance(layer, bool):
         raise InputError(f"layer is a layer number (an int, negative counts from the top), not {layer!r}")
@@ -151,7 +151,7 @@ class KeptForward:
 
     def check(self, layer: int, head: int) -> int:
         loaded = self.loaded
-        layer = _layer(loaded, layer)
+        layer = checked_layer(loaded, layer)
         if layer > self.upto:
             raise InputError(f"layer {layer} is above the layers this run kept (0..{self.upto})")
         if not isinstance(head, numbers.Integral) or isinstance(head, bool) or not 0 <= head < loaded.n_heads:

@@ -229,7 +229,7 @@ def check(loaded: LoadedModel, text: str, recipe, sources: list[str] | None = No
 
 
 @dataclass
-class Report:
+class CausalReport:
     """What ``attnviz explain --test`` prints: the recipe, the text's length and every check."""
 
     recipe: dict

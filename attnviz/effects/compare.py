@@ -9,11 +9,6 @@ from attnviz.errors import AttnvizError
 from attnviz.stats import metrics
 
 
-def check_same_text(a: Capture, b: Capture) -> None:
-    if a.token_ids != b.token_ids:
-        raise AttnvizError("the two captures are of different texts; compare captures of the same text")
-
-
 def top_tokens(cap: Capture, k: int = 5) -> list[tuple[int, float]]:
     """The k most likely next tokens as (token id, probability)."""
     order = np.argsort(cap.next_logprobs)[::-1][:k]

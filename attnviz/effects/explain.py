@@ -13,7 +13,7 @@ import torch
 
 from attnviz.core.loading import models
 from attnviz.core.loading.models import LoadedModel
-from attnviz.effects.attribution import Explanation, KeptForward, _layer
+from attnviz.effects.attribution import Explanation, KeptForward, checked_layer
 from attnviz.errors import InputError
 
 DIAGNOSIS_TOKENS = 256  # the text a sweep's explain measure diagnoses: its corpus's first tokens
@@ -29,7 +29,7 @@ def explain(loaded: LoadedModel, text: str, arch="fwd", *, layer: int, head: int
     architecture string or a :class:`~attnviz.recipe.Recipe`. ``query="all"`` averages over every query
     the layer's mask lets see ``key``. One forward, up to the layer."""
     models.require(loaded, "explain")
-    run = KeptForward(loaded, text, arch, upto=_layer(loaded, layer))
+    run = KeptForward(loaded, text, arch, upto=checked_layer(loaded, layer))
     return run.explain(layer, head, query, key)
 
 

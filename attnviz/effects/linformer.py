@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnviz.errors import InputError
+from attnviz.stats.metrics import softmax
 
 PROJECTIONS = ("segment", "gaussian")
 
@@ -40,16 +41,11 @@ def check_k(k: int, n: int) -> int:
     return k
 
 
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
-
-
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, e: np.ndarray, f: np.ndarray,
            scaling: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(P, output) for (H, n, d) queries and keys/values already repeated per head: (H, n, k), (H, n, d)."""
     scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
-    probs = _softmax(q @ np.swapaxes(e @ k, -1, -2) * scaling)
+    probs = softmax(q @ np.swapaxes(e @ k, -1, -2) * scaling)
     return probs, probs @ (f @ v)
 
 
@@ -64,7 +60,7 @@ def exact(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray | Non
         scores = q[h] @ k[h].T * scaling
         if allowed is not None:
             scores = np.where(allowed, scores, -np.inf)
-        out[h] = _softmax(scores) @ v[h]
+        out[h] = softmax(scores) @ v[h]
     return out
 
 
@@ -134,7 +130,7 @@ class Curve:
 
 
 @dataclass(frozen=True)
-class Prepared:
+class PreparedWhatIf:
     """The what-if made ready (:func:`prepare`): the capture that keeps the layer's q, k and v, the checked k."""
 
     capture: object  # attnviz.capture.Prepared
@@ -151,7 +147,7 @@ class Prepared:
 
 
 def prepare(loaded, text: str, recipe="fwd", layer: int | str = -1, ks=KS, kind: str = "segment",
-            seed: int = 0) -> Prepared:
+            seed: int = 0) -> PreparedWhatIf:
     """Everything the what-if on one layer of ``text`` decides before it runs, every refusal raised here: the layer
     (negative counts from the top), the capture under ``recipe`` (an architecture string or a recipe), each k checked
     against the text's tokens, the projection. ``attnviz linformer`` and the Effects page both run
@@ -169,4 +165,4 @@ def prepare(loaded, text: str, recipe="fwd", layer: int | str = -1, ks=KS, kind:
     checked = tuple(check_k(int(k), captured.n_tokens) for k in ks)
     if not checked:
         raise InputError("give at least one k")
-    return Prepared(captured, layers[0], checked, kind, seed)
+    return PreparedWhatIf(captured, layers[0], checked, kind, seed)

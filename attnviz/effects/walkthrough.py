@@ -6,6 +6,7 @@ import numpy as np
 
 from attnviz.core.spec import masks as M
 from attnviz.errors import InputError
+from attnviz.stats.metrics import softmax
 
 #: The lecture's practice matrices (seed 004).
 Q = [[1, 2], [3, 4], [5, 6]]
@@ -49,18 +50,13 @@ def steps(q, k, v, mask_name: str = "FWD") -> dict[str, np.ndarray]:
     if mask.stable is not None:
         pseudo = -float(mask.stable) * np.arange(n)[None, :]
         logits = np.where(allowed, scores, pseudo)
-        weights = _softmax(logits) * allowed
+        weights = softmax(logits) * allowed
         masked = np.where(allowed, scores, pseudo)
     else:
         masked = np.where(allowed, scores, -np.inf)
-        weights = _softmax(masked)
+        weights = softmax(masked)
     return {"scores": scores, "masked": masked, "allowed": allowed, "weights": weights, "output": weights @ v,
             "discarded": 1 - weights.sum(-1)}
-
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
 
 
 def linformer_steps(q, k, v, slots: int, kind: str = "segment", seed: int = 0) -> dict[str, np.ndarray]:

@@ -3,7 +3,7 @@
 
 ``trace`` runs one forward and measures every layer's contributions (:mod:`attnviz.flow.trace`); ``graph`` keeps a
 token's routes at a threshold and says how much of the attention flow comes from the sink key
-(:mod:`attnviz.flow.graph`); ``lens`` reads a node through the unembedding (:mod:`attnviz.flow.lens`).
+(:mod:`attnviz.flow.graph`); ``lens`` reads a node through the model's head (:mod:`attnviz.flow.lens`).
 """
 
 from attnviz.flow.graph import THRESHOLD, Edge, Graph, check, graph, sink_share_all

@@ -29,8 +29,15 @@ def check_eps(eps, what: str = "eps") -> float:
 ALLOCATION_PARTS = ("first", "delimiter", "diagonal", "other", "discarded")
 
 
-def _f32(probs) -> np.ndarray:
+def f32(probs) -> np.ndarray:
+    """``probs`` as a float32 array (the dtype every statistic here is computed in)."""
     return np.asarray(probs, dtype=np.float32)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """The softmax over the last axis, shifted by each row's maximum (a row of -inf only gives NaN)."""
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
 
 
 def head_cells(allowed, head: int | None = None) -> np.ndarray:
@@ -49,7 +56,7 @@ def alpha(probs, allowed) -> np.ndarray:
     ``eval_sink_open_source.py``); other masks change only the divisor. NaN where no query other
     than k itself sees k (docs/methods.md#sink-metrics): a key that only its own query sees says nothing about sinks.
     """
-    probs, allowed = _f32(probs), np.asarray(allowed, dtype=bool)  # allowed (n, n), or (H, n, n) per head
+    probs, allowed = f32(probs), np.asarray(allowed, dtype=bool)  # allowed (n, n), or (H, n, n) per head
     counts = allowed.sum(-2)
     others = counts - np.diagonal(allowed, axis1=-2, axis2=-1)
     sums = np.einsum("hij,ij->hj" if allowed.ndim == 2 else "hij,hij->hj", probs, allowed.astype(np.float32))
@@ -95,14 +102,14 @@ def auto_key(allowed) -> int:
 
 def key_profile(probs, allowed, key: int = 0) -> np.ndarray:
     """A[i, key] as a function of query position i, per head; NaN where the mask forbids it. (H, n)."""
-    probs = _f32(probs)
+    probs = f32(probs)
     seen = np.asarray(allowed, dtype=bool)[..., :, key]  # (n,), or (H, n) where each head has its own mask
     return np.where(seen if seen.ndim == 2 else seen[None, :], probs[:, :, key], np.nan)
 
 
 def column_mean(probs) -> np.ndarray:
     """(1/n) sum_i A[i, j], masked entries counting as 0. (H, n)."""
-    return _f32(probs).mean(1)
+    return f32(probs).mean(1)
 
 
 def sink_key(probs) -> np.ndarray:
@@ -121,7 +128,7 @@ def entropy(probs, allowed, normalised: bool = False) -> np.ndarray:
 
     A row with a single allowed key has normalised entropy 0 by convention.
     """
-    probs = _f32(probs)
+    probs = f32(probs)
     with np.errstate(divide="ignore", invalid="ignore"):
         h = -np.where(probs > 0, probs * np.log(probs), 0.0).sum(-1)
     if not normalised:
@@ -134,7 +141,7 @@ def entropy(probs, allowed, normalised: bool = False) -> np.ndarray:
 
 def discarded_mass(probs) -> np.ndarray:
     """1 - row sum: the mass StableMask's pseudo-slots or a learned sink took. (H, n)."""
-    return np.clip(1.0 - _f32(probs).sum(-1), 0.0, None)
+    return np.clip(1.0 - f32(probs).sum(-1), 0.0, None)
 
 
 def learned_sink(share) -> np.ndarray:
@@ -144,7 +151,7 @@ def learned_sink(share) -> np.ndarray:
 
     Not one of :data:`STATISTICS`: those are defined on the probabilities, and the learned sink's column is
     dropped before them (1 − the row sum would also count StableMask's slots and ``sinklogit``)."""
-    return _f32(share).mean(-1)
+    return f32(share).mean(-1)
 
 
 def is_delimiter(token: str) -> bool:
@@ -174,7 +181,7 @@ def allocation(probs, tokens: list[str]) -> np.ndarray:
     Computed with one matrix-vector product per head instead of n x n masks (pages call it on
     every layer at N = 1024).
     """
-    probs = _f32(probs)
+    probs = f32(probs)
     n = probs.shape[-1]
     delim = delimiter_flags(tokens)
     rowsum = probs.sum(-1)
@@ -188,7 +195,7 @@ def allocation(probs, tokens: list[str]) -> np.ndarray:
 
 def value_weighted(probs, norms) -> np.ndarray:
     """||A[i, j] f(v_j)|| = A[i, j] * ||W_O^h v_j^h||: (H, n, n) from probabilities and (H, n) value norms."""
-    return _f32(probs) * np.asarray(norms, dtype=np.float32)[:, None, :]
+    return f32(probs) * np.asarray(norms, dtype=np.float32)[:, None, :]
 
 
 def key_share(matrix, allowed, key: int = 0) -> np.ndarray:
@@ -198,7 +205,7 @@ def key_share(matrix, allowed, key: int = 0) -> np.ndarray:
     of the output norm: a sink takes much of the first and little of the second. (H,), NaN where no
     query sees the key.
     """
-    matrix = _f32(matrix)
+    matrix = f32(matrix)
     seen = np.asarray(allowed, dtype=bool)[:, key]
     if not seen.any():
         return np.full(matrix.shape[0], np.nan)
@@ -216,7 +223,7 @@ def rollout(maps) -> np.ndarray:
     """
     result = None
     for a in maps:
-        a = _f32(a)
+        a = f32(a)
         mixed = 0.5 * a + 0.5 * np.eye(a.shape[0], dtype=np.float32)
         mixed /= mixed.sum(-1, keepdims=True)
         result = mixed if result is None else mixed @ result

@@ -33,9 +33,9 @@ def _fs(out: str):
 
 def versions() -> dict:
     from attnviz import __version__
-    from attnviz.capture import _versions
+    from attnviz.capture import versions as library_versions
 
-    return {"attnviz": __version__, **_versions()}
+    return {"attnviz": __version__, **library_versions()}
 
 
 def write_cell(out: str, cell: Cell, rows: list[dict], elapsed: float, error: str | None = None,

@@ -12,7 +12,7 @@ import torch
 
 from dataclasses import dataclass
 
-from attnviz.core.model import anatomy
+from attnviz.core.model import anatomy, head
 from attnviz.core.record import recorders as recorders_mod
 from attnviz.core.engine.attention import prepare
 from attnviz.core.engine.hooks import hook_blocks, checkpoint_inputs, resumable_layers
@@ -129,22 +129,11 @@ def resume(model, hidden: torch.Tensor, start: int, input_ids: torch.Tensor, com
 
 @torch.no_grad()
 def head_logits(model, hidden: torch.Tensor, last_only: bool = True) -> torch.Tensor:
-    """The next-token logits of a last layer's output ``hidden`` (B, n, d), as the model's own forward makes them:
-    its final norm, its output embedding, and the scalings families add in their config (Granite's
-    ``logits_scaling`` divides, Cohere's ``logit_scale`` multiplies, Gemma 2's ``final_logit_softcapping`` caps).
-    (B, V) of the last position, or (B, n, V) with ``last_only=False``. :func:`check_head` checks it on a model."""
-    found = anatomy.of(model)
-    h = hidden[:, -1:] if last_only else hidden
-    if found.final_norm is not None:
-        h = found.final_norm(h)
-    logits = model.get_output_embeddings()(h)
-    config = getattr(model.config, "get_text_config", lambda: model.config)()
-    if getattr(config, "logits_scaling", None):
-        logits = logits / config.logits_scaling
-    if getattr(config, "logit_scale", None) and not isinstance(config.logit_scale, bool):
-        logits = logits * config.logit_scale
-    cap = getattr(config, "final_logit_softcapping", None)
-    logits = cap * torch.tanh(logits / cap) if cap else logits
+    """The next-token logits of a last layer's output ``hidden`` (B, n, d), as the model's own forward makes them
+    (the model's head, written once in :mod:`attnviz.core.model.head`: its final norm, its output layer with its bias,
+    the families' scalings). (B, V) of the last position, or (B, n, V) with ``last_only=False``. :func:`check_head`
+    checks it on a model."""
+    logits = head.logits(model, hidden[:, -1:] if last_only else hidden)
     return logits[:, -1] if last_only else logits
 
 

@@ -170,7 +170,7 @@ def forward(model, variant: Variant, input_ids: torch.Tensor, computes, record: 
     check_family(model)
     total = engine.n_layers(model)
     record = dataclasses.replace(engine.NOTHING if record is None else record, keep_graph=True)
-    from attnviz.core.model import anatomy
+    from attnviz.core.model import anatomy, head
 
     found = anatomy.of(model)
     run = engine.make_run(model, input_ids, computes, record)
@@ -195,7 +195,7 @@ def forward(model, variant: Variant, input_ids: torch.Tensor, computes, record: 
             else:
                 h = u + f
                 recomputed.append(a_tilde)
-        logits = model.get_output_embeddings()(found.final_norm(h))
+        logits = head.logits(model, h)  # the model's own head: final norm, output layer, the family's scalings
     return logits, run
 
 

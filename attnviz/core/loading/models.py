@@ -13,7 +13,7 @@ import torch
 
 from attnviz.core.model import devices
 from attnviz.core.loading.shipped import (DEFAULT, DEFAULT_GGUF, DEFAULT_NAME, DEFAULT_PACKAGE, SHIPPED,  # noqa: F401
-                                  Progress, Shipped, _converted, cache_dir, default_gguf,
+                                  Progress, Shipped, converted, cache_dir, default_gguf,
                                   shipped_gguf, shipped_installed)
 from attnviz.errors import InputError, ModelLoadError
 
@@ -165,7 +165,7 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
     model_file = None
     if name in SHIPPED:
         shipped = SHIPPED[name]
-        source = str(_converted(shipped, progress))
+        source = str(converted(shipped, progress))
         model_file = str(shipped_gguf(shipped))
         local = True
     else:

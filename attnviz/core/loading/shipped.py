@@ -101,7 +101,7 @@ def _size(shipped: Shipped) -> int:
         raise ModelLoadError(f"the model {shipped.key} is incomplete ({err}): run `{shipped.install}`") from None
 
 
-def _converted(shipped: Shipped, progress: Progress) -> Path:
+def converted(shipped: Shipped, progress: Progress) -> Path:
     """Dequantise the GGUF once into safetensors under the cache dir; return that directory."""
     _package_dir(shipped)
     target = cache_dir() / f"{shipped.stem}-{_size(shipped)}-v{_CACHE_VERSION}"

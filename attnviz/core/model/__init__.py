@@ -1,1 +1,1 @@
-"""The model's anatomy, found from the model itself (layers, blocks, norms, residual writes, the probe that checks them), its modules read for attention, and devices and precision."""
+"""The model's anatomy, found from the model itself (layers, blocks, norms, residual writes, the probe that checks them), its modules read for attention, its head (the final norm, output layer and logit scalings), and devices and precision."""

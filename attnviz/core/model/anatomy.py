@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnviz.core.model.probe import _adds_up, _same, _scale, output_tensor, probe  # noqa: F401 - output_tensor: blocks read it here
+# output_tensor: the residual variants read it here
+from attnviz.core.model.probe import output_tensor, probe, same_tensor, write_scale, writes_add_up  # noqa: F401
 from attnviz.errors import InputError
 
 _LOCK = threading.Lock()
@@ -204,29 +205,29 @@ def _discover(model) -> Anatomy:
         modules = dict(parts["layer"].named_children())
 
         def norm_feeding(tensor):
-            return next((modules[name] for name, (_, out) in norms.items() if _same(out, tensor)), None)
+            return next((modules[name] for name, (_, out) in norms.items() if same_tensor(out, tensor)), None)
 
         def norm_taking(tensor):
-            return next((modules[name] for name, (inp, _) in norms.items() if _same(inp, tensor)), None)
+            return next((modules[name] for name, (inp, _) in norms.items() if same_tensor(inp, tensor)), None)
 
         attn_norm, mlp_norm = norm_feeding(a_in), norm_feeding(m_in)
         attn_post, mlp_post = norm_taking(a_out), norm_taking(m_out)
         a = norms[_name(modules, attn_post)][1] if attn_post is not None else a_out
         f = norms[_name(modules, mlp_post)][1] if mlp_post is not None else m_out
         mlp_source = norms[_name(modules, mlp_norm)][0] if mlp_norm is not None else m_in
-        if attn_norm is None and not _same(a_in, h):
+        if attn_norm is None and not same_tensor(a_in, h):
             raise InputError(f"{where}: the attention's input is neither the layer's input nor a norm of it")
-        parallel = _same(mlp_source, h)
+        parallel = same_tensor(mlp_source, h)
 
         def adds_up(s):
             if parallel:
-                return _adds_up(y - h, a + f, s, dtype, y)
-            return _adds_up(mlp_source - h, a, s, dtype, mlp_source) and _adds_up(y - mlp_source, f, s, dtype, y)
+                return writes_add_up(y - h, a + f, s, dtype, y)
+            return writes_add_up(mlp_source - h, a, s, dtype, mlp_source) and writes_add_up(y - mlp_source, f, s, dtype, y)
 
         if parallel:
-            s = _scale(y - h, a + f)
+            s = write_scale(y - h, a + f)
         else:  # one scale of both writes: in half precision a small write alone rounds far from it
-            s = _scale(torch.cat([(mlp_source - h).flatten(), (y - mlp_source).flatten()]),
+            s = write_scale(torch.cat([(mlp_source - h).flatten(), (y - mlp_source).flatten()]),
                        torch.cat([a.flatten(), f.flatten()]))
         s = 1.0 if adds_up(1.0) else s  # no multiplier where the writes add up without one (rounding is no scale)
         ok = adds_up(s)

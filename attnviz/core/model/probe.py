@@ -20,7 +20,8 @@ def _first_input(args, kwargs):
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _same(a, b) -> bool:
+def same_tensor(a, b) -> bool:
+    """Both given and the same values (the probe tells which module fed which by the tensors it saw)."""
     return a is not None and b is not None and (a is b or (a.shape == b.shape and torch.equal(a, b)))
 
 
@@ -84,14 +85,14 @@ def _tolerance(dtype) -> float:
     return 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
 
 
-def _scale(delta: torch.Tensor, write: torch.Tensor) -> float:
+def write_scale(delta: torch.Tensor, write: torch.Tensor) -> float:
     """The scalar s with delta = s · write (least squares), or NaN when write is zero."""
     w = write.double().flatten()
     denominator = float(w @ w)
     return float(delta.double().flatten() @ w) / denominator if denominator > 0 else float("nan")
 
 
-def _adds_up(delta, write, s, dtype, stream=None) -> bool:
+def writes_add_up(delta, write, s, dtype, stream=None) -> bool:
     """delta = s · write within the dtype's tolerance of delta, plus the rounding of the ``stream`` delta was taken
     from (in bfloat16 a stream of massive activations rounds its small writes by more than the writes' own
     tolerance)."""

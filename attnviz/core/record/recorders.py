@@ -113,7 +113,7 @@ class ValueNorms(Recorder):
         return {"value_norms": self.results[layer][0]}
 
 
-class QKV(Recorder):
+class QKVRecorder(Recorder):
     """The layer's queries, keys and values on the host, float32, with the scaling (``run.qkv``)."""
 
     fusable = True
@@ -284,7 +284,7 @@ def made(storage_dtype: torch.dtype, reducer=None, scores: bool = False, value_n
     each full probability map is held as its rows' spans (:class:`attnviz.core.record.packed.Packed`), what a
     capture keeps.
     ``Keep.recorders`` and :func:`for_record` both make them here."""
-    out: list[Recorder] = ([ValueNorms()] if value_norms else []) + ([QKV()] if qkv else [])
+    out: list[Recorder] = ([ValueNorms()] if value_norms else []) + ([QKVRecorder()] if qkv else [])
     if reducer is None:
         out.append(Maps(storage_dtype, packed=packed))
         if scores:

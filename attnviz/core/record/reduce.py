@@ -378,7 +378,7 @@ def summarise(probs, allowed, tokens: list[str] | None = None) -> dict[str, np.n
     """Per-layer statistics, O(H·n) memory: kept instead of full maps when a capture is reduced, and
     computed in one pass over a layer when figures need several. The engine streams the same
     accumulator block by block; here it gets the whole layer as one block."""
-    probs = torch.from_numpy(metrics._f32(probs))
+    probs = torch.from_numpy(metrics.f32(probs))
     summary = LayerSummary(probs.shape[0], probs.shape[1], probs.shape[2], tokens)
     summary.add(0, probs, torch.from_numpy(np.asarray(allowed, dtype=bool)))
     return summary.result()

@@ -20,7 +20,8 @@ with ``;``, each with ``@LAYERS`` (``20-29``, ``0,5,7``; every layer when left o
   sink + window cache, per head); the others keep the layer's mask.
 - ``patch(block=mlp|attn, tokens=T, value=zero|mean)``: the block's output, where the residual stream adds it,
   replaced at the token positions T (``0``, ``0,1`` or ``sink``, the layer's own sink key) by zero or by its
-  mean over the other positions (activation patching, :mod:`attnviz.core.model.blocks`).
+  mean over the other positions (activation patching; the write modules are the model anatomy's,
+  :mod:`attnviz.core.model.anatomy`).
 """
 
 from __future__ import annotations

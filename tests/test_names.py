@@ -1,0 +1,96 @@
+"""Names the library keeps apart (docs/layout.md): no two public classes of ``attnviz`` share a name, no module of the
+library, the pages or the app's glue reads another module's private name (``other._name`` where ``other`` is an
+imported attnviz module or one of its names, or ``from attnviz.x import _name``), and the effects package's docstring
+names every analysis it holds."""
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "attnviz"
+READERS = [*sorted(PACKAGE.rglob("*.py")), *sorted((ROOT / "pages").rglob("*.py")),
+           *sorted((ROOT / "ui").rglob("*.py")), ROOT / "app.py"]
+
+# Private names still read across the modules of core/engine and core/kernel, whose owner makes them public in a
+# change of its own; each is (the reading file, the name). The integrator deletes these after merging that change.
+ALLOWED = {
+    ("attnviz/core/engine/hooks.py", "_RUN"),  # run._RUN
+    ("attnviz/core/engine/attention.py", "_RUN"),  # run._RUN
+    ("attnviz/core/engine/attention.py", "_fused_layer"),  # routes._fused_layer
+    ("attnviz/core/engine/attention.py", "_block_probs"),  # routes._block_probs
+    ("attnviz/core/kernel/_kernel_build.py", "_kernel"),  # kernels._kernel
+    ("attnviz/core/kernel/_kernel_build.py", "_constants"),  # kernels._constants
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _is_module(dotted: str) -> bool:
+    path = ROOT / dotted.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def private_reads(path: Path) -> list[tuple[int, str, str]]:
+    """(line, what was read, the private name) for every private name ``path`` reads from another attnviz module:
+    imported by name, or an attribute of a name bound by an attnviz import. A package's own private module
+    (``from attnviz.core.kernel import _triton_stats`` inside ``core/kernel/``) is its package's, not a read."""
+    tree = ast.parse(path.read_text())
+    here = ".".join(path.relative_to(ROOT).parts[:-1]) if path.is_relative_to(ROOT) else ""
+    bound, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("attnviz")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("attnviz"):
+            for alias in node.names:
+                own_module = _is_module(f"{node.module}.{alias.name}") and node.module == here
+                if _private(alias.name) and not own_module:
+                    found.append((node.lineno, f"from {node.module} import {alias.name}", alias.name))
+                bound.add(alias.asname or alias.name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            chain, base = [node.attr], node.value
+            while isinstance(base, ast.Attribute):
+                chain.append(base.attr)
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in bound:
+                found.append((node.lineno, ".".join([base.id, *reversed(chain)]), node.attr))
+    return found
+
+
+def test_no_module_reads_another_modules_private_name():
+    reads = [f"{path.relative_to(ROOT)}:{line}: {what}" for path in READERS
+             for line, what, name in private_reads(path) if (str(path.relative_to(ROOT)), name) not in ALLOWED]
+    assert not reads, "make public what is shared:\n" + "\n".join(reads)
+
+
+def test_the_check_sees_a_private_read(tmp_path):
+    """The check itself: the forms it must catch, written out (so an empty answer above means something)."""
+    source = ("from attnviz import capture\nfrom attnviz.capture import _versions\nimport attnviz.stats.metrics as m\n"
+              "from attnviz.core.model import anatomy\n"
+              "x = capture._versions()\ny = m._f32(1)\nz = anatomy.of(1)._cached\nw = m.f32(1)\n")
+    path = tmp_path / "reader.py"
+    path.write_text(source)
+    names = sorted(name for _, _, name in private_reads(path))
+    assert names == ["_f32", "_versions", "_versions"]  # a method's result (anatomy.of(1)._cached) is no module's
+
+
+def test_no_two_public_classes_share_a_name():
+    where = defaultdict(list)
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and not _private(node.name):
+                where[node.name].append(str(path.relative_to(ROOT)))
+    shared = {name: files for name, files in where.items() if len(files) > 1}
+    assert not shared, shared
+
+
+def test_the_effects_docstring_names_every_analysis():
+    import attnviz.effects
+
+    doc = attnviz.effects.__doc__
+    missing = [p.stem for p in (PACKAGE / "effects").glob("*.py")
+               if p.stem != "__init__" and f"``{p.stem}``" not in doc]
+    assert not missing, missing
