@@ -110,7 +110,7 @@ def sinks_report(capture, eps: float, residual_norms: dict | None = None, key: i
 
 
 def _null_reasons(n: int, layers: list[dict]) -> dict:
-    """Why the document's nulls are null, one line a field that has one (docs/cli.md#sinks)."""
+    """Why the document's nulls are null, one line a field that has one (docs/cli.md#what-each-command-prints)."""
     why = {}
     if any(v is None for layer in layers for v in layer["sink_rate"].values()):
         why["sink_rate"] = ("a sink rate is null at a key past the text's end, or where no head's alpha is defined "
