@@ -146,6 +146,27 @@ def test_a_failed_fused_launch_is_told_to_the_visitor(monkeypatch):
     assert len(warned) == 1 and "PTX assembly failed" in warned[0] and "block engine" in warned[0]
 
 
+def test_the_app_warns_the_visitor_whose_capture_fell_back(model_cache, tmp_path, monkeypatch):
+    """The app, run as a visitor sees it: a statistics capture (``ATTNVIZ_FULL_MAPS_MB=0``) by the fused route
+    (``ATTNVIZ_FUSED=1``, read by app.py) whose launch fails is computed by the block engine, and the page says so
+    with the reason; the next capture tries the kernel again."""
+    from attnviz.core.kernel import kernels
+    from test_app import app_test, charts, texts
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX assembly failed")
+
+    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
+    monkeypatch.setenv("ATTNVIZ_FULL_MAPS_MB", "0")
+    monkeypatch.setattr(kernels, "layer_statistics", broken)
+    at = app_test(tmp_path)
+    at.run()
+    assert not at.exception and not at.error, texts(at.error)
+    assert charts(at)
+    warning = texts(at.warning)
+    assert "fell back from the fused statistics kernel" in warning and "PTX assembly failed" in warning, warning
+
+
 def test_statistics_match_between_the_probe_and_this_process(probes):
     """The probe's capture is the capture this process makes under the defaults (the probe measures the library,
     not another model)."""
