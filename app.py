@@ -5,7 +5,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from ui.shared import gate
+from ui.shared import apply_settings, gate
 from ui.sidebar import sidebar
 
 st.set_page_config(page_title="attnviz", page_icon=":material/blur_on:", layout="wide")
@@ -29,6 +29,8 @@ PAGES = [
 
 NO_MODEL = {"designer", "walkthrough", "sweeps", "definitions"}  # url paths of pages that work without a model: they never wait for one
 
+if not apply_settings():  # the environment and secrets.toml, read once a run and handed to the library
+    st.stop()
 page = st.navigation(PAGES, expanded=True)  # every page in view (13: above twelve Streamlit would fold three)
 gate()  # sign-in where the server configures it, before any page (docs/sharing.md)
 # Drawn on every page, the walkthrough too: widgets Streamlit does not draw in a run lose their state.

@@ -25,19 +25,19 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from attnviz import settings
 from attnviz.errors import InputError
+from attnviz.settings import Settings
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
 
-def is_shared(address: str | None, environ=os.environ) -> bool:
-    """Shared mode: ``ATTNVIZ_SHARED=1``, or a server address beyond the loopback (an empty address listens
-    on every interface)."""
-    flag = environ.get("ATTNVIZ_SHARED", "").strip()
-    if flag in ("1", "true", "yes"):
-        return True
-    if flag in ("0", "false", "no"):
-        return False
+def is_shared(address: str | None, given: Settings | None = None) -> bool:
+    """Shared mode: the settings' ``shared`` (``ATTNVIZ_SHARED=1``; None: the active settings), or a server address
+    beyond the loopback (an empty address listens on every interface)."""
+    flag = (given or settings.active()).shared
+    if flag is not None:
+        return flag
     return (address or "").strip() not in LOOPBACK
 
 
@@ -58,16 +58,23 @@ class Access:
     trust_remote_code: bool = False  # the server's own setting; in shared mode the visitor has none
 
     @classmethod
-    def from_env(cls, shared: bool, environ=os.environ) -> "Access":
+    def of(cls, shared: bool, given: Settings | None = None) -> "Access":
+        """The rules of the settings ``given`` (None: the active ones: ``ATTNVIZ_ROOTS``, ``ATTNVIZ_WRITE_ROOT``,
+        ``ATTNVIZ_MODELS``, ``ATTNVIZ_TRUST_REMOTE_CODE`` for the app)."""
         from attnviz.core.loading.models import SHIPPED, cache_dir
 
+        given = given or settings.active()
         cache = cache_dir()
-        roots = tuple(_resolved(p) for p in environ.get("ATTNVIZ_ROOTS", "").split(":") if p.strip()) or (_resolved(cache),)
-        write_root = _resolved(environ.get("ATTNVIZ_WRITE_ROOT") or cache)
+        roots = tuple(_resolved(p) for p in given.roots) or (_resolved(cache),)
+        write_root = _resolved(given.write_root or cache)
         # the shipped offline models by default: they download nothing and run no code of their own
-        models = tuple(m.strip() for m in environ.get("ATTNVIZ_MODELS", ",".join(SHIPPED)).split(",") if m.strip())
-        trust = environ.get("ATTNVIZ_TRUST_REMOTE_CODE", "").strip() in ("1", "true", "yes")
-        return cls(shared, roots, write_root, models, trust)
+        models = given.models or tuple(SHIPPED)
+        return cls(shared, roots, write_root, models, given.trust_remote_code)
+
+    @classmethod
+    def from_env(cls, shared: bool, environ=None) -> "Access":
+        """:meth:`of` the settings read from ``environ`` (None: this process's environment)."""
+        return cls.of(shared, Settings.from_environment(environ))
 
     def _where(self) -> str:
         return ", ".join(str(r) for r in self.roots)

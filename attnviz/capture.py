@@ -146,6 +146,10 @@ class Prepared:
                   "n_layers": loaded.n_layers, "n_heads": loaded.n_heads, "n_kv_heads": loaded.n_kv_heads,
                   **({"residual": variant.name} if variant is not None else {}),
                   **({"intervene": acts.spec} if acts else {}), **({"prepend": prepend} if prepend else {}),
+                  # a fused launch that failed in this run: those layers took the block engine (the same numbers)
+                  **({"fused_fallback": [f"{' '.join(map(str, where))}: {why}"
+                                         for where, why in getattr(run, "fused_failed", {}).items()]}
+                     if getattr(run, "fused_failed", None) else {}),
                   "versions": versions()},
         )
 

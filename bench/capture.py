@@ -28,6 +28,7 @@ from attnviz.core import engine
 from attnviz import Keep, capture, load
 from attnviz.capture import prepare
 from attnviz.core.spec.arch import parse
+import common  # noqa: F401,E402 - ATTNVIZ_* read as the CLI reads them (attnviz.settings)
 
 TEXT = ("Attention sinks are tokens that receive a large share of attention regardless of their meaning. "
         "In most decoder language models the first token plays that role in nearly every layer and head. ")

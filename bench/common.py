@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import time
 
+from attnviz import settings
+
+# a benchmark is a front end: it reads ATTNVIZ_* once, as the CLI does, and hands them to the library
+settings.use(settings.Settings.from_environment())
+
 
 def ids_on(model, ids, **kwargs):
     """``ids`` (a list of token ids, or a list of such lists) as a (1, n) or (B, n) long tensor on ``model``'s

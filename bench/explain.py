@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import common  # noqa: F401,E402 - ATTNVIZ_* read as the CLI reads them (attnviz.settings)
 
 
 def timed(fn):

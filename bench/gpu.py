@@ -39,6 +39,7 @@ import time
 
 import torch
 
+from attnviz import settings
 from attnviz.core import engine
 from attnviz.effects import streaming
 from attnviz import regions
@@ -143,13 +144,9 @@ def stats_case(loaded: LoadedModel, shape: str, n: int, device: str, repeat: int
     names = ("ATTNVIZ_KERNEL_TILE", "ATTNVIZ_KERNEL_WARPS", "ATTNVIZ_KERNEL_STAGES", "ATTNVIZ_KERNEL_GROUPS",
              "ATTNVIZ_KERNEL_REGISTERS")
     for choice in launches or []:  # the kernel at each launch choice, against the same SDPA baseline
-        before = {name: os.environ.get(name) for name in names}
-        os.environ.update(zip(names, choice.split(":")))
-        try:
+        chosen = settings.Settings.from_environment({**os.environ, **dict(zip(names, choice.split(":")))})
+        with settings.applied(chosen):
             seconds, peak = timed(lambda: capture(loaded, text, "fwd", Keep(statistics=True, pool=512)), device, repeat)
-        finally:
-            for name, value in before.items():
-                os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
         print(f"gpu launch shape={shape} n={n} launch={choice} stats_s={seconds:.3f} sdpa_s={sdpa_s:.3f} "
               f"stats_vs_sdpa={seconds / sdpa_s:.2f} stats_peak_mb={peak:.0f}", flush=True)
     stats_s, peak = timed(lambda: capture(loaded, text, "fwd", Keep(statistics=True, pool=512)), device, repeat)

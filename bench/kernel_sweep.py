@@ -40,6 +40,7 @@ def main() -> None:
                         help="caps on a thread's registers (0: none; kernels.launch's registers)")
     args = parser.parse_args()
 
+    from attnviz import settings
     from attnviz.core.kernel import kernels, lse as attention
     from attnviz.core.record.pooled import pool_factor
 
@@ -78,7 +79,6 @@ def main() -> None:
         return kernels.layer_statistics(q[0], k[0], None, ranges, scaling, delim, factor, shape, causal=True,
                                         lse=lse[0], block=(bm, bn))
 
-    import os
 
     reference = None
     best = None
@@ -87,10 +87,8 @@ def main() -> None:
         bm, bn = (int(x) for x in tile.split("x"))
         if bm % (16 * groups):
             continue
-        os.environ["ATTNVIZ_KERNEL_WARPS"] = str(warps)
-        os.environ["ATTNVIZ_KERNEL_STAGES"] = str(stages)
-        os.environ["ATTNVIZ_KERNEL_GROUPS"] = str(groups)
-        os.environ["ATTNVIZ_KERNEL_REGISTERS"] = str(cap)
+        settings.use(settings.active().replace(kernel_warps=warps, kernel_stages=stages, kernel_groups=groups,
+                                               kernel_registers=cap))  # what ATTNVIZ_KERNEL_* would hand the library
         try:
             got = run(bm, bn)
             ms = timed(lambda: run(bm, bn))

@@ -15,6 +15,7 @@ import time
 
 from attnviz import capture, load
 from attnviz.figures import allocation_bars, alpha_grid, heatmap, key_profile, overview, sink_grid, sink_map
+import common  # noqa: F401,E402 - ATTNVIZ_* read as the CLI reads them (attnviz.settings)
 
 TEXT = "Attention sinks take a large share of attention whatever the token means, mostly the first one. "
 

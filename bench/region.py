@@ -20,6 +20,7 @@ import statistics
 import time
 
 import numpy as np
+import common  # noqa: F401,E402 - ATTNVIZ_* read as the CLI reads them (attnviz.settings)
 
 
 def main() -> None:

@@ -39,6 +39,40 @@ def _interpret_triton_without_a_gpu() -> None:
 
 _interpret_triton_without_a_gpu()
 
+
+def _settings_of_the_suite() -> None:
+    """The suite is a front end: it reads its settings (the CPU above) from the environment once and hands them to
+    the library, as the CLI and the app do (attnviz.settings); each test leaves them as it found them
+    (:func:`_settings_restored`)."""
+    from attnviz import settings
+
+    settings.use(settings.Settings.from_environment())
+
+
+_settings_of_the_suite()
+
+
+@pytest.fixture(autouse=True)
+def _settings_restored():
+    """A test that changes the library's settings (``settings.use``, or the CLI run in-process) changes them for
+    itself only."""
+    from attnviz import settings
+
+    before = settings.active()
+    yield
+    settings.use(before)
+
+
+@pytest.fixture
+def use_settings():
+    """``use_settings(fused=True, ...)``: the library runs under the active settings with those changes for the
+    rest of the test (what a front end's ``ATTNVIZ_*`` variables would hand it)."""
+    from attnviz import settings
+
+    def use(**changes):
+        return settings.use(settings.active().replace(**changes))
+    return use
+
 ENGLISH = ("The old lighthouse keeper climbed the narrow stairs every evening to light the lamp. "
            "Ships passing the rocky coast relied on its steady beam, and in fifty years he had never "
            "missed a single night, not even during the great storm of the winter.")
@@ -49,6 +83,9 @@ def model_cache(tmp_path_factory):
     """One fresh cache per test session, so the GGUF → safetensors conversion itself is tested."""
     path = os.environ.get("ATTNVIZ_TEST_CACHE") or str(tmp_path_factory.mktemp("attnviz-cache"))
     os.environ["ATTNVIZ_CACHE"] = path
+    from attnviz import settings
+
+    settings.use(settings.active().replace(cache=path))
     return Path(path)
 
 

@@ -40,7 +40,7 @@ def test_a_capture_the_device_cannot_hold_is_refused_then_fits_with_more(model_c
 
 
 def test_out_of_memory_during_a_capture_is_explained_and_the_server_goes_on(model_cache, tmp_path, monkeypatch):
-    real, failures, released = routes._block_probs, [], []
+    real, failures, released = routes.block_probs, [], []
 
     def once_out_of_memory(*args, **kwargs):
         if not failures:
@@ -51,7 +51,7 @@ def test_out_of_memory_during_a_capture_is_explained_and_the_server_goes_on(mode
     fresh = "A text no earlier test captured: the device fails in the middle of it, once."
     at = app_test(tmp_path)
     at.run()  # the default text's capture, before the device fails
-    monkeypatch.setattr(routes, "_block_probs", once_out_of_memory)
+    monkeypatch.setattr(routes, "block_probs", once_out_of_memory)
     real_release = devices.release
     monkeypatch.setattr(devices, "release", lambda: released.append(True) or real_release())
     at.sidebar.text_area(key="text").input(fresh).run()
@@ -68,11 +68,11 @@ def test_out_of_memory_during_a_capture_is_explained_and_the_server_goes_on(mode
     assert not at.exception and not at.error and charts(at)
 
 
-def test_library_refusal_and_recovery_with_a_small_device_budget(default_model, monkeypatch):
-    monkeypatch.setenv("ATTNVIZ_DEVICE_MB", "4")
+def test_library_refusal_and_recovery_with_a_small_device_budget(default_model, use_settings):
+    use_settings(device_mb=4)
     with pytest.raises(devices.DeviceMemoryError, match="What would fit: a text of at most ~\\d+ tokens"):
         capture(default_model, " ".join([ENGLISH] * 10), "fwd", Keep(statistics=True))
-    monkeypatch.setenv("ATTNVIZ_DEVICE_MB", "4000")
+    use_settings(device_mb=4000)
     assert capture(default_model, ENGLISH, "fwd", Keep(statistics=True)).stats
 
 
@@ -80,7 +80,7 @@ def test_out_of_memory_in_the_library_becomes_one_clear_error(default_model, mon
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(routes, "_block_probs", out_of_memory)
+    monkeypatch.setattr(routes, "block_probs", out_of_memory)
     with pytest.raises(AttnvizError, match="ran out of memory during a capture of .* tokens"):
         capture(default_model, ENGLISH, "fwd", Keep(statistics=True))
 

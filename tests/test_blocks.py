@@ -37,8 +37,8 @@ def _rows_to_bytes(rows, heads=4, n=N):
 def test_blocks_equal_the_whole_layer(kind, spec, rows, scores, monkeypatch):
     model = build(kind)
     calls = []
-    block_probs = routes._block_probs
-    monkeypatch.setattr(routes, "_block_probs", lambda *a, **k: calls.append(a[3].shape[2]) or block_probs(*a, **k))
+    block_probs = routes.block_probs
+    monkeypatch.setattr(routes, "block_probs", lambda *a, **k: calls.append(a[3].shape[2]) or block_probs(*a, **k))
     masks = list(parse(spec, 3).layers)
     whole, run_w = engine.forward(model, _ids(), masks, engine.Record(storage_dtype=torch.float32, scores=True))
     heads = model.config.num_attention_heads

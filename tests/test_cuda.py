@@ -118,17 +118,15 @@ def test_doctor_passes_on_the_gpu_and_names_the_fallback_when_the_kernel_fails(m
     def broken():
         raise RuntimeError("PTX .version 9.9 does not support .target sm_99")
 
-    monkeypatch.setattr(kernels, "_kernel", broken)
-    kernels._disabled.clear()
+    monkeypatch.setattr(kernels, "kernel", broken)
     report = doctor.run(lm, tokens=1024)
     fused = next(c for c in report.checks if c.name == "statistics, fused kernel vs their definitions on the full maps")
     assert fused.status == "FAIL" and "falls back to the block engine" in fused.detail and not report.ok
-    kernels._disabled.clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("spec", ["fwd", "bidir", "sliding(w=9)"])
-def test_every_fused_layer_gets_its_log_sum_exp_from_the_attention_kernel(spec, dtype, monkeypatch):
+def test_every_fused_layer_gets_its_log_sum_exp_from_the_attention_kernel(spec, dtype, monkeypatch, use_settings):
     """One pass over QK^T on a GPU too: flash (causal, half precision) or memory-efficient attention (any mask)
     gives each row's log-sum-exp; none falls back to two passes."""
     from attnviz.core.kernel import kernels
@@ -136,8 +134,7 @@ def test_every_fused_layer_gets_its_log_sum_exp_from_the_attention_kernel(spec, 
     calls = []
     real = kernels.layer_statistics
     monkeypatch.setattr(kernels, "layer_statistics", lambda *a, **k: calls.append(k["lse"] is not None) or real(*a, **k))
-    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
-    kernels._disabled.clear()
+    use_settings(fused=True)
     capture(_on("llama", "cuda", dtype), TEXT, spec, Keep(statistics=True, pool=24))
     assert calls and all(calls), calls
 
@@ -182,15 +179,13 @@ def test_the_deep_pages_run_in_bfloat16_on_cuda_as_on_the_cpu(kind):
 @pytest.mark.parametrize("one_pass", [True, False], ids=["lse", "two-pass"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "packed"])
 def test_the_fused_kernel_at_either_warp_count_gives_the_definitions_on_cuda(causal, one_pass, warps, tile, stages,
-                                                                             groups, monkeypatch):
+                                                                             groups, use_settings):
     """The kernel compiled for this GPU at 4 and at 8 warps, every tile, pipeline depth and row grouping of the
     column sums a GPU's measured launch may take (attnviz.core.kernel.kernels.TUNED, row_groups), bf16, full tiles
     below the diagonal, against the sums of the full probabilities."""
     from tiny import long_kernel_case
 
-    monkeypatch.setenv("ATTNVIZ_KERNEL_WARPS", warps)
-    monkeypatch.setenv("ATTNVIZ_KERNEL_STAGES", stages)
-    monkeypatch.setenv("ATTNVIZ_KERNEL_GROUPS", groups)
+    use_settings(kernel_warps=int(warps), kernel_stages=int(stages), kernel_groups=int(groups))
     got, expected = long_kernel_case("cuda", torch.bfloat16, causal, one_pass, tile)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, atol=1e-3, rtol=2e-3, msg=name)
@@ -198,20 +193,19 @@ def test_the_fused_kernel_at_either_warp_count_gives_the_definitions_on_cuda(cau
 
 @pytest.mark.parametrize("registers", ["128", "168"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "packed"])
-def test_the_fused_kernel_with_its_registers_capped_gives_the_definitions_on_cuda(causal, registers, monkeypatch):
+def test_the_fused_kernel_with_its_registers_capped_gives_the_definitions_on_cuda(causal, registers, use_settings):
     """The kernel with a thread's registers capped (ATTNVIZ_KERNEL_REGISTERS: an SM then holds a program more,
     kernels.programs_per_sm) at 2 stages, bf16, against the sums of the full probabilities."""
     from tiny import long_kernel_case
 
-    monkeypatch.setenv("ATTNVIZ_KERNEL_REGISTERS", registers)
-    monkeypatch.setenv("ATTNVIZ_KERNEL_STAGES", "2")
+    use_settings(kernel_registers=int(registers), kernel_stages=2)
     got, expected = long_kernel_case("cuda", torch.bfloat16, causal, True, (64, 64))
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, atol=1e-3, rtol=2e-3, msg=name)
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
-def test_the_attention_kernel_s_log_sum_exp_is_every_row_s_on_cuda(heads, monkeypatch):
+def test_the_attention_kernel_s_log_sum_exp_is_every_row_s_on_cuda(heads, use_settings):
     """The log-sum-exp the statistics read from the layer's attention kernel (cuDNN's where it agrees with flash
     attention on this GPU, else flash attention's) is each row's log-sum-exp of its scaled causal scores, and the
     output is SDPA's; the same with cuDNN switched off."""
@@ -228,7 +222,7 @@ def test_the_attention_kernel_s_log_sum_exp_is_every_row_s_on_cuda(heads, monkey
     reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125,
                                                                  enable_gqa=n_heads != kv_heads)
     for cudnn in ("", "0"):
-        monkeypatch.setenv("ATTNVIZ_CUDNN", cudnn)
+        use_settings(cudnn=cudnn != "0")
         attention.cudnn_agrees.cache_clear()
         out, lse = attention.attention_with_lse(q, k, v, None, 0.125, True)
         assert lse is not None and lse.shape == (1, n_heads, 300)

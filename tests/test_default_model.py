@@ -27,8 +27,8 @@ def test_loads_offline_from_the_installed_wheel(default_model):
     assert default_model.model_file == str(default_gguf())
 
 
-def test_first_load_converts_once_then_reads_the_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("ATTNVIZ_CACHE", str(tmp_path))
+def test_first_load_converts_once_then_reads_the_cache(tmp_path, use_settings):
+    use_settings(cache=str(tmp_path))  # ATTNVIZ_CACHE
     messages = []
     first = load("default", progress=messages.append)
     assert any("Converting" in m for m in messages)  # the ~25 s step says so

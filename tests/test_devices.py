@@ -74,7 +74,7 @@ def test_block_probabilities_of_every_mask_kind_run_on_the_meta_device(mask):
     run = engine.Run([mask], frozenset({0}), pos, torch.ones(1, N, dtype=torch.bool))
     q, k = torch.rand(1, H, N, 8, device=META), torch.rand(1, 1, N, 8, device=META)
     allow = torch.ones(1, 1, N, N, dtype=torch.bool, device=META)
-    probs = routes._block_probs(run, 0, mask, q, k, 0.35, allow, None, None,
+    probs = routes.block_probs(run, 0, mask, q, k, 0.35, allow, None, None,
                                 torch.zeros(H, device=META), pos.to(META), pos.to(META), 0)
     assert probs.device == META and probs.shape == (1, H, N, N) and probs.dtype == torch.float32
 
@@ -130,8 +130,8 @@ def test_block_size_follows_the_device():
     assert devices.free_bytes("cpu") is None and devices.free_bytes(META) is None
 
 
-def test_block_size_from_the_environment(monkeypatch):
-    monkeypatch.setenv("ATTNVIZ_BLOCK_MB", "2")
+def test_block_size_from_the_settings(use_settings):
+    use_settings(block_mb=2)  # ATTNVIZ_BLOCK_MB
     assert devices.block_bytes("cpu") == 2 * devices.MB
 
 
@@ -181,18 +181,18 @@ def test_a_decoding_step_neither_copies_nor_reads_back(layers):
     assert all(layer.keys.shape[-2] == 5 for layer in decoder.cache.layers)
 
 
-def test_the_default_device_is_chosen_without_needing_a_gpu(monkeypatch):
-    """The choice itself, on any machine: ATTNVIZ_DEVICE when set, else CUDA when torch sees it, else the CPU;
+def test_the_default_device_is_chosen_without_needing_a_gpu(monkeypatch, use_settings):
+    """The choice itself, on any machine: the settings' device (ATTNVIZ_DEVICE) when set, else CUDA when torch sees it, else the CPU;
     and the dtype each choice loads in."""
     from attnviz.core.loading.models import _resolve_dtype
 
-    monkeypatch.delenv("ATTNVIZ_DEVICE", raising=False)
+    use_settings(device=None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert devices.default_device() == "cuda" and _resolve_dtype(None, "cuda") == torch.bfloat16
     assert _resolve_dtype(None, "cuda:1") == torch.bfloat16
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert devices.default_device() == "cpu" and _resolve_dtype(None, "cpu") == torch.float32
-    monkeypatch.setenv("ATTNVIZ_DEVICE", "cuda:1")
+    use_settings(device="cuda:1")
     assert devices.default_device() == "cuda:1"
 
 

@@ -17,7 +17,7 @@ import torch
 
 from attnviz.core.kernel import kernels
 from attnviz.core.engine import routes
-from attnviz import doctor, load
+from attnviz import doctor, load, settings
 from attnviz.capture import capture
 from attnviz.cli import main
 from attnviz.core import engine
@@ -189,12 +189,12 @@ def test_the_float32_check_leaves_a_bfloat16_model_as_it_was(bf16_model):
 
 
 def _wrong_scale(monkeypatch):
-    real = routes._block_probs
+    real = routes.block_probs
 
     def wrong(run, layer, mask, query, key, scaling, *args, **kwargs):  # the softmax scale 10 % too large
         return real(run, layer, mask, query, key, scaling * 1.1, *args, **kwargs)
 
-    monkeypatch.setattr(routes, "_block_probs", wrong)
+    monkeypatch.setattr(routes, "block_probs", wrong)
 
 
 def _mask_off_by_one_key(monkeypatch):
@@ -218,8 +218,8 @@ def _statistic_from_the_wrong_row(monkeypatch):
 
 
 def _probabilities_one_percent_off(monkeypatch):
-    real = routes._block_probs
-    monkeypatch.setattr(routes, "_block_probs", lambda *args, **kwargs: real(*args, **kwargs) * 1.01)
+    real = routes.block_probs
+    monkeypatch.setattr(routes, "block_probs", lambda *args, **kwargs: real(*args, **kwargs) * 1.01)
 
 
 DEFECTS = {
@@ -289,8 +289,8 @@ def test_the_fused_kernel_check_runs_the_long_texts_geometry_and_catches_a_plant
     lm = loaded("llama")
     lm.model.to(torch.float16)
     launched = []
-    constants = kernels._constants
-    monkeypatch.setattr(kernels, "_constants", lambda *a: launched.append(constants(*a)) or launched[-1])
+    constants = kernels.constants
+    monkeypatch.setattr(kernels, "constants", lambda *a: launched.append(constants(*a)) or launched[-1])
     limit, why = doctor.tolerance(torch.float16)
     checks = doctor.fused_kernel(lm, limit, why, force=True)
     assert [c.name for c in checks] == list(doctor.FUSED_NAMES)
@@ -335,32 +335,32 @@ def _routes_of(lm, chosen, **forced) -> set:
     return {route for _, route in chosen}
 
 
-def test_a_route_forced_by_argument_is_taken_whatever_the_environment_says(chosen, monkeypatch):
-    """``routes.forcing(fused=...)`` wins over ``ATTNVIZ_FUSED`` both ways, for the calls inside only, and leaves the
-    environment as it was; None changes nothing, and the innermost choice wins."""
+def test_a_route_forced_by_argument_is_taken_whatever_the_environment_says(chosen, monkeypatch, use_settings):
+    """``routes.forcing(fused=...)`` wins over the settings' ``fused`` both ways, for the calls inside only, and leaves the
+    environment and the settings as they were; None changes nothing, and the innermost choice wins."""
     lm = loaded("llama")
     fused, blocks = routes.Route.FUSED, routes.Route.BLOCKS
-    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
-    before = dict(os.environ)
+    use_settings(fused=True)
+    before = (dict(os.environ), settings.active())
     assert _routes_of(lm, chosen) == {fused}  # the user's setting
     assert _routes_of(lm, chosen, fused=False) == {blocks}
     assert _routes_of(lm, chosen, fused=None) == {fused}
-    assert dict(os.environ) == before
-    monkeypatch.setenv("ATTNVIZ_FUSED", "0")
-    before = dict(os.environ)
+    assert (dict(os.environ), settings.active()) == before
+    use_settings(fused=False)
+    before = (dict(os.environ), settings.active())
     assert _routes_of(lm, chosen) == {blocks}
     assert _routes_of(lm, chosen, fused=True) == {fused}
     with routes.forcing(fused=True):
         assert _routes_of(lm, chosen, fused=False) == {blocks}
         assert _routes_of(lm, chosen, fused=None) == {fused}
-    assert routes.forced_fused() is None and dict(os.environ) == before
+    assert routes.forced_fused() is None and (dict(os.environ), settings.active()) == before
 
 
-def test_a_forced_route_is_the_forcing_threads_only(chosen, monkeypatch):
+def test_a_forced_route_is_the_forcing_threads_only(chosen, monkeypatch, use_settings):
     """Another thread's forwards on the same model follow the user's setting while this thread forces a route, even
     given a copy of this thread's context."""
     lm = loaded("llama")
-    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
+    use_settings(fused=True)
     seen = {}
 
     def other():
@@ -380,16 +380,16 @@ def test_a_forced_route_is_the_forcing_threads_only(chosen, monkeypatch):
     assert seen == {"forced": None, "routes": {routes.Route.FUSED}, "copied": None}
 
 
-def test_the_doctors_checks_choose_their_route_by_argument(chosen, monkeypatch):
+def test_the_doctors_checks_choose_their_route_by_argument(chosen, monkeypatch, use_settings):
     """The block engine's statistics check takes the block engine where the user's setting asks for the fused route,
     without touching the environment."""
-    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
+    use_settings(fused=True)
     lm = loaded("llama")
     assert routes.Route.FUSED in _routes_of(lm, chosen)  # what the setting alone does
-    before = dict(os.environ)
+    before = (dict(os.environ), settings.active())
     chosen.clear()
     checks = doctor.equivalence(lm, doctor.text_of(lm, 48))
-    assert dict(os.environ) == before
+    assert (dict(os.environ), settings.active()) == before
     assert chosen and routes.Route.FUSED not in {route for _, route in chosen}
     statistics = next(c for c in checks if c.name.startswith("statistics, block engine"))
     assert statistics.status == "PASS", statistics.line()

@@ -21,6 +21,8 @@ from attnviz.stats import metrics
 from attnviz.core.spec.arch import parse  # noqa: E402
 from attnviz.capture import capture  # noqa: E402
 from attnviz.plan import Keep
+from attnviz.errors import InputError
+from attnviz.settings import Settings
 from attnviz.figures.style import max_pool  # noqa: E402
 from attnviz.core.spec.masks import keep_self_if_empty  # noqa: E402
 from attnviz.core.record.reduce import pool_factor  # noqa: E402
@@ -127,16 +129,16 @@ def test_the_causal_route_computes_the_mask_from_indices():
 
 
 @pytest.mark.parametrize("spec", ["fwd", "nosink-fwd*2 + bidir", "back*3", "sliding(w=9)*3", "mask0-bidir(k=1)"])
-def test_a_capture_by_the_fused_route_equals_the_block_engine(spec, monkeypatch):
+def test_a_capture_by_the_fused_route_equals_the_block_engine(spec, monkeypatch, use_settings):
     lm = loaded("llama")
     keep = Keep(statistics=True, pool=24, value_norms=True, scores=True)
-    monkeypatch.setenv("ATTNVIZ_FUSED", "0")
+    use_settings(fused=False)
     blocks = capture(lm, TEXT, spec, keep)
     calls = []
     real = kernels.layer_statistics
     monkeypatch.setattr(kernels, "layer_statistics",
                         lambda *a, **k: calls.append((k["causal"], k["lse"] is not None)) or real(*a, **k))
-    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
+    use_settings(fused=True)
     fused = capture(lm, TEXT, spec, keep)
     assert len(calls) == 3  # every layer took the fused route
     assert [c for c, _ in calls] == [m.name == "fwd" for m in parse(spec, 3).layers]  # plain causal: mask from indices
@@ -157,14 +159,14 @@ def test_a_capture_by_the_fused_route_equals_the_block_engine(spec, monkeypatch)
 
 
 @pytest.mark.parametrize("spec", ["fwd", "nosink-fwd*2 + bidir"])
-def test_fused_layers_finished_together_equal_each_finished_alone(spec, monkeypatch):
+def test_fused_layers_finished_together_equal_each_finished_alone(spec, monkeypatch, use_settings):
     """Fused layers' sums wait and are finished together (one set of operations for the group, stacked over the
     layers, each mask's layers apart); finishing each layer alone (a group of one byte) gives the same arrays."""
     from attnviz.core.record import reduce
 
     lm = loaded("llama")
     keep = Keep(statistics=True, pool=24, value_norms=True, scores=True)
-    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
+    use_settings(fused=True)
     finished = []
     real = reduce.FusedLayers.finish
     monkeypatch.setattr(reduce.FusedLayers, "finish", lambda self: finished.append(len(self.layers)) or real(self))
@@ -181,8 +183,8 @@ def test_fused_layers_finished_together_equal_each_finished_alone(spec, monkeypa
     assert not np.array_equal(together.stats[0]["alpha"], together.stats[2]["alpha"], equal_nan=True)
 
 
-def test_masks_the_kernel_cannot_express_keep_the_block_engine(monkeypatch):
-    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
+def test_masks_the_kernel_cannot_express_keep_the_block_engine(monkeypatch, use_settings):
+    use_settings(fused=True)
     calls = []
     real = kernels.layer_statistics
     monkeypatch.setattr(kernels, "layer_statistics", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -198,26 +200,71 @@ def test_pool_factor_rounding():
         assert 256 <= -(-n // f) <= 512 and f % kernels.granularity(f) == 0 and 64 % kernels.granularity(f) == 0
 
 
-def test_a_kernel_that_fails_falls_back_to_the_block_engine(monkeypatch, caplog):
-    """A Triton or driver the kernel was never tried with must not break captures: the layer is computed
-    by the block engine and the route is switched off for the process, said once on the log."""
+def test_a_kernel_that_fails_falls_back_to_the_block_engine_in_that_run_only(monkeypatch, caplog, use_settings):
+    """A Triton or driver the kernel was never tried with must not break captures: the layer is computed by the
+    block engine, said on the log and in the capture (with the reason), and the route is off for that device and
+    shape in that run only: it is tried once a run, and the next capture (another visitor's on a shared server)
+    takes the kernel again."""
     lm = loaded("llama")
-    monkeypatch.setenv("ATTNVIZ_FUSED", "0")
+    use_settings(fused=False)
     blocks = capture(lm, TEXT, "fwd", Keep(statistics=True, pool=24))
-    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
-    monkeypatch.setattr(kernels, "_disabled", [])
+    use_settings(fused=True)
+    real, launched = kernels.layer_statistics, []
 
     def broken(*args, **kwargs):
+        launched.append(tuple(args[0].shape))
         raise RuntimeError("PTX assembly failed")
 
     monkeypatch.setattr(kernels, "layer_statistics", broken)
     with caplog.at_level("WARNING"):
         fell_back = capture(lm, TEXT, "fwd", Keep(statistics=True, pool=24))
-    assert kernels._disabled and "PTX assembly failed" in caplog.text
-    assert not kernels.wanted(torch.device("cpu"))
+    assert "PTX assembly failed" in caplog.text
+    assert len(launched) == 1  # one shape on one device: tried once in the run, then the block engine
+    (reason,) = fell_back.meta["fused_fallback"]
+    assert reason.startswith("cpu float32 (1, 4, ") and reason.endswith("RuntimeError: PTX assembly failed"), reason
+    assert kernels.wanted(torch.device("cpu"))  # nothing switched off for the process
     for layer in range(3):
         np.testing.assert_allclose(fell_back.stats[layer]["alpha"], blocks.stats[layer]["alpha"], atol=1e-6,
                                    equal_nan=True)
+    monkeypatch.setattr(kernels, "layer_statistics",
+                        lambda *a, **k: launched.append(tuple(a[0].shape)) or real(*a, **k))
+    launched.clear()
+    again = capture(lm, TEXT, "fwd", Keep(statistics=True, pool=24))
+    assert len(launched) == 3 and "fused_fallback" not in again.meta  # the next run takes the kernel, every layer
+
+
+def test_a_failed_launch_leaves_the_route_on_for_another_shape(monkeypatch, use_settings):
+    """A launch that fails for one shape (a GPU that refuses long layers, simulated by failing the launch whenever
+    the queries are longer than a short text's) switches the route off for that shape, in that run: right after it,
+    a capture of another shape on the same device takes the kernel on every layer, as it did before."""
+    from attnviz.core.engine import routes
+
+    lm = loaded("llama")
+    use_settings(fused=True)
+    real, launched = kernels.layer_statistics, []
+    short, long_ = "The cat sat.", TEXT
+    limit = len(lm.tokenizer(short)["input_ids"])
+    assert limit < len(lm.tokenizer(long_)["input_ids"])
+
+    def fails_for_long(query, *args, **kwargs):
+        launched.append(query.shape[1])
+        if query.shape[1] > limit:
+            raise RuntimeError("too long for this GPU")
+        return real(query, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "layer_statistics", fails_for_long)
+    run_of = {}
+    real_route = routes.choose_route
+    monkeypatch.setattr(routes, "choose_route", lambda facts: run_of.setdefault("facts", []).append(facts)
+                        or real_route(facts))
+    long_cap = capture(lm, long_, "fwd", Keep(statistics=True))
+    assert len(long_cap.meta["fused_fallback"]) == 1
+    assert [f.kernel for f in run_of["facts"]] == [True, False, False]  # tried once, then off for that shape
+    launched.clear()
+    run_of.clear()
+    short_cap = capture(lm, short, "fwd", Keep(statistics=True))
+    assert "fused_fallback" not in short_cap.meta and len(launched) == 3
+    assert [f.kernel for f in run_of["facts"]] == [True, True, True]
 
 
 class _Largest(torch.utils._python_dispatch.TorchDispatchMode):
@@ -236,21 +283,20 @@ class _Largest(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("pool", [None, 24])
-def test_a_causal_statistics_capture_makes_nothing_of_n_squared_elements(pool, monkeypatch):
+def test_a_causal_statistics_capture_makes_nothing_of_n_squared_elements(pool, monkeypatch, use_settings):
     """The fused route under the plain causal mask: the counts of allowed keys per row and per column, the
     diagonal and the pooled grid of seen cells are arithmetic (reduce.Layout.causal), the key ranges too, and
     SDPA runs is_causal, so no tensor of n_q × n_kv elements exists on the device (it was 8 GB of int64 sums
     and a 1 GB allow-set per layer at 32,768 tokens). The statistics stay the block engine's."""
-    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
-    kernels._disabled.clear()
+    use_settings(fused=True)
     lm = loaded("llama")
     n = len(lm.tokenizer(TEXT)["input_ids"])
     with _Largest() as seen:
         fused = capture(lm, TEXT, "fwd", Keep(statistics=True, pool=pool))
-    assert not kernels._disabled
+    assert "fused_fallback" not in fused.meta  # the kernel ran
     biggest = max(seen.made)
     assert biggest[0] < n * n, f"{biggest[1]} made {biggest[0]} elements, n² = {n * n}"
-    monkeypatch.setenv("ATTNVIZ_FUSED", "0")
+    use_settings(fused=False)
     blocks = capture(lm, TEXT, "fwd", Keep(statistics=True, pool=pool))
     for layer in fused.layers:
         for name, value in blocks.stats[layer].items():
@@ -261,16 +307,16 @@ def test_a_causal_statistics_capture_makes_nothing_of_n_squared_elements(pool, m
 
 @pytest.mark.parametrize("spec", ["nosink-fwd(m=2)*3", "bidir*3", "sliding(w=9)*3", "mask0-bidir(k=1)"])
 @pytest.mark.parametrize("pool", [None, 24])
-def test_the_block_route_makes_each_blocks_allow_set_alone(spec, pool, monkeypatch):
+def test_the_block_route_makes_each_blocks_allow_set_alone(spec, pool, monkeypatch, use_settings):
     """Any mask on the block route (the CPU's statistics route): each block of query rows gets its own rows of the
     allow-set, so no tensor of n_q × n_kv elements exists during a statistics capture (before, one whole allow-set
     per mask); the host's copy the capture keeps is made a chunk of rows at a time. Statistics, pooled maps and the
     kept allow-set equal the whole-allow-set route's (full maps, which keep it whole)."""
     from attnviz.core.record import reduce
 
-    monkeypatch.setenv("ATTNVIZ_FUSED", "0")
+    use_settings(fused=False)
     monkeypatch.setattr(allowsets, "CHUNK_ELEMENTS", 256)
-    monkeypatch.setenv("ATTNVIZ_WHOLE_ALLOW_MB", "0")  # as for a text whose allow-set is over 256 MB
+    use_settings(whole_allow_mb=0)  # as for a text whose allow-set is over 256 MB
     lm = loaded("llama")
     n = len(lm.tokenizer(TEXT)["input_ids"])
     keep = Keep(statistics=True, pool=pool, block_bytes=4 * 4 * n * 7)  # several blocks a layer
@@ -311,7 +357,7 @@ def test_a_masks_layout_counted_by_chunks_equals_its_sums(spec, monkeypatch):
         assert torch.equal(causal.seen(f), expected), f
 
 
-def test_a_statistic_the_kernel_does_not_compute_takes_the_block_engine_never_a_zero(monkeypatch):
+def test_a_statistic_the_kernel_does_not_compute_takes_the_block_engine_never_a_zero(monkeypatch, use_settings):
     """Adding a statistic is one declaration: a new per-query sum (the largest probability of each row) that
     the fused kernel does not compute sends the capture to the block engine, which finishes it from its
     declaration; the plan says so; nothing comes back as a zero-filled buffer."""
@@ -321,7 +367,7 @@ def test_a_statistic_the_kernel_does_not_compute_takes_the_block_engine_never_a_
     peak = Statistic("peak", 1, lambda p, a, t: np.asarray(p, np.float32).max(-1),
                      (RowSum("rowmax", lambda probs, allow: probs.amax(-1)),), lambda s, xp: s["rowmax"])
     monkeypatch.setattr(metrics, "STATISTICS", metrics.STATISTICS + (peak,))
-    monkeypatch.setenv("ATTNVIZ_FUSED", "1")
+    use_settings(fused=True)
     calls = []
     real = kernels.layer_statistics
     monkeypatch.setattr(kernels, "layer_statistics", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -342,7 +388,7 @@ def test_a_statistic_the_kernel_does_not_compute_takes_the_block_engine_never_a_
 @pytest.mark.parametrize("f, groups", [(32, 1), (64, 1), (64, 2)], ids=["f32", "f64", "f64-2groups"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "packed"])
 @pytest.mark.parametrize("one_pass", [True, False], ids=["lse", "two-pass"])
-def test_full_tiles_and_one_cell_tiles_equal_the_definitions(causal, one_pass, f, groups, monkeypatch):
+def test_full_tiles_and_one_cell_tiles_equal_the_definitions(causal, one_pass, f, groups, monkeypatch, use_settings):
     """Tiles of 32 x 32 over 75 causal keys in float16 (a float32 kernel masks every tile): rows 32-63 have a
     full tile below the diagonal (key 0's), rows 64-74 are a partial block that masks every tile; a pooling
     factor of 32 puts each tile in one cell (one maximum a tile), a factor of 64 two tiles a cell side (the cell
@@ -353,10 +399,10 @@ def test_full_tiles_and_one_cell_tiles_equal_the_definitions(causal, one_pass, f
     norms = torch.rand(H, N) + 0.5
     cells = -(-N // f)
     lse = torch.logsumexp(scores.masked_fill(~allow, float("-inf")), -1) if one_pass else None
-    monkeypatch.setenv("ATTNVIZ_KERNEL_GROUPS", str(groups))
+    use_settings(kernel_groups=groups)
     launched = []
-    constants = kernels._constants
-    monkeypatch.setattr(kernels, "_constants", lambda *a: launched.append(constants(*a)) or launched[-1])
+    constants = kernels.constants
+    monkeypatch.setattr(kernels, "constants", lambda *a: launched.append(constants(*a)) or launched[-1])
     raw = kernels.layer_statistics(q, k, None if causal else allow, allowsets._block_ranges(allow[None, None], 32),
                                    D ** -0.5, delim, f, (cells, cells), norms, scores=True, block=(32, 32),
                                    causal=causal, lse=lse)
@@ -397,51 +443,50 @@ def test_the_launch_geometry_in_half_precision_gives_the_definitions(causal, one
 @pytest.mark.parametrize("tile, groups", [((64, 64), 4), ((128, 64), 4), ((64, 64), 2)], ids=["64x64-4", "128x64-4",
                                                                                               "64x64-2"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "packed"])
-def test_column_sums_added_a_row_group_at_a_time_give_the_definitions(causal, tile, groups, monkeypatch):
+def test_column_sums_added_a_row_group_at_a_time_give_the_definitions(causal, tile, groups, monkeypatch, use_settings):
     """Hopper's launch adds a tile's column sums one group of 16-row slabs at a time, a warp's each
     (kernels.row_groups), so that no warp waits for another; a tile of 128 rows holds two slabs a group. The column
     sums, and every other sum and map, still equal the definitions."""
     from tiny import long_kernel_case
 
-    monkeypatch.setenv("ATTNVIZ_KERNEL_GROUPS", str(groups))
+    use_settings(kernel_groups=groups)
     launched = []
-    constants = kernels._constants
-    monkeypatch.setattr(kernels, "_constants", lambda *a: launched.append(constants(*a)) or launched[-1])
+    constants = kernels.constants
+    monkeypatch.setattr(kernels, "constants", lambda *a: launched.append(constants(*a)) or launched[-1])
     got, expected = long_kernel_case("cpu", torch.float16, causal, True, tile)
     assert [c["SPLIT"] for c in launched] == [groups]
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, atol=2e-5, rtol=2e-5, msg=name)
 
 
-def test_the_row_groups_follow_the_gpu_and_a_wrong_setting_is_refused(monkeypatch):
+def test_the_row_groups_follow_the_gpu_and_a_wrong_setting_is_refused(monkeypatch, use_settings):
     """One group a warp on Hopper in half precision, where a warp holds 16 of every 64 rows; one group elsewhere
     (an A100's 8 warps, float32 models, the CPU's interpreter). ATTNVIZ_KERNEL_GROUPS overrides it; a setting that
     splits a 16-row slab is refused with the reason."""
-    monkeypatch.delenv("ATTNVIZ_KERNEL_GROUPS", raising=False)
-    monkeypatch.delenv("ATTNVIZ_KERNEL_TILE", raising=False)
+    use_settings(kernel_groups=None, kernel_tile=None)
     assert kernels.row_groups(90, False, 64, 4) == 4 and kernels.row_groups(90, False, 128, 4) == 4
     assert kernels.row_groups(80, False, 64, 8) == 1 and kernels.row_groups(90, True, 64, 8) == 1
     assert kernels.row_groups(0, False, 64, 8) == 1
     assert kernels.launch(torch.device("cpu"), False)[4] == 1
-    monkeypatch.setenv("ATTNVIZ_KERNEL_GROUPS", "2")
+    use_settings(kernel_groups=2)
     assert kernels.launch(torch.device("cpu"), False)[4] == 2
     assert kernels.launch(torch.device("cpu"), False, (32, 64))[:2] == (32, 64)
-    monkeypatch.setenv("ATTNVIZ_KERNEL_GROUPS", "8")
+    use_settings(kernel_groups=8)
     with pytest.raises(ValueError, match="16-row slab"):
         kernels.launch(torch.device("cpu"), False)
     assert kernels.launch(torch.device("cpu"), False, (128, 64))[4] == 8  # the caller's tile holds 8 slabs
 
 
-def test_a_register_cap_reaches_the_launch_and_a_wrong_one_is_refused(monkeypatch):
+def test_a_register_cap_reaches_the_launch_and_a_wrong_one_is_refused(monkeypatch, use_settings):
     """ATTNVIZ_KERNEL_REGISTERS caps a thread's registers (so that an SM holds more programs:
     kernels.programs_per_sm): the cap reaches the kernel's launch as Triton's ``maxnreg``, the sums still equal the
     definitions, 0 means no cap, and a cap ptxas cannot take is refused with the reason."""
     from tiny import long_kernel_case
 
-    monkeypatch.setenv("ATTNVIZ_KERNEL_REGISTERS", "128")
+    use_settings(kernel_registers=128)
     assert kernels.launch(torch.device("cpu"), False)[5] == 128
     launched = []
-    kernel = kernels._kernel()
+    kernel = kernels.kernel()
 
     class Recording:
         def __getitem__(self, grid):
@@ -450,20 +495,19 @@ def test_a_register_cap_reaches_the_launch_and_a_wrong_one_is_refused(monkeypatc
                 return kernel[grid](*args, **kwargs)
             return run
 
-    monkeypatch.setattr(kernels, "_kernel", lambda: Recording())
+    monkeypatch.setattr(kernels, "kernel", lambda: Recording())
     got, expected = long_kernel_case("cpu", torch.float16, True, True, (64, 64))
     assert [kwargs.get("maxnreg") for kwargs in launched] == [128]
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, atol=2e-5, rtol=2e-5, msg=name)
-    monkeypatch.setenv("ATTNVIZ_KERNEL_REGISTERS", "0")
+    use_settings(kernel_registers=0)
     assert kernels.launch(torch.device("cpu"), False)[5] is None
     for wrong in ("100", "32", "256", "255"):
-        monkeypatch.setenv("ATTNVIZ_KERNEL_REGISTERS", wrong)
+        use_settings(kernel_registers=int(wrong))
         with pytest.raises(ValueError, match="multiple of 8 from 64 to 248"):
             kernels.launch(torch.device("cpu"), False)
-    monkeypatch.setenv("ATTNVIZ_KERNEL_REGISTERS", "many")
-    with pytest.raises(ValueError, match="ATTNVIZ_KERNEL_REGISTERS='many': not a whole number"):
-        kernels.launch(torch.device("cpu"), False)
+    with pytest.raises(InputError, match="ATTNVIZ_KERNEL_REGISTERS='many': not a whole number"):
+        Settings.from_environment({"ATTNVIZ_KERNEL_REGISTERS": "many"})
 
 
 def test_more_keys_than_one_cell_pooling_counts_exactly_are_refused():

@@ -113,7 +113,8 @@ def test_the_tuned_launch_and_the_routes_kernel_compile_without_spilling():
     bm, bn, stages = kernels.TUNED[90]
     tuned = dict(capability=90, dtype="bf16", head_dim=128, causal=True, tile=(bm, bn), num_stages=stages,
                  whole=bm == bn == 64, split=kernels.row_groups(90, False, bm, kernels.HOPPER_WARPS))
-    for got in kernels.compiled_resources(tuned, dict(routes=True, capability=90), dict(routes=True, capability=80)):
+    routes = "attnviz.flow.contributions:kernel_resources"  # the routes kernel, named by its caller (flow/)
+    for got in kernels.compiled_resources(tuned, dict(build=routes, capability=90), dict(build=routes, capability=80)):
         assert got["spill_stores"] == 0 and got["spill_loads"] == 0, got
         assert got["tile_instructions"], got
 

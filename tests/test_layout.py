@@ -101,3 +101,99 @@ def test_docs_layout_names_every_file():
     missing = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                if p.name != "__init__.py" and str(p.relative_to(PACKAGE)) not in text and f"`{p.name}`" not in text]
     assert not missing, missing
+
+
+# The package order of docs/layout.md: a module imports (anywhere, inside a function too) only from its own rank and
+# the ranks before it. The modules the order leaves unnamed take the rank of what they are: the settings beside the
+# errors, the access rules after core/ (what a visitor may load, from the cache directory), the capture's type beside
+# the capture, the doctor and the support table beside the reports (they run every capability), ``python -m attnviz``
+# beside the command line, and the package's one-line API (``attnviz/__init__.py``) above everything, as its front.
+ORDER = (
+    ("errors", "defaults", "options", "corpus", "settings"),
+    ("stats",),
+    ("core",),
+    ("recipe", "access"),
+    ("tokens",),
+    ("plan",),
+    ("capture", "captured", "kv"),
+    ("regions", "seq2seq", "effects", "flow"),
+    ("figures", "sweep"),
+    ("viewer",),
+    ("reports", "doctor", "support"),
+    ("cli", "__main__"),
+    ("attnviz",),
+)
+RANK = {package: rank for rank, packages in enumerate(ORDER) for package in packages}
+# Imports that run up and are being removed: analyses that make their own figures (figures/ will make them from what
+# an analysis returns, called by the CLI and the pages). The integrator deletes this allowance once that change is
+# merged; nothing else may run up.
+UPWARD_ALLOWED = {
+    ("attnviz.effects.attribution", "attnviz.figures.why"),  # Explanation.figure()
+    ("attnviz.effects.causal", "attnviz.figures.why"),
+    ("attnviz.effects.patching", "attnviz.figures.why"),
+    ("attnviz.effects.paths", "attnviz.figures.why"),
+}
+
+
+def _package(module: str) -> str:
+    """The package of the order a module belongs to: ``attnviz.core.engine.run`` → core, ``attnviz.plan`` → plan."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((module, imported) for module, imports in graph.items() for imported in imports
+                  if RANK[_package(imported)] > RANK[_package(module)] and (module, imported) not in UPWARD_ALLOWED)
+
+
+def _version_only(path: Path) -> bool:
+    """Whether every import of the package's front (``attnviz/__init__.py``) in ``path`` takes its version alone:
+    package metadata, not an import of what the front gathers."""
+    nodes = [n for n in ast.walk(ast.parse(path.read_text()))
+             if isinstance(n, ast.ImportFrom) and n.module == "attnviz"]
+    return all({a.name for a in n.names} <= {"__version__"} | {p.stem for p in PACKAGE.iterdir()} for n in nodes)
+
+
+def _package_graph() -> dict[str, set[str]]:
+    files = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    graph = _graph(top_level_only=False)
+    for name, imports in graph.items():
+        if "attnviz" in imports and _version_only(files[name]):
+            imports.discard("attnviz")
+    return graph
+
+
+def test_every_package_has_its_place_in_the_order():
+    assert {_package(m) for m in _graph()} <= set(RANK), {_package(m) for m in _graph()} - set(RANK)
+    layout = (ROOT / "docs" / "layout.md").read_text()
+    named = [p for rank in ORDER[:-1] for p in rank if p != "__main__"]
+    assert all(f"`{p}" in layout for p in named), [p for p in named if f"`{p}" not in layout]
+
+
+def test_no_import_runs_up_the_package_order():
+    """No module of a lower package imports a higher one, at module level or inside a function (docs/layout.md)."""
+    upward = _upward(_package_graph())
+    assert not upward, upward
+    assert all(pair[1] in _package_graph()[pair[0]] for pair in UPWARD_ALLOWED)  # each allowance still needed
+
+
+def test_an_upward_import_is_caught_even_inside_a_function(tmp_path):
+    """The check itself: a kernel module that imports flow/ inside a function is an upward import."""
+    graph = {name: set(imports) for name, imports in _package_graph().items()}
+    graph["attnviz.core.kernel.kernels"].add("attnviz.flow.contributions")
+    assert ("attnviz.core.kernel.kernels", "attnviz.flow.contributions") in _upward(graph)
+    source = tmp_path / "attnviz" / "core" / "kernel" / "planted.py"
+    source.parent.mkdir(parents=True)
+    source.write_text("def f():\n    from attnviz.flow import contributions\n    return contributions\n")
+    assert "attnviz.flow.contributions" in _imports(source, top_level_only=False)
+
+
+def test_the_library_reads_no_environment_but_its_settings():
+    """The settings are read at the edge (attnviz/settings.py: the CLI, the app, the doctor) and passed down: no
+    other library module reads ``os.environ`` or ``getenv``, and none under core/."""
+    import re
+
+    reads = re.compile(r"os\.environ|getenv|environ\.get|environ\[")
+    found = [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")
+             if p.name != "settings.py" and reads.search(p.read_text())]
+    assert not found, found

@@ -12,16 +12,7 @@ PACKAGE = ROOT / "attnviz"
 READERS = [*sorted(PACKAGE.rglob("*.py")), *sorted((ROOT / "pages").rglob("*.py")),
            *sorted((ROOT / "ui").rglob("*.py")), ROOT / "app.py"]
 
-# Private names still read across the modules of core/engine and core/kernel, whose owner makes them public in a
-# change of its own; each is (the reading file, the name). The integrator deletes these after merging that change.
-ALLOWED = {
-    ("attnviz/core/engine/hooks.py", "_RUN"),  # run._RUN
-    ("attnviz/core/engine/attention.py", "_RUN"),  # run._RUN
-    ("attnviz/core/engine/attention.py", "_fused_layer"),  # routes._fused_layer
-    ("attnviz/core/engine/attention.py", "_block_probs"),  # routes._block_probs
-    ("attnviz/core/kernel/_kernel_build.py", "_kernel"),  # kernels._kernel
-    ("attnviz/core/kernel/_kernel_build.py", "_constants"),  # kernels._constants
-}
+ALLOWED: set[tuple[str, str]] = set()  # (the reading file, the name): none
 
 
 def _private(name: str) -> bool:

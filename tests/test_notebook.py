@@ -50,11 +50,11 @@ def test_the_quickstart_runs_and_saves_its_widgets(executed):
     assert len(single["panels"][0]["layers"]) == 30 and single["encoding"]["bits"] == 16
 
 
-def test_the_widget_asks_the_kernel_for_layers_and_regions(default_model, monkeypatch):
+def test_the_widget_asks_the_kernel_for_layers_and_regions(default_model, use_settings):
     from attnviz import capture, show
 
     cap = capture(default_model, "The cat sat on the mat. The dog sat on the log.", "fwd")
-    monkeypatch.setenv("ATTNVIZ_VIEWER_MB", "0.1")  # a payload of a few layers
+    use_settings(viewer_mb=0.1)  # ATTNVIZ_VIEWER_MB: a payload of a few layers
     widget = show(cap)
     sent = sorted(int(k) for k in widget.data["panels"][0]["layers"])
     assert 29 in sent and 0 not in sent

@@ -161,7 +161,7 @@ def test_a_capture_copies_nothing_to_the_device_layer_by_layer(route, monkeypatc
     launches = []
     if route == "fused":
         monkeypatch.setattr(kernels, "available", lambda: True)
-        monkeypatch.setattr(kernels, "_kernel", lambda: type("Launch", (), {
+        monkeypatch.setattr(kernels, "kernel", lambda: type("Launch", (), {
             "__getitem__": lambda self, grid: lambda *a, **k: launches.append(grid)})())
     lm = loaded("llama")
     phases = []

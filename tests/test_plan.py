@@ -65,7 +65,7 @@ def test_the_device_estimate_charges_what_the_route_makes():
     assert every.host_bytes(lm, 300) - one.host_bytes(lm, 300) == 3 * lm.n_heads * 300 * 4 * 6
 
 
-def test_prepare_plans_once_and_its_run_is_the_capture(monkeypatch):
+def test_prepare_plans_once_and_its_run_is_the_capture(monkeypatch, use_settings):
     """``prepare`` decides everything before anything runs (the plan under a budget, the device check) and its
     ``run`` is the capture itself: the same maps and statistics as ``capture`` of the keep it chose, run after
     run (each run records afresh)."""
@@ -94,7 +94,7 @@ def test_prepare_plans_once_and_its_run_is_the_capture(monkeypatch):
 
     ran = []
     monkeypatch.setattr(recipe_mod, "forward", lambda *a, **k: ran.append(1))
-    monkeypatch.setenv("ATTNVIZ_DEVICE_MB", "0.01")
+    use_settings(device_mb=0.01)
     with pytest.raises(devices.DeviceMemoryError, match="What would fit"):
         prepare(lm, text * 12, "fwd", Keep())
     with pytest.raises(InputError, match="captures at most 3"):

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from attnviz.access import Access, is_shared
+from attnviz.settings import Settings
 from attnviz.errors import InputError
 
 from test_app import app_test, on_page, texts
@@ -38,10 +39,13 @@ def lab(tmp_path, monkeypatch):
 
 def test_shared_mode_is_on_beyond_the_loopback(monkeypatch):
     monkeypatch.delenv("ATTNVIZ_SHARED", raising=False)
-    assert not is_shared("localhost") and not is_shared("127.0.0.1") and not is_shared("::1")
-    assert is_shared("0.0.0.0") and is_shared("") and is_shared(None)  # an empty address listens everywhere
+    unset = Settings.from_environment()
+    assert not is_shared("localhost", unset) and not is_shared("127.0.0.1", unset) and not is_shared("::1", unset)
+    assert is_shared("0.0.0.0", unset) and is_shared("", unset) and is_shared(None, unset)  # listens everywhere
     monkeypatch.setenv("ATTNVIZ_SHARED", "1")
-    assert is_shared("localhost")
+    assert is_shared("localhost", Settings.from_environment())
+    monkeypatch.setenv("ATTNVIZ_SHARED", "0")  # behind a proxy of one's own
+    assert not is_shared("0.0.0.0", Settings.from_environment())
 
 
 def test_reads_writes_and_models_stay_inside_the_roots(lab, monkeypatch):

@@ -231,16 +231,16 @@ def test_byte_lru_evicts_by_bytes_not_count():
     assert arrays <= nbytes(cap) <= arrays + 64 * 1024 + cap.next_logprobs.nbytes
 
 
-def test_capture_cache_budget_from_the_environment(monkeypatch):
+def test_capture_cache_budget_from_the_settings(use_settings):
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from ui.cache import capture_budget
 
-    monkeypatch.setenv("ATTNVIZ_MEMORY_MB", "512")
+    use_settings(memory_mb=512)  # ATTNVIZ_MEMORY_MB, read by the app (tests/test_settings.py)
     assert capture_budget() == 512 * 2**20
-    monkeypatch.delenv("ATTNVIZ_MEMORY_MB")
+    use_settings(memory_mb=0)
     import os
 
     assert capture_budget() == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4

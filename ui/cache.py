@@ -9,6 +9,7 @@ import time
 
 import streamlit as st
 
+from attnviz import settings
 from attnviz.core.spec import arch as arch_mod
 from attnviz.core.model import devices
 from attnviz import plan as plan_mod
@@ -21,27 +22,24 @@ from attnviz.plan import Keep
 from attnviz.recipe import Recipe
 from ui import jobs, shared
 
-MAX_TOKENS = int(os.environ.get("ATTNVIZ_MAX_TOKENS", "0")) or None  # None: the model's own context
+def max_tokens() -> int | None:
+    """The app's token limit: ``ATTNVIZ_MAX_TOKENS`` (None: the model's own context)."""
+    return settings.active().max_tokens
 
 
-def setting_mb(name: str, default: int) -> int:
-    """A size in MB: the environment (``ATTNVIZ_<NAME>_MB``) first, then the app's Streamlit secrets
-    (``.streamlit/secrets.toml``: ``[attnviz]`` ``<name>_mb = ...``, Streamlit's place for an app's
-    own settings, since its config.toml takes only Streamlit's options), then ``default``."""
-    value = os.environ.get(f"ATTNVIZ_{name.upper()}_MB", "")
-    if not value:
-        try:
-            value = st.secrets.get("attnviz", {}).get(f"{name.lower()}_mb", "")
-        except FileNotFoundError:  # no secrets file (StreamlitSecretNotFoundError is one)
-            value = ""
-    return int(value or default)
+def setting_mb(name: str) -> int:
+    """A size in MB of the app's settings (``full_maps``, ``memory``, ``checkpoint``): the environment
+    (``ATTNVIZ_<NAME>_MB``) first, then the app's Streamlit secrets (``.streamlit/secrets.toml``: ``[attnviz]``
+    ``<name>_mb = ...``, Streamlit's place for an app's own settings, since its config.toml takes only Streamlit's
+    options), then the default (:class:`attnviz.settings.Settings`, read by :func:`ui.shared.apply_settings`)."""
+    return int(getattr(settings.active(), f"{name}_mb"))
 
 
 def full_maps_limit() -> int:
     """Above this estimated size (``ATTNVIZ_FULL_MAPS_MB``, default 1 GB: ~1,400 tokens on the default
     model) a capture keeps statistics and 512-px max-pooled maps of every layer instead of full maps;
     regions zoom back to full resolution."""
-    return setting_mb("full_maps", 1024) * 2**20
+    return setting_mb("full_maps") * 2**20
 
 
 POOL = plan_mod.POOL  # cells a side of a long capture's pooled maps (the library's plan decides)
@@ -58,7 +56,7 @@ def capture_budget() -> int:
     """Bytes the shared capture cache may hold: ``ATTNVIZ_MEMORY_MB`` (or ``memory_mb`` in the app's
     secrets, :func:`setting_mb`), else a quarter of the machine's memory. Bounded by bytes, not
     count: one 2,048-token capture weighs ~2.3 GB."""
-    mb = setting_mb("memory", 0)
+    mb = setting_mb("memory")
     if mb > 0:
         return mb * 2**20
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
@@ -83,7 +81,7 @@ def get_model(name: str, trust_remote_code: bool = False, wait: bool = True,
     model only if it is already loaded: pages that need none never wait for one.
     """
     key = (name, trust_remote_code) if device_map is None else (name, trust_remote_code, device_map)
-    dtype = os.environ.get("ATTNVIZ_DTYPE", "").strip()
+    dtype = settings.active().dtype
     key = key + (dtype,) if dtype else key  # a model loaded in another dtype is another model
     store, failed = _models(), _failed_models()
     if key in store:
@@ -159,14 +157,14 @@ def job_tokens() -> int | None:
     """The most tokens one job captures here: the server's ``ATTNVIZ_MAX_TOKENS`` and, on a shared server, its
     per-job cap (``max_tokens`` in secrets.toml, docs/sharing.md), whichever is lower; None: the model's own limit
     (a server of one's own has no cap; the memory plan still applies)."""
-    caps = [MAX_TOKENS, shared.cap("max_tokens") if shared.access().shared else None]
+    caps = [max_tokens(), shared.cap("max_tokens") if shared.access().shared else None]
     return min((c for c in caps if c), default=None)
 
 
 def budget() -> plan_mod.Budget:
     """What one capture may take on this server: full maps up to :func:`full_maps_limit`, what the capture cache
     has left (:func:`captures_left`), the checkpoints' share (``ATTNVIZ_CHECKPOINT_MB``) and :func:`job_tokens`."""
-    return plan_mod.Budget(full_maps_limit(), captures_left(), setting_mb("checkpoint", 512) * 2**20, job_tokens())
+    return plan_mod.Budget(full_maps_limit(), captures_left(), setting_mb("checkpoint") * 2**20, job_tokens())
 
 
 def _refused(what: str, err: AttnvizError) -> None:
@@ -218,8 +216,10 @@ def get_capture(loaded: LoadedModel, text: str, recipe: Recipe, hidden: bool = T
         return None
     for note in prepared.plan.notes:  # how it runs, where that matters (a statistic the fused kernel lacks)
         st.caption(note)
-    return jobs.run(prepared.key, prepared.label, prepared.run_reporting, store=_captures(),
+    made = jobs.run(prepared.key, prepared.label, prepared.run_reporting, store=_captures(),
                     reserve=prepared.plan.estimate)
+    shared.fell_back(made)  # where the fused kernel failed in this capture: the visitor is told, with the reason
+    return made
 
 
 def get_seq2seq_capture(loaded: LoadedModel, source: str, target: str, spec: str):
@@ -235,7 +235,7 @@ def get_seq2seq_capture(loaded: LoadedModel, source: str, target: str, spec: str
     key = ("seq2seq", loaded.model_id, source, target.strip(), architecture.spec)
     return jobs.run(key, f"Capturing encoder ({architecture.spec}), decoder and cross-attention",
                     lambda progress: seq2seq.capture_seq2seq(loaded, source, target, architecture,
-                                                             max_tokens=MAX_TOKENS, on_layer=progress),
+                                                             max_tokens=max_tokens(), on_layer=progress),
                     store=_captures())
 
 
@@ -268,5 +268,5 @@ def get_flow(loaded: LoadedModel, text: str, made: Recipe):
     if not _text_fits(loaded, text, made):
         return None
     return jobs.run(("routes", made.key, text), f"Measuring contributions under {made.arch}",
-                    lambda progress: flow.trace(loaded, text, made, max_tokens=MAX_TOKENS, on_layer=progress),
+                    lambda progress: flow.trace(loaded, text, made, max_tokens=max_tokens(), on_layer=progress),
                     store=_captures())

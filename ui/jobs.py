@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import sys
 import threading
 import time
@@ -14,18 +13,18 @@ from typing import Callable, Hashable, TypeVar
 
 import streamlit as st
 
+from attnviz import settings
 from attnviz.core.model import devices
 from attnviz.errors import AttnvizError
 from ui.lru import ByteLRU
 from ui import shared
 
 T = TypeVar("T")
-BUDGET_MB = int(os.environ.get("ATTNVIZ_RESULTS_MB", "64"))  # results are curves and scores: small
 
 
 @st.cache_resource(show_spinner=False)
-def _results() -> ByteLRU:
-    return ByteLRU(BUDGET_MB * 2**20)
+def _results() -> ByteLRU:  # results are curves and scores: small (ATTNVIZ_RESULTS_MB, default 64)
+    return ByteLRU(settings.active().results_mb * 2**20)
 
 
 log = logging.getLogger("attnviz.jobs")

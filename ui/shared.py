@@ -15,10 +15,33 @@ from contextlib import contextmanager, nullcontext
 
 import streamlit as st
 
+from attnviz import settings
 from attnviz.access import Access, is_shared
 from attnviz.errors import InputError
 
 CAPS = {"jobs": 1, "max_tokens": 8192, "max_cells": 12}  # shared mode's defaults, overridden in secrets.toml
+
+
+def apply_settings() -> bool:
+    """The app's settings, read once a run from the environment and the ``[attnviz]`` table of
+    ``.streamlit/secrets.toml`` (:meth:`attnviz.settings.Settings.from_environment`) and handed to the library
+    (:func:`attnviz.settings.use`), so that a changed environment applies at once; False after ``st.error`` where a
+    value is not one its variable takes."""
+    try:
+        settings.use(settings.Settings.from_environment(secrets=_secrets("attnviz")))
+    except InputError as err:
+        st.error(f"Settings: {err}")
+        return False
+    return True
+
+
+def fell_back(result) -> None:
+    """Tell the visitor that their capture took the block engine where the fused kernel failed (the same numbers,
+    slower), with the reason: the route stays on for the next capture and for every other visitor."""
+    reasons = (getattr(result, "meta", None) or {}).get("fused_fallback")
+    if reasons:
+        st.warning("This capture fell back from the fused statistics kernel to the block engine (the same "
+                   f"statistics, slower): {'; '.join(reasons)}. The next capture tries the kernel again.")
 
 
 def _secrets(table: str) -> dict:
@@ -30,12 +53,12 @@ def _secrets(table: str) -> dict:
 
 
 def access() -> Access:
-    """This server's access rules (cheap: read per call, so a changed environment applies at once)."""
-    return Access.from_env(is_shared(st.get_option("server.address")))
+    """This server's access rules, from the app's settings (:func:`apply_settings`, read every run)."""
+    return Access.of(is_shared(st.get_option("server.address")))
 
 
 def cap(name: str) -> int:
-    return int(_secrets("attnviz").get(name, CAPS[name]))
+    return int(settings.active().cap(name, CAPS[name]))
 
 
 def checked(check, *args):

@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
+from attnviz import settings
 from attnviz.errors import AttnvizError
 
 MODEL_HELP = "'default' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M), a Hugging Face id or a local directory"
@@ -202,14 +202,18 @@ def dumps(result) -> str:
 def run(handler, args) -> int:
     """Run a command's runner and print what it returns: its JSON (a dict), nothing (None: it printed its JSON
     lines itself) or its exit status (an int: it printed its output, as the doctor does). Bad input is one line on
-    stderr and exit 2, any other failure one line and exit 1: never a traceback (``ATTNVIZ_DEBUG=1`` shows it)."""
+    stderr and exit 2, any other failure one line and exit 1: never a traceback (``ATTNVIZ_DEBUG=1`` shows it).
+    The settings are read from the environment here, once, and handed to the library (:func:`attnviz.settings.use`):
+    the command line is one of the edges that read them (docs/cli.md#settings)."""
     try:
+        given = settings.Settings.from_environment()
+        settings.use(given)
         result = handler(args)
     except AttnvizError as err:
         print(f"attnviz: error: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # never a traceback for the user; ATTNVIZ_DEBUG=1 shows it
-        if os.environ.get("ATTNVIZ_DEBUG"):
+        if settings.active().debug:
             raise
         print(f"attnviz: internal error: {type(err).__name__}: {err}", file=sys.stderr)
         return 1

@@ -37,14 +37,12 @@ def fused_kernel(loaded: LoadedModel, limit: float, why: str, force: bool = Fals
     text, same = text_of(loaded, n), "fed the same layer input"
     with layer_io(model) as ours:
         cap = capture(loaded, text, "fwd", Keep(storage_dtype=torch.float32))
-    kernels.retry()  # a kernel that failed earlier in this process is tried again: whether it runs is the finding
-    try:
-        with forcing(fused=True), layer_io(model, feed=ours.inputs):
+    try:  # each capture tries the kernel afresh (a failed launch is off for its own run only): whether it runs here
+        with forcing(fused=True), layer_io(model, feed=ours.inputs):  # is the finding
             fused = capture(loaded, text, "fwd", Keep(statistics=True, pool=FUSED_POOL, storage_dtype=torch.float32))
+        problem = "; ".join(fused.meta.get("fused_fallback", ())) or None
     except Exception as err:  # noqa: BLE001 - a kernel that fails here is the finding
-        kernels.disable(err)
-        fused = None
-    problem = kernels.disabled_reason()
+        fused, problem = None, f"{type(err).__name__}: {err}"
     if fused is None or problem is not None:
         problem = problem or "no result"
         return [Check(name, "FAIL", detail=f"the fused kernel failed ({problem.splitlines()[0][:200]}); attnviz "

@@ -8,6 +8,7 @@ import platform
 
 import torch
 
+from attnviz import settings
 from attnviz.core.model import devices
 from attnviz.core.loading.models import LoadedModel
 from attnviz.doctor.compare import dtype_name
@@ -21,7 +22,7 @@ def pick_device(asked: str = "auto") -> str:
     have = {"cpu": True, "cuda": torch.cuda.is_available(),
             "mps": bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())}
     if asked == "auto":
-        if os.environ.get("ATTNVIZ_DEVICE"):
+        if settings.active().device:  # ATTNVIZ_DEVICE, read by the command (attnviz.settings)
             return devices.default_device()
         return "cuda" if have["cuda"] else "mps" if have["mps"] else "cpu"
     if asked not in have:
@@ -66,7 +67,7 @@ def environment(loaded: LoadedModel | None = None) -> dict:
     env = {"attnviz": v("attnviz") or "source", "torch": torch.__version__, "transformers": v("transformers"),
            "triton": v("triton"), "python": platform.python_version(), "platform": platform.platform(terse=True),
            # the user's setting; the doctor's checks choose their route by argument (attnviz.core.engine.routes.forcing)
-           "devices": found, "fused_kernel": os.environ.get("ATTNVIZ_FUSED", "auto"),
+           "devices": found, "fused_kernel": {None: "auto", True: "1", False: "0"}[settings.active().fused],
            # routes' exact correction on the CPU: the compiled loop where numba is installed, else torch's gathers
            # (the same numbers, about 2.4 times the time: docs/methods.md#contributions)
            "routes_correction": (f"compiled (numba {v('numba')})" if _compiled_routes()

@@ -83,10 +83,12 @@ def speed(loaded: LoadedModel, text: str, device: str) -> list[Check]:
         with implementation(model, reference), torch.inference_mode():
             model(tensor, logits_to_keep=1)
 
+    fell_back: list[str] = []  # a fused launch that failed: the timing would be the block engine's twice
+
     def statistics(fused: bool | None = None):
         def fn():
             with forcing(fused=fused):
-                capture(loaded, text, "fwd", Keep(statistics=True))
+                fell_back.extend(capture(loaded, text, "fwd", Keep(statistics=True)).meta.get("fused_fallback", ()))
         return fn
 
     repeats = repeats_for(seconds_per_call(plain, device, 1, windows=1))
@@ -102,8 +104,8 @@ def speed(loaded: LoadedModel, text: str, device: str) -> list[Check]:
                           why=f"{expected:g}x on {device}: what the statistics route aims for over the forward it "
                               "records; a report, not a verdict (stock kernels may be much faster on some CPUs)")]
     if device == "cuda":
-        if kernels.available() and kernels.disabled_reason() is None:
-            fused = seconds_per_call(statistics(fused=True), device, repeats)
+        fused = seconds_per_call(statistics(fused=True), device, repeats) if kernels.available() else None
+        if fused is not None and not fell_back:
             blocks = seconds_per_call(statistics(fused=False), device, repeats)
             ratio = fused / blocks
             checks.append(Check.timed("speed: fused kernel vs block engine", ratio, 1.0,

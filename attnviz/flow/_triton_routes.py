@@ -56,3 +56,4 @@ def raw_tile(out_ptr, lin_ptr, probs_ptr, c_ptr, written_ptr, sign_ptr, size_ptr
                     corr += tl.maximum(a * (s_d[:, None] * w_d[None, :]) - y_d[:, None], 0.0)
         raw = tl.maximum(raw - 2.0 * corr, 0.0)
     tl.store(out_ptr + at, raw, mask=ok)
+

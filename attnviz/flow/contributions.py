@@ -23,6 +23,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from attnviz import settings
+
 CANDIDATES = 1 << 22  # floats of the exact correction made at once on the CPU (16 MB)
 # on a GPU, 128 MB at once: each chunk is a dozen kernel launches, and launches, not arithmetic, bound routes there
 # (docs/gpu.md); at 1,024 tokens the default model's first tier is then one chunk a layer instead of six
@@ -122,18 +124,45 @@ def attention_raw(y: torch.Tensor, probs: torch.Tensor, value: torch.Tensor, w_o
 
 def on_gpu(tensor: torch.Tensor) -> bool:
     """Whether routes take the GPU's one-pass route for ``tensor``: a CUDA tensor with Triton installed (ROCm and
-    other devices keep the torch path), unless ``ATTNVIZ_FUSED=0`` switches the kernels off."""
-    import os
-
+    other devices keep the torch path), unless the kernels are switched off: by the thread's choice
+    (:func:`attnviz.core.engine.routes.forcing`, which wins) or else by the settings' ``fused``
+    (``ATTNVIZ_FUSED=0``), as for the statistics kernel (:func:`attnviz.core.kernel.kernels.wanted`)."""
+    from attnviz.core.engine.routes import forced_fused
     from attnviz.core.kernel import kernels
 
+    forced = forced_fused()
     return (tensor.device.type == "cuda" and not getattr(torch.version, "hip", None) and kernels.available()
-            and os.environ.get("ATTNVIZ_FUSED", "") != "0")
+            and (forced if forced is not None else settings.active().fused is not False))
 
 
 ROUTE_TILE = (64, 64, 16)  # queries and keys a program of the routes kernel takes, stream dimensions a bound tests
 ROUTE_WARPS = 8  # at 4, a 64 x 64 tile takes every register a thread has (255; 8: no spill either way)
 ROUTE_SKIP = True  # skip the blocks of dimensions no key can pass (off: the cost on any weights, bench/routes.py)
+
+
+#: what :func:`attnviz.core.kernel.kernels.compiled_resources` compiles for a variant that names it (``build``)
+RESOURCES = "attnviz.flow.contributions:kernel_resources"
+
+
+def kernel_resources(capability: int = 90) -> dict:
+    """The routes kernel (:mod:`attnviz.flow._triton_routes`) compiled ahead of time for an NVIDIA GPU of
+    ``capability``, at its launch's tile: what ptxas allocates (:func:`attnviz.core.kernel._kernel_build.read`)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from attnviz.core.kernel._kernel_build import read
+    from attnviz.flow._triton_routes import raw_tile
+
+    bm, bn, bd = ROUTE_TILE
+    constants = {"BM": bm, "BN": bn, "BD": bd, "SKIP": ROUTE_SKIP}
+    signature = {name: "constexpr" if name in constants else "*fp32" if name.endswith("_ptr") else "i32"
+                 for name in raw_tile.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(raw_tile.arg_names) if name.endswith("_ptr")}
+    compiled = triton.compile(ASTSource(raw_tile, signature, constants, attrs), target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": ROUTE_WARPS})
+    return read(compiled, capability, ROUTE_WARPS)
+
 
 
 @torch.no_grad()

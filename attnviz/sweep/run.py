@@ -23,14 +23,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnviz import settings
 from attnviz.errors import AttnvizError
 from attnviz.recipe import Recipe
 from attnviz.sweep import measures, store
 from attnviz.sweep.spec import Cell, Spec
 
-#: environment a worker needs to find the same models offline (a cluster's workers do not inherit ours)
-PASSED_ENV = ("ATTNVIZ_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "ATTNVIZ_DEVICE_MB",
-              "ATTNVIZ_BLOCK_MB", "ATTNVIZ_FUSED")
+#: environment a worker needs to find the same models offline (a cluster's workers do not inherit ours); attnviz's
+#: own settings travel with each task (:func:`_ray_cell`), as the library never reads the environment
+PASSED_ENV = ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 _MODEL: dict = {}  # this process's model: {name: LoadedModel | AttnvizError}, one at a time (memory)
 
@@ -69,13 +70,16 @@ def run_cell(out: str, cell: Cell) -> dict:
         return {"cell": cell.id, "status": "failed", "error": message, "elapsed_s": time.perf_counter() - start}
 
 
-def _ray_cell(out: str, cell: Cell) -> dict:
-    """A Ray task: torch gets the CPUs Ray gave the task, not every core of the node."""
+def _ray_cell(out: str, cell: Cell, given: settings.Settings | None = None) -> dict:
+    """A Ray task: torch gets the CPUs Ray gave the task, not every core of the node; the library runs under the
+    sweep's settings (``given``: the caller's, handed down, since a worker has its own process)."""
     import ray
     import torch
 
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
     torch.set_num_threads(max(1, int(cpus)))
+    if given is not None:
+        settings.use(given)
     return run_cell(out, cell)
 
 
@@ -119,8 +123,8 @@ def sweep(spec: Spec, out: str, address: str | None = None, workers: int | None 
     else:
         import ray
 
-        address = address or os.environ.get("RAY_ADDRESS")
-        env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+        address = address or settings.passed(["RAY_ADDRESS"]).get("RAY_ADDRESS")
+        env = settings.passed(PASSED_ENV)
         if not ray.is_initialized():
             # "local": always a new local Ray for this sweep, never one someone else started on the machine
             ray.init(address=address or "local", num_cpus=None if address else (workers or os.cpu_count()),
@@ -129,7 +133,7 @@ def sweep(spec: Spec, out: str, address: str | None = None, workers: int | None 
         summary.startup_s = time.perf_counter() - start
         gpus = ray.cluster_resources().get("GPU", 0) > 0
         task = ray.remote(num_cpus=1, num_gpus=1 if gpus else 0, max_retries=3)(_ray_cell)
-        pending = [task.remote(out, cell) for cell in todo]  # model by model (Spec.cells' order)
+        pending = [task.remote(out, cell, settings.active()) for cell in todo]  # model by model (Spec.cells' order)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
             record(ray.get(ready[0]))

@@ -24,10 +24,10 @@ import functools
 import hashlib
 import io
 import json
-import os
 
 import numpy as np
 
+from attnviz import settings
 from attnviz.capture import Capture
 from attnviz.figures.export import describe
 from attnviz.figures.heatmaps import head_label
@@ -45,9 +45,9 @@ FORMATS = ("png", "webp")
 
 
 def budget() -> int:
-    """Image bytes one payload may hold: ``ATTNVIZ_VIEWER_MB`` or :data:`BUDGET_BYTES`."""
-    value = os.environ.get("ATTNVIZ_VIEWER_MB")
-    return int(float(value) * (1 << 20)) if value else BUDGET_BYTES
+    """Image bytes one payload may hold: the settings' ``viewer_mb`` (``ATTNVIZ_VIEWER_MB``) or :data:`BUDGET_BYTES`."""
+    value = settings.active().viewer_mb
+    return int(value * (1 << 20)) if value else BUDGET_BYTES
 
 
 @functools.lru_cache(maxsize=1)

@@ -21,7 +21,7 @@ from attnviz.core.model import devices
 from attnviz.core.kernel import kernels
 from attnviz.core.engine import routes
 from attnviz.core.record import recorders as recorders_mod
-from attnviz.core.engine.run import _RUN
+from attnviz.core.engine.run import current
 from attnviz.errors import ModelLoadError
 
 KEY = "attnviz"
@@ -70,7 +70,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                       scaling=query.shape[-1] ** -0.5 if scaling is None else scaling, softcap=softcap,
                       s_aux=None if s_aux is None else s_aux.detach())
         raise Caught()
-    run = _RUN.get()
+    run = current()
     if run is None:  # not inside attnviz: behave as stock
         # SDPA gives no weights: a caller asking for them (output_attentions=True) gets stock eager's, as it
         # would from a model loaded eager (after a capture too)
@@ -99,13 +99,15 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     recs = run.recorders_at(layer)
     fusable = bool(recs) and all(r.fusable for r in recs)
     head_mask = run.has_head_mask(layer)
+    # a fused launch that failed in this run, on this device and shape, is not tried again in it
+    shape = (str(query.device), str(query.dtype).replace("torch.", ""), tuple(query.shape), tuple(key.shape))
     route = routes.choose_route(routes.Facts(
         recorded=bool(recs), keep_graph=run.keep_graph, stablemask=mask.stable is not None,
         softcap=softcap is not None, sink_logits=s_aux is not None, reshapes=reshaped,
         head_mask=head_mask, plain_causal=plain_causal,
         block_reducer=bool(recs) and not any(r.whole_layer for r in recs), fused_reducer=fusable,
         batch_one=batch == 1, position_bias=bias is not None, grad=torch.is_grad_enabled(),
-        kernel=fusable and kernels.wanted(query.device, routes.forced_fused()),  # a caller's choice wins
+        kernel=fusable and shape not in run.fused_failed and kernels.wanted(query.device, routes.forced_fused()),
         large_allow=batch * n_q * n_kv > run.sizes.whole_allow,
         streamed=not any(r.whole_layer or r.all_keys for r in recs)))
     if route is routes.Route.SDPA_CAUSAL:
@@ -130,11 +132,11 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         recorder.start(run, layer, inputs)
     if route is routes.Route.FUSED:
         try:
-            return routes._fused_layer(run, layer, recs, query, key, value, allow, scaling, plain_causal)
+            return routes.fused_layer(run, layer, recs, query, key, value, allow, scaling, plain_causal)
         except Exception as err:  # noqa: BLE001 - a kernel that cannot compile or launch here: the block engine
             if devices.is_out_of_memory(err):
                 raise
-            kernels.disable(err)
+            run.fused_failed[shape] = kernels.failure(err, f"{shape[0]} {shape[1]} queries {shape[2]}")
         if allow.kind == "causal":  # the block engine reads the allow-set
             allow = run.allow_set(layer, n_q, n_kv, sliding_window, query.device, "whole", n_heads)
     kv_pos = run.positions_on(query.device)[:, -n_kv:]
@@ -156,7 +158,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             outs.append(query.new_zeros(batch, n_heads, q1 - q0, value.shape[-1]))
             continue
         block_allow = allow.rows(q0, q1)[..., k0:k1]
-        probs = routes._block_probs(run, layer, mask, query[:, :, q0:q1], key[:, :, k0:k1], scaling, block_allow,
+        probs = routes.block_probs(run, layer, mask, query[:, :, q0:q1], key[:, :, k0:k1], scaling, block_allow,
                              None if bias is None else bias[:, :, q0:q1, k0:k1], softcap, s_aux, q_pos[:, q0:q1],
                              kv_pos[:, k0:k1], q0, k0, recs, plain_causal and not head_mask)
         for recorder in recs:
@@ -175,7 +177,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
 def mask_builder(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                  attention_mask=None, **kwargs):
     """Registered mask builder: during a run the attention function builds per-layer masks itself."""
-    if _RUN.get() is not None:
+    if current() is not None:
         return None
     kwargs["allow_is_causal_skip"] = False  # stock path may need an explicit mask (eager fallback)
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,

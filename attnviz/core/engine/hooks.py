@@ -13,7 +13,7 @@ from attnviz.core.model import anatomy
 from attnviz.core.engine import sites
 from attnviz.core.model.anatomy import decoder_layers
 from attnviz.core.spec.interventions import BLOCKS
-from attnviz.core.engine.run import Run, _RUN, n_layers
+from attnviz.core.engine.run import Run, current, n_layers
 
 _SITE = {"attn": "attn_out", "mlp": "mlp_out", "embed": "embed"}
 
@@ -21,7 +21,7 @@ _SITE = {"attn": "attn_out", "mlp": "mlp_out", "embed": "embed"}
 def _patch(layer: int, block: str):
     """The active run's ``patch`` interventions of that layer and block, on the site's value."""
     def fn(value):
-        run = _RUN.get()
+        run = current()
         if not isinstance(run, Run):
             return None
         acts = [a for a in run.interventions.at(layer) if a.patches(block)]
@@ -47,7 +47,7 @@ def hook_blocks(model) -> None:
 
 def _checkpoint(index: int):
     def fn(value):
-        run = _RUN.get()
+        run = current()
         if isinstance(run, Run) and index in run.checkpoint_layers:
             run.checkpoints[index] = value[0].detach().to("cpu", copy=True)  # one copy a kept layer
         return None

@@ -77,10 +77,11 @@ _FORCED: contextvars.ContextVar["tuple[int, bool] | None"] = contextvars.Context
 def forcing(fused: bool | None = None):
     """Inside, this thread's forwards take the fused route wherever a layer's recorders can (``fused=True``: on any
     device where Triton is installed, in its interpreter on a CPU with ``TRITON_INTERPRET=1``) or never
-    (``fused=False``: the block engine), whatever ``ATTNVIZ_FUSED`` (the user's setting) says; None changes
-    nothing. Other threads and the environment are untouched: a shared server's sessions, and ``attnviz doctor``'s
-    checks of each route (docs/cli.md#check-attnviz-on-this-machine). The innermost wins; a kernel that failed in
-    this process (:func:`attnviz.core.kernel.kernels.disabled_reason`) stays off until :func:`attnviz.core.kernel.kernels.retry`."""
+    (``fused=False``: the block engine), whatever the settings' ``fused`` (``ATTNVIZ_FUSED``, the user's setting)
+    says; None changes nothing. Other threads and the settings are untouched: a shared server's sessions, and
+    ``attnviz doctor``'s checks of each route (docs/cli.md#check-attnviz-on-this-machine). The innermost wins; a
+    launch that failed stays off for its device and shape in its run only
+    (:func:`attnviz.core.kernel.kernels.failure`)."""
     if fused is None:
         yield
         return
@@ -92,12 +93,12 @@ def forcing(fused: bool | None = None):
 
 
 def forced_fused() -> bool | None:
-    """This thread's choice of the fused route (:func:`forcing`), or None where ``ATTNVIZ_FUSED`` decides."""
+    """This thread's choice of the fused route (:func:`forcing`), or None where the settings' ``fused`` decide."""
     held = _FORCED.get()
     return held[1] if held is not None and held[0] == threading.get_ident() else None
 
 
-def _fused_layer(run, layer: int, recs, query, key, value, allow, scaling: float, plain_causal: bool):
+def fused_layer(run, layer: int, recs, query, key, value, allow, scaling: float, plain_causal: bool):
     """A recorded layer whose recorders all take the fused route (:mod:`attnviz.core.kernel.kernels`): one attention
     kernel gives its output and every row's log-sum-exp, and the Triton kernel the sums and pooled maps the
     recorders ask for (:meth:`~attnviz.core.record.recorders.Recorder.fused_needs`) from Q, K and that log-sum-exp."""
@@ -130,7 +131,7 @@ def _fused_layer(run, layer: int, recs, query, key, value, allow, scaling: float
     return run.finish(layer, out)
 
 
-def _block_probs(run, layer: int, mask: Mask, query, key, scaling, allow, bias, softcap, s_aux, q_pos, kv_pos,
+def block_probs(run, layer: int, mask: Mask, query, key, scaling, allow, bias, softcap, s_aux, q_pos, kv_pos,
                  q0: int = 0, k0: int = 0, recs=(), causal: bool = False) -> torch.Tensor:
     """(B, H, b, w) fp32 probabilities of one block of b query rows and w keys (the block's first: q0, k0);
     recorders that ask for the block's pre-softmax scores (``recs``) get them before the softmax."""

@@ -26,6 +26,12 @@ from attnviz.errors import ModelLoadError
 _RUN: contextvars.ContextVar["Run | None"] = contextvars.ContextVar("attnviz_run", default=None)
 
 
+def current() -> "Run | Stacks | None":
+    """This thread's active run (:func:`active`), or None outside one: what the attention function and the
+    engine's functions at the sites read."""
+    return _RUN.get()
+
+
 @dataclass(frozen=True)
 class Computes:
     """What a forward computes, the engine's half of a recipe (:class:`attnviz.recipe.Built` makes one): one
@@ -151,6 +157,9 @@ class Recorded:
 
     allowed: dict[int, AllowSet] = field(default_factory=dict)
     checkpoints: dict[int, torch.Tensor] = field(default_factory=dict)
+    # where the fused route failed in this run: (device, dtype, query shape, key shape) -> the reason; those layers
+    # take the block engine, in this run only (attnviz.core.kernel.kernels.failure)
+    fused_failed: dict[tuple, str] = field(default_factory=dict)
 
     def host_allowed(self, layers) -> dict:
         """The (n_q, n_kv) allow-set of each of ``layers`` on the host, the cells some head may see

@@ -57,11 +57,11 @@ def resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, po
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel = kernels._kernel()
+    kernel = kernels.kernel()
     bm, bn = tile or (kernels.BLOCK_M, kernels.BLOCK_N)
     if split is None:
         split = kernels.row_groups(capability, dtype == "fp32", bm, num_warps)
-    constants = kernels._constants(bm, bn, head_dim, dtype == "fp32", granularity, pool,
+    constants = kernels.constants(bm, bn, head_dim, dtype == "fp32", granularity, pool,
                                    value, scores, causal, lse, whole, split)
     pointers = {"q_ptr": dtype, "k_ptr": dtype, "allow_ptr": "i32", "ranges_ptr": "i32"}
     signature = {name: "constexpr" if name in constants else
@@ -74,30 +74,14 @@ def resources(capability: int = 90, dtype: str = "bf16", head_dim: int = 128, po
                **({} if maxnreg is None else {"maxnreg": maxnreg})}
     compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", capability, 32),
                               options=options)
-    return _read(compiled, capability, num_warps)
+    return read(compiled, capability, num_warps)
 
 
-def routes_resources(capability: int = 90) -> dict:
-    """The routes kernel (:mod:`attnviz.flow._triton_routes`) compiled ahead of time for an NVIDIA GPU of
-    ``capability``, at its launch's tile: what ptxas allocates, as :func:`resources` reads it."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from attnviz.flow import contributions
-    from attnviz.flow._triton_routes import raw_tile
-
-    bm, bn, bd = contributions.ROUTE_TILE
-    constants = {"BM": bm, "BN": bn, "BD": bd, "SKIP": contributions.ROUTE_SKIP}
-    signature = {name: "constexpr" if name in constants else "*fp32" if name.endswith("_ptr") else "i32"
-                 for name in raw_tile.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(raw_tile.arg_names) if name.endswith("_ptr")}
-    compiled = triton.compile(ASTSource(raw_tile, signature, constants, attrs), target=GPUTarget("cuda", capability, 32),
-                              options={"num_warps": contributions.ROUTE_WARPS})
-    return _read(compiled, capability, contributions.ROUTE_WARPS)
-
-
-def _read(compiled, capability: int, num_warps: int) -> dict:
+def read(compiled, capability: int, num_warps: int) -> dict:
+    """What ptxas allocates for a Triton kernel ``compiled`` for an NVIDIA GPU of ``capability`` at ``num_warps``
+    (registers, spills, shared memory, programs an SM holds) and its tile loops' instructions and barriers: the
+    statistics kernel's (:func:`resources`) or another package's (the routes kernel's,
+    :func:`attnviz.flow.contributions.kernel_resources`, named by its caller: this package imports nothing above it)."""
     from triton import knobs
     from triton.backends.nvidia.compiler import get_ptxas
 

@@ -15,10 +15,12 @@ SDPA gives the output: two QKᵀ products.
 
 Which layers take it: a recorded layer of a statistics capture (``Keep(statistics=True)``) on a CUDA
 device with Triton available, batch 1, no StableMask/SM-I pseudo-logits, learned sinks, softcapping or
-position bias (those keep the block engine, which handles every case). ``ATTNVIZ_FUSED=0`` turns the
-route off; ``ATTNVIZ_FUSED=1`` forces it on any device, which with ``TRITON_INTERPRET=1`` runs the
-kernel in Triton's interpreter on the CPU (how the tests check it against docs/methods.md#sink-metrics). A caller
-forces or forbids the route for its own calls, in its own thread, with :func:`attnviz.core.engine.routes.forcing`.
+position bias (those keep the block engine, which handles every case). The settings' ``fused``
+(``ATTNVIZ_FUSED=0`` for the CLI and the app: :mod:`attnviz.settings`) turns the route off; ``ATTNVIZ_FUSED=1``
+forces it on any device, which with ``TRITON_INTERPRET=1`` runs the kernel in Triton's interpreter on the CPU (how
+the tests check it against docs/methods.md#sink-metrics). A caller forces or forbids the route for its own calls, in
+its own thread, with :func:`attnviz.core.engine.routes.forcing`. A launch that fails switches the route off for that
+device and shape in that run only (:func:`failure`; the capture says so: ``Capture.meta["fused_fallback"]``).
 
 The kernel's outputs per head: row sums, Σ p·log p, the diagonal, key 0's probability and the delimiter share per
 query; column sums per key (atomic adds across query blocks and, on Hopper, across a block's warps:
@@ -43,6 +45,8 @@ from pathlib import Path
 
 import torch
 
+from attnviz import settings
+
 
 BLOCK_M = 64  # query rows per program
 BLOCK_N = 64  # keys per tile
@@ -62,9 +66,9 @@ def warps_for(capability: int, fp32: bool) -> int:
 
 def num_warps(device: torch.device, fp32: bool) -> int:
     """The warps a program of the kernel runs on ``device`` (:func:`warps_for`; ROCm and the rest keep 8)."""
-    setting = os.environ.get("ATTNVIZ_KERNEL_WARPS", "")
-    if setting in ("4", "8"):
-        return int(setting)
+    setting = settings.active().kernel_warps
+    if setting in (4, 8):
+        return setting
     capability = _capability(device)
     return NUM_WARPS if capability is None else warps_for(capability, fp32)
 
@@ -89,42 +93,29 @@ def launch(device: torch.device, fp32: bool,
     """(BM, BN, warps, stages, row groups, registers) of the statistics kernel on ``device``: :data:`TUNED` where
     the card is listed, else the defaults, and :func:`row_groups` for the tile; ``registers`` a cap on a thread's
     registers (None: the compiler's choice; a cap lets an SM hold more programs: :func:`programs_per_sm`).
-    ``ATTNVIZ_KERNEL_TILE=BMxBN``, ``ATTNVIZ_KERNEL_WARPS``, ``ATTNVIZ_KERNEL_STAGES``, ``ATTNVIZ_KERNEL_GROUPS``
-    and ``ATTNVIZ_KERNEL_REGISTERS`` (0: no cap) override each (how bench/kernel_sweep.py times the choices), and a
-    caller's ``tile`` (BM, BN) overrides the tile."""
+    The settings' ``kernel_tile``, ``kernel_warps``, ``kernel_stages``, ``kernel_groups`` and ``kernel_registers``
+    (0: no cap; ``ATTNVIZ_KERNEL_TILE=BMxBN``, ``ATTNVIZ_KERNEL_WARPS``, ... for the CLI and bench/kernel_sweep.py,
+    which times the choices) override each, and a caller's ``tile`` (BM, BN) overrides the tile."""
+    given = settings.active()
     bm, bn, stages = BLOCK_M, BLOCK_N, None
     capability = _capability(device)
     if capability in TUNED and not fp32:
         bm, bn, stages = TUNED[capability]
-    setting = os.environ.get("ATTNVIZ_KERNEL_TILE", "")
-    if setting:
-        bm, bn = (int(x) for x in setting.lower().split("x"))
+    if given.kernel_tile:
+        bm, bn = given.kernel_tile
     if tile is not None:
         bm, bn = tile
-    setting = _whole_number("ATTNVIZ_KERNEL_STAGES")
-    stages = stages if setting is None else setting
+    stages = stages if given.kernel_stages is None else given.kernel_stages
     warps = num_warps(device, fp32)
-    groups = _whole_number("ATTNVIZ_KERNEL_GROUPS")
+    groups = given.kernel_groups
     groups = row_groups(capability or 0, fp32, bm, warps) if groups is None else groups
     if groups < 1 or bm % (16 * groups):
         raise ValueError(f"ATTNVIZ_KERNEL_GROUPS={groups}: a tile of {bm} rows holds no whole 16-row slab a group")
-    registers = _whole_number("ATTNVIZ_KERNEL_REGISTERS") or None
+    registers = given.kernel_registers or None
     if registers is not None and not (MIN_REGISTERS <= registers <= 248 and registers % 8 == 0):
         raise ValueError(f"ATTNVIZ_KERNEL_REGISTERS={registers}: a thread's registers are capped at a multiple of 8 "
                          f"from {MIN_REGISTERS} to 248 (0: no cap)")
     return bm, bn, warps, stages, groups, registers
-
-
-def _whole_number(name: str) -> int | None:
-    """The whole number an environment setting of the launch holds (None: unset or empty); anything else is refused
-    with the setting's name."""
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name}={value!r}: not a whole number") from None
 
 
 #: The smallest register cap taken: a 64 x 64 tile's scores alone are 32 fp32 a thread at 4 warps, and its
@@ -170,39 +161,27 @@ def available() -> bool:
     return True
 
 
-_disabled: list[str] = []  # why the fused route was switched off in this process, if it was
+def failure(err: BaseException, where: str) -> str:
+    """The reason a launch of the kernel failed to compile or run (a Triton or driver this code was not tried
+    with), said on the log: the caller switches the route off for that device and shape (``where``) in that run
+    only, and the block engine computes the same statistics, slower. The next run tries the kernel again, so a
+    shared server's other visitors, and this one's next capture, keep the route."""
+    import logging
 
-
-def disable(err: BaseException) -> None:
-    """Switch the fused route off for this process after the kernel failed to compile or launch (a
-    Triton or driver this code was not tried with): the block engine computes the same statistics,
-    slower. Said once on the log, with the reason."""
-    if not _disabled:
-        import logging
-
-        logging.getLogger("attnviz").warning("fused statistics kernel unavailable (%s: %s); using the block engine",
-                                             type(err).__name__, str(err).splitlines()[0] if str(err) else "")
-    _disabled.append(f"{type(err).__name__}: {err}")
-
-
-def disabled_reason() -> str | None:
-    """Why the fused route was switched off in this process (:func:`disable`), or None while it is not."""
-    return _disabled[0] if _disabled else None
-
-
-def retry() -> None:
-    """Forget that the fused route was switched off: the next layer that wants it tries the kernel again."""
-    _disabled.clear()
+    reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    logging.getLogger("attnviz").warning("fused statistics kernel failed at %s (%s); using the block engine",
+                                         where, reason)
+    return reason
 
 
 def wanted(device: torch.device, fused: bool | None = None) -> bool:
     """Whether recorded layers on ``device`` take the fused route (see the module docstring): ``fused`` True
     forces it, False forbids it (a caller's choice: :func:`attnviz.core.engine.routes.forcing`), None leaves it to
-    ``ATTNVIZ_FUSED``, else to the device."""
-    setting = os.environ.get("ATTNVIZ_FUSED", "") if fused is None else "1" if fused else "0"
-    if setting == "0" or _disabled:
+    the settings' ``fused`` (``ATTNVIZ_FUSED``), else to the device."""
+    fused = settings.active().fused if fused is None else fused
+    if fused is False:
         return False
-    if setting == "1":
+    if fused:
         return available()
     return device.type == "cuda" and available()
 
@@ -217,7 +196,8 @@ def granularity(factor: int) -> int:
 
 
 @functools.cache
-def _kernel():
+def kernel():
+    """The Triton kernel itself (:func:`attnviz.core.kernel._triton_stats.layer_stats`), imported when first asked."""
     from attnviz.core.kernel._triton_stats import layer_stats
 
     return layer_stats
@@ -242,7 +222,7 @@ def pack_allow(allow: torch.Tensor) -> torch.Tensor:
 SUMS = frozenset({"rowsum", "plogp", "diag", "key0", "delim", "colsum", "colsum_allowed"})
 
 
-def _constants(bm: int, bn: int, head_dim: int, fp32: bool, g: int, pool: bool, value: bool,
+def constants(bm: int, bn: int, head_dim: int, fp32: bool, g: int, pool: bool, value: bool,
                scores: bool, causal: bool, lse: bool = True, whole: bool = False, split: int = 1) -> dict:
     """The kernel's compile-time constants, one definition for the launch and for
     :func:`compiled_resources`, so the variants checked for spills are the ones launched."""
@@ -275,7 +255,7 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     heads, n_q, dim = query.shape
     n_kv = key.shape[1]
     device = query.device
-    if block is not None and len(block) == 6:  # the caller's launch() already: the environment read once a layer
+    if block is not None and len(block) == 6:  # the caller's launch() already: the settings read once a layer
         bm, bn, warps, stages, groups, registers = block
     else:
         bm, bn, warps, stages, groups, registers = launch(device, query.dtype == torch.float32, block)
@@ -309,7 +289,7 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
         packed = zeros(device, 1, torch.int32)
     else:
         packed = allow if allow.dtype == torch.int32 else pack_allow(allow)
-    _kernel()[(heads, -(-n_q // bm))](
+    kernel()[(heads, -(-n_q // bm))](
         query, key, packed,
         _on(ranges, device, torch.int32), _on(delim, device), dummy if norms is None else _on(norms, device),
         dummy if lse is None else _on(lse, device),
@@ -317,7 +297,7 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
         pooled, pooled_value, pooled_scores,
         n_q, n_kv, dim, heads // key.shape[0], float(scaling), 0, pool_factor or 1, rows, cols,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-        **_constants(bm, bn, dim, query.dtype == torch.float32, g, pool, norms is not None, scores, causal,
+        **constants(bm, bn, dim, query.dtype == torch.float32, g, pool, norms is not None, scores, causal,
                      lse is not None, whole, groups),
         num_warps=warps, **({} if stages is None else {"num_stages": stages}),
         **({} if registers is None else {"maxnreg": registers}))
@@ -353,10 +333,10 @@ def compiled_resources(*variants: dict) -> list[dict]:
     bytes a program. A variant names ``capability`` (90: H100/H200, 80: A100), ``dtype`` ("bf16",
     "fp16", "fp32"), ``head_dim`` and optionally ``pool``, ``value``, ``scores``, ``causal``,
     ``granularity``, ``whole``, ``num_warps``, ``lse``, ``tile`` (BM, BN), ``num_stages``, ``maxnreg`` (a cap on a
-    thread's registers), ``split`` (row groups:
-    :func:`row_groups`), or ``routes`` (True: the
-    routes kernel of attnviz.flow._triton_routes instead, at its tile) (defaults: what a 512-px statistics capture of a
-    causal model launches at 32,768 tokens). Each dict also gives ``tile_instructions``: the SASS
+    thread's registers), ``split`` (row groups: :func:`row_groups`), or ``build`` ("module:function": another
+    kernel's, its caller's to name, such as the routes kernel's ``attnviz.flow.contributions.RESOURCES``, with the
+    variant's other keys as its arguments) (defaults: what a 512-px statistics capture of a causal model launches at
+    32,768 tokens). Each dict also gives ``tile_instructions``: the SASS
     instructions a thread runs for one tile in each tile loop (and ``tile_barriers``, the barriers among them, where
     a warp waits for the program's others), in the kernel's order (a causal kernel's
     full tiles, then its masked ones). Where the kernel is bound by its arithmetic, as it is at long
@@ -372,11 +352,14 @@ def compiled_resources(*variants: dict) -> list[dict]:
     import sys
 
     root = str(Path(__file__).resolve().parents[3])  # the folder that holds the attnviz package
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = settings.environment_without("TRITON_INTERPRET")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    code = ("import json, sys; from attnviz.core.kernel._kernel_build import resources, routes_resources; "
-            "print(json.dumps([routes_resources(v.get('capability', 90)) if v.get('routes') else resources(**v) "
-            "for v in json.loads(sys.argv[1])]))")
+    code = ("import importlib, json, sys; from attnviz.core.kernel._kernel_build import resources\n"
+            "def built(v):\n"
+            "    if 'build' not in v:\n        return resources(**v)\n"
+            "    module, name = v.pop('build').split(':')\n"
+            "    return getattr(importlib.import_module(module), name)(**v)\n"
+            "print(json.dumps([built(v) for v in json.loads(sys.argv[1])]))")
     done = subprocess.run([sys.executable, "-c", code, json.dumps(variants)], env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"compiling the kernel failed:\n{done.stderr[-4000:]}")

@@ -5,10 +5,10 @@ once. Which kernel gives them, and when cuDNN's are trusted (:func:`cudnn_agrees
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from attnviz import settings
 from attnviz.core.model import devices
 
 
@@ -19,7 +19,7 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     flash attention (causal, half precision) or the memory-efficient kernel (any mask, any dtype), which compute the
     log-sum-exp for their backward: the statistics kernel then passes over QKᵀ once. ``allow`` (B, 1, n_q, n_kv)
     bool, or None with ``causal``. Where no such kernel runs (another device, a shape it refuses) or
-    ``ATTNVIZ_FUSED_LSE=0``, the output comes from SDPA and the log-sum-exp is None (the kernel finds it itself)."""
+    the settings say no (``fused_lse``, ``ATTNVIZ_FUSED_LSE=0``), the output comes from SDPA and the log-sum-exp is None (the kernel finds it itself)."""
     import torch.nn.functional as F
 
     heads, kv_heads, n_q = query.shape[1], key.shape[1], query.shape[2]
@@ -30,7 +30,7 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                                               enable_gqa=heads != kv_heads), None
 
     # ROCm reports "cuda" too, and whether its kernels' log-sum-exp is natural was not checked: two passes there
-    if (os.environ.get("ATTNVIZ_FUSED_LSE", "") == "0" or query.device.type not in ("cpu", "cuda")
+    if (not settings.active().fused_lse or query.device.type not in ("cpu", "cuda")
             or getattr(torch.version, "hip", None)):
         return plain()
     if heads != kv_heads:  # these kernels take one key head per query head
@@ -49,7 +49,8 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     else:
         tries = []
         if causal and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
-            if cudnn_agrees(query.device, query.dtype):  # what SDPA itself runs on Hopper: the forward's own cost
+            # what SDPA itself runs on Hopper: the forward's own cost
+            if settings.active().cudnn and cudnn_agrees(query.device, query.dtype):
                 tries.append(lambda: ops._scaled_dot_product_cudnn_attention(query, key, value, None, True, 0.0, True,
                                                                             False, scale=scaling))
             tries.append(lambda: ops._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False,
@@ -74,8 +75,8 @@ def cudnn_agrees(device: torch.device, dtype: torch.dtype) -> bool:
     log-sum-exp, on two small causal cases, one with a key of massive scores, head dims 64 and 128 (once a process,
     per device and dtype; cuDNN before 9.3 got large scores wrong): only then does a layer take its
     log-sum-exp from cuDNN. Nothing documents the layout and base of cuDNN's statistics as flash attention's are,
-    so they are checked where they are used. ``ATTNVIZ_CUDNN=0`` says no."""
-    if os.environ.get("ATTNVIZ_CUDNN", "") == "0" or device.type != "cuda" or getattr(torch.version, "hip", None):
+    so they are checked where they are used. The settings' ``cudnn`` (``ATTNVIZ_CUDNN=0``) says no at the call."""
+    if device.type != "cuda" or getattr(torch.version, "hip", None):
         return False
     ops = torch.ops.aten
     gen = torch.Generator(device=device).manual_seed(0)

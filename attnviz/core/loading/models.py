@@ -4,13 +4,13 @@ Gemma 3 270M) or any Hugging Face id or local directory. Weights are only ever r
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from attnviz import settings
 from attnviz.core.model import devices
 from attnviz.core.loading.shipped import (DEFAULT, DEFAULT_GGUF, DEFAULT_NAME, DEFAULT_PACKAGE, SHIPPED,  # noqa: F401
                                   Progress, Shipped, converted, cache_dir, default_gguf,
@@ -116,8 +116,8 @@ def local_directory(name: str) -> str | None:
 def _resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype is None and os.environ.get("ATTNVIZ_DTYPE", "").strip():
-        dtype = os.environ["ATTNVIZ_DTYPE"].strip()  # the app's and the CLI's default, like ATTNVIZ_DEVICE
+    if dtype is None:
+        dtype = settings.active().dtype  # ATTNVIZ_DTYPE: the app's and the CLI's default, like ATTNVIZ_DEVICE
     if dtype in (None, "auto"):
         return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     try:
@@ -132,8 +132,9 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
          progress: Progress | None = None, offload_folder: str | Path | None = None) -> LoadedModel:
     """Load ``"default"``, a Hugging Face id or a local directory as a :class:`LoadedModel`.
 
-    Device defaults to ``ATTNVIZ_DEVICE`` when set, else CUDA when present (:func:`devices.default_device`),
-    in bfloat16 there and float32 on the CPU (statistics are
+    Device defaults to the settings' ``device`` when set (``ATTNVIZ_DEVICE`` for the CLI and the app:
+    :mod:`attnviz.settings`), else CUDA when present (:func:`devices.default_device`), and the dtype to the
+    settings' ``dtype`` when set, else bfloat16 there and float32 on the CPU (statistics are
     float32 on either, docs/methods.md#devices). ``device_map`` ("auto", "balanced", ... or a dict of module → device)
     loads through accelerate across GPUs, the CPU and disk (``"disk"`` entries are offloaded to
     ``offload_folder``, by default a folder of the cache directory); attnviz keeps each layer's state
@@ -182,7 +183,9 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except OSError as err:
-        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        from huggingface_hub import constants as hf_constants
+
+        offline = bool(hf_constants.HF_HUB_OFFLINE)
         raise ModelLoadError(
             f"cannot find model '{name}': not a local model directory, and the Hugging Face Hub "
             f"{'is switched off (HF_HUB_OFFLINE=1)' if offline else 'does not have it or cannot be reached'}"

@@ -60,10 +60,12 @@ def shipped_installed() -> list[str]:
 
 
 def cache_dir() -> Path:
-    """``$ATTNVIZ_CACHE``, else ``$XDG_CACHE_HOME/attnviz``, else ``~/.cache/attnviz``."""
-    if os.environ.get("ATTNVIZ_CACHE"):
-        return Path(os.environ["ATTNVIZ_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attnviz"
+    """The settings' ``cache`` (``$ATTNVIZ_CACHE``, else ``$XDG_CACHE_HOME/attnviz``, for the CLI and the app),
+    else ``~/.cache/attnviz``."""
+    from attnviz import settings
+
+    given = settings.active().cache
+    return Path(given).expanduser() if given else Path.home() / ".cache" / "attnviz"
 
 
 def _package_dir(shipped: Shipped) -> Path:

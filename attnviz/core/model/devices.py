@@ -10,11 +10,11 @@ tensor on the CPU behind a caller's back.
 from __future__ import annotations
 
 import gc
-import os
 from contextlib import contextmanager
 
 import torch
 
+from attnviz import settings
 from attnviz.errors import AttnvizError
 
 MB = 2**20
@@ -32,10 +32,10 @@ class DeviceMemoryError(AttnvizError):
 
 
 def default_device() -> str:
-    """Where a model loads when no device is named: ``ATTNVIZ_DEVICE`` when set (``cpu``, ``cuda``,
-    ``cuda:1``, ``mps``: a shared server that keeps its GPU for other work, or a test suite that must give
-    the same results on any machine), else CUDA when this machine has it, else the CPU."""
-    return os.environ.get("ATTNVIZ_DEVICE", "").strip() or ("cuda" if torch.cuda.is_available() else "cpu")
+    """Where a model loads when no device is named: the settings' ``device`` when set (``ATTNVIZ_DEVICE`` for the
+    CLI and the app: ``cpu``, ``cuda``, ``cuda:1``, ``mps``: a shared server that keeps its GPU for other work, or a
+    test suite that must give the same results on any machine), else CUDA when this machine has it, else the CPU."""
+    return settings.active().device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def available(device: str) -> str:
@@ -81,12 +81,13 @@ def mb(n: int) -> str:
 
 def free_bytes(device) -> int | None:
     """Free memory of an accelerator (``torch.cuda.mem_get_info``); None for the CPU and meta, whose
-    captures the host memory budget bounds. ``ATTNVIZ_DEVICE_MB`` caps it on any device: headroom
-    kept for other processes on a shared GPU, and how the tests give the CPU a small device budget."""
+    captures the host memory budget bounds. The settings' ``device_mb`` (``ATTNVIZ_DEVICE_MB``) caps it on any
+    device: headroom kept for other processes on a shared GPU, and how the tests give the CPU a small device
+    budget."""
     device = torch.device(device)
-    cap = os.environ.get("ATTNVIZ_DEVICE_MB")
+    cap = settings.active().device_mb
     if cap:
-        return int(float(cap) * MB)
+        return int(cap * MB)
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
@@ -94,10 +95,10 @@ def free_bytes(device) -> int | None:
 
 
 def block_bytes(device) -> int:
-    """fp32 bytes of one query block's scores: ``ATTNVIZ_BLOCK_MB`` when set, else 16 MB on the CPU
-    and a share of free memory on a GPU."""
-    if os.environ.get("ATTNVIZ_BLOCK_MB"):
-        return max(1, int(float(os.environ["ATTNVIZ_BLOCK_MB"]) * MB))
+    """fp32 bytes of one query block's scores: the settings' ``block_mb`` (``ATTNVIZ_BLOCK_MB``) when set, else
+    16 MB on the CPU and a share of free memory on a GPU."""
+    if settings.active().block_mb:
+        return max(1, int(settings.active().block_mb * MB))
     free = free_bytes(device)
     if free is None or torch.device(device).type == "cpu":
         return CPU_BLOCK_BYTES

@@ -6,11 +6,11 @@ recipe's masks make a capture hold (:class:`Masks`)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from attnviz import settings
 from attnviz.core.model import anatomy, devices
 from attnviz.core.spec.interventions import Intervention
 from attnviz.errors import InputError
@@ -22,8 +22,8 @@ def whole_allow_bytes() -> int:
     """Allow-sets up to this size are made whole, once per mask, and shared by every layer with that mask (at
     8,192 tokens, 64 MB: making each block's rows for every layer instead cost 10 % of a statistics capture on the
     CPU); larger ones (1 GB at 32,768 tokens) are made a block of rows at a time where the route allows.
-    ``ATTNVIZ_WHOLE_ALLOW_MB`` (default 256), read when a run is made."""
-    return int(os.environ.get("ATTNVIZ_WHOLE_ALLOW_MB", "256")) * 2**20
+    The settings' ``whole_allow_mb`` (``ATTNVIZ_WHOLE_ALLOW_MB``, default 256), read when a run is made."""
+    return settings.active().whole_allow_mb * 2**20
 
 
 @dataclass(frozen=True)
