@@ -11,6 +11,7 @@ products, no tensor cores) must compile, and spill a little (see bench/kernel_re
 import itertools
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton was built without its CUDA backend")
@@ -96,7 +97,7 @@ def test_hopper_s_column_sums_a_warp_at_a_time_exchange_nothing_between_warps():
     reshape into warps' 16-row slabs stays in registers, so a full tile of a 512-cell capture at 32,768 tokens waits
     at no more than 3 barriers (12 with the program's column sums, whose rows sit in four warps) and runs fewer
     instructions; nothing spills."""
-    bm, bn, stages = kernels.TUNED[90]
+    bm, bn, stages, _ = kernels.TUNED[90]
     groups = kernels.row_groups(90, False, bm, kernels.HOPPER_WARPS)
     assert groups == kernels.HOPPER_WARPS
     base = dict(capability=90, dtype="bf16", head_dim=128, causal=True, tile=(bm, bn), num_stages=stages)
@@ -110,11 +111,14 @@ def test_the_tuned_launch_and_the_routes_kernel_compile_without_spilling():
     """The launch kept for sm_90 (kernels.TUNED: its tile and pipeline stages) at what a 512-cell capture of a causal
     model launches, and the routes kernel (attnviz.flow._triton_routes) at its tile, for sm_90 and sm_80: nothing
     spills to local memory."""
-    bm, bn, stages = kernels.TUNED[90]
+    bm, bn, stages, registers = kernels.TUNED[90]
     tuned = dict(capability=90, dtype="bf16", head_dim=128, causal=True, tile=(bm, bn), num_stages=stages,
-                 whole=bm == bn == 64, split=kernels.row_groups(90, False, bm, kernels.HOPPER_WARPS))
+                 whole=bm == bn == 64, split=kernels.row_groups(90, False, bm, kernels.HOPPER_WARPS), maxnreg=registers)
+    heavy = kernels.TUNED_HEAVY[90]  # pooling A·||W_O v|| and the scores too: uncapped
+    tuned_heavy = dict(tuned, tile=heavy[:2], num_stages=heavy.stages, maxnreg=heavy.registers, value=True, scores=True)
     routes = "attnviz.flow.contributions:kernel_resources"  # the routes kernel, named by its caller (flow/)
-    for got in kernels.compiled_resources(tuned, dict(build=routes, capability=90), dict(build=routes, capability=80)):
+    for got in kernels.compiled_resources(tuned, tuned_heavy, dict(build=routes, capability=90),
+                                          dict(build=routes, capability=80)):
         assert got["spill_stores"] == 0 and got["spill_loads"] == 0, got
         assert got["tile_instructions"], got
 
@@ -145,3 +149,50 @@ def test_a_register_cap_lets_hopper_hold_one_program_more_without_spilling():
         assert got["spill_stores"] == got["spill_loads"] == 0, got
     assert capped["tile_instructions"][0] <= 1.08 * free["tile_instructions"][0], (free, capped)
     assert heavy_capped["tile_instructions"][0] <= 1.08 * heavy_free["tile_instructions"][0], (heavy_free, heavy_capped)
+
+
+def test_hopper_launches_the_statistics_capped_and_the_heavy_variant_uncapped(monkeypatch, use_settings):
+    """The launch measured on an H200 (docs/gpu.md#the-register-cap-timed-on-an-h200): the statistics and the pooled
+    attention map at 2 stages and 128 registers a thread; the variant that also pools A·||W_O v|| or the scores, which
+    a cap of 128 would spill, at 3 stages uncapped. ``kernel_registers=0`` lifts the cap, a number sets it; fp32 and
+    an unlisted card take no cap."""
+    monkeypatch.setattr(kernels, "_capability", lambda device: 90)
+    hopper = torch.device("cpu")  # the card is pretended: only the capability is read
+    assert kernels.launch(hopper, False) == (64, 64, 4, 2, 4, 128)
+    assert kernels.launch(hopper, False, heavy=True) == (64, 64, 4, 3, 4, None)
+    assert kernels.launch(hopper, True)[5] is None
+    use_settings(kernel_registers=0)
+    assert kernels.launch(hopper, False)[3:] == (2, 4, None)
+    use_settings(kernel_registers=168)
+    assert kernels.launch(hopper, False, heavy=True)[5] == 168
+    monkeypatch.setattr(kernels, "_capability", lambda device: 80)
+    use_settings(kernel_registers=None)
+    assert kernels.launch(hopper, False)[5] is None
+
+
+def test_the_fused_layer_asks_for_the_heavy_launch_when_it_pools_value_norms_or_scores(monkeypatch):
+    """The engine's fused layer asks ``launch`` once a layer, naming whether the recorders pool A·||W_O v|| or the
+    scores (what decides the register cap), and hands that launch to the kernel."""
+    from attnviz.core.engine import routes
+
+    asked = []
+
+    def launch(device, fp32, tile=None, heavy=False):
+        asked.append(heavy)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(kernels, "launch", launch)
+
+    class Needs:
+        def __init__(self, needs):
+            self.needs = needs
+
+        def fused_needs(self, run, layer):
+            return self.needs
+
+    q = torch.zeros(1, 2, 4, 8)
+    for needs, heavy in (({"pool": 4}, False), ({"pool": 4, "value_norms": torch.ones(2, 4)}, True),
+                         ({"pool": 4, "scores": True}, True)):
+        with pytest.raises(RuntimeError, match="stop here"):
+            routes.fused_layer(None, 0, [Needs(needs)], q, q, q, None, 1.0, True)
+        assert asked[-1] is heavy

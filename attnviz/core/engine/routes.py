@@ -107,7 +107,9 @@ def fused_layer(run, layer: int, recs, query, key, value, allow, scaling: float,
     needs: dict = {}
     for recorder in recs:
         needs.update(recorder.fused_needs(run, layer))
-    tile = kernels.launch(query.device, query.dtype == torch.float32)  # what this GPU runs best, asked once
+    # what this GPU runs best for what is asked (pooling A·||W_O v|| or the scores takes more registers), asked once
+    tile = kernels.launch(query.device, query.dtype == torch.float32,
+                          heavy=needs.get("value_norms") is not None or bool(needs.get("scores")))
     bm = tile[0]
     # nothing n_q x n_kv for a plain causal mask: a block of rows q0.. sees keys 0 .. q0 + bm - 1
     ranges = allow.causal_ranges(bm) if plain_causal else allow.range_tensor(bm)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -80,27 +81,43 @@ def _capability(device: torch.device) -> int | None:
     return None
 
 
-#: Measured choices per GPU (compute capability, half precision): (query rows, keys a tile, pipeline stages of the
-#: K loads), from ``python bench/kernel_sweep.py`` on the card (docs/gpu.md#measured-on-an-h200). sm_90: on an H200,
-#: 64 x 64 at 4 warps and 3 stages was the fastest of 12 choices (0.93x the flash forward of the same layer; 128 x 64
-#: 0.94x, 64 x 128 1.17x, 8 warps 1.5x and more); an H100 (sm_90 too) takes it unmeasured. A GPU not listed, fp32
-#: and the CPU's interpreter keep (BLOCK_M, BLOCK_N) and Triton's default stages.
-TUNED: dict[int, tuple[int, int, int]] = {90: (64, 64, 3)}
+class Tuned(NamedTuple):
+    """A launch measured on a card: its tile (query rows, keys), the K loads' pipeline stages and a cap on a thread's
+    registers (None: the compiler's choice)."""
+
+    bm: int
+    bn: int
+    stages: int | None
+    registers: int | None = None
 
 
-def launch(device: torch.device, fp32: bool,
-           tile: tuple[int, int] | None = None) -> tuple[int, int, int, int | None, int, int | None]:
-    """(BM, BN, warps, stages, row groups, registers) of the statistics kernel on ``device``: :data:`TUNED` where
-    the card is listed, else the defaults, and :func:`row_groups` for the tile; ``registers`` a cap on a thread's
-    registers (None: the compiler's choice; a cap lets an SM hold more programs: :func:`programs_per_sm`).
+#: Measured choices per GPU (compute capability, half precision), from ``python bench/kernel_sweep.py`` on the card
+#: (docs/gpu.md#the-register-cap-timed-on-an-h200), for the statistics and the pooled attention map. sm_90: on an
+#: H200, 64 x 64 at 4 warps, 2 stages and 128 registers a thread (four programs an SM instead of three) took 18.4-18.5
+#: ms a layer of the 8B shape at 32,768 tokens in two sweeps, against 23.6 ms uncapped at 3 stages (the launch
+#: before); an H100 (sm_90 too) takes it unmeasured. A GPU not listed, fp32 and the CPU's interpreter keep
+#: (BLOCK_M, BLOCK_N), Triton's default stages and no cap.
+TUNED: dict[int, Tuned] = {90: Tuned(64, 64, 2, 128)}
+#: The same for the variant that also pools A·‖W_O v‖ or the scores (253 registers uncapped on sm_90, which a cap of
+#: 128 would spill): the launch measured before the cap was timed (3 stages, uncapped); its own cap is untimed.
+TUNED_HEAVY: dict[int, Tuned] = {90: Tuned(64, 64, 3, None)}
+
+
+def launch(device: torch.device, fp32: bool, tile: tuple[int, int] | None = None,
+           heavy: bool = False) -> tuple[int, int, int, int | None, int, int | None]:
+    """(BM, BN, warps, stages, row groups, registers) of the statistics kernel on ``device``: :data:`TUNED` (or
+    :data:`TUNED_HEAVY` for a ``heavy`` launch, one that also pools A·‖W_O v‖ or the scores) where the card is
+    listed, else the defaults, and :func:`row_groups` for the tile; ``registers`` a cap on a thread's registers
+    (None: the compiler's choice; a cap lets an SM hold more programs: :func:`programs_per_sm`).
     The settings' ``kernel_tile``, ``kernel_warps``, ``kernel_stages``, ``kernel_groups`` and ``kernel_registers``
     (0: no cap; ``ATTNVIZ_KERNEL_TILE=BMxBN``, ``ATTNVIZ_KERNEL_WARPS``, ... for the CLI and bench/kernel_sweep.py,
     which times the choices) override each, and a caller's ``tile`` (BM, BN) overrides the tile."""
     given = settings.active()
-    bm, bn, stages = BLOCK_M, BLOCK_N, None
+    bm, bn, stages, registers = BLOCK_M, BLOCK_N, None, None
     capability = _capability(device)
-    if capability in TUNED and not fp32:
-        bm, bn, stages = TUNED[capability]
+    tuned = TUNED_HEAVY if heavy else TUNED
+    if capability in tuned and not fp32:
+        bm, bn, stages, registers = tuned[capability]
     if given.kernel_tile:
         bm, bn = given.kernel_tile
     if tile is not None:
@@ -111,7 +128,7 @@ def launch(device: torch.device, fp32: bool,
     groups = row_groups(capability or 0, fp32, bm, warps) if groups is None else groups
     if groups < 1 or bm % (16 * groups):
         raise ValueError(f"ATTNVIZ_KERNEL_GROUPS={groups}: a tile of {bm} rows holds no whole 16-row slab a group")
-    registers = given.kernel_registers or None
+    registers = registers if given.kernel_registers is None else (given.kernel_registers or None)
     if registers is not None and not (MIN_REGISTERS <= registers <= 248 and registers % 8 == 0):
         raise ValueError(f"ATTNVIZ_KERNEL_REGISTERS={registers}: a thread's registers are capped at a multiple of 8 "
                          f"from {MIN_REGISTERS} to 248 (0: no cap)")
@@ -258,7 +275,8 @@ def layer_statistics(query: torch.Tensor, key: torch.Tensor, allow: torch.Tensor
     if block is not None and len(block) == 6:  # the caller's launch() already: the settings read once a layer
         bm, bn, warps, stages, groups, registers = block
     else:
-        bm, bn, warps, stages, groups, registers = launch(device, query.dtype == torch.float32, block)
+        bm, bn, warps, stages, groups, registers = launch(device, query.dtype == torch.float32, block,
+                                                          heavy=norms is not None or scores)
     f32 = {"dtype": torch.float32, "device": device}
     # read by their strides in int32: copied where the last dimension is strided or an offset would pass 2^31
     query, key = (x if x.stride(-1) == 1 and _span(x) < 2**31 else x.contiguous() for x in (query, key))
