@@ -79,18 +79,18 @@ def check_range(name: str, span: tuple[int, int], n: int) -> tuple[int, int]:
     return start, stop
 
 
-def region(loaded: LoadedModel, text: str, arch: "str | Recipe", layer: int, queries: tuple[int, int], keys: tuple[int, int],
+def region(loaded: LoadedModel, text: str, recipe: "str | Recipe", layer: int, queries: tuple[int, int], keys: tuple[int, int],
            on_layer=None, block_bytes: int | None = None,
            resume_from: tuple[int, torch.Tensor] | None = None) -> Region:
     """Layer ``layer``'s probabilities for ``queries`` × ``keys`` (half-open token ranges) at full
-    resolution, under ``arch`` (an architecture string or a recipe: a region of a capture is made with the
+    resolution, under ``recipe`` (an architecture string or a recipe: a region of a capture is made with the
     capture's own recipe, which :func:`of_capture` passes); ``on_layer(done, total)`` reports progress up
     to that layer. ``block_bytes``: one query block's fp32 scores, else the plan's (:class:`attnviz.core.sizing.sizes.Sizes`).
     ``resume_from`` (layer c <= ``layer``, its input hidden states (n, d)), kept by a forward of the
     same text under the same settings, runs only layers c..``layer`` (:func:`engine.resume`)."""
     from attnviz import recipe as recipe_mod
 
-    built = recipe_mod.build(loaded, arch)
+    built = recipe_mod.build(loaded, recipe)
     architecture, variant = built.architecture, built.variant
     if not 0 <= layer < loaded.n_layers:
         raise InputError(f"layer {layer} does not exist: the model has layers 0..{loaded.n_layers - 1}")

@@ -137,7 +137,7 @@ def test_a_really_compressed_cache_equals_the_masked_forward(press):
     (dict(ratios=[-0.1]), InputError, "must be in \\[0, 1\\)"),
     (dict(context=200), InputError, "must be shorter than the text"),
     (dict(context=20, presses=["snapkv(window=32)"]), InputError, "shorter than snapkv's window"),
-    (dict(arch="bidir"), ArchitectureError, "cannot compress a KV cache"),
+    (dict(recipe="bidir"), ArchitectureError, "cannot compress a KV cache"),
     (dict(presses=["h2o"]), InputError, "unknown press 'h2o'"),
 ])
 def test_bad_input(args, error, message):

@@ -85,3 +85,22 @@ def test_the_effects_docstring_names_every_analysis():
     missing = [p.stem for p in (PACKAGE / "effects").glob("*.py")
                if p.stem != "__init__" and f"``{p.stem}``" not in doc]
     assert not missing, missing
+
+
+#: Where ``arch`` is an architecture alone, one part of a recipe being made (its interventions, BOS control and
+#: residual variant given beside it): every other function that runs a model takes its recipe as ``recipe``.
+ARCH_IS_A_PART = {"of", "build", "_canonical", "capture_seq2seq"}  # the last: an encoder's architecture, no recipe
+
+
+def test_a_function_that_runs_a_model_takes_its_recipe_as_recipe():
+    """One name for the recipe parameter across the API (docs/layout.md): a function whose first parameter is the
+    loaded model names what it runs under ``recipe``, never ``arch``."""
+    arch = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in ARCH_IS_A_PART:
+                params = [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs]
+                params = params[1:] if params[:1] in (["self"], ["cls"]) else params
+                if params[:1] == ["loaded"] and "arch" in params:
+                    arch.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert not arch, arch

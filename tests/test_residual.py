@@ -122,7 +122,7 @@ def test_refusals():
                                               "outputs after post-norms"):
         residual.check_family(loaded("gemma2").model)
     with pytest.raises(ArchitectureError, match="cannot fine-tune"):
-        finetune(loaded("llama"), list(range(3, 90)), "/tmp/never", "method1", arch="bidir", steps=1)
+        finetune(loaded("llama"), list(range(3, 90)), "/tmp/never", "method1", recipe="bidir", steps=1)
     with pytest.raises(InputError, match="--steps must be positive"):
         finetune(loaded("llama"), list(range(3, 90)), "/tmp/never", "method1", steps=0)
     with pytest.raises(InputError, match="cannot write --out"):

@@ -193,14 +193,14 @@ def _matrix(mask, n: int) -> np.ndarray:
         return np.ones((n, n), dtype=bool)
 
 
-def sinks(loaded: LoadedModel, documents: Sequence[str], arch: "str | arch_mod.Architecture | Recipe" = "fwd",
+def sinks(loaded: LoadedModel, documents: Sequence[str], recipe: "str | arch_mod.Architecture | Recipe" = "fwd",
           unit: str = "doc", max_len: int = 64, n_samples: int | None = 100,
           on_progress: Callable[[int, int], None] | None = None) -> DatasetSinks:
-    """Run every sample under ``arch`` (an architecture string, or a recipe with its interventions,
+    """Run every sample under ``recipe`` (an architecture string, or a recipe with its interventions,
     docs/methods.md#interventions) in equal-length batches and keep alpha and map moments."""
     from attnviz.recipe import build
 
-    built = build(loaded, arch).only("a dataset's sink statistics", "intervene")  # a string or a Recipe
+    built = build(loaded, recipe).only("a dataset's sink statistics", "intervene")  # a string or a Recipe
     architecture, acts = built.architecture, built.interventions
     ids, skipped = samples(loaded, documents, unit, max_len, n_samples)
     L, H = loaded.n_layers, loaded.n_heads

@@ -88,13 +88,13 @@ def retrieval_scores(query_emb: torch.Tensor, target_emb: torch.Tensor) -> tuple
     return float(np.mean(ranks == 1)), float(np.mean(1.0 / ranks)), ranks
 
 
-def probe(loaded: LoadedModel, documents: Sequence[str], arch: str | arch_mod.Architecture = "fwd",
+def probe(loaded: LoadedModel, documents: Sequence[str], recipe: str | arch_mod.Architecture = "fwd",
           m: int = DEFAULT_M, max_docs: int | None = None, on_progress: Progress | None = None,
           ids: tuple[torch.Tensor, torch.Tensor] | None = None) -> ProbeResult:
     """Recall@1 and MRR of the probe under one architecture; ``on_progress(done, total)`` per batch."""
     from attnviz.recipe import build
 
-    architecture = build(loaded, arch).only("the embedding probe").architecture
+    architecture = build(loaded, recipe).only("the embedding probe").architecture
     queries, targets = ids if ids is not None else pairs(loaded, documents, m, max_docs)
     both = torch.cat([queries, targets])
     emb = embed(loaded, both, architecture, on_batch=(lambda done: on_progress(done, len(both))) if on_progress else None)

@@ -83,10 +83,10 @@ def check_window(window: int, stride: int, n: int, loaded: LoadedModel) -> None:
         raise InputError(f"the stride must be between 1 and the window ({window}), got {stride}")
 
 
-def evaluate(loaded: LoadedModel, text_or_ids: str | list[int], arch: str | arch_mod.Architecture = "fwd",
+def evaluate(loaded: LoadedModel, text_or_ids: str | list[int], recipe: str | arch_mod.Architecture = "fwd",
              window: int = DEFAULT_WINDOW, stride: int | None = None, max_tokens: int | None = DEFAULT_MAX_TOKENS,
              on_window: Callable[[int, int], None] | None = None) -> Evaluation:
-    """Perplexity, accuracy and mean NLL of a text (or token ids) under ``arch``: an architecture string, or a
+    """Perplexity, accuracy and mean NLL of a text (or token ids) under ``recipe``: an architecture string, or a
     recipe with its interventions (docs/methods.md#interventions, applied throughout) and residual variant (a
     fine-tuned directory's own variant is used when none is named).
 
@@ -94,7 +94,7 @@ def evaluate(loaded: LoadedModel, text_or_ids: str | list[int], arch: str | arch
     """
     from attnviz import recipe as recipe_mod
 
-    built = recipe_mod.build(loaded, arch).only(
+    built = recipe_mod.build(loaded, recipe).only(
         "a perplexity (it scores the text as written)", "intervene", "residual")
     variant, acts = built.variant, built.interventions
     architecture = built.architecture.require_causal("compute a perplexity")

@@ -23,13 +23,13 @@ __all__ = ["DIAGNOSIS_TOKENS", "PROJECTIONS", "Diagnosis", "Explanation", "KeptF
 
 
 @torch.no_grad()
-def explain(loaded: LoadedModel, text: str, arch="fwd", *, layer: int, head: int, query: int | str,
+def explain(loaded: LoadedModel, text: str, recipe="fwd", *, layer: int, head: int, query: int | str,
             key: int) -> Explanation:
-    """The attribution of s[query, key] of ``head`` in ``layer`` (:mod:`attnviz.effects.attribution`); ``arch`` is an
+    """The attribution of s[query, key] of ``head`` in ``layer`` (:mod:`attnviz.effects.attribution`); ``recipe`` is an
     architecture string or a :class:`~attnviz.recipe.Recipe`. ``query="all"`` averages over every query
     the layer's mask lets see ``key``. One forward, up to the layer."""
     models.require(loaded, "explain")
-    run = KeptForward(loaded, text, arch, upto=checked_layer(loaded, layer))
+    run = KeptForward(loaded, text, recipe, upto=checked_layer(loaded, layer))
     return run.explain(layer, head, query, key)
 
 

@@ -128,20 +128,20 @@ def save_checkpoint(loaded: LoadedModel, variant, out: Path, metrics: dict) -> N
 
 
 def finetune(loaded: LoadedModel, ids: list[int], out: str | Path, residual_name: str | None = None,
-             arch: str = "fwd", steps: int = 200, seq_len: int = 128, batch: int = 8, lr: float = 5e-5,
+             recipe: str = "fwd", steps: int = 200, seq_len: int = 128, batch: int = 8, lr: float = 5e-5,
              seed: int = 0, eval_fraction: float = 0.1, save_every: int = 50,
              on_step: Callable[[int, int, float], None] | None = None) -> FinetuneResult:
-    """Fine-tune ``loaded`` (in place) with the variant under ``arch``; evaluate before and after."""
+    """Fine-tune ``loaded`` (in place) with the variant under ``recipe``; evaluate before and after."""
     from transformers import get_linear_schedule_with_warmup
 
     if steps <= 0:
         raise InputError(f"--steps must be positive, got {steps}")
     from attnviz.recipe import Recipe, build
 
-    if isinstance(arch, Recipe):  # its variant is the one trained, unless one is named
-        residual_name = residual_name or arch.residual
-        arch = dataclasses.replace(arch, residual=None)
-    architecture = build(loaded, arch).only("fine-tuning").architecture.require_causal("fine-tune")
+    if isinstance(recipe, Recipe):  # its variant is the one trained, unless one is named
+        residual_name = residual_name or recipe.residual
+        recipe = dataclasses.replace(recipe, residual=None)
+    architecture = build(loaded, recipe).only("fine-tuning").architecture.require_causal("fine-tune")
     variant = None
     if residual_name:
         residual.check_family(loaded.model)

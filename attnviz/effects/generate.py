@@ -70,7 +70,7 @@ def estimate_bytes(loaded: LoadedModel, n_steps: int, policy: Policy, n_layers: 
     return cells * per_position
 
 
-def generate(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture = "fwd",
+def generate(loaded: LoadedModel, text: str, recipe: str | arch_mod.Architecture = "fwd",
              policy: Policy | str = "dense", max_new_tokens: int = 20, record: set[int] | None = None,
              on_step: Callable[[int, int], None] | None = None, max_bytes: int | None = None) -> Generation:
     """Greedy continuation with the KV cache: the prompt is fed token by token under the policy too,
@@ -85,10 +85,10 @@ def generate(loaded: LoadedModel, text: str, arch: str | arch_mod.Architecture =
     from attnviz.recipe import Recipe
 
     prepend = None
-    if isinstance(arch, Recipe):  # the BOS control applies to the prompt here, not to the decoder
-        prepend, arch = arch.prepend, dataclasses.replace(arch, prepend=None)
+    if isinstance(recipe, Recipe):  # the BOS control applies to the prompt here, not to the decoder
+        prepend, recipe = recipe.prepend, dataclasses.replace(recipe, prepend=None)
     ids, _ = tokenize(loaded, text, loaded.max_tokens - max_new_tokens, prepend)
-    decoder = CachedDecoder(loaded, arch, policy, record=set(range(loaded.n_layers)) if record is None else record)
+    decoder = CachedDecoder(loaded, recipe, policy, record=set(range(loaded.n_layers)) if record is None else record)
     if max_bytes is not None:
         layers = len(decoder.record)
         need = estimate_bytes(loaded, len(ids) + max_new_tokens - 1, decoder.policy, layers)

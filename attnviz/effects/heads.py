@@ -140,7 +140,7 @@ def _one(loaded: LoadedModel, text: str, architecture, s: int, w: int):
     return np.array(alpha0), np.array(stream), np.array(norms), cap
 
 
-def taxonomy(loaded: LoadedModel, texts: Sequence[str], arch="fwd", s: int = SINK, w: int = WINDOW,
+def taxonomy(loaded: LoadedModel, texts: Sequence[str], recipe="fwd", s: int = SINK, w: int = WINDOW,
              eps: float = metrics.SINK_EPS, tau_stream: float = TAU_STREAM, tau_inactive: float = TAU_INACTIVE,
              on_progress: Callable[[int, int], None] | None = None) -> Taxonomy:
     """The scores of every head on one text, or their mean over several (a dataset's samples)."""
@@ -150,7 +150,7 @@ def taxonomy(loaded: LoadedModel, texts: Sequence[str], arch="fwd", s: int = SIN
         raise InputError(f"the streaming pattern needs s >= 0 sink keys and w >= 1 window keys, got s={s}, w={w}")
     from attnviz.recipe import build
 
-    architecture = build(loaded, arch).only("head classes").architecture
+    architecture = build(loaded, recipe).only("head classes").architecture
     sums = None
     tokens = []
     for done, text in enumerate(texts, 1):
@@ -185,13 +185,13 @@ def dataset_texts(loaded: LoadedModel, documents: Sequence[str], samples: int = 
     return texts
 
 
-def streaming_only_perplexity(loaded: LoadedModel, text: str, tax: Taxonomy, arch="fwd") -> tuple[Evaluation, Evaluation]:
+def streaming_only_perplexity(loaded: LoadedModel, text: str, tax: Taxonomy, recipe="fwd") -> tuple[Evaluation, Evaluation]:
     """(dense, streaming heads on sink(s, w)) perplexity of ``text``: the first claim of docs/methods.md#head-classes.
     Only the streaming heads get the sink + window mask (:func:`streaming_spec`, a ``headwindow`` intervention
     in the recipe); every other head stays dense."""
     from attnviz.recipe import build
 
-    built = build(loaded, arch).only("the streaming heads' perplexity")  # an architecture string or a Recipe
+    built = build(loaded, recipe).only("the streaming heads' perplexity")  # an architecture string or a Recipe
     built.architecture.require_causal("compute a perplexity")
     ids = loaded.tokenizer(text, add_special_tokens=True)["input_ids"]
     if len(ids) > loaded.max_tokens:
@@ -217,12 +217,12 @@ def ablation_spec(tax: Taxonomy) -> str:
     return "; ".join(parts)
 
 
-def ablate_inactive(loaded: LoadedModel, text: str, tax: Taxonomy, arch="fwd") -> tuple[Evaluation, Evaluation, float]:
+def ablate_inactive(loaded: LoadedModel, text: str, tax: Taxonomy, recipe="fwd") -> tuple[Evaluation, Evaluation, float]:
     """(model, inactive heads ablated, share of heads removed): the second claim of docs/methods.md#head-classes."""
     ids = loaded.tokenizer(text, add_special_tokens=True)["input_ids"]
-    base = evaluate(loaded, ids, arch, window=len(ids))
+    base = evaluate(loaded, ids, recipe, window=len(ids))
     spec = ablation_spec(tax)
-    recipe = Recipe.of(loaded, arch)  # the inactive heads ablated on top of the recipe's own interventions
-    both = "; ".join(part for part in (recipe.intervene, spec) if part)
-    ablated = evaluate(loaded, ids, Recipe.of(loaded, replace(recipe, intervene=both)), window=len(ids))
+    made = Recipe.of(loaded, recipe)  # the inactive heads ablated on top of the recipe's own interventions
+    both = "; ".join(part for part in (made.intervene, spec) if part)
+    ablated = evaluate(loaded, ids, Recipe.of(loaded, replace(made, intervene=both)), window=len(ids))
     return base, ablated, float(tax.inactive.mean())

@@ -120,11 +120,11 @@ class Step:
 class CachedDecoder:
     """Feeds tokens one at a time through a ``DynamicCache`` under an architecture and a policy."""
 
-    def __init__(self, loaded: LoadedModel, arch: "str | arch_mod.Architecture | Recipe" = "fwd",
+    def __init__(self, loaded: LoadedModel, recipe: "str | arch_mod.Architecture | Recipe" = "fwd",
                  policy: Policy | str = "dense", record: set[int] | frozenset[int] = frozenset()):
         from attnviz.recipe import build
 
-        built = build(loaded, arch).only("decoding with a KV cache", "intervene")
+        built = build(loaded, recipe).only("decoding with a KV cache", "intervene")
         self.loaded, self.recipe = loaded, built.recipe
         self.architecture = built.architecture.require_causal("decode with a KV cache")
         self.policy = as_policy(policy).check(loaded)
@@ -218,17 +218,17 @@ class Comparison:
 
 
 def stream(loaded: LoadedModel, ids: list[int], policy: Policy | str = "dense",
-           arch: "str | arch_mod.Architecture | Recipe" = "fwd",
+           recipe: "str | arch_mod.Architecture | Recipe" = "fwd",
            on_step: Callable[[int, int], None] | None = None) -> StreamResult:
     """Streaming perplexity of ``ids`` under a cache policy (StreamingLLM's protocol, docs/methods.md#cache-policies)
-    and a recipe (``arch``: an architecture string, or a recipe with its interventions)."""
+    and a recipe (``recipe``: an architecture string, or a recipe with its interventions)."""
     if len(ids) < 2:
         raise InputError(f"the text has {len(ids)} token(s); at least 2 are needed to predict one")
     policy = as_policy(policy).check(loaded, len(ids))
     if policy.kind == "dense" and len(ids) > loaded.max_tokens:
         raise InputError(f"the text is {len(ids)} tokens, longer than {loaded.model_id}'s context "
                          f"({loaded.max_tokens}): use a window or sink policy, or --max-tokens")
-    decoder = CachedDecoder(loaded, arch, policy)
+    decoder = CachedDecoder(loaded, recipe, policy)
     nll = torch.empty(len(ids) - 1, device=loaded.model.device)  # on the device, read once at the end
     for t in range(len(ids) - 1):
         step = decoder.step(ids[t])

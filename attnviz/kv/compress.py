@@ -95,9 +95,9 @@ def check(loaded: LoadedModel, n_tokens: int, context: int, ratios, presses: lis
                              f"{context} tokens is {relation} snapkv's window")
 
 
-def prefill(loaded: LoadedModel, ids: list[int], context: int, arch) -> Prefill:
+def prefill(loaded: LoadedModel, ids: list[int], context: int, recipe) -> Prefill:
     """Run the context once, keeping every layer's attention (fp32) and keys: what the presses score."""
-    architecture = arch_mod.resolve(arch, loaded.n_layers)
+    architecture = arch_mod.resolve(recipe, loaded.n_layers)
     kept: dict[int, tuple] = {}
 
     def reducer(layer, probs, allow):
@@ -143,11 +143,11 @@ def _row(press: str, ratio: float, logprobs: torch.Tensor, dense: torch.Tensor |
 
 
 def compress(loaded: LoadedModel, ids: list[int], context: int = 256, presses: list[str | Press] | None = None,
-             ratios=RATIOS, arch="fwd", on_step: Callable[[int, int], None] | None = None) -> Compression:
+             ratios=RATIOS, recipe="fwd", on_step: Callable[[int, int], None] | None = None) -> Compression:
     """Every press (default: all six) at every ratio against the dense cache (see the module docstring)."""
     from attnviz.recipe import build
 
-    architecture = build(loaded, arch).only("KV-cache compression").architecture.require_causal("compress a KV cache")
+    architecture = build(loaded, recipe).only("KV-cache compression").architecture.require_causal("compress a KV cache")
     presses = [p if isinstance(p, Press) else parse(p) for p in (presses or DEFAULTS)]
     check(loaded, len(ids), context, ratios, presses)
     targets = torch.tensor(ids[context + 1:])
@@ -176,13 +176,13 @@ def context_map(context: Context, pool: int) -> np.ndarray:
 
 
 def decode_compressed(loaded: LoadedModel, ids: list[int], context: int, kept: dict[int, torch.Tensor],
-                      arch="fwd") -> torch.Tensor:
+                      recipe="fwd") -> torch.Tensor:
     """The continuation decoded with a really compressed ``DynamicCache`` (each KV head's kept context
     entries gathered out of the prefilled cache), all continuation tokens in one cached forward:
     log-probabilities of rows C .. n - 2, to check against the masked forward of :func:`compress`."""
     from transformers import DynamicCache
 
-    architecture = arch_mod.resolve(arch, loaded.n_layers).require_causal("compress a KV cache")
+    architecture = arch_mod.resolve(recipe, loaded.n_layers).require_causal("compress a KV cache")
     cache = DynamicCache()
     positions = torch.arange(context)[None]
     engine.forward(loaded.model, torch.tensor([ids[:context]]), architecture.layers, engine.NOTHING,
