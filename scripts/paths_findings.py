@@ -1,12 +1,12 @@
-"""The README's path-patching findings, measured again: which receivers carry each necessary writer to the sink.
+"""The path-patching findings of docs/findings.md, measured again: which receivers carry each necessary writer to the sink.
 
     .venv/bin/python scripts/paths_findings.py [--out assets/paper]
 
 On the first 256 tokens of the stdlib corpus (Python's reference docs, read at run time), under FWD, for both real
 models (SmolLM2-135M-Instruct and Gemma 3 270M): the causal scan's necessary writers, each cut from the receivers
-and groups the README names (``attnviz paths --senders ... --receivers ...``); prints one line per path (its drop on
+and groups docs/findings.md names (``attnviz paths --senders ... --receivers ...``); prints one line per path (its drop on
 the scan's scale, over the layers it reaches, the perplexity, and the sink's attention in every layer before and
-after: the README's per-layer figures) and writes the bar figure of each model as
+after: docs/findings.md's per-layer figures) and writes the bar figure of each model as
 ``paths_<model>.png`` and ``.pdf`` (docs/methods.md#path-patching). About three minutes on a 2-core CPU.
 """
 
@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-#: model -> sender -> the receivers the README reports for it (a single receiver, a group, or groups joined by +)
+#: model -> sender -> the receivers docs/findings.md reports for it (a single receiver, a group, or groups joined by +)
 ASKED = {
     "default": {
         "embed": "attn.*,keys.*,mlp.*,all",
@@ -55,7 +55,7 @@ def main() -> None:
         merged = None
         for sender in necessary:
             if sender not in asked:
-                print(f"  {sender}: necessary, but the README names no receivers for it")
+                print(f"  {sender}: necessary, but docs/findings.md names no receivers for it")
                 continue
             found = paths(lm, text, "fwd", sender, asked[sender])
             if before is None:

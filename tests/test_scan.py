@@ -109,7 +109,7 @@ def test_the_why_page_draws_the_scan(default_model, tmp_path):
 
 
 def test_gemma3_s_necessary_writers_include_one_attribution_never_names(gemma3_model):
-    """The README's answer on Gemma 3 270M: on the first 256 tokens of the stdlib corpus, MLP 1 is necessary
+    """The answer in docs/findings.md on Gemma 3 270M: on the first 256 tokens of the stdlib corpus, MLP 1 is necessary
     although attribution names it in no layer, and removing it shrinks MLP 3's write at the sink token (a chain, a
     correlation: the path goes through MLPs 2 and 3 together, tests/test_paths.py)."""
     from attnviz import corpus

@@ -14,7 +14,7 @@ Size: the maps are the bulk. A report embeds every layer's per-head maps max-poo
 pixels (default 256: 8 tokens a pixel at 2,048 tokens) as lossy WebP (quality 80: ~3 of 255 code
 levels of error where attention is allowed, ~10 % of a value; the mask exact, hover says "≈"). Three
 architectures at 2,048 tokens on the default model take ~13 MB (quality 90: ~17 MB; lossless PNG:
-~30 MB), measured with ``attnviz report`` (README).
+~30 MB), measured with ``attnviz report`` (docs/viewer.md).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ this model), and the exact CLI command that regenerates it. Sections:
   page says how to make them when there are none).
 
 ``quick=True`` runs the same protocols on less data (the tests; a look in under a minute); the
-full run takes ~4 minutes on a 2-core CPU with the default model (README).
+full run takes ~4 minutes on a 2-core CPU with the default model (docs/findings.md).
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def measure_options() -> dict[str, dict[str, tuple[type | tuple[type, ...], obje
 #: measures whose library call takes an intervention (docs/methods.md#interventions)
 INTERVENES = {"sinks", "eval", "explain", "causal", "routes", "valley", "paths"}
 TOP_KEYS = {"models", "archs", "interventions", "corpora", "measures"}
-#: The README's example: the sink-rate table of two architectures (the Sweeps page starts from it).
+#: The example of docs/sweeps.md: the sink-rate table of two architectures (the Sweeps page starts from it).
 EXAMPLE = """models = ["default"]
 archs = ["fwd", "nosink-fwd"]
 corpora = ["stdlib"]
