@@ -10,6 +10,7 @@ from attnviz import defaults, flow
 from attnviz.errors import AttnvizError
 from attnviz.figures import routes_figure, sink_share_figure
 from attnviz.figures.routes import MAX_EDGES
+from attnviz.figures.style import token_text
 from ui.cache import get_flow
 from ui.docs import definitions
 from ui.export import figure_downloads
@@ -110,6 +111,7 @@ except AttnvizError as err:
 else:
     for column, reading in zip(st.columns(len(readings)), readings):
         column.markdown(f"**{reading.what}** ({titles[panel]})")
-        column.dataframe({"promoted": [t for t, _ in reading.promoted], "logit": [v for _, v in reading.promoted],
-                          "suppressed": [t for t, _ in reading.suppressed],
+        column.dataframe({"promoted": [token_text(t) for t, _ in reading.promoted],
+                          "logit": [v for _, v in reading.promoted],
+                          "suppressed": [token_text(t) for t, _ in reading.suppressed],
                           "logit ": [v for _, v in reading.suppressed]}, hide_index=True)

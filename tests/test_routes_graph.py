@@ -110,6 +110,32 @@ def test_renormalising_keeps_the_same_edges_and_each_nodes_sum_to_one():
     assert bottom == pytest.approx({("attn", 0): 0.3 / 0.8, ("residual", 2): 0.5 / 0.8})
 
 
+def test_the_token_labels_of_two_graphs_of_48_tokens_can_be_read():
+    """Measured on the figure: in a 700 px figure (Streamlit's narrowest column), neighbouring slanted labels sit at
+    least one label's footprint apart (its font size over the sine of its angle), none is blank (whitespace as
+    escapes), none is long, and the legend sits at the figure's foot, below them."""
+    import math
+
+    from attnviz.figures import routes_figure
+
+    n = 48
+    tokens = ["\n"] + [" the", "\t", " ", "Paris", " supercalifragilistic"] * 9 + ["."] * 2
+    layer = _layer([0.5] * n, [(n - 1, 0, 0, 0.5)], [0.5] * n, [0.5] * n)
+    made = Flow(tokens, list(range(n)), None, "fwd", 1, [0], [layer], np.zeros((3, n, 4), np.float32))
+    g = flow.graph(made, -1, 0.04)
+    fig = routes_figure([g, g], ["fwd", "nosink-fwd"])
+    width = 700 - fig.layout.margin.l - fig.layout.margin.r
+    for axis in (fig.layout.xaxis, fig.layout.xaxis2):
+        ticks, labels = list(axis.tickvals), list(axis.ticktext)
+        panel = width * (axis.domain[1] - axis.domain[0])
+        gap = panel * min(np.diff(ticks)) / (axis.range[1] - axis.range[0])
+        footprint = axis.tickfont.size / math.sin(math.radians(abs(axis.tickangle)))
+        assert gap >= footprint, (len(ticks), gap, footprint)
+        assert all(label.strip() and len(label) <= 10 for label in labels), labels
+        assert labels[0] == "0 \\n" and "8 ␣" in labels  # a newline and a space as escapes
+    assert fig.layout.legend.yref == "container" and fig.layout.legend.y == 0
+
+
 @pytest.mark.parametrize("threshold,heads,token,message", [
     (0.001, "split", -1, "between 0.005 and 1"), (0.04, "all", -1, "'split'"), (0.04, "split", 3, "tokens 0..2")])
 def test_bad_graph_options_are_refused(threshold, heads, token, message):
