@@ -13,13 +13,21 @@ ICON = Path(__file__).resolve().parent / "assets" / "icon.png"
 st.set_page_config(page_title="attnviz", page_icon=str(ICON), layout="wide")
 
 PAGES_DIR = Path(__file__).resolve().parent / "pages"  # absolute: AppTest reruns need it
-#: each page's file (pages/), title and icon, in the navigation's order
-NAV = (("heatmaps", "Heatmaps", "🟦"), ("sinks", "Attention sinks", "💧"), ("shifting", "Sink shifting", "↔️"),
-       ("compare", "Compare A vs B", "⚖️"), ("heads", "Heads", "🧩"), ("why", "Why", "❓"), ("routes", "Routes", "🧭"),
-       ("patching", "Patching", "🩹"), ("effects", "Effects", "⚡"), ("sweeps", "Sweeps", "📊"),
-       ("designer", "Mask designer", "📐"), ("walkthrough", "Walkthrough", "🎓"), ("definitions", "Definitions", "📖"))
-PAGES = [st.Page(str(PAGES_DIR / f"{name}.py"), title=title, icon=icon, default=name == "heatmaps")
-         for name, title, icon in NAV]
+PAGES = [
+    st.Page(str(PAGES_DIR / "heatmaps.py"), title="Heatmaps", icon="🟦", default=True),
+    st.Page(str(PAGES_DIR / "sinks.py"), title="Attention sinks", icon="💧"),
+    st.Page(str(PAGES_DIR / "shifting.py"), title="Sink shifting", icon="↔️"),
+    st.Page(str(PAGES_DIR / "compare.py"), title="Compare A vs B", icon="⚖️"),
+    st.Page(str(PAGES_DIR / "heads.py"), title="Heads", icon="🧩"),
+    st.Page(str(PAGES_DIR / "why.py"), title="Why", icon="❓"),
+    st.Page(str(PAGES_DIR / "routes.py"), title="Routes", icon="🧭"),
+    st.Page(str(PAGES_DIR / "patching.py"), title="Patching", icon="🩹"),
+    st.Page(str(PAGES_DIR / "effects.py"), title="Effects", icon="⚡"),
+    st.Page(str(PAGES_DIR / "sweeps.py"), title="Sweeps", icon="📊"),
+    st.Page(str(PAGES_DIR / "designer.py"), title="Mask designer", icon="📐"),
+    st.Page(str(PAGES_DIR / "walkthrough.py"), title="Walkthrough", icon="🎓"),
+    st.Page(str(PAGES_DIR / "definitions.py"), title="Definitions", icon="📖"),
+]
 
 NO_MODEL = {"designer", "walkthrough", "sweeps", "definitions"}  # url paths of pages that work without a model: they never wait for one
 
