@@ -8,23 +8,25 @@ import streamlit as st
 from ui.shared import apply_settings, gate
 from ui.sidebar import sidebar
 
-st.set_page_config(page_title="attnviz", page_icon=":material/blur_on:", layout="wide")
+# icons shipped with the app (a file and emoji), never Material Symbols: nothing is fetched, offline included
+ICON = Path(__file__).resolve().parent / "assets" / "icon.png"
+st.set_page_config(page_title="attnviz", page_icon=str(ICON), layout="wide")
 
 PAGES_DIR = Path(__file__).resolve().parent / "pages"  # absolute: AppTest reruns need it
 PAGES = [
-    st.Page(str(PAGES_DIR / "heatmaps.py"), title="Heatmaps", icon=":material/grid_on:", default=True),
-    st.Page(str(PAGES_DIR / "sinks.py"), title="Attention sinks", icon=":material/water_drop:"),
-    st.Page(str(PAGES_DIR / "shifting.py"), title="Sink shifting", icon=":material/swap_horiz:"),
-    st.Page(str(PAGES_DIR / "compare.py"), title="Compare A vs B", icon=":material/compare:"),
-    st.Page(str(PAGES_DIR / "heads.py"), title="Heads", icon=":material/category:"),
-    st.Page(str(PAGES_DIR / "why.py"), title="Why", icon=":material/help:"),
-    st.Page(str(PAGES_DIR / "routes.py"), title="Routes", icon=":material/route:"),
-    st.Page(str(PAGES_DIR / "patching.py"), title="Patching", icon=":material/healing:"),
-    st.Page(str(PAGES_DIR / "effects.py"), title="Effects", icon=":material/speed:"),
-    st.Page(str(PAGES_DIR / "sweeps.py"), title="Sweeps", icon=":material/table_chart:"),
-    st.Page(str(PAGES_DIR / "designer.py"), title="Mask designer", icon=":material/architecture:"),
-    st.Page(str(PAGES_DIR / "walkthrough.py"), title="Walkthrough", icon=":material/school:"),
-    st.Page(str(PAGES_DIR / "definitions.py"), title="Definitions", icon=":material/menu_book:"),
+    st.Page(str(PAGES_DIR / "heatmaps.py"), title="Heatmaps", icon="🟦", default=True),
+    st.Page(str(PAGES_DIR / "sinks.py"), title="Attention sinks", icon="💧"),
+    st.Page(str(PAGES_DIR / "shifting.py"), title="Sink shifting", icon="↔️"),
+    st.Page(str(PAGES_DIR / "compare.py"), title="Compare A vs B", icon="⚖️"),
+    st.Page(str(PAGES_DIR / "heads.py"), title="Heads", icon="🧩"),
+    st.Page(str(PAGES_DIR / "why.py"), title="Why", icon="❓"),
+    st.Page(str(PAGES_DIR / "routes.py"), title="Routes", icon="🧭"),
+    st.Page(str(PAGES_DIR / "patching.py"), title="Patching", icon="🩹"),
+    st.Page(str(PAGES_DIR / "effects.py"), title="Effects", icon="⚡"),
+    st.Page(str(PAGES_DIR / "sweeps.py"), title="Sweeps", icon="📊"),
+    st.Page(str(PAGES_DIR / "designer.py"), title="Mask designer", icon="📐"),
+    st.Page(str(PAGES_DIR / "walkthrough.py"), title="Walkthrough", icon="🎓"),
+    st.Page(str(PAGES_DIR / "definitions.py"), title="Definitions", icon="📖"),
 ]
 
 NO_MODEL = {"designer", "walkthrough", "sweeps", "definitions"}  # url paths of pages that work without a model: they never wait for one

@@ -112,7 +112,10 @@ class Capture:
         return not self.probs and bool(self.stats)
 
     def layer_probs(self, layer: int) -> np.ndarray:
-        """(H, n, n) float32 probabilities of a recorded layer."""
+        """(H, n, n) probabilities of a recorded layer, as a float32 array holding the values in the capture's storage
+        dtype: float16-rounded by default (``Keep(storage_dtype=torch.float16)``; the softmax itself runs in
+        float32), bfloat16-rounded under ``torch.bfloat16``; capture with ``Keep(storage_dtype=torch.float32)`` to
+        keep the float32 softmax's own values (twice the memory) (docs/library.md)."""
         if layer not in self.probs:
             why = "this capture kept only statistics" if self.reduced else f"layer {layer} was not recorded"
             raise AttnvizError(f"no attention map for layer {layer}: {why} (recorded: {self.layers})")

@@ -113,10 +113,10 @@ def explain_links(cap, layer: int, head: int | None, region) -> None:
     why = Path(__file__).resolve().parent / "why.py"
     c1, c2 = st.columns(2)
     c1.page_link(str(why), label=f"Explain: why head {head} of layer {layer} attends to key {key}",
-                 icon=":material/help:", query_params={"layer": layer, "head": head, "query": "all", "key": key})
+                 icon="❓", query_params={"layer": layer, "head": head, "query": "all", "key": key})
     if region:
         (q0, q1), (k0, _) = region
-        c2.page_link(str(why), label=f"Explain this cell: query {q1 - 1}, key {k0}", icon=":material/help:",
+        c2.page_link(str(why), label=f"Explain this cell: query {q1 - 1}, key {k0}", icon="❓",
                      query_params={"layer": layer, "head": head, "query": q1 - 1, "key": k0})
 
 

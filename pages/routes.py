@@ -10,6 +10,7 @@ from attnviz import defaults, flow
 from attnviz.errors import AttnvizError
 from attnviz.figures import routes_figure, sink_share_figure
 from attnviz.figures.routes import MAX_EDGES
+from attnviz.figures.style import token_text
 from ui.cache import get_flow
 from ui.docs import definitions
 from ui.export import figure_downloads
@@ -44,8 +45,11 @@ threshold = c2.slider("Threshold τ", 0.01, 0.2, graph_defaults["threshold"], 0.
 heads = c3.radio("Heads", ["split", "sum"], ["split", "sum"].index(graph_defaults["heads"]), horizontal=True,
                  key="rt_heads",
                  help="attention edges one per head, or the heads of a layer summed")
+renormalise = st.checkbox("Renormalise the kept edges", graph_defaults["renormalise"], key="rt_renormalise",
+                          help="divide the edges kept into each node by their sum, as the LLM Transparency Tool "
+                               "does; off, each edge shows its share of the whole node, comparable across nodes")
 try:
-    graphs = [flow.graph(f, token, threshold, heads) for f in flows]
+    graphs = [flow.graph(f, token, threshold, heads, renormalise) for f in flows]
 except AttnvizError as err:
     st.error(str(err))
     st.stop()
@@ -57,7 +61,8 @@ if most > MAX_EDGES:
                "raise τ to see them all.")
 event = st.plotly_chart(fig, width="stretch", key="rt_graph", on_select="rerun", selection_mode="points")
 meta = {"tool": "attnviz", "model": loaded.model_id, "figure": "routes", "arch": " vs ".join(titles),
-        "token": token, "threshold": threshold, "heads": heads, "text": settings.text}
+        "token": token, "threshold": threshold, "heads": heads,
+        "renormalise": renormalise, "text": settings.text}
 figure_downloads(fig, meta, key="rt_x")
 st.download_button("Download the graph (JSON)", json.dumps([g.as_json() for g in graphs]),
                    file_name="attnviz_routes.json", mime="application/json", key="rt_json")
@@ -106,6 +111,7 @@ except AttnvizError as err:
 else:
     for column, reading in zip(st.columns(len(readings)), readings):
         column.markdown(f"**{reading.what}** ({titles[panel]})")
-        column.dataframe({"promoted": [t for t, _ in reading.promoted], "logit": [v for _, v in reading.promoted],
-                          "suppressed": [t for t, _ in reading.suppressed],
+        column.dataframe({"promoted": [token_text(t) for t, _ in reading.promoted],
+                          "logit": [v for _, v in reading.promoted],
+                          "suppressed": [token_text(t) for t, _ in reading.suppressed],
                           "logit ": [v for _, v in reading.suppressed]}, hide_index=True)

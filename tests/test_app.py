@@ -418,3 +418,12 @@ def test_effects_residual_table(app, tmp_path):
     assert arr(bars[0]["y"])[1] == SEED_TABLE["method1"][0]
     ours = bars[1]["y"]
     assert ours[1] == 20.5 and ours[0] is None
+
+
+def test_every_icon_is_shipped_and_none_is_a_material_symbol():
+    """A ":material/…:" icon is drawn from Google's servers (the page icon) or a font: the app's are a file it ships
+    (assets/icon.png) and emoji, so nothing is fetched offline (tests/test_e2e_browser.py watches the requests)."""
+    sources = [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py")), *sorted((ROOT / "ui").glob("*.py"))]
+    assert [p.name for p in sources if ":material/" in p.read_text(encoding="utf-8")] == []
+    assert 'ICON = Path(__file__).resolve().parent / "assets" / "icon.png"' in (ROOT / "app.py").read_text()
+    assert (ROOT / "assets" / "icon.png").is_file()

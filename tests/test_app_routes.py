@@ -73,4 +73,23 @@ def test_the_page_draws_the_librarys_graph(app, default_model):  # noqa: F811
                   for e in g.edges)
     assert [d[:5] for d in drawn] == [w[:5] for w in want]
     np.testing.assert_allclose([d[5] for d in drawn], [w[5] for w in want], atol=2e-4)
+    app.checkbox(key="rt_renormalise").check().run()  # each node's kept edges divided by their sum
+    drawn = sorted((e[0], e[1], e[2], e[3], e[4], e[5]) for e in _edge_points(_graph(app)) if e[6] == 0)
+    g = flow.graph(g.flow, -1, 0.04, renormalise=True)
+    want = sorted((e.layer, -1 if e.head is None else e.head, e.kind, e.source, e.target, round(e.weight, 4))
+                  for e in g.edges)
+    assert [d[:5] for d in drawn] == [w[:5] for w in want]
+    np.testing.assert_allclose([d[5] for d in drawn], [w[5] for w in want], atol=2e-4)
     assert any("JSON" in b.proto.label for b in app.get("download_button"))
+
+
+def test_the_logit_lens_shows_whitespace_tokens_as_escapes(app):  # noqa: F811
+    """After "...test.\n" the top node promotes a newline: shown as \\n, as every page shows a token, not blank."""
+    app.text_area(key="text").input("Hello world.\nThis is a test.\n").run()
+    on_page(app, "pages/routes.py")
+    app.checkbox(key="rt_compare").set_value(False).run()
+    assert not app.exception, [e.value for e in app.exception]
+    shown = [str(v) for table in app.dataframe for column in ("promoted", "suppressed")
+             for v in table.value[column]]
+    assert "\\n" in shown
+    assert all(v.strip() and "\n" not in v for v in shown), shown

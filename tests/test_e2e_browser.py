@@ -135,6 +135,22 @@ def test_a_page_url_works_as_the_first_request_of_a_fresh_server(model_cache, pa
         assert page.locator('[data-testid="stSidebar"] textarea').count() >= 1  # the shared sidebar is there
 
 
+def test_nothing_is_fetched_from_outside_the_server(model_cache):
+    """Offline: the page icon (the tab's favicon) and the navigation's icons are shipped with the app; Streamlit
+    fetches a ":material/…:" page icon from fonts.gstatic.com, which fails without the internet."""
+    with running_app() as url, browser_page() as page:
+        outside: list[str] = []
+        page.on("request", lambda r: None if r.url.startswith((url, "data:", "blob:")) else outside.append(r.url))
+        page.goto(f"{url}/walkthrough")
+        page.locator('[data-testid="stMain"] h1').filter(has_text="Walkthrough: attention").first.wait_for(
+            timeout=180_000)
+        wait_for_app(page)
+        page.wait_for_function("() => document.querySelector('link[rel~=icon]')?.href")
+        icon = page.evaluate("() => document.querySelector('link[rel~=icon]').href")
+        no_exception(page)
+    assert icon.startswith(url) and outside == [], (icon, outside)
+
+
 def test_an_abandoned_capture_stops_at_a_layer_boundary(model_cache):
     """New input, or another page, while a long capture runs: it stops after the current layer
     (Streamlit interrupts at the progress report) instead of running all 30 layers."""

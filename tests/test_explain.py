@@ -269,6 +269,7 @@ def test_the_diagnosis_and_the_query_key_view_of_a_layer():
     assert len(view.points) == 2 * run.n_tokens and 0 <= view.sink_key < run.n_tokens
     fig = query_key_figure(view)
     assert [t.type for t in fig.data] == ["scatter", "scatter", "scatter"]  # SVG below 2,000 points
+    assert [t.name for t in fig.data[:2]] == ["queries", "keys"]  # the legend's words
 
 
 def test_the_query_key_view_pools_several_texts_and_keeps_every_softmax():

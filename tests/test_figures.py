@@ -9,7 +9,7 @@ from attnviz.figures import export
 from attnviz.core.spec.arch import parse
 from attnviz.capture import capture
 from attnviz.plan import Keep
-from attnviz.figures import (allocation_bars, architecture_masks, heatmap, key_profile, overview, panels,
+from attnviz.figures import (allocation_bars, architecture_masks, difference, heatmap, key_profile, overview, panels,
                              shift_panels, sink_grid, stablemask_pseudo, tile_at)
 from attnviz.figures.style import LOG_FLOOR, MASKED, max_pool
 
@@ -68,6 +68,34 @@ def test_shared_scale_across_panels(lm):
     fig = panels([a, b], ["A", "B"], 1)
     heat = [t for t in fig.data if isinstance(t, go.Heatmap)]
     assert len({(t.zmin, t.zmax) for t in heat}) == 1
+
+
+def test_the_top_pair_of_maps_has_a_title_and_axis_titles(lm):
+    a, b = capture(lm, "shared scale", "fwd"), capture(lm, "shared scale", "bidir")
+    fig = panels([a, b], ["A", "B"], 1)
+    assert "layer 1" in fig.layout.title.text and "mean over heads" in fig.layout.title.text
+    assert fig.layout.xaxis.title.text == fig.layout.xaxis2.title.text == "key"
+    assert fig.layout.yaxis.title.text == "query"
+    assert "head 0" in panels([a, b], ["A", "B"], 1, head=0).layout.title.text
+
+
+@pytest.mark.parametrize("arch_b", ["nosink-bidir", "nosink-fwd"])
+def test_the_difference_greys_only_the_cells_both_masks_hide(lm, arch_b):
+    """B − A with a masked cell read as 0 on the side that masks it (a forbidden key gets no attention): where B
+    attends and A may not (the upper triangle under a bidirectional B), B's attention shows; key 0, which FWD attends
+    and NoSink hides, shows A's attention with a minus sign; grey (NaN) only where both hide a cell."""
+    a, b = capture(lm, "the difference of two maps", "fwd"), capture(lm, "the difference of two maps", arch_b)
+    z = np.asarray(difference(a, b, 2).data[0].z, dtype=float)
+    pa = np.where(a.allowed[2], a.layer_probs(2).mean(0), 0)
+    pb = np.where(b.allowed[2], b.layer_probs(2).mean(0), 0)
+    hidden = ~a.allowed[2] & ~b.allowed[2]
+    assert np.array_equal(np.isnan(z), hidden)
+    np.testing.assert_allclose(z[~hidden], (pb - pa)[~hidden], atol=1e-6)
+    assert (z[1:, 0] < 0).all()  # key 0: FWD attends, NoSink hides
+    if arch_b == "nosink-bidir":
+        assert not hidden.any() and (z[np.triu_indices_from(z, 1)] > 0).all()
+    else:
+        assert hidden[np.triu_indices_from(hidden, 1)].all()
 
 
 def test_overview_click_maps_to_layer_and_head(lm):

@@ -205,6 +205,20 @@ def test_bfloat16_maps_are_kept_in_float32_with_bfloat16_s_values():
     assert isinstance(cap.probs.packed(0), Packed) and not isinstance(cap.probs.packed(2), Packed)  # bidir: whole
 
 
+def test_layer_probs_hold_the_storage_dtypes_values_as_documented():
+    """docs/library.md: by default a float32 array of float16-rounded values; Keep(storage_dtype=torch.float32) keeps
+    the float32 softmax's own values."""
+    lm = loaded("llama")
+    default = capture(lm, TEXT, "fwd*2 + bidir")
+    exact = capture(lm, TEXT, "fwd*2 + bidir", Keep(storage_dtype=torch.float32))
+    for layer in default.layers:
+        kept, full = default.layer_probs(layer), exact.layer_probs(layer)
+        assert kept.dtype == np.float32 and full.dtype == np.float32 and default.probs[layer].dtype == np.float16
+        np.testing.assert_array_equal(kept, full.astype(np.float16).astype(np.float32))
+        assert (full != full.astype(np.float16).astype(np.float32)).mean() > 0.5  # float32 keeps more than float16
+        np.testing.assert_allclose(full.sum(-1), 1, atol=1e-6)
+
+
 def test_layers_with_masks_of_their_own_share_one_gather_index(monkeypatch):
     """Each layer whose heads have masks of their own has an allow-set of its own; its spans are the layer mask's,
     so the staged route makes their gather index once, not once a layer."""

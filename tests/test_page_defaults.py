@@ -134,6 +134,7 @@ def test_heads_routes_why_and_patching(at):
     assert token.value == len(token.options) + graph["token"]  # negative: counted from the end
     assert value(at, "slider", "rt_threshold") == pytest.approx(graph["threshold"])
     assert value(at, "radio", "rt_heads") == graph["heads"]
+    assert value(at, "checkbox", "rt_renormalise") == graph["renormalise"]
 
     visit(at, "why")
     assert value(at, "radio", "why_method") == D(query_key_view)["method"]

@@ -310,8 +310,8 @@ def test_the_readme_s_paths_on_gemma3(gemma3_model):
     assert drop["mlp.2"] < 0.05 and drop["mlp.3"] < 0.05 and drop["attn.*"] < 0.15 and drop["mlp.2-3"] > 0.75
 
 
-def test_the_group_bars_mark_the_scan_s_removal():
-    from attnviz.figures.why import paths_bars_figure
+def test_the_group_bars_mark_the_scan_s_removal_and_both_figures_read_in_percent():
+    from attnviz.figures.why import paths_bars_figure, paths_figure
 
     found = paths(tiny.loaded("gemma3_text"), TEXT, "fwd", "embed,mlp.0", "mlp.*,attn.*,all")
     fig = paths_bars_figure(found)
@@ -320,6 +320,10 @@ def test_the_group_bars_mark_the_scan_s_removal():
         assert list(trace.y) == ["mlp.*", "attn.*", "all"]
         np.testing.assert_allclose(trace.x, [found.drop(sender, r) for r in trace.y])
         assert trace.marker.color[-1] != trace.marker.color[0]  # the scan's removal stands out
+    # the heatmap reads in % as the bars and the sentences do: its colour bar, its hover, its scale -100 % .. 100 %
+    heat = [t for t in paths_figure(found).data if t.type == "heatmap"]
+    assert heat and all(t.zmin == -1 and t.zmax == 1 for t in heat)
+    assert heat[0].colorbar.tickformat == ".0%" and all("%{z:.0%}" in t.hovertemplate for t in heat)
 
 
 @pytest.mark.browser

@@ -69,6 +69,73 @@ def test_a_parallel_blocks_mlp_edge_starts_below_its_attention():
     assert (0, "mlp", 2) in g.nodes()
 
 
+def test_renormalising_matches_the_llm_transparency_tools_own_test():
+    """The LLM Transparency Tool's renormalising-threshold test, rebuilt by hand: two representations (here one
+    layer's attention into tokens 0 and 1), two blocks each (here two heads reading token 0) with contributions
+    0.05, 0.15 and 0.05, 0.05, residuals 0.8 and 0.9; at τ = 0.1 it expects 0.157894 and 0.842105 for the first, 1.0
+    for the second's residual, every other entry 0 (cut)."""
+    layer = _layer([0.8, 0.9], [(0, 0, 0, 0.05), (0, 0, 1, 0.15), (1, 0, 0, 0.05), (1, 0, 1, 0.05)], [0.0, 0.0],
+                   [1.0, 1.0])
+    made = Flow(["a", "b"], [1, 2], None, "fwd", 2, [0], [layer], np.zeros((3, 2, 4), np.float32))
+
+    def attention(token, renormalise):
+        g = flow.graph(made, token, 0.1, renormalise=renormalise)
+        return {(e.kind, e.head): e.weight for e in g.edges if e.block == "attn"}
+
+    assert attention(0, True) == {("attn", 1): pytest.approx(0.157894, abs=1e-6),
+                                  ("residual", None): pytest.approx(0.842105, abs=1e-6)}
+    assert attention(1, True) == {("residual", None): pytest.approx(1.0)}
+    assert attention(0, False) == {("attn", 1): pytest.approx(0.15), ("residual", None): pytest.approx(0.8)}
+    assert attention(1, False) == {("residual", None): pytest.approx(0.9)}
+
+
+def test_renormalising_keeps_the_same_edges_and_each_nodes_sum_to_one():
+    plain, renormalised = flow.graph(hand_made(), -1, 0.04), flow.graph(hand_made(), -1, 0.04, renormalise=True)
+    assert not plain.renormalise and renormalised.renormalise
+    node = lambda e: (e.layer, e.block, e.target)  # noqa: E731
+    totals: dict = {}
+    for e in plain.edges:
+        totals[node(e)] = totals.get(node(e), 0.0) + e.weight
+    assert [(e.layer, e.kind, e.head, e.source, e.target) for e in renormalised.edges] == \
+        [(e.layer, e.kind, e.head, e.source, e.target) for e in plain.edges]
+    for p, r in zip(plain.edges, renormalised.edges):
+        assert r.weight == pytest.approx(p.weight / totals[node(p)])
+    # layer 1's attention into token 2: head 0 from token 0 (0.5) and the residual (0.47); head 1's 0.03 is cut
+    top = {(e.kind, e.head): e.weight for e in renormalised.edges if (e.layer, e.block) == (1, "attn")}
+    assert top == pytest.approx({("attn", 0): 0.5 / 0.97, ("residual", None): 0.47 / 0.97})
+    # the heads summed, then cut at τ = 0.25, then divided: layer 0 into token 2 keeps 0.3 from token 0 (0.2 from
+    # token 2 is cut) and its residual 0.5
+    summed = flow.graph(hand_made(), -1, 0.25, heads="sum", renormalise=True)
+    bottom = {(e.kind, e.source): e.weight for e in summed.edges if (e.layer, e.block, e.target) == (0, "attn", 2)}
+    assert bottom == pytest.approx({("attn", 0): 0.3 / 0.8, ("residual", 2): 0.5 / 0.8})
+
+
+def test_the_token_labels_of_two_graphs_of_48_tokens_can_be_read():
+    """Measured on the figure: in a 700 px figure (Streamlit's narrowest column), neighbouring slanted labels sit at
+    least one label's footprint apart (its font size over the sine of its angle), none is blank (whitespace as
+    escapes), none is long, and the legend sits at the figure's foot, below them."""
+    import math
+
+    from attnviz.figures import routes_figure
+
+    n = 48
+    tokens = ["\n"] + [" the", "\t", " ", "Paris", " supercalifragilistic"] * 9 + ["."] * 2
+    layer = _layer([0.5] * n, [(n - 1, 0, 0, 0.5)], [0.5] * n, [0.5] * n)
+    made = Flow(tokens, list(range(n)), None, "fwd", 1, [0], [layer], np.zeros((3, n, 4), np.float32))
+    g = flow.graph(made, -1, 0.04)
+    fig = routes_figure([g, g], ["fwd", "nosink-fwd"])
+    width = 700 - fig.layout.margin.l - fig.layout.margin.r
+    for axis in (fig.layout.xaxis, fig.layout.xaxis2):
+        ticks, labels = list(axis.tickvals), list(axis.ticktext)
+        panel = width * (axis.domain[1] - axis.domain[0])
+        gap = panel * min(np.diff(ticks)) / (axis.range[1] - axis.range[0])
+        footprint = axis.tickfont.size / math.sin(math.radians(abs(axis.tickangle)))
+        assert gap >= footprint, (len(ticks), gap, footprint)
+        assert all(label.strip() and len(label) <= 10 for label in labels), labels
+        assert labels[0] == "0 \\n" and "8 ␣" in labels  # a newline and a space as escapes
+    assert fig.layout.legend.yref == "container" and fig.layout.legend.y == 0
+
+
 @pytest.mark.parametrize("threshold,heads,token,message", [
     (0.001, "split", -1, "between 0.005 and 1"), (0.04, "all", -1, "'split'"), (0.04, "split", 3, "tokens 0..2")])
 def test_bad_graph_options_are_refused(threshold, heads, token, message):
@@ -112,6 +179,20 @@ def test_the_cli_prints_the_contract_and_its_edges_equal_stock_hooks(default_mod
         assert want <= have, layer
     share = [s for s in doc["sink_share"] if s is not None]
     assert share and all(0 <= s <= 1 for s in share)
+    assert doc["renormalise"] is False
+    # --renormalise: the same edges, each node's divided by their sum
+    again = run("routes", "--text", TEXT, "--token", "-1", "--threshold", "0.04", "--renormalise", "--json")
+    assert again.returncode == 0, again.stderr
+    renormalised = json.loads(again.stdout)
+    assert renormalised["renormalise"] is True
+    node = lambda e: (e["layer"], e["block"], e["to"])  # noqa: E731
+    totals: dict = {}
+    for e in doc["edges"]:
+        totals[node(e)] = totals.get(node(e), 0.0) + e["weight"]
+    assert len(renormalised["edges"]) == len(doc["edges"])
+    for plain, r in zip(doc["edges"], renormalised["edges"]):
+        assert {k: v for k, v in r.items() if k != "weight"} == {k: v for k, v in plain.items() if k != "weight"}
+        assert r["weight"] == pytest.approx(plain["weight"] / totals[node(plain)], abs=1e-5)
 
 
 @pytest.mark.parametrize("args,message", [

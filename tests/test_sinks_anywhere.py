@@ -101,6 +101,20 @@ def test_the_sinks_json_lists_every_sink_key(gemma3_model, capsys):
     assert by_layer[0] == [] and all(by_layer[l] for l in (1, 6, 9, 12, 13, 14, 15, 16))
 
 
+def test_where_the_sinks_are_says_it_shows_the_first_half_of_the_keys():
+    """48 tokens: the map shows keys 0..23, the keys that may be sinks, and its title and key axis say so."""
+    from attnviz.figures import sink_map
+
+    cap = capture(tiny.loaded("llama"), "x" * 48, "fwd")  # one token a character
+    assert cap.n_tokens == 48
+    fig = sink_map(cap)
+    assert len(fig.data[0].x) == 24
+    assert "keys 0–23 of 48" in fig.layout.title.text and "first half" in fig.layout.title.text
+    assert "keys 0–23 of 48" in fig.layout.xaxis.title.text
+    assert "key 0 of 2" in sink_map(capture(tiny.loaded("llama"), "xy", "fwd")).layout.title.text
+    assert "every key" in sink_map(capture(tiny.loaded("llama"), "x", "fwd")).layout.title.text
+
+
 def test_the_pages_show_where_the_sinks_are_and_where_they_went(model_cache, tmp_path):
     from test_app import app_test, charts, on_page, texts
 

@@ -231,3 +231,44 @@ def test_a_payload_names_its_captures_so_the_viewer_never_merges_another_one(cap
     others = [capture(default_model, TEXT, Recipe.of(default_model, "fwd", intervene="temperature(t=2)")),
               capture(default_model, TEXT, Recipe.of(default_model, "fwd", prepend="bos"))]
     assert all(payload_mod.payload([o], layers=[0])["id"] != same for o in others)
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_the_viewer_s_own_png_carries_the_metadata_every_export_carries(tmp_path):
+    """The PNG button writes the image as drawn with the same iTXt chunks as every other PNG export
+    (figures.export.embed_metadata): "attnviz" (the JSON of describe(), the view's layer and head added) and
+    "Description" (model · architecture)."""
+    import io
+
+    from PIL import Image
+
+    import tiny
+    from attnviz import capture
+    from attnviz.figures import export
+
+    lm = tiny.loaded("llama")
+    a, b = capture(lm, "the cat sat", "fwd"), capture(lm, "the cat sat", "nosink-fwd")
+    path = tmp_path / "viewer.html"
+    path.write_text(standalone_html(payload_mod.payload([a, b], titles=["fwd", "nosink"], log=False)))
+    with browser_page() as page:
+        page.goto(path.as_uri())
+        page.wait_for_function("() => document.querySelector('.avz-canvas')?.getAttribute('data-shown')")
+        head = page.locator(".avz-head")
+        head.focus()
+        head.press("ArrowRight")  # head 0
+        page.wait_for_function("() => document.querySelector('.avz-canvas').getAttribute('data-shown') === '2/0/linear'")
+        with page.expect_download(timeout=60_000) as info:
+            page.locator(".avz-png").click()
+        data, name = Path(info.value.path()).read_bytes(), info.value.suggested_filename
+    assert name == "attnviz_layer2_h0.png"
+    image = Image.open(io.BytesIO(data))
+    image.load()  # every chunk's CRC holds
+    assert image.format == "PNG" and image.size[0] > 0
+    meta = export.read_metadata(data, "png")
+    want = export.describe(a, 2, 0)
+    assert {k: meta[k] for k in want if k != "arch"} == {k: v for k, v in want.items() if k != "arch"}
+    assert meta["arch"] == "fwd vs nosink" and meta["figure"] == "viewer" and meta["scale"] == "linear"
+    assert [p["recipe"] for p in meta["panels"]] == [export.describe(c)["recipe"] for c in (a, b)]
+    assert [p["mask"] for p in meta["panels"]] == [c.layer_masks[2] for c in (a, b)]
+    assert image.text["Description"] == f"{want['model']} · fwd vs nosink"

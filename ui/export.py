@@ -68,7 +68,7 @@ def report_download(caps, model: str, key: str) -> None:
     st.download_button("Download report", _held_weakly(list(caps), lambda held: report_html(held, command=command).encode()),
                        file_name=export.filename({**export.describe(first, arch=" vs ".join(c.arch for c in caps)),
                                                   "figure": "report"}, "html"),
-                       mime="text/html", key=key, icon=":material/description:",
+                       mime="text/html", key=key, icon="📄",
                        help="One HTML file with these architectures' maps (the viewer), the sink-shifting panel, sink "
                             "profiles and alpha grids, and the provenance: no server, no network, mail it as it is")
 

@@ -18,6 +18,9 @@ def options(p):
                    help="keep edges whose contribution is at least this (%(default)s, Ferrando & Voita's)")
     p.add_argument("--heads", choices=["split", "sum"], default=own["heads"],
                    help="attention edges one per head, or the heads summed (%(default)s)")
+    p.add_argument("--renormalise", action="store_true", default=own["renormalise"],
+                   help="divide the edges kept into each node by their sum (the LLM Transparency Tool's "
+                        "renormalising threshold); without it kept edges keep their contributions")
 
 
 def run(args) -> dict:
@@ -30,5 +33,5 @@ def run(args) -> dict:
     bar, update = common.progress("routes")
     with bar:
         graph = flow.routes(loaded, text, common.recipe(args, loaded), args.token, args.threshold, args.heads,
-                            on_layer=update)
+                            on_layer=update, renormalise=args.renormalise)
     return graph.as_json()

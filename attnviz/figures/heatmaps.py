@@ -156,8 +156,9 @@ def region_heatmap(region, head: int | None = None, log: bool = False, title: st
 
 
 def panels(caps: list[Capture], titles: list[str], layer: int, head: int | None = None, log: bool = False,
-           row_normalise: bool = False) -> go.Figure:
-    """Several maps side by side with one shared colour scale."""
+           row_normalise: bool = False, title: str | None = None) -> go.Figure:
+    """Several maps side by side with one shared colour scale, keys across and queries down; ``title`` defaults to
+    the layer and the head shown."""
     values = [layer_matrix(c, layer, head, row_normalise) for c in caps]
     zmin, zmax = colour_range(values, log)
     fig = make_subplots(rows=1, cols=len(caps), subplot_titles=titles, horizontal_spacing=0.04)
@@ -168,8 +169,10 @@ def panels(caps: list[Capture], titles: list[str], layer: int, head: int | None 
             fig.add_trace(t, row=1, col=col)
         fig.update_yaxes(autorange="reversed", scaleanchor=f"x{col if col > 1 else ''}", constrain="domain",
                          row=1, col=col)
-        fig.update_xaxes(constrain="domain", row=1, col=col)
-    return layout(fig, height=380, masked_bg=True)
+        fig.update_xaxes(title_text="key", constrain="domain", row=1, col=col)
+    fig.update_yaxes(title_text="query", row=1, col=1)
+    title = title or f"layer {layer} · {head_label(caps[0], head)}" + (" · row-normalised" if row_normalise else "")
+    return layout(fig, title, height=400, masked_bg=True)
 
 
 def overview_tiles(cap: Capture, tile: int = 12) -> np.ndarray:

@@ -8,12 +8,28 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from attnviz.figures.style import layout
+from attnviz.figures.style import layout, token_text
 
 MAX_EDGES = 600  # edges drawn per graph (the heaviest): the browser draws a graph of 256 tokens within a second
 COLOURS = {"attn": "#1f77b4", "sink": "#d62728", "mlp": "#2ca02c", "residual": "#b0b0b0"}
 NAMES = {"attn": "attention", "sink": "attention from the sink key", "mlp": "MLP", "residual": "residual"}
 WIDTHS = (0.1, 0.2, 0.35, 0.6, 1.01)  # weight buckets: one trace each (Plotly draws one width per trace)
+#: The token axis: at most MAX_LABELS labels across the figure (shared by its panels), each at most LABEL_CHARS
+#: long, slanted at TICK_ANGLE in TICK_FONT px: side by side at 45° a label takes TICK_FONT / sin 45° ≈ 16 px of
+#: width, and 24 of them fit a 700 px figure (Streamlit's narrowest column) with room to spare; BOTTOM px below the
+#: plot hold the labels, the axis title and the legend.
+MAX_LABELS, LABEL_CHARS, TICK_ANGLE, TICK_FONT, BOTTOM = 24, 10, -45, 11, 140
+
+
+def token_ticks(tokens: list[str], panels: int = 1) -> tuple[list[int], list[str], int]:
+    """(positions, labels, stride) of a panel's token axis: at most ``MAX_LABELS`` over the figure's width, shared by
+    its ``panels``, every ``stride``-th token; a label is the token (its position first when not every token is
+    labelled), whitespace as escapes, cut to ``LABEL_CHARS``. A node's hover names its token either way."""
+    room = max(4, MAX_LABELS // panels)
+    stride = -(-len(tokens) // room)
+    ticks = list(range(0, len(tokens), stride))
+    labels = [token_text(tokens[t]) if stride == 1 else f"{t} {token_text(tokens[t])}" for t in ticks]
+    return ticks, [s if len(s) <= LABEL_CHARS else s[:LABEL_CHARS - 1] + "…" for s in labels], stride
 
 
 def level(layer: int, point: str) -> int:
@@ -77,11 +93,10 @@ def routes_figure(graphs: list, titles: list[str], max_edges: int = MAX_EDGES) -
             customdata=[[l, p, t, col - 1] for l, p, t in nodes],
             text=[f"token {t} {tokens[t]!r} after {'the input' if l < 0 else f'layer {l} {p}'}" for l, p, t in nodes],
             hovertemplate="%{text}<extra></extra>", marker=dict(size=6, color="#333333")), row=1, col=col)
-        n = graph.flow.n_tokens
-        ticks = list(range(n)) if n <= 48 else list(range(0, n, max(1, n // 16)))
-        fig.update_xaxes(tickvals=ticks, ticktext=[tokens[t].strip() or repr(tokens[t]) for t in ticks] if n <= 48
-                         else [str(t) for t in ticks], tickangle=-60 if n <= 48 else 0, range=[-1, n],
-                         title="token" if n > 48 else None, row=1, col=col)
+        ticks, labels, stride = token_ticks(tokens, len(graphs))
+        fig.update_xaxes(tickvals=ticks, ticktext=labels, tickangle=TICK_ANGLE, tickfont=dict(size=TICK_FONT),
+                         range=[-1, len(tokens)], title="token" if stride == 1 else f"token (every {stride})",
+                         row=1, col=col)
     n_layers = graphs[0].flow.n_layers
     step = max(1, n_layers // 10)
     fig.update_yaxes(tickvals=[0] + [level(l, "mlp") for l in range(0, n_layers, step)],
@@ -90,7 +105,9 @@ def routes_figure(graphs: list, titles: list[str], max_edges: int = MAX_EDGES) -
     chosen = graphs[0]
     layout(fig, f"routes of token {chosen.token} {chosen.flow.tokens[chosen.token]!r} (τ = {chosen.threshold})",
            height=640)
-    return fig.update_layout(legend=dict(orientation="h", y=-0.12))
+    # the legend at the foot of the figure, below the slanted token labels (not over them)
+    return fig.update_layout(legend=dict(orientation="h", yref="container", y=0, yanchor="bottom"),
+                             margin=dict(b=BOTTOM))
 
 
 def sink_share_figure(graphs: list, titles: list[str], shares_all: list[list]) -> go.Figure:

@@ -71,9 +71,10 @@ def shift_rate_figure(before: Capture, others: list[Capture], titles: list[str],
 
 
 def difference(a: Capture, b: Capture, layer: int, head: int | None = None) -> go.Figure:
-    """B − A on the cells both allow; red: B attends more, blue: less."""
+    """B − A; red: B attends more, blue: less. A cell one side masks holds 0 on that side (a forbidden key gets no
+    attention), so B's attention where only A masks shows, and A's where only B masks; grey only where both mask."""
     va, vb = layer_matrix(a, layer, head), layer_matrix(b, layer, head)
-    diff = vb - va
+    diff = np.where(np.isnan(va) & np.isnan(vb), np.nan, np.nan_to_num(vb) - np.nan_to_num(va))
     bound = float(np.nanmax(np.abs(diff))) if np.isfinite(diff).any() else 1.0
     fig = go.Figure(go.Heatmap(z=diff, colorscale="RdBu_r", zmid=0, zmin=-bound, zmax=bound, hoverongaps=False,
                                colorbar=dict(title="B − A")))

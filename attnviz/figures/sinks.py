@@ -7,7 +7,7 @@ import plotly.graph_objects as go
 from plotly.colors import sample_colorscale
 
 from attnviz.capture import Capture
-from attnviz.figures.style import layout
+from attnviz.figures.style import layout, token_text
 from attnviz.stats import metrics
 
 PART_COLOURS = {"first": "#1f4e9c", "delimiter": "#f28e2b", "diagonal": "#59a14f", "other": "#bab0ac",
@@ -153,7 +153,7 @@ def sink_map(cap: Capture, eps: float = metrics.SINK_EPS) -> go.Figure:
         counts = defined.sum(0)
         share[row] = np.where(counts > 0, np.where(defined, alphas, 0).sum(0) / np.maximum(counts, 1), np.nan)
     labels = [f"{k} {cap.tokens[k]!r}" for k in range(n)]  # the key axis: each label sent once, not once a cell
-    ticks = [t.strip() or repr(t) for t in cap.tokens[:n]]
+    ticks = [token_text(t) for t in cap.tokens[:n]]
     learned = learned_matrix(cap)
     if learned is not None:  # the learned sink's column, left of key 0: its alpha averaged over heads
         column = [float(np.nanmean(row)) if np.isfinite(row).any() else np.nan for row in learned]
@@ -176,10 +176,13 @@ def sink_map(cap: Capture, eps: float = metrics.SINK_EPS) -> go.Figure:
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", name=name, text=text,
                                  marker=dict(symbol="circle-open", size=11, color=colour, line=dict(width=2)),
                                  hovertemplate="layer %{y}, key %{x}: %{text}<extra>" + name + "</extra>"))
-    layout(fig, f"where the sinks are: each key's attention share per layer (rings: alpha > {eps:g} in some head)",
-           height=max(380, 16 * len(cap.layers)))
+    shown = "every key" if n == cap.n_tokens else f"{'key 0' if n == 1 else f'keys 0–{n - 1}'} of {cap.n_tokens}"
+    half = "" if n == cap.n_tokens else ", the first half: a later key is seen by too few queries to be a sink"
+    layout(fig, f"where the sinks are: each key's attention share per layer (rings: alpha > {eps:g} in some head)"
+                f"<br><sup>{shown}{half}</sup>", height=max(380, 16 * len(cap.layers)))
+    fig.update_layout(margin=dict(t=80))  # the title's two lines
     fig.update_yaxes(autorange="reversed", title="layer")
-    fig.update_xaxes(title="key", type="category", categoryorder="array", categoryarray=labels,
+    fig.update_xaxes(title=f"key ({shown})", type="category", categoryorder="array", categoryarray=labels,
                      **(dict(tickmode="array", tickvals=labels, ticktext=ticks) if n <= 48 else {}))
     fig.update_layout(legend=dict(orientation="h", y=-0.12))
     return fig

@@ -178,10 +178,17 @@ def matrix_traces(values: np.ndarray, x_labels, y_labels, zmin: float, zmax: flo
     return [image, bar], True
 
 
+def token_text(token: str) -> str:
+    """A token as every figure and page shows it: whitespace and control characters as escapes ("\\n", "\\t"), a token
+    of spaces alone as ␣, the empty token as ∅, so that no label is blank."""
+    text = f"{token!r}"[1:-1]
+    return text if text.strip() else text.replace(" ", "␣") or "∅"
+
+
 def token_axis(tokens: list[str], limit: int = 64, start: int = 0) -> dict:
     """Tick labels with the tokens when they fit, else plain positions; ``start``: the first token's position."""
     if len(tokens) > limit:
         return dict(title=None)
-    labels = [f"{t!r}"[1:-1] or "∅" for t in tokens]
+    labels = [token_text(t) for t in tokens]
     return dict(tickmode="array", tickvals=list(range(start, start + len(tokens))), ticktext=labels,
                 tickfont=dict(size=9))

@@ -126,8 +126,9 @@ def query_key_figure(view) -> go.Figure:
     texts = max(view.samples) + 1
     fig = go.Figure()
     where = np.array([[p, t, s] for p, t, s in zip(view.positions, view.tokens, view.samples)], dtype=object)
-    for kind, rows, symbol in (("query", slice(0, n), "circle"), ("key", slice(n, 2 * n), "square")):
-        fig.add_trace(trace(x=xy[rows, 0], y=xy[rows, 1], mode="markers", name=f"{kind}s",
+    for kind, rows, symbol, name in (("query", slice(0, n), "circle", "queries"),
+                                     ("key", slice(n, 2 * n), "square", "keys")):
+        fig.add_trace(trace(x=xy[rows, 0], y=xy[rows, 1], mode="markers", name=name,
                             marker=dict(symbol=symbol, color=view.positions, colorscale="Viridis", size=7,
                                         showscale=kind == "query", colorbar=dict(title="position"),
                                         line=dict(width=0.5, color="#333")),
@@ -265,12 +266,11 @@ PATH_KINDS = (("attn", "attention input"), ("keys", "keys"), ("queries", "querie
 
 def paths_figure(found) -> go.Figure:
     """Path patching (:class:`attnviz.effects.paths.Paths`): one panel per sender; in it, each single receiver's layer
-    (columns) and kind (rows: a block's input, the layer's keys, its queries, the MLP's input), the
-    fall of the sink's attention over the layers that cut can move (from the receiver's layer up, from the next one
-    for an MLP) when the sender's
-    write is removed from that receiver's input alone (1: gone, 0: unchanged, below 0: the sink grows; blank: not
-    above the sender, or not a receiver of this family). The hover adds the scan's scale (over every layer above the
-    sender) and the perplexity."""
+    (columns) and kind (rows: a block's input, the layer's keys, its queries, the MLP's input), the fall of the sink's
+    attention over the layers that cut can move (from the receiver's layer up, from the next one for an MLP) when the
+    sender's write is removed from that receiver's input alone, in % as the bars (100 %: gone, 0 %: unchanged, below
+    0: the sink grows; blank: not above the sender, or not a receiver of this family). The hover adds the scan's
+    scale (over every layer above the sender) and the perplexity."""
     n = len(found.before.attention)
     senders = found.senders or ["(no sender)"]
     columns = [str(l) for l in range(n)]
@@ -290,7 +290,7 @@ def paths_figure(found) -> go.Figure:
         fig.add_trace(go.Heatmap(z=z, x=columns, y=[label for _, label in PATH_KINDS], customdata=text,
                                  colorscale="RdBu_r", zmin=-1, zmax=1, zmid=0, hoverongaps=False, showscale=i == 1,
                                  colorbar=dict(title="sink's fall", orientation="h", x=0.5, xanchor="center", y=-0.12,
-                                               yanchor="top", len=0.6, thickness=12),
+                                               yanchor="top", len=0.6, thickness=12, tickformat=".0%"),
                                  hovertemplate=f"{sender} removed from layer %{{x}}'s %{{y}}: the sink falls by "
                                                "%{z:.0%} in the layers it can move<br>%{customdata}<extra></extra>"),
                       row=i, col=1)

@@ -15,9 +15,10 @@ __all__ = ["FLOOR", "THRESHOLD", "Edge", "Flow", "Graph", "Reading", "check", "g
 
 
 def routes(loaded, text: str, recipe="fwd", token: int = -1, threshold: float = THRESHOLD, heads: str = "split",
-           max_tokens: int | None = None, on_layer=None) -> Graph:
+           max_tokens: int | None = None, on_layer=None, renormalise: bool = False) -> Graph:
     """The contribution graph of ``token`` in ``text`` under ``recipe``: :func:`trace` then :func:`graph` (what
-    ``attnviz routes`` prints). The threshold and token are checked before the model runs."""
+    ``attnviz routes`` prints; ``renormalise`` as :func:`graph`). The threshold and token are checked before the model
+    runs."""
     check(threshold, heads)
     flow = trace(loaded, text, recipe, max_tokens=max_tokens, on_layer=on_layer)
-    return graph(flow, token, threshold, heads)
+    return graph(flow, token, threshold, heads, renormalise)

@@ -4,12 +4,14 @@ From the chosen token's stream at the top, walking down one block at a time, an 
 (:mod:`attnviz.flow.contributions`) is at least the threshold τ, and only into nodes already kept. Nodes are a
 token's stream after a layer's attention ("attn") and after its MLP ("mlp"; layer -1 is the first layer's input).
 Edges: ``attn`` (a source token through one head, or the heads summed), ``mlp`` (the MLP of the same token),
-``residual`` (the stream going past a block); ``block`` says which block an edge crosses.
+``residual`` (the stream going past a block); ``block`` says which block an edge crosses. Kept edges keep their
+contributions, or, with ``renormalise``, the edges kept into each node are divided by their sum (the LLM Transparency
+Tool's renormalising threshold).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -51,6 +53,7 @@ class Graph:
     threshold: float
     heads: str  # "split" (one edge per head) or "sum"
     edges: list[Edge]
+    renormalise: bool = False  # each node's kept edges divided by their sum
 
     def nodes(self) -> set[tuple[int, str, int]]:
         """Every kept node as (layer, point, token)."""
@@ -74,7 +77,7 @@ class Graph:
     def as_json(self) -> dict:
         flow = self.flow
         return {"tokens": flow.tokens, "token": self.token, "threshold": self.threshold, "heads": self.heads,
-                "edges": [edge.as_json() for edge in self.edges], "sink_share": self.sink_share(),
+                "renormalise": self.renormalise, "edges": [edge.as_json() for edge in self.edges], "sink_share": self.sink_share(),
                 "sink_share_all": sink_share_all(flow, self.threshold), "sink_keys": flow.sink_keys,
                 "recipe": flow.recipe.to_dict(), "model": flow.meta.get("model")}
 
@@ -95,8 +98,13 @@ def _check(flow: Flow, token: int, threshold: float, heads: str) -> int:
     return token % flow.n_tokens
 
 
-def graph(flow: Flow, token: int = -1, threshold: float = THRESHOLD, heads: str = "split") -> Graph:
-    """The contribution graph of ``token`` (negative counts from the end) at ``threshold``."""
+def graph(flow: Flow, token: int = -1, threshold: float = THRESHOLD, heads: str = "split",
+          renormalise: bool = False) -> Graph:
+    """The contribution graph of ``token`` (negative counts from the end) at ``threshold``.
+
+    ``renormalise``: the edges kept into each node (its attention edges, per head or the heads summed as ``heads``
+    says, and its residual edge; or its MLP and residual edges) are divided by their sum, so that they add up to 1.
+    The kept edges are the same either way (docs/methods.md#routes says why the default keeps them as they are)."""
     token = _check(flow, token, threshold, heads)
     edges: list[Edge] = []
     above = {token}  # tokens kept at the level being walked into
@@ -123,7 +131,15 @@ def graph(flow: Flow, token: int = -1, threshold: float = THRESHOLD, heads: str 
                     edges.append(Edge(l, "residual", "attn", None, t, t, float(layer.attn_residual[t])))
                     below.add(t)
         above = below
-    return Graph(flow, token, threshold, heads, edges)
+    return Graph(flow, token, threshold, heads, _renormalised(edges) if renormalise else edges, renormalise)
+
+
+def _renormalised(edges: list[Edge]) -> list[Edge]:
+    """Each node's kept incoming edges (one layer, one block, one target token) divided by their sum."""
+    total: dict = {}
+    for e in edges:
+        total[e.layer, e.block, e.target] = total.get((e.layer, e.block, e.target), 0.0) + e.weight
+    return [replace(e, weight=e.weight / total[e.layer, e.block, e.target]) for e in edges]
 
 
 def sink_share_all(flow: Flow, threshold: float = THRESHOLD) -> list[float | None]:

@@ -36,6 +36,40 @@
     return s.length > 24 ? s.slice(0, 22) + "…\"" : s;
   }
 
+  // PNG text chunks, as Pillow's PngInfo.add_itxt writes them (what every other export embeds).
+  const CRC = new Uint32Array(256).map((_, n) => {
+    let c = n;
+    for (let k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320 ^ (c >>> 1) : c >>> 1;
+    return c >>> 0;
+  });
+  function crc32(bytes) {
+    let c = 0xFFFFFFFF;
+    for (let i = 0; i < bytes.length; i++) c = CRC[(c ^ bytes[i]) & 0xFF] ^ (c >>> 8);
+    return (c ^ 0xFFFFFFFF) >>> 0;
+  }
+  function itxt(keyword, text) {  // keyword, NUL, uncompressed, no language, no translated keyword, UTF-8 text
+    const enc = new TextEncoder(), key = enc.encode(keyword), body = enc.encode(text);
+    const chunk = new Uint8Array(12 + key.length + 5 + body.length), view = new DataView(chunk.buffer);
+    view.setUint32(0, key.length + 5 + body.length);
+    chunk.set(enc.encode("iTXt"), 4); chunk.set(key, 8); chunk.set(body, 8 + key.length + 5);
+    view.setUint32(chunk.length - 4, crc32(chunk.subarray(4, chunk.length - 4)));
+    return chunk;
+  }
+  function dataBytes(uri) {
+    const raw = atob(uri.split(",")[1]), out = new Uint8Array(raw.length);
+    for (let i = 0; i < raw.length; i++) out[i] = raw.charCodeAt(i);
+    return out;
+  }
+  function withText(png, entries) {  // the chunks right after IHDR (8 bytes of signature, then 25 of IHDR)
+    const chunks = entries.map(([k, v]) => itxt(k, v));
+    const out = new Uint8Array(png.length + chunks.reduce((a, c) => a + c.length, 0));
+    out.set(png.subarray(0, 33), 0);
+    let at = 33;
+    chunks.forEach((c) => { out.set(c, at); at += c.length; });
+    out.set(png.subarray(33), at);
+    return out;
+  }
+
   // Pixels of an image data URI, decoded once.
   function pixels(uri) {
     return new Promise((resolve, reject) => {
@@ -432,9 +466,17 @@
     g.fillStyle = "#222"; g.font = 12 * dpr + "px Arial, Helvetica, sans-serif"; g.textBaseline = "top";
     let x = 0;
     cs.forEach((c, i) => { g.fillText(titles[i], x + 8 * dpr, 4 * dpr); g.drawImage(c, x, head); x += c.width; });
-    const a = document.createElement("a");
-    a.download = "attnviz_layer" + this.state.layer + "_" + (this.state.head === null ? "mean" : "h" + this.state.head) + ".png";
-    a.href = out.toDataURL("image/png"); a.click();
+    const a = document.createElement("a"), s = this.state, d = this.data;
+    a.download = "attnviz_layer" + s.layer + "_" + (s.head === null ? "mean" : "h" + s.head) + ".png";
+    // the metadata every other export writes (attnviz/figures/export.py), with the view as drawn
+    const meta = Object.assign({}, d.meta || {}, {layer: s.layer, mask: d.panels[0].masks[String(s.layer)],
+      head: s.head === null ? "mean" : s.head, figure: "viewer", scale: s.log ? "log" : "linear",
+      row_normalise: !!s.row});
+    meta.panels = (meta.panels || []).map((p, i) => Object.assign({}, p, {mask: d.panels[i].masks[String(s.layer)]}));
+    const png = withText(dataBytes(out.toDataURL("image/png")),
+      [["attnviz", JSON.stringify(meta)], ["Description", meta.model + " · " + meta.arch]]);
+    a.href = URL.createObjectURL(new Blob([png], {type: "image/png"})); a.click();
+    setTimeout(() => URL.revokeObjectURL(a.href), 60000);
   };
 
   // key: the host's name for this viewer (a Streamlit component key); with one, the view survives a remount.

@@ -166,8 +166,12 @@ def payload(caps: list[Capture], titles: list[str] | None = None, layers: list[i
     identity = hashlib.sha1(json.dumps([describe(c) for c in caps] + [c.meta.get("digest") for c in caps]
                                        + [size, image_format, quality], sort_keys=True,
                                        default=str).encode()).hexdigest()[:16]
+    meta = describe(first)  # what every export carries (figures.export): the viewer's PNG adds its view
+    meta.update(arch=" vs ".join(titles) if len(caps) > 1 else meta["arch"],
+                panels=[{"title": t, "recipe": describe(c)["recipe"], "provenance": describe(c)["provenance"]}
+                        for c, t in zip(caps, titles)])
     return {
-        "id": identity, "n_tokens": first.n_tokens, "tokens": first.tokens,
+        "id": identity, "meta": json.loads(json.dumps(meta, default=str)), "n_tokens": first.n_tokens, "tokens": first.tokens,
         "row_tokens": first.query_tokens, "layers": first.layers, "n_heads": first.n_heads,
         "kv_groups": first.kv_groups, "head_labels": [head_label(first, None)] + [head_label(first, h) for h in
                                                                                   range(first.n_heads)],
