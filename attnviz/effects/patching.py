@@ -32,6 +32,7 @@ import torch
 from attnviz.core.model import anatomy as anatomy_mod
 from attnviz.core import engine
 from attnviz.core.engine import sites
+from attnviz.core.loading import models
 from attnviz.core.record.sink_recorders import SinkCell
 from attnviz.effects.opening import Opening
 from attnviz.errors import InputError
@@ -141,6 +142,7 @@ def patching(loaded, clean: str, corrupted: str, answer: str | None = None, wron
     ``metric(logits, attention)`` (by layer, (B,) the last query's attention on that layer's sink key, the mean over
     heads). ``answer`` and ``wrong`` (one token each) are read by ``logit_diff`` only. ``on_layer(done, total)``
     reports progress, one batched forward a layer."""
+    models.require(loaded, "activation patching")
     site = str(site).strip().lower()
     if site not in SITES:
         raise InputError(f"unknown site '{site}': expected one of {', '.join(SITES)}")

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from attnviz.core.engine import sites
+from attnviz.core.loading import models
 from attnviz.effects import causal
 from attnviz.effects import receivers as receivers_mod
 from attnviz.effects.causal import rounded
@@ -311,6 +312,7 @@ def _plan(model, found, chosen: list[str], asked: list[str] | None, L: int, leni
 
 
 def _run(loaded, text, recipe, senders, receivers, value, on_step) -> Paths:
+    models.require(loaded, "path patching")
     value = str(value).strip().lower()
     if value not in ("zero", "mean"):
         raise InputError(f"path patching removes a write by zero or mean, not {value!r}")
