@@ -210,8 +210,10 @@ def test_bad_cells_are_refused(kwargs, message):
 
 
 def test_the_figure_draws_pairs_and_sources():
+    from attnviz.figures.why import attribution_figure
+
     e = explain(loaded("llama"), TEXT, "fwd", layer=2, head=0, query=10, key=0)
-    fig = e.figure()
+    fig = attribution_figure(e)
     assert len(fig.data) == 3 and list(fig.data[0].y) == pytest.approx(e.by_pair)
     assert 0 < e.top_pairs_share(1) <= e.top_pairs_share(4) <= 1
     assert np.isfinite(e.frequencies).all() and e.frequencies[0] > e.frequencies[-1]  # pair 0 turns fastest

@@ -124,15 +124,6 @@ ORDER = (
     ("attnviz",),
 )
 RANK = {package: rank for rank, packages in enumerate(ORDER) for package in packages}
-# Imports that run up and are being removed: analyses that make their own figures (figures/ will make them from what
-# an analysis returns, called by the CLI and the pages). The integrator deletes this allowance once that change is
-# merged; nothing else may run up.
-UPWARD_ALLOWED = {
-    ("attnviz.effects.attribution", "attnviz.figures.why"),  # Explanation.figure()
-    ("attnviz.effects.causal", "attnviz.figures.why"),
-    ("attnviz.effects.patching", "attnviz.figures.why"),
-    ("attnviz.effects.paths", "attnviz.figures.why"),
-}
 
 
 def _package(module: str) -> str:
@@ -143,7 +134,7 @@ def _package(module: str) -> str:
 
 def _upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     return sorted((module, imported) for module, imports in graph.items() for imported in imports
-                  if RANK[_package(imported)] > RANK[_package(module)] and (module, imported) not in UPWARD_ALLOWED)
+                  if RANK[_package(imported)] > RANK[_package(module)])
 
 
 def _version_only(path: Path) -> bool:
@@ -174,7 +165,6 @@ def test_no_import_runs_up_the_package_order():
     """No module of a lower package imports a higher one, at module level or inside a function (docs/layout.md)."""
     upward = _upward(_package_graph())
     assert not upward, upward
-    assert all(pair[1] in _package_graph()[pair[0]] for pair in UPWARD_ALLOWED)  # each allowance still needed
 
 
 def test_an_upward_import_is_caught_even_inside_a_function(tmp_path):

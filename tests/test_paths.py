@@ -209,9 +209,11 @@ def test_the_cli_prints_every_path(capsys, monkeypatch):
 
 
 def test_the_figure_has_a_panel_per_sender_and_every_cell_measured():
+    from attnviz.figures.why import paths_figure
+
     lm = tiny.loaded("gemma3_text")
     found = paths(lm, TEXT, "fwd", "embed,mlp.0", None)
-    fig = found.figure()
+    fig = paths_figure(found)
     assert len(fig.data) == 2
     for trace, sender in zip(fig.data, found.senders):
         z = np.array(trace.z, dtype=float)

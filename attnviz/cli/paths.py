@@ -18,7 +18,9 @@ def options(p):
     p.add_argument("--receivers", default=given["receivers"],
                    help="the receivers, e.g. attn.3,keys.5,mlp.7,head; a group cut at once, keys.12-29, mlp.*, all "
                         "(the scan's removal), or parts joined by +; 'groups': attn.*, keys.*, queries.*, mlp.*, all "
-                        "(default: every single receiver above each sender, and the groups)")
+                        "(default: every single receiver above each sender, and the groups); one head's keys, queries "
+                        "or values: keys.27.h1, queries.27.h4, values.27.h1 (a key-value head where heads share them), "
+                        "or every head of a layer, each its own path: keys.27.h*")
     p.add_argument("--value", choices=["zero", "mean"], default=given["value"],
                    help="what the receiver reads in place of the sender's write at the sink token (%(default)s)")
 

@@ -28,15 +28,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnviz.tokens import tokenize
 from attnviz.core.spec import allowsets
 from attnviz.core import engine
 from attnviz.core.engine import sites
-from attnviz.core.loading import models
 from attnviz.core.loading.models import LoadedModel
 from attnviz.effects import schemes
+from attnviz.effects.opening import Opening
 from attnviz.errors import InputError
-from attnviz.recipe import build
 
 
 @dataclass
@@ -89,12 +87,6 @@ class Explanation:
         total = sum(magnitudes)
         return sum(magnitudes[:k]) / total if total else float("nan")
 
-    def figure(self):
-        """The score by rotary pair (frequency on the axis) and by source: a paper-ready Plotly figure."""
-        from attnviz.figures.why import attribution_figure
-
-        return attribution_figure(self)
-
 
 def checked_layer(loaded: LoadedModel, layer: int) -> int:
     """``layer`` counted from the bottom (negative counts from the top), refused when it does not exist."""
@@ -112,26 +104,22 @@ class KeptForward:
     (:mod:`attnviz.core.engine.residual`): the model's own forward, read."""
 
     @torch.no_grad()
-    def __init__(self, loaded: LoadedModel, text: str, arch="fwd", upto: int | None = None, on_layer=None):
-        """``arch``: an architecture string or a recipe; ``upto``: the highest layer asked about (sources are kept
+    def __init__(self, loaded: LoadedModel, text: str, recipe="fwd", upto: int | None = None, on_layer=None):
+        """``recipe``: an architecture string or a recipe; ``upto``: the highest layer asked about (sources are kept
         below it; default every layer); ``on_layer(done, total)`` reports the forward's progress."""
-        models.require(loaded, "score attribution")
-        built = build(loaded, arch).only("score attribution", "intervene", "prepend")
+        opened = Opening(loaded, text, recipe, "score attribution")
         self.scheme = schemes.scheme(loaded)
-        self.loaded, self.built = loaded, built
-        self.ids, self.tokens = tokenize(loaded, text, prepend=built.recipe.prepend)
-        built.check_text(len(self.ids))
+        self.loaded, self.built, self.ids, self.tokens = loaded, opened.built, opened.ids, opened.tokens
         self.upto = loaded.n_layers - 1 if upto is None else upto
         # every block's write as the stream adds it (Granite's residual multiplier included), in this thread only:
         # the shared server's other sessions run the same model
         names = {f"{kind}.{l}": sites.Site(f"{kind}_out", l) for l in range(self.upto) for kind in ("attn", "mlp")}
         kept: dict[str, torch.Tensor] = {}
         progress = (lambda l: on_layer(l + 1, loaded.n_layers)) if on_layer else None
-        with sites.hooks(loaded.model, [(site, sites.save(kept, name, first_row=True, dtype=torch.float32))
-                                        for name, site in names.items()]):
-            _, hidden, _ = built.forward(loaded, torch.tensor([self.ids]),
-                                         engine.Record.nothing(on_layer=progress),
-                                         engine.Feed(hidden_states=True, last_logits_only=True))
+        _, hidden, _ = opened.forward(engine.Record.nothing(on_layer=progress),
+                                      engine.Feed(hidden_states=True, last_logits_only=True),
+                                      [(site, sites.save(kept, name, first_row=True, dtype=torch.float32))
+                                       for name, site in names.items()])
         self.hidden = [h[0].float() for h in hidden[:self.upto + 1]]  # the input of layers 0 .. upto
         self._parts: dict[int, schemes.LayerParts] = {}
         self._allowed: dict[int, torch.Tensor] = {}

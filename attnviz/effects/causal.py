@@ -24,31 +24,17 @@ import numpy as np
 import torch
 
 from attnviz.capture import capture
-from attnviz.core import engine
 from attnviz.core.engine import sites
-from attnviz.core.loading import models
 from attnviz.core.loading.models import LoadedModel
-from attnviz.core.model import anatomy as anatomy_mod
 from attnviz.core.spec.interventions import Patch
-from attnviz.core.record.sink_recorders import SinkColumn
 from attnviz.effects.evaluate import evaluate
+from attnviz.effects.opening import Opening, SinkProfile, perplexities, require_sink, windows_of  # noqa: F401
 from attnviz.errors import InputError
 from attnviz.plan import Keep
 from attnviz.recipe import Recipe
 from attnviz.stats import metrics
 
 _SOURCE = re.compile(r"^(attn|mlp)\.(\d+)$")
-
-
-@dataclass
-class SinkProfile:
-    """The attention on each layer's sink key (mean over heads of alpha at the mask's auto key) and the text's
-    perplexity, under one recipe."""
-
-    keys: list[int]
-    attention: list[float]
-    perplexity: float
-    tokens: int = 0
 
 
 @dataclass
@@ -91,14 +77,6 @@ def rounded(x: float):  # None where not defined (NaN: a layer whose sink key on
     return round(float(x), 5) if np.isfinite(x) else None
 
 
-def perplexities(logits: torch.Tensor, targets: torch.Tensor) -> list[float]:
-    """Each batch row's perplexity of ``targets`` (the text's tokens after the first) from its logits (B, n, V)."""
-    batch, vocab = logits.shape[0], logits.shape[-1]
-    nll = torch.nn.functional.cross_entropy(  # fused: no (B, n, V) log-probabilities written
-        logits[:, :-1].reshape(-1, vocab), targets.to(logits.device).repeat(batch), reduction="none")
-    return [float(np.exp(row.double().mean().item())) for row in nll.view(batch, -1).cpu()]
-
-
 def sources_of(text: str) -> list[str]:
     """The blocks a comma-separated list names ("attn.0, MLP.2": spaces and case tolerated), each checked; an
     empty list is refused (not read as "every leader")."""
@@ -125,28 +103,14 @@ def _check_layers(loaded: LoadedModel, sources: list[str]) -> None:
 
 
 def check_sink(loaded: LoadedModel, text: str, recipe: Recipe) -> None:
-    """Refuse, before any forward, a text too short to have a sink key in any layer under ``recipe`` (a key that
-    every later query may see, docs/methods.md#auto-key): NoSink-FWD(m) hides the first m keys, so a text of m + 1
-    tokens has none, and every number after would be NaN."""
-    from attnviz.core.spec import allowsets
-    from attnviz.core.model import anatomy
+    """Refuse, before any forward, a text too short to have a sink key in any layer under ``recipe``
+    (:func:`attnviz.effects.opening.require_sink`)."""
     from attnviz.recipe import build
     from attnviz.tokens import tokenize
 
     built = build(loaded, recipe)
     ids, _ = tokenize(loaded, text, prepend=built.recipe.prepend)
-    n = len(ids)
-    try:
-        windows = [layer.window for layer in anatomy.of(loaded.model).layers]
-    except InputError:
-        windows = [None] * loaded.n_layers
-    for mask, window in zip(built.architecture.layers, windows):
-        allow = allowsets.allowed(mask, n, window, metrics.auto_key_limit(n)).numpy()
-        key = metrics.auto_key(allow)
-        if allow[key + 1:, key].size and allow[key + 1:, key].all():
-            return
-    raise InputError(f"the text's {n} tokens are too short to have a sink key under {built.recipe.arch} (a key "
-                     "among its first half that every later query may see): give a longer text")
+    require_sink(built.architecture.layers, len(ids), windows_of(loaded), built.recipe.arch)
 
 
 def patchable(source: str) -> bool:
@@ -283,12 +247,6 @@ class Scan:
                     out[row, layer] = check.after.attention[layer] / before
         return names, out
 
-    def figure(self):
-        from attnviz.figures.why import scan_figure
-
-        return scan_figure(self)
-
-
 def _order(block: str) -> tuple[int, int]:
     """A write's place in the forward: the embedding first, then each layer's attention before its MLP."""
     if block == "embed":
@@ -304,34 +262,19 @@ def blocks_of(n_layers: int) -> list[str]:
 
 @torch.no_grad()
 def scan(loaded, text: str, recipe="fwd", value: str = "zero", leaders: bool = True,
-         on_step: Callable[[int, int], None] | None = None) -> Scan:
+         on_step: Callable[[int, int], None] | None = None, opening: Opening | None = None) -> Scan:
     """The causal scan of every block of ``text`` under ``recipe`` (see the comment above); ``leaders`` marks the
     blocks score attribution names (one attribution of every layer, skipped with False). ``on_step(done, total)``
-    counts the batched forwards."""
+    counts the batched forwards. ``opening``: the text already opened for it (:class:`Opening`, whose unpatched
+    forward is then run once for both: path patching with the scan's senders)."""
     from attnviz.effects.attribution import KeptForward
-    from attnviz.recipe import build
-    from attnviz.tokens import tokenize
 
-    models.require(loaded, "the causal scan")
     if value not in ("zero", "mean"):
         raise InputError(f"the scan replaces a write by zero or mean, not {value!r}")
-    recipe = Recipe.of(loaded, recipe)
-    check_sink(loaded, text, recipe)
-    built = build(loaded, recipe).only("the causal scan", "intervene", "prepend")
-    built.architecture.require_causal("compute a perplexity")
-    found, model = anatomy_mod.of(loaded.model), loaded.model
-    if not found.resumable:
-        raise InputError(f"the causal scan resumes each patched forward from a layer's input: "
-                         f"{found.why_not_resumable}")
-    ids, _ = tokenize(loaded, text, prepend=recipe.prepend)
-    built.check_text(len(ids))
-    n, L = len(ids), loaded.n_layers
-    if L < 2:
-        raise InputError("the causal scan needs a layer above the blocks it removes: this model has one layer")
-    sink_keys = engine.sink_keys(built.architecture.layers, n, [layer.window for layer in found.layers])
-    led = leaders_of(KeptForward(loaded, text, recipe)) if leaders else {}
+    opened = opening or Opening(loaded, text, recipe, "the causal scan", sink=True, resumable=True)
+    L, sink_keys = opened.L, opened.sink_keys
+    led = leaders_of(KeptForward(loaded, text, opened.recipe)) if leaders else {}
     total = L  # the unpatched forward, then one batch per layer below the top
-    targets = torch.tensor(ids[1:])
     norms: dict[tuple[int, str], torch.Tensor] = {}  # each write's norm at its layer's sink token, per batch row
 
     def norm_at(layer: int, block: str):
@@ -346,44 +289,30 @@ def scan(loaded, text: str, recipe="fwd", value: str = "zero", leaders: bool = T
 
     readers = [(sites.Site(f"{block}_out", layer), norm_at(layer, block)) for layer in range(L)
                for block in ("attn", "mlp")]
-    with sites.hooks(model, readers):
-        column = SinkColumn()
-        logits, _, run = built.forward(loaded, torch.tensor([ids]),
-                                       engine.Record.every_layer(recorders=(column,), checkpoints=frozenset(range(L))))
-        logits = logits.float()
-        base_attention = [float(column.attention(l)[0]) for l in range(L)]
-        base_norms = {f"{k[1]}.{k[0]}": float(v[0]) for k, v in norms.items()}
-        before = SinkProfile(sink_keys, base_attention, perplexities(logits, targets)[0], n)
-        # the logits a resumed forward reads are the model's own (checked once per model)
-        engine.checked_head(model, torch.tensor([ids]), run.checkpoints[L - 1], logits[:, -1], built.computes,
-                            "the causal scan")
+    before = opened.sink()
+    base_norms = {name: float(at.norm()) for name, (at, _) in opened.writes.items() if name != "embed"}
+    if on_step:
+        on_step(1, total)
+    checks, after_norms = [], {}
+    for layer in range(L - 1):
+        rows = (["embed"] if layer == 0 else []) + [f"attn.{layer}", f"mlp.{layer}"]
+        computes = replace(opened.computes, interventions=opened.computes.interventions.plus(
+            *(removal(source, i) for i, source in enumerate(rows))))
+        norms.clear()
+        after = opened.profiles(layer, len(rows), readers, computes)
+        for i, source in enumerate(rows):
+            spec = (f"the embedding at the sink token replaced by {value}" if source == "embed"
+                    else patch_spec(source, value))
+            checks.append(CausalCheck(source, led.get(source, []), spec, before, after[i]))
+            # the writes this batch ran: its own layer's and those above, all a chain may name
+            after_norms[source] = {f"{k[1]}.{k[0]}": float(v[i]) for k, v in norms.items()}
         if on_step:
-            on_step(1, total)
-        checks, after_norms = [], {}
-        for layer in range(L - 1):
-            rows = (["embed"] if layer == 0 else []) + [f"attn.{layer}", f"mlp.{layer}"]
-            computes = replace(built.computes, interventions=built.computes.interventions.plus(
-                *(removal(source, i) for i, source in enumerate(rows))))
-            norms.clear()
-            column = SinkColumn()
-            resumed = engine.resume(model, run.checkpoints[layer], layer, torch.tensor([ids] * len(rows)), computes,
-                                    engine.Record.every_layer(recorders=(column,)))
-            ppl = perplexities(resumed.logits(model, last_only=False).float(), targets)
-            for i, source in enumerate(rows):
-                attention = [base_attention[l] if l < layer else float(column.attention(l)[i]) for l in range(L)]
-                spec = (f"the embedding at the sink token replaced by {value}" if source == "embed"
-                        else patch_spec(source, value))
-                checks.append(CausalCheck(source, led.get(source, []), spec, before,
-                                          SinkProfile(sink_keys, attention, ppl[i], n)))
-                # the writes this batch ran: its own layer's and those above, all a chain may name
-                after_norms[source] = {f"{k[1]}.{k[0]}": float(v[i]) for k, v in norms.items()}
-            if on_step:
-                on_step(layer + 2, total)
+            on_step(layer + 2, total)
     drops = {c.source: c.drop(list(range(c.layer + 1, L))) for c in checks}  # every layer the removal can reach
     necessary = [source for source, drop in drops.items() if np.isfinite(drop) and drop >= NECESSARY]
     chains = {source: _chain(source, base_norms, after_norms[source]) for source in necessary}
-    return Scan(recipe.to_dict(), n, checks, necessary, chains, "the top layer's blocks: no layer above reads their "
-                "writes")
+    return Scan(opened.recipe.to_dict(), opened.n, checks, necessary, chains, "the top layer's blocks: no layer above "
+                "reads their writes")
 
 
 def _chain(source: str, before: dict[str, float], after: dict[str, float]) -> list[dict]:

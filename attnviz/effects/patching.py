@@ -31,9 +31,10 @@ import torch
 
 from attnviz.core.model import anatomy as anatomy_mod
 from attnviz.core import engine
-from attnviz.core.loading import models
 from attnviz.core.engine import sites
+from attnviz.core.loading import models
 from attnviz.core.record.sink_recorders import SinkCell
+from attnviz.effects.opening import Opening
 from attnviz.errors import InputError
 
 SITES = ("resid", "attn", "mlp", "heads")
@@ -70,11 +71,6 @@ class Patching:
                 "tokens": {"clean": self.tokens[0], "corrupted": self.tokens[1]},
                 **({"answer": self.answer, "wrong": self.wrong} if self.metric == "logit_diff" else {}),
                 "recipe": self.recipe}
-
-    def figure(self):
-        from attnviz.figures.why import patching_figure
-
-        return patching_figure(self)
 
 
 def one_token(loaded, text: str, what: str) -> int:
@@ -146,55 +142,43 @@ def patching(loaded, clean: str, corrupted: str, answer: str | None = None, wron
     ``metric(logits, attention)`` (by layer, (B,) the last query's attention on that layer's sink key, the mean over
     heads). ``answer`` and ``wrong`` (one token each) are read by ``logit_diff`` only. ``on_layer(done, total)``
     reports progress, one batched forward a layer."""
-    from attnviz.recipe import Recipe, build
-    from attnviz.tokens import tokenize
-
     models.require(loaded, "activation patching")
     site = str(site).strip().lower()
     if site not in SITES:
         raise InputError(f"unknown site '{site}': expected one of {', '.join(SITES)}")
     name, measure, reads_sink = _metric(metric, loaded, answer, wrong)
-    recipe = Recipe.of(loaded, recipe)
-    built = build(loaded, recipe).only("activation patching", "intervene", "prepend")
-    ids_c, tok_c = tokenize(loaded, clean, prepend=recipe.prepend)
-    ids_x, tok_x = tokenize(loaded, corrupted, prepend=recipe.prepend)
-    if len(ids_c) != len(ids_x):
-        raise InputError(f"the clean text has {len(ids_c)} tokens and the corrupted text {len(ids_x)}: activation "
+    opened_c = Opening(loaded, clean, recipe, "activation patching")
+    opened = opened_c.text(corrupted)
+    if opened_c.n != opened.n:
+        raise InputError(f"the clean text has {opened_c.n} tokens and the corrupted text {opened.n}: activation "
                          "patching puts each position's activation into the same position, so they must have the "
                          "same number of tokens")
-    built.check_text(len(ids_c))
-    n, layers, model = len(ids_c), list(range(loaded.n_layers)), loaded.model
+    n, layers, model = opened.n, list(range(loaded.n_layers)), loaded.model
     # a patch at layer l changes nothing below l: its runs resume from the corrupted run's input of layer l (the
     # engine's checkpoints and resume), where the family can resume, and share one batch
-    resumes = anatomy_mod.of(model).resumable and built.variant is None
+    resumes = anatomy_mod.of(model).resumable and opened.built.variant is None
     below: dict[int, torch.Tensor] = {}  # the corrupted run's sink values by layer (layers a resumed run skips)
 
-    def run(ids, pairs=(), batch=1, start=0, keep_inputs=False):
+    def run(text: Opening, pairs=(), batch=1, start=0, keep_inputs=False):
         sink = SinkCell() if reads_sink else None
-        inputs = frozenset(layers) if keep_inputs else frozenset()
-        record = (engine.Record.every_layer(recorders=(sink,), checkpoints=inputs) if sink
-                  else engine.Record.nothing(checkpoints=inputs))
-        input_ids = torch.tensor([ids] * batch)
-        with torch.no_grad(), sites.hooks(model, pairs):
+        with torch.no_grad():
             if start > 0:
-                logits = engine.resume(model, checkpoints[start], start, input_ids, built.computes, record
-                                       ).logits(model).float()
-                made = None
+                logits = text.resume(start, batch, pairs, (sink,) if sink else ()).logits(model).float()
             else:
-                out = built.forward(loaded, input_ids, record, engine.Feed(last_logits_only=True))
-                logits, made = out[0][:, -1].float(), out[2]
+                inputs = frozenset(layers) if keep_inputs else frozenset()
+                record = (engine.Record.every_layer(recorders=(sink,), checkpoints=inputs) if sink
+                          else engine.Record.nothing(checkpoints=inputs))
+                logits = text.forward(record, engine.Feed(last_logits_only=True), pairs, batch)[0][:, -1].float()
         attention = {**{l: v.expand(batch) for l, v in below.items() if l < start}, **sink.layers()} if sink else None
-        return logits, attention, made
+        return logits, attention
 
     kept: dict[int, torch.Tensor] = {}
-    logits_c, sink_c, _ = run(ids_c, [(sites.Site(_SITE[site], l), sites.save(kept, l)) for l in layers])
-    logits_x, sink_x, made = run(ids_x, keep_inputs=resumes)
-    checkpoints = made.checkpoints if resumes else {}
+    logits_c, sink_c = run(opened_c, [(sites.Site(_SITE[site], l), sites.save(kept, l)) for l in layers])
+    logits_x, sink_x = run(opened, keep_inputs=resumes)
     if sink_x is not None:
         below.update(sink_x)
     if resumes:  # the logits a resumed forward reads are the model's own (once per model)
-        engine.checked_head(model, torch.tensor([ids_x]), checkpoints[layers[-1]], logits_x, built.computes,
-                            "activation patching")
+        opened.check_head(logits_x)
     clean_logp = torch.log_softmax(logits_c, -1)
     value_c = float(measure(logits_c, sink_c, clean_logp)[0])
     value_x = float(measure(logits_x, sink_x, clean_logp)[0])
@@ -205,10 +189,10 @@ def patching(loaded, clean: str, corrupted: str, answer: str | None = None, wron
     effect = np.zeros((len(layers), len(rows)))
     for layer in layers:
         setter = [(sites.Site(_SITE[site], layer), _setter(site, kept[layer], rows))]
-        logits, attention, _ = run(ids_x, setter, batch=len(rows), start=layer if resumes else 0)
+        logits, attention = run(opened, setter, batch=len(rows), start=layer if resumes else 0)
         values = measure(logits, attention, clean_logp)
         effect[layer] = ((values.float() - value_x) / (value_c - value_x)).cpu().numpy()
         if on_layer:
             on_layer(layer + 1, len(layers))
-    return Patching(site, name, value_c, value_x, layers, list(range(n)), effect, (tok_c, tok_x),
-                    rows if site == "heads" else [], answer, wrong, recipe.to_dict())
+    return Patching(site, name, value_c, value_x, layers, list(range(n)), effect, (opened_c.tokens, opened.tokens),
+                    rows if site == "heads" else [], answer, wrong, opened.recipe.to_dict())

@@ -26,14 +26,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from attnviz.core import engine
 from attnviz.core.engine import sites
 from attnviz.core.loading import models
-from attnviz.core.model import anatomy as anatomy_mod
-from attnviz.core.record.sink_recorders import SinkColumn
-from attnviz.effects.causal import SinkProfile, check_sink, perplexities, rounded
+from attnviz.effects import causal
+from attnviz.effects import receivers as receivers_mod
+from attnviz.effects.causal import rounded
+from attnviz.effects.opening import Opening, SinkProfile
 from attnviz.errors import InputError
-from attnviz.recipe import Recipe
 
 _SINGLE = re.compile(r"^(head|(attn|mlp|keys|queries)\.\d+)$")
 _SENDER = re.compile(r"^(embed|(attn|mlp)\.(\d+))$")
@@ -63,10 +62,13 @@ def names(text, what: str, n_layers: int) -> list[str]:
         raise InputError(f"no {what} named: give blocks such as mlp.0,attn.3")
     for name in given:
         for part in name.split("+") if what == "receiver" else [name]:
+            if what == "receiver" and receivers_mod.is_head(part):
+                part = receivers_mod.shared(part)  # its layer checked as the layer's own keys' or queries'
             match = pattern.match(part)
             if match is None:
                 allowed = ("embed, attn.L or mlp.L" if what == "sender" else
-                           "attn.L, mlp.L, keys.L, queries.L (or L-M, or *), head, all, joined by +")
+                           "attn.L, mlp.L, keys.L, queries.L (or L-M, or *), head, all, joined by +; "
+                           "one head: keys.L.hK, queries.L.hQ, values.L.hK (or .h*)")
                 raise InputError(f"unknown {what} '{part}': expected {allowed}")
             for layer in (match.group(3), *(match.groups()[3:] if what == "receiver" else ())):
                 if layer is not None and layer.isdigit() and int(layer) >= n_layers:
@@ -86,6 +88,12 @@ def members(receiver: str, sender: str, n_layers: int, parallel: bool = False) -
     above = receivers_of(sender, n_layers, parallel)
     out = []
     for part in receiver.split("+"):
+        if receivers_mod.is_head(part):
+            if receivers_mod.shared(part) not in above:
+                raise InputError(f"{part} is not above {sender}: a receiver reads the stream after its sender writes "
+                                 f"it (above {sender}: {above[0]} to head)")
+            out.append(part)
+            continue
         if part == "all":
             out += [r for r in above if not r.startswith(PROJECTED)]
             continue
@@ -155,7 +163,12 @@ class Paths:
 
     def receivers(self, sender: str, single: bool | None = None) -> list[str]:
         """``sender``'s receivers (``single``: only single ones; False: only groups; None: both)."""
-        return [r for s, r in self.after if s == sender and (single is None or bool(_SINGLE.match(r)) == single)]
+        return [r for s, r in self.after if s == sender and (single is None or bool(_SINGLE.match(r)) == single
+                                                             and not receivers_mod.is_head(r))]
+
+    def heads(self, sender: str) -> list[str]:
+        """``sender``'s head receivers (:mod:`attnviz.effects.receivers`): neither single blocks nor groups."""
+        return [r for s, r in self.after if s == sender and receivers_mod.is_head(r)]
 
     def strongest(self, sender: str, k: int = 3, single: bool | None = True) -> list[tuple[str, float]]:
         """The ``k`` receivers through which removing ``sender`` takes the most of the sink away in the layers the
@@ -176,11 +189,6 @@ class Paths:
                           for (s, rc), p in self.after.items()],
                 **({"skipped": self.skipped} if self.skipped else {})}
 
-    def figure(self):
-        from attnviz.figures.why import paths_figure
-
-        return paths_figure(self)
-
 
 class _Cut:
     """The site functions of one batch: row i removes ``delta_i`` (its sender's write at the sink token) from its
@@ -188,28 +196,35 @@ class _Cut:
     the stream read at the layer's input (or between its blocks, for an MLP) in the same forward, norm the pre-norm
     the receiver reads through (none: the stream itself); the head's input is the top layer's output − delta."""
 
-    def __init__(self, found, rows: list[tuple[list[str], int, torch.Tensor]]):
-        self.found, self.rows = found, rows
+    def __init__(self, found, rows: list[tuple[list[str], int, torch.Tensor]], model=None):
+        self.found, self.rows, self.model = found, rows, model
         self.streams: dict[tuple[str, int], torch.Tensor] = {}
 
     def pairs(self) -> list:
         top = len(self.found.layers) - 1
         cuts: dict[tuple[str, int], list[tuple[int, int, torch.Tensor]]] = {}
+        heads: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
         for row, (receivers, token, delta) in enumerate(self.rows):
             for receiver in receivers:
+                if receivers_mod.is_head(receiver):  # its layer's stream read as the keys' is
+                    heads.setdefault(receiver, []).append((row, token, delta))
+                    cuts.setdefault(("stream", int(receiver.split(".")[1])), [])
+                    continue
                 kind, m = ("head", top) if receiver == "head" else (receiver.split(".")[0], int(receiver.split(".")[1]))
                 cuts.setdefault((kind, m), []).append((row, token, delta))
         pairs = []
         for kind, m in sorted({self._stream(k, m) for k, m in cuts if k != "head"}, key=lambda s: (s[1], s[0])):
             pairs.append((sites.Site(kind, m), self._read(kind, m)))
         for (kind, m), rows in cuts.items():
+            if kind == "stream":
+                continue
             if kind == "head":
                 pairs.append((sites.Site("resid_post", m), self._minus(rows)))
             else:
                 layer = self.found[m]
                 norm = layer.mlp_norm if kind == "mlp" else layer.attn_norm
                 pairs.append((sites.Site(_INPUT[kind], m), self._normed(rows, self._stream(kind, m), norm)))
-        return pairs
+        return pairs + receivers_mod.cut_pairs(self.found, self.model, heads, self.streams)
 
     def _stream(self, kind: str, m: int) -> tuple[str, int]:
         return ("resid_mid" if kind == "mlp" and not self.found[m].parallel else "resid_pre", m)
@@ -297,80 +312,40 @@ def _plan(model, found, chosen: list[str], asked: list[str] | None, L: int, leni
 
 
 def _run(loaded, text, recipe, senders, receivers, value, on_step) -> Paths:
-    from attnviz.effects.causal import scan
-    from attnviz.recipe import build
-    from attnviz.tokens import tokenize
-
     models.require(loaded, "path patching")
     value = str(value).strip().lower()
     if value not in ("zero", "mean"):
         raise InputError(f"path patching removes a write by zero or mean, not {value!r}")
-    recipe = Recipe.of(loaded, recipe)
-    model, L = loaded.model, loaded.n_layers
-    if L < 2:
-        raise InputError("path patching needs a layer above its sender: this model has one layer")
+    L = loaded.n_layers
     chosen = None if senders is None else names(senders, "sender", L)
-    asked = None if receivers is None else names(receivers, "receiver", L)
+    asked = None if receivers is None else receivers_mod.expand(names(receivers, "receiver", L), loaded.model)
     optional = asked is None or (isinstance(receivers, str) and receivers.strip().lower() == "groups")
-    check_sink(loaded, text, recipe)
-    built = build(loaded, recipe).only("path patching", "intervene", "prepend")
-    built.architecture.require_causal("compute a perplexity")
-    found = anatomy_mod.of(model)
-    if not found.resumable:
-        raise InputError(f"path patching resumes each patched forward from a layer's input: {found.why_not_resumable}")
+    opened = Opening(loaded, text, recipe, "path patching", sink=True, resumable=True)
+    model, found = loaded.model, opened.found
     # refused before any forward: a receiver not above a sender the caller named, keys or queries of a family that
     # has no projection of their own
     _plan(model, found, chosen or [], asked, L, optional=optional)
-    ids, _ = tokenize(loaded, text, prepend=recipe.prepend)
-    built.check_text(len(ids))
-    n, done = len(ids), 0
-    lenient = chosen is None
-    if chosen is None:  # the scan's necessary writers: L forwards of its own, counted in the progress
+    done, lenient = 0, chosen is None
+    if chosen is None:  # the scan's necessary writers, from the same opening: L forwards, counted in the progress
         def scanned(step, total):
             if on_step:
                 on_step(step, total + L)  # the paths' batches: at most one a layer
-        chosen = scan(loaded, text, recipe, value, leaders=False, on_step=scanned).necessary
+        chosen = causal.scan(loaded, text, opened.recipe, value, leaders=False, on_step=scanned,
+                             opening=opened).necessary
         done = L
     plan, skipped = _plan(model, found, chosen, asked, L, lenient, optional)
-    sink_keys = engine.sink_keys(built.architecture.layers, n, [layer.window for layer in found.layers])
-    targets = torch.tensor(ids[1:])
-
-    writes: dict[str, torch.Tensor] = {}
-    readers = [(sites.Site("embed" if s == "embed" else f"{s.split('.')[0]}_out", layer_of(s, L)),
-                sites.save(writes, s, first_row=True)) for s in chosen]
-    column = SinkColumn()
-    with sites.hooks(model, readers):
-        logits, _, run = built.forward(loaded, torch.tensor([ids]),
-                                       engine.Record.every_layer(recorders=(column,), checkpoints=frozenset(range(L))))
-    logits = logits.float()
-    engine.checked_head(model, torch.tensor([ids]), run.checkpoints[L - 1], logits[:, -1], built.computes,
-                        "path patching")
-    base = [float(column.attention(l)[0]) for l in range(L)]
-    before = SinkProfile(sink_keys, base, perplexities(logits, targets)[0], n)
-    deltas = {}
-    for s, write in writes.items():
-        token = sink_keys[layer_of(s, L)]
-        write = write.float()
-        mean = torch.cat([write[:token], write[token + 1:]]).mean(0) if value == "mean" else 0.0
-        deltas[s] = (token, write[token] - mean)
+    before = opened.sink()
     # one batch per lowest receiver layer, a row a path
     by_layer: dict[int, list] = {}
     for s in chosen:
         for r, cut in plan[s].items():
             by_layer.setdefault(min(layer_of(c, L) for c in cut), []).append((s, r, cut))
-    result = Paths(recipe.to_dict(), n, value, before, chosen, skipped=skipped)
+    result = Paths(opened.recipe.to_dict(), opened.n, value, before, chosen, skipped=skipped)
     total = done + len(by_layer)
     for m, batch in sorted(by_layer.items()):
-        cutter = _Cut(found, [(cut, *deltas[s]) for s, _, cut in batch])
-        column = SinkColumn()
-        with sites.hooks(model, cutter.pairs()):
-            resumed = engine.resume(model, run.checkpoints[m], m, torch.tensor([ids] * len(batch)), built.computes,
-                                    engine.Record.every_layer(recorders=(column,)))
-        ppl = perplexities(resumed.logits(model, last_only=False).float(), targets)
-        for i, (s, r, cut) in enumerate(batch):
-            attention = [base[l] if l < m else float(column.attention(l)[i]) for l in range(L)]
-            result.after[s, r] = SinkProfile(sink_keys, attention, ppl[i], n)
-            result.cut[s, r] = cut
+        cutter = _Cut(found, [(cut, *opened.removed(s, value)) for s, _, cut in batch], model)
+        for (s, r, cut), after in zip(batch, opened.profiles(m, len(batch), cutter.pairs())):
+            result.after[s, r], result.cut[s, r] = after, cut
         done += 1
         if on_step:
             on_step(done, total)

@@ -197,6 +197,12 @@ def module_hooks(pairs: Iterable[tuple[torch.nn.Module, Callable]], inputs: bool
         yield
 
 
+def at_module(module: torch.nn.Module, inputs: bool = False):
+    """A module that is not a named site, as a place in :func:`hooks`' pairs beside the sites (its output; its first
+    input where ``inputs``): one head's slice of a projection's output (path patching's head receivers)."""
+    return _Module(module, inputs)
+
+
 def install(model, key: str, pairs: Iterable[tuple[Site, Callable]], first: bool = False) -> None:
     """Register ``pairs`` once per model (``key`` names the set), for every thread: for the engine's own functions,
     which read the thread's active run and do nothing outside one. Under a lock: sessions may ask at once.
