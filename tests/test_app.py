@@ -427,3 +427,30 @@ def test_every_icon_is_shipped_and_none_is_a_material_symbol():
     assert [p.name for p in sources if ":material/" in p.read_text(encoding="utf-8")] == []
     assert 'ICON = Path(__file__).resolve().parent / "assets" / "icon.png"' in (ROOT / "app.py").read_text()
     assert (ROOT / "assets" / "icon.png").is_file()
+
+
+def test_compare_page_greys_only_what_both_masks_hide_and_titles_its_maps(app):
+    """Compare A vs B at its defaults (FWD against MASK0-BIDIR at layer 29, where B is bidirectional without key 0):
+    the difference map shows B's attention above the diagonal, which A may not see, and A's on key 0, which B hides;
+    no cell is grey, since no cell is hidden from both. The top pair of maps has a title and its axes' titles."""
+    on_page(app, "pages/compare.py")
+    specs = charts(app)
+    top = next(s for s in specs if "layer 29" in (title(s) or ""))
+    assert "mean over heads" in title(top)
+    layout = top["layout"]
+    assert layout["xaxis"]["title"]["text"] == "key" and layout["yaxis"]["title"]["text"] == "query"
+    diff = next(s for s in specs if (title(s) or "").startswith("difference"))
+    z = arr(diff["data"][0]["z"])
+    n = z.shape[0]
+    assert n == 48 and not np.isnan(z).any()  # before: every cell A masks (the upper triangle, and more) was grey
+    assert (z[np.triu_indices(n, 1)] >= 0).all() and z[np.triu_indices(n, 1)].max() > 0.01  # B attends where A may not
+    assert (z[1:, 0] < 0).all()  # key 0: FWD attends, MASK0 hides
+
+
+def test_sinks_page_says_which_keys_where_the_sinks_are_shows(app):
+    """The lighthouse text has 48 tokens: the map of where the sinks are shows keys 0–23 and says it is the first
+    half (before: keys 0–23 with no word of it)."""
+    on_page(app, "pages/sinks.py")
+    spec = next(s for s in charts(app) if "where the sinks are" in (title(s) or ""))
+    assert "keys 0–23 of 48" in title(spec) and "first half" in title(spec)
+    assert "keys 0–23 of 48" in spec["layout"]["xaxis"]["title"]["text"]

@@ -236,6 +236,10 @@ def test_the_why_page_traces_the_paths_and_refuses_a_bad_sender(default_model, t
     figure = next(f for f in charts(at) if "through which receiver" in str(f["layout"]["title"]["text"]))
     assert len(figure["data"]) == 1 and any("the sink's fall when a write is removed" in t for t in titles)
     assert any("**mlp.0** makes the sink most through" in m.value for m in at.markdown)
+    # the heatmap's colour bar reads in %, as its hover, bars and sentences do (before: a -1..1 fraction)
+    assert figure["data"][0]["colorbar"]["tickformat"] == ".0%" and "%" in figure["data"][0]["hovertemplate"]
+    qk = next(f for f in charts(at) if "queries and keys" in str(f["layout"]["title"]["text"]))
+    assert {"queries", "keys"} <= {t.get("name") for t in qk["data"]}  # before: "querys"
     at.text_input(key="why_senders").set_value("mlp.99").run()
     at.button(key="why_paths").click().run()
     assert not at.exception and any("does not exist" in e.value for e in at.error)
