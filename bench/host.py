@@ -60,7 +60,7 @@ def as_a_gpu_runs(launches: list | None = None) -> ExitStack:
             return lambda *args, **kwargs: launches.append(grid)
 
     stack = ExitStack()
-    stack.enter_context(mock.patch.object(kernels, "_kernel", lambda: Launch()))
+    stack.enter_context(mock.patch.object(kernels, "kernel", lambda: Launch()))
     stack.enter_context(mock.patch.object(kernels, "available", lambda: True))
     stack.enter_context(mock.patch.object(devices, "ASYNC_COPIES", {"cuda", "cpu"}))
     stack.enter_context(routes.forcing(fused=True))
