@@ -3,6 +3,8 @@ write makes the sink."""
 
 from __future__ import annotations
 
+import sys
+
 from attnviz.cli import common
 
 
@@ -35,4 +37,6 @@ def run(args) -> dict:
     with bar:
         result = paths.paths(loaded, text, common.recipe(args, loaded), args.senders, args.receivers, args.value,
                              on_step=update)
+    if result.note:  # an empty result says why, on stderr as in the JSON
+        print(f"attnviz: note: {result.note}", file=sys.stderr)
     return result.as_json()

@@ -73,8 +73,8 @@ class CausalCheck:
                             "after": rounded(self.after.attention[l])} for l in above]}
 
 
-def rounded(x: float):  # None where not defined (NaN: a layer whose sink key only its own query sees)
-    return round(float(x), 5) if np.isfinite(x) else None
+def rounded(x: float, digits: int = 5):  # None where not defined (NaN: a layer whose sink key only its own query sees)
+    return round(float(x), digits) if np.isfinite(x) else None
 
 
 def sources_of(text: str) -> list[str]:

@@ -26,6 +26,7 @@ from attnviz.core.loading import models
 from attnviz.core.model import anatomy as anatomy_mod
 from attnviz.core.record.sink_recorders import SinkColumn
 from attnviz.core.spec import allowsets
+from attnviz.core.spec.arch import Architecture
 from attnviz.errors import InputError
 from attnviz.recipe import Recipe, build
 from attnviz.stats import metrics
@@ -80,12 +81,18 @@ class Opening:
     def __init__(self, loaded, text: str, recipe="fwd", what: str = "this analysis", sink: bool = False,
                  resumable: bool = False, _from: "Opening | None" = None):
         self.loaded, self.model, self.what = loaded, loaded.model, what
+        if not isinstance(text, str):
+            raise InputError(f"{what} reads a text (a string), not {type(text).__name__}")
         if _from is None:
             models.require(loaded, what)
+            if not isinstance(recipe, (str, Recipe, Architecture)):
+                raise InputError(f"{what} runs under a recipe (an architecture string such as 'fwd', or a Recipe), "
+                                 f"not {type(recipe).__name__}")
             self.recipe = Recipe.of(loaded, recipe)
             self.built = build(loaded, self.recipe).only(what, "intervene", "prepend")
             if sink:
-                self.built.architecture.require_causal("compute a perplexity")
+                # refused, not measured without it: docs/methods.md#path-patching says why
+                self.built.architecture.require_causal(f"run {what}, which measures the text's perplexity,")
             if sink or resumable:
                 self.found = anatomy_mod.of(self.model)
                 if resumable and not self.found.resumable:

@@ -76,13 +76,16 @@ class Patching:
 def one_token(loaded, text: str, what: str) -> int:
     """The id of ``text`` as one token of the model's vocabulary (as written: " Paris" with its space), or a
     refusal in one line."""
-    if not isinstance(text, str) or not text:
-        raise InputError(f"--{what} is empty: give the token, as it follows the text (e.g. ' Paris')")
+    if not isinstance(text, str):
+        raise InputError(f"the {what} token is {text!r}, not a string: give the token as text, as it follows the "
+                         "text (e.g. ' Paris')")
+    if not text:
+        raise InputError(f"the {what} token is empty: give the token, as it follows the text (e.g. ' Paris')")
     ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
         pieces = [loaded.tokenizer.decode([i]) for i in ids]
-        raise InputError(f"--{what} {text!r} is {len(ids)} tokens ({', '.join(map(repr, pieces))}), not one: "
-                         "the metric reads one token's logit")
+        raise InputError(f"the {what} token {text!r} is {len(ids)} tokens ({', '.join(map(repr, pieces))}), not "
+                         "one: the metric reads one token's logit")
     return int(ids[0])
 
 
@@ -107,20 +110,28 @@ def _metric(metric, loaded, answer, wrong) -> tuple[str, Callable, bool]:
             raise InputError("a metric is a function of the run's logits (B, V) at the last position, or of them and "
                              "its sink attention by layer: metric(logits) or metric(logits, attention)")
         name = getattr(metric, "__name__", "custom")
-        return name, ((lambda logits, attention, _: metric(logits, attention)) if takes == 2
-                      else (lambda logits, attention, _: metric(logits))), takes == 2
+        called = "the metric" if name.startswith("<") or name == "custom" else f"the metric {name}"
+
+        def fn(logits, attention, _):
+            try:
+                values = metric(logits, attention) if takes == 2 else metric(logits)
+            except Exception as err:  # the caller's own function: its failure is bad input, in one line
+                raise InputError(f"{called} failed on a run's logits {tuple(logits.shape)}: {type(err).__name__}: "
+                                 f"{err}") from err
+            return checked(called, values, logits.shape[0])
+        return name, fn, takes == 2
     metric = str(metric).strip().lower()
     if metric not in METRICS:
         raise InputError(f"unknown metric '{metric}': expected one of {', '.join(METRICS)}, or a function of the logits")
     if metric != "logit_diff" and (answer is not None or wrong is not None):
-        raise InputError(f"the {metric} metric reads no answer or wrong token: give --answer and --wrong with "
-                         "--metric logit_diff only")
+        raise InputError(f"the {metric} metric reads no answer or wrong token: give answer and wrong with the "
+                         "logit_diff metric only")
     if metric == "logit_diff":
         if answer is None or wrong is None:
-            raise InputError("the logit difference needs --answer and --wrong (one token each)")
+            raise InputError("the logit difference needs an answer and a wrong token (one token each)")
         a, w = one_token(loaded, answer, "answer"), one_token(loaded, wrong, "wrong")
         if a == w:
-            raise InputError(f"--answer and --wrong are the same token ({answer!r})")
+            raise InputError(f"the answer and the wrong token are the same token ({answer!r})")
         return metric, (lambda logits, attention, _: logits[:, a] - logits[:, w]), False
     if metric == "kl":
         def kl(logits, attention, clean_logp):
@@ -128,6 +139,30 @@ def _metric(metric, loaded, answer, wrong) -> tuple[str, Callable, bool]:
             return (clean_logp.exp() * (clean_logp - logp)).sum(-1)
         return metric, kl, False
     return metric, (lambda logits, attention, _: _mean_over_layers(attention)), True
+
+
+def checked(called: str, values, rows: int) -> torch.Tensor:
+    """A metric's result as the grid reads it, or a refusal in one line naming ``called``: a torch tensor of shape
+    (rows,), one finite real number a batch row."""
+    if isinstance(values, torch.Tensor):
+        what = f"a {values.dtype} tensor of shape {tuple(values.shape)}"
+        ok = tuple(values.shape) == (rows,) and not values.dtype.is_complex and values.dtype != torch.bool
+        if ok and not torch.isfinite(values.float()).all():
+            raise InputError(f"{called} returned {_short(values.detach().cpu().tolist())}: a metric gives one "
+                             "finite number a batch row")
+    else:
+        what = (f"a {type(values).__module__}.{type(values).__name__} of shape {tuple(values.shape)}"
+                if hasattr(values, "shape") else f"{_short(values)} ({type(values).__name__})")
+        ok = False
+    if not ok:
+        raise InputError(f"{called} returned {what}: a metric returns a torch tensor of shape ({rows},), one finite "
+                         "number a batch row")
+    return values
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def _mean_over_layers(attention: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -180,8 +215,10 @@ def patching(loaded, clean: str, corrupted: str, answer: str | None = None, wron
     if resumes:  # the logits a resumed forward reads are the model's own (once per model)
         opened.check_head(logits_x)
     clean_logp = torch.log_softmax(logits_c, -1)
-    value_c = float(measure(logits_c, sink_c, clean_logp)[0])
-    value_x = float(measure(logits_x, sink_x, clean_logp)[0])
+    # the metric read once on both unpatched runs as one batch of two rows: a result that is not one finite number
+    # a row (a custom metric's) is refused here, before any patched forward
+    both = {l: torch.cat([sink_c[l], sink_x[l]]) for l in sink_c} if sink_c is not None else None
+    value_c, value_x = (float(v) for v in measure(torch.cat([logits_c, logits_x]), both, clean_logp))
     if not abs(value_c - value_x) > 1e-6 * max(1.0, abs(value_c)):
         raise InputError(f"the clean and the corrupted text give the same {name} ({value_c:.4g}): there is "
                          "nothing for a patch to restore")

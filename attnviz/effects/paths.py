@@ -56,7 +56,14 @@ def names(text, what: str, n_layers: int) -> list[str]:
     pattern = _SENDER if what == "sender" else _RECEIVER
     if what == "receiver" and isinstance(text, str) and text.strip().lower() == "groups":
         return list(GROUPS)
-    given = [re.sub(r"\s+", "", part).lower() for part in (text.split(",") if isinstance(text, str) else text)]
+    if isinstance(text, str):
+        parts = text.split(",")
+    elif isinstance(text, (list, tuple)) and all(isinstance(part, str) for part in text):
+        parts = list(text)
+    else:
+        raise InputError(f"the {what}s are a comma-separated string or a list of strings such as "
+                         f"{'mlp.0,attn.3' if what == 'sender' else 'attn.3,keys.5,head'}, not {text!r}")
+    given = [re.sub(r"\s+", "", part).lower() for part in parts]
     given = [n for n in given if n]
     if not given:
         raise InputError(f"no {what} named: give blocks such as mlp.0,attn.3")
@@ -133,6 +140,7 @@ class Paths:
     after: dict[tuple[str, str], SinkProfile] = field(default_factory=dict)
     cut: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # the single receivers each path cuts
     skipped: str = ""  # the receivers this family does not have (fused projections), said once
+    note: str = ""  # why there is no path at all (the scan found no necessary writer), or ""
 
     def drop(self, sender: str, receiver: str) -> float:
         """The mean fall of the sink's attention over the layers above the sender, as a share of before (the scan's
@@ -178,16 +186,38 @@ class Paths:
 
     def as_json(self) -> dict:
         return {"recipe": self.recipe, "tokens": self.tokens, "value": self.value, "senders": self.senders,
-                "perplexity_before": round(self.before.perplexity, 4),
-                "sink_before": [{"layer": l, "key": k, "attention": rounded(a)}
+                **({"note": self.note} if self.note else {}),
+                "perplexity_before": rounded(self.before.perplexity, 4),
+                "sink_before": [{"layer": l, "key": k, "attention": rounded(a),
+                                 **({} if np.isfinite(a) else {"attention_undefined": _UNSEEN})}
                                 for l, (k, a) in enumerate(zip(self.before.keys, self.before.attention))],
-                "paths": [{"sender": s, "receiver": rc, "sink_drop": rounded(self.drop(s, rc)),
-                           "sink_drop_reached": rounded(self.reached(s, rc)), "reached_from": self.reach_from(s, rc),
-                           **({"cuts": self.cut[s, rc]} if self.cut[s, rc] != [rc] else {}),
-                           "perplexity_after": round(p.perplexity, 4),
-                           "attention_after": [rounded(a) for a in p.attention]}
-                          for (s, rc), p in self.after.items()],
+                "paths": [self._path(s, rc, p) for (s, rc), p in self.after.items()],
+                **({"attention_after_undefined": _UNSEEN} if any(not np.isfinite(a) for p in self.after.values()
+                                                                 for a in p.attention) else {}),
                 **({"skipped": self.skipped} if self.skipped else {})}
+
+    def _path(self, s: str, rc: str, p: SinkProfile) -> dict:
+        """One path's document: every null (a drop, the layer the reach starts from) with its reason beside it."""
+        n = len(self.before.attention)
+        start = self.reach_from(s, rc)
+        drop, reached = self.drop(s, rc), self.reached(s, rc)
+        out = {"sender": s, "receiver": rc, "sink_drop": rounded(drop),
+               **({} if np.isfinite(drop) else {"sink_drop_undefined": _NOTHING}),
+               "sink_drop_reached": rounded(reached), "reached_from": start if start < n else None}
+        if start >= n:
+            read = " and ".join(self.cut[s, rc])
+            out["sink_drop_reached_undefined"] = (f"{read} {'is' if len(self.cut[s, rc]) == 1 else 'are'} read after "
+                                                  "the top layer's attention: the cut moves no layer's sink, only "
+                                                  "the perplexity")
+        elif not np.isfinite(reached):
+            out["sink_drop_reached_undefined"] = _NOTHING
+        return {**out, **({"cuts": self.cut[s, rc]} if self.cut[s, rc] != [rc] else {}),
+                "perplexity_after": rounded(p.perplexity, 4), "attention_after": [rounded(a) for a in p.attention]}
+
+
+#: the reasons beside a null in :meth:`Paths.as_json` (the causal check's own, docs/methods.md#path-patching)
+_NOTHING = "no attention on the sink key before the cut in the layers measured (a share of nothing)"
+_UNSEEN = "null where a layer's sink key is seen by its own query alone (no later query attends to it)"
 
 
 class _Cut:
@@ -341,6 +371,9 @@ def _run(loaded, text, recipe, senders, receivers, value, on_step) -> Paths:
         for r, cut in plan[s].items():
             by_layer.setdefault(min(layer_of(c, L) for c in cut), []).append((s, r, cut))
     result = Paths(opened.recipe.to_dict(), opened.n, value, before, chosen, skipped=skipped)
+    if not chosen:  # only the scan's senders can be none: a named list is never empty
+        result.note = (f"the causal scan finds no necessary writer (no removal takes {causal.NECESSARY:.0%} of the "
+                       "sink's attention away): no sender to trace; name senders to trace them anyway")
     total = done + len(by_layer)
     for m, batch in sorted(by_layer.items()):
         cutter = _Cut(found, [(cut, *opened.removed(s, value)) for s, _, cut in batch], model)
