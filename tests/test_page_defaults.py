@@ -111,7 +111,7 @@ def test_heatmaps_sinks_and_compare(at):
     assert value(at, "number_input", "sk_maxlen") == run["max_len"]
     assert value(at, "number_input", "sk_samples") == run["n_samples"]
     assert value(at, "radio", "sk_ds_unit") == run["unit"]
-    assert value(at, "text_input", "sk_ds_arch") == run["arch"]
+    assert value(at, "text_input", "sk_ds_arch") == run["recipe"]
     assert value(at, "selectbox", "sk_ds_key") == report["key"]
 
     visit(at, "compare")
@@ -181,7 +181,7 @@ def test_effects(at):
     longest = at.session_state["loaded"].max_tokens  # a token count starts at the library's, within the model's
     section("Streaming (KV cache)")
     assert value(at, "number_input", "fx_st_tokens") == min(streaming.MAX_TOKENS, longest)
-    assert value(at, "text_input", "fx_st_arch") == D(streaming.stream)["arch"]
+    assert value(at, "text_input", "fx_st_arch") == D(streaming.stream)["recipe"]
 
     section("KV compression")
     assert value(at, "number_input", "fx_kv_tokens") == min(compress.MAX_TOKENS, longest)

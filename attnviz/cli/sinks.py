@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 from attnviz.cli import common
@@ -10,6 +11,14 @@ from attnviz.errors import AttnvizError
 
 N_ALPHA_KEYS = 8
 SINKS_REPORT = ("alpha", "column_mean", "discarded")  # what the sinks JSON reads: no entropy or allocation pass
+
+
+class Given(argparse.Action):
+    """Stores an option's value and notes that it was given (``args.given``: the flags as typed)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = {*getattr(namespace, "given", ()), option_string}
 
 
 def options(p):
@@ -24,11 +33,11 @@ def options(p):
     unit = p.add_mutually_exclusive_group()
     unit.add_argument("--per-doc", action="store_true", help="dataset mode: one sample per document (default)")
     unit.add_argument("--per-line", action="store_true", help="dataset mode: one sample per non-empty line")
-    # None when not given: a corpus-only option beside --text is refused, never ignored
-    p.add_argument("--max-len", type=int, default=None,
-                   help=f"dataset mode: first N tokens of each sample ({run_['max_len']})")
-    p.add_argument("--samples", type=int, default=None,
-                   help=f"dataset mode: at most N samples ({run_['n_samples']})")
+    # noted when given: a corpus-only option beside --text is refused, never ignored
+    p.add_argument("--max-len", type=int, default=run_["max_len"], action=Given,
+                   help="dataset mode: first N tokens of each sample (%(default)s)")
+    p.add_argument("--samples", type=int, default=run_["n_samples"], action=Given,
+                   help="dataset mode: at most N samples (%(default)s)")
     p.add_argument("--key", type=common.position_or("auto"), default=report["key"],
                    help="the key position whose sink rate is read, or 'auto': in dataset mode the first key each "
                         "layer's mask leaves open to its queries (0 under fwd, m under nosink-fwd(m)); of one text, a "
@@ -46,7 +55,7 @@ def run(args) -> dict:
         raise AttnvizError(f"--eps must be between 0 and 1, got {args.eps}")
     if args.corpus or args.per_doc or args.per_line:
         return _dataset(args)
-    given = [flag for flag, value in (("--max-len", args.max_len), ("--samples", args.samples)) if value is not None]
+    given = sorted(getattr(args, "given", ()))
     if given:
         raise AttnvizError(f"{' and '.join(given)} {'take' if len(given) > 1 else 'takes'} samples from a corpus (--corpus, --per-doc, --per-line); "
                            "one text is measured whole")
@@ -131,12 +140,8 @@ def _null(x: float):
 
 def _dataset(args) -> dict:
     """Gu et al.'s protocol over many samples (docs/methods.md#sink-metrics): per-layer rates with 95% intervals."""
-    from attnviz import defaults
     from attnviz.effects import dataset
 
-    run_ = defaults.of(dataset.sinks)
-    args.max_len = run_["max_len"] if args.max_len is None else args.max_len
-    args.samples = run_["n_samples"] if args.samples is None else args.samples
     if args.samples <= 0:
         raise AttnvizError(f"--samples must be positive, got {args.samples}")
     if args.max_len < 2:
