@@ -9,7 +9,7 @@ from attnviz import defaults
 from attnviz.effects.patching import EXAMPLE, METRICS, SITES, patching
 from attnviz.errors import AttnvizError
 from attnviz.figures.why import patching_figure
-from ui import jobs
+from ui import cache, jobs
 from ui.docs import definitions
 from ui.export import figure_downloads
 from ui.sidebar import page_context
@@ -45,7 +45,8 @@ else:
         if st.button("Patch", key="pt_run", type="primary") or jobs.cached(key):
             try:
                 result = jobs.run(key, f"Patching {site}, layer by layer", lambda progress: patching(
-                    loaded, clean, corrupted, answer, wrong, site, metric, recipe, on_layer=progress))
+                    loaded, clean, corrupted, answer, wrong, site, metric, recipe, on_layer=progress,
+                    budget=cache.analysis_budget(), on_plan=cache.room_for))
             except AttnvizError as err:
                 st.error(str(err))
                 result = None

@@ -10,7 +10,7 @@ from attnviz.effects.explain import PROJECTIONS, corpus_samples, diagnose, query
 from attnviz.errors import AttnvizError
 from attnviz.figures.why import (attention_row_figure, attribution_figure, causal_figure, diagnosis_figure,
                                  paths_bars_figure, paths_figure, query_key_figure, scan_figure)
-from ui import jobs
+from ui import cache, jobs
 from ui.cache import get_residual
 from ui.docs import definitions
 from ui.export import figure_downloads
@@ -147,7 +147,8 @@ with st.container(border=True):
 
         try:
             found = jobs.run(scan_key, "Removing every block's write at the sink token", lambda progress: scan_blocks(
-                loaded, settings.text, recipe, on_step=progress))
+                loaded, settings.text, recipe, on_step=progress, budget=cache.analysis_budget(),
+                on_plan=cache.room_for))
         except AttnvizError as err:
             st.error(str(err))
             found = None
@@ -180,7 +181,8 @@ with st.container(border=True):
         try:
             if senders != []:  # [] : the scan already said no single write is necessary (said below)
                 traced = jobs.run(paths_key, "Removing each sender from one receiver at a time", lambda progress: (
-                    trace_paths(loaded, settings.text, recipe, senders, on_step=progress)))
+                    trace_paths(loaded, settings.text, recipe, senders, on_step=progress,
+                                budget=cache.analysis_budget(), on_plan=cache.room_for)))
         except AttnvizError as err:
             st.error(str(err))
         if senders == [] or (traced is not None and not traced.senders):

@@ -153,6 +153,19 @@ def captures_left() -> int:
     return store.budget
 
 
+def analysis_budget() -> int:
+    """Bytes one analysis of many forwards (the causal scan, path patching, activation patching) may make on this
+    server: the memory budget less the model weights. The captures held leave as it starts (:func:`room_for`)."""
+    return max(1, capture_budget() - models_bytes())
+
+
+def room_for(plan) -> None:
+    """The least recently used captures leave the cache until ``plan``'s peak (an analysis's plan,
+    :class:`attnviz.effects.budget.AnalysisPlan`, given before its first forward) fits beside what stays."""
+    captures_left()
+    _captures().reserve(min(plan.peak, _captures().budget))
+
+
 def job_tokens() -> int | None:
     """The most tokens one job captures here: the server's ``ATTNVIZ_MAX_TOKENS`` and, on a shared server, its
     per-job cap (``max_tokens`` in secrets.toml, docs/sharing.md), whichever is lower; None: the model's own limit

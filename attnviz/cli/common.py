@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 from attnviz import settings
@@ -166,18 +167,81 @@ def recipe(args, loaded, arch: str | None = None):
                      prepend(args), getattr(args, "residual", None))
 
 
+class Progress:
+    """Progress on stderr: a tqdm bar on a terminal; elsewhere (a pipe, a log file) one line every few seconds
+    (:data:`EVERY`) with the time spent and left. ``update(done, total)`` is the callback the library reports
+    progress with; ``plan(plan)`` takes an analysis's plan (:class:`attnviz.effects.budget.AnalysisPlan`), prints
+    it in one line and weighs the time left by its forwards' work (a batch resumed from a low layer is slower)."""
+
+    EVERY = 5.0
+
+    def __init__(self, description: str, stream=None):
+        from tqdm.auto import tqdm
+
+        self.description, self.stream = description, stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.bar = tqdm(desc=description, file=self.stream, unit="", leave=False, disable=not self.tty)
+        self.start = self.said = time.monotonic()
+        self.steps: list[float] | None = None
+        self.since = (0, self.start)  # (done, time) when the plan's steps were given
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self
+
+    def __getattr__(self, name: str):  # the bar's own (set_postfix, set_postfix_str, ...)
+        if name == "bar":
+            raise AttributeError(name)
+        return getattr(self.bar, name)
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+    def plan(self, plan) -> None:
+        """Take ``plan``: shown at once on a terminal, elsewhere with the first progress line (a run that ends
+        within :data:`EVERY` seconds prints nothing, and a refusal stays one line)."""
+        self.told = f"attnviz: plan: {plan.describe()}"
+        if self.tty:
+            self.bar.write(self.told, file=self.stream)
+            self.told = ""
+        self.steps, self.since = plan.steps(), (getattr(self, "done", 0), time.monotonic())
+
+    def left(self, done: int, total: int) -> float | None:
+        """Seconds left, from the time the work done so far took (None: nothing done yet)."""
+        first, then = self.since
+        now = time.monotonic()
+        if self.steps is not None and total - first == len(self.steps):
+            did, whole = sum(self.steps[:done - first]), sum(self.steps)
+        else:
+            did, whole, then = done, total, self.start
+        return (now - then) * (whole - did) / did if did > 0 else None
+
+    def update(self, done: int, total: int) -> None:
+        self.done = done
+        self.bar.total = total
+        self.bar.n = done
+        self.bar.refresh()
+        now = time.monotonic()
+        if not self.tty and now - self.said >= self.EVERY:
+            self.said = now
+            if getattr(self, "told", ""):
+                print(self.told, file=self.stream, flush=True)
+                self.told = ""
+            left = self.left(done, total)
+            eta = f", ~{_duration(left)} left" if left is not None and done < total else ""
+            print(f"attnviz: {self.description}: {done} of {total}, {_duration(now - self.start)}{eta}",
+                  file=self.stream, flush=True)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min" if seconds < 5400 else \
+        f"{seconds / 3600:.1f} h"
+
+
 def progress(description: str):
-    """A tqdm bar on stderr and the ``(done, total)`` callback the library reports progress with."""
-    from tqdm.auto import tqdm
-
-    bar = tqdm(desc=description, file=sys.stderr, unit="", leave=False, disable=not sys.stderr.isatty())
-
-    def update(done: int, total: int) -> None:
-        bar.total = total
-        bar.n = done
-        bar.refresh()
-
-    return bar, update
+    """:class:`Progress` (the context it runs in) and the ``(done, total)`` callback the library reports with."""
+    shown = Progress(description)
+    return shown, shown.update
 
 
 # --- output ---------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def _causal(args, text: str) -> dict:
     if sources is None:  # every block: the causal scan, its necessary writers and their chains
         bar, update = common.progress("causal scan")
         with bar:
-            return causal.scan(loaded, text, recipe, args.value, on_step=update).as_json()
+            return causal.scan(loaded, text, recipe, args.value, on_step=update, on_plan=bar.plan).as_json()
     bar, update = common.progress("causal check")
     with bar:
         checks = causal.check(loaded, text, recipe, sources, args.value, on_step=update)

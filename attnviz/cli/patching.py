@@ -43,5 +43,5 @@ def run(args) -> dict:
     bar, update = common.progress("patching")
     with bar:
         result = patching.patching(loaded, args.clean, args.corrupted, args.answer, args.wrong, args.site,
-                                   args.metric, common.recipe(args, loaded), on_layer=update)
+                                   args.metric, common.recipe(args, loaded), on_layer=update, on_plan=bar.plan)
     return result.as_json()

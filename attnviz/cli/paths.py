@@ -36,7 +36,7 @@ def run(args) -> dict:
     bar, update = common.progress("path patching")  # bad names are refused before any forward
     with bar:
         result = paths.paths(loaded, text, common.recipe(args, loaded), args.senders, args.receivers, args.value,
-                             on_step=update)
+                             on_step=update, on_plan=bar.plan)
     if result.note:  # an empty result says why, on stderr as in the JSON
         print(f"attnviz: note: {result.note}", file=sys.stderr)
     return result.as_json()

@@ -5,5 +5,6 @@ classes (``heads``), sinks over a dataset (``dataset``), A-vs-B measures (``comp
 (``patching``), score attribution and the sink's
 diagnosis (``explain`` over ``attribution`` and ``schemes``), fine-tuning (``finetune``), the walkthrough
 (``walkthrough``) and the compression valley (``valley``). The scan, path patching, activation patching and score
-attribution open a text the same way, once (``opening``). Each is listed with its files in docs/layout.md; the
+attribution open a text the same way, once (``opening``), and are sized before they run within the memory
+budget (``budget``). Each is listed with its files in docs/layout.md; the
 commands that run them are ``attnviz.cli.COMMANDS``."""

@@ -27,6 +27,7 @@ from attnviz.capture import capture
 from attnviz.core.engine import sites
 from attnviz.core.loading.models import LoadedModel
 from attnviz.core.spec.interventions import Patch
+from attnviz.effects import budget as budget_mod
 from attnviz.effects.evaluate import evaluate
 from attnviz.effects.opening import Opening, SinkProfile, perplexities, require_sink, windows_of  # noqa: F401
 from attnviz.errors import InputError
@@ -260,21 +261,39 @@ def blocks_of(n_layers: int) -> list[str]:
     return ["embed"] + [f"{kind}.{l}" for l in range(n_layers - 1) for kind in ("attn", "mlp")]
 
 
+def scan_batches(n_layers: int) -> list[tuple[int, int]]:
+    """The scan's batches: from each layer below the top, its blocks' removals (and the embedding's, in the first)."""
+    return [(layer, 3 if layer == 0 else 2) for layer in range(n_layers - 1)]
+
+
+def attribution_bytes(loaded, n: int) -> int:
+    """What the score attribution of every layer keeps while it names the leaders: every layer's input and every
+    block's write, fp32 (:class:`attnviz.effects.attribution.KeptForward`)."""
+    return (3 * loaded.n_layers + 1) * n * int(loaded.config.hidden_size) * 4
+
+
 @torch.no_grad()
 def scan(loaded, text: str, recipe="fwd", value: str = "zero", leaders: bool = True,
-         on_step: Callable[[int, int], None] | None = None, opening: Opening | None = None) -> Scan:
+         on_step: Callable[[int, int], None] | None = None, opening: Opening | None = None,
+         budget: int | None = None, on_plan: Callable | None = None) -> Scan:
     """The causal scan of every block of ``text`` under ``recipe`` (see the comment above); ``leaders`` marks the
     blocks score attribution names (one attribution of every layer, skipped with False). ``on_step(done, total)``
     counts the batched forwards. ``opening``: the text already opened for it (:class:`Opening`, whose unpatched
-    forward is then run once for both: path patching with the scan's senders)."""
+    forward is then run once for both: path patching with the scan's senders). Sized before it runs within
+    ``budget`` bytes beyond the weights (None: the memory budget's; :mod:`attnviz.effects.budget`), its plan given to
+    ``on_plan``; refused before any forward where one row does not fit."""
     from attnviz.effects.attribution import KeptForward
 
     if value not in ("zero", "mean"):
         raise InputError(f"the scan replaces a write by zero or mean, not {value!r}")
     opened = opening or Opening(loaded, text, recipe, "the causal scan", sink=True, resumable=True)
     L, sink_keys = opened.L, opened.sink_keys
+    sized = opened.plan(scan_batches(L), extra=1, budget=budget,
+                        before=(lambda m: attribution_bytes(loaded, m)) if leaders else 0).check("")
+    if on_plan and opening is None:
+        on_plan(sized)
     led = leaders_of(KeptForward(loaded, text, opened.recipe)) if leaders else {}
-    total = L  # the unpatched forward, then one batch per layer below the top
+    total = sized.forwards  # the unpatched forward, then one batch per layer below the top (in parts, where split)
     norms: dict[tuple[int, str], torch.Tensor] = {}  # each write's norm at its layer's sink token, per batch row
 
     def norm_at(layer: int, block: str):
@@ -291,23 +310,25 @@ def scan(loaded, text: str, recipe="fwd", value: str = "zero", leaders: bool = T
                for block in ("attn", "mlp")]
     before = opened.sink()
     base_norms = {name: float(at.norm()) for name, (at, _) in opened.writes.items() if name != "embed"}
+    done = 1
     if on_step:
-        on_step(1, total)
+        on_step(done, total)
     checks, after_norms = [], {}
     for layer in range(L - 1):
-        rows = (["embed"] if layer == 0 else []) + [f"attn.{layer}", f"mlp.{layer}"]
-        computes = replace(opened.computes, interventions=opened.computes.interventions.plus(
-            *(removal(source, i) for i, source in enumerate(rows))))
-        norms.clear()
-        after = opened.profiles(layer, len(rows), readers, computes)
-        for i, source in enumerate(rows):
-            spec = (f"the embedding at the sink token replaced by {value}" if source == "embed"
-                    else patch_spec(source, value))
-            checks.append(CausalCheck(source, led.get(source, []), spec, before, after[i]))
-            # the writes this batch ran: its own layer's and those above, all a chain may name
-            after_norms[source] = {f"{k[1]}.{k[0]}": float(v[i]) for k, v in norms.items()}
-        if on_step:
-            on_step(layer + 2, total)
+        for rows in budget_mod.parts((["embed"] if layer == 0 else []) + [f"attn.{layer}", f"mlp.{layer}"], sized):
+            computes = replace(opened.computes, interventions=opened.computes.interventions.plus(
+                *(removal(source, i) for i, source in enumerate(rows))))
+            norms.clear()
+            after = opened.profiles(layer, len(rows), readers, computes)
+            for i, source in enumerate(rows):
+                spec = (f"the embedding at the sink token replaced by {value}" if source == "embed"
+                        else patch_spec(source, value))
+                checks.append(CausalCheck(source, led.get(source, []), spec, before, after[i]))
+                # the writes this batch ran: its own layer's and those above, all a chain may name
+                after_norms[source] = {f"{k[1]}.{k[0]}": float(v[i]) for k, v in norms.items()}
+            done += 1
+            if on_step:
+                on_step(done, total)
     drops = {c.source: c.drop(list(range(c.layer + 1, L))) for c in checks}  # every layer the removal can reach
     necessary = [source for source, drop in drops.items() if np.isfinite(drop) and drop >= NECESSARY]
     chains = {source: _chain(source, base_norms, after_norms[source]) for source in necessary}

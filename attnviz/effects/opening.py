@@ -44,12 +44,45 @@ class SinkProfile:
     tokens: int = 0
 
 
+#: the logits one step of :func:`perplexities_of` makes at most (their fp32 copy and cross-entropy's beside them):
+#: a text's (n, V) logits are never whole, 590 MB a row at 3,000 tokens of a 49k vocabulary
+LOGITS_BYTES = 32 * 2**20
+
+
 def perplexities(logits: torch.Tensor, targets: torch.Tensor) -> list[float]:
     """Each batch row's perplexity of ``targets`` (the text's tokens after the first) from its logits (B, n, V)."""
     batch, vocab = logits.shape[0], logits.shape[-1]
     nll = torch.nn.functional.cross_entropy(  # fused: no (B, n, V) log-probabilities written
         logits[:, :-1].reshape(-1, vocab), targets.to(logits.device).repeat(batch), reduction="none")
     return [float(np.exp(row.double().mean().item())) for row in nll.view(batch, -1).cpu()]
+
+
+def chunk_positions(vocab: int, nbytes: int = LOGITS_BYTES) -> int:
+    """Positions a step of :func:`perplexities_of` reads: their logits, in the model's dtype and fp32, and the
+    cross-entropy's log-probabilities beside them, within ``nbytes``."""
+    return max(1, nbytes // (vocab * 12))
+
+
+def perplexities_of(model, hidden: torch.Tensor, targets: torch.Tensor) -> list[float]:
+    """Each batch row's perplexity of ``targets`` from the last layer's output ``hidden`` (B, n, d), before the final
+    norm: the model's head (:mod:`attnviz.core.model.head`) applied a row and a few positions at a time
+    (:func:`chunk_positions`), so that no row's (n, V) logits are ever whole. The head reads each position alone, so
+    the numbers are :func:`perplexities` of the whole logits."""
+    from attnviz.core.engine.forward import head_logits
+
+    batch, n = hidden.shape[:2]
+    step = chunk_positions(model.get_output_embeddings().weight.shape[0])
+    targets = targets.to(hidden.device)
+    out = []
+    for row in range(batch):
+        total = torch.zeros((), dtype=torch.float64)
+        for a in range(0, n - 1, step):
+            b = min(a + step, n - 1)
+            logits = head_logits(model, hidden[row:row + 1, a:b], last_only=False)[0].float()
+            total += torch.nn.functional.cross_entropy(logits, targets[a:b], reduction="sum").double().cpu()
+            del logits
+        out.append(float(np.exp(total.item() / max(n - 1, 1))))
+    return out
 
 
 def windows_of(loaded) -> list:
@@ -111,6 +144,19 @@ class Opening:
             require_sink(self.built.architecture.layers, self.n, windows, self.built.recipe.arch)
             self.sink_keys = engine.sink_keys(self.built.architecture.layers, self.n, windows)
 
+    def plan(self, batches, extra: int = 0, held_layers: float = 1.0, openings: int = 1, head: bool = True,
+             budget=None, before=0, note: str = ""):
+        """The plan of this analysis on this text (:func:`attnviz.effects.budget.make`): ``batches`` (the layer each
+        resumes from, its rows), under the recipe's distinct allow-sets, within ``budget`` bytes (None: the memory
+        budget's)."""
+        from attnviz.effects import budget as budget_mod
+
+        windows = windows_of(self.loaded)
+        allow_sets = len({(repr(mask), window) for mask, window in zip(self.built.architecture.layers, windows)})
+        return budget_mod.make(self.what, self.loaded, self.n, batches, held_layers=held_layers, extra=extra,
+                               openings=openings, head=head, allow_sets=allow_sets, given_budget=budget,
+                               before=before, note=note)
+
     def text(self, text: str) -> "Opening":
         """Another text under the same recipe, built once (activation patching's clean and corrupted texts)."""
         return Opening(self.loaded, text, what=self.what, _from=self)
@@ -157,7 +203,9 @@ class Opening:
         before = self.sink()
         column = SinkColumn()
         resumed = self.resume(layer, rows, pairs, (column,), computes)
-        ppl = perplexities(resumed.logits(self.model, last_only=False).float(), self.targets)
+        resumed.run.release()
+        ppl = perplexities_of(self.model, resumed.hidden, self.targets)
+        del resumed
         return [SinkProfile(self.sink_keys, [before.attention[l] if l < layer else float(column.attention(l)[i])
                                              for l in range(self.L)], ppl[i], self.n) for i in range(rows)]
 
@@ -173,13 +221,15 @@ class Opening:
         self.writes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # in the order the forward makes them
         blocks = [("embed", sites.Site("embed", 0))] + [
             (f"{kind}.{l}", sites.Site(f"{kind}_out", l)) for l in range(self.L) for kind in ("attn", "mlp")]
-        column = SinkColumn()
+        column, last = SinkColumn(), {}
+        # the last position's logits only: the perplexity reads the top layer's output a few positions at a time
         logits, _, _ = self.forward(engine.Record.every_layer(recorders=(column,), checkpoints=frozenset(range(self.L))),
-                                    pairs=[(site, self._keep(name, site.layer)) for name, site in blocks])
-        self.logits = logits.float()
-        self.check_head(self.logits[:, -1])
+                                    engine.Feed(last_logits_only=True),
+                                    pairs=[(site, self._keep(name, site.layer)) for name, site in blocks]
+                                    + [(sites.Site("resid_post", self.L - 1), sites.save(last, "out"))])
+        self.check_head(logits.reshape(logits.shape[0], -1, logits.shape[-1])[:, -1].float())
         self._sink = SinkProfile(self.sink_keys, [float(column.attention(l)[0]) for l in range(self.L)],
-                                 perplexities(self.logits, self.targets)[0], self.n)
+                                 perplexities_of(self.model, last.pop("out"), self.targets)[0], self.n)
         return self._sink
 
     def _keep(self, name: str, layer: int):

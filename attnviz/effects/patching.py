@@ -34,6 +34,7 @@ from attnviz.core import engine
 from attnviz.core.engine import sites
 from attnviz.core.loading import models
 from attnviz.core.record.sink_recorders import SinkCell
+from attnviz.effects import budget as budget_mod
 from attnviz.effects.opening import Opening
 from attnviz.errors import InputError
 
@@ -126,6 +127,13 @@ def _metric(metric, loaded, answer, wrong) -> tuple[str, Callable, bool]:
     if metric != "logit_diff" and (answer is not None or wrong is not None):
         raise InputError(f"the {metric} metric reads no answer or wrong token: give answer and wrong with the "
                          "logit_diff metric only")
+    name, fn, reads = _builtin(metric, loaded, answer, wrong)
+    # a named metric's result is checked as a caller's is (a half-precision overflow, a layer with no sink key)
+    return name, (lambda logits, attention, clean: checked(f"the {name} metric", fn(logits, attention, clean),
+                                                           logits.shape[0])), reads
+
+
+def _builtin(metric: str, loaded, answer, wrong) -> tuple[str, Callable, bool]:
     if metric == "logit_diff":
         if answer is None or wrong is None:
             raise InputError("the logit difference needs an answer and a wrong token (one token each)")
@@ -170,13 +178,18 @@ def _mean_over_layers(attention: dict[int, torch.Tensor]) -> torch.Tensor:
 
 
 def patching(loaded, clean: str, corrupted: str, answer: str | None = None, wrong: str | None = None,
-             site: str = "resid", metric="logit_diff", recipe="fwd", on_layer=None) -> Patching:
+             site: str = "resid", metric="logit_diff", recipe="fwd", on_layer=None, budget: int | None = None,
+             on_plan: Callable | None = None) -> Patching:
     """The activation-patching grid of ``site`` (see the module docstring) from ``clean`` into ``corrupted`` under
     ``recipe`` (an architecture string or a :class:`~attnviz.recipe.Recipe`). ``metric``: a named one, or a function
     of the run's last-position logits (B, V) returning (B,), ``metric(logits)``, or of them and the sink's attention,
     ``metric(logits, attention)`` (by layer, (B,) the last query's attention on that layer's sink key, the mean over
     heads). ``answer`` and ``wrong`` (one token each) are read by ``logit_diff`` only. ``on_layer(done, total)``
-    reports progress, one batched forward a layer."""
+    reports progress, one batched forward a layer (its parts, where the budget splits it, each counted).
+
+    Sized before it runs (:mod:`attnviz.effects.budget`): a layer's rows (one a position, or a head) run in parts
+    that fit ``budget`` bytes beyond the weights (None: the memory budget's), the plan given to ``on_plan``; refused
+    before any forward where one row does not fit."""
     models.require(loaded, "activation patching")
     site = str(site).strip().lower()
     if site not in SITES:
@@ -192,13 +205,23 @@ def patching(loaded, clean: str, corrupted: str, answer: str | None = None, wron
     # a patch at layer l changes nothing below l: its runs resume from the corrupted run's input of layer l (the
     # engine's checkpoints and resume), where the family can resume, and share one batch
     resumes = anatomy_mod.of(model).resumable and opened.built.variant is None
+    rows = list(range(loaded.n_heads)) if site == "heads" else list(range(n))
+    # held throughout: the clean run's activation at every layer and the corrupted run's every layer input
+    sized = opened.plan([(layer if resumes else 0, len(rows)) for layer in layers], extra=1,
+                        held_layers=2 if resumes else 1, openings=2, head=False,
+                        budget=budget).check(", or the heads site (a row a head, not a position)" if site != "heads"
+                                             else "")
+    if on_plan:
+        on_plan(sized)
     below: dict[int, torch.Tensor] = {}  # the corrupted run's sink values by layer (layers a resumed run skips)
 
     def run(text: Opening, pairs=(), batch=1, start=0, keep_inputs=False):
         sink = SinkCell() if reads_sink else None
         with torch.no_grad():
             if start > 0:
-                logits = text.resume(start, batch, pairs, (sink,) if sink else ()).logits(model).float()
+                resumed = text.resume(start, batch, pairs, (sink,) if sink else ())
+                resumed.run.release()
+                logits = resumed.logits(model).float()
             else:
                 inputs = frozenset(layers) if keep_inputs else frozenset()
                 record = (engine.Record.every_layer(recorders=(sink,), checkpoints=inputs) if sink
@@ -222,14 +245,18 @@ def patching(loaded, clean: str, corrupted: str, answer: str | None = None, wron
     if not abs(value_c - value_x) > 1e-6 * max(1.0, abs(value_c)):
         raise InputError(f"the clean and the corrupted text give the same {name} ({value_c:.4g}): there is "
                          "nothing for a patch to restore")
-    rows = list(range(loaded.n_heads)) if site == "heads" else list(range(n))
     effect = np.zeros((len(layers), len(rows)))
+    done, total = 0, len(sized.split)
     for layer in layers:
-        setter = [(sites.Site(_SITE[site], layer), _setter(site, kept[layer], rows))]
-        logits, attention = run(opened, setter, batch=len(rows), start=layer if resumes else 0)
-        values = measure(logits, attention, clean_logp)
-        effect[layer] = ((values.float() - value_x) / (value_c - value_x)).cpu().numpy()
-        if on_layer:
-            on_layer(layer + 1, len(layers))
+        at = 0
+        for part in budget_mod.parts(rows, sized):  # a layer's rows, in parts where the budget splits them
+            setter = [(sites.Site(_SITE[site], layer), _setter(site, kept[layer], part))]
+            logits, attention = run(opened, setter, batch=len(part), start=layer if resumes else 0)
+            values = measure(logits, attention, clean_logp)
+            effect[layer, at:at + len(part)] = ((values.float() - value_x) / (value_c - value_x)).cpu().numpy()
+            at += len(part)
+            done += 1
+            if on_layer:
+                on_layer(done, total)
     return Patching(site, name, value_c, value_x, layers, list(range(n)), effect, (opened_c.tokens, opened.tokens),
                     rows if site == "heads" else [], answer, wrong, opened.recipe.to_dict())

@@ -20,7 +20,7 @@ path. Everything is read and replaced at the engine's named sites (``resid_pre``
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -28,6 +28,7 @@ import torch
 
 from attnviz.core.engine import sites
 from attnviz.core.loading import models
+from attnviz.effects import budget as budget_mod
 from attnviz.effects import causal
 from attnviz.effects import receivers as receivers_mod
 from attnviz.effects.causal import rounded
@@ -37,7 +38,6 @@ from attnviz.errors import InputError
 _SINGLE = re.compile(r"^(head|(attn|mlp|keys|queries)\.\d+)$")
 _SENDER = re.compile(r"^(embed|(attn|mlp)\.(\d+))$")
 _RECEIVER = re.compile(r"^(head|all|(attn|mlp|keys|queries)\.(\d+|\*|(\d+)-(\d+)))$")
-_INPUT = {"attn": "attn_in", "mlp": "mlp_in", "keys": "k_in", "queries": "q_in"}
 PROJECTED = ("keys.", "queries.")
 #: the groups every sender is also cut from by default: each kind of receiver above it at once, and everything
 GROUPS = ("attn.*", "keys.*", "queries.*", "mlp.*", "all")
@@ -220,78 +220,20 @@ _NOTHING = "no attention on the sink key before the cut in the layers measured (
 _UNSEEN = "null where a layer's sink key is seen by its own query alone (no later query attends to it)"
 
 
-class _Cut:
-    """The site functions of one batch: row i removes ``delta_i`` (its sender's write at the sink token) from its
-    receivers' inputs alone. A block's, the keys' or the queries' input at the token becomes norm(stream − delta),
-    the stream read at the layer's input (or between its blocks, for an MLP) in the same forward, norm the pre-norm
-    the receiver reads through (none: the stream itself); the head's input is the top layer's output − delta."""
-
-    def __init__(self, found, rows: list[tuple[list[str], int, torch.Tensor]], model=None):
-        self.found, self.rows, self.model = found, rows, model
-        self.streams: dict[tuple[str, int], torch.Tensor] = {}
-
-    def pairs(self) -> list:
-        top = len(self.found.layers) - 1
-        cuts: dict[tuple[str, int], list[tuple[int, int, torch.Tensor]]] = {}
-        heads: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
-        for row, (receivers, token, delta) in enumerate(self.rows):
-            for receiver in receivers:
-                if receivers_mod.is_head(receiver):  # its layer's stream read as the keys' is
-                    heads.setdefault(receiver, []).append((row, token, delta))
-                    cuts.setdefault(("stream", int(receiver.split(".")[1])), [])
-                    continue
-                kind, m = ("head", top) if receiver == "head" else (receiver.split(".")[0], int(receiver.split(".")[1]))
-                cuts.setdefault((kind, m), []).append((row, token, delta))
-        pairs = []
-        for kind, m in sorted({self._stream(k, m) for k, m in cuts if k != "head"}, key=lambda s: (s[1], s[0])):
-            pairs.append((sites.Site(kind, m), self._read(kind, m)))
-        for (kind, m), rows in cuts.items():
-            if kind == "stream":
-                continue
-            if kind == "head":
-                pairs.append((sites.Site("resid_post", m), self._minus(rows)))
-            else:
-                layer = self.found[m]
-                norm = layer.mlp_norm if kind == "mlp" else layer.attn_norm
-                pairs.append((sites.Site(_INPUT[kind], m), self._normed(rows, self._stream(kind, m), norm)))
-        return pairs + receivers_mod.cut_pairs(self.found, self.model, heads, self.streams)
-
-    def _stream(self, kind: str, m: int) -> tuple[str, int]:
-        return ("resid_mid" if kind == "mlp" and not self.found[m].parallel else "resid_pre", m)
-
-    def _read(self, kind: str, m: int):
-        def fn(value):
-            self.streams[kind, m] = value
-        return fn
-
-    def _normed(self, rows, stream: tuple[str, int], norm):
-        def fn(value):
-            value = value.clone()
-            for row, token, delta in rows:
-                x = self.streams[stream][row, token].float() - delta
-                x = x.to(value.dtype)
-                value[row, token] = norm.forward(x[None])[0] if norm is not None else x
-            return value
-        return fn
-
-    @staticmethod
-    def _minus(rows):
-        def fn(value):
-            value = value.clone()
-            for row, token, delta in rows:
-                value[row, token] = (value[row, token].float() - delta).to(value.dtype)
-            return value
-        return fn
-
-
 @torch.no_grad()
 def paths(loaded, text: str, recipe="fwd", senders=None, receivers=None, value: str = "zero",
-          on_step: Callable[[int, int], None] | None = None) -> Paths:
+          on_step: Callable[[int, int], None] | None = None, budget: int | None = None,
+          on_plan: Callable | None = None) -> Paths:
     """Path patching of ``text`` under ``recipe`` (see the module docstring). ``senders``: blocks ("mlp.0,attn.3" or a
     list; None: the causal scan's necessary writers); ``receivers``: the receivers to cut, each alone or a group at
     once (:func:`names`; None: every single one above each sender, :func:`receivers_of`, and the :data:`GROUPS`);
-    ``value``: zero or mean. ``on_step(done, total)`` counts the forwards."""
-    return _run(loaded, text, recipe, senders, receivers, value, on_step)
+    ``value``: zero or mean. ``on_step(done, total)`` counts the forwards.
+
+    Sized before it runs (:mod:`attnviz.effects.budget`): the batches run in parts that fit ``budget`` bytes beyond
+    the weights (None: the memory budget's), or it is refused before any forward where one row does not fit.
+    ``on_plan(plan)`` is given the plan (:class:`~attnviz.effects.budget.AnalysisPlan`) before the first forward,
+    and again once the scan has named the senders."""
+    return _run(loaded, text, recipe, senders, receivers, value, on_step, budget, on_plan)
 
 
 @torch.no_grad()
@@ -299,7 +241,7 @@ def removal(loaded, text: str, sender: str, receivers, recipe="fwd", value: str 
     """The sink profile with ``sender`` removed from every one of ``receivers`` at once, in one forward: the scan's
     removal of it where the receivers are every block input above it and the head (``"all"``)."""
     joined = "+".join(names(receivers, "receiver", loaded.n_layers))
-    return next(iter(_run(loaded, text, recipe, [sender], [joined], value, None).after.values()))
+    return next(iter(_run(loaded, text, recipe, [sender], [joined], value, None, None, None).after.values()))
 
 
 def _projections(model) -> str:
@@ -341,7 +283,21 @@ def _plan(model, found, chosen: list[str], asked: list[str] | None, L: int, leni
     return plan, skipped
 
 
-def _run(loaded, text, recipe, senders, receivers, value, on_step) -> Paths:
+#: n × d a row of the cut's own: the streams it reads (a layer's input and its middle) and the input it replaces
+CUT_COPIES = 3
+NARROWER = ", fewer senders or receivers (--senders, --receivers)"
+
+
+def _batches(plan_of: dict, chosen: list[str], L: int) -> dict[int, list]:
+    """One batch per lowest receiver layer, a row a path."""
+    by_layer: dict[int, list] = {}
+    for s in chosen:
+        for r, cut in plan_of[s].items():
+            by_layer.setdefault(min(layer_of(c, L) for c in cut), []).append((s, r, cut))
+    return by_layer
+
+
+def _run(loaded, text, recipe, senders, receivers, value, on_step, budget=None, on_plan=None) -> Paths:
     models.require(loaded, "path patching")
     value = str(value).strip().lower()
     if value not in ("zero", "mean"):
@@ -354,34 +310,42 @@ def _run(loaded, text, recipe, senders, receivers, value, on_step) -> Paths:
     model, found = loaded.model, opened.found
     # refused before any forward: a receiver not above a sender the caller named, keys or queries of a family that
     # has no projection of their own
-    _plan(model, found, chosen or [], asked, L, optional=optional)
+    named, _ = _plan(model, found, chosen or [], asked, L, optional=optional)
+    # sized before any forward: the named paths' batches, or the scan's (its senders are not known before it runs;
+    # every path's row is the same size, so the scan's plan refuses what one path's row could not run)
+    sized = opened.plan([(m, len(b)) for m, b in sorted(_batches(named, chosen, L).items())] if chosen is not None
+                        else causal.scan_batches(L), extra=CUT_COPIES, budget=budget,
+                        note="" if chosen is not None else "then the paths of the senders the scan finds").check(NARROWER)
+    if on_plan:
+        on_plan(sized)
     done, lenient = 0, chosen is None
     if chosen is None:  # the scan's necessary writers, from the same opening: L forwards, counted in the progress
         def scanned(step, total):
             if on_step:
                 on_step(step, total + L)  # the paths' batches: at most one a layer
         chosen = causal.scan(loaded, text, opened.recipe, value, leaders=False, on_step=scanned,
-                             opening=opened).necessary
+                             opening=opened, budget=sized.budget).necessary
         done = L
     plan, skipped = _plan(model, found, chosen, asked, L, lenient, optional)
     before = opened.sink()
-    # one batch per lowest receiver layer, a row a path
-    by_layer: dict[int, list] = {}
-    for s in chosen:
-        for r, cut in plan[s].items():
-            by_layer.setdefault(min(layer_of(c, L) for c in cut), []).append((s, r, cut))
+    by_layer = _batches(plan, chosen, L)
+    sized = budget_mod.with_batches(sized, [(m, len(b)) for m, b in sorted(by_layer.items())])
+    if on_plan and lenient:
+        on_plan(replace(sized, openings=0))  # what is left: the paths of the senders the scan found
     result = Paths(opened.recipe.to_dict(), opened.n, value, before, chosen, skipped=skipped)
     if not chosen:  # only the scan's senders can be none: a named list is never empty
         result.note = (f"the causal scan finds no necessary writer (no removal takes {causal.NECESSARY:.0%} of the "
                        "sink's attention away): no sender to trace; name senders to trace them anyway")
-    total = done + len(by_layer)
-    for m, batch in sorted(by_layer.items()):
-        cutter = _Cut(found, [(cut, *opened.removed(s, value)) for s, _, cut in batch], model)
-        for (s, r, cut), after in zip(batch, opened.profiles(m, len(batch), cutter.pairs())):
-            result.after[s, r], result.cut[s, r] = after, cut
-        done += 1
-        if on_step:
-            on_step(done, total)
+    total = done + len(sized.split)
+    for m, whole in sorted(by_layer.items()):
+        for batch in budget_mod.parts(whole, sized):  # a batch larger than the budget's rows, in parts
+            cutter = receivers_mod.Cut(found, [(cut, *opened.removed(s, value)) for s, _, cut in batch], model)
+            for (s, r, cut), after in zip(batch, opened.profiles(m, len(batch), cutter.pairs())):
+                result.after[s, r], result.cut[s, r] = after, cut
+            del cutter
+            done += 1
+            if on_step:
+                on_step(done, total)
     order = {s: list(plan[s]) for s in chosen}
     result.after = dict(sorted(result.after.items(), key=lambda kv: (chosen.index(kv[0][0]),
                                                                      order[kv[0][0]].index(kv[0][1]))))

@@ -106,3 +106,74 @@ def _slice(rows, streams: dict, layer: int, norm, proj, d: int):
             value[row, token, head * d:(head + 1) * d] = proj.forward(x[None])[0, head * d:(head + 1) * d]
         return value
     return fn
+
+
+_INPUT = {"attn": "attn_in", "mlp": "mlp_in", "keys": "k_in", "queries": "q_in"}
+
+
+class Cut:
+    """The site functions of one batch: row i removes ``delta_i`` (its sender's write at the sink token) from its
+    receivers' inputs alone. A block's, the keys' or the queries' input at the token becomes norm(stream − delta),
+    the stream read at the layer's input (or between its blocks, for an MLP) in the same forward, norm the pre-norm
+    the receiver reads through (none: the stream itself); the head's input is the top layer's output − delta."""
+
+    def __init__(self, found, rows: list[tuple[list[str], int, torch.Tensor]], model=None):
+        self.found, self.rows, self.model = found, rows, model
+        self.streams: dict[tuple[str, int], torch.Tensor] = {}
+
+    def pairs(self) -> list:
+        top = len(self.found.layers) - 1
+        cuts: dict[tuple[str, int], list[tuple[int, int, torch.Tensor]]] = {}
+        heads: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+        for row, (receivers, token, delta) in enumerate(self.rows):
+            for receiver in receivers:
+                if is_head(receiver):  # its layer's stream read as the keys' is
+                    heads.setdefault(receiver, []).append((row, token, delta))
+                    cuts.setdefault(("stream", int(receiver.split(".")[1])), [])
+                    continue
+                kind, m = ("head", top) if receiver == "head" else (receiver.split(".")[0], int(receiver.split(".")[1]))
+                cuts.setdefault((kind, m), []).append((row, token, delta))
+        pairs = []
+        for kind, m in sorted({self._stream(k, m) for k, m in cuts if k != "head"}, key=lambda s: (s[1], s[0])):
+            pairs.append((sites.Site(kind, m), self._read(kind, m)))
+        for (kind, m), rows in cuts.items():
+            if kind == "stream":
+                continue
+            if kind == "head":
+                pairs.append((sites.Site("resid_post", m), self._minus(rows)))
+            else:
+                layer = self.found[m]
+                norm = layer.mlp_norm if kind == "mlp" else layer.attn_norm
+                pairs.append((sites.Site(_INPUT[kind], m), self._normed(rows, self._stream(kind, m), norm)))
+        return pairs + cut_pairs(self.found, self.model, heads, self.streams)
+
+    def _stream(self, kind: str, m: int) -> tuple[str, int]:
+        return ("resid_mid" if kind == "mlp" and not self.found[m].parallel else "resid_pre", m)
+
+    def _read(self, kind: str, m: int):
+        def fn(value):
+            # the forward runs upwards: no receiver below layer m reads its stream again (held, every layer's
+            # stream of every row would outlive its layer: the paths' plan counts two a row)
+            for key in [key for key in self.streams if key[1] < m]:
+                del self.streams[key]
+            self.streams[kind, m] = value
+        return fn
+
+    def _normed(self, rows, stream: tuple[str, int], norm):
+        def fn(value):
+            value = value.clone()
+            for row, token, delta in rows:
+                x = self.streams[stream][row, token].float() - delta
+                x = x.to(value.dtype)
+                value[row, token] = norm.forward(x[None])[0] if norm is not None else x
+            return value
+        return fn
+
+    @staticmethod
+    def _minus(rows):
+        def fn(value):
+            value = value.clone()
+            for row, token, delta in rows:
+                value[row, token] = (value[row, token].float() - delta).to(value.dtype)
+            return value
+        return fn
