@@ -187,7 +187,17 @@ class Progress:
 
     def __enter__(self):
         self.bar.__enter__()
+        if not self.tty and self.EVERY > 0:  # a line every few seconds, a forward taking minutes included
+            import threading
+
+            self.ended = threading.Event()
+            threading.Thread(target=self._tick, daemon=True).start()
         return self
+
+    def _tick(self) -> None:
+        while not self.ended.wait(self.EVERY):
+            if getattr(self, "done", None) is not None and time.monotonic() - self.said >= self.EVERY:
+                self._say(self.done, self.total)
 
     def __getattr__(self, name: str):  # the bar's own (set_postfix, set_postfix_str, ...)
         if name == "bar":
@@ -195,6 +205,8 @@ class Progress:
         return getattr(self.bar, name)
 
     def __exit__(self, *exc):
+        if getattr(self, "ended", None) is not None:
+            self.ended.set()
         return self.bar.__exit__(*exc)
 
     def plan(self, plan) -> None:
@@ -217,20 +229,22 @@ class Progress:
         return (now - then) * (whole - did) / did if did > 0 else None
 
     def update(self, done: int, total: int) -> None:
-        self.done = done
+        self.done, self.total = done, total
         self.bar.total = total
         self.bar.n = done
         self.bar.refresh()
-        now = time.monotonic()
-        if not self.tty and now - self.said >= self.EVERY:
-            self.said = now
-            if getattr(self, "told", ""):
-                print(self.told, file=self.stream, flush=True)
-                self.told = ""
-            left = self.left(done, total)
-            eta = f", ~{_duration(left)} left" if left is not None and done < total else ""
-            print(f"attnviz: {self.description}: {done} of {total}, {_duration(now - self.start)}{eta}",
-                  file=self.stream, flush=True)
+        if not self.tty and time.monotonic() - self.said >= self.EVERY:
+            self._say(done, total)
+
+    def _say(self, done: int, total: int) -> None:
+        now = self.said = time.monotonic()
+        if getattr(self, "told", ""):
+            print(self.told, file=self.stream, flush=True)
+            self.told = ""
+        left = self.left(done, total)
+        eta = f", ~{_duration(left)} left" if left is not None and done < total else ""
+        print(f"attnviz: {self.description}: {done} of {total}, {_duration(now - self.start)}{eta}",
+              file=self.stream, flush=True)
 
 
 def _duration(seconds: float) -> str:

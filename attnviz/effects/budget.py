@@ -39,7 +39,9 @@ from attnviz.errors import InputError
 #: fp32 copies of one query block alive at once while a recorded layer's block is made (its scores, its
 #: probabilities, and the mask's and recorder's work beside them)
 BLOCK_COPIES = 3
-#: the perplexity's logits of one step (:data:`attnviz.effects.opening.LOGITS_BYTES`), read here to stay one number
+#: the logits one step of the perplexity makes at most (:func:`attnviz.effects.opening.perplexities_of`: their
+#: fp32 copy and the cross-entropy's beside them): a text's (n, V) logits are never whole, 590 MB a row at 3,000
+#: tokens of a 49k vocabulary
 LOGITS_BYTES = 32 * 2**20
 #: how much slower a whole forward runs than its matrix products alone at the measured rate (norms, rotary
 #: embeddings, the attention's blocks and softmax, the sites' functions): measured on the default model on a CPU
@@ -168,10 +170,11 @@ class AnalysisPlan:
     @property
     def rows(self) -> int:
         """The most rows one batch runs at once within the budget (at least one: below that, :meth:`check`)."""
-        room, rows = self.budget - self.held, max((r for _, r in self.batches), default=1)
-        while rows > 1 and self.batch(rows) > room:
-            rows -= max(1, (self.batch(rows) - room) // max(self.per_row, 1))
-        return max(1, rows)
+        room, lo, hi = self.budget - self.held, 1, max((r for _, r in self.batches), default=1)
+        while lo < hi:  # the most rows whose batch fits (a batch grows with its rows)
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.batch(mid) <= room else (lo, mid - 1)
+        return lo
 
     @property
     def split(self) -> list[tuple[int, int]]:
@@ -271,7 +274,7 @@ def make(what: str, loaded, n: int, batches, held_layers: float = 1.0, kept: int
         logits = min(LOGITS_BYTES, 12 * m * shape.vocab) if head else 4 * shape.vocab
         held = int(held_layers * L * m * d * s) + (kept(m) if callable(kept) else int(kept))
         # an unpatched forward: one row with a query block, then the perplexity's step beside the top layer's output
-        opening = max(batch_bytes(shape, m, 1, allow_sets, 0, block), 2 * m * d * s + LOGITS_BYTES)
+        opening = max(batch_bytes(shape, m, 1, allow_sets, 0, block), 2 * m * d * s + min(LOGITS_BYTES, 12 * m * shape.vocab))
         opening = max(opening, before(m) if callable(before) else int(before))
         plan = AnalysisPlan(what, m, total, held, opening, batches, openings, shape, head, note, allow_sets, extra,
                             block, logits)

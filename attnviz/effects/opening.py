@@ -27,6 +27,7 @@ from attnviz.core.model import anatomy as anatomy_mod
 from attnviz.core.record.sink_recorders import SinkColumn
 from attnviz.core.spec import allowsets
 from attnviz.core.spec.arch import Architecture
+from attnviz.effects import budget as budget_mod
 from attnviz.errors import InputError
 from attnviz.recipe import Recipe, build
 from attnviz.stats import metrics
@@ -44,11 +45,6 @@ class SinkProfile:
     tokens: int = 0
 
 
-#: the logits one step of :func:`perplexities_of` makes at most (their fp32 copy and cross-entropy's beside them):
-#: a text's (n, V) logits are never whole, 590 MB a row at 3,000 tokens of a 49k vocabulary
-LOGITS_BYTES = 32 * 2**20
-
-
 def perplexities(logits: torch.Tensor, targets: torch.Tensor) -> list[float]:
     """Each batch row's perplexity of ``targets`` (the text's tokens after the first) from its logits (B, n, V)."""
     batch, vocab = logits.shape[0], logits.shape[-1]
@@ -57,10 +53,10 @@ def perplexities(logits: torch.Tensor, targets: torch.Tensor) -> list[float]:
     return [float(np.exp(row.double().mean().item())) for row in nll.view(batch, -1).cpu()]
 
 
-def chunk_positions(vocab: int, nbytes: int = LOGITS_BYTES) -> int:
+def chunk_positions(vocab: int, nbytes: int | None = None) -> int:
     """Positions a step of :func:`perplexities_of` reads: their logits, in the model's dtype and fp32, and the
-    cross-entropy's log-probabilities beside them, within ``nbytes``."""
-    return max(1, nbytes // (vocab * 12))
+    cross-entropy's log-probabilities beside them, within ``nbytes`` (None: :data:`attnviz.effects.budget.LOGITS_BYTES`)."""
+    return max(1, (budget_mod.LOGITS_BYTES if nbytes is None else nbytes) // (vocab * 12))
 
 
 def perplexities_of(model, hidden: torch.Tensor, targets: torch.Tensor) -> list[float]:
@@ -149,8 +145,6 @@ class Opening:
         """The plan of this analysis on this text (:func:`attnviz.effects.budget.make`): ``batches`` (the layer each
         resumes from, its rows), under the recipe's distinct allow-sets, within ``budget`` bytes (None: the memory
         budget's)."""
-        from attnviz.effects import budget as budget_mod
-
         windows = windows_of(self.loaded)
         allow_sets = len({(repr(mask), window) for mask, window in zip(self.built.architecture.layers, windows)})
         return budget_mod.make(self.what, self.loaded, self.n, batches, held_layers=held_layers, extra=extra,
