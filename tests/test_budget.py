@@ -209,3 +209,26 @@ def test_the_cli_refuses_a_run_past_the_memory_budget_in_one_line(capsys, monkey
     assert main(["paths", "--text", long_text(), "--senders", "embed", "--json"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs ~" in err and "fewer senders or receivers" in err, err
+
+
+def test_the_pages_plan_under_the_server_s_budget(default_model, tmp_path, monkeypatch):
+    """The Patching and Why pages give the library the server's budget and make room for the plan's peak in the
+    capture cache (older captures leave); a budget too small for one row is the page's error, before any forward."""
+    import ui.cache
+    from test_app import app_test, on_page, texts
+
+    made = []
+    monkeypatch.setattr(ui.cache, "room_for", made.append)
+    at = app_test(tmp_path)
+    at.run()
+    on_page(at, "pages/patching.py")
+    at.button(key="pt_run").click().run()
+    assert not at.exception and not at.error, texts(at.error)
+    assert [plan.what for plan in made] == ["activation patching"] and made[0].budget == ui.cache.analysis_budget()
+    monkeypatch.setattr(ui.cache, "analysis_budget", lambda: 2 * MB)
+    at.query_params.update({"layer": "29", "head": "3", "query": "all", "key": "0"})
+    on_page(at, "pages/why.py")
+    at.text_input(key="why_senders").set_value("mlp.0").run()
+    at.button(key="why_paths").click().run()
+    assert not at.exception and any("path patching of" in e.value and "needs ~" in e.value for e in at.error), \
+        texts(at.error)
