@@ -3,7 +3,6 @@ memory budget they live in, and the library's capture plan under that budget."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -11,6 +10,7 @@ import streamlit as st
 
 from attnviz import settings
 from attnviz.core.spec import arch as arch_mod
+from attnviz.effects import budget as budget_mod
 from attnviz.core.model import devices
 from attnviz import plan as plan_mod
 from attnviz.capture import Capture, Prepared, prepare
@@ -59,7 +59,7 @@ def capture_budget() -> int:
     mb = setting_mb("memory")
     if mb > 0:
         return mb * 2**20
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    return budget_mod.machine_bytes() // 4
 
 
 @st.cache_resource(show_spinner=False)
@@ -118,14 +118,9 @@ def get_model(name: str, trust_remote_code: bool = False, wait: bool = True,
     return loaded
 
 
-def _weights_bytes(loaded: LoadedModel, host_only: bool = False) -> int:
-    return sum(p.numel() * p.element_size() for p in loaded.model.parameters()
-               if not host_only or p.device.type == "cpu")
-
-
 def models_bytes() -> int:
     """What the loaded models' weights take: they count against the memory budget."""
-    return sum(_weights_bytes(m, host_only=True) for m in list(_models().values()))
+    return sum(budget_mod.weights_bytes(m, host_only=True) for m in list(_models().values()))
 
 
 def sweep_room(models: list[str]) -> str | None:
@@ -138,7 +133,7 @@ def sweep_room(models: list[str]) -> str | None:
     if unknown:
         return (f"the page sweeps models this server has loaded ({', '.join(loaded) or 'none yet'}), so that their "
                 f"memory is known; for {', '.join(unknown)} run `attnviz sweep` from a terminal")
-    need = max(_weights_bytes(loaded[m]) for m in models)
+    need = max(budget_mod.weights_bytes(loaded[m]) for m in models)
     left = capture_budget() - models_bytes()
     if need > left:
         return (f"a worker's copy of the model takes ~{devices.mb(need)} and the memory budget leaves "

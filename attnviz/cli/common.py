@@ -184,6 +184,9 @@ class Progress:
         self.start = self.said = time.monotonic()
         self.steps: list[float] | None = None
         self.since = (0, self.start)  # (done, time) when the plan's steps were given
+        self.done, self.total = None, 0  # the last report (None: none yet)
+        self.told = ""  # the plan's line, printed with the first progress line off a terminal
+        self.ended = None  # the ticker's stop, while it runs
 
     def __enter__(self):
         self.bar.__enter__()
@@ -196,16 +199,16 @@ class Progress:
 
     def _tick(self) -> None:
         while not self.ended.wait(self.EVERY):
-            if getattr(self, "done", None) is not None and time.monotonic() - self.said >= self.EVERY:
+            if self.done is not None and time.monotonic() - self.said >= self.EVERY:
                 self._say(self.done, self.total)
 
     def __getattr__(self, name: str):  # the bar's own (set_postfix, set_postfix_str, ...)
-        if name == "bar":
+        if name == "bar":  # not made yet
             raise AttributeError(name)
         return getattr(self.bar, name)
 
     def __exit__(self, *exc):
-        if getattr(self, "ended", None) is not None:
+        if self.ended is not None:
             self.ended.set()
         return self.bar.__exit__(*exc)
 
@@ -216,7 +219,7 @@ class Progress:
         if self.tty:
             self.bar.write(self.told, file=self.stream)
             self.told = ""
-        self.steps, self.since = plan.steps(), (getattr(self, "done", 0), time.monotonic())
+        self.steps, self.since = plan.steps(), (self.done or 0, time.monotonic())
 
     def left(self, done: int, total: int) -> float | None:
         """Seconds left, from the time the work done so far took (None: nothing done yet)."""
@@ -237,19 +240,16 @@ class Progress:
             self._say(done, total)
 
     def _say(self, done: int, total: int) -> None:
+        from attnviz.effects.budget import duration  # a run is under way: the library is loaded
+
         now = self.said = time.monotonic()
-        if getattr(self, "told", ""):
+        if self.told:
             print(self.told, file=self.stream, flush=True)
             self.told = ""
         left = self.left(done, total)
-        eta = f", ~{_duration(left)} left" if left is not None and done < total else ""
-        print(f"attnviz: {self.description}: {done} of {total}, {_duration(now - self.start)}{eta}",
+        eta = f", ~{duration(left)} left" if left is not None and done < total else ""
+        print(f"attnviz: {self.description}: {done} of {total}, {duration(now - self.start)}{eta}",
               file=self.stream, flush=True)
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min" if seconds < 5400 else \
-        f"{seconds / 3600:.1f} h"
 
 
 def progress(description: str):

@@ -3,13 +3,13 @@
 Path patching, the causal scan and activation patching open a text once (:class:`~attnviz.effects.opening.Opening`)
 and then resume batches of rows from a layer's kept input, a row a patch. A long text makes each row large (its
 activations are n × d a layer, its allow-set n × n), and the number of rows is the analysis's, not the text's: path
-patching's defaults put some thirty rows in its lowest batch. :class:`AnalysisPlan` sizes it all from the model's
+patching's defaults put a dozen rows in its lowest batches. :class:`AnalysisPlan` sizes it all from the model's
 shape, before anything runs:
 
 - ``held``: what the analysis keeps from its first forward to its last (every layer's input, kept activations);
 - ``opening``: what its unpatched forwards make beside that, a row each;
-- ``per_row`` and ``fixed``: what one resumed batch makes, a row's activations times its rows plus what any batch
-  makes (a query block's scores, a step of the perplexity's logits);
+- :meth:`AnalysisPlan.batch`: what one resumed batch of r rows makes at its peak, the largest of its phases
+  (:func:`batch_bytes`; a query block's working set whatever the rows, a step of the perplexity's logits);
 - ``rows``: the most rows a batch runs at once within the budget (a larger batch is run in parts, the same numbers);
 - ``steps``: the forwards in order, each weighed in layer-rows (a row through one layer), for the time left;
 - ``seconds``: the time, estimated from the forwards' floating-point operations at the rate this machine's matrix
@@ -28,6 +28,7 @@ import numbers
 import os
 import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
@@ -64,6 +65,7 @@ def machine_bytes() -> int:
 
 
 def weights_bytes(loaded, host_only: bool = False) -> int:
+    """The model's weights (``host_only``: those held on the host, in the memory budget)."""
     return sum(p.numel() * p.element_size() for p in loaded.model.parameters()
                if not host_only or p.device.type == "cpu")
 
@@ -155,6 +157,7 @@ class AnalysisPlan:
     extra: int = 0  # n × d a row of the sites' functions
     block: int = 0  # a query block's working set
     logits: int = 0  # a step of the logits
+    resize: Callable[[int], "AnalysisPlan"] | None = field(repr=False, compare=False, default=None)  # at n tokens
 
     def batch(self, rows: int) -> int:
         """What one batch of ``rows`` rows makes at its peak: its layers (:func:`batch_bytes`), then its logits
@@ -229,13 +232,11 @@ class AnalysisPlan:
         lo, hi = 0, self.n
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._make(mid).one_row() <= self.budget:
+            if self.resize(mid).one_row() <= self.budget:
                 lo = mid
             else:
                 hi = mid - 1
         return lo
-
-    _make = None  # set by make(): the plan of another length (tokens_that_fit)
 
     def describe(self) -> str:
         """One line: the forwards, the largest batch, the peak against the budget, the time."""
@@ -255,40 +256,36 @@ def duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def make(what: str, loaded, n: int, batches, held_layers: float = 1.0, kept: int = 0, extra: int = 0,
-         openings: int = 1, head: bool = True, allow_sets: int = 1, given_budget: int | None = None,
-         note: str = "", shape: Shape | None = None, before=0) -> AnalysisPlan:
+def make(what: str, loaded, n: int, batches, held_layers: float = 1.0, extra: int = 0, openings: int = 1,
+         head: bool = True, allow_sets: int = 1, given_budget: int | None = None, note: str = "",
+         before=0) -> AnalysisPlan:
     """The plan of ``what`` over ``n`` tokens of ``loaded``: ``batches`` (the layer each resumes from, its rows);
-    ``held_layers`` × L × n × d kept from the first forward (every layer's input: 1), ``kept`` bytes more (each
-    computed from n by the caller: a function of n, or a number); ``extra`` n × d a row of the sites' functions;
+    ``held_layers`` × L × n × d kept from the first forward (every layer's input: 1); ``extra`` n × d a row of the
+    sites' functions;
     ``openings`` unpatched forwards of one row; ``head``: a batch reads every position's logits (the perplexity);
     ``allow_sets``: the recipe's distinct allow-sets; ``before``: what a phase before the first forward makes at its
     peak and lets go (the scan's score attribution), a function of n or a number."""
-    shape = shape or Shape.of(loaded)
+    shape = Shape.of(loaded)
     total = budget(loaded, given_budget)
     batches = tuple((int(layer), int(rows)) for layer, rows in batches if rows)
 
     def at(m: int) -> AnalysisPlan:
         s, d, L = shape.itemsize, shape.hidden, shape.n_layers
         block = min(shape.block, 4 * shape.n_heads * m * m) * BLOCK_COPIES
-        logits = min(LOGITS_BYTES, 12 * m * shape.vocab) if head else 4 * shape.vocab
-        held = int(held_layers * L * m * d * s) + (kept(m) if callable(kept) else int(kept))
+        step = min(LOGITS_BYTES, 12 * m * shape.vocab)  # a step of the perplexity's logits
+        held = int(held_layers * L * m * d * s)
         # an unpatched forward: one row with a query block, then the perplexity's step beside the top layer's output
-        opening = max(batch_bytes(shape, m, 1, allow_sets, 0, block), 2 * m * d * s + min(LOGITS_BYTES, 12 * m * shape.vocab))
-        opening = max(opening, before(m) if callable(before) else int(before))
-        plan = AnalysisPlan(what, m, total, held, opening, batches, openings, shape, head, note, allow_sets, extra,
-                            block, logits)
-        object.__setattr__(plan, "_make", at)
-        return plan
+        opening = max(batch_bytes(shape, m, 1, allow_sets, 0, block), 2 * m * d * s + step,
+                      before(m) if callable(before) else int(before))
+        return AnalysisPlan(what, m, total, held, opening, batches, openings, shape, head, note, allow_sets, extra,
+                            block, step if head else 4 * shape.vocab, at)
 
     return at(int(n))
 
 
 def with_batches(plan: AnalysisPlan, batches, note: str = "") -> AnalysisPlan:
     """The same plan with its batches known (path patching's, once the scan has named the senders)."""
-    made = replace(plan, batches=tuple((int(l), int(r)) for l, r in batches if r), note=note)
-    object.__setattr__(made, "_make", plan._make)
-    return made
+    return replace(plan, batches=tuple((int(l), int(r)) for l, r in batches if r), note=note)
 
 
 def parts(rows: list, plan: AnalysisPlan) -> list[list]:

@@ -71,13 +71,11 @@ def perplexities_of(model, hidden: torch.Tensor, targets: torch.Tensor) -> list[
     targets = targets.to(hidden.device)
     out = []
     for row in range(batch):
-        total = torch.zeros((), dtype=torch.float64)
-        for a in range(0, n - 1, step):
-            b = min(a + step, n - 1)
-            logits = head_logits(model, hidden[row:row + 1, a:b], last_only=False)[0].float()
-            total += torch.nn.functional.cross_entropy(logits, targets[a:b], reduction="sum").double().cpu()
-            del logits
-        out.append(float(np.exp(total.item() / max(n - 1, 1))))
+        sums = [torch.nn.functional.cross_entropy(  # each step's logits freed before the next is made
+            head_logits(model, hidden[row:row + 1, a:min(a + step, n - 1)], last_only=False)[0].float(),
+            targets[a:a + step], reduction="sum") for a in range(0, n - 1, step)]
+        total = float(torch.stack(sums).double().sum()) if sums else 0.0  # one host sync a row
+        out.append(float(np.exp(total / max(n - 1, 1))))
     return out
 
 
@@ -175,6 +173,7 @@ class Opening:
         ``pairs`` at their sites; a run that kept every layer's input is kept for :meth:`resume`."""
         with sites.hooks(self.model, pairs):
             out = self.built.forward(self.loaded, self.batch(rows), record, feed)
+        out[2].release()  # no analysis reads a run's allow-sets: let them go now, not when the collector runs
         if len(getattr(out[2], "checkpoints", None) or ()) == self.L:
             self.run = out[2]
         return out
@@ -189,15 +188,16 @@ class Opening:
         (default the recipe's), with ``pairs`` at their sites and ``recorders`` recording every layer."""
         record = engine.Record.every_layer(recorders=tuple(recorders)) if recorders else engine.Record.nothing()
         with sites.hooks(self.model, pairs):
-            return engine.resume(self.model, self.run.checkpoints[layer], layer, self.batch(rows),
-                                 computes or self.computes, record)
+            resumed = engine.resume(self.model, self.run.checkpoints[layer], layer, self.batch(rows),
+                                    computes or self.computes, record)
+        resumed.run.release()  # as in forward: a loop of batches would otherwise hold every batch's allow-sets
+        return resumed
 
     def profiles(self, layer: int, rows: int, pairs=(), computes=None) -> list[SinkProfile]:
         """Each row's sink profile after :meth:`resume` from ``layer`` (the layers below as the unpatched forward's)."""
         before = self.sink()
         column = SinkColumn()
         resumed = self.resume(layer, rows, pairs, (column,), computes)
-        resumed.run.release()
         ppl = perplexities_of(self.model, resumed.hidden, self.targets)
         del resumed
         return [SinkProfile(self.sink_keys, [before.attention[l] if l < layer else float(column.attention(l)[i])

@@ -219,9 +219,7 @@ def patching(loaded, clean: str, corrupted: str, answer: str | None = None, wron
         sink = SinkCell() if reads_sink else None
         with torch.no_grad():
             if start > 0:
-                resumed = text.resume(start, batch, pairs, (sink,) if sink else ())
-                resumed.run.release()
-                logits = resumed.logits(model).float()
+                logits = text.resume(start, batch, pairs, (sink,) if sink else ()).logits(model).float()
             else:
                 inputs = frozenset(layers) if keep_inputs else frozenset()
                 record = (engine.Record.every_layer(recorders=(sink,), checkpoints=inputs) if sink

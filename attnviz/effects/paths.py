@@ -285,7 +285,7 @@ def _plan(model, found, chosen: list[str], asked: list[str] | None, L: int, leni
 
 #: n × d a row of the cut's own: the streams it reads (a layer's input and its middle) and the input it replaces
 CUT_COPIES = 3
-NARROWER = ", fewer senders or receivers (--senders, --receivers)"
+NARROWER = ", fewer senders or receivers"
 
 
 def _batches(plan_of: dict, chosen: list[str], L: int) -> dict[int, list]:

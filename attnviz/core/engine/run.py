@@ -150,14 +150,6 @@ class Cached:
     # (an embedding patch): asked only then, so a run on a model the anatomy does not map costs nothing
     model_window: Callable[[int], int | None] | None = None
 
-    def release(self) -> None:
-        """Let go of what the pass made and shared (its allow-sets, an n × n bool a batch row each at a long text):
-        each refers to the run, so without this they live until the collector finds the cycle, and a loop of
-        batched forwards would hold every batch's."""
-        self._allow_cache.clear()
-        self._device_cache.clear()
-        getattr(self, "allowed", {}).clear()
-
 
 @dataclass
 class Recorded:
@@ -193,6 +185,14 @@ class Run(Recorded, Cached, AllowSets, Asked):
         if self.sizes is None:
             self.sizes = Sizes()  # the plan's defaults
         self._live = recorders_mod.Live()  # the run's own: it holds this run's live probabilities
+
+    def release(self) -> None:
+        """Let go of what the pass made and shared (its allow-sets, an n × n bool a batch row each at a long text):
+        each refers to the run, so without this they live until the collector finds the cycle, and a loop of
+        batched forwards would hold every batch's."""
+        self._allow_cache.clear()
+        self._device_cache.clear()
+        self.allowed.clear()
 
     def collect(self) -> None:
         """After the forward: wait for the asynchronous host copies of full maps and of every layer's finished
