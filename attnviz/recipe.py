@@ -38,13 +38,14 @@ class Recipe:
     prepend: str | None = None  # docs/methods.md#bos-control: "bos", a token, or None
     residual: str | None = None  # docs/methods.md#residual-variants
     dtype: str | None = None  # the model's dtype, where known: it changes the numbers
+    kind: str = ""  # docs/methods.md#attention-kinds: "" for the model's own (a softmax, gpt-oss's learned sink ...)
 
     @classmethod
     def of(cls, loaded: "LoadedModel", arch="fwd", intervene=None, prepend: str | None = None,
-           residual: str | None = None) -> "Recipe":
+           residual: str | None = None, kind=None) -> "Recipe":
         """The canonical recipe of these settings on a loaded model (bad strings refused here). Nothing is
         made on the model's device: a residual variant is named, not built (:func:`build` builds it)."""
-        return _canonical(loaded, arch, intervene, prepend, residual)[0]
+        return _canonical(loaded, arch, intervene, prepend, residual, kind)[0]
 
     @property
     def key(self) -> str:
@@ -55,6 +56,8 @@ class Recipe:
     def describe(self) -> str:
         """One line of provenance: ``SmolLM2-135M · mask0-bidir(k=8) · sinkscale(key=0, beta=0.3)@20-29 · BOS``."""
         parts = [self.model.split(" ")[0], self.arch]
+        if self.kind:
+            parts.append(self.kind)
         if self.intervene:
             parts.append(self.intervene)
         if self.prepend:
@@ -66,8 +69,12 @@ class Recipe:
         return " · ".join(parts)
 
     def to_dict(self) -> dict:
-        """Plain values only (JSON, Parquet, PDF metadata); :meth:`from_dict` reads it back."""
-        return asdict(self)
+        """Plain values only (JSON, Parquet, PDF metadata); :meth:`from_dict` reads it back. The model's own kind
+        is left out, so a recipe keeps the key it had before recipes carried a kind."""
+        data = asdict(self)
+        if not data["kind"]:
+            del data["kind"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "Recipe":
@@ -83,7 +90,7 @@ class Recipe:
     def from_meta(cls, meta: dict, arch: str) -> "Recipe":
         """The recipe of a capture saved before captures carried one (its metadata has the same facts)."""
         return cls(str(meta.get("model", "")), arch, meta.get("intervene") or "", meta.get("prepend"),
-                   meta.get("residual"), meta.get("dtype"))
+                   meta.get("residual"), meta.get("dtype"), meta.get("kind") or "")
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,7 @@ class Built:
     architecture: "Architecture"
     interventions: "Interventions"
     variant: object | None  # attnviz.core.engine.residual.Variant
+    kind: object = None  # attnviz.core.spec.kinds.Kind, None for the model's own
 
     def only(self, purpose: str, *applies: str) -> "Built":
         """Refuse a recipe part that ``purpose`` does not apply (``applies``: "intervene", "prepend",
@@ -111,7 +119,7 @@ class Built:
         """The engine's half of this recipe (:class:`attnviz.core.engine.Computes`): masks and interventions."""
         from attnviz.core.engine import Computes
 
-        return Computes(tuple(self.architecture.layers), self.interventions)
+        return Computes(tuple(self.architecture.layers), self.interventions, self.kind)
 
     def check_text(self, n_tokens: int) -> "Built":
         """This recipe for a text of ``n_tokens`` tokens (its BOS control's included): an intervention whose
@@ -130,16 +138,19 @@ class Built:
 
 
 def build(loaded: "LoadedModel", arch="fwd", intervene=None, prepend: str | None = None,
-          residual: str | None = None) -> Built:
+          residual: str | None = None, kind=None) -> Built:
     """Settings, or a :class:`Recipe` passed as ``arch``, made real on ``loaded``. A recipe's own
     intervention, BOS control and variant are used; naming them again as well is refused."""
     from attnviz.core.engine import residual as residual_mod
 
-    recipe, architecture, acts, residual = _canonical(loaded, arch, intervene, prepend, residual)
-    return Built(recipe, architecture, acts, residual_mod.resolve(loaded, residual))
+    from attnviz.core.spec import kinds
+
+    recipe, architecture, acts, residual = _canonical(loaded, arch, intervene, prepend, residual, kind)
+    return Built(recipe, architecture, acts, residual_mod.resolve(loaded, residual),
+                 kinds.parse(recipe.kind) if recipe.kind else None)
 
 
-def _canonical(loaded: "LoadedModel", arch, intervene, prepend, residual):
+def _canonical(loaded: "LoadedModel", arch, intervene, prepend, residual, kind=None):
     """(canonical recipe, architecture, interventions, residual name as given) of these settings on ``loaded``,
     parsed and checked; nothing made on the device."""
     from attnviz.core.spec import arch as arch_mod
@@ -147,16 +158,23 @@ def _canonical(loaded: "LoadedModel", arch, intervene, prepend, residual):
     from attnviz.core.engine import residual as residual_mod
 
     if isinstance(arch, Recipe):
-        given = [name for name, value in (("intervene", intervene), ("prepend", prepend), ("residual", residual))
-                 if value not in (None, "")]
+        given = [name for name, value in (("intervene", intervene), ("prepend", prepend), ("residual", residual),
+                                          ("kind", kind)) if value not in (None, "")]
         if given:
             raise InputError(f"the recipe already says {', '.join(given)}: change the recipe instead "
                              f"(dataclasses.replace(recipe, {given[0]}=...))")
         recipe = arch
         if recipe.model and recipe.model not in (loaded.model_id, "default"):
             raise InputError(f"the recipe is for {recipe.model}, but the loaded model is {loaded.model_id}")
-        arch, intervene, prepend, residual = recipe.arch, recipe.intervene, recipe.prepend, recipe.residual
+        arch, intervene, prepend, residual, kind = (recipe.arch, recipe.intervene, recipe.prepend, recipe.residual,
+                                                    recipe.kind)
     architecture = arch_mod.resolve(arch, loaded.n_layers)
+    from attnviz.core.spec import kinds
+
+    chosen = None if kind in (None, "") else kinds.parse(kind)
+    own = kinds.own(loaded.model)
+    kinds.check(chosen or own, loaded.model, any(m.stable is not None for m in architecture.layers))
+    kind_spec = "" if chosen in (None, own) else chosen.spec  # the model's own kind is written "": one key
     acts = interventions_mod.resolve(intervene, loaded.n_layers, loaded.n_heads)
     saved = getattr(loaded, "residual", None)  # a fine-tuned directory's own variant
     if residual:
@@ -170,7 +188,7 @@ def _canonical(loaded: "LoadedModel", arch, intervene, prepend, residual):
         raise InputError(f"patch is not defined under the residual variant {name}, which recomputes every block's "
                          "write from the embeddings: leave out the patch or the residual variant")
     dtype = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
-    recipe = Recipe(loaded.model_id, architecture.spec, acts.spec, prepend or None, name, dtype)
+    recipe = Recipe(loaded.model_id, architecture.spec, acts.spec, prepend or None, name, dtype, kind_spec)
     return recipe, architecture, acts, residual
 
 

@@ -116,7 +116,7 @@ ORDER = (
     ("tokens",),
     ("plan",),
     ("capture", "captured", "kv"),
-    ("regions", "seq2seq", "effects", "flow"),
+    ("regions", "seq2seq", "effects", "flow", "lab"),
     ("figures", "sweep"),
     ("viewer",),
     ("reports", "doctor", "support"),

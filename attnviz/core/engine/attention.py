@@ -22,6 +22,7 @@ from attnviz.core.kernel import kernels
 from attnviz.core.engine import routes
 from attnviz.core.record import recorders as recorders_mod
 from attnviz.core.engine.run import current
+from attnviz.core.spec import kinds
 from attnviz.errors import ModelLoadError
 
 KEY = "attnviz"
@@ -72,6 +73,10 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         raise Caught()
     run = current()
     if run is None:  # not inside attnviz: behave as stock
+        own = kinds.own(getattr(module, "config", None))
+        if kinds.weigher(own) is not None or (isinstance(own, kinds.Sink) and own.logit is not None):
+            # a lab model trained with a kind transformers does not have: its own forward, written out
+            return kinds.eager(own, query, key, value, attention_mask, scaling or query.shape[-1] ** -0.5, s_aux)
         # SDPA gives no weights: a caller asking for them (output_attentions=True) gets stock eager's, as it
         # would from a model loaded eager (after a capture too)
         if softcap is not None or s_aux is not None or kwargs.get("output_attentions"):
@@ -93,6 +98,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     n_kv_heads, n_kv = key.shape[1], key.shape[2]
     group = n_heads // n_kv_heads
     scaling = dim ** -0.5 if scaling is None else scaling
+    kind = run.kind if run.kind is not None else kinds.own(getattr(module, "config", None))
+    s_aux = kinds.sink_logits(kind, s_aux, n_heads, query.device)  # the learned sink, a fixed one, or none
+    weigh = kinds.weigher(kind)  # a row that is not a softmax (softpick, sigmoid)
     reshaped = any(a.changes_probabilities for a in run.interventions.at(layer))  # scores or probabilities
     recorded = layer in run.record
     plain_causal = mask.name == "fwd" and not sliding_window and n_q == n_kv and run.unpadded and bias is None
@@ -103,7 +111,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     shape = (str(query.device), str(query.dtype).replace("torch.", ""), tuple(query.shape), tuple(key.shape))
     route = routes.choose_route(routes.Facts(
         recorded=bool(recs), keep_graph=run.keep_graph, stablemask=mask.stable is not None,
-        softcap=softcap is not None, sink_logits=s_aux is not None, reshapes=reshaped,
+        softcap=softcap is not None, sink_logits=s_aux is not None, reshapes=reshaped or weigh is not None,
         head_mask=head_mask, plain_causal=plain_causal,
         block_reducer=bool(recs) and not any(r.whole_layer for r in recs), fused_reducer=fusable,
         batch_one=batch == 1, position_bias=bias is not None, grad=torch.is_grad_enabled(),
@@ -160,7 +168,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         block_allow = allow.rows(q0, q1)[..., k0:k1]
         probs = routes.block_probs(run, layer, mask, query[:, :, q0:q1], key[:, :, k0:k1], scaling, block_allow,
                              None if bias is None else bias[:, :, q0:q1, k0:k1], softcap, s_aux, q_pos[:, q0:q1],
-                             kv_pos[:, k0:k1], q0, k0, recs, plain_causal and not head_mask)
+                             kv_pos[:, k0:k1], q0, k0, recs, plain_causal and not head_mask, weigh)
         for recorder in recs:
             recorder.block(run, layer, q0, k0, probs, block_allow)
         b = q1 - q0
@@ -188,6 +196,13 @@ AttentionInterface.register(KEY, attention)
 AttentionMaskInterface.register(KEY, mask_builder)
 
 
+def _all_full_attention(model) -> bool:
+    """Qwen3-Next (its gated attention, docs/methods.md#attention-kinds) declares no attention backend because of its
+    linear-attention layers; with every layer full attention, each one calls transformers' AttentionInterface."""
+    config = model.config.get_text_config()
+    return config.model_type == "qwen3_next" and set(getattr(config, "layer_types", None) or ()) == {"full_attention"}
+
+
 def prepare(model) -> None:
     """Switch a model to the attnviz attention, refusing models whose attention bypasses it.
 
@@ -206,7 +221,7 @@ def prepare(model) -> None:
             )
         model.set_attn_implementation(KEY)
         return
-    if not getattr(type(model), "_supports_attention_backend", False):
+    if not getattr(type(model), "_supports_attention_backend", False) and not _all_full_attention(model):
         raise ModelLoadError(
             f"{type(model).__name__} ({model.config.model_type}) computes attention in its own code, not "
             "through transformers' AttentionInterface, so attnviz cannot change or record its masks"

@@ -82,7 +82,7 @@ def make_run(model, input_ids: torch.Tensor, computes, record: Record = Record()
     return Run(masks, frozenset(range(total) if record.layers is None else record.layers), positions, valid,
                recorders=record.recorders if record.recorders is not None else recorders_mod.for_record(record),
                on_layer=record.on_layer, model_window=model_window,
-               keep_graph=record.keep_graph, interventions=computes.interventions,
+               keep_graph=record.keep_graph, interventions=computes.interventions, kind=computes.kind,
                sizes=record.sizes or Sizes.given(record.block_bytes, record.whole_allow_bytes),
                unpadded=True if kv_positions is not None or attention_mask is None else None,
                checkpoint_layers=frozenset(record.checkpoints))

@@ -134,9 +134,11 @@ def fused_layer(run, layer: int, recs, query, key, value, allow, scaling: float,
 
 
 def block_probs(run, layer: int, mask: Mask, query, key, scaling, allow, bias, softcap, s_aux, q_pos, kv_pos,
-                 q0: int = 0, k0: int = 0, recs=(), causal: bool = False) -> torch.Tensor:
+                 q0: int = 0, k0: int = 0, recs=(), causal: bool = False, weigh=None) -> torch.Tensor:
     """(B, H, b, w) fp32 probabilities of one block of b query rows and w keys (the block's first: q0, k0);
-    recorders that ask for the block's pre-softmax scores (``recs``) get them before the softmax."""
+    recorders that ask for the block's pre-softmax scores (``recs``) get them before the softmax. ``weigh``: an
+    attention kind's weights where a row is not a softmax (:func:`attnviz.core.spec.kinds.weigher`), given the row's
+    logits with −inf on forbidden keys and any dropped columns (pseudo-logits, a sink logit) after the keys."""
     batch, n_heads, n_q, dim = query.shape
     n_kv_heads, n_kv = key.shape[1], key.shape[2]
     group = n_heads // n_kv_heads
@@ -173,7 +175,9 @@ def block_probs(run, layer: int, mask: Mask, query, key, scaling, allow, bias, s
         b = intervention.extra_logit()
         if b is not None:
             extra.append(scores.new_full((batch, n_heads, n_q, 1), float(b)))
-    if extra:
+    if weigh is not None:  # softpick, sigmoid: the kind's own weights over the row, its extra columns dropped after
+        probs = weigh(torch.cat([scores, *extra], dim=-1) if extra else scores)[..., :n_kv]
+    elif extra:
         scores = torch.cat([scores, *extra], dim=-1)
         scores = scores - scores.amax(-1, keepdim=True)
         probs = torch.softmax(scores, dim=-1)

@@ -40,6 +40,8 @@ class Computes:
 
     masks: tuple[Mask, ...]
     interventions: Interventions = NONE
+    # the attention kind (attnviz.core.spec.kinds, docs/methods.md#attention-kinds); None: the model's own
+    kind: object = None
 
     @classmethod
     def of(cls, value) -> "Computes":
@@ -129,6 +131,7 @@ class Asked:
     keep_graph: bool = False  # keep every layer's fp32 probabilities, autograd graph and all (residual variants)
     q_positions: torch.Tensor | None = None  # (B, n_q): query positions when queries are not the keys (cross-attention)
     interventions: Interventions = NONE  # docs/methods.md#interventions: applied here, never by patching the model
+    kind: object = None  # the attention kind (attnviz.core.spec.kinds.Kind); None: each layer's own
     # per layer, ``mask(n_q, n_kv, device)`` → an (H, n_q, n_kv) allow-set per head, and-ed with the layer's mask:
     # a compressed KV cache (docs/methods.md#kv-cache-compression), or streaming heads on sink + window
     head_masks: dict[int, Callable[[int, int, torch.device], torch.Tensor]] = field(default_factory=dict)

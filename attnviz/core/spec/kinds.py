@@ -20,6 +20,7 @@ the remainder being the row's discarded mass.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -176,3 +177,85 @@ def parse(text) -> Kind:
             raise InputError(f"{name}({key}=...) is a finite number{' above 0' if key == 'eps' else ''}, not {value}")
         values[key] = number
     return KINDS[name](**values)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(spec: str) -> Kind:
+    return parse(spec)
+
+
+def own(config) -> Kind:
+    """A model's own kind, from its config: what a lab model was trained with (``attnviz_kind`` in its config.json),
+    gpt-oss's learned sink, Qwen3-Next's gate, else the softmax. A recipe without a kind runs this one."""
+    config = getattr(config, "config", config)
+    spec = getattr(config, "attnviz_kind", None)
+    if spec:
+        return _parsed(str(spec))
+    family = getattr(config, "model_type", "")
+    return Sink() if family == "gpt_oss" else Gate() if family == "qwen3_next" else Softmax()
+
+
+def sink_logits(kind: Kind, learned, n_heads: int, device) -> "torch.Tensor | None":
+    """The logits (heads,) of the sink column the kind adds to each row, dropped after the softmax: a model's own
+    learned ones (``learned``, gpt-oss's), one number in every head, or None (no such column: a model's learned sink
+    left out is a what-if, as a mask is)."""
+    if not isinstance(kind, Sink):
+        return None
+    if kind.logit is not None:
+        return torch.full((n_heads,), float(kind.logit), device=device)
+    if learned is None:
+        raise InputError("sink: this model has no learned sink logits; give one, sink(logit=0)")
+    return learned
+
+
+def weigher(kind: Kind):
+    """The kind's own ``weights`` where a row is not a softmax (softpick, sigmoid), else None: the softmax (with its
+    sink column for ``sink``; the gate's map is the softmax's)."""
+    return kind.weights if isinstance(kind, (Softpick, Sigmoid)) else None
+
+
+def check(kind: Kind, config, stable: bool) -> Kind:
+    """Refuse, in one line, a kind this model or mask cannot run: a gate without the gate's trained weights (or
+    another kind on a gated model, whose gate is in its own attention code), a learned sink without learned logits,
+    and sigmoid under StableMask (sigmoid has no normalisation for its pseudo-logits to take mass from)."""
+    mine = own(config)
+    family = getattr(getattr(config, "config", config), "model_type", "this model")
+    if isinstance(kind, Gate) != isinstance(mine, Gate) or (isinstance(kind, Gate) and kind != mine):
+        if isinstance(mine, Gate):
+            raise InputError(f"{family} is trained with {mine.spec}, applied in its own attention code: "
+                             f"{kind.spec} cannot replace it")
+        raise InputError(f"{kind.spec} needs the gate's trained weights, which {family} does not have "
+                         "(a model trained with it: Qwen3-Next, or a lab model trained with gate)")
+    if isinstance(kind, Sink) and kind.logit is None and not (isinstance(mine, Sink) and mine.logit is None):
+        raise InputError(f"sink needs learned sink logits, which {family} does not have: give one, sink(logit=0)")
+    if isinstance(kind, Sigmoid) and stable:
+        raise InputError("sigmoid cannot combine with StableMask: a sigmoid row has no normalisation for the "
+                         "pseudo-logits to take mass from (docs/methods.md#attention-kinds)")
+    return kind
+
+
+def eager(kind: Kind, query, key, value, attention_mask, scaling: float, learned=None):
+    """A layer's attention under ``kind`` written out plainly (outside a run: the model's own forward, training):
+    scores, the mask's −inf (a boolean mask, or transformers' additive one), the kind's weights, the values.
+    Returns ``(output (B, n_q, H, d), weights (B, H, n_q, n_kv))`` as transformers' eager attention does."""
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    z = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
+    n_q, n_kv = z.shape[-2:]
+    if attention_mask is None:
+        attention_mask = torch.ones(n_q, n_kv, dtype=torch.bool, device=z.device).tril(n_kv - n_q)
+    if attention_mask.dtype == torch.bool:
+        z = z.masked_fill(~attention_mask[..., :n_kv], -math.inf)
+    else:
+        additive = attention_mask[..., :n_kv].float()
+        z = torch.where(additive > torch.finfo(attention_mask.dtype).min / 2, z + additive, -math.inf)
+    sink = sink_logits(kind, learned, z.shape[1], z.device)
+    weigh = weigher(kind)
+    if weigh is not None:
+        w = weigh(z)
+    elif sink is not None:
+        w = Sink().weights(z, sink=sink)
+    else:
+        w = torch.softmax(z, dim=-1)
+    w = torch.nan_to_num(w)  # a row with no allowed key: zero, not NaN
+    return torch.matmul(w.to(value.dtype), value).transpose(1, 2).contiguous(), w
