@@ -105,12 +105,14 @@ class Built:
 
     def only(self, purpose: str, *applies: str) -> "Built":
         """Refuse a recipe part that ``purpose`` does not apply (``applies``: "intervene", "prepend",
-        "residual"), so no front end reports a number made without part of its recipe."""
-        parts = {"intervene": self.recipe.intervene, "prepend": self.recipe.prepend, "residual": self.recipe.residual}
+        "residual", "kind"), so no front end reports a number made without part of its recipe."""
+        parts = {"intervene": self.recipe.intervene, "prepend": self.recipe.prepend, "residual": self.recipe.residual,
+                 "kind": self.recipe.kind}
         extra = [name for name, value in parts.items() if value and name not in applies]
         if extra:
             what = {"intervene": f"the intervention {self.recipe.intervene}", "prepend": "a BOS control",
-                    "residual": f"the residual variant {self.recipe.residual}"}
+                    "residual": f"the residual variant {self.recipe.residual}",
+                    "kind": f"the attention kind {self.recipe.kind}"}
             raise InputError(f"{purpose} does not apply {what[extra[0]]}: leave it out of the recipe")
         return self
 
@@ -120,6 +122,17 @@ class Built:
         from attnviz.core.engine import Computes
 
         return Computes(tuple(self.architecture.layers), self.interventions, self.kind)
+
+    def softmax_only(self, purpose: str, own) -> "Built":
+        """Refuse, for ``purpose``, which is defined on the softmax's weights (with a model's own learned sink), any
+        other kind: the recipe's, or ``own``, the model's own (docs/methods.md#attention-kinds)."""
+        from attnviz.core.spec import kinds
+
+        kind = self.kind or own
+        if not isinstance(kind, (kinds.Softmax, kinds.Gate)) and kind != kinds.Sink():
+            raise InputError(f"{purpose} is defined on the softmax's weights (and a model's own learned sink), "
+                             f"not on {kind.spec}'s (docs/methods.md#attention-kinds)")
+        return self
 
     def check_text(self, n_tokens: int) -> "Built":
         """This recipe for a text of ``n_tokens`` tokens (its BOS control's included): an intervention whose

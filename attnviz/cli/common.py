@@ -41,6 +41,9 @@ def model_args(p, text: bool = True, corpus: bool = False, source: bool = True):
     (with ``source``) where the text comes from; returns the text options' group."""
     model_option(p)
     p.add_argument("--arch", default="fwd", help="architecture string (docs/methods.md#the-call-syntax)")
+    p.add_argument("--kind", default=None,
+                   help="attention kind: softmax | sink(logit=0) | softpick | sigmoid | gate "
+                        "(default: the model's own; docs/methods.md#attention-kinds)")
     load_args(p)
     p.add_argument("--json", action="store_true", help="JSON output (the default)")
     if not source:
@@ -158,13 +161,20 @@ def load(args):
                       progress=lambda message: print(message, file=sys.stderr) if sys.stderr.isatty() else None)
 
 
+def kindless(args, purpose: str) -> None:
+    """Refuse ``--kind`` for a command whose analysis runs the model's own attention kind only."""
+    if getattr(args, "kind", None):
+        raise AttnvizError(f"{purpose} runs the model's own attention kind: leave out --kind "
+                         "(docs/methods.md#attention-kinds)")
+
+
 def recipe(args, loaded, arch: str | None = None):
     """The recipe a command's options make: ``--arch`` (or ``arch``), ``--intervene``, ``--bos`` / ``--prepend``
     and ``--residual``, where the command has them."""
     from attnviz.recipe import Recipe
 
     return Recipe.of(loaded, arch or getattr(args, "arch", None) or "fwd", getattr(args, "intervene", None),
-                     prepend(args), getattr(args, "residual", None))
+                     prepend(args), getattr(args, "residual", None), getattr(args, "kind", None))
 
 
 class Progress:

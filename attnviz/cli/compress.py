@@ -34,5 +34,6 @@ def run(args) -> dict:
     ids = token_ids(loaded, text, args.max_tokens)
     bar, update = common.progress("compress")
     with bar:
+        common.kindless(args, "KV-cache compression")
         result = compress.compress(loaded, ids, args.context, chosen, ratios, args.arch, on_step=update)
     return result.as_json()

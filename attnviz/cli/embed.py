@@ -27,6 +27,7 @@ def run(args) -> dict | None:
         raise AttnvizError(f"--max-docs must be at least 2 (the probe ranks targets), got {args.max_docs}")
     if args.sweep is None and args.ks is not None:
         raise AttnvizError("--ks needs --sweep k")
+    common.kindless(args, "the embedding probe")
     documents = common.corpus(args).documents
     loaded = common.load(args)
     bar, update = common.progress(f"embed {args.arch}")

@@ -36,6 +36,7 @@ def run(args) -> dict:
     ids = token_ids(loaded, text, args.max_tokens)
     bar, update = common.progress(f"finetune {args.residual or 'baseline'}")
     with bar:
+        common.kindless(args, "fine-tuning")
         result = finetune(loaded, ids, args.out, args.residual, args.arch, args.steps, args.seq_len, args.batch,
                           args.lr, args.seed, on_step=lambda step, total, loss: (update(step, total),
                                                                                  bar.set_postfix(loss=f"{loss:.3f}")))

@@ -43,6 +43,7 @@ def run(args) -> dict:
              else [source.text])
     bar, update = common.progress("heads")
     with bar:
+        common.kindless(args, "head classes")
         result = heads.taxonomy(loaded, texts, args.arch, args.sink, args.window, args.eps, args.tau_stream,
                                 args.tau_inactive, on_progress=update)
     return result.as_json()

@@ -25,4 +25,4 @@ def run(args) -> dict:
     ks = options.ks(args.ks)
     text = common.text(args)
     loaded = common.load(args)
-    return linformer.prepare(loaded, text, args.arch, args.layer, ks, args.projection).run().as_json()
+    return linformer.prepare(loaded, text, common.recipe(args, loaded), args.layer, ks, args.projection).run().as_json()

@@ -30,6 +30,7 @@ def run(args) -> dict:
     from attnviz.reports import html as report_mod
     from attnviz.reports import write_atomic
 
+    common.kindless(args, "a report")
     archs = report_mod.split_archs(args.arch)
     out = common.out_file(args.out, (".html", ".htm"), "an .html file")
     if not 16 <= args.size <= 512:

@@ -200,7 +200,7 @@ def sinks(loaded: LoadedModel, documents: Sequence[str], recipe: "str | arch_mod
     docs/methods.md#interventions) in equal-length batches and keep alpha and map moments."""
     from attnviz.recipe import build
 
-    built = build(loaded, recipe).only("a dataset's sink statistics", "intervene")  # a string or a Recipe
+    built = build(loaded, recipe).only("a dataset's sink statistics", "intervene", "kind")  # a string or a Recipe
     architecture, acts = built.architecture, built.interventions
     ids, skipped = samples(loaded, documents, unit, max_len, n_samples)
     L, H = loaded.n_layers, loaded.n_heads
@@ -233,7 +233,7 @@ def sinks(loaded: LoadedModel, documents: Sequence[str], recipe: "str | arch_mod
 
         sink = recorders.LearnedSink()
         _, run = engine.forward(loaded.model, torch.tensor([ids[i] for i in batch]),
-                                engine.Computes(tuple(architecture.layers), acts),
+                                engine.Computes(tuple(architecture.layers), acts, built.kind),
                                 engine.Record(recorders=(recorders.Whole(reducer), sink)))
         for layer, values in run.reduced.items():
             alpha[batch, layer, :, :n] = values

@@ -95,7 +95,7 @@ def evaluate(loaded: LoadedModel, text_or_ids: str | list[int], recipe: str | ar
     from attnviz import recipe as recipe_mod
 
     built = recipe_mod.build(loaded, recipe).only(
-        "a perplexity (it scores the text as written)", "intervene", "residual")
+        "a perplexity (it scores the text as written)", "intervene", "residual", "kind")
     variant, acts = built.variant, built.interventions
     architecture = built.architecture.require_causal("compute a perplexity")
     ids = text_or_ids if isinstance(text_or_ids, list) else token_ids(loaded, text_or_ids, max_tokens)

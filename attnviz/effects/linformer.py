@@ -152,12 +152,15 @@ def prepare(loaded, text: str, recipe="fwd", layer: int | str = -1, ks=KS, kind:
     (negative counts from the top), the capture under ``recipe`` (an architecture string or a recipe), each k checked
     against the text's tokens, the projection. ``attnviz linformer`` and the Effects page both run
     ``prepare(...).run()``."""
+    from attnviz import recipe as recipe_mod
     from attnviz.capture import parse_layers
     from attnviz.capture import prepare as prepare_capture
+    from attnviz.core.spec import kinds as kinds_mod
     from attnviz.plan import Keep
 
     if kind not in PROJECTIONS:
         raise InputError(f"unknown projection '{kind}': use 'segment' or 'gaussian'")
+    recipe_mod.build(loaded, recipe).softmax_only("the Linformer what-if", kinds_mod.own(loaded.model))
     layers = parse_layers(str(layer), loaded.n_layers)
     if len(layers) != 1:
         raise InputError(f"the Linformer what-if reads one layer, got '{layer}'")

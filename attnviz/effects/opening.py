@@ -116,7 +116,7 @@ class Opening:
                 raise InputError(f"{what} runs under a recipe (an architecture string such as 'fwd', or a Recipe), "
                                  f"not {type(recipe).__name__}")
             self.recipe = Recipe.of(loaded, recipe)
-            self.built = build(loaded, self.recipe).only(what, "intervene", "prepend")
+            self.built = build(loaded, self.recipe).only(what, "intervene", "prepend", "kind")
             if sink:
                 # refused, not measured without it: docs/methods.md#path-patching says why
                 self.built.architecture.require_causal(f"run {what}, which measures the text's perplexity,")

@@ -124,11 +124,11 @@ class CachedDecoder:
                  policy: Policy | str = "dense", record: set[int] | frozenset[int] = frozenset()):
         from attnviz.recipe import build
 
-        built = build(loaded, recipe).only("decoding with a KV cache", "intervene")
+        built = build(loaded, recipe).only("decoding with a KV cache", "intervene", "kind")
         self.loaded, self.recipe = loaded, built.recipe
         self.architecture = built.architecture.require_causal("decode with a KV cache")
         self.policy = as_policy(policy).check(loaded)
-        self.interventions = built.interventions
+        self.interventions, self.kind = built.interventions, built.kind
         self.record = set(record)
         self.cache = DynamicCache()
         self.positions: list[int] = []  # the position each cache entry was encoded at
@@ -146,7 +146,7 @@ class CachedDecoder:
         new = torch.full((1, 1), position, dtype=torch.long, device=device)
         kv = new if self.kv is None else torch.cat([self.kv, new], 1)
         output, run = engine.forward(self.loaded.model, torch.full((1, 1), token, dtype=torch.long, device=device),
-                                     engine.Computes(tuple(self.architecture.layers), self.interventions),
+                                     engine.Computes(tuple(self.architecture.layers), self.interventions, self.kind),
                                      engine.Record(layers=frozenset(self.record), storage_dtype=torch.float32),
                                      engine.Feed(past_key_values=self.cache, kv_positions=kv))
         seen = self.positions + [position]

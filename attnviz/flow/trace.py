@@ -360,7 +360,7 @@ def trace(loaded, text: str, recipe="fwd", max_tokens: int | None = None, on_lay
     if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 <= floor < 1:
         raise InputError(f"floor {floor!r}: the smallest contribution a trace keeps lies in [0, 1) "
                          f"(default {FLOOR})")
-    built = recipe_mod.build(loaded, recipe).only("routes", "intervene", "prepend")
+    built = recipe_mod.build(loaded, recipe).only("routes", "intervene", "prepend", "kind")
     ids, tokens = tokenize(loaded, text, max_tokens, built.recipe.prepend)
     built.check_text(len(ids))
     tracer = _Tracer(loaded, built, floor)

@@ -95,7 +95,12 @@ class Softpick(Kind):
         allowed = torch.isfinite(z)
         m = torch.where(allowed, z, torch.full_like(z, -math.inf)).amax(dim=-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a row with no allowed key: all zero
-        shifted = torch.where(allowed, torch.exp(z - m) - torch.exp(-m), torch.zeros_like(z))
+        # exp(z - m) - exp(-m) = exp(-m)·(e^z - 1), with expm1 where the difference would cancel (z near 0):
+        # exp(-m)·expm1(z) for z <= 0, -exp(z - m)·expm1(-z) above; neither overflows where the other might
+        zs = torch.where(allowed, z, torch.zeros_like(z))
+        below = torch.exp(-m) * torch.expm1(zs.clamp(max=0))
+        above = -torch.exp(zs - m) * torch.expm1(-zs.clamp(min=0))
+        shifted = torch.where(allowed, torch.where(zs > 0, above, below), torch.zeros_like(z))
         return torch.relu(shifted) / (shifted.abs().sum(dim=-1, keepdim=True) + self.eps)
 
 
@@ -240,7 +245,7 @@ def eager(kind: Kind, query, key, value, attention_mask, scaling: float, learned
     Returns ``(output (B, n_q, H, d), weights (B, H, n_q, n_kv))`` as transformers' eager attention does."""
     group = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
-    z = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
+    z = torch.matmul(query.float() * scaling, key.float().transpose(-1, -2))  # scaled as the engine scales
     n_q, n_kv = z.shape[-2:]
     if attention_mask is None:
         attention_mask = torch.ones(n_q, n_kv, dtype=torch.bool, device=z.device).tril(n_kv - n_q)
