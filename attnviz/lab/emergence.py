@@ -42,13 +42,14 @@ class Checkpoint:
 
     @classmethod
     def of(cls, folder, index: int = 0) -> "Checkpoint":
-        """The folder as a checkpoint: its step from its metadata, else from its name (``step-N``), else ``index``."""
+        """The folder as a checkpoint: its step from its name (``step-N``, as a run lists it), else from its
+        metadata, else ``index``."""
         folder = Path(folder).expanduser()
         if not (folder / "config.json").is_file():
             raise InputError(f"'{folder}' is not a model folder (no config.json in it)")
         meta = json.loads((folder / META).read_text()) if (folder / META).is_file() else {}
         named = re.fullmatch(r"step-(\d+)", folder.name)
-        step = meta.get("step", int(named.group(1)) if named else index)
+        step = int(named.group(1)) if named else meta.get("step", index)
         return cls(folder, int(step), meta)
 
     @property
