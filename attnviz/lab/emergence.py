@@ -201,7 +201,6 @@ def measure(loaded, probe: Probe, recipe="fwd", eps: float = metrics.SINK_EPS) -
     recorded. Per (layer, head): ``loss`` (the probe's mean next-token loss), ``alpha0``, ``sink_rate``,
     ``first_token``, ``value_drain``, ``residual_peak``, ``entropy`` (docs/methods.md#emergence-measures)."""
     from attnviz.core.engine import Feed, Record
-    from attnviz.effects.valley import gram_spectrum
     from attnviz.recipe import build
 
     eps = metrics.check_eps(eps)
@@ -214,11 +213,24 @@ def measure(loaded, probe: Probe, recipe="fwd", eps: float = metrics.SINK_EPS) -
     loss = float(torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1).cpu(), ids[:, 1:].flatten()))
     quiet = probe.quiet.clone().numpy()
     quiet[:, 0] = False
-    groups = loaded.kv_groups
     rows = []
     for layer in range(loaded.n_layers):
+        rows += _layer_rows(run, hidden, layer, loss, quiet, loaded.kv_groups, eps)
+    run.release()
+    return rows
+
+
+def _layer_rows(run, hidden, layer: int, loss: float, quiet: np.ndarray, groups: list[int], eps: float) -> list[dict]:
+    """One layer's rows, a head each: the key-0 column and values the run recorded, the stream entering it."""
+    import warnings
+
+    from attnviz.effects.valley import gram_spectrum
+
+    rows = []
+    with warnings.catch_warnings():  # a key 0 no later query sees (NoSink) has no alpha: NaN, not a warning
+        warnings.simplefilter("ignore", RuntimeWarning)
         column, seen = run.reduced[layer]  # (B, H, n) each
-        alpha0 = np.stack([metrics.alpha(column[b][..., None], seen[b][..., None])[:, 0] for b in range(len(ids))])
+        alpha0 = np.stack([metrics.alpha(column[b][..., None], seen[b][..., None])[:, 0] for b in range(len(column))])
         rate = float(np.nanmean([metrics.sink_rate(a, eps) for a in alpha0]))
         values = torch.linalg.vector_norm(run.qkv[layer][2].float(), dim=-1).numpy()  # (B, H_kv, n)
         drain = _ratio(values).mean(0)  # (H_kv,)
@@ -230,7 +242,6 @@ def measure(loaded, probe: Probe, recipe="fwd", eps: float = metrics.SINK_EPS) -
             rows.append({"layer": layer, "head": head, "loss": loss, "alpha0": float(np.nanmean(alpha0[:, head])),
                          "sink_rate": rate, "first_token": float(first.mean()) if first.size else float("nan"),
                          "value_drain": float(drain[groups[head]]), "residual_peak": peak, "entropy": entropy})
-    run.release()
     return rows
 
 
