@@ -173,3 +173,37 @@ def test_the_sweep_takes_a_run_folder_as_its_checkpoints(run, tmp_path):
     shutil.copytree(run / "step-4", copied / "step-6")
     with pytest.raises(InputError, match="same weights"):
         spec.parse(f'models = ["{copied}"]\n[measures.emergence]\n')
+
+
+def test_maps_are_read_as_they_are_under_a_kind_whose_rows_do_not_sum_to_one(run, tmp_path):
+    """A lab model trained with sigmoid attention (its kind in its config): alpha0 and the first token's attention
+    are the engine's own maps' key-0 column, not renormalised (docs/methods.md#emergence-measures)."""
+    from attnviz.core.engine import Record
+    from attnviz.recipe import build
+
+    folder = _copy_run(run, tmp_path, {4: 4}) / "step-4"
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attnviz_kind": "sigmoid"}))
+    found = emergence.table([folder], size=SIZE)
+    assert set(found["kind"]) == {"sigmoid"}
+    loaded = emergence.load_checkpoint(folder)
+    probe = emergence.task_probe(json.loads((folder / "attnviz_run.json").read_text())["setup"], SIZE)
+    quiet = probe.quiet.numpy().copy()
+    quiet[:, 0] = False
+    _, _, recorded = build(loaded, "fwd").forward(loaded, probe.ids, Record.every_layer(storage_dtype=torch.float32))
+    for layer, maps in recorded.probs.items():
+        a = np.asarray(maps, dtype=np.float64)
+        assert not np.allclose(a.sum(-1), 1, atol=1e-3)  # sigmoid rows: not a distribution
+        rows = found[found.layer == layer].sort_values("head")
+        assert np.allclose(rows["alpha0"], a[..., 0].mean(-1).mean(0), atol=1e-6)
+        assert np.allclose(rows["first_token"], [a[:, h, :, 0][quiet].mean() for h in range(a.shape[1])], atol=1e-6)
+
+
+def test_the_probe_is_the_runs_own_task_and_the_same_for_every_checkpoint():
+    task = {"vocab": 12, "triggers": 2, "length": 12, "p_trigger": 0.1, "seed": 3}
+    probe = emergence.task_probe({"task": task}, SIZE)
+    again = emergence.task_probe({"task": {"name": "bigram-backcopy", **task}}, SIZE)  # a named task: the same
+    assert torch.equal(probe.ids, again.ids) and probe.ids.shape == (SIZE, 12) and (probe.ids[:, 0] == 0).all()
+    assert torch.equal(probe.quiet, ~BigramBackcopy(**task).needs_attention(probe.ids))
+    with pytest.raises(InputError, match="give a probe"):
+        emergence.task_probe({"task": {"name": "copying", **task}})

@@ -12,6 +12,7 @@ the matrix entropy of the layer's input (:mod:`attnviz.stats.spectrum`, as the c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -57,9 +58,12 @@ class Checkpoint:
         return self.meta.get("setup") or {}
 
     def get(self, name: str):
-        """A field of the metadata or of its setup (None where neither has it: older checkpoints lack kind, arch)."""
-        value = self.meta.get(name)
-        return self.setup.get(name) if value is None else value
+        """A field of the metadata, of its recipe or of its setup (None where none has it: older checkpoints lack
+        kind and arch)."""
+        for where in (self.meta, self.meta.get("recipe") or {}, self.setup):
+            if where.get(name) is not None:
+                return where[name]
+        return None
 
 
 def is_run(folder) -> bool:
@@ -169,7 +173,11 @@ def task_probe(setup: dict, size: int = PROBE_SIZE) -> Probe:
 
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise InputError(f"the probe's size is a whole number of at least 1, not {size!r}")
-    task = BigramBackcopy(**(setup.get("task") or {}))
+    given = dict(setup.get("task") or {})
+    name = given.pop("name", "bigram-backcopy")
+    if name != "bigram-backcopy":
+        raise InputError(f"the run's task '{name}' has no probe here (Bigram-Backcopy has): give a probe")
+    task = BigramBackcopy(**{f.name: given[f.name] for f in dataclasses.fields(BigramBackcopy) if f.name in given})
     ids = task.batch(size, PROBE_STEP)
     return Probe(ids, ~task.needs_attention(ids), "task")
 
