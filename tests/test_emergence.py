@@ -114,6 +114,8 @@ def _copy_run(run, tmp_path, steps):
 
 def test_equal_weights_are_refused_naming_both(run, tmp_path):
     copied = _copy_run(run, tmp_path, {2: 2, 4: 4})
+    last = emergence.Checkpoint.of(copied / "step-4")
+    assert emergence.weights_hash(last, computed=True) == last.meta["hash"]  # the trainer's hash, from the weights
     shutil.copytree(run / "step-4", copied / "step-8")  # a hub branch serving the final weights again
     meta = json.loads((copied / "step-8" / "attnviz_run.json").read_text())
     meta["step"] = 8

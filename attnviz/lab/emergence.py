@@ -48,7 +48,10 @@ class Checkpoint:
         folder = Path(folder).expanduser()
         if not (folder / "config.json").is_file():
             raise InputError(f"'{folder}' is not a model folder (no config.json in it)")
-        meta = json.loads((folder / META).read_text()) if (folder / META).is_file() else {}
+        try:
+            meta = json.loads((folder / META).read_text()) if (folder / META).is_file() else {}
+        except (OSError, ValueError) as err:
+            raise InputError(f"cannot read '{folder / META}': {str(err).splitlines()[0]}") from None
         named = re.fullmatch(r"step-(\d+)", folder.name)
         step = int(named.group(1)) if named else meta.get("step", index)
         return cls(folder, int(step), meta)
@@ -124,9 +127,10 @@ def load_checkpoint(folder):
     return models.LoadedModel(model, None, str(folder), None, time.perf_counter() - start)
 
 
-def weights_hash(checkpoint: Checkpoint, loaded=None) -> str:
-    """The checkpoint's weights hash: its metadata's, else computed from its weights as the trainer does."""
-    if checkpoint.meta.get("hash"):
+def weights_hash(checkpoint: Checkpoint, loaded=None, computed: bool = False) -> str:
+    """The checkpoint's weights hash: its metadata's, else (or with ``computed``) computed from its weights as the
+    trainer computes it (:func:`attnviz.lab.train.weights_hash`)."""
+    if checkpoint.meta.get("hash") and not computed:
         return str(checkpoint.meta["hash"])
     from attnviz.lab import train
 
@@ -134,11 +138,13 @@ def weights_hash(checkpoint: Checkpoint, loaded=None) -> str:
 
 
 def guard(found: list[Checkpoint]) -> dict[Path, str]:
-    """Each checkpoint's weights hash; two equal ones are refused in one line naming both."""
+    """Each checkpoint's weights hash; two equal ones are refused in one line naming both. Where one lacks a hash in
+    its metadata, every hash is computed from the weights, so all are compared by one function."""
     seen: dict[str, Checkpoint] = {}
     hashes = {}
+    computed = any(not c.meta.get("hash") for c in found)
     for checkpoint in found:
-        digest = weights_hash(checkpoint)
+        digest = weights_hash(checkpoint, computed=computed)
         if digest in seen:
             raise InputError(f"'{seen[digest].folder}' (step {seen[digest].step}) and '{checkpoint.folder}' (step "
                              f"{checkpoint.step}) have the same weights (hash {digest}): one checkpoint served twice")
