@@ -218,7 +218,7 @@ def measure(loaded, probe: Probe, recipe="fwd", eps: float = metrics.SINK_EPS) -
     from attnviz.recipe import build
 
     eps = metrics.check_eps(eps)
-    built = build(loaded, recipe).only("the emergence measures", "intervene")
+    built = build(loaded, recipe).only("the emergence measures", "intervene", "kind")  # maps read as they are
     ids = probe.ids
     if int(ids.max()) >= loaded.model.get_input_embeddings().num_embeddings or int(ids.min()) < 0:
         raise InputError(f"the probe's token ids are outside '{loaded.model_id}''s vocabulary")
