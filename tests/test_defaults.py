@@ -14,6 +14,7 @@ from attnviz.cli import ALL, COMMANDS, build_parser
 from attnviz.kv import compress, presses
 from attnviz.reports import html
 from attnviz import flow
+from attnviz.lab import emergence
 from attnviz.sweep.spec import measure_options
 
 D = defaults.of
@@ -41,6 +42,7 @@ LIBRARY = {
     ("report", "size"): D(html.report_html)["size"], ("report", "images"): D(html.report_html)["image_format"],
     ("report", "quality"): D(html.report_html)["quality"],
     ("routes", "token"): D(flow.routes)["token"], ("routes", "threshold"): D(flow.routes)["threshold"],
+    ("emergence", "eps"): D(emergence.table)["eps"], ("emergence", "samples"): D(emergence.table)["size"],
 }
 #: (measure, option) -> (command, option dest) where the CLI has the same option
 SWEEP_TO_CLI = {
@@ -53,6 +55,7 @@ SWEEP_TO_CLI = {
     ("heads", "max_len"): ("heads", "max_len"), ("heads", "eps"): ("heads", "eps"),
     ("heads", "tau_stream"): ("heads", "tau_stream"), ("heads", "tau_inactive"): ("heads", "tau_inactive"),
     ("heads", "sink"): ("heads", "sink"), ("heads", "window"): ("heads", "window"),
+    ("emergence", "samples"): ("emergence", "samples"), ("emergence", "eps"): ("emergence", "eps"),
 }
 #: options whose default is not a library setting (a mode, a path, a model name, a device)
 NOT_SETTINGS = {"model", "arch", "dtype", "device", "device_map", "corpus", "text", "text_file", "intervene",

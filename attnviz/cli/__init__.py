@@ -53,6 +53,9 @@ COMMANDS = {
                  "Gu et al.'s sink rate, k-sweep, residual variants)",
     "sweep": "a grid of models x architectures x interventions x corpora x measures, one Ray task per cell, "
              "results as Parquet (resumable)",
+    "emergence": "how a sink forms over training: per checkpoint, layer and head of a run, alpha at key 0, the "
+                 "sink rate, the first token's attention, the value drain, the residual peak and the entropy, as "
+                 "one Parquet table",
 }
 ALL = "*"
 #: names other code imports from ``attnviz.cli`` that live in a command's module (read when first asked for)

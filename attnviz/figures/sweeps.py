@@ -96,7 +96,7 @@ def summary_table(frame: pd.DataFrame) -> pd.DataFrame:
     if frame.empty:
         return frame
     head = {"sinks": "model_rate", "eval": "perplexity", "embed": "recall_at_1", "heads": "sink_heads",
-            "compress": "perplexity"}
+            "compress": "perplexity", "emergence": "first_token"}
     out = []
     for cell, group in frame.groupby("cell", sort=False):
         first = group.iloc[0]

@@ -1,1 +1,2 @@
-"""Training small decoders from scratch under any mask and attention kind, to watch a sink form (docs/lab.md)."""
+"""Training small decoders from scratch under any mask and attention kind, to watch a sink form, and measuring how
+it forms over the checkpoints (docs/lab.md)."""

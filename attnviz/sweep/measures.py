@@ -178,8 +178,32 @@ def paths(lm: LoadedModel, cell: Cell) -> list[dict]:
             for (s, r), after in found.after.items() for layer in range(len(found.before.keys))]
 
 
+def emergence(lm: LoadedModel, cell: Cell) -> list[dict]:
+    """The emergence measures (docs/methods.md#emergence-measures) of one checkpoint per layer and head
+    (``attnviz emergence``): on ``samples`` sequences of the run's own task, or, for a model without the lab's task,
+    on the corpus's first ``max_tokens`` tokens; the step, hash, kind and seed from the checkpoint's metadata."""
+    from pathlib import Path
+
+    from attnviz.lab import emergence as lab
+    from attnviz.effects.evaluate import token_ids
+
+    o = cell.options
+    folder = Path(cell.model)
+    checkpoint = lab.Checkpoint.of(folder) if folder.is_dir() else lab.Checkpoint(folder, 0, {})
+    if checkpoint.setup.get("task"):
+        probe = lab.task_probe(checkpoint.setup, o["samples"])
+    else:
+        probe = lab.Probe.of(token_ids(lm, documents(cell.corpus).text, o["max_tokens"]), "text")
+    digest = lab.weights_hash(checkpoint, lm)
+    rows = lab.measure(lm, probe, recipe(lm, cell), o["eps"])
+    # the cell's own arch column is the architecture measured under
+    return [{k: v for k, v in lab.row_of(checkpoint, digest, cell.arch, lm, r).items() if k != "arch"}
+            for r in rows]
+
+
 RUN = {"sinks": sinks, "eval": evaluate, "embed": embed, "compress": compress, "heads": heads, "explain": explain,
-       "causal": causal, "routes": routes, "valley": valley, "paths": paths}
+       "causal": causal, "routes": routes, "valley": valley, "paths": paths,
+       "emergence": emergence}
 
 
 def schema():
@@ -225,4 +249,8 @@ COLUMNS = {
               "perplexity_before": "float64", "perplexity_after": "float64"},
     "valley": {"layer": "int64", "key": "int64", "entropy": "float64", "first_norm": "float64", "sink_rate": "float64",
                "sink_rate_key0": "float64"},
+    "emergence": {"step": "int64", "layer": "int64", "head": "int64", "loss": "float64", "train_loss": "float64",
+                  "alpha0": "float64", "sink_rate": "float64", "first_token": "float64", "value_drain": "float64",
+                  "residual_peak": "float64", "entropy": "float64", "kind": "string", "hash": "string",
+                  "seed": "int64", "checkpoint": "string"},
 }

@@ -42,9 +42,11 @@ def model_for(name: str):
         _MODEL.clear()
         gc.collect()
         from attnviz.core.loading.models import load
+        from attnviz.lab import emergence
 
         try:
-            _MODEL[name] = load(name)
+            # a lab checkpoint loads without a tokenizer of its own
+            _MODEL[name] = emergence.load_checkpoint(name) if emergence.is_checkpoint(name) else load(name)
         except AttnvizError as err:
             _MODEL[name] = err
         except Exception as err:  # noqa: BLE001 - any loader failure is this model's, recorded with its cells

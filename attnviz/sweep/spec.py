@@ -40,6 +40,7 @@ def measure_options() -> dict[str, dict[str, tuple[type | tuple[type, ...], obje
     from attnviz.effects import causal, dataset, embedding, evaluate, explain, heads
     from attnviz.effects import paths
     from attnviz.kv import compress
+    from attnviz.lab import emergence
 
     run, report = of(dataset.sinks), of(dataset.DatasetSinks.as_json)
     ev, probe, kv = of(evaluate.evaluate), of(embedding.probe), of(compress.compress)
@@ -60,11 +61,13 @@ def measure_options() -> dict[str, dict[str, tuple[type | tuple[type, ...], obje
         "valley": {"max_tokens": (int, explain.DIAGNOSIS_TOKENS), "eps": (float, report["eps"])},
         "paths": {"max_tokens": (int, explain.DIAGNOSIS_TOKENS), "senders": (str, ""),
                   "receivers": (str, "groups"), "value": (str, of(paths.paths)["value"])},
+        "emergence": {"samples": (int, of(emergence.table)["size"]), "eps": (float, of(emergence.table)["eps"]),
+                      "max_tokens": (int, explain.DIAGNOSIS_TOKENS)},
     }
 
 
 #: measures whose library call takes an intervention (docs/methods.md#interventions)
-INTERVENES = {"sinks", "eval", "explain", "causal", "routes", "valley", "paths"}
+INTERVENES = {"sinks", "eval", "explain", "causal", "routes", "valley", "paths", "emergence"}
 TOP_KEYS = {"models", "archs", "interventions", "corpora", "measures"}
 #: The example of docs/sweeps.md: the sink-rate table of two architectures (the Sweeps page starts from it).
 EXAMPLE = """models = ["default"]
@@ -159,6 +162,27 @@ def _check_corpus(name: str) -> None:
     raise InputError(f"spec: corpora: unknown corpus '{name}' (stdlib, stdlib:TOPIC or file:PATH)")
 
 
+def checkpoint_models(models: list[str]) -> list[str]:
+    """The models with each run folder among them as its checkpoints, in step order (docs/sweeps.md#checkpoints);
+    two checkpoints of equal weights, of one run or of several, are refused in one line."""
+    from attnviz.lab import emergence
+
+    out, found = [], {}
+    for model in models:
+        try:
+            listed = (emergence.checkpoints(model) if emergence.is_run(model)
+                      else [emergence.Checkpoint.of(model)] if emergence.is_checkpoint(model) else [])
+            found.update({c.folder.resolve(): c for c in listed})
+        except AttnvizError as err:
+            raise InputError(f"spec: models: '{model}': {err}") from None
+        out += [str(c.folder.resolve()) for c in listed] if listed else [model]
+    try:
+        emergence.guard(list(found.values()))
+    except AttnvizError as err:
+        raise InputError(f"spec: models: {err}") from None
+    return list(dict.fromkeys(out))
+
+
 def parse(text: str) -> Spec:
     """A spec from TOML text, every key checked (see the module docstring)."""
     from attnviz.core.spec import arch as arch_mod
@@ -171,7 +195,7 @@ def parse(text: str) -> Spec:
     unknown = sorted(set(raw) - TOP_KEYS)
     if unknown:
         raise InputError(f"spec: unknown key '{unknown[0]}' (expected {', '.join(sorted(TOP_KEYS))})")
-    models = _strings(raw, "models", None)
+    models = checkpoint_models(_strings(raw, "models", None))
     archs = _strings(raw, "archs", ["fwd"])
     acts = _strings(raw, "interventions", [""])
     corpora = _strings(raw, "corpora", ["stdlib"])

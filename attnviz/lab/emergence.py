@@ -1,0 +1,324 @@
+"""Emergence measures (docs/methods.md#emergence-measures): how a sink forms over training, one row per checkpoint,
+layer and head, on one fixed probe.
+
+A run folder's checkpoints (``RUN/step-N/``, :mod:`attnviz.lab.train`) or a list of model folders are read in step
+order; two whose weights hash equal are refused (a hub's step branches that all serve the final weights). Each is
+run once through the engine on the same probe (by default a seeded batch of the run's own Bigram-Backcopy task),
+every layer recorded: the key-0 column of each map, the layer's values and the residual stream entering each layer.
+From them, per layer and head: alpha at key 0 and the sink rate (Gu et al. 2025, :mod:`attnviz.stats.metrics`), the
+attention on key 0 of the queries that need no attention, the value drain and the residual peak (Guo et al. 2024) and
+the matrix entropy of the layer's input (:mod:`attnviz.stats.spectrum`, as the compression valley reads it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from attnviz.errors import InputError
+from attnviz.stats import metrics, spectrum
+
+META = "attnviz_run.json"  # a lab checkpoint's metadata (attnviz.lab.train.save)
+PROBE_SIZE = 32  # sequences in the task's probe
+PROBE_STEP = 10**9  # the task's batch index the probe is drawn at: a step no training run reaches
+#: the table's columns, in order (docs/methods.md#emergence-measures)
+COLUMNS = ("step", "layer", "head", "loss", "train_loss", "alpha0", "sink_rate", "first_token", "value_drain",
+           "residual_peak", "entropy", "kind", "arch", "hash", "seed", "checkpoint")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One model folder of a run: its step, its metadata (``attnviz_run.json``, empty where it has none)."""
+
+    folder: Path
+    step: int
+    meta: dict = field(default_factory=dict, hash=False, compare=False)
+
+    @classmethod
+    def of(cls, folder, index: int = 0) -> "Checkpoint":
+        """The folder as a checkpoint: its step from its name (``step-N``, as a run lists it), else from its
+        metadata, else ``index``."""
+        folder = Path(folder).expanduser()
+        if not (folder / "config.json").is_file():
+            raise InputError(f"'{folder}' is not a model folder (no config.json in it)")
+        try:
+            meta = json.loads((folder / META).read_text()) if (folder / META).is_file() else {}
+        except (OSError, ValueError) as err:
+            raise InputError(f"cannot read '{folder / META}': {str(err).splitlines()[0]}") from None
+        named = re.fullmatch(r"step-(\d+)", folder.name)
+        step = int(named.group(1)) if named else meta.get("step", index)
+        return cls(folder, int(step), meta)
+
+    @property
+    def setup(self) -> dict:
+        return self.meta.get("setup") or {}
+
+    def get(self, name: str):
+        """A field of the metadata, of its recipe or of its setup (None where none has it: older checkpoints lack
+        kind and arch)."""
+        for where in (self.meta, self.meta.get("recipe") or {}, self.setup):
+            if where.get(name) is not None:
+                return where[name]
+        return None
+
+
+def is_run(folder) -> bool:
+    """Whether ``folder`` holds a run's checkpoints (``step-N`` folders with the lab's metadata)."""
+    folder = Path(folder).expanduser()
+    return folder.is_dir() and any((p / META).is_file() for p in folder.glob("step-*"))
+
+
+def is_checkpoint(folder) -> bool:
+    """Whether ``folder`` is one lab checkpoint (a model folder with the lab's metadata)."""
+    return (Path(folder).expanduser() / META).is_file()
+
+
+def checkpoints(run_or_checkpoints) -> list[Checkpoint]:
+    """The checkpoints of a run folder (its ``step-N`` folders), or of a list of model folders, sorted by step."""
+    if isinstance(run_or_checkpoints, (str, Path)):
+        run = Path(run_or_checkpoints).expanduser()
+        if not run.is_dir():
+            raise InputError(f"'{run}' is not a folder of checkpoints")
+        if (run / "config.json").is_file():
+            found = [Checkpoint.of(run)]
+        else:
+            found = [Checkpoint.of(p) for p in run.glob("step-*") if p.is_dir() and (p / "config.json").is_file()]
+        if not found:
+            raise InputError(f"no checkpoints in '{run}' (no step-N folder with a config.json)")
+    else:
+        found = [Checkpoint.of(p, i) for i, p in enumerate(run_or_checkpoints)]
+        if not found:
+            raise InputError("no checkpoints given")
+    steps = sorted(found, key=lambda c: c.step)
+    for a, b in zip(steps, steps[1:]):
+        if a.step == b.step:
+            raise InputError(f"two checkpoints of step {a.step}: '{a.folder}' and '{b.folder}'")
+    return steps
+
+
+def load_checkpoint(folder):
+    """A checkpoint as a :class:`~attnviz.core.loading.models.LoadedModel` in float32: through attnviz's loader where
+    the folder has a tokenizer, else with transformers directly (the lab's checkpoints may have none; then
+    ``tokenizer`` is None). The one place to switch to :func:`attnviz.load` alone once every checkpoint has one."""
+    import time
+
+    from attnviz.core.loading import models
+
+    folder = Path(folder).expanduser()
+    if any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return models.load(str(folder), dtype="float32")
+    from transformers import AutoModelForCausalLM
+
+    from attnviz.core.engine import KEY, prepare
+    from attnviz.core.model import devices
+
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=KEY, use_safetensors=True,
+                                                 dtype=torch.float32)
+    model = model.to(devices.available(devices.default_device())).eval()
+    prepare(model)
+    return models.LoadedModel(model, None, str(folder), None, time.perf_counter() - start)
+
+
+def weights_hash(checkpoint: Checkpoint, loaded=None, computed: bool = False) -> str:
+    """The checkpoint's weights hash: its metadata's, else (or with ``computed``) computed from its weights as the
+    trainer computes it (:func:`attnviz.lab.train.weights_hash`)."""
+    if checkpoint.meta.get("hash") and not computed:
+        return str(checkpoint.meta["hash"])
+    from attnviz.lab import train
+
+    return train.weights_hash((loaded or load_checkpoint(checkpoint.folder)).model)
+
+
+def guard(found: list[Checkpoint]) -> dict[Path, str]:
+    """Each checkpoint's weights hash; two equal ones are refused in one line naming both. Where one lacks a hash in
+    its metadata, every hash is computed from the weights, so all are compared by one function."""
+    seen: dict[str, Checkpoint] = {}
+    hashes = {}
+    computed = any(not c.meta.get("hash") for c in found)
+    for checkpoint in found:
+        digest = weights_hash(checkpoint, computed=computed)
+        if digest in seen:
+            raise InputError(f"'{seen[digest].folder}' (step {seen[digest].step}) and '{checkpoint.folder}' (step "
+                             f"{checkpoint.step}) have the same weights (hash {digest}): one checkpoint served twice")
+        seen[digest] = checkpoint
+        hashes[checkpoint.folder] = digest
+    return hashes
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The sequences every checkpoint is measured on: ``ids`` (B, n) token ids, ``quiet`` (B, n) the queries that
+    need no attention (query 0 is never counted: it has one key)."""
+
+    ids: torch.Tensor
+    quiet: torch.Tensor
+    source: str = "ids"
+
+    @classmethod
+    def of(cls, ids, source: str = "ids") -> "Probe":
+        """A probe of given ids, (n,) or (B, n): every query counts as needing no attention (as for text)."""
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        ids = ids[None] if ids.ndim == 1 else ids
+        if ids.ndim != 2 or ids.shape[1] < 2:
+            raise InputError(f"a probe is a (sequences, tokens) batch of at least 2 tokens, not {tuple(ids.shape)}")
+        return cls(ids, torch.ones_like(ids, dtype=torch.bool), source)
+
+
+def task_probe(setup: dict, size: int = PROBE_SIZE) -> Probe:
+    """A run's own probe: ``size`` sequences of its Bigram-Backcopy task (rebuilt from the saved setup), seeded and
+    the same for every checkpoint; the queries that need no attention are its non-trigger ones."""
+    from attnviz.lab.tasks import BigramBackcopy
+
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise InputError(f"the probe's size is a whole number of at least 1, not {size!r}")
+    given = dict(setup.get("task") or {})
+    name = given.pop("name", "bigram-backcopy")
+    if name != "bigram-backcopy":
+        raise InputError(f"the run's task '{name}' has no probe here (Bigram-Backcopy has): give a probe")
+    task = BigramBackcopy(**{f.name: given[f.name] for f in dataclasses.fields(BigramBackcopy) if f.name in given})
+    ids = task.batch(size, PROBE_STEP)
+    return Probe(ids, ~task.needs_attention(ids), "task")
+
+
+def text_probe(loaded, text: str, max_tokens: int | None = None) -> Probe:
+    """One text as a probe, through the checkpoint's tokenizer (its first ``max_tokens`` tokens): every query
+    counts."""
+    if loaded.tokenizer is None:
+        raise InputError(f"'{loaded.model_id}' has no tokenizer to read a text with: give token ids as the probe")
+    from attnviz.tokens import tokenize
+
+    return Probe.of(tokenize(loaded, text, max_tokens)[0], "text")
+
+
+def _ratio(norms: np.ndarray) -> np.ndarray:
+    """(..., n) norms → (...) the first's over the median of the others."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return norms[..., 0] / np.median(norms[..., 1:], axis=-1)
+
+
+def _key0(layer, probs, allow):
+    """The engine's whole-layer reduction: the key-0 column of the maps as they are, and who may see key 0."""
+    column = probs[..., 0].float()
+    return column.cpu().numpy(), allow[..., 0].expand_as(column).cpu().numpy()
+
+
+def measure(loaded, probe: Probe, recipe="fwd", eps: float = metrics.SINK_EPS) -> list[dict]:
+    """One model's rows on ``probe`` under ``recipe`` (an architecture string or a Recipe): one forward, every layer
+    recorded. Per (layer, head): ``loss`` (the probe's mean next-token loss), ``alpha0``, ``sink_rate``,
+    ``first_token``, ``value_drain``, ``residual_peak``, ``entropy`` (docs/methods.md#emergence-measures)."""
+    from attnviz.core.engine import Feed, Record
+    from attnviz.recipe import build
+
+    eps = metrics.check_eps(eps)
+    built = build(loaded, recipe).only("the emergence measures", "intervene", "kind")  # maps read as they are
+    ids = probe.ids
+    if int(ids.max()) >= loaded.model.get_input_embeddings().num_embeddings or int(ids.min()) < 0:
+        raise InputError(f"the probe's token ids are outside '{loaded.model_id}''s vocabulary")
+    logits, hidden, run = built.forward(loaded, ids, Record.every_layer(reducer=_key0, qkv=True),
+                                        Feed(hidden_states=True))
+    loss = float(torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1).cpu(), ids[:, 1:].flatten()))
+    quiet = probe.quiet.clone().numpy()
+    quiet[:, 0] = False
+    rows = []
+    for layer in range(loaded.n_layers):
+        rows += _layer_rows(run, hidden, layer, loss, quiet, loaded.kv_groups, eps)
+    run.release()
+    return rows
+
+
+def _layer_rows(run, hidden, layer: int, loss: float, quiet: np.ndarray, groups: list[int], eps: float) -> list[dict]:
+    """One layer's rows, a head each: the key-0 column and values the run recorded, the stream entering it."""
+    import warnings
+
+    from attnviz.effects.valley import gram_spectrum
+
+    rows = []
+    with warnings.catch_warnings():  # a key 0 no later query sees (NoSink) has no alpha: NaN, not a warning
+        warnings.simplefilter("ignore", RuntimeWarning)
+        column, seen = run.reduced[layer]  # (B, H, n) each
+        alpha0 = np.stack([metrics.alpha(column[b][..., None], seen[b][..., None])[:, 0] for b in range(len(column))])
+        rate = float(np.nanmean([metrics.sink_rate(a, eps) for a in alpha0]))
+        values = torch.linalg.vector_norm(run.qkv[layer][2].float(), dim=-1).numpy()  # (B, H_kv, n)
+        drain = _ratio(values).mean(0)  # (H_kv,)
+        h = hidden[layer].float().cpu()  # the residual stream entering the layer (B, n, d)
+        peak = float(_ratio(torch.linalg.vector_norm(h, dim=-1).numpy()).mean())
+        entropy = float(np.nanmean([spectrum.matrix_entropy(gram_spectrum(z), z.shape[0]) for z in h]))
+        for head in range(column.shape[1]):
+            first = column[:, head][quiet]
+            rows.append({"layer": layer, "head": head, "loss": loss, "alpha0": float(np.nanmean(alpha0[:, head])),
+                         "sink_rate": rate, "first_token": float(first.mean()) if first.size else float("nan"),
+                         "value_drain": float(drain[groups[head]]), "residual_peak": peak, "entropy": entropy})
+    return rows
+
+
+def _probe_for(probe, found: list[Checkpoint], size: int):
+    """The probe every checkpoint is measured on, or a text each checkpoint tokenizes (a str)."""
+    if isinstance(probe, (Probe, str)):
+        return probe
+    if probe is not None:
+        return Probe.of(probe)
+    tasks = {json.dumps(c.setup.get("task"), sort_keys=True) for c in found}
+    if any(not c.setup.get("task") for c in found):
+        raise InputError("a checkpoint without the lab's task in its metadata needs a probe (a text or token ids)")
+    if len(tasks) > 1:
+        raise InputError("the checkpoints come from runs of different tasks: give one probe to measure them on")
+    return task_probe(found[0].setup, size)
+
+
+def table(run_or_checkpoints, probe=None, recipe: str | None = None, eps: float = metrics.SINK_EPS,
+          size: int = PROBE_SIZE, on_step: Callable[[int, int], None] | None = None):
+    """The emergence table (a pandas DataFrame, :data:`COLUMNS`): one row per (step, layer, head) of a run folder's
+    checkpoints or a list of model folders, in step order, each measured on the same probe (None: ``size``
+    sequences of the run's own task; a :class:`Probe`, token ids, or a text). ``recipe``: an architecture string,
+    None for each checkpoint's own (its metadata's ``arch``, else fwd). Equal weights are refused before any forward
+    (:func:`guard`). ``on_step(i, total)`` after each checkpoint."""
+    import pandas as pd
+
+    eps = metrics.check_eps(eps)
+    found = checkpoints(run_or_checkpoints)
+    hashes = guard(found)
+    chosen = _probe_for(probe, found, size)
+    rows = []
+    for i, checkpoint in enumerate(found):
+        loaded = load_checkpoint(checkpoint.folder)
+        arch = recipe or checkpoint.get("arch") or "fwd"
+        measured = measure(loaded, text_probe(loaded, chosen) if isinstance(chosen, str) else chosen, arch, eps)
+        rows += [row_of(checkpoint, hashes[checkpoint.folder], arch, loaded, r) for r in measured]
+        del loaded
+        if on_step:
+            on_step(i + 1, len(found))
+    frame = pd.DataFrame(rows, columns=list(COLUMNS))
+    return frame.astype({"step": "int64", "layer": "int64", "head": "int64", "seed": "Int64"})
+
+
+def row_of(checkpoint: Checkpoint, digest: str, arch: str, loaded, row: dict) -> dict:
+    """A measured row with its checkpoint's step, training loss, kind (the metadata's, else the model's own as the
+    engine reads it), architecture, hash, seed and folder."""
+    from attnviz.core.spec import kinds
+
+    train_loss = checkpoint.meta.get("loss")
+    seed = checkpoint.get("seed")
+    return {"step": checkpoint.step, **row,
+            "train_loss": float("nan") if train_loss is None else float(train_loss),
+            "kind": checkpoint.get("kind") or kinds.own(loaded.model).spec, "arch": arch, "hash": digest,
+            "seed": None if seed is None else int(seed), "checkpoint": str(checkpoint.folder)}
+
+
+def write(frame, path) -> Path:
+    """The table as one Parquet file (pyarrow), written to a temporary name and moved: never half written."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise InputError(f"'{path}' is a folder, not a Parquet file")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    frame.to_parquet(partial, engine="pyarrow", index=False)
+    partial.replace(path)
+    return path
