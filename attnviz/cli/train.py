@@ -64,6 +64,13 @@ def setup_of(args):
                  device=args.device)
 
 
+def shown(bar, update, step: int, total: int, loss: float) -> None:
+    """The step and the loss: on the bar (a terminal), in each progress line (elsewhere)."""
+    bar.description = f"{bar.description.split(', loss')[0]}, loss {loss:.3f}"
+    bar.set_postfix(loss=f"{loss:.3f}")
+    update(step, total)
+
+
 def run(args) -> dict:
     import json
     import time
@@ -80,8 +87,7 @@ def run(args) -> dict:
     bar, update = common.progress(f"train {setup.kind} {setup.arch}")
     try:
         with bar:
-            end = train(setup, out, on_step=lambda step, total, loss: (update(step, total),
-                                                                      bar.set_postfix(loss=f"{loss:.3f}")))
+            end = train(setup, out, on_step=lambda step, total, loss: shown(bar, update, step, total, loss))
     except KeyboardInterrupt:
         kept = runs.last(out)
         what = f"the checkpoints up to {kept.name} are kept in {out}" if kept else f"no checkpoint in {out} yet"
