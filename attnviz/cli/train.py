@@ -76,7 +76,7 @@ def run(args) -> dict:
     import time
     from pathlib import Path
 
-    from attnviz.lab import runs
+    from attnviz.core.loading import runs
     from attnviz.lab.train import train
 
     out = Path(args.out).expanduser()

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from attnviz.errors import InputError
 from attnviz.lab import models
-from attnviz.lab.runs import RUN_FILE, last, steps_of  # noqa: F401 - a run's checkpoints
+from attnviz.core.loading.runs import RUN_FILE, last, steps_of  # noqa: F401 - a run's checkpoints
 from attnviz.lab.tasks import BigramBackcopy
 from attnviz.lab.text import Text, bigram_tokenizer
 

@@ -103,7 +103,7 @@ def local_directory(name: str) -> str | None:
     (``llama``). Those are never looked up on the Hub, so they load offline. A name that starts like
     a path (``.``, ``/``, ``~``) but does not exist is refused here rather than sent to the Hub.
     """
-    from attnviz.lab import runs  # a lab run's folder or one of its checkpoints (docs/lab.md#loading)
+    from attnviz.core.loading import runs  # a lab run's folder or one of its checkpoints (docs/lab.md#loading)
 
     path = runs.checkpoint(Path(name).expanduser(), name)
     if not (path.exists() or name.startswith((".", "/", "~"))):
