@@ -1,6 +1,6 @@
 """A lab run's folder (docs/lab.md#loading), written by attnviz.lab.train: ``step-N`` checkpoints, each a Hugging
-Face folder with ``attnviz_run.json``. ``attnviz.load(RUN)`` loads the run's last checkpoint, ``attnviz.load(RUN/step-N)`` that one;
-a step the run does not have is refused in one line naming the steps it has."""
+Face folder with ``attnviz_run.json``. ``attnviz.load(RUN)`` loads the run's last checkpoint,
+``attnviz.load(RUN/step-N)`` that one; a step the run does not have is refused in one line naming the steps it has."""
 
 from __future__ import annotations
 
