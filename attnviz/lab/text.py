@@ -1,4 +1,4 @@
-"""The lab's text task and its tokenizers (docs/lab.md#tasks): next-token prediction on fixed-length chunks of a
+"""The lab's text task and its tokenizers (docs/lab.md#tasks-and-tokenizers): next-token prediction on fixed-length chunks of a
 text (the stdlib corpus, :mod:`attnviz.corpus`, or a user's UTF-8 file), tokenized by bytes or by the default
 model's tokenizer; and the tokenizer every checkpoint carries, so ``attnviz.load`` reads it back:
 
