@@ -125,3 +125,27 @@ def test_the_command_trains_prints_progress_and_refuses_bad_input_in_one_line(tm
     assert main(argv[:-1] + ["gate(headwise)"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and "headwise" in err
+
+
+def test_ctrl_c_on_the_command_line_says_what_was_kept_and_how_to_resume(tmp_path, capsys, monkeypatch):
+    from attnviz.cli import main
+    from attnviz.lab import train as train_mod
+
+    real = train_mod.train
+
+    def interrupted(setup, out, on_step=None):
+        def stop(step, total, loss):
+            if step == 3:
+                raise KeyboardInterrupt
+
+        return real(setup, out, on_step=stop)
+
+    monkeypatch.setattr(train_mod, "train", interrupted)
+    argv = ["train", "--out", str(tmp_path / "run"), "--width", "16", "--heads", "2", "--steps", "6", "--every", "4",
+            "--batch", "2", "--vocab", "12", "--length", "12"]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert "interrupted" in err and "step-2" in err and "same command again to resume" in err
+    monkeypatch.setattr(train_mod, "train", real)
+    assert main(argv) == 0 and json.loads(capsys.readouterr().out)["checkpoints"] == [0, 1, 2, 4, 6]
