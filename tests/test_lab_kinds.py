@@ -34,6 +34,8 @@ def test_each_kind_trains_saves_and_loads_as_its_own_forward(kind, tmp_path):
     before, after = models.load(setup, tmp_path / "step-0"), models.load(setup, end)
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(before.state_dict()[q], after.state_dict()[q])  # gradients flowed
+    if kind == "sink":  # gpt-oss's learned sink logits learn too
+        assert not torch.equal(before.model.layers[0].self_attn.sinks, after.model.layers[0].self_attn.sinks)
     meta = json.loads((end / "attnviz_run.json").read_text())
     assert meta["recipe"] == {"kind": setup.kind, "arch": "fwd"} and meta["step"] == 3
     hidden = torch.randn(1, 5, setup.width)
@@ -99,6 +101,6 @@ def test_loading_a_run_a_step_past_it_and_a_folder_that_is_no_checkpoint(tmp_pat
         attnviz.load(str(tmp_path / "run" / "step-99"), device="cpu")
     assert "\n" not in str(err.value)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(AttnvizError, match="not a model directory") as err:
+    with pytest.raises(AttnvizError, match="not a model directory .no config.json in it. nor a lab run") as err:
         attnviz.load(str(tmp_path / "empty"), device="cpu")
     assert "\n" not in str(err.value)

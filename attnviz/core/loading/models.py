@@ -111,7 +111,8 @@ def local_directory(name: str) -> str | None:
     if not path.is_dir():
         raise ModelLoadError(f"'{name}' is not a directory" if path.exists() else f"'{name}' does not exist")
     if not (path / "config.json").is_file():
-        raise ModelLoadError(f"'{name}' is not a model directory (no config.json in it)")
+        raise ModelLoadError(f"'{name}' is not a model directory (no config.json in it) nor a lab run (no step-N "
+                             "checkpoints in it)")
     return str(path.resolve())
 
 
