@@ -1,6 +1,6 @@
 """Train the lab's default setup with one seed and print, at every checkpoint, the attention each head puts on the
 first token from the queries that need no attention (Bigram-Backcopy's non-trigger ones). Usage:
-``PYTHONPATH=. python scripts/lab_sink.py SEED [OUT]``. Branch work (docs/lab.md)."""
+``PYTHONPATH=. python scripts/lab_sink.py SEED [OUT]`` (docs/lab.md)."""
 import sys, time, torch
 
 from attnviz.lab.train import Setup, train

@@ -35,3 +35,117 @@ def test_a_resumed_run_ends_where_an_unbroken_one_does(tmp_path):
     a = json.loads((whole / "attnviz_run.json").read_text())
     b = json.loads((resumed / "attnviz_run.json").read_text())
     assert a["hash"] == b["hash"] and last(tmp_path / "broken").name == "step-40"
+
+
+def test_a_full_disk_keeps_the_earlier_checkpoints_and_no_partial_folder(tmp_path, monkeypatch):
+    import errno
+
+    import pytest
+
+    from attnviz.errors import InputError
+
+    real, calls = torch.save, []
+
+    def full(*args, **kwargs):  # the optimizer's state, the last file a checkpoint writes: the disk is full at step 4
+        calls.append(1)
+        if len(calls) == 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(InputError) as err:
+        train(small(steps=8, every=4), tmp_path)
+    message = str(err.value)
+    assert "step-4" in message and "earlier checkpoints" in message and "No space left" in message
+    assert "\n" not in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0", "step-1", "step-2"]  # no partial folder
+    monkeypatch.setattr(torch, "save", real)
+    assert last(train(small(steps=8, every=4), tmp_path).parent).name == "step-8"  # resumes from step 2
+
+
+def test_ctrl_c_keeps_what_was_saved_and_a_resume_ends_where_an_unbroken_run_does(tmp_path):
+    import pytest
+
+    whole = train(small(), tmp_path / "whole")
+
+    def stop(step, total, loss):
+        if step == 25:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(small(), tmp_path / "broken", on_step=stop)
+    assert last(tmp_path / "broken").name == "step-20"
+    assert not list((tmp_path / "broken").glob(".*"))
+    resumed = train(small(), tmp_path / "broken")
+    a = json.loads((whole / "attnviz_run.json").read_text())
+    b = json.loads((resumed / "attnviz_run.json").read_text())
+    assert a["hash"] == b["hash"]
+
+
+def test_resuming_with_another_setup_is_one_line(tmp_path):
+    import pytest
+
+    from attnviz.errors import InputError
+
+    train(small(steps=2, every=2), tmp_path)
+    with pytest.raises(InputError, match="holds a run with lr 0.003, not 0.01") as err:
+        train(small(steps=4, every=2, lr=1e-2), tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_every_checkpoint_carries_a_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from attnviz.lab.text import Text
+
+    end = train(small(steps=1, every=1), tmp_path / "bigram")
+    tok = AutoTokenizer.from_pretrained(end)
+    assert tok("t5 T1 t5")["input_ids"] == [0, 5, 1, 5] and tok.convert_ids_to_tokens([0, 2, 3]) == ["<bos>", "T2",
+                                                                                                     "t3"]
+    text = small(steps=1, every=1, task=Text(tokenizer="bytes", length=16))
+    end = train(text, tmp_path / "bytes")
+    tok = AutoTokenizer.from_pretrained(end)
+    ids = tok("déjà vu")["input_ids"]
+    assert ids[0] == 0 and len(ids) == 1 + len("déjà vu".encode()) and tok.decode(ids[1:]) == "déjà vu"
+    assert json.loads((end / "attnviz_run.json").read_text())["setup"]["task"]["name"] == "text"
+
+
+def test_the_command_trains_prints_progress_and_refuses_bad_input_in_one_line(tmp_path, capsys, monkeypatch):
+    from attnviz.cli import main
+    from attnviz.cli.common import Progress
+
+    monkeypatch.setattr(Progress, "EVERY", 0.0)
+    argv = ["train", "--out", str(tmp_path / "run"), "--width", "16", "--heads", "2", "--steps", "3", "--every", "2",
+            "--batch", "2", "--vocab", "12", "--length", "12", "--kind", "sink(logit=0)"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
+    assert summary["step"] == 3 and summary["recipe"] == {"kind": "sink(logit=0)", "arch": "fwd"}
+    assert "train sink(logit=0) fwd" in err and "3 of 3" in err and "loss" in err
+    assert main(argv[:-1] + ["gate(headwise)"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and "headwise" in err
+
+
+def test_ctrl_c_on_the_command_line_says_what_was_kept_and_how_to_resume(tmp_path, capsys, monkeypatch):
+    from attnviz.cli import main
+    from attnviz.lab import train as train_mod
+
+    real = train_mod.train
+
+    def interrupted(setup, out, on_step=None):
+        def stop(step, total, loss):
+            if step == 3:
+                raise KeyboardInterrupt
+
+        return real(setup, out, on_step=stop)
+
+    monkeypatch.setattr(train_mod, "train", interrupted)
+    argv = ["train", "--out", str(tmp_path / "run"), "--width", "16", "--heads", "2", "--steps", "6", "--every", "4",
+            "--batch", "2", "--vocab", "12", "--length", "12"]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert "interrupted" in err and "step-2" in err and "same command again to resume" in err
+    monkeypatch.setattr(train_mod, "train", real)
+    assert main(argv) == 0 and json.loads(capsys.readouterr().out)["checkpoints"] == [0, 1, 2, 4, 6]

@@ -51,6 +51,8 @@ COMMANDS = {
               "heatmap viewer, sink shifting, sink profiles",
     "reproduce": "regenerate the papers' headline figures on this model as one PDF (sink shifting, StreamingLLM, "
                  "Gu et al.'s sink rate, k-sweep, residual variants)",
+    "train": "train a small decoder from scratch under a mask and an attention kind, checkpoints as Hugging Face "
+             "folders, resumable (the lab)",
     "sweep": "a grid of models x architectures x interventions x corpora x measures, one Ray task per cell, "
              "results as Parquet (resumable)",
     "emergence": "how a sink forms over training: per checkpoint, layer and head of a run, alpha at key 0, the "

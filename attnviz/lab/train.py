@@ -1,11 +1,13 @@
-"""Training a small decoder from scratch (docs/lab.md): a stock transformers Llama built from a config, AdamW with
-warm-up, fixed seeds, checkpoints as Hugging Face folders (safetensors, config, the run's recipe, step, loss and a
-hash of the weights) every K steps, log-spaced early, and a run that resumes from its last checkpoint.
+"""Training a small decoder from scratch under any mask and attention kind (docs/lab.md): a stock transformers model
+of the kind's family (:mod:`attnviz.lab.models`) built from a config, every training forward through the recipe
+(:func:`attnviz.recipe.build`, the mask and the kind applied, the autograd graph kept), next-token cross entropy,
+AdamW with warm-up, fixed seeds, and checkpoints as Hugging Face folders (safetensors, config, tokenizer, optimizer
+state and ``attnviz_run.json``: the run's recipe, step, loss, a hash of the weights and the setup) every K steps,
+log-spaced early. A run resumes from its last checkpoint and ends bit-identical to an unbroken one.
 
-The defaults are the configuration that made a sink within four minutes of one CPU core (the issue's measurement):
-one layer, attention only (the MLP's weights zero and frozen), four heads of 16, Bigram-Backcopy with 64 tokens, 3
-triggers and 64 positions, batches of 32, AdamW at 3e-3 with weight decay 0.01. Branch work: softmax under a
-causal mask only; the attention kinds and masks are not wired in yet.
+The defaults are the configuration that made a sink within four minutes of one CPU core: one layer, attention only
+(the MLP's weights zero and frozen), four heads of 16, Bigram-Backcopy with 64 tokens, 3 triggers and 64 positions,
+batches of 32, AdamW at 3e-3 with weight decay 0.01, softmax under the causal mask.
 """
 
 from __future__ import annotations
@@ -13,14 +15,21 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from attnviz.errors import InputError
+from attnviz.lab import models
+from attnviz.core.loading.runs import RUN_FILE, last, steps_of  # noqa: F401 - a run's checkpoints
 from attnviz.lab.tasks import BigramBackcopy
+from attnviz.lab.text import Text, bigram_tokenizer
+
+RESUMABLE = ("steps", "device")  # what a resumed run may change
 
 
 @dataclass(frozen=True)
@@ -29,6 +38,9 @@ class Setup:
     width: int = 64
     heads: int = 4
     mlp: bool = False
+    kind: str = "softmax"  # docs/methods.md#attention-kinds, the call syntax
+    arch: str = "fwd"  # the mask, the call syntax of docs/methods.md
+    positions: str = "rope"  # the only one: docs/lab.md#positions
     steps: int = 4000
     batch: int = 32
     lr: float = 3e-3
@@ -36,7 +48,8 @@ class Setup:
     warmup: int = 100
     seed: int = 0
     every: int = 500  # a checkpoint every this many steps, and log-spaced before (1, 2, 4, ...)
-    task: BigramBackcopy = field(default_factory=BigramBackcopy)
+    task: BigramBackcopy | Text = field(default_factory=BigramBackcopy)
+    device: str | None = None  # "cpu", "cuda", None: a GPU when there is one
 
     def __post_init__(self):
         for name in ("layers", "width", "heads", "steps", "batch", "every"):
@@ -47,32 +60,33 @@ class Setup:
             raise InputError(f"the width {self.width} is not a multiple of the {self.heads} heads")
         if not (self.lr > 0 and self.weight_decay >= 0 and self.warmup >= 0):
             raise InputError("the learning rate is above 0, the weight decay and the warm-up at least 0")
+        if not isinstance(self.task, (BigramBackcopy, Text)):
+            raise InputError(f"the task is Bigram-Backcopy or text, not {type(self.task).__name__}")
+        if self.device not in (None, "cpu", "cuda"):
+            raise InputError(f"the device is cpu, cuda or None (a GPU when there is one), not {self.device!r}")
+        object.__setattr__(self, "kind", models.check(self.kind, self.arch, self.layers, self.positions))
 
     def checkpoints(self) -> list[int]:
         """The steps a checkpoint is saved at: 0, powers of two below ``every``, then every ``every``, the last."""
         early = [0] + [2**k for k in range(int(math.log2(max(self.every, 1))) + 1) if 2**k < self.every]
         return sorted(set(early + list(range(self.every, self.steps + 1, self.every)) + [self.steps]))
 
+    def as_dict(self) -> dict:
+        data = asdict(self)
+        data["task"] = {"name": "text" if isinstance(self.task, Text) else "bigram-backcopy", **asdict(self.task)}
+        return data
+
+    @property
+    def vocab(self) -> int:
+        return self.task.vocab
+
+    def tokenizer(self):
+        return self.task.tokenizer_object() if isinstance(self.task, Text) else bigram_tokenizer(self.task)
+
 
 def build(setup: Setup):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(setup.seed)
-    config = LlamaConfig(vocab_size=setup.task.vocab, hidden_size=setup.width, intermediate_size=4 * setup.width,
-                         num_hidden_layers=setup.layers, num_attention_heads=setup.heads,
-                         num_key_value_heads=setup.heads, max_position_embeddings=setup.task.length,
-                         bos_token_id=0, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
-    return attention_only(LlamaForCausalLM(config), setup)
-
-
-def attention_only(model, setup: Setup):
-    """Without MLPs (``setup.mlp`` False): each MLP's weights zero and frozen, as built and as loaded back."""
-    if not setup.mlp:
-        for layer in model.model.layers:
-            for p in layer.mlp.parameters():
-                p.data.zero_()
-                p.requires_grad_(False)
-    return model
+    """A new model of ``setup`` (its kind's family), seeded."""
+    return models.build(setup, setup.vocab)
 
 
 def weights_hash(model) -> str:
@@ -83,53 +97,100 @@ def weights_hash(model) -> str:
     return digest.hexdigest()[:16]
 
 
-def save(model, optimizer, setup: Setup, step: int, loss: float, out: Path) -> Path:
+def save(model, optimizer, setup: Setup, step: int, loss: float, out: Path, tokenizer=None) -> Path:
+    """Write a checkpoint into a partial folder and rename it into place: a checkpoint is whole or absent. Any
+    OSError (a full disk) removes the partial folder and is refused in one line; earlier checkpoints stay."""
     folder = out / f"step-{step}"
     tmp = out / f".step-{step}.partial"
-    model.save_pretrained(tmp, safe_serialization=True)
-    torch.save({"optimizer": optimizer.state_dict()}, tmp / "optimizer.pt")
-    meta = {"step": step, "loss": loss, "hash": weights_hash(model), "setup": {**asdict(setup)}}
-    (tmp / "attnviz_run.json").write_text(json.dumps(meta, indent=1))
-    tmp.rename(folder)  # a checkpoint is whole or absent: Ctrl-C never leaves half of one
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        (tokenizer or setup.tokenizer()).save_pretrained(tmp)
+        torch.save({"optimizer": optimizer.state_dict()}, tmp / "optimizer.pt")
+        meta = {"recipe": {"kind": setup.kind, "arch": setup.arch}, "step": step,
+                "loss": loss if math.isfinite(loss) else None, "hash": weights_hash(model), "setup": setup.as_dict()}
+        (tmp / RUN_FILE).write_text(json.dumps(meta, indent=1))
+        tmp.rename(folder)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise InputError(f"cannot save the checkpoint {folder}: {err.strerror or err}; the earlier checkpoints in "
+                         f"{out} are kept") from None
+    except BaseException:  # Ctrl-C while saving: no half checkpoint
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return folder
 
 
-def last(out: Path) -> Path | None:
-    steps = sorted((int(p.name.split("-")[1]), p) for p in Path(out).glob("step-*") if p.is_dir())
-    return steps[-1][1] if steps else None
+def _check_same(setup: Setup, found: Path) -> int:
+    """The step of checkpoint ``found``; refused in one line when its saved setup differs from ``setup``."""
+    meta = json.loads((found / RUN_FILE).read_text())
+    saved, given = meta["setup"], setup.as_dict()
+    differ = [k for k in sorted(set(saved) | set(given)) if k not in RESUMABLE and saved.get(k) != given.get(k)]
+    if differ:
+        k = differ[0]
+        raise InputError(f"{found.parent} holds a run with {k} {saved.get(k)!r}, not {given.get(k)!r}: give the "
+                         "same setup to resume it (only the steps may grow), or another folder")
+    if meta["step"] > setup.steps:
+        raise InputError(f"{found.parent} is already at step {meta['step']}, past the {setup.steps} steps asked")
+    return int(meta["step"])
+
+
+def device_of(setup: Setup) -> torch.device:
+    if setup.device == "cuda" and not torch.cuda.is_available():
+        raise InputError("the device cuda was asked for, but this machine has no CUDA GPU")
+    return torch.device(setup.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def loss_of(built, loaded, x: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy of ``x`` under the built recipe (its mask and kind), the graph kept."""
+    from attnviz.core import engine
+
+    logits = built.forward(loaded, x, feed=engine.Feed(grad=True))[0]
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
 
 
 def train(setup: Setup, out, on_step: Callable[[int, int, float], None] | None = None) -> Path:
-    """Train ``setup`` into ``out`` (resuming from its last checkpoint); returns the last checkpoint's folder."""
-    from transformers import LlamaForCausalLM
+    """Train ``setup`` into ``out`` (resuming from its last checkpoint); returns the last checkpoint's folder.
+    Ctrl-C (KeyboardInterrupt) propagates with every checkpoint saved so far kept whole."""
+    from attnviz import recipe
+    from attnviz.core.engine import prepare
+    from attnviz.core.loading.models import LoadedModel
 
     out = Path(out)
+    device = device_of(setup)
+    found = last(out) if out.is_dir() else None
+    start = _check_same(setup, found) if found else 0
+    if found and start == setup.steps:
+        return found
+    tokenizer = setup.tokenizer()
     out.mkdir(parents=True, exist_ok=True)
-    found = last(out)
-    model = attention_only(LlamaForCausalLM.from_pretrained(found), setup) if found else build(setup)
+    for stale in out.glob(".step-*.partial"):  # left by a killed process
+        shutil.rmtree(stale, ignore_errors=True)
+    model = (models.load(setup, found) if found else build(setup)).to(device)
+    prepare(model)
+    loaded = LoadedModel(model, tokenizer, str(out), None, 0.0)
+    built = recipe.build(loaded, setup.arch)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=setup.lr, weight_decay=setup.weight_decay)
-    start = 0
     if found:
-        optimizer.load_state_dict(torch.load(found / "optimizer.pt")["optimizer"])
-        start = json.loads((found / "attnviz_run.json").read_text())["step"]
+        optimizer.load_state_dict(torch.load(found / "optimizer.pt", map_location=device)["optimizer"])
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / setup.warmup) if setup.warmup else 1.0, last_epoch=start - 1)
     saved = set(setup.checkpoints())
     model.train()
-    loss = float("nan")
     if start == 0:
-        found = save(model, optimizer, setup, 0, loss, out)
+        found = save(model, optimizer, setup, 0, float("nan"), out, tokenizer)
     for step in range(start + 1, setup.steps + 1):
-        x = setup.task.batch(setup.batch, step)
-        loss_t = model(input_ids=x, labels=x).loss
+        x = setup.task.batch(setup.batch, step).to(device)
+        loss_t = loss_of(built, loaded, x)
         optimizer.zero_grad(set_to_none=True)
         loss_t.backward()
         optimizer.step()
         schedule.step()
         loss = float(loss_t.detach())
+        if step in saved:
+            found = save(model, optimizer, setup, step, loss, out, tokenizer)
         if on_step:
             on_step(step, setup.steps, loss)
-        if step in saved:
-            found = save(model, optimizer, setup, step, loss, out)
     return found
+

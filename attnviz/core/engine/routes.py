@@ -160,7 +160,7 @@ def block_probs(run, layer: int, mask: Mask, query, key, scaling, allow, bias, s
     extra = []  # logits that take part in the softmax and are dropped after it
     if mask.stable is not None and mask.horizon is None:  # StableMask: pseudo-logits on the future slots
         future = (kv_pos[:, None, None, :] > q_pos[:, None, :, None]) & run.valid_on(query.device)[:, None, None, -n_kv:]
-        pseudo = mask.pseudo_logits(kv_pos[:, None, :], n_heads).to(query.device)  # (H, B, n_kv)
+        pseudo = mask.pseudo_logits(kv_pos, n_heads).to(query.device)  # (H, B, n_kv)
         pseudo = pseudo.permute(1, 0, 2)[:, :, None, :]  # (B, H, 1, n_kv)
         scores = torch.where(allow, scores, torch.where(future, pseudo, float("-inf")))
     else:

@@ -103,13 +103,16 @@ def local_directory(name: str) -> str | None:
     (``llama``). Those are never looked up on the Hub, so they load offline. A name that starts like
     a path (``.``, ``/``, ``~``) but does not exist is refused here rather than sent to the Hub.
     """
-    path = Path(name).expanduser()
+    from attnviz.core.loading import runs  # a lab run's folder or one of its checkpoints (docs/lab.md#loading)
+
+    path = runs.checkpoint(Path(name).expanduser(), name)
     if not (path.exists() or name.startswith((".", "/", "~"))):
         return None
     if not path.is_dir():
         raise ModelLoadError(f"'{name}' is not a directory" if path.exists() else f"'{name}' does not exist")
     if not (path / "config.json").is_file():
-        raise ModelLoadError(f"'{name}' is not a model directory (no config.json in it)")
+        raise ModelLoadError(f"'{name}' is not a model directory (no config.json in it) nor a lab run (no step-N "
+                             "checkpoints in it)")
     return str(path.resolve())
 
 
@@ -200,8 +203,9 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
         raise ModelLoadError(f"'{name}' is a {config.model_type} model, {kind}")
     auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
     model_class = auto._model_mapping.get(type(config), None) if not trust_remote_code else None
-    if model_class is not None and not (model_class._can_set_attn_implementation() if seq2seq
-                                        else getattr(model_class, "_supports_attention_backend", False)):
+    full = config.model_type == "qwen3_next" and set(getattr(config, "layer_types", None) or ()) == {"full_attention"}
+    if model_class is not None and not full and not (model_class._can_set_attn_implementation() if seq2seq
+                                                     else getattr(model_class, "_supports_attention_backend", False)):
         raise ModelLoadError(
             f"{model_class.__name__} ({config.model_type}) computes attention in its own code, not through "
             "transformers' AttentionInterface, so attnviz cannot change or record its masks"

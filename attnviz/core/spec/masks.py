@@ -154,8 +154,10 @@ class Mask:
         return keep_self_if_empty(allow).numpy()
 
     def pseudo_logits(self, kv_pos: torch.Tensor, n_heads: int) -> torch.Tensor:
-        """StableMask's P for future keys, per head: ``-gamma_h * j`` (docs/methods.md#stablemask), shape (H, 1, n)."""
-        return -stable_gammas(self.stable, n_heads).to(kv_pos.device)[:, None, None] * kv_pos.float()
+        """StableMask's P for future keys, per head: ``-gamma_h * j`` (docs/methods.md#stablemask), shape (H, ...) over
+        ``kv_pos``'s shape: (H, B, n) for the positions (B, n) of a batch."""
+        gammas = stable_gammas(self.stable, n_heads).to(kv_pos.device)
+        return -gammas.view(-1, *([1] * kv_pos.dim())) * kv_pos.float()
 
     def inference_logits(self, q_pos: torch.Tensor, n_heads: int) -> torch.Tensor:
         """SM-I's one extra logit per row (docs/methods.md#stablemask): tau_i = logsumexp_{j=i+1..T-1} (-gamma_h j), in

@@ -1,0 +1,98 @@
+"""``attnviz train``: train a small decoder from scratch under a mask and an attention kind, whole checkpoints as
+Hugging Face folders in ``--out``, resumed from the last one when run again (docs/lab.md)."""
+
+from __future__ import annotations
+
+from attnviz.cli import common
+from attnviz.errors import AttnvizError
+
+
+def options(p):
+    from attnviz.lab.tasks import BigramBackcopy
+    from attnviz.lab.train import Setup
+
+    setup, task = Setup.__dataclass_fields__, BigramBackcopy.__dataclass_fields__
+
+    def default(fields, name):
+        f = fields[name]
+        return f.default
+
+    p.add_argument("--out", required=True, help="the run's folder: step-N checkpoints; the same command again "
+                                                "resumes from the last one")
+    p.add_argument("--kind", default=default(setup, "kind"), help="attention kind: softmax, sink, sink(logit=0), "
+                   "softpick, sigmoid, sigmoid(bias=b), gate (docs/methods.md#attention-kinds; default %(default)s)")
+    p.add_argument("--arch", default=default(setup, "arch"), help="the mask, as an architecture string "
+                   "(docs/methods.md#the-call-syntax; default %(default)s)")
+    p.add_argument("--positions", default=default(setup, "positions"), help="positions: rope (the only one)")
+    for name, what in (("layers", "decoder layers"), ("width", "hidden size"), ("heads", "attention heads"),
+                       ("steps", "optimizer steps"), ("batch", "sequences per step"), ("warmup", "warm-up steps"),
+                       ("seed", "seed of the weights and the batches"), ("every", "a checkpoint every this many "
+                                                                                 "steps (log-spaced before)")):
+        p.add_argument(f"--{name}", type=int, default=default(setup, name), help=f"{what} (default %(default)s)")
+    p.add_argument("--mlp", action="store_true", help="with MLPs (default: attention only, the MLP zero and frozen)")
+    p.add_argument("--lr", type=float, default=default(setup, "lr"), help="peak learning rate (default %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=default(setup, "weight_decay"),
+                   help="AdamW's weight decay (default %(default)s)")
+    p.add_argument("--task", choices=("bigram", "text"), default="bigram",
+                   help="bigram: Bigram-Backcopy; text: next-token prediction on text (default %(default)s)")
+    p.add_argument("--text-file", default=None, help="--task text: a UTF-8 file (default: the stdlib corpus)")
+    p.add_argument("--tokenizer", choices=("default", "bytes"), default="bytes",
+                   help="--task text: bytes, or the default model's tokenizer (default %(default)s)")
+    p.add_argument("--vocab", type=int, default=task["vocab"].default, help="Bigram-Backcopy's tokens, BOS and "
+                   "triggers included (default %(default)s)")
+    p.add_argument("--triggers", type=int, default=task["triggers"].default, help="Bigram-Backcopy's triggers "
+                   "(default %(default)s)")
+    p.add_argument("--length", type=int, default=task["length"].default, help="tokens a sequence (default "
+                                                                               "%(default)s)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: a GPU when there is one")
+
+
+def setup_of(args):
+    from attnviz.lab.tasks import BigramBackcopy
+    from attnviz.lab.text import Text
+    from attnviz.lab.train import Setup
+
+    if args.task == "text":
+        task = Text(source=args.text_file or "stdlib", tokenizer=args.tokenizer, length=args.length, seed=args.seed)
+    else:
+        if args.text_file:
+            raise AttnvizError("--text-file is for --task text")
+        task = BigramBackcopy(vocab=args.vocab, triggers=args.triggers, length=args.length, seed=args.seed)
+    return Setup(layers=args.layers, width=args.width, heads=args.heads, mlp=args.mlp, kind=args.kind,
+                 arch=args.arch, positions=args.positions, steps=args.steps, batch=args.batch, lr=args.lr,
+                 weight_decay=args.weight_decay, warmup=args.warmup, seed=args.seed, every=args.every, task=task,
+                 device=args.device)
+
+
+def shown(bar, update, step: int, total: int, loss: float) -> None:
+    """The step and the loss: on the bar (a terminal), in each progress line (elsewhere)."""
+    bar.description = f"{bar.description.split(', loss')[0]}, loss {loss:.3f}"
+    bar.set_postfix(loss=f"{loss:.3f}")
+    update(step, total)
+
+
+def run(args) -> dict:
+    import json
+    import time
+    from pathlib import Path
+
+    from attnviz.core.loading import runs
+    from attnviz.lab.train import train
+
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise AttnvizError(f"--out '{out}' exists and is not a folder")
+    setup = setup_of(args)
+    started = time.perf_counter()
+    bar, update = common.progress(f"train {setup.kind} {setup.arch}")
+    try:
+        with bar:
+            end = train(setup, out, on_step=lambda step, total, loss: shown(bar, update, step, total, loss))
+    except KeyboardInterrupt:
+        kept = runs.last(out)
+        what = f"the checkpoints up to {kept.name} are kept in {out}" if kept else f"no checkpoint in {out} yet"
+        raise AttnvizError(f"interrupted: {what}; run the same command again to resume") from None
+    meta = json.loads((end / runs.RUN_FILE).read_text())
+    return {"out": str(out), "last": str(end), "step": meta["step"], "loss": meta["loss"], "hash": meta["hash"],
+            "recipe": meta["recipe"], "checkpoints": runs.steps_of(out),
+            "seconds": round(time.perf_counter() - started, 3)}

@@ -1,0 +1,128 @@
+"""The lab's text task and its tokenizers (docs/lab.md#tasks-and-tokenizers): next-token prediction on fixed-length chunks of a
+text (the stdlib corpus, :mod:`attnviz.corpus`, or a user's UTF-8 file), tokenized by bytes or by the default
+model's tokenizer; and the tokenizer every checkpoint carries, so ``attnviz.load`` reads it back:
+
+- Bigram-Backcopy: a WordLevel vocabulary, ``<bos>`` (id 0), the triggers ``T1``, ``T2``, ... and the ordinary
+  tokens ``t4``, ``t5``, ... (named by their id), words split at spaces: ``"t5 T1 t5"``;
+- bytes: ``<bos>`` (id 0) and the 256 bytes (ids 1..256), byte-level as GPT-2 writes them;
+- default: the default model's own tokenizer (SmolLM2's, offline, :mod:`attnviz.core.loading.shipped`).
+
+A tokenizer of the lab puts ``<bos>`` before every text it encodes; the text task's chunks start with it too.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from attnviz.errors import InputError
+
+TOKENIZERS = ("bytes", "default")
+BOS_TOKEN = "<bos>"
+
+
+def _fast(model, pre, decoder=None):
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(model)
+    raw.pre_tokenizer = pre
+    if decoder is not None:
+        raw.decoder = decoder
+    raw.post_processor = processors.TemplateProcessing(single=f"{BOS_TOKEN} $A", special_tokens=[(BOS_TOKEN, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=BOS_TOKEN, unk_token=None)
+
+
+def bigram_tokenizer(task):
+    """A WordLevel tokenizer over a Bigram-Backcopy vocabulary: ``<bos>``, triggers ``T1``.., ordinary ``tN``."""
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {BOS_TOKEN: 0}
+    vocab.update({f"T{i}": i for i in range(1, task.triggers + 1)})
+    vocab.update({f"t{i}": i for i in range(task.triggers + 1, task.vocab)})
+    return _fast(models.WordLevel(vocab, unk_token=None), pre_tokenizers.WhitespaceSplit())
+
+
+@functools.lru_cache(maxsize=1)
+def bytes_tokenizer():
+    """``<bos>`` and the 256 bytes: any UTF-8 text, no unknown token."""
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {BOS_TOKEN: 0}
+    vocab.update({char: 1 + byte for byte, char in sorted(bytes_to_unicode().items())})
+    model = models.BPE(vocab=vocab, merges=[])
+    return _fast(model, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False), decoders.ByteLevel())
+
+
+@functools.lru_cache(maxsize=1)
+def default_tokenizer():
+    """The default model's tokenizer, from its converted folder (converted once, offline)."""
+    from transformers import AutoTokenizer
+
+    from attnviz.core.loading.shipped import DEFAULT, SHIPPED, converted
+
+    return AutoTokenizer.from_pretrained(converted(SHIPPED[DEFAULT], lambda message: None))
+
+
+def tokenizer_of(name: str):
+    if name == "bytes":
+        return bytes_tokenizer()
+    if name == "default":
+        return default_tokenizer()
+    raise InputError(f"unknown tokenizer {name!r}: expected one of {', '.join(TOKENIZERS)}")
+
+
+@functools.lru_cache(maxsize=4)
+def _ids(source: str, tokenizer: str) -> torch.Tensor:
+    from attnviz import corpus
+
+    text = corpus.stdlib().text if source == "stdlib" else corpus.from_file(source).text
+    tok = tokenizer_of(tokenizer)
+    ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class Text:
+    """Next-token prediction on chunks of ``length`` tokens (``<bos>`` or the tokenizer's BOS first) of ``source``
+    (``"stdlib"`` or a file's path), drawn at random offsets, the same for the same seed and step."""
+
+    source: str = "stdlib"
+    tokenizer: str = "bytes"
+    length: int = 64
+    seed: int = 0
+    name: str = "text"
+
+    def __post_init__(self):
+        if self.tokenizer not in TOKENIZERS:
+            raise InputError(f"unknown tokenizer {self.tokenizer!r}: expected one of {', '.join(TOKENIZERS)}")
+        if not isinstance(self.length, int) or self.length < 3:
+            raise InputError(f"a text chunk is at least 3 tokens long, not {self.length!r}")
+
+    def tokenizer_object(self):
+        return tokenizer_of(self.tokenizer)
+
+    @property
+    def vocab(self) -> int:
+        return len(self.tokenizer_object())
+
+    @property
+    def bos(self) -> int:
+        tok = self.tokenizer_object()
+        return tok.bos_token_id if tok.bos_token_id is not None else 0
+
+    def ids(self) -> torch.Tensor:
+        ids = _ids(self.source, self.tokenizer)
+        if len(ids) < self.length:
+            raise InputError(f"the text {self.source!r} has {len(ids)} tokens: a chunk needs {self.length - 1}")
+        return ids
+
+    def batch(self, size: int, step: int = 0) -> torch.Tensor:
+        ids = self.ids()
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(len(ids) - self.length + 2, (size,), generator=g)
+        rows = torch.stack([ids[s:s + self.length - 1] for s in starts.tolist()])
+        return torch.cat([torch.full((size, 1), self.bos, dtype=torch.long), rows], dim=1)

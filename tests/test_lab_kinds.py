@@ -1,0 +1,106 @@
+"""The lab trains under any kind and mask (docs/lab.md): each kind's tiny model learns through the recipe, saves a
+checkpoint that ``attnviz.load`` reads back (tokenizer included), and a capture's maps and next-token distribution
+equal the model's own plain forward; a mask other than the causal one changes what is learned; a seeded small
+softmax run makes the first token a sink; the refusals are one line each."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import attnviz
+from attnviz.capture import capture
+from attnviz.errors import AttnvizError, InputError
+from attnviz.lab import models
+from attnviz.lab.tasks import BigramBackcopy
+from attnviz.lab.train import Setup, train
+from attnviz.plan import Keep
+
+TEXT = "t5 T1 t5 t7 t9 T2 t9 t4 t6"
+FAMILY = {"softmax": "LlamaForCausalLM", "sink(logit=0)": "LlamaForCausalLM", "sink": "GptOssForCausalLM",
+          "softpick": "LlamaForCausalLM", "sigmoid": "LlamaForCausalLM", "gate": "Qwen3NextForCausalLM"}
+
+
+def tiny(**changes):
+    return Setup(**{**dict(layers=1, width=32, heads=2, steps=3, batch=4, every=2, warmup=1, device="cpu",
+                           task=BigramBackcopy(vocab=16, triggers=2, length=16)), **changes})
+
+
+@pytest.mark.parametrize("kind", list(FAMILY))
+def test_each_kind_trains_saves_and_loads_as_its_own_forward(kind, tmp_path):
+    setup = tiny(kind=kind)
+    end = train(setup, tmp_path)
+    before, after = models.load(setup, tmp_path / "step-0"), models.load(setup, end)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(before.state_dict()[q], after.state_dict()[q])  # gradients flowed
+    if kind == "sink":  # gpt-oss's learned sink logits learn too
+        assert not torch.equal(before.model.layers[0].self_attn.sinks, after.model.layers[0].self_attn.sinks)
+    meta = json.loads((end / "attnviz_run.json").read_text())
+    assert meta["recipe"] == {"kind": setup.kind, "arch": "fwd"} and meta["step"] == 3
+    hidden = torch.randn(1, 5, setup.width)
+    mlp = after.model.layers[0].mlp(hidden)
+    assert torch.equal(mlp[0] if isinstance(mlp, tuple) else mlp, torch.zeros(1, 5, setup.width))  # attention only
+
+    lm = attnviz.load(str(end), device="cpu")
+    assert type(lm.model).__name__ == FAMILY[kind] and lm.tokenizer.bos_token == "<bos>"
+    cap = capture(lm, TEXT, keep=Keep(storage_dtype=torch.float32))
+    assert cap.tokens[:3] == ["<bos>", "t5", "T1"]
+    with torch.no_grad():
+        out = lm.model(torch.tensor([cap.token_ids]), output_attentions=True)
+    np.testing.assert_allclose(cap.layer_probs(0), out.attentions[0][0].numpy(), atol=1e-5)
+    np.testing.assert_allclose(cap.next_logprobs, torch.log_softmax(out.logits[0, -1], -1).numpy(), atol=1e-5)
+
+
+def test_the_mask_is_applied_in_training(tmp_path):
+    """The same seed and batches under StableMask learn other weights than under the causal mask; the run records
+    its mask."""
+    fwd = json.loads((train(tiny(kind="softpick"), tmp_path / "fwd") / "attnviz_run.json").read_text())
+    stable = json.loads((train(tiny(kind="softpick", arch="stablemask"), tmp_path / "sm") / "attnviz_run.json")
+                        .read_text())
+    assert stable["recipe"] == {"kind": "softpick", "arch": "stablemask"} and fwd["hash"] != stable["hash"]
+    with open(tmp_path / "sm" / "step-3" / "config.json") as f:
+        assert json.load(f)["attnviz_arch"] == "stablemask"
+
+
+def test_a_sink_forms_under_softmax(tmp_path):
+    """Seeded Bigram-Backcopy, softmax, causal: the non-trigger queries' attention on the first key rises well
+    above its value at step 0 within 200 steps."""
+    setup = Setup(width=32, heads=2, steps=200, batch=16, every=200, warmup=10, lr=1e-2, device="cpu",
+                  task=BigramBackcopy(vocab=32, triggers=3, length=32))
+    train(setup, tmp_path)
+    x = setup.task.batch(64, 10**6)
+    quiet = ~setup.task.needs_attention(x)
+    quiet[:, 0] = False
+    first = []
+    for step in (0, 200):
+        model = models.load(setup, tmp_path / f"step-{step}")
+        model.set_attn_implementation("eager")
+        with torch.no_grad():
+            a = model(x, output_attentions=True).attentions[0][..., 0]  # (B, H, n): on key 0
+        first.append([float(a[:, h][quiet].mean()) for h in range(setup.heads)])
+    assert all(end > start + 0.1 for start, end in zip(*first)), first
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(kind="nosuch"), "unknown attention kind"),
+    (dict(kind="gate(headwise)"), "headwise"),
+    (dict(kind="sigmoid", arch="stablemask"), "StableMask"),
+    (dict(positions="nope"), "rotary"),
+])
+def test_a_setup_the_lab_cannot_train_is_one_line(changes, words):
+    with pytest.raises(InputError) as err:
+        tiny(**changes)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_loading_a_run_a_step_past_it_and_a_folder_that_is_no_checkpoint(tmp_path):
+    train(tiny(), tmp_path / "run")
+    assert attnviz.load(str(tmp_path / "run"), device="cpu").model.config.attnviz_arch == "fwd"  # its last
+    with pytest.raises(InputError, match="no step 99 .past its last.: its last is step-3") as err:
+        attnviz.load(str(tmp_path / "run" / "step-99"), device="cpu")
+    assert "\n" not in str(err.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(AttnvizError, match="not a model directory .no config.json in it. nor a lab run") as err:
+        attnviz.load(str(tmp_path / "empty"), device="cpu")
+    assert "\n" not in str(err.value)
