@@ -47,8 +47,8 @@ if not runs:
             "(`scripts/lab_sink.py` writes them to runs/).")
     st.stop()
 names = [r.name for r in runs]
-if any(n not in names for n in st.session_state.get("em_runs", [])):
-    st.session_state["em_runs"] = [n for n in st.session_state["em_runs"] if n in names] or names[:1]
+if any(n not in names for n in st.session_state.get("em_runs", [])):  # another folder: its own runs
+    del st.session_state["em_runs"]
 chosen = st.multiselect("Runs", names, default=names[:4], key="em_runs",
                         help="the first is shown step by step; all of them side by side below")
 if not chosen:
@@ -71,10 +71,16 @@ meta = {"tool": "attnviz", "model": run.name, "step": step, "run": str(run.folde
 
 st.subheader(f"{run.name} at step {step}")
 setup = run.trained()
+if st.session_state.get("em_layer", 0) >= setup.layers or st.session_state.get("em_head", "mean") not in (
+        "mean", *range(setup.heads)):  # another run, smaller: its own top layer and the head mean
+    for key in ("em_layer", "em_head"):
+        st.session_state.pop(key, None)
 c1, c2, c3 = st.columns([3, 1, 2])
 layer = c1.slider("Layer", 0, setup.layers - 1, setup.layers - 1, key="em_layer") if setup.layers > 1 else 0
 head = c2.selectbox("Head", ["mean", *range(setup.heads)], key="em_head")
-c3.metric("Loss at this step", f"{run.meta(step).get('loss', float('nan')):.4g}")
+loss = run.meta(step).get("loss")
+c3.metric("Loss at this step", "—" if loss is None or loss != loss else f"{loss:.4g}",
+          help="the training batch's loss at this step (none before the first step)")
 cap = em.capture_at(run, step)
 if cap is not None:
     shown = None if head == "mean" else int(head)

@@ -45,14 +45,6 @@ class LabRun:
     def name(self) -> str:
         return self.folder.name
 
-    @property
-    def kind(self) -> str:
-        return str(self.setup.get("kind", "softmax"))
-
-    @property
-    def mask(self) -> str:
-        return str(self.setup.get("mask", self.setup.get("arch", "causal")))
-
     def checkpoint(self, step: int) -> Path:
         """The folder of the checkpoint at ``step``; a step the run has none at is refused in one line."""
         if step not in self.steps:
