@@ -76,7 +76,11 @@ if st.session_state.get("em_layer", 0) >= setup.layers or st.session_state.get("
     for key in ("em_layer", "em_head"):
         st.session_state.pop(key, None)
 c1, c2, c3 = st.columns([3, 1, 2])
-layer = c1.slider("Layer", 0, setup.layers - 1, setup.layers - 1, key="em_layer") if setup.layers > 1 else 0
+if setup.layers > 1:
+    layer = c1.slider("Layer", 0, setup.layers - 1, setup.layers - 1, key="em_layer")
+else:
+    layer = 0
+    c1.caption(f"One layer, {setup.heads} heads, {setup.width} wide; trained {steps[-1]} steps.")
 head = c2.selectbox("Head", ["mean", *range(setup.heads)], key="em_head")
 loss = run.meta(step).get("loss")
 c3.metric("Loss at this step", "—" if loss is None or loss != loss else f"{loss:.4g}",

@@ -11,7 +11,7 @@ import pytest
 
 from attnviz.errors import InputError
 from attnviz.figures import emergence as E
-from attnviz.lab.runs import checkpoint_steps, find_runs, open_run, probe_text
+from attnviz.lab.runs import TaskTokenizer, checkpoint_steps, find_runs, open_run, probe_text
 from attnviz.lab.tasks import BigramBackcopy
 from attnviz.lab.train import Setup, train
 from test_app import ROOT, app_test, arr, charts, texts, title
@@ -77,6 +77,10 @@ def test_the_run_folder_lists_its_checkpoints_and_its_probe(runs_folder):
         run.checkpoint(9)
     with pytest.raises(InputError, match="is no training run"):
         open_run(runs_folder)
+    words = TaskTokenizer(run.trained().task)
+    assert words.decode(words("BOS 5 T1 5")["input_ids"]) == "BOS 5 T1 5" and words("BOS 5 T1")["input_ids"] == [0, 5, 1]
+    with pytest.raises(InputError, match="no token of this task"):
+        words("BOS 16")
 
 
 def test_the_page_draws_a_run_and_the_slider_moves_the_heatmap(page):
@@ -126,12 +130,9 @@ def test_without_the_table_the_page_says_so_and_draws_the_map(runs_folder, tmp_p
     assert [title(c) for c in charts(at)] == ["tiny · step 8 · layer 1 · mean over heads"]
 
 
-def test_the_train_form_trains_a_run_into_the_folder(page, tmp_path, monkeypatch):
-    import ui.emergence
-
+def test_the_train_form_trains_a_run_into_the_folder(page, tmp_path):
+    """The lab's default model and task, three steps: a run of its own in the folder, shown at once."""
     target = tmp_path / "trained"
-    monkeypatch.setattr(ui.emergence, "setup_for", lambda kind, mask, steps, seed: Setup(
-        **{**TINY, "steps": int(steps), "seed": int(seed)}))
     page.text_input(key="em_folder").input(str(target)).run()
     page.number_input(key="em_steps").set_value(3)
     page.button(key="em_train").click().run()
@@ -192,3 +193,22 @@ def test_the_layers_at_one_step_and_refusals():
         E.curves_figure(synthetic().drop(columns="value_drain"))
     with pytest.raises(InputError, match="sink panel"):
         E.curves_figure(synthetic(), sink="loss")
+
+
+def test_the_training_job_reports_each_step_and_its_loss(tmp_path, monkeypatch):
+    """The job's bar (ui.jobs.run's progress) is told the step, the steps and the loss."""
+    import ui.emergence
+
+    said = []
+
+    def run(key, label, compute, **_):
+        said.append(label)
+        return compute(lambda done, total, note="": said.append((done, total, note)))
+
+    monkeypatch.setattr(ui.emergence.jobs, "run", run)
+    monkeypatch.setattr(ui.emergence, "setup_for", lambda kind, mask, steps, seed: Setup(**{**TINY, "steps": steps}))
+    last = ui.emergence.train_run(str(tmp_path), "softmax", "fwd", 3, 0)
+    assert last == tmp_path / "softmax-fwd-seed0-3steps" / "step-3"
+    assert said[0] == "Training softmax-fwd-seed0-3steps"
+    assert [s[:2] for s in said[1:]] == [(1, 3), (2, 3), (3, 3)]
+    assert all(s[2].startswith("loss ") and float(s[2][5:]) > 0 for s in said[1:])

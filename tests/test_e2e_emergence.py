@@ -35,7 +35,7 @@ def test_the_emergence_page_moves_a_runs_map_along_its_checkpoints(model_cache, 
         wait_for_app(page)
         no_exception(page)
         # the step slider, moved with the keyboard to the first checkpoint: the map follows
-        slider = page.locator('[data-testid="stMain"] [data-testid="stSlider"] [role="slider"]').first
+        slider = page.locator('[data-testid="stMain"] [data-testid="stSlider"] input[type="range"]').first
         slider.focus()
         slider.press("Home")
         wait_title(page, "tiny · step 0 · layer 0")
