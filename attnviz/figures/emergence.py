@@ -83,8 +83,7 @@ def curves_figure(frame: pd.DataFrame, sink: str = "first_token", per_head: bool
             part = part.sort_values("step")
             fig.add_trace(go.Scatter(
                 x=part["step"].tolist(), y=part[column].astype(float).tolist(), mode="lines+markers", name=name,
-                legendgroup=name, showlegend=row == 1 or (column == "residual_peak" and not per_head)
-                or column == "loss", line=dict(color=colour, width=1.6), marker=dict(size=4),
+                legendgroup=name, showlegend=row == 1 or column in ("residual_peak", "loss"), line=dict(color=colour, width=1.6), marker=dict(size=4),
                 hovertemplate=f"{name}<br>step %{{x}}<br>{LABELS[column]} %{{y:.4g}}<extra></extra>"), row=row, col=1)
             if at is not None and (part["step"] == at).any():
                 value = float(part.loc[part["step"] == at, column].iloc[0])
