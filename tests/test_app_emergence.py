@@ -112,6 +112,22 @@ def test_a_bad_folder_or_step_is_one_line(page, runs_folder, tmp_path):
     assert page.select_slider(key="em_step").value == 8
 
 
+def test_a_shared_server_reads_and_trains_only_under_its_roots(runs_folder, tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    root.mkdir()
+    monkeypatch.setenv("ATTNVIZ_SHARED", "1")
+    monkeypatch.setenv("ATTNVIZ_ROOTS", str(root))
+    at = app_test(tmp_path)
+    at.switch_page(str(ROOT / "pages" / "emergence.py"))
+    at.run()
+    at.text_input(key="em_folder").input(str(runs_folder)).run()
+    assert not at.exception and len(at.error) == 1 and "reads only under" in texts(at.error)
+    at.number_input(key="em_steps").set_value(2)
+    at.button(key="em_train").click().run()
+    assert not at.exception and "writes only under" in texts(at.error)
+    assert not list(runs_folder.glob("softmax-*"))  # nothing was created
+
+
 def test_without_the_table_the_page_says_so_and_draws_the_map(runs_folder, tmp_path, monkeypatch):
     import ui.emergence
 
