@@ -24,16 +24,17 @@ PAGES = [
     st.Page(str(PAGES_DIR / "patching.py"), title="Patching", icon="🩹"),
     st.Page(str(PAGES_DIR / "effects.py"), title="Effects", icon="⚡"),
     st.Page(str(PAGES_DIR / "sweeps.py"), title="Sweeps", icon="📊"),
+    st.Page(str(PAGES_DIR / "emergence.py"), title="Emergence", icon="🌱"),
     st.Page(str(PAGES_DIR / "designer.py"), title="Mask designer", icon="📐"),
     st.Page(str(PAGES_DIR / "walkthrough.py"), title="Walkthrough", icon="🎓"),
     st.Page(str(PAGES_DIR / "definitions.py"), title="Definitions", icon="📖"),
 ]
 
-NO_MODEL = {"designer", "walkthrough", "sweeps", "definitions"}  # url paths of pages that work without a model: they never wait for one
+NO_MODEL = {"designer", "walkthrough", "sweeps", "emergence", "definitions"}  # url paths of pages that work without a model: they never wait for one
 
 if not apply_settings():  # the environment and secrets.toml, read once a run and handed to the library
     st.stop()
-page = st.navigation(PAGES, expanded=True)  # every page in view (13: above twelve Streamlit would fold three)
+page = st.navigation(PAGES, expanded=True)  # every page in view (14: above twelve Streamlit would fold them)
 gate()  # sign-in where the server configures it, before any page (docs/sharing.md)
 # Drawn on every page, the walkthrough too: widgets Streamlit does not draw in a run lose their state.
 st.session_state["settings"], st.session_state["loaded"] = sidebar(needs_model=page.url_path not in NO_MODEL)

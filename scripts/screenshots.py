@@ -2,8 +2,9 @@
 (default: every page below; PAGE is a page's file name in pages/, as the README links it).
 
 Each page is opened in headless Chromium as a visitor would, with the sidebar's defaults; a page that computes
-on request gets its button clicked, and the Sweeps page is pointed at a small sweep run first
-(`attnviz sweep examples/sinks.toml`, about a minute). Writes assets/screenshots/<page>.png.
+on request gets its button clicked, the Sweeps page is pointed at a small sweep run first
+(`attnviz sweep examples/sinks.toml`, about a minute) and the Emergence page at a lab run trained first (the default
+setup, 1,000 steps: about half a minute). Writes assets/screenshots/<page>.png.
 """
 
 import subprocess
@@ -15,7 +16,7 @@ from appserver import ROOT, browser_page, running_app, wait_for_app
 #: page file (pages/<name>.py) -> its URL path (the default page has none)
 PAGES = {"heatmaps": "", "sinks": "sinks", "shifting": "shifting", "compare": "compare", "heads": "heads",
          "why": "why", "routes": "routes", "patching": "patching", "effects": "effects", "sweeps": "sweeps",
-         "designer": "designer", "walkthrough": "walkthrough", "definitions": "definitions"}
+         "emergence": "emergence", "designer": "designer", "walkthrough": "walkthrough", "definitions": "definitions"}
 #: pages that compute on request -> the button a visitor clicks
 BUTTONS = {"effects": "Compute perplexity", "patching": "Patch"}
 
@@ -28,6 +29,15 @@ def sweep_results() -> str:
     return out
 
 
+def lab_runs() -> str:
+    """A folder holding one run of the lab's default setup, for the Emergence page to show."""
+    from attnviz.lab.train import Setup, train
+
+    out = tempfile.mkdtemp(prefix="lab-runs-")
+    train(Setup(steps=1000), f"{out}/softmax-fwd-seed0")
+    return out
+
+
 def main() -> None:
     asked = sys.argv[1:]
     unknown = sorted(set(asked) - set(PAGES))
@@ -36,6 +46,7 @@ def main() -> None:
     out = ROOT / "assets" / "screenshots"
     out.mkdir(parents=True, exist_ok=True)
     results = sweep_results() if not asked or "sweeps" in asked else None
+    runs = lab_runs() if not asked or "emergence" in asked else None
     with running_app() as url, browser_page() as page:
         for name, path in PAGES.items():
             if asked and name not in asked:
@@ -47,7 +58,11 @@ def main() -> None:
                 folder = page.locator('[data-testid="stMain"] input[aria-label="Results folder"]')
                 folder.fill(results)
                 folder.press("Enter")
-            if name in BUTTONS or name == "sweeps":  # its figure comes after the click
+            if name == "emergence":
+                folder = page.locator('[data-testid="stMain"] input[aria-label="Runs folder"]')
+                folder.fill(runs)
+                folder.press("Enter")
+            if name in BUTTONS or name in ("sweeps", "emergence"):  # its figure comes after the click
                 page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"]').first.wait_for(timeout=1_200_000)
             if name == "definitions":  # text only: wait for the document and the end of the run
                 page.locator('[data-testid="stMain"] h1').first.wait_for(timeout=120_000)

@@ -61,9 +61,10 @@ def cached(key: Hashable):
     return _results().get(key)
 
 
-def run(key: Hashable, label: str, compute: Callable[[Callable[[int, int], None]], T],
+def run(key: Hashable, label: str, compute: Callable[[Callable[..., None]], T],
         store: ByteLRU | None = None, units: float | None = None, reserve: int = 0) -> T | None:
-    """``compute(progress)`` once per key; ``progress(done, total)`` moves a bar with elapsed time.
+    """``compute(progress)`` once per key; ``progress(done, total)`` moves a bar with elapsed time (and
+    ``progress(done, total, note)`` says ``note`` on it too: a training step's loss).
 
     ``store`` is the LRU to keep results in (default: the pages' results cache); room for ``reserve`` bytes is
     made there just before computing (older results leave first), so the server's resident size stays near the
@@ -92,10 +93,10 @@ def run(key: Hashable, label: str, compute: Callable[[Callable[[int, int], None]
         start = time.perf_counter()
         reached = [0, 0]  # (done, total) of the last progress report
 
-        def progress(done: int, total: int) -> None:
+        def progress(done: int, total: int, note: str = "") -> None:  # note: what else the bar says ("loss 2.31")
             reached[:] = done, total
-            bar.progress(min(done / max(total, 1), 1.0),
-                         text=f"{label}: {done}/{total} ({time.perf_counter() - start:.0f} s)")
+            bar.progress(min(done / max(total, 1), 1.0), text=f"{label}: {done}/{total}"
+                         + (f" · {note}" if note else "") + f" ({time.perf_counter() - start:.0f} s)")
 
         try:
             # a device out-of-memory error in any computation: the cache goes back, the other sessions

@@ -1,0 +1,230 @@
+"""The Emergence page (docs/app.md#every-page) through AppTest, on a tiny run trained here, with the run's table
+made by :func:`table_of` in place of ``attnviz.lab.emergence.table`` (the page reaches it through
+``ui.emergence.table`` alone); and its figures as pure functions of such a table."""
+
+import json
+import shutil
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from attnviz.errors import InputError
+from attnviz.figures import emergence as E
+from attnviz.lab.runs import TaskTokenizer, checkpoint_steps, find_runs, open_run, probe_text
+from attnviz.lab.tasks import BigramBackcopy
+from attnviz.lab.train import Setup, train
+from test_app import ROOT, app_test, arr, charts, texts, title
+
+TINY = dict(layers=2, width=32, heads=2, steps=8, every=4, batch=4, warmup=2,
+            task=BigramBackcopy(vocab=16, triggers=2, length=24))
+
+
+def table_of(run_folder, on_step=None, kind="softmax", arch="fwd", seed=0) -> pd.DataFrame:
+    """A table of the emergence contract for the run in ``run_folder``: one row per (step, layer, head), its loss read
+    from the checkpoint, a first-token share that grows with the step (by layer and head, so that lines differ)."""
+    run = open_run(run_folder)
+    rows = []
+    for i, step in enumerate(run.steps):
+        if on_step:
+            on_step(i + 1, len(run.steps))
+        loss = run.meta(step)["loss"]
+        for layer in range(run.setup["layers"]):
+            for head in range(run.setup["heads"]):
+                share = min(1.0, 0.06 + 0.1 * np.log2(step + 1) * (1 + 0.2 * head + 0.1 * layer))
+                rows.append(dict(step=step, layer=layer, head=head, loss=loss, alpha0=share * 0.9, sink_rate=share,
+                                 first_token=share, value_drain=1 - share / 2, residual_peak=1 + 3 * share,
+                                 entropy=2 - share, kind=kind, arch=arch, hash=run.meta(step)["hash"], seed=seed))
+    return pd.DataFrame(rows)
+
+
+def synthetic(steps=(0, 1, 2, 4, 8), layers=2, heads=2, kind="softmax", arch="fwd", seed=0) -> pd.DataFrame:
+    return pd.DataFrame([dict(step=s, layer=l, head=h, loss=3.0 / (s + 1), alpha0=0.1 + 0.01 * s, sink_rate=0.5,
+                              first_token=min(1.0, 0.1 + 0.05 * s + 0.01 * h), value_drain=0.5, residual_peak=2.0,
+                              entropy=1.0, kind=kind, arch=arch, hash="h", seed=seed)
+                         for s in steps for l in range(layers) for h in range(heads)])
+
+
+@pytest.fixture(scope="module")
+def runs_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("runs")
+    train(Setup(**TINY), folder / "tiny")
+    train(Setup(**{**TINY, "seed": 1}), folder / "tiny-seed1")
+    return folder
+
+
+@pytest.fixture
+def page(runs_folder, tmp_path, monkeypatch):
+    """The Emergence page opened first (no model is loaded for it), pointed at the runs folder."""
+    import ui.emergence
+
+    monkeypatch.setattr(ui.emergence, "table", table_of)
+    at = app_test(tmp_path)
+    at.switch_page(str(ROOT / "pages" / "emergence.py"))
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    at.text_input(key="em_folder").input(str(runs_folder)).run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def test_the_run_folder_lists_its_checkpoints_and_its_probe(runs_folder):
+    assert checkpoint_steps(runs_folder / "tiny") == [0, 1, 2, 4, 8]
+    assert [r.name for r in find_runs(runs_folder)] == ["tiny", "tiny-seed1"]
+    run = open_run(runs_folder / "tiny")
+    assert probe_text(run).split()[0] == "BOS" and len(probe_text(run).split()) == 24
+    with pytest.raises(InputError, match="past its last checkpoint"):
+        run.checkpoint(9)
+    with pytest.raises(InputError, match="is no training run"):
+        open_run(runs_folder)
+    words = TaskTokenizer(run.trained().task)
+    assert words.decode(words("BOS 5 T1 5")["input_ids"]) == "BOS 5 T1 5" and words("BOS 5 T1")["input_ids"] == [0, 5, 1]
+    with pytest.raises(InputError, match="no token of this task"):
+        words("BOS 16")
+
+
+def test_the_page_draws_a_run_and_the_slider_moves_the_heatmap(page):
+    shown = charts(page)
+    heat = next(c for c in shown if title(c).startswith("tiny · step 8"))
+    curves = next(c for c in shown if "the sink forming" in title(c))
+    assert curves["layout"]["xaxis"]["type"] == "log"
+    assert any("each layer at step 8" in title(c) for c in shown)
+    assert any(title(c).startswith("attention on the first token over training") for c in shown)  # two runs
+    before = arr(heat["data"][0]["customdata"])
+    page.select_slider(key="em_step").set_value(0).run()
+    assert not page.exception
+    after = next(c for c in charts(page) if title(c).startswith("tiny · step 0"))
+    moved = arr(after["data"][0]["customdata"])
+    assert moved.shape == before.shape == (24, 24)
+    assert not np.allclose(np.nan_to_num(moved), np.nan_to_num(before))
+    assert any("each layer at step 0" in title(c) for c in charts(page))
+
+
+def test_a_bad_folder_or_step_is_one_line(page, runs_folder, tmp_path):
+    page.text_input(key="em_folder").input(str(tmp_path / "nowhere")).run()
+    assert not page.exception and len(page.error) == 1
+    assert "is no training run and holds none" in texts(page.error)
+    assert "\n" not in texts(page.error)
+    page.text_input(key="em_folder").input(str(runs_folder)).run()
+    page.query_params["step"] = "99"  # a link to a step past the run: one line, and the run at its last step
+    page.run()
+    assert not page.exception and texts(page.error) == "Step: run 'tiny' has no checkpoint at step 99: past its last checkpoint (8)"
+    assert page.select_slider(key="em_step").value == 8
+
+
+def test_a_shared_server_reads_and_trains_only_under_its_roots(runs_folder, tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    root.mkdir()
+    monkeypatch.setenv("ATTNVIZ_SHARED", "1")
+    monkeypatch.setenv("ATTNVIZ_ROOTS", str(root))
+    at = app_test(tmp_path)
+    at.switch_page(str(ROOT / "pages" / "emergence.py"))
+    at.run()
+    at.text_input(key="em_folder").input(str(runs_folder)).run()
+    assert not at.exception and len(at.error) == 1 and "reads only under" in texts(at.error)
+    at.number_input(key="em_steps").set_value(2)
+    at.button(key="em_train").click().run()
+    assert not at.exception and "writes only under" in texts(at.error)
+    assert not list(runs_folder.glob("softmax-*"))  # nothing was created
+
+
+def test_without_the_table_the_page_says_so_and_draws_the_map(runs_folder, tmp_path, monkeypatch):
+    import ui.emergence
+
+    def missing(run_folder, on_step=None):
+        raise ui.emergence.TableUnavailable("the emergence table (attnviz.lab.emergence) is not in this install")
+
+    monkeypatch.setattr(ui.emergence, "table", missing)
+    alone = tmp_path / "runs"  # a folder of its own: the server's results cache keeps the other tests' tables
+    shutil.copytree(runs_folder / "tiny", alone / "tiny")
+    at = app_test(tmp_path)
+    at.switch_page(str(ROOT / "pages" / "emergence.py"))
+    at.run()
+    at.text_input(key="em_folder").input(str(alone)).run()
+    assert not at.exception and not at.error
+    assert "not in this install" in texts(at.info)
+    assert [title(c) for c in charts(at)] == ["tiny · step 8 · layer 1 · mean over heads"]
+
+
+def test_the_train_form_trains_a_run_into_the_folder(page, tmp_path):
+    """The lab's default model and task, three steps: a run of its own in the folder, shown at once."""
+    target = tmp_path / "trained"
+    page.text_input(key="em_folder").input(str(target)).run()
+    page.number_input(key="em_steps").set_value(3)
+    page.button(key="em_train").click().run()
+    assert not page.exception, [e.value for e in page.exception]
+    assert "Trained: softmax-fwd-seed0-3steps, last checkpoint step-3" in texts(page.success)
+    run = open_run(target / "softmax-fwd-seed0-3steps")
+    assert run.steps == (0, 1, 2, 3) and json.loads((run.folder / "step-3" / "attnviz_run.json").read_text())["step"] == 3
+    page.run()
+    assert any(title(c).startswith("softmax-fwd-seed0-3steps · step 3") for c in charts(page))
+
+
+def test_a_kind_the_trainer_does_not_take_is_one_line(page):
+    import dataclasses
+
+    if "kind" in {f.name for f in dataclasses.fields(Setup)}:
+        pytest.skip("this trainer takes attention kinds")
+    page.selectbox(key="em_kind").set_value("softpick")
+    page.button(key="em_train").click().run()
+    assert not page.exception and "not wired into" in texts(page.error)
+
+
+# the figures, as pure functions of the table
+
+
+def test_the_curves_share_one_log_step_axis():
+    fig = E.curves_figure(synthetic(), at=4)
+    axes = [k for k in fig.layout.to_plotly_json() if k.startswith("xaxis")]
+    assert len(axes) == 4 and all(fig.layout[a].type == "log" for a in axes)
+    assert all(fig.layout[a].matches == "x4" for a in axes[:-1])  # shared with the bottom one
+    lines = [t for t in fig.data if t.mode == "lines+markers"]
+    assert len([t for t in lines if t.yaxis == "y"]) == 4  # the sink: a line per (layer, head)
+    assert len([t for t in lines if t.yaxis == "y4"]) == 1  # the loss: one line
+    assert all(0 not in t.x for t in lines)  # no step 0 on a log axis
+    marked = [t for t in fig.data if t.mode == "markers" and list(t.x) == [4]]
+    assert len(marked) == len(lines)
+    linear = E.curves_figure(synthetic(), per_head=False, log_steps=False)
+    assert linear.layout.xaxis.type == "linear"
+    assert len([t for t in linear.data if t.yaxis == "y"]) == 2 and 0 in linear.data[0].x  # a layer's mean
+
+
+def test_one_line_per_run_named_by_kind_and_arch():
+    fig = E.runs_figure([synthetic(), synthetic(kind="softpick"), synthetic(arch="nosink-fwd", seed=1),
+                         synthetic(arch="nosink-fwd", seed=2)])
+    assert [t.name for t in fig.data] == ["softmax · fwd", "softpick · fwd", "softmax · nosink-fwd · seed 1",
+                                          "softmax · nosink-fwd · seed 2"]
+    assert fig.layout.xaxis.type == "log"
+    np.testing.assert_allclose(fig.data[0].y, [0.1 + 0.05 * s + 0.005 for s in (1, 2, 4, 8)])
+
+
+def test_the_layers_at_one_step_and_refusals():
+    fig = E.layers_figure(synthetic(), 4)
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert len(bars) == 3 and list(bars[0].x) == [0, 1]
+    np.testing.assert_allclose(bars[0].y, [0.305, 0.305])
+    with pytest.raises(InputError, match="no step 5"):
+        E.layers_figure(synthetic(), 5)
+    with pytest.raises(InputError, match="no column value_drain"):
+        E.curves_figure(synthetic().drop(columns="value_drain"))
+    with pytest.raises(InputError, match="sink panel"):
+        E.curves_figure(synthetic(), sink="loss")
+
+
+def test_the_training_job_reports_each_step_and_its_loss(tmp_path, monkeypatch):
+    """The job's bar (ui.jobs.run's progress) is told the step, the steps and the loss."""
+    import ui.emergence
+
+    said = []
+
+    def run(key, label, compute, **_):
+        said.append(label)
+        return compute(lambda done, total, note="": said.append((done, total, note)))
+
+    monkeypatch.setattr(ui.emergence.jobs, "run", run)
+    monkeypatch.setattr(ui.emergence, "setup_for", lambda kind, mask, steps, seed: Setup(**{**TINY, "steps": steps}))
+    last = ui.emergence.train_run(str(tmp_path), "softmax", "fwd", 3, 0)
+    assert last == tmp_path / "softmax-fwd-seed0-3steps" / "step-3"
+    assert said[0] == "Training softmax-fwd-seed0-3steps"
+    assert [s[:2] for s in said[1:]] == [(1, 3), (2, 3), (3, 3)]
+    assert all(s[2].startswith("loss ") and float(s[2][5:]) > 0 for s in said[1:])

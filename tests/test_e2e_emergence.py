@@ -1,0 +1,52 @@
+"""The Emergence page end to end: `streamlit run app.py` on localhost, driven in Debian's headless Chromium, as
+tests/test_e2e_browser.py drives the other pages: a tiny run trained here, its map moved along the step slider."""
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from appserver import browser_page, running_app, wait_for_app  # noqa: E402
+from test_e2e_browser import no_exception, wait_title  # noqa: E402
+
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not shutil.which("chromium") and not os.environ.get("ATTNVIZ_REQUIRE_BROWSER"),
+                                 reason="needs chromium (bash scripts/setup.sh dev)")]
+
+
+def test_the_emergence_page_moves_a_runs_map_along_its_checkpoints(model_cache, tmp_path):
+    from attnviz.lab.tasks import BigramBackcopy
+    from attnviz.lab.train import Setup, train
+
+    runs = tmp_path / "runs"
+    train(Setup(layers=1, width=32, heads=2, steps=8, every=4, batch=4, warmup=2,
+                task=BigramBackcopy(vocab=16, triggers=2, length=24)), runs / "tiny")
+    with running_app() as url, browser_page() as page:
+        page.goto(f"{url}/emergence")
+        page.locator('[data-testid="stMain"] h1').filter(has_text="Emergence").first.wait_for(timeout=180_000)
+        wait_for_app(page)
+        folder = page.locator('[data-testid="stMain"] input[aria-label="Runs folder"]')
+        folder.fill(str(runs))
+        folder.press("Enter")
+        wait_title(page, "tiny · step 8 · layer 0")
+        wait_for_app(page)
+        no_exception(page)
+        # the step slider, moved with the keyboard to the first checkpoint: the map follows
+        slider = page.locator('[data-testid="stMain"] [data-testid="stSlider"] input[type="range"]').first
+        slider.focus()
+        slider.press("Home")
+        wait_title(page, "tiny · step 0 · layer 0")
+        wait_for_app(page)
+        no_exception(page)
+        # the curves where this install has the table, else the one line that says it has none
+        titles = page.locator('[data-testid="stMain"] .gtitle').all_text_contents()
+        assert any("the sink forming" in t for t in titles) or page.get_by_text(
+            "not in this install", exact=False).count() == 1, titles
+        # a folder that is no run: one line, no traceback
+        folder.fill(str(tmp_path / "nowhere"))
+        folder.press("Enter")
+        page.get_by_text("is no training run and holds none", exact=False).first.wait_for(timeout=60_000)
+        no_exception(page)

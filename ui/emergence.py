@@ -1,0 +1,137 @@
+"""The Emergence page's glue: the runs folder (under the access rules), each run's table of measures (through
+:func:`table`, the one way the page reaches ``attnviz.lab.emergence``), a checkpoint captured on the run's probe, and
+a small training run, each a job in the server's queue with a progress bar (:func:`ui.jobs.run`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import streamlit as st
+
+from attnviz.errors import AttnvizError, InputError
+from attnviz.lab import runs as runs_mod
+from attnviz.lab.runs import LabRun
+from ui import jobs, shared
+
+KINDS = ("softmax", "sink", "softpick", "sigmoid", "gate")  # the attention kinds (attnviz/core/spec/kinds.py)
+DEFAULT_MASK = "fwd"  # the causal mask, as the call syntax writes it
+
+
+class TableUnavailable(Exception):
+    """This install has no ``attnviz.lab.emergence``: the page draws what needs no table."""
+
+
+def default_folder() -> Path:
+    """Where runs live by default: ``runs/`` in the app's data folder (beside the Sweeps page's results)."""
+    from attnviz.core.loading.models import cache_dir
+
+    return cache_dir() / "runs"
+
+
+def table(run_folder, on_step=None):
+    """The run's measures over its checkpoints, one row per (step, layer, head):
+    ``attnviz.lab.emergence.table(run_folder, on_step)``, imported only here and only when asked (tests replace
+    this function); :class:`TableUnavailable` where that module is not installed."""
+    try:
+        from attnviz.lab import emergence
+    except ImportError as err:
+        if "emergence" not in str(err):
+            raise
+        raise TableUnavailable("the emergence table (attnviz.lab.emergence) is not in this install") from None
+    return emergence.table(run_folder, on_step=on_step)
+
+
+def found(folder: str) -> list[LabRun] | None:
+    """The runs in ``folder`` (the folder itself, or its sub-folders); None after ``st.error`` where the folder may
+    not be read or is no run and holds none. The default folder is no error: it holds no run yet."""
+    path = shared.checked(shared.access().readable, folder, "runs folder")
+    if path is None:
+        return None
+    try:
+        runs = runs_mod.find_runs(path)
+    except (AttnvizError, OSError, ValueError) as err:
+        st.error(f"Runs folder: {err}")
+        return None
+    if not runs and Path(folder) != default_folder():
+        st.error(f"'{folder}' is no training run and holds none (a run is a folder of step-N checkpoints).")
+        return None
+    return runs
+
+
+def measured(run: LabRun):
+    """The run's table, computed once per run and last checkpoint (a job with a progress bar); None after a message
+    (:class:`TableUnavailable` is raised for the page to say so)."""
+    last = run.meta(run.steps[-1]).get("hash", "")
+
+    def compute(progress):
+        def on_step(*args):  # (done, total, ...) as the table reports it
+            if len(args) >= 2:
+                progress(int(args[0]), int(args[1]))
+        return table(run.folder, on_step=on_step)
+
+    return jobs.run(("emergence-table", str(run.folder), run.steps, last), f"Measuring {run.name}'s checkpoints",
+                    compute)
+
+
+def capture_at(run: LabRun, step: int):
+    """The checkpoint at ``step`` captured on the run's probe sequence (full maps of every layer), or None after a
+    message."""
+    from attnviz.capture import prepare
+
+    def compute(progress):
+        loaded = runs_mod.load_checkpoint(run, step)
+        return prepare(loaded, runs_mod.probe_text(run), "fwd").run_reporting(progress)
+
+    meta = run.meta(step)
+    return jobs.run(("emergence-capture", str(run.folder), step, meta.get("hash")),
+                    f"Capturing {run.name} at step {step}", compute)
+
+
+def setup_for(kind: str, mask: str, steps: int, seed: int):
+    """The trainer's setup of a small run (the lab's default model and task, ``steps`` steps, ``seed`` for the
+    weights and the task); a kind or mask this install's trainer does not take is refused in one line."""
+    from attnviz.lab.tasks import BigramBackcopy
+    from attnviz.lab.train import Setup
+
+    fields = {f.name for f in dataclasses.fields(Setup)}
+    asked = {"steps": int(steps), "seed": int(seed), "task": BigramBackcopy(seed=int(seed))}
+    for name, value, plain in (("kind", kind, "softmax"), ("mask", mask.strip(), DEFAULT_MASK)):
+        if name in fields:
+            asked[name] = value
+        elif value != plain:
+            raise InputError(f"this install's trainer trains {plain} only: the {name} {value!r} is not wired into "
+                             "attnviz/lab/train.py yet")
+    return Setup(**asked)
+
+
+def run_name(kind: str, mask: str, steps: int, seed: int) -> str:
+    return re.sub(r"[^A-Za-z0-9.=-]+", "-", f"{kind}-{mask}-seed{seed}-{steps}steps").strip("-")
+
+
+def train_run(folder: str, kind: str, mask: str, steps: int, seed: int) -> Path | None:
+    """Train a small run into ``folder``/<its name> as a job in the server's queue, the bar showing the step and the
+    loss; the last checkpoint's folder, or None after a message."""
+    try:
+        setup = setup_for(kind, mask, steps, seed)
+    except AttnvizError as err:
+        st.error(f"Training: {err}")
+        return None
+    root = shared.checked(shared.access().writable, folder, "runs folder")
+    if root is None:
+        return None
+    out = root / run_name(kind, mask, steps, seed)
+    from attnviz.lab.train import train
+
+    def compute(progress):
+        every = max(1, setup.steps // 200)  # the bar moves about 200 times, whatever the length
+
+        def on_step(step, total, loss):
+            if step % every == 0 or step == total:
+                progress(step, total, f"loss {loss:.3f}")
+        return str(train(setup, out, on_step=on_step))
+
+    key = ("lab-train", str(out), dataclasses.astuple(setup))
+    done = jobs.run(key, f"Training {out.name}", compute, units=setup.steps)
+    return None if done is None else Path(done)
