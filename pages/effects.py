@@ -20,7 +20,7 @@ from attnviz.reports import reproduce as repro
 from ui import jobs, shared
 from ui.export import figure_downloads
 from ui.cache import full_maps_limit
-from ui.sidebar import page_context
+from ui.sidebar import own_kind_only, page_context
 from ui.docs import definitions
 
 settings, loaded = page_context()
@@ -28,6 +28,7 @@ st.title("Effects: what a mask does to the model")
 definitions("evaluation", "cache-policies", "kv-cache-compression", "residual-variants", "linformer-what-if")
 SECTIONS = ["Perplexity", "Streaming (KV cache)", "KV compression", "Embedding k-sweep", "Generation",
             "Linformer what-if", "Residual methods", "Paper reproductions"]
+own_kind_only(settings, "This page")
 SOURCES = {"Python reference docs (all topics)": "stdlib", "Python docs: special method names": "stdlib:specialnames",
            "The sidebar text": None, "A text file on the server": "file"}
 

@@ -11,7 +11,7 @@ from attnviz.figures.heads import head_classes
 from ui import jobs
 from ui.export import figure_downloads
 from ui.cache import get_capture
-from ui.sidebar import page_context
+from ui.sidebar import own_kind_only, page_context
 from ui.docs import definitions
 
 settings, loaded = page_context()
@@ -34,7 +34,7 @@ def text_of(choice: str, n: int) -> str:
 
 if loaded is None:
     st.warning("Load a model in the sidebar.")
-else:
+elif not own_kind_only(settings, "Head classes"):
     tax_defaults = defaults.of(heads.taxonomy)  # every threshold starts at the library's
     c1, c2, c3, c4 = st.columns([3, 1, 1, 1])
     choice = c1.selectbox("Text", SOURCES, key="hd_source")

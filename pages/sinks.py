@@ -19,6 +19,7 @@ from attnviz.effects import valley
 from attnviz.figures.valley import valley_figure
 from ui import cache, jobs
 from ui.export import data_downloads, figure_downloads
+from attnviz.recipe import Recipe
 from ui.sidebar import current_capture, page_context
 from ui.docs import definitions
 
@@ -153,17 +154,18 @@ def over_a_dataset(eps: float) -> None:
     key_pos = "auto" if choice == "auto" else int(choice)
     try:
         architecture = parse(spec, loaded.n_layers)
+        made = Recipe.of(loaded, architecture.spec, kind=settings.kind)  # the sidebar's attention kind too
         docs = corpus.stdlib().documents if source == "stdlib" else corpus.from_text(settings.text, "the sidebar text").documents
     except AttnvizError as err:
         st.error(str(err))
         return
     job = ("dataset", loaded.model_id, source, docs if source == "sidebar" else (), unit, max_len, n_samples,
-           architecture.spec)
+           made.key)
     if not jobs.cached(job) and not st.button("Run over the dataset", key="sk_ds_run", type="primary"):
         st.caption(f"Up to {n_samples} samples of {max_len} tokens under `{architecture.spec}`, in batches.")
         return
     result = jobs.run(job, f"Sinks over {n_samples} samples", lambda progress: dataset.sinks(
-        loaded, docs, architecture, unit, max_len, n_samples, on_progress=progress))
+        loaded, docs, made, unit, max_len, n_samples, on_progress=progress))
     if result is None:
         return
     doc = result.as_json(key_pos, eps)

@@ -89,3 +89,20 @@ def test_the_sidebar_patches_a_block_and_the_sink_goes(model_cache, default_mode
     cap = capture(default_model, at.session_state["text"], Recipe.of(default_model, "fwd", spec))
     expected = np.nanmean(cap.layer_probs(29).mean(0)[1:, 0])
     assert abs(sink_after - expected) < 2e-3 and sink_after < sink_before / 2
+
+
+def test_the_sidebar_attention_kind_changes_the_maps_and_a_page_that_cannot_take_it_says_so(model_cache, tmp_path):
+    """A what-if kind on the default model's weights (docs/methods.md#attention-kinds): the heatmap's rows no longer
+    sum to 1 under softpick, the caption says so; head classes run the model's own kind and refuse another."""
+    at = app_test(tmp_path)
+    at.run()
+    before = arr(charts(at)[0]["data"][0]["customdata"])
+    at.sidebar.selectbox(key="kind").set_value("softpick").run()
+    assert not at.exception and not at.error, texts(at.error)
+    assert "kind `softpick`" in texts(at.sidebar.caption)
+    after = arr(charts(at)[0]["data"][0]["customdata"])
+    assert np.allclose(np.nansum(before, -1), 1.0, atol=2e-3)
+    assert (np.nansum(after, -1)[1:] < 0.999).any() and not np.allclose(after, before, atol=1e-3, equal_nan=True)
+    on_page(at, "pages/heads.py")
+    assert not at.exception
+    assert "head classes does not apply the attention kind softpick" in texts(at.error) or not charts(at)

@@ -35,6 +35,10 @@ PICKS = ["FWD", "BACK", "BIDIR", "NoSink-FWD", "NoSink-BIDIR", "INPLACE-BIDIR", 
          "MASK0-BIDIR", "MASK0-ALL", "MASK0&BIDIR", "StableMask", "Sliding window", "Dilated window",
          "Global + sliding", "Advanced (string)"]
 
+OWN = "the model's own"
+#: the sidebar's attention kinds: the model's own, or one of the kinds without trained parameters (a what-if)
+KINDS = [OWN, "softmax", "sink(logit=0)", "softpick", "sigmoid", "sigmoid(bias=0)"]
+
 
 @dataclass
 class Settings:
@@ -44,13 +48,14 @@ class Settings:
     residual: str | None = None  # a seed-003 variant (docs/methods.md#residual-variants), or None
     intervene: str | None = None  # interventions beside the architecture (docs/methods.md#interventions), or None
     prepend: str | None = None  # the BOS control: "bos", or None
+    kind: str | None = None  # the attention kind (docs/methods.md#attention-kinds), or None for the model's own
 
     def recipe(self, loaded: LoadedModel, arch: str | None = None, **changes) -> Recipe | None:
         """The recipe these settings make on ``loaded`` (:class:`attnviz.recipe.Recipe`): a page may change the
         architecture (``arch``) or ``intervene`` / ``prepend``. A bad string is shown with ``st.error``, labelled
         with the control it came from, and gives None. Nothing runs on the model's device."""
         fields = {"arch": arch or self.arch, "intervene": self.intervene, "prepend": self.prepend,
-                  "residual": self.residual, **changes}
+                  "residual": self.residual, "kind": self.kind, **changes}
         for label, check in (("Architecture", lambda: arch_mod.parse(fields["arch"], loaded.n_layers)),
                              ("Intervention", lambda: interventions.parse(fields["intervene"], loaded.n_layers,
                                                                           loaded.n_heads))):
@@ -194,6 +199,9 @@ def sidebar(needs_model: bool = True) -> tuple[Settings, LoadedModel | None]:
         n_layers = loaded.n_layers if loaded else 30
         spec = _arch_controls(n_layers)
         intervene = _intervention_controls(n_layers, loaded.n_heads if loaded else 9)
+        kind = st.selectbox("Attention kind", KINDS, key="kind",
+                            help="What turns a row of scores into weights (docs/methods.md#attention-kinds): the "
+                                 "model's own, or a what-if on its weights")
         bos = st.toggle("Prepend the BOS token", False, key="bos",
                         help="The first token becomes the tokenizer's BOS token (Barbero et al. 2025): the sink "
                              "pages show what that changes")
@@ -201,15 +209,26 @@ def sidebar(needs_model: bool = True) -> tuple[Settings, LoadedModel | None]:
                                help="Methods 1–4 of seed 003 (sequential pre-norm decoders, docs/methods.md#residual-variants): the MLP or attention residual "
                                     "becomes the sum of earlier layers recomputed on the embeddings")
         st.caption(f"architecture: `{spec}`" + (f" · intervention `{intervene}`" if intervene else "")
-                   + ("" if variant == "none" else f" · residual `{variant}`") + (" · BOS prepended" if bos else ""))
+                   + ("" if variant == "none" else f" · residual `{variant}`") + (" · BOS prepended" if bos else "")
+                   + ("" if kind == OWN else f" · kind `{kind}`"))
     return Settings(model=model, text=text, arch=spec, residual=None if variant == "none" else variant,
-                    intervene=intervene, prepend="bos" if bos else None), loaded
+                    intervene=intervene, prepend="bos" if bos else None, kind=None if kind == OWN else kind), loaded
 
 
-SETTINGS_KEYS = ("model", "offline_model", "trust_remote_code", "device_map", "example", "text", "bos", "residual",
+SETTINGS_KEYS = ("model", "offline_model", "trust_remote_code", "device_map", "example", "text", "bos", "residual", "kind",
                  "arch_pick", "arch_text", "arch_k", "arch_m", "arch_w", "arch_d", "arch_dw", "arch_g", "arch_gw",
                  "arch_gamma", "arch_alibi", "iv_pick", "iv_text", "iv_layers", "iv_heads", "iv_how", "iv_b", "iv_beta",
                  "iv_key", "iv_t", "iv_block", "iv_tokens", "iv_value")
+
+
+def own_kind_only(settings: Settings, what: str) -> bool:
+    """Where ``what`` runs the model's own attention kind only: with another kind picked in the sidebar, one line
+    saying so (``st.info``), and True. Captures read the sidebar's kind; these analyses do not."""
+    if settings.kind:
+        st.info(f"{what} runs the model's own attention kind, not the sidebar's {settings.kind} "
+                "(docs/methods.md#attention-kinds): pick the model's own to run it")
+        return True
+    return False
 
 
 def switch_page(path) -> None:
