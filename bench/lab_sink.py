@@ -72,8 +72,9 @@ def first_token(setup, folder) -> float:
 
 
 def main() -> None:
+    from attnviz.core.loading.runs import steps_of
     from attnviz.lab.tasks import BigramBackcopy
-    from attnviz.lab.train import Setup, steps_of, train
+    from attnviz.lab.train import Setup, train
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=Setup.steps)

@@ -27,8 +27,10 @@ folder = st.text_input("Runs folder", str(em.default_folder()), key="em_folder",
 with st.expander("Train a small run", expanded=False):
     with st.form("em_train_form"):
         t1, t2, t3, t4 = st.columns(4)
-        kind = t1.selectbox("Attention kind", em.KINDS, key="em_kind")
-        mask = t2.text_input("Mask", em.DEFAULT_MASK, key="em_mask", help="the call syntax's mask: fwd is causal")
+        kind = t1.text_input("Attention kind", em.DEFAULT_KIND, key="em_kind",
+                             help=f"the call syntax's attention kind: {em.KINDS}")
+        mask = t2.text_input("Mask", em.DEFAULT_MASK, key="em_mask",
+                             help="the call syntax's mask (docs/methods.md#the-call-syntax): fwd is causal")
         n_steps = t3.number_input("Steps", 1, 20_000, 400, key="em_steps")
         seed = t4.number_input("Seed", 0, 10_000, 0, key="em_seed")
         train_go = st.form_submit_button("Train", type="primary", key="em_train")
@@ -92,8 +94,9 @@ if cap is not None:
                     title=f"{run.name} · step {step} · layer {layer} · {head_label(cap, shown)}")
     st.plotly_chart(fig_h, width="stretch", key="em_heatmap")
     figure_downloads(fig_h, {**meta, "layer": layer, "head": head, "figure": "emergence-heatmap"}, key="em_heatmap_x")
-    st.caption(f"A fresh sequence of the run's task ({cap.n_tokens} tokens; T1… are triggers, whose next token "
-               "copies the one before them: only those queries need attention).")
+    st.caption(f"A fresh sequence of the run's task ({cap.n_tokens} tokens, written by "
+               "the checkpoint's own tokenizer; T1… are triggers, whose next token copies the one before "
+               "them: only those queries need attention).")
 
 frames = {}
 try:
@@ -102,9 +105,6 @@ try:
         if frame is None:
             st.stop()
         frames[name] = frame
-except em.TableUnavailable as err:
-    st.info(f"The curves over training need {err}; the map at each step above does not.")
-    st.stop()
 except AttnvizError as err:
     st.error(f"Measuring the checkpoints: {err}")
     st.stop()

@@ -1,6 +1,7 @@
-"""The Emergence page (docs/app.md#every-page) through AppTest, on a tiny run trained here, with the run's table
-made by :func:`table_of` in place of ``attnviz.lab.emergence.table`` (the page reaches it through
-``ui.emergence.table`` alone); and its figures as pure functions of such a table."""
+"""The Emergence page (docs/app.md#every-page) through AppTest, on a tiny run trained here: with the real
+``attnviz.lab.emergence.table`` once, and elsewhere with the faster :func:`table_of` of the same columns in its place
+(the page reaches the table through ``ui.emergence.table`` alone); and its figures as pure functions of such a
+table."""
 
 import json
 import shutil
@@ -11,7 +12,9 @@ import pytest
 
 from attnviz.errors import InputError
 from attnviz.figures import emergence as E
-from attnviz.lab.runs import TaskTokenizer, checkpoint_steps, find_runs, open_run, probe_text
+from attnviz.core.loading.models import load
+from attnviz.core.loading.runs import steps_of
+from attnviz.lab.runs import find_runs, open_run, probe_text
 from attnviz.lab.tasks import BigramBackcopy
 from attnviz.lab.train import Setup, train
 from test_app import ROOT, app_test, arr, charts, texts, title
@@ -69,18 +72,21 @@ def page(runs_folder, tmp_path, monkeypatch):
 
 
 def test_the_run_folder_lists_its_checkpoints_and_its_probe(runs_folder):
-    assert checkpoint_steps(runs_folder / "tiny") == [0, 1, 2, 4, 8]
+    from attnviz.lab import emergence
+
+    assert steps_of(runs_folder / "tiny") == [0, 1, 2, 4, 8]
     assert [r.name for r in find_runs(runs_folder)] == ["tiny", "tiny-seed1"]
     run = open_run(runs_folder / "tiny")
-    assert probe_text(run).split()[0] == "BOS" and len(probe_text(run).split()) == 24
-    with pytest.raises(InputError, match="past its last checkpoint"):
+    assert run.trained() == Setup(**TINY)
+    loaded = load(str(run.checkpoint(8)), dtype="float32")
+    text = probe_text(loaded, run)  # the checkpoint's own words, <bos> added by its tokenizer
+    ids = emergence.task_probe(run.setup, 1).ids[0].tolist()
+    assert len(text.split()) == 23 and loaded.tokenizer(text)["input_ids"] == ids and ids[0] == 0
+    assert all(w[0] in "tT" for w in text.split())
+    with pytest.raises(InputError, match="no step 9 .past its last.: its last is step-8"):
         run.checkpoint(9)
     with pytest.raises(InputError, match="is no training run"):
         open_run(runs_folder)
-    words = TaskTokenizer(run.trained().task)
-    assert words.decode(words("BOS 5 T1 5")["input_ids"]) == "BOS 5 T1 5" and words("BOS 5 T1")["input_ids"] == [0, 5, 1]
-    with pytest.raises(InputError, match="no token of this task"):
-        words("BOS 16")
 
 
 def test_the_page_draws_a_run_and_the_slider_moves_the_heatmap(page):
@@ -108,7 +114,9 @@ def test_a_bad_folder_or_step_is_one_line(page, runs_folder, tmp_path):
     page.text_input(key="em_folder").input(str(runs_folder)).run()
     page.query_params["step"] = "99"  # a link to a step past the run: one line, and the run at its last step
     page.run()
-    assert not page.exception and texts(page.error) == "Step: run 'tiny' has no checkpoint at step 99: past its last checkpoint (8)"
+    assert not page.exception and texts(page.error) == (
+        f"Step: the lab run {runs_folder / 'tiny'} has no step 99 (past its last): its last is step-8, its "
+        "checkpoints are at steps 0, 1, 2, 4, 8")
     assert page.select_slider(key="em_step").value == 8
 
 
@@ -128,22 +136,25 @@ def test_a_shared_server_reads_and_trains_only_under_its_roots(runs_folder, tmp_
     assert not list(runs_folder.glob("softmax-*"))  # nothing was created
 
 
-def test_without_the_table_the_page_says_so_and_draws_the_map(runs_folder, tmp_path, monkeypatch):
+def test_the_real_table_draws_the_curves(runs_folder, tmp_path):
+    """``attnviz.lab.emergence.table`` itself, through the page: its columns hold the figures' contract, its progress
+    is the job's, and the curves are drawn from it."""
     import ui.emergence
 
-    def missing(run_folder, on_step=None):
-        raise ui.emergence.TableUnavailable("the emergence table (attnviz.lab.emergence) is not in this install")
-
-    monkeypatch.setattr(ui.emergence, "table", missing)
+    told = []
+    frame = ui.emergence.table(runs_folder / "tiny", on_step=lambda done, total: told.append((done, total)))
+    assert told == [(i, 5) for i in range(1, 6)] and E.checked(frame) is frame
+    assert set(E.COLUMNS) <= set(frame.columns) and len(frame) == 5 * TINY["layers"] * TINY["heads"]
     alone = tmp_path / "runs"  # a folder of its own: the server's results cache keeps the other tests' tables
     shutil.copytree(runs_folder / "tiny", alone / "tiny")
     at = app_test(tmp_path)
     at.switch_page(str(ROOT / "pages" / "emergence.py"))
     at.run()
     at.text_input(key="em_folder").input(str(alone)).run()
-    assert not at.exception and not at.error
-    assert "not in this install" in texts(at.info)
-    assert [title(c) for c in charts(at)] == ["tiny · step 8 · layer 1 · mean over heads"]
+    assert not at.exception and not at.error, [e.value for e in at.exception]
+    shown = [title(c) for c in charts(at)]
+    assert shown[0] == "tiny · step 8 · layer 1 · mean over heads"
+    assert any("the sink forming" in t for t in shown) and any("each layer at step 8" in t for t in shown)
 
 
 def test_the_train_form_trains_a_run_into_the_folder(page, tmp_path):
@@ -160,14 +171,17 @@ def test_the_train_form_trains_a_run_into_the_folder(page, tmp_path):
     assert any(title(c).startswith("softmax-fwd-seed0-3steps · step 3") for c in charts(page))
 
 
-def test_a_kind_the_trainer_does_not_take_is_one_line(page):
-    import dataclasses
+def test_the_form_takes_any_kind_and_mask_the_trainer_does_and_shows_its_refusals(page):
+    import ui.emergence
 
-    if "kind" in {f.name for f in dataclasses.fields(Setup)}:
-        pytest.skip("this trainer takes attention kinds")
-    page.selectbox(key="em_kind").set_value("softpick")
+    setup = ui.emergence.setup_for("sink(logit=0)", " stablemask ", 5, 2)
+    assert (setup.kind, setup.arch, setup.steps, setup.seed, setup.task.seed) == ("sink(logit=0)", "stablemask", 5, 2, 2)
+    assert ui.emergence.run_name(setup.kind, setup.arch, 5, 2) == "sink-logit=0-stablemask-seed2-5steps"
+    page.text_input(key="em_kind").input("sigmoid")
+    page.text_input(key="em_mask").input("stablemask")
     page.button(key="em_train").click().run()
-    assert not page.exception and "not wired into" in texts(page.error)
+    assert not page.exception and len(page.error) == 1 and "StableMask" in texts(page.error)
+    assert texts(page.error).startswith("Training: ") and "\n" not in texts(page.error)
 
 
 # the figures, as pure functions of the table

@@ -189,7 +189,9 @@ def test_maps_are_read_as_they_are_under_a_kind_whose_rows_do_not_sum_to_one(run
     (folder / "config.json").write_text(json.dumps({**config, "attnviz_kind": "sigmoid"}))
     found = emergence.table([folder], size=SIZE)
     assert set(found["kind"]) == {"sigmoid"}
-    loaded = emergence.load_checkpoint(folder)
+    from attnviz.core.loading.models import load
+
+    loaded = load(str(folder), dtype="float32")
     probe = emergence.task_probe(json.loads((folder / "attnviz_run.json").read_text())["setup"], SIZE)
     quiet = probe.quiet.numpy().copy()
     quiet[:, 0] = False

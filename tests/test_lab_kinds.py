@@ -104,3 +104,8 @@ def test_loading_a_run_a_step_past_it_and_a_folder_that_is_no_checkpoint(tmp_pat
     with pytest.raises(AttnvizError, match="not a model directory .no config.json in it. nor a lab run") as err:
         attnviz.load(str(tmp_path / "empty"), device="cpu")
     assert "\n" not in str(err.value)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a checkpoint saved before they carried a tokenizer
+        (tmp_path / "run" / "step-2" / name).unlink()
+    with pytest.raises(InputError, match="has no tokenizer .saved before checkpoints carried one.") as err:
+        attnviz.load(str(tmp_path / "run" / "step-2"), device="cpu")
+    assert "\n" not in str(err.value)

@@ -82,6 +82,22 @@ def test_ctrl_c_keeps_what_was_saved_and_a_resume_ends_where_an_unbroken_run_doe
     assert a["hash"] == b["hash"]
 
 
+def test_a_saved_setup_reads_back_as_the_setup(tmp_path):
+    """Setup.from_dict: the one reader of a saved setup (resuming, the page, the probe), its task rebuilt by name; an
+    older checkpoint's setup (fields missing, fields unknown) takes the defaults."""
+    import pytest
+
+    from attnviz.errors import InputError
+    from attnviz.lab.text import Text
+
+    for setup in (small(kind="softpick", arch="stablemask"), small(task=Text(tokenizer="bytes", length=16))):
+        assert Setup.from_dict(json.loads(json.dumps(setup.as_dict()))) == setup
+    older = {k: v for k, v in small().as_dict().items() if k not in ("kind", "arch")}
+    assert Setup.from_dict({**older, "gone": 1}) == small()
+    with pytest.raises(InputError, match="'copying' is not one the lab trains"):
+        Setup.from_dict({"task": {"name": "copying"}})
+
+
 def test_resuming_with_another_setup_is_one_line(tmp_path):
     import pytest
 

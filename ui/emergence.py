@@ -1,6 +1,7 @@
 """The Emergence page's glue: the runs folder (under the access rules), each run's table of measures (through
-:func:`table`, the one way the page reaches ``attnviz.lab.emergence``), a checkpoint captured on the run's probe, and
-a small training run, each a job in the server's queue with a progress bar (:func:`ui.jobs.run`)."""
+:func:`table`, the one way the page reaches ``attnviz.lab.emergence.table``), a checkpoint captured on the run's
+probe, and a small training run of any kind and mask the trainer takes, each a job in the server's queue with a
+progress bar (:func:`ui.jobs.run`)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,16 @@ from pathlib import Path
 
 import streamlit as st
 
-from attnviz.errors import AttnvizError, InputError
+from attnviz.errors import AttnvizError
+from attnviz.lab import emergence
 from attnviz.lab import runs as runs_mod
 from attnviz.lab.runs import LabRun
 from ui import jobs, shared
 
-KINDS = ("softmax", "sink", "softpick", "sigmoid", "gate")  # the attention kinds (attnviz/core/spec/kinds.py)
+#: the attention kinds the trainer takes, as the call syntax writes them (docs/methods.md#attention-kinds)
+KINDS = "softmax, sink, sink(logit=0), softpick, sigmoid, sigmoid(bias=b), gate"
+DEFAULT_KIND = "softmax"
 DEFAULT_MASK = "fwd"  # the causal mask, as the call syntax writes it
-
-
-class TableUnavailable(Exception):
-    """This install has no ``attnviz.lab.emergence``: the page draws what needs no table."""
 
 
 def default_folder() -> Path:
@@ -31,15 +31,9 @@ def default_folder() -> Path:
 
 
 def table(run_folder, on_step=None):
-    """The run's measures over its checkpoints, one row per (step, layer, head):
-    ``attnviz.lab.emergence.table(run_folder, on_step)``, imported only here and only when asked (tests replace
-    this function); :class:`TableUnavailable` where that module is not installed."""
-    try:
-        from attnviz.lab import emergence
-    except ImportError as err:
-        if "emergence" not in str(err):
-            raise
-        raise TableUnavailable("the emergence table (attnviz.lab.emergence) is not in this install") from None
+    """The run's measures over its checkpoints, one row per (step, layer, head), on the run's own probe:
+    ``attnviz.lab.emergence.table(run_folder, on_step=on_step)`` (``on_step(done, total)`` after each checkpoint;
+    tests may replace this function with a faster table of the same columns)."""
     return emergence.table(run_folder, on_step=on_step)
 
 
@@ -61,28 +55,26 @@ def found(folder: str) -> list[LabRun] | None:
 
 
 def measured(run: LabRun):
-    """The run's table, computed once per run and last checkpoint (a job with a progress bar); None after a message
-    (:class:`TableUnavailable` is raised for the page to say so)."""
+    """The run's table, computed once per run and last checkpoint (a job with a progress bar, moved after each
+    checkpoint); None after a message."""
     last = run.meta(run.steps[-1]).get("hash", "")
 
     def compute(progress):
-        def on_step(*args):  # (done, total, ...) as the table reports it
-            if len(args) >= 2:
-                progress(int(args[0]), int(args[1]))
-        return table(run.folder, on_step=on_step)
+        return table(run.folder, on_step=lambda done, total: progress(done, total))
 
     return jobs.run(("emergence-table", str(run.folder), run.steps, last), f"Measuring {run.name}'s checkpoints",
                     compute)
 
 
 def capture_at(run: LabRun, step: int):
-    """The checkpoint at ``step`` captured on the run's probe sequence (full maps of every layer), or None after a
-    message."""
+    """The checkpoint at ``step`` (loaded as ``attnviz.load`` loads it, float32, its own tokenizer) captured on a
+    sequence of the run's task under the run's own mask (full maps of every layer), or None after a message."""
     from attnviz.capture import prepare
+    from attnviz.core.loading.models import load
 
     def compute(progress):
-        loaded = runs_mod.load_checkpoint(run, step)
-        return prepare(loaded, runs_mod.probe_text(run), "fwd").run_reporting(progress)
+        loaded = load(str(run.checkpoint(step)), dtype="float32")
+        return prepare(loaded, runs_mod.probe_text(loaded, run), run.trained().arch).run_reporting(progress)
 
     meta = run.meta(step)
     return jobs.run(("emergence-capture", str(run.folder), step, meta.get("hash")),
@@ -91,23 +83,17 @@ def capture_at(run: LabRun, step: int):
 
 def setup_for(kind: str, mask: str, steps: int, seed: int):
     """The trainer's setup of a small run (the lab's default model and task, ``steps`` steps, ``seed`` for the
-    weights and the task); a kind or mask this install's trainer does not take is refused in one line."""
+    weights and the task) under ``kind`` and ``mask`` (blank: softmax, fwd); what the trainer cannot train is refused
+    in one line by the trainer itself (:class:`~attnviz.lab.train.Setup`)."""
     from attnviz.lab.tasks import BigramBackcopy
     from attnviz.lab.train import Setup
 
-    fields = {f.name for f in dataclasses.fields(Setup)}
-    asked = {"steps": int(steps), "seed": int(seed), "task": BigramBackcopy(seed=int(seed))}
-    for name, value, plain in (("kind", kind, "softmax"), ("mask", mask.strip(), DEFAULT_MASK)):
-        if name in fields:
-            asked[name] = value
-        elif value != plain:
-            raise InputError(f"this install's trainer trains {plain} only: the {name} {value!r} is not wired into "
-                             "attnviz/lab/train.py yet")
-    return Setup(**asked)
+    return Setup(kind=kind.strip() or DEFAULT_KIND, arch=mask.strip() or DEFAULT_MASK, steps=int(steps),
+                 seed=int(seed), task=BigramBackcopy(seed=int(seed)))
 
 
 def run_name(kind: str, mask: str, steps: int, seed: int) -> str:
-    return re.sub(r"[^A-Za-z0-9.=-]+", "-", f"{kind}-{mask}-seed{seed}-{steps}steps").strip("-")
+    return re.sub(r"[^A-Za-z0-9.=]+", "-", f"{kind}-{mask}-seed{seed}-{steps}steps").strip("-")
 
 
 def train_run(folder: str, kind: str, mask: str, steps: int, seed: int) -> Path | None:
@@ -121,7 +107,7 @@ def train_run(folder: str, kind: str, mask: str, steps: int, seed: int) -> Path 
     root = shared.checked(shared.access().writable, folder, "runs folder")
     if root is None:
         return None
-    out = root / run_name(kind, mask, steps, seed)
+    out = root / run_name(setup.kind, setup.arch, setup.steps, setup.seed)
     from attnviz.lab.train import train
 
     def compute(progress):

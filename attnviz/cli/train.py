@@ -72,7 +72,6 @@ def shown(bar, update, step: int, total: int, loss: float) -> None:
 
 
 def run(args) -> dict:
-    import json
     import time
     from pathlib import Path
 
@@ -92,7 +91,7 @@ def run(args) -> dict:
         kept = runs.last(out)
         what = f"the checkpoints up to {kept.name} are kept in {out}" if kept else f"no checkpoint in {out} yet"
         raise AttnvizError(f"interrupted: {what}; run the same command again to resume") from None
-    meta = json.loads((end / runs.RUN_FILE).read_text())
+    meta = runs.meta(end)
     return {"out": str(out), "last": str(end), "step": meta["step"], "loss": meta["loss"], "hash": meta["hash"],
             "recipe": meta["recipe"], "checkpoints": runs.steps_of(out),
             "seconds": round(time.perf_counter() - started, 3)}

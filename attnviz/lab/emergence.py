@@ -3,8 +3,8 @@ layer and head, on one fixed probe.
 
 A run folder's checkpoints (``RUN/step-N/``, :mod:`attnviz.lab.train`) or a list of model folders are read in step
 order; two whose weights hash equal are refused (a hub's step branches that all serve the final weights). Each is
-run once through the engine on the same probe (by default a seeded batch of the run's own Bigram-Backcopy task),
-every layer recorded: the key-0 column of each map, the layer's values and the residual stream entering each layer.
+loaded as ``attnviz.load`` loads it (float32, its own tokenizer) and run once through the engine on the same probe (by
+default a seeded batch of the run's own task), every layer recorded: the key-0 column of each map, the layer's values and the residual stream entering each layer.
 From them, per layer and head: alpha at key 0 and the sink rate (Gu et al. 2025, :mod:`attnviz.stats.metrics`), the
 attention on key 0 of the queries that need no attention, the value drain and the residual peak (Guo et al. 2024) and
 the matrix entropy of the layer's input (:mod:`attnviz.stats.spectrum`, as the compression valley reads it).
@@ -12,7 +12,6 @@ the matrix entropy of the layer's input (:mod:`attnviz.stats.spectrum`, as the c
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -22,10 +21,10 @@ from typing import Callable
 import numpy as np
 import torch
 
+from attnviz.core.loading import models, runs
 from attnviz.errors import InputError
 from attnviz.stats import metrics, spectrum
 
-META = "attnviz_run.json"  # a lab checkpoint's metadata (attnviz.lab.train.save)
 PROBE_SIZE = 32  # sequences in the task's probe
 PROBE_STEP = 10**9  # the task's batch index the probe is drawn at: a step no training run reaches
 #: the table's columns, in order (docs/methods.md#emergence-measures)
@@ -48,10 +47,7 @@ class Checkpoint:
         folder = Path(folder).expanduser()
         if not (folder / "config.json").is_file():
             raise InputError(f"'{folder}' is not a model folder (no config.json in it)")
-        try:
-            meta = json.loads((folder / META).read_text()) if (folder / META).is_file() else {}
-        except (OSError, ValueError) as err:
-            raise InputError(f"cannot read '{folder / META}': {str(err).splitlines()[0]}") from None
+        meta = runs.meta(folder)
         named = re.fullmatch(r"step-(\d+)", folder.name)
         step = int(named.group(1)) if named else meta.get("step", index)
         return cls(folder, int(step), meta)
@@ -69,19 +65,9 @@ class Checkpoint:
         return None
 
 
-def is_run(folder) -> bool:
-    """Whether ``folder`` holds a run's checkpoints (``step-N`` folders with the lab's metadata)."""
-    folder = Path(folder).expanduser()
-    return folder.is_dir() and any((p / META).is_file() for p in folder.glob("step-*"))
-
-
-def is_checkpoint(folder) -> bool:
-    """Whether ``folder`` is one lab checkpoint (a model folder with the lab's metadata)."""
-    return (Path(folder).expanduser() / META).is_file()
-
-
 def checkpoints(run_or_checkpoints) -> list[Checkpoint]:
-    """The checkpoints of a run folder (its ``step-N`` folders), or of a list of model folders, sorted by step."""
+    """The checkpoints of a run folder (its steps, :func:`attnviz.core.loading.runs.steps_of`), of one model folder,
+    or of a list of model folders, sorted by step."""
     if isinstance(run_or_checkpoints, (str, Path)):
         run = Path(run_or_checkpoints).expanduser()
         if not run.is_dir():
@@ -89,9 +75,9 @@ def checkpoints(run_or_checkpoints) -> list[Checkpoint]:
         if (run / "config.json").is_file():
             found = [Checkpoint.of(run)]
         else:
-            found = [Checkpoint.of(p) for p in run.glob("step-*") if p.is_dir() and (p / "config.json").is_file()]
+            found = [Checkpoint.of(run / f"step-{step}") for step in runs.steps_of(run)]
         if not found:
-            raise InputError(f"no checkpoints in '{run}' (no step-N folder with a config.json)")
+            raise InputError(f"no checkpoints in '{run}' (no step-N folder with {runs.RUN_FILE})")
     else:
         found = [Checkpoint.of(p, i) for i, p in enumerate(run_or_checkpoints)]
         if not found:
@@ -103,30 +89,6 @@ def checkpoints(run_or_checkpoints) -> list[Checkpoint]:
     return steps
 
 
-def load_checkpoint(folder):
-    """A checkpoint as a :class:`~attnviz.core.loading.models.LoadedModel` in float32: through attnviz's loader where
-    the folder has a tokenizer, else with transformers directly (the lab's checkpoints may have none; then
-    ``tokenizer`` is None). The one place to switch to :func:`attnviz.load` alone once every checkpoint has one."""
-    import time
-
-    from attnviz.core.loading import models
-
-    folder = Path(folder).expanduser()
-    if any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        return models.load(str(folder), dtype="float32")
-    from transformers import AutoModelForCausalLM
-
-    from attnviz.core.engine import KEY, prepare
-    from attnviz.core.model import devices
-
-    start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=KEY, use_safetensors=True,
-                                                 dtype=torch.float32)
-    model = model.to(devices.available(devices.default_device())).eval()
-    prepare(model)
-    return models.LoadedModel(model, None, str(folder), None, time.perf_counter() - start)
-
-
 def weights_hash(checkpoint: Checkpoint, loaded=None, computed: bool = False) -> str:
     """The checkpoint's weights hash: its metadata's, else (or with ``computed``) computed from its weights as the
     trainer computes it (:func:`attnviz.lab.train.weights_hash`)."""
@@ -134,7 +96,7 @@ def weights_hash(checkpoint: Checkpoint, loaded=None, computed: bool = False) ->
         return str(checkpoint.meta["hash"])
     from attnviz.lab import train
 
-    return train.weights_hash((loaded or load_checkpoint(checkpoint.folder)).model)
+    return train.weights_hash((loaded or models.load(str(checkpoint.folder), dtype="float32")).model)
 
 
 def guard(found: list[Checkpoint]) -> dict[Path, str]:
@@ -173,19 +135,34 @@ class Probe:
 
 
 def task_probe(setup: dict, size: int = PROBE_SIZE) -> Probe:
-    """A run's own probe: ``size`` sequences of its Bigram-Backcopy task (rebuilt from the saved setup), seeded and
-    the same for every checkpoint; the queries that need no attention are its non-trigger ones."""
+    """A run's own probe: ``size`` sequences of its task (rebuilt from the saved setup,
+    :meth:`attnviz.lab.train.Setup.from_dict`), seeded and the same for every checkpoint; the queries that need no
+    attention are Bigram-Backcopy's non-trigger ones (a text task's: every query, as for a text)."""
     from attnviz.lab.tasks import BigramBackcopy
+    from attnviz.lab.train import Setup
 
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise InputError(f"the probe's size is a whole number of at least 1, not {size!r}")
-    given = dict(setup.get("task") or {})
-    name = given.pop("name", "bigram-backcopy")
-    if name != "bigram-backcopy":
-        raise InputError(f"the run's task '{name}' has no probe here (Bigram-Backcopy has): give a probe")
-    task = BigramBackcopy(**{f.name: given[f.name] for f in dataclasses.fields(BigramBackcopy) if f.name in given})
+    name = (setup.get("task") or {}).get("name", "bigram-backcopy")
+    if name not in ("bigram-backcopy", "text"):
+        raise InputError(f"the run's task '{name}' has no probe here (the lab's tasks have): give a probe")
+    task = Setup.from_dict(setup).task
     ids = task.batch(size, PROBE_STEP)
-    return Probe(ids, ~task.needs_attention(ids), "task")
+    if isinstance(task, BigramBackcopy):
+        return Probe(ids, ~task.needs_attention(ids), "task")
+    return Probe.of(ids, "task")
+
+
+def as_text(loaded, ids) -> str:
+    """One probe sequence written as text by the checkpoint's own tokenizer, for a capture: its ids decoded (the
+    tokenizer's BOS left to the tokenizer), refused in one line where the text does not encode back to them."""
+    ids = [int(i) for i in ids]
+    text = loaded.tokenizer.decode(ids, skip_special_tokens=True)
+    again = loaded.tokenizer(text, add_special_tokens=True)["input_ids"]
+    if list(again) != ids:
+        raise InputError(f"'{loaded.model_id}''s tokenizer does not write its probe as a text that reads back as "
+                         "the same tokens")
+    return text
 
 
 def text_probe(loaded, text: str, max_tokens: int | None = None) -> Probe:
@@ -288,7 +265,7 @@ def table(run_or_checkpoints, probe=None, recipe: str | None = None, eps: float 
     chosen = _probe_for(probe, found, size)
     rows = []
     for i, checkpoint in enumerate(found):
-        loaded = load_checkpoint(checkpoint.folder)
+        loaded = models.load(str(checkpoint.folder), dtype="float32")
         arch = recipe or checkpoint.get("arch") or "fwd"
         measured = measure(loaded, text_probe(loaded, chosen) if isinstance(chosen, str) else chosen, arch, eps)
         rows += [row_of(checkpoint, hashes[checkpoint.folder], arch, loaded, r) for r in measured]
@@ -300,15 +277,16 @@ def table(run_or_checkpoints, probe=None, recipe: str | None = None, eps: float 
 
 
 def row_of(checkpoint: Checkpoint, digest: str, arch: str, loaded, row: dict) -> dict:
-    """A measured row with its checkpoint's step, training loss, kind (the metadata's, else the model's own as the
-    engine reads it), architecture, hash, seed and folder."""
+    """A measured row with its checkpoint's step, training loss, kind (the model's own, as the engine read it in the
+    forward measured: a lab checkpoint's config carries the kind it was trained with), architecture, hash, seed and
+    folder."""
     from attnviz.core.spec import kinds
 
     train_loss = checkpoint.meta.get("loss")
     seed = checkpoint.get("seed")
     return {"step": checkpoint.step, **row,
             "train_loss": float("nan") if train_loss is None else float(train_loss),
-            "kind": checkpoint.get("kind") or kinds.own(loaded.model).spec, "arch": arch, "hash": digest,
+            "kind": kinds.own(loaded.model).spec, "arch": arch, "hash": digest,
             "seed": None if seed is None else int(seed), "checkpoint": str(checkpoint.folder)}
 
 

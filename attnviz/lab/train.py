@@ -12,6 +12,7 @@ batches of 32, AdamW at 3e-3 with weight decay 0.01, softmax under the causal ma
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -25,7 +26,8 @@ import torch.nn.functional as F
 
 from attnviz.errors import InputError
 from attnviz.lab import models
-from attnviz.core.loading.runs import RUN_FILE, last, steps_of  # noqa: F401 - a run's checkpoints
+from attnviz.core.loading import runs
+from attnviz.core.loading.runs import last  # noqa: F401 - a run's last checkpoint, read by its callers
 from attnviz.lab.tasks import BigramBackcopy
 from attnviz.lab.text import Text, bigram_tokenizer
 
@@ -76,12 +78,30 @@ class Setup:
         data["task"] = {"name": "text" if isinstance(self.task, Text) else "bigram-backcopy", **asdict(self.task)}
         return data
 
+    @classmethod
+    def from_dict(cls, saved: dict) -> "Setup":
+        """The setup a checkpoint saved (:meth:`as_dict`, ``attnviz_run.json``'s ``setup``), its task rebuilt by its
+        name (Bigram-Backcopy where it has none); fields it does not know are left out, those it lacks take their
+        defaults (an older checkpoint's). The one way a saved setup is read back: resuming, the page, the probe."""
+        fields = {k: v for k, v in saved.items() if k in _known(cls)}
+        task = dict(fields.get("task") or {})
+        made = {"bigram-backcopy": BigramBackcopy, "text": Text}.get(task.pop("name", "bigram-backcopy"))
+        if made is None:
+            raise InputError(f"the saved task {saved['task'].get('name')!r} is not one the lab trains "
+                             "(bigram-backcopy, text)")
+        fields["task"] = made(**{k: v for k, v in task.items() if k in _known(made)})
+        return cls(**fields)
+
     @property
     def vocab(self) -> int:
         return self.task.vocab
 
     def tokenizer(self):
         return self.task.tokenizer_object() if isinstance(self.task, Text) else bigram_tokenizer(self.task)
+
+
+def _known(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
 
 
 def build(setup: Setup):
@@ -109,7 +129,7 @@ def save(model, optimizer, setup: Setup, step: int, loss: float, out: Path, toke
         torch.save({"optimizer": optimizer.state_dict()}, tmp / "optimizer.pt")
         meta = {"recipe": {"kind": setup.kind, "arch": setup.arch}, "step": step,
                 "loss": loss if math.isfinite(loss) else None, "hash": weights_hash(model), "setup": setup.as_dict()}
-        (tmp / RUN_FILE).write_text(json.dumps(meta, indent=1))
+        (tmp / runs.RUN_FILE).write_text(json.dumps(meta, indent=1))
         tmp.rename(folder)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -123,8 +143,8 @@ def save(model, optimizer, setup: Setup, step: int, loss: float, out: Path, toke
 
 def _check_same(setup: Setup, found: Path) -> int:
     """The step of checkpoint ``found``; refused in one line when its saved setup differs from ``setup``."""
-    meta = json.loads((found / RUN_FILE).read_text())
-    saved, given = meta["setup"], setup.as_dict()
+    meta = runs.meta(found)
+    saved, given = Setup.from_dict(meta["setup"]).as_dict(), setup.as_dict()
     differ = [k for k in sorted(set(saved) | set(given)) if k not in RESUMABLE and saved.get(k) != given.get(k)]
     if differ:
         k = differ[0]

@@ -41,12 +41,12 @@ def model_for(name: str):
     if name not in _MODEL:
         _MODEL.clear()
         gc.collect()
+        from attnviz.core.loading import runs
         from attnviz.core.loading.models import load
-        from attnviz.lab import emergence
 
         try:
-            # a lab checkpoint loads without a tokenizer of its own
-            _MODEL[name] = emergence.load_checkpoint(name) if emergence.is_checkpoint(name) else load(name)
+            # a lab checkpoint in float32, as it was trained and as the emergence table reads it
+            _MODEL[name] = load(name, dtype="float32" if runs.is_checkpoint(name) else None)
         except AttnvizError as err:
             _MODEL[name] = err
         except Exception as err:  # noqa: BLE001 - any loader failure is this model's, recorded with its cells

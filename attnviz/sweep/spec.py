@@ -165,13 +165,14 @@ def _check_corpus(name: str) -> None:
 def checkpoint_models(models: list[str]) -> list[str]:
     """The models with each run folder among them as its checkpoints, in step order (docs/sweeps.md#checkpoints);
     two checkpoints of equal weights, of one run or of several, are refused in one line."""
+    from attnviz.core.loading import runs
     from attnviz.lab import emergence
 
     out, found = [], {}
     for model in models:
         try:
-            listed = (emergence.checkpoints(model) if emergence.is_run(model)
-                      else [emergence.Checkpoint.of(model)] if emergence.is_checkpoint(model) else [])
+            listed = (emergence.checkpoints(model) if runs.steps_of(model)
+                      else [emergence.Checkpoint.of(model)] if runs.is_checkpoint(model) else [])
             found.update({c.folder.resolve(): c for c in listed})
         except AttnvizError as err:
             raise InputError(f"spec: models: '{model}': {err}") from None
