@@ -85,7 +85,7 @@ else:
     c1.caption(f"One layer, {setup.heads} heads, {setup.width} wide; trained {steps[-1]} steps.")
 head = c2.selectbox("Head", ["mean", *range(setup.heads)], key="em_head")
 loss = run.meta(step).get("loss")
-c3.metric("Loss at this step", "—" if loss is None or loss != loss else f"{loss:.4g}",
+c3.metric("Training loss at this step", "—" if loss is None or loss != loss else f"{loss:.4g}",
           help="the training batch's loss at this step (none before the first step)")
 cap = em.capture_at(run, step)
 if cap is not None:

@@ -20,7 +20,7 @@ COLUMNS = ("step", "layer", "head", "loss", "alpha0", "sink_rate", "first_token"
 #: the measures the figures draw -> their axis label
 LABELS = {"first_token": "attention on the first token", "alpha0": "α₀ (first key's share)",
           "sink_rate": "sink rate", "value_drain": "value drain", "residual_peak": "residual peak",
-          "entropy": "attention entropy", "loss": "loss"}
+          "entropy": "attention entropy", "loss": "loss on the probe"}
 SINKS = ("first_token", "alpha0")  # what the sink panel may show
 PANELS = ("value_drain", "residual_peak", "loss")  # under the sink panel, in Guo et al.'s order
 COLOURS = ("#1f4e9c", "#e15759", "#59a14f", "#f28e2b", "#76b7b2", "#b07aa1", "#9c755f", "#edc948", "#bab0ac",
