@@ -202,6 +202,7 @@ def test_maps_are_read_as_they_are_under_a_kind_whose_rows_do_not_sum_to_one(run
         rows = found[found.layer == layer].sort_values("head")
         assert np.allclose(rows["alpha0"], a[..., 0].mean(-1).mean(0), atol=1e-6)
         assert np.allclose(rows["first_token"], [a[:, h, :, 0][quiet].mean() for h in range(a.shape[1])], atol=1e-6)
+        assert np.allclose(rows["row_mass"], [a[:, h].sum(-1)[quiet].mean() for h in range(a.shape[1])], atol=1e-5)
 
 
 def test_the_probe_is_the_runs_own_task_and_the_same_for_every_checkpoint():

@@ -28,7 +28,7 @@ from attnviz.stats import metrics, spectrum
 PROBE_SIZE = 32  # sequences in the task's probe
 PROBE_STEP = 10**9  # the task's batch index the probe is drawn at: a step no training run reaches
 #: the table's columns, in order (docs/methods.md#emergence-measures)
-COLUMNS = ("step", "layer", "head", "loss", "train_loss", "alpha0", "sink_rate", "first_token", "value_drain",
+COLUMNS = ("step", "layer", "head", "loss", "train_loss", "alpha0", "sink_rate", "first_token", "row_mass", "value_drain",
            "residual_peak", "entropy", "kind", "arch", "hash", "seed", "checkpoint")
 
 
@@ -182,15 +182,16 @@ def _ratio(norms: np.ndarray) -> np.ndarray:
 
 
 def _key0(layer, probs, allow):
-    """The engine's whole-layer reduction: the key-0 column of the maps as they are, and who may see key 0."""
+    """The engine's whole-layer reduction: the key-0 column of the maps as they are, who may see key 0, and each
+    row's sum (below 1 where a kind keeps mass off the keys: a sink logit, softpick; above 1 for sigmoid)."""
     column = probs[..., 0].float()
-    return column.cpu().numpy(), allow[..., 0].expand_as(column).cpu().numpy()
+    return column.cpu().numpy(), allow[..., 0].expand_as(column).cpu().numpy(), probs.float().sum(-1).cpu().numpy()
 
 
 def measure(loaded, probe: Probe, recipe="fwd", eps: float = metrics.SINK_EPS) -> list[dict]:
     """One model's rows on ``probe`` under ``recipe`` (an architecture string or a Recipe): one forward, every layer
     recorded. Per (layer, head): ``loss`` (the probe's mean next-token loss), ``alpha0``, ``sink_rate``,
-    ``first_token``, ``value_drain``, ``residual_peak``, ``entropy`` (docs/methods.md#emergence-measures)."""
+    ``first_token``, ``row_mass``, ``value_drain``, ``residual_peak``, ``entropy`` (docs/methods.md#emergence-measures)."""
     from attnviz.core.engine import Feed, Record
     from attnviz.recipe import build
 
@@ -220,7 +221,7 @@ def _layer_rows(run, hidden, layer: int, loss: float, quiet: np.ndarray, groups:
     rows = []
     with warnings.catch_warnings():  # a key 0 no later query sees (NoSink) has no alpha: NaN, not a warning
         warnings.simplefilter("ignore", RuntimeWarning)
-        column, seen = run.reduced[layer]  # (B, H, n) each
+        column, seen, mass = run.reduced[layer]  # (B, H, n) each
         alpha0 = np.stack([metrics.alpha(column[b][..., None], seen[b][..., None])[:, 0] for b in range(len(column))])
         rate = float(np.nanmean([metrics.sink_rate(a, eps) for a in alpha0]))
         values = torch.linalg.vector_norm(run.qkv[layer][2].float(), dim=-1).numpy()  # (B, H_kv, n)
@@ -229,9 +230,10 @@ def _layer_rows(run, hidden, layer: int, loss: float, quiet: np.ndarray, groups:
         peak = float(_ratio(torch.linalg.vector_norm(h, dim=-1).numpy()).mean())
         entropy = float(np.nanmean([spectrum.matrix_entropy(gram_spectrum(z), z.shape[0]) for z in h]))
         for head in range(column.shape[1]):
-            first = column[:, head][quiet]
+            first, kept = column[:, head][quiet], mass[:, head][quiet]
             rows.append({"layer": layer, "head": head, "loss": loss, "alpha0": float(np.nanmean(alpha0[:, head])),
                          "sink_rate": rate, "first_token": float(first.mean()) if first.size else float("nan"),
+                         "row_mass": float(kept.mean()) if kept.size else float("nan"),
                          "value_drain": float(drain[groups[head]]), "residual_peak": peak, "entropy": entropy})
     return rows
 

@@ -250,7 +250,7 @@ COLUMNS = {
     "valley": {"layer": "int64", "key": "int64", "entropy": "float64", "first_norm": "float64", "sink_rate": "float64",
                "sink_rate_key0": "float64"},
     "emergence": {"step": "int64", "layer": "int64", "head": "int64", "loss": "float64", "train_loss": "float64",
-                  "alpha0": "float64", "sink_rate": "float64", "first_token": "float64", "value_drain": "float64",
+                  "alpha0": "float64", "sink_rate": "float64", "first_token": "float64", "row_mass": "float64", "value_drain": "float64",
                   "residual_peak": "float64", "entropy": "float64", "kind": "string", "hash": "string",
                   "seed": "int64", "checkpoint": "string"},
 }
