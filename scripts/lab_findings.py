@@ -25,6 +25,7 @@ def one(frame: pd.DataFrame) -> dict:
     return {"kind": last.kind.iloc[0], "arch": last.arch.iloc[0], "seed": int(last.seed.iloc[0]),
             "steps": int(last.step.iloc[0]), "loss": float(last.loss.mean()),
             "first": (float(last.first_token.min()), float(last.first_token.max())),
+            "mass": (float(last.row_mass.min()), float(last.row_mass.max())),
             "alpha0": (float(last.alpha0.min()), float(last.alpha0.max())), "rate": float(last.sink_rate.mean()),
             "drain": (float(last.value_drain.min()), float(last.value_drain.max())),
             "peak": float(last.residual_peak.mean()), "formed": formed,
@@ -43,8 +44,8 @@ groups = defaultdict(list)
 for r in runs:
     groups[(r["kind"], r["arch"])].append(r)
 print("| kind · mask | seeds | first token at step 0 | first token at the end | heads with a sink | formed at step | "
-      "value drain at the end | residual peak | sink rate | probe loss |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+      "row mass at the end | value drain at the end | residual peak | sink rate | probe loss |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 for (kind, arch), rs in sorted(groups.items()):
     rs.sort(key=lambda r: r["seed"])
     heads = [sum(f is not None for f in r["formed"]) for r in rs]
@@ -53,5 +54,5 @@ for (kind, arch), rs in sorted(groups.items()):
     print(f"| {kind} · {arch} | {', '.join(str(r['seed']) for r in rs)} | {span([r['start'] for r in rs])} | "
           f"{span([v for r in rs for v in r['first']])} | {', '.join(f'{h}/{n_heads}' for h in heads)} | "
           f"{span(steps, True) if steps else 'never'}{'' if len(steps) == len(rs) or not steps else f' ({len(steps)} of {len(rs)} seeds)'} | "
-          f"{span([v for r in rs for v in r['drain']])} | {span([r['peak'] for r in rs])} | "
+          f"{span([v for r in rs for v in r['mass']])} | {span([v for r in rs for v in r['drain']])} | {span([r['peak'] for r in rs])} | "
           f"{span([r['rate'] for r in rs])} | {span([r['loss'] for r in rs])} |")

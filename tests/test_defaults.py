@@ -15,6 +15,8 @@ from attnviz.kv import compress, presses
 from attnviz.reports import html
 from attnviz import flow
 from attnviz.lab import emergence
+from attnviz.lab.tasks import BigramBackcopy
+from attnviz.lab.train import Setup
 from attnviz.sweep.spec import measure_options
 
 D = defaults.of
@@ -43,6 +45,9 @@ LIBRARY = {
     ("report", "quality"): D(html.report_html)["quality"],
     ("routes", "token"): D(flow.routes)["token"], ("routes", "threshold"): D(flow.routes)["threshold"],
     ("emergence", "eps"): D(emergence.table)["eps"], ("emergence", "samples"): D(emergence.table)["size"],
+    **{("train", name): D(Setup)[name] for name in ("width", "heads", "steps", "batch", "warmup", "seed", "every",
+                                                     "lr", "weight_decay")},
+    **{("train", name): D(BigramBackcopy)[name] for name in ("vocab", "triggers", "length")},
 }
 #: (measure, option) -> (command, option dest) where the CLI has the same option
 SWEEP_TO_CLI = {
