@@ -193,3 +193,24 @@ def test_a_recipe_without_a_kind_keeps_its_key_and_one_with_a_kind_says_it():
     picked = recipe.Recipe.of(lm, "fwd", kind="softpick")
     assert picked.key != plain.key and "softpick" in picked.describe()
     assert recipe.Recipe.from_dict(picked.to_dict()) == picked
+
+
+def test_the_analyses_over_the_engine_run_the_recipes_kind():
+    """Dataset sinks, the valley and the one opening of the scan, paths and patching read the recipe's kind: each
+    equals the capture under that kind and differs from the softmax's."""
+    import attnviz
+    from attnviz.effects import dataset, valley
+    from attnviz.effects.opening import Opening
+
+    lm = tiny.loaded("llama")
+    text = "the keeper lit the lamp and the ships passed"
+    soft, pick = recipe.Recipe.of(lm, "fwd"), recipe.Recipe.of(lm, "fwd", kind="softpick")
+    alphas = [dataset.sinks(lm, [text], r, max_len=16, n_samples=None).alpha for r in (soft, pick)]
+    assert not np.allclose(alphas[0], alphas[1], equal_nan=True)
+    captured = attnviz.capture(lm, text[:16], pick)
+    np.testing.assert_allclose(np.nanmean(alphas[1][0], -1), np.nanmean(
+        np.stack([captured.stat(layer, "alpha") for layer in range(lm.n_layers)]), -1), atol=1e-5)
+    h = [[row["entropy"] for row in valley.measure(lm, text, r).as_json()["layers"]] for r in (soft, pick)]
+    assert h[0][0] == pytest.approx(h[1][0]) and h[0][-1] != pytest.approx(h[1][-1])  # the input of layer 0 is the same
+    opened = Opening(lm, text, pick, "a test")
+    assert opened.computes.kind == kinds.Softpick()
