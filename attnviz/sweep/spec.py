@@ -164,7 +164,9 @@ def _check_corpus(name: str) -> None:
 
 def checkpoint_models(models: list[str]) -> list[str]:
     """The models with each run folder among them as its checkpoints, in step order (docs/sweeps.md#checkpoints);
-    two checkpoints of equal weights, of one run or of several, are refused in one line."""
+    two checkpoints of equal weights, of one run or of several, are refused in one line, and so are two Hub
+    revisions (``id@revision``) that serve the same weight files."""
+    from attnviz.core.loading import models as models_mod
     from attnviz.core.loading import runs
     from attnviz.lab import emergence
 
@@ -181,6 +183,20 @@ def checkpoint_models(models: list[str]) -> list[str]:
         emergence.guard(list(found.values()))
     except AttnvizError as err:
         raise InputError(f"spec: models: {err}") from None
+    served: dict[str, str] = {}
+    for model in dict.fromkeys(out):
+        if "@" not in model:
+            continue
+        try:
+            if models_mod.local_directory(model) is not None:  # a local folder whose name has an @
+                continue
+            digest = models_mod.revision_hash(model)  # a Hub revision
+        except AttnvizError as err:
+            raise InputError(f"spec: models: {err}") from None
+        if digest in served:
+            raise InputError(f"spec: models: '{served[digest]}' and '{model}' serve the same weights (hash "
+                             f"{digest}): a revision that serves another's weights, as hub step branches may")
+        served[digest] = model
     return list(dict.fromkeys(out))
 
 

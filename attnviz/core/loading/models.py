@@ -95,6 +95,35 @@ def hub_reachable(timeout: float = 2.0) -> bool:
         return False
 
 
+def hub_revision(name: str) -> tuple[str, str | None]:
+    """A Hub id and its revision from ``id@revision`` (a branch, tag or commit: Pythia's ``step1000`` branches), or
+    the id and None. Only for names that are no local directory: a Hub id has no ``@`` of its own."""
+    repo, at, revision = name.partition("@")
+    if at and (not repo or not revision):
+        raise InputError(f"'{name}': a Hub revision is written id@revision, e.g. EleutherAI/pythia-70m@step1000")
+    return (repo, revision) if at else (name, None)
+
+
+def revision_hash(name: str) -> str:
+    """A hash of the weight files the Hub serves at ``id@revision`` (their SHA-256 as the Hub lists them, nothing
+    downloaded): two revisions that serve the same weights have the same hash (docs/sweeps.md#checkpoints)."""
+    import hashlib
+
+    from huggingface_hub import HfApi
+
+    repo, revision = hub_revision(name)
+    try:
+        info = HfApi().model_info(repo, revision=revision, files_metadata=True)
+    except Exception as err:  # noqa: BLE001 - no network, no such repo or revision: one line
+        raise ModelLoadError(f"cannot read the weights of '{name}' from the Hub: "
+                             f"{(str(err).splitlines() or [type(err).__name__])[0]}") from None
+    files = sorted((s.rfilename, getattr(s.lfs, "sha256", None) or s.blob_id) for s in info.siblings or ()
+                   if s.rfilename.endswith((".safetensors", ".gguf")))
+    if not files:
+        raise ModelLoadError(f"'{name}' serves no safetensors or GGUF weights (attnviz loads only those)")
+    return hashlib.sha256(repr(files).encode()).hexdigest()[:16]
+
+
 def local_directory(name: str) -> str | None:
     """The model directory ``name`` names on this machine, or None when it names none (a Hub id).
 
@@ -166,7 +195,7 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
     # a mapped model's dtype follows where the map puts it: float32 on the CPU and disk, even on a GPU machine
     torch_dtype = _resolve_dtype(dtype, devices.mapped_device(device_map) if device_map else device)
     name = (model or "").strip() or DEFAULT
-    model_file = None
+    model_file, revision = None, None
     if name in SHIPPED:
         shipped = SHIPPED[name]
         source = str(converted(shipped, progress))
@@ -175,7 +204,7 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
     else:
         source, local = local_directory(name), True
         if source is None:
-            source, local = name, False
+            (source, revision), local = hub_revision(name), False
 
     progress(f"Loading {name}")
     if not local and not hub_reachable():
@@ -184,7 +213,7 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
             "reached from this machine — use 'default' or a local path"
         )
     try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, revision=revision)
     except OSError as err:
         from huggingface_hub import constants as hf_constants
 
@@ -211,9 +240,9 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
             "transformers' AttentionInterface, so attnviz cannot change or record its masks"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, revision=revision)
         kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True,
-                      attn_implementation=KEY)
+                      attn_implementation=KEY, revision=revision)
         if device_map:
             kwargs["device_map"] = device_map
             folder = Path(offload_folder) if offload_folder else cache_dir() / "offload" / Path(source).name
