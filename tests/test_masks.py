@@ -108,8 +108,10 @@ def test_bad_parameters(bad):
 
 def test_stablemask_pseudo_logits_and_alibi():
     pos = torch.arange(4)
-    np.testing.assert_allclose(M.stablemask(0.5).pseudo_logits(pos, 2).numpy(),
-                               np.tile(-0.5 * np.arange(4), (2, 1, 1)))
+    np.testing.assert_allclose(M.stablemask(0.5).pseudo_logits(pos, 2).numpy(), np.tile(-0.5 * np.arange(4), (2, 1)))
+    batch = torch.stack([pos, pos + 1])  # (B, n): the heads broadcast against the batch, (H, B, n)
+    np.testing.assert_allclose(M.stablemask(0.5).pseudo_logits(batch, 2).numpy(),
+                               np.tile(-0.5 * batch.numpy(), (2, 1, 1)))
     slopes = M.stable_gammas("alibi", 4).numpy()
     np.testing.assert_allclose(slopes, [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8])
 
