@@ -102,6 +102,7 @@ class Built:
     interventions: "Interventions"
     variant: object | None  # attnviz.core.engine.residual.Variant
     kind: object = None  # attnviz.core.spec.kinds.Kind, None for the model's own
+    own_kind: object = None  # the model's own kind (attnviz.core.spec.kinds.own), what runs where ``kind`` is None
 
     def only(self, purpose: str, *applies: str) -> "Built":
         """Refuse a recipe part that ``purpose`` does not apply (``applies``: "intervene", "prepend",
@@ -123,12 +124,12 @@ class Built:
 
         return Computes(tuple(self.architecture.layers), self.interventions, self.kind)
 
-    def softmax_only(self, purpose: str, own) -> "Built":
+    def softmax_only(self, purpose: str) -> "Built":
         """Refuse, for ``purpose``, which is defined on the softmax's weights (with a model's own learned sink), any
-        other kind: the recipe's, or ``own``, the model's own (docs/methods.md#attention-kinds)."""
+        other kind: the recipe's, or the model's own (docs/methods.md#attention-kinds)."""
         from attnviz.core.spec import kinds
 
-        kind = self.kind or own
+        kind = self.kind or self.own_kind
         if not isinstance(kind, (kinds.Softmax, kinds.Gate)) and kind != kinds.Sink():
             raise InputError(f"{purpose} is defined on the softmax's weights (and a model's own learned sink), "
                              f"not on {kind.spec}'s (docs/methods.md#attention-kinds)")
@@ -160,7 +161,7 @@ def build(loaded: "LoadedModel", arch="fwd", intervene=None, prepend: str | None
 
     recipe, architecture, acts, residual = _canonical(loaded, arch, intervene, prepend, residual, kind)
     return Built(recipe, architecture, acts, residual_mod.resolve(loaded, residual),
-                 kinds.parse(recipe.kind) if recipe.kind else None)
+                 kinds.parse(recipe.kind) if recipe.kind else None, kinds.own(loaded.model))
 
 
 def _canonical(loaded: "LoadedModel", arch, intervene, prepend, residual, kind=None):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnviz.core.spec import allowsets, kinds
+from attnviz.core.spec import allowsets
 from attnviz.core import engine
 from attnviz.core.engine import sites
 from attnviz.core.loading.models import LoadedModel
@@ -108,7 +108,7 @@ class KeptForward:
         """``recipe``: an architecture string or a recipe; ``upto``: the highest layer asked about (sources are kept
         below it; default every layer); ``on_layer(done, total)`` reports the forward's progress."""
         opened = Opening(loaded, text, recipe, "score attribution")
-        opened.built.softmax_only("score attribution", kinds.own(loaded.model))
+        opened.built.softmax_only("score attribution")
         self.scheme = schemes.scheme(loaded)
         self.loaded, self.built, self.ids, self.tokens = loaded, opened.built, opened.ids, opened.tokens
         self.upto = loaded.n_layers - 1 if upto is None else upto

@@ -155,12 +155,11 @@ def prepare(loaded, text: str, recipe="fwd", layer: int | str = -1, ks=KS, kind:
     from attnviz import recipe as recipe_mod
     from attnviz.capture import parse_layers
     from attnviz.capture import prepare as prepare_capture
-    from attnviz.core.spec import kinds as kinds_mod
     from attnviz.plan import Keep
 
     if kind not in PROJECTIONS:
         raise InputError(f"unknown projection '{kind}': use 'segment' or 'gaussian'")
-    recipe_mod.build(loaded, recipe).softmax_only("the Linformer what-if", kinds_mod.own(loaded.model))
+    recipe_mod.build(loaded, recipe).softmax_only("the Linformer what-if")
     layers = parse_layers(str(layer), loaded.n_layers)
     if len(layers) != 1:
         raise InputError(f"the Linformer what-if reads one layer, got '{layer}'")
