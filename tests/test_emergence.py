@@ -130,6 +130,35 @@ def test_equal_weights_are_refused_naming_both(run, tmp_path):
         emergence.table([copied / "step-4", copied / "step-8"], size=SIZE)
 
 
+def test_checkpoints_without_hashes_are_guarded_by_their_files_and_each_loaded_once(run, tmp_path, monkeypatch):
+    from attnviz.core.loading import models
+
+    copied = _copy_run(run, tmp_path, {2: 2, 4: 4})
+    for step in (2, 4):  # checkpoints written before the trainer kept a hash
+        path = copied / f"step-{step}" / "attnviz_run.json"
+        meta = json.loads(path.read_text())
+        del meta["hash"]
+        path.write_text(json.dumps(meta))
+    loads = []
+    real = models.load
+    monkeypatch.setattr(models, "load", lambda name, **kw: loads.append(name) or real(name, **kw))
+    found = emergence.table(copied, size=SIZE)
+    assert sorted(loads) == sorted(str(copied / f"step-{s}") for s in (2, 4))  # one load each, for its forward
+    original = emergence.table(run, size=SIZE)
+    original = original[original["step"].isin([2, 4])].reset_index(drop=True)
+    # the column is the trainer's hash, computed from the model loaded for the forward
+    assert list(found["hash"]) == list(original["hash"])
+    # the guard's hash is the weight files' (name, SHA-256), as the Hub lists a revision's
+    import hashlib
+
+    weights = copied / "step-4" / "model.safetensors"
+    listed = [("model.safetensors", hashlib.sha256(weights.read_bytes()).hexdigest())]
+    assert models.folder_hash(copied / "step-4") == hashlib.sha256(repr(listed).encode()).hexdigest()[:16]
+    assert models.folder_hash(copied / "step-2") != models.folder_hash(copied / "step-4")
+    with pytest.raises(Exception, match="no safetensors or GGUF"):
+        models.folder_hash(tmp_path)
+
+
 def test_a_folder_without_checkpoints_is_refused_in_one_line(tmp_path):
     (tmp_path / "empty").mkdir()
     for given in (tmp_path / "empty", tmp_path / "missing", []):

@@ -99,20 +99,19 @@ def weights_hash(checkpoint: Checkpoint, loaded=None, computed: bool = False) ->
     return train.weights_hash((loaded or models.load(str(checkpoint.folder), dtype="float32")).model)
 
 
-def guard(found: list[Checkpoint]) -> dict[Path, str]:
-    """Each checkpoint's weights hash; two equal ones are refused in one line naming both. Where one lacks a hash in
-    its metadata, every hash is computed from the weights, so all are compared by one function."""
+def guard(found: list[Checkpoint]) -> None:
+    """Two checkpoints with equal weights are refused in one line naming both. Their metadata's hashes are compared
+    where every checkpoint has one (every lab checkpoint does); else their weight files' hashes
+    (:func:`attnviz.core.loading.models.folder_hash`), read without building any model, so all are compared by one
+    function."""
     seen: dict[str, Checkpoint] = {}
-    hashes = {}
-    computed = any(not c.meta.get("hash") for c in found)
+    by_meta = all(c.meta.get("hash") for c in found)
     for checkpoint in found:
-        digest = weights_hash(checkpoint, computed=computed)
+        digest = str(checkpoint.meta["hash"]) if by_meta else models.folder_hash(checkpoint.folder)
         if digest in seen:
             raise InputError(f"'{seen[digest].folder}' (step {seen[digest].step}) and '{checkpoint.folder}' (step "
                              f"{checkpoint.step}) have the same weights (hash {digest}): one checkpoint served twice")
         seen[digest] = checkpoint
-        hashes[checkpoint.folder] = digest
-    return hashes
 
 
 @dataclass(frozen=True)
@@ -263,14 +262,15 @@ def table(run_or_checkpoints, probe=None, recipe: str | None = None, eps: float 
 
     eps = metrics.check_eps(eps)
     found = checkpoints(run_or_checkpoints)
-    hashes = guard(found)
+    guard(found)
     chosen = _probe_for(probe, found, size)
     rows = []
     for i, checkpoint in enumerate(found):
         loaded = models.load(str(checkpoint.folder), dtype="float32")
         arch = recipe or checkpoint.get("arch") or "fwd"
         measured = measure(loaded, text_probe(loaded, chosen) if isinstance(chosen, str) else chosen, arch, eps)
-        rows += [row_of(checkpoint, hashes[checkpoint.folder], arch, loaded, r) for r in measured]
+        digest = weights_hash(checkpoint, loaded)  # its metadata's, else from the model loaded here (one load)
+        rows += [row_of(checkpoint, digest, arch, loaded, r) for r in measured]
         del loaded
         if on_step:
             on_step(i + 1, len(found))

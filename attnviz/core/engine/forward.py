@@ -16,6 +16,7 @@ from attnviz.core.model import anatomy, head
 from attnviz.core.record import recorders as recorders_mod
 from attnviz.core.engine.attention import prepare
 from attnviz.core.engine.hooks import hook_blocks, checkpoint_inputs, resumable_layers
+from attnviz.core.spec import kinds
 from attnviz.core.spec.interventions import BLOCKS
 from attnviz.core.engine.run import Computes, Feed, Record, Run, active, n_layers
 from attnviz.core.sizing.sizes import Sizes
@@ -82,7 +83,9 @@ def make_run(model, input_ids: torch.Tensor, computes, record: Record = Record()
     return Run(masks, frozenset(range(total) if record.layers is None else record.layers), positions, valid,
                recorders=record.recorders if record.recorders is not None else recorders_mod.for_record(record),
                on_layer=record.on_layer, model_window=model_window,
-               keep_graph=record.keep_graph, interventions=computes.interventions, kind=computes.kind,
+               keep_graph=record.keep_graph, interventions=computes.interventions,
+               # the model's own kind looked up once a run, not at every layer's call
+               kind=computes.kind if computes.kind is not None else kinds.own(getattr(model, "config", None)),
                sizes=record.sizes or Sizes.given(record.block_bytes, record.whole_allow_bytes),
                unpadded=True if kv_positions is not None or attention_mask is None else None,
                checkpoint_layers=frozenset(record.checkpoints))

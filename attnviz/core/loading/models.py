@@ -124,6 +124,24 @@ def revision_hash(name: str) -> str:
     return hashlib.sha256(repr(files).encode()).hexdigest()[:16]
 
 
+def folder_hash(folder) -> str:
+    """A hash of the weight files in a local model folder, as :func:`revision_hash` makes it from the Hub's listing
+    (each file's name and SHA-256): a folder copied from a revision hashes as that revision; no model is built."""
+    import hashlib
+
+    files = []
+    for path in sorted(Path(folder).iterdir()):
+        if path.is_file() and path.name.endswith((".safetensors", ".gguf")):
+            digest = hashlib.sha256()
+            with path.open("rb") as handle:
+                for chunk in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(chunk)
+            files.append((path.name, digest.hexdigest()))
+    if not files:
+        raise ModelLoadError(f"'{folder}' holds no safetensors or GGUF weights (attnviz loads only those)")
+    return hashlib.sha256(repr(files).encode()).hexdigest()[:16]
+
+
 def local_directory(name: str) -> str | None:
     """The model directory ``name`` names on this machine, or None when it names none (a Hub id).
 
