@@ -118,8 +118,12 @@ def _run(func, args, kwargs):
     if func in COPIES:
         return args[0]
     if to_device:
-        return tree_map(lambda t: OnDevice(t) if isinstance(t, torch.Tensor) and not isinstance(t, OnDevice) else t,
-                        out)
+        # a view of a tensor made outside inference mode shares its version counter, as on a GPU: its wrapper is
+        # made outside inference mode too (an inference tensor has none to share)
+        normal = func.is_view and any(not t.is_inference() for t in on)
+        with torch.inference_mode(False) if normal else contextlib.nullcontext():
+            return tree_map(lambda t: OnDevice(t) if isinstance(t, torch.Tensor) and not isinstance(t, OnDevice)
+                            else t, out)
     return out
 
 

@@ -198,3 +198,71 @@ def test_other_accelerators_copy_to_the_host_and_wait(monkeypatch):
         elsewhere.TRANSFERS.clear()
         assert devices.HostCopy(made).result().tolist() == [0.0, 1.0, 2.0, 3.0]
         assert [kind for kind, _ in elsewhere.TRANSFERS] == ["wait"]
+
+
+# --- the newer analyses: the scan, paths, patching, the valley, routes, the emergence table, the attention kinds ----
+
+def test_the_causal_scan_and_activation_patching():
+    from attnviz.effects.causal import scan
+    from attnviz.effects.patching import patching
+
+    def run(lm):
+        return (scan(lm, TEXT, leaders=False),
+                patching(lm, "The cat sat on the mat and", "The dog sat on the hat and", "P", "R", site="resid"))
+
+    (a, pa), (b, pb) = both(run)
+    assert [c.source for c in b.checks] == [c.source for c in a.checks] and b.necessary == a.necessary
+    for mine, theirs in zip(b.checks, a.checks):
+        # float32's limit between devices (docs/methods.md#devices): SDPA on the simulated device is torch's math form
+        np.testing.assert_allclose(mine.after.attention, theirs.after.attention, atol=1e-4, equal_nan=True)
+    np.testing.assert_allclose(pb.effect, pa.effect, atol=1e-4)
+
+
+def test_path_patching():
+    from attnviz.effects.paths import paths
+
+    a, b = both(lambda lm: paths(lm, TEXT, "fwd", "mlp.0", "attn.1,keys.2,mlp.1,head,all"), "gemma3_text")
+    assert b.after.keys() == a.after.keys()
+    for key, profile in a.after.items():
+        np.testing.assert_allclose(b.after[key].attention, profile.attention, atol=1e-5, equal_nan=True)
+        assert b.after[key].perplexity == pytest.approx(profile.perplexity, rel=1e-5)
+
+
+def test_the_compression_valley():
+    from attnviz.effects import valley
+
+    a, b = both(lambda lm: valley.measure(lm, TEXT * 3, "fwd"))
+    np.testing.assert_allclose(b.entropy, a.entropy, atol=1e-5)
+    np.testing.assert_allclose(b.first_norm, a.first_norm, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_oss"])
+def test_routes(kind):
+    """Every layer's contributions: the Routes page's trace, on the torch path a device without Triton takes."""
+    from attnviz.flow.trace import trace
+
+    a, b = both(lambda lm: trace(lm, TEXT), kind)
+    assert b.sink_keys == a.sink_keys
+    for mine, theirs in zip(b.layers, a.layers):
+        np.testing.assert_allclose(mine.dense(b.n_heads, b.n_tokens), theirs.dense(a.n_heads, a.n_tokens), atol=1e-5)
+        np.testing.assert_allclose(mine.mlp, theirs.mlp, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["softpick", "sigmoid", "sink(logit=0)"])
+def test_each_attention_kind_and_the_emergence_measures(kind):
+    from attnviz.lab import emergence
+    from attnviz.recipe import Recipe
+
+    probe = emergence.Probe.of(torch.arange(3, 27))
+
+    def run(lm):
+        recipe = Recipe.of(lm, "fwd", kind=kind)
+        return capture(lm, TEXT, recipe, Keep(storage_dtype=torch.float32)), emergence.measure(lm, probe, recipe)
+
+    (a, ra), (b, rb) = both(run)
+    for layer in a.layers:
+        np.testing.assert_allclose(b.layer_probs(layer), a.layer_probs(layer), atol=1e-5)
+    assert len(rb) == len(ra)
+    for mine, theirs in zip(rb, ra):
+        for name, value in theirs.items():
+            assert mine[name] == pytest.approx(value, rel=1e-4, abs=1e-5, nan_ok=True), name
