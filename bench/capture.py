@@ -1,7 +1,8 @@
-"""Capture cost on the default model, against HF eager ``output_attentions=True`` in the same run.
+"""Capture cost on a model, against HF eager ``output_attentions=True`` in the same run.
 
-    python bench/capture.py --n 1024 [--repeat 3]
+    python bench/capture.py --n 1024 [--repeat 3] [--model default] [--device cuda]
 
+The model is the default one unless ``--model`` names another (a Hugging Face id or a saved model's folder).
 Measures a plain SDPA forward, HF eager with ``output_attentions=True``, attnviz capture of all
 layers (``attnviz.capture``: fp16 storage, held packed) and of one layer, and the engine's forward alone
 with every layer's maps whole (``engine_all_whole_maps``: what the capture packs). Time is the median of
@@ -79,9 +80,10 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1024, help="sequence length in tokens")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", default="default", help="'default', a Hugging Face id or a saved model's folder")
     args = parser.parse_args()
 
-    loaded = load("default", device=args.device)
+    loaded = load(args.model, device=args.device)
     source = Path(loaded.model.name_or_path)
     models = {impl: AutoModelForCausalLM.from_pretrained(source, attn_implementation=impl, dtype=torch.float32,
                                                          use_safetensors=True).to(args.device).eval()

@@ -1,6 +1,10 @@
-"""Evaluation and streaming cost on the default model, against stock transformers in the same run.
+"""Evaluation and streaming cost on a model, against stock transformers in the same run.
 
-    python bench/effects.py [--eval-tokens 2048] [--window 512] [--stream-tokens 200] [--repeat 3]
+    python bench/effects.py [--eval-tokens 2048] [--window 512] [--stream-tokens 200] [--repeat 3] [--model default]
+
+The model is the default one unless ``--model`` names another, on the device ``attnviz.load`` chooses
+(``ATTNVIZ_DEVICE``, else CUDA where present); the stock model is loaded from the same folder, in the same dtype
+and on the same device.
 
 - eval: attnviz ``evaluate`` under FWD against a stock SDPA model's forward + loss (``labels=``) on
   the same windows of the stdlib corpus (goal <= 1.2x);
@@ -15,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -24,13 +27,7 @@ from transformers import AutoModelForCausalLM
 from attnviz import corpus, load
 from attnviz.effects.evaluate import evaluate, token_ids, windows
 from attnviz.effects.streaming import stream
-from common import ids_on
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+from common import ids_on, timed
 
 
 def main() -> None:
@@ -39,11 +36,13 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--stream-tokens", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--model", default="default", help="'default', a Hugging Face id or a saved model's folder")
     args = parser.parse_args()
 
-    loaded = load("default")
+    loaded = load(args.model)
     stock = AutoModelForCausalLM.from_pretrained(Path(loaded.model.name_or_path), attn_implementation="sdpa",
-                                                 dtype=torch.float32, use_safetensors=True).eval()
+                                                 dtype=loaded.model.dtype, use_safetensors=True)
+    stock = stock.to(loaded.model.device).eval()
     stock.generation_config.eos_token_id = None
     ids = token_ids(loaded, corpus.stdlib().text, args.eval_tokens)
     spans = windows(len(ids), args.window, args.window)
@@ -72,13 +71,14 @@ def main() -> None:
 
     with torch.inference_mode():  # warm-up
         stock(ids_on(stock, ids[:32]))
-    evaluate(loaded, ids[:64], "fwd", window=64)
+    warm = ids[:64]
+    evaluate(loaded, warm, "fwd", window=len(warm))
 
     times: dict[str, list[float]] = {name: [] for name in ("hf_eval", "ours_eval", "hf_generate", "ours_stream")}
     for _ in range(args.repeat):
         for name, fn in [("hf_eval", hf_eval), ("ours_eval", ours_eval), ("hf_generate", hf_generate),
                          ("ours_stream", ours_stream)]:
-            times[name].append(timed(fn))
+            times[name].append(timed(loaded.model, fn))
     med = {name: statistics.median(values) for name, values in times.items()}
     print(f"hf_forward_loss   tokens={len(ids)} window={args.window} time_s={med['hf_eval']:.3f}")
     print(f"attnviz_eval_fwd  tokens={len(ids)} window={args.window} time_s={med['ours_eval']:.3f}")

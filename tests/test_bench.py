@@ -1,9 +1,10 @@
 """The benchmarks run on whatever device the model is on: no bench makes a tensor on the CPU for a model that may be
 on a GPU (bench/scan.py's plain forward did: "index is on cpu, different from other tensors on cuda:0"), the shared
-helpers put ids on the model's device, and bench/scan.py runs end to end on a saved model (on CUDA where there is
-one: the test marked ``cuda``)."""
+helpers put ids on the model's device, and bench/scan.py and every other bench that times a model run end to end on
+a saved model (on CUDA where there is one: the tests marked ``cuda``)."""
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,20 @@ BENCH = ROOT / "bench"
 sys.path.insert(0, str(BENCH))
 MADE_HERE = {"tensor", "zeros", "ones", "arange", "full", "empty", "randn", "rand", "randint"}
 OWN_DEVICE = {"common.py", "gpu.py", "kernel_regs.py"}  # the helpers, and the GPU benches that place every tensor
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+#: (bench, tiny arguments, how its last line starts, a field that line holds), for each bench that takes --model
+#: (bench/scan.py has its own test)
+MODEL_BENCHES = [
+    ("capture.py", ["--n", "48", "--repeat", "1"], "capture_all_vs_eager N=48 ", "time_ratio="),
+    ("command.py", ["--n", "48", "--repeat", "1"], "command n=", "ratio="),
+    ("effects.py", ["--eval-tokens", "48", "--window", "24", "--stream-tokens", "8", "--repeat", "1"], "effects ",
+     "eval_ratio="),
+    ("explain.py", ["--n", "48", "--repeat", "1"], "explain n=", "cell_ratio="),
+    ("long.py", ["--n", "48", "--repeat", "1"], "long n=", "time_ratio="),
+    ("region.py", ["--n", "48", "--repeat", "1"], "region n=", "speedup="),
+    ("routes.py", ["--n", "40", "--repeat", "1"], "routes n=40 ", "ratio="),
+]
+TAKE_DEVICE = {"capture.py", "routes.py"}  # the benches with a --device of their own; the others read ATTNVIZ_DEVICE
 
 
 def test_no_bench_makes_a_tensor_without_naming_its_device():
@@ -43,7 +58,7 @@ def test_ids_land_on_the_model_s_device():
     assert timed(model, lambda: None) >= 0
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_scan_bench_runs_on_the_model_s_device(device, model_cache, tmp_path):
     where = tmp_path / "tiny-llama"
     tiny.build("llama").save_pretrained(where)
@@ -53,6 +68,35 @@ def test_the_scan_bench_runs_on_the_model_s_device(device, model_cache, tmp_path
     assert out.returncode == 0, out.stderr[-2000:]
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("scan ") and f"device={device}" in last and "ratio=" in last
+
+
+@pytest.fixture(scope="module")
+def saved_llama(model_cache, tmp_path_factory):
+    """A tiny Llama saved as a model folder, once for the module. Its character tokenizer decodes without a space
+    between tokens, so that a text decoded from N tokens tokenizes back to N tokens (bench/capture.py checks it)."""
+    from tokenizers import decoders
+
+    where = tmp_path_factory.mktemp("benches") / "tiny-llama"
+    tiny.build("llama").save_pretrained(where)
+    tokenizer = tiny.char_tokenizer()
+    tokenizer.backend_tokenizer.decoder = decoders.Fuse()
+    tokenizer.save_pretrained(where)
+    return where
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bench,arguments,start,field", MODEL_BENCHES, ids=[row[0] for row in MODEL_BENCHES])
+def test_every_model_bench_runs_end_to_end_on_a_saved_model(bench, arguments, start, field, device, saved_llama):
+    """A GPU machine has no default model, only a saved one (bench/random_model.py): each bench loads the model it
+    is given, in each process it starts, on the device asked for, and shapes its run to that model's layers."""
+    command = [sys.executable, str(BENCH / bench), "--model", str(saved_llama), *arguments]
+    if bench in TAKE_DEVICE:
+        command += ["--device", device]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "ATTNVIZ_DEVICE": device})
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith(start) and field in last, out.stdout[-2000:]
 
 
 def test_a_gpu_s_host_dispatches_a_bounded_few_operations_for_each_recorded_layer():
