@@ -10,7 +10,7 @@ On a model (the default one unless ``--model`` names another, on the device ``at
   attribution;
 - ``key``: the same for key 0 over every query that sees it (``query="all"``);
 - ``view``: the query-key view of that head on an already recorded residual stream (transform, PCA and
-  the Plotly figure).
+  the Plotly figure; without Plotly installed, as on a GPU machine here, the view alone).
 Medians of ``--repeat`` runs. Ends with ``explain n=<N> cell_ratio=<cell/capture> key_ratio=<key/capture>
 view_s=<s>`` (goals: both ratios <= 1.5; the view within 2 s). Measure on a quiet machine.
 """
@@ -42,7 +42,11 @@ def main() -> None:
     import attnviz
     from attnviz import corpus
     from attnviz.effects.explain import KeptForward, query_key_view
-    from attnviz.figures.why import query_key_figure
+
+    try:  # the view's figure needs Plotly, which a GPU machine may lack: the view is then timed without it
+        from attnviz.figures.why import query_key_figure
+    except ImportError:
+        query_key_figure = None
 
     lm = attnviz.load(args.model)
     layer, head = lm.n_layers - 1, min(3, lm.n_heads - 1)
@@ -59,7 +63,8 @@ def main() -> None:
         times["cell"].append(timed(lm.model, lambda: attnviz.explain(lm, text, "fwd", query=n - 1, **cell))[0])
         times["key"].append(timed(lm.model, lambda: attnviz.explain(lm, text, "fwd", query="all", **cell))[0])
         kept = KeptForward(lm, text, "fwd")
-        times["view"].append(timed(lm.model, lambda: query_key_figure(query_key_view(kept, layer, head)))[0])
+        draw = query_key_figure or (lambda view: view)
+        times["view"].append(timed(lm.model, lambda: draw(query_key_view(kept, layer, head)))[0])
         print({k: round(v[-1], 3) for k, v in times.items()}, flush=True)
     m = {k: statistics.median(v) for k, v in times.items()}
     print(f"explain n={n} capture_s={m['capture']:.2f} cell_s={m['cell']:.2f} key_s={m['key']:.2f} "

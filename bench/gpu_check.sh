@@ -5,8 +5,9 @@
 # Needs the default model's config and tokenizer in .gpu/smol (a loaded model's config.save_pretrained and
 # tokenizer.save_pretrained), from which bench/random_model.py makes a random-weight model of its shape. Writes
 # gpu.log (the card, the CUDA tests, every bench line), sweep.log (bench/kernel_sweep.py) and profile.log.
-# Each step has its own time limit, so one that hangs leaves the others' lines. Every step together runs past one
-# call's ten minutes: split them, e.g. STEPS="tests lab doctor", then STEPS="sweep stats profile routes scan".
+# Each step has its own time limit, so one that hangs leaves the others' lines. The limits add up past one call's
+# ten minutes: split the steps, e.g. STEPS="tests doctor", then STEPS="stats routes scan", then STEPS="lab" (LAB_SEEDS
+# picks seeds), then STEPS="sweep profile".
 set -u
 out=${1:-${OUT:-/tmp/attnviz-gpu}}
 steps=" ${STEPS:-tests sweep stats profile routes scan lab doctor} "

@@ -110,7 +110,8 @@ def guard(found: list[Checkpoint]) -> None:
         digest = str(checkpoint.meta["hash"]) if by_meta else models.folder_hash(checkpoint.folder)
         if digest in seen:
             raise InputError(f"'{seen[digest].folder}' (step {seen[digest].step}) and '{checkpoint.folder}' (step "
-                             f"{checkpoint.step}) have the same weights (hash {digest}): one checkpoint served twice")
+                             f"{checkpoint.step}) have the same weights ({'hash' if by_meta else 'weight files hash'} "
+                             f"{digest}): one checkpoint served twice")
         seen[digest] = checkpoint
 
 
