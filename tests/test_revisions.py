@@ -68,3 +68,18 @@ def test_a_revision_the_hub_does_not_serve_is_one_line(hub):
     with pytest.raises(InputError, match="cannot read the weights of 'EleutherAI/pythia-70m@step7'") as err:
         checkpoint_models(["EleutherAI/pythia-70m@step7"])
     assert "\n" not in str(err.value)
+
+
+def test_a_folder_copied_from_a_revision_hashes_as_that_revision(tmp_path, monkeypatch):
+    import hashlib
+
+    import huggingface_hub
+
+    (tmp_path / "model.safetensors").write_bytes(b"weights of step1000")
+    (tmp_path / "config.json").write_text("{}")  # not a weight file: in neither hash
+    served = hashlib.sha256(b"weights of step1000").hexdigest()
+    listing = SimpleNamespace(siblings=[SimpleNamespace(rfilename="config.json", lfs=None, blob_id="c"),
+                                        SimpleNamespace(rfilename="model.safetensors",
+                                                        lfs=SimpleNamespace(sha256=served), blob_id="x")])
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, *a, **k: listing)
+    assert models.folder_hash(tmp_path) == models.revision_hash("EleutherAI/pythia-70m@step1000")

@@ -104,11 +104,20 @@ def hub_revision(name: str) -> tuple[str, str | None]:
     return (repo, revision) if at else (name, None)
 
 
+#: the weight files attnviz loads, and the ones a revision's or a folder's hash covers
+WEIGHT_FILES = (".safetensors", ".gguf")
+
+
+def _listing_hash(files: list[tuple[str, str]]) -> str:
+    """One hash of weight files listed as (name, SHA-256), in name order: the Hub's listing and a folder's agree."""
+    import hashlib
+
+    return hashlib.sha256(repr(sorted(files)).encode()).hexdigest()[:16]
+
+
 def revision_hash(name: str) -> str:
     """A hash of the weight files the Hub serves at ``id@revision`` (their SHA-256 as the Hub lists them, nothing
     downloaded): two revisions that serve the same weights have the same hash (docs/sweeps.md#checkpoints)."""
-    import hashlib
-
     from huggingface_hub import HfApi
 
     repo, revision = hub_revision(name)
@@ -117,11 +126,11 @@ def revision_hash(name: str) -> str:
     except Exception as err:  # noqa: BLE001 - no network, no such repo or revision: one line
         raise ModelLoadError(f"cannot read the weights of '{name}' from the Hub: "
                              f"{(str(err).splitlines() or [type(err).__name__])[0]}") from None
-    files = sorted((s.rfilename, getattr(s.lfs, "sha256", None) or s.blob_id) for s in info.siblings or ()
-                   if s.rfilename.endswith((".safetensors", ".gguf")))
+    files = [(s.rfilename, getattr(s.lfs, "sha256", None) or s.blob_id) for s in info.siblings or ()
+             if s.rfilename.endswith(WEIGHT_FILES)]
     if not files:
         raise ModelLoadError(f"'{name}' serves no safetensors or GGUF weights (attnviz loads only those)")
-    return hashlib.sha256(repr(files).encode()).hexdigest()[:16]
+    return _listing_hash(files)
 
 
 def folder_hash(folder) -> str:
@@ -130,8 +139,8 @@ def folder_hash(folder) -> str:
     import hashlib
 
     files = []
-    for path in sorted(Path(folder).iterdir()):
-        if path.is_file() and path.name.endswith((".safetensors", ".gguf")):
+    for path in Path(folder).iterdir():
+        if path.is_file() and path.name.endswith(WEIGHT_FILES):
             digest = hashlib.sha256()
             with path.open("rb") as handle:
                 for chunk in iter(lambda: handle.read(1 << 20), b""):
@@ -139,7 +148,7 @@ def folder_hash(folder) -> str:
             files.append((path.name, digest.hexdigest()))
     if not files:
         raise ModelLoadError(f"'{folder}' holds no safetensors or GGUF weights (attnviz loads only those)")
-    return hashlib.sha256(repr(files).encode()).hexdigest()[:16]
+    return _listing_hash(files)
 
 
 def local_directory(name: str) -> str | None:
