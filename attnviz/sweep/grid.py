@@ -38,11 +38,12 @@ def axes(frame: pd.DataFrame) -> list[str]:
 
 
 def default_axes(frame: pd.DataFrame) -> tuple[str, str]:
-    """Two keys to start from: those whose values differ between the runs (seed last: it is what a cell spans)."""
+    """Two keys to start from: those whose values differ between the runs (seed last: it is what a cell spans), then
+    kind and arch."""
     keys, rows = axes(frame), _trained(frame)
     varying = [k for k in keys if rows[k].nunique(dropna=False) > 1]
     ordered = [k for k in varying if k != "seed"] + [k for k in varying if k == "seed"] + \
-        [k for k in keys if k not in varying]
+        [k for k in ALWAYS if k not in varying] + [k for k in keys if k not in varying and k not in ALWAYS]
     return ordered[0], ordered[1]
 
 
