@@ -13,7 +13,7 @@ from collections import defaultdict
 
 import pandas as pd
 
-FORMED = 0.5
+from attnviz.lab.emergence import FORMED  # the lab's one threshold (0.5), the Sweeps page's grid reads it too
 
 
 def one(frame: pd.DataFrame) -> dict:
