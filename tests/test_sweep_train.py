@@ -65,10 +65,10 @@ def test_the_train_table_is_read_off_the_lab_dataclasses():
     assert cell.id.startswith("sigmoid-fwd-wd0.1-s1-") and len({c.id for c in grid.train}) == 8
     assert isinstance(grid.train[0].values["weight_decay"], float)  # 0 taken as the field's float
     # measures default to emergence; each checkpoint × measure is a cell, named by its run and step
-    cells = train_mod.measure_cells(cell, "/runs", grid.measures, grid.interventions, grid.corpora)
+    cells = grid.run_cells(cell, "/runs")
     assert [c.model for c in cells] == [f"/runs/{cell.id}/step-{s}" for s in (0, 1, 2, 4, 8, 10, 20)]
     assert cells[0].id.startswith(f"{cell.id}-step0-") and cells[0].arch == "fwd"
-    assert train_mod.measure_cells(cell, "/elsewhere", grid.measures, [""], ["stdlib"])[0].id == cells[0].id
+    assert grid.run_cells(cell, "/elsewhere")[0].id == cells[0].id  # the same cell wherever the runs are
     # [[train]]: grids joined; the keys another table named are columns of every run
     joined = spec_mod.parse('[[train]]\nkind = ["softmax", "sink"]\n[[train]]\nkind = "softmax"\narch = "stablemask"\n'
                             'seed = [0, 1]\n')

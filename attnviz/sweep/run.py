@@ -32,6 +32,7 @@ from attnviz.errors import AttnvizError
 from attnviz.recipe import Recipe
 from attnviz.sweep import measures, store
 from attnviz.sweep import train as train_mod
+from attnviz.sweep import spec as spec_mod
 from attnviz.sweep.spec import Cell, Spec
 
 #: environment a worker needs to find the same models offline (a cluster's workers do not inherit ours); attnviz's
@@ -86,7 +87,7 @@ def run_training(out: str, runs: str, cell: train_mod.TrainCell, todo: list[Cell
 
     start = time.perf_counter()
     folder = Path(runs) / cell.id
-    marker = train_mod.marker(cell, runs)
+    marker = spec_mod.run_marker(cell, runs)
     try:
         before = runs_mod.steps_of(folder)
         last = train(cell.setup, folder, on_step=on_step)
@@ -169,8 +170,7 @@ def sweep(spec: Spec, out: str, address: str | None = None, workers: int | None 
     folder = runs_folder(out, runs) if spec.train else ""
     trainings = []  # (cell, its measure cells left, recorded): a run is done once recorded and measured
     for cell in spec.train:
-        left = [c for c in train_mod.measure_cells(cell, folder, spec.measures, spec.interventions, spec.corpora)
-                if c.id not in finished]
+        left = [c for c in spec.run_cells(cell, folder) if c.id not in finished]
         if cell.id not in finished or left:
             trainings.append((cell, left, cell.id in finished))
     total = len(cells) + len(spec.train)

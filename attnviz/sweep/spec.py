@@ -134,6 +134,25 @@ class Spec:
                             out.append(Cell(measure, model, arch, act, corpus, options))
         return out
 
+    def run_cells(self, run, runs: str) -> list[Cell]:
+        """The measure cells of one training cell ``run`` (:class:`.train.TrainCell`) whose run is in the folder
+        ``runs``: each checkpoint (:meth:`~attnviz.lab.train.Setup.checkpoints`, known before it is trained) ×
+        measure (× intervention where the measure takes one) × corpus, under the run's own mask."""
+        out = []
+        for step in run.setup.checkpoints():
+            for measure, options in self.measures.items():
+                for act in dict.fromkeys(self.interventions if measure in INTERVENES else [""]):
+                    for corpus in self.corpora:
+                        out.append(Cell(measure, f"{runs}/{run.id}/step-{step}", run.setup.arch, act, corpus, options,
+                                        train=run.info(step)))
+        return out
+
+
+def run_marker(run, runs: str) -> Cell:
+    """The cell that records a trained run itself (``train/<run id>.parquet``: its last step, loss and hash; a failed
+    run's error), written once the run is trained."""
+    return Cell("train", f"{runs}/{run.id}", run.setup.arch, "", "", {}, train=run.info())
+
 
 def _strings(raw: dict, key: str, default: list[str] | None) -> list[str]:
     value = raw.get(key, default)

@@ -152,25 +152,3 @@ def _named(setup, key: str):
         return next(name for name, cls in _task_classes().items() if isinstance(setup.task, cls))
     return getattr(setup, key) if hasattr(setup, key) and key != "task" else getattr(setup.task, key, None)
 
-
-def measure_cells(cell: TrainCell, runs: str, measures: dict, interventions: list[str], corpora: list[str]) -> list:
-    """The measure cells of one run: each checkpoint (:meth:`~attnviz.lab.train.Setup.checkpoints`, known before it
-    is trained) × measure (× intervention where the measure takes one) × corpus, under the run's own mask."""
-    from attnviz.sweep.spec import INTERVENES, Cell
-
-    out = []
-    for step in cell.setup.checkpoints():
-        for measure, options in measures.items():
-            for act in dict.fromkeys(interventions if measure in INTERVENES else [""]):
-                for corpus in corpora:
-                    out.append(Cell(measure, f"{runs}/{cell.id}/step-{step}", cell.setup.arch, act, corpus, options,
-                                    train=cell.info(step)))
-    return out
-
-
-def marker(cell: TrainCell, runs: str):
-    """The cell that records the run itself (``train/<run id>.parquet``: its last step, loss and hash; a failed run's
-    error), written once the run is trained."""
-    from attnviz.sweep.spec import Cell
-
-    return Cell("train", f"{runs}/{cell.id}", cell.setup.arch, "", "", {}, train=cell.info())
