@@ -37,7 +37,7 @@ with st.expander("Run a small sweep here (local Ray)", expanded=False):
             st.error(str(err))
         else:
             cells = asked.cells()
-            refused = sweep_room(asked.models)
+            refused = sweep_room(asked.models) if asked.models else None
             if asked.train:
                 st.error("Training grids ([train]) run with `attnviz sweep spec.toml --out DIR`; this page draws "
                          "their results.")

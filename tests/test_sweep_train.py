@@ -83,6 +83,15 @@ def test_the_train_table_is_read_off_the_lab_dataclasses():
     assert type(text).__name__ == "Text" and text.length == 8
 
 
+def test_the_runs_folder_is_beside_the_results_or_local_for_an_object_store(tmp_path, monkeypatch):
+    from attnviz.sweep.run import runs_folder
+
+    monkeypatch.chdir(tmp_path)
+    assert runs_folder("/data/results") == "/data/results/runs"
+    assert runs_folder("s3://bucket/sweep") == str(tmp_path / "sweep-runs")  # the trainer writes to a file system
+    assert runs_folder("s3://bucket/sweep", "shared/runs") == str(tmp_path / "shared" / "runs")
+
+
 @pytest.mark.parametrize("text,message", [
     ('[train]\nkinds = ["softmax"]\n', "unknown key 'train.kinds'"),
     ('[train]\nlr = "fast"\n', "'train.lr' must be float, got 'fast'"),
@@ -307,6 +316,9 @@ def test_the_sweeps_page_draws_the_grid_and_opens_a_cell_in_emergence(local_grid
     at.selectbox(key="sw_grid_cols").set_value("arch").run()
     (fig,) = [c for c in charts(at) if "Trained runs" in str(title(c))]
     assert "kind × arch" in title(fig) and "2 runs" in fig["data"][0]["text"][0][0]
+    at.text_area(key="sw_spec").input(GRID).run()  # a training grid is not run by the page
+    at.button(key="sw_run").click().run()
+    assert "Training grids ([train]) run with `attnviz sweep" in " ".join(str(e.value) for e in at.error)
     at.selectbox(key="sw_grid_cell").set_value(1).run()  # softmax · fwd: both seeds
     at.button(key="sw_grid_open").click().run()
     assert not at.exception, [e.value for e in at.exception]
