@@ -322,7 +322,7 @@ def test_the_sweeps_page_draws_the_grid_and_opens_a_cell_in_emergence(local_grid
     at.selectbox(key="sw_grid_cell").set_value(1).run()  # softmax · fwd: both seeds
     at.button(key="sw_grid_open").click().run()
     assert not at.exception, [e.value for e in at.exception]
-    assert at.title[0].value.startswith("Emergence")
+    assert at.title[0].value.startswith("Emergence") and not at.warning, [w.value for w in at.warning]
     assert at.text_input(key="em_folder").value == str(local_grid / "runs")
     assert sorted(at.multiselect(key="em_runs").value) == sorted(r for r in os.listdir(local_grid / "runs")
                                                                   if r.startswith("softmax"))
