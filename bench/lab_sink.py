@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402,F401 - the settings, read once as the CLI does
 
-THRESHOLD = 0.5
+from attnviz.lab.emergence import FORMED as THRESHOLD  # noqa: E402 - the lab's one threshold
 
 
 def baseline(setup, steps: int) -> float:

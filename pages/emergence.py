@@ -21,6 +21,9 @@ st.markdown("A small decoder trained from scratch on Bigram-Backcopy (docs/lab.m
             "the run's task, and the first token's share, the value drain, the residual peak and the loss over "
             "training (Guo et al. 2024, arXiv 2410.13835).")
 
+opened = st.session_state.pop("em_open", None)  # a cell of the Sweeps page's grid of trained runs: its runs
+if opened:
+    st.session_state.update(em_folder=opened["folder"], em_runs=opened["runs"])
 folder = st.text_input("Runs folder", str(em.default_folder()), key="em_folder",
                        help="a run (a folder of step-N checkpoints) or a folder of runs")
 

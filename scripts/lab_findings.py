@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
-FORMED = 0.5
+from attnviz.lab.emergence import FORMED  # the lab's one threshold (0.5), the Sweeps page's grid reads it too
 
 
 def setting(frame: pd.DataFrame, field: str):

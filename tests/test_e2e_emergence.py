@@ -51,3 +51,29 @@ def test_the_emergence_page_moves_a_runs_map_along_its_checkpoints(model_cache, 
         folder.press("Enter")
         page.get_by_text("is no training run and holds none", exact=False).first.wait_for(timeout=60_000)
         no_exception(page)
+
+
+def test_the_sweeps_pages_grid_of_trained_runs_opens_a_cell_in_emergence(model_cache, tmp_path):
+    """A tiny training sweep (2 seeds, `--local`), its grid on the Sweeps page, a cell opened in the Emergence page."""
+    from attnviz.cli import main
+
+    spec = tmp_path / "grid.toml"
+    spec.write_text('[train]\nseed = [0, 1]\nsteps = 8\nevery = 4\nwidth = 32\nheads = 2\nbatch = 4\nwarmup = 2\n'
+                    'vocab = 16\ntriggers = 2\nlength = 24\n[measures.emergence]\nsamples = 4\n')
+    out = tmp_path / "results"
+    assert main(["sweep", str(spec), "--out", str(out), "--local"]) == 0
+    first = sorted(p.name for p in (out / "runs").iterdir())[0]
+    with running_app() as url, browser_page() as page:
+        page.goto(f"{url}/sweeps")
+        page.locator('[data-testid="stMain"] h1').filter(has_text="Sweeps").first.wait_for(timeout=180_000)
+        folder = page.locator('[data-testid="stMain"] input[aria-label="Results folder"]')
+        folder.fill(str(out))
+        folder.press("Enter")
+        wait_title(page, "Trained runs: step the sink forms, seed × kind")
+        wait_for_app(page)
+        no_exception(page)
+        page.get_by_role("button", name="Open in Emergence").click()
+        wait_title(page, f"{first} · step 8 · layer 0")  # the cell's first run, at its last checkpoint
+        wait_for_app(page)
+        no_exception(page)
+        assert page.locator('[data-testid="stMain"] input[aria-label="Runs folder"]').input_value() == str(out / "runs")

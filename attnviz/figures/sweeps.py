@@ -108,3 +108,38 @@ def summary_table(frame: pd.DataFrame) -> pd.DataFrame:
                     "value": value, "what": column, "elapsed_s": first["elapsed_s"], "error": first["error"],
                     "cell": cell})
     return pd.DataFrame(out)
+
+
+def _spread(mean, low, high, whole: bool) -> str:
+    if mean is None or mean != mean:
+        return "never"
+    form = (lambda v: f"{v:,.0f}") if whole else (lambda v: f"{v:.2f}")
+    return form(mean) if low == high else f"{form(mean)} ({form(low)}–{form(high)})"
+
+
+def grid_figure(table: pd.DataFrame, row: str, col: str, value: str = "sink_step") -> go.Figure:
+    """The grid of trained runs (:func:`attnviz.sweep.grid.grid`) as a heatmap: ``value``'s mean per cell, its
+    min–max over the cell's runs written in it (the sink step: over the runs where it formed, and in how many)."""
+    from attnviz.sweep.grid import LABELS
+
+    rows = [str(v) for v in dict.fromkeys(table[row])]
+    cols = [str(v) for v in dict.fromkeys(table[col])]
+    z = np.full((len(rows), len(cols)), np.nan)
+    text = [["" for _ in cols] for _ in rows]
+    for _, cell in table.iterrows():
+        i, j = rows.index(str(cell[row])), cols.index(str(cell[col]))
+        mean = cell[f"{value}_mean"]
+        z[i, j] = np.nan if mean is None else float(mean)
+        text[i][j] = _spread(mean, cell[f"{value}_min"], cell[f"{value}_max"], value == "sink_step")
+        if value == "sink_step":
+            text[i][j] += f"<br>{cell['formed']} of {cell['runs']} runs"
+        else:
+            text[i][j] += f"<br>{cell['runs']} runs"
+    fig = go.Figure(go.Heatmap(z=z, x=cols, y=rows, text=text, texttemplate="%{text}", colorscale="Viridis",
+                               colorbar={"title": value}, hovertemplate=f"{row} %{{y}} · {col} %{{x}}<br>%{{text}}"
+                                                                        "<extra></extra>"))
+    title = f"Trained runs: {LABELS[value]}, {row} × {col} (mean, min–max over runs)"
+    layout(fig, title, height=max(320, 120 + 70 * len(rows)))
+    fig.update_xaxes(type="category", title=col)
+    fig.update_yaxes(type="category", autorange="reversed", title=row)
+    return fig

@@ -27,6 +27,9 @@ from attnviz.stats import metrics, spectrum
 
 PROBE_SIZE = 32  # sequences in the task's probe
 PROBE_STEP = 10**9  # the task's batch index the probe is drawn at: a step no training run reaches
+#: a sink has formed once the queries that need no attention put more than this share of it on the first token
+#: (``first_token``; docs/findings.md#making-a-sink-which-attention-forms-one)
+FORMED = 0.5
 #: the table's columns, in order (docs/methods.md#emergence-measures)
 COLUMNS = ("step", "layer", "head", "loss", "train_loss", "alpha0", "sink_rate", "first_token", "row_mass", "value_drain",
            "residual_peak", "entropy", "kind", "arch", "hash", "seed", "checkpoint")

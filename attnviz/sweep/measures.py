@@ -215,6 +215,7 @@ def schema():
     cell = [("cell", pa.string()), ("measure", pa.string()), ("model", pa.string()), ("arch", pa.string()),
             ("intervention", pa.string()), ("corpus", pa.string()), ("options", pa.string()),
             ("recipe", pa.string()), ("recipe_json", pa.string()),
+            ("run", pa.string()), ("setup", pa.string()), ("axes", pa.string()),
             ("status", pa.string()), ("error", pa.string()), ("elapsed_s", pa.float64()),
             ("versions", pa.string()), ("worker", pa.string()), ("finished", pa.string())]
     columns = {}
@@ -253,4 +254,6 @@ COLUMNS = {
                   "alpha0": "float64", "sink_rate": "float64", "first_token": "float64", "row_mass": "float64", "value_drain": "float64",
                   "residual_peak": "float64", "entropy": "float64", "kind": "string", "hash": "string",
                   "seed": "int64", "checkpoint": "string"},
+    # a trained run itself (docs/sweeps.md#training-cells): its last step, training loss and weights hash, its folder
+    "train": {"step": "int64", "train_loss": "float64", "hash": "string", "checkpoint": "string"},
 }

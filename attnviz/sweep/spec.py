@@ -10,6 +10,9 @@ samples = 4
 max_len = 32
 ```
 
+A ``[train]`` table (or several, ``[[train]]``) adds training cells (:mod:`.train`): ``models`` may then be left out,
+and the measures default to ``[measures.emergence]``.
+
 The grid is the product models × archs × interventions × corpora × measures; a measure that takes no
 intervention (embed, compress, heads) runs once per (model, arch, corpus). Every key is checked
 before anything runs: an unknown key, measure or option, a value of the wrong type, an architecture
@@ -68,7 +71,7 @@ def measure_options() -> dict[str, dict[str, tuple[type | tuple[type, ...], obje
 
 #: measures whose library call takes an intervention (docs/methods.md#interventions)
 INTERVENES = {"sinks", "eval", "explain", "causal", "routes", "valley", "paths", "emergence"}
-TOP_KEYS = {"models", "archs", "interventions", "corpora", "measures"}
+TOP_KEYS = {"models", "archs", "interventions", "corpora", "measures", "train"}
 #: The example of docs/sweeps.md: the sink-rate table of two architectures (the Sweeps page starts from it).
 EXAMPLE = """models = ["default"]
 archs = ["fwd", "nosink-fwd"]
@@ -88,6 +91,8 @@ class Cell:
     intervention: str
     corpus: str
     options: dict = field(hash=False, compare=False)
+    #: a trained run's cell (:meth:`.train.TrainCell.info`: its run, step, named keys and setup); empty for a model's
+    train: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def params(self) -> dict:
@@ -96,7 +101,15 @@ class Cell:
 
     @property
     def id(self) -> str:
-        return hashlib.sha1(json.dumps(self.params, sort_keys=True).encode()).hexdigest()[:16]
+        """A hash of the parameters; a trained run's cells are named by their run and step instead of the folder the
+        runs are in (``<run>`` records the run itself, ``<run>-step<N>-<hash>`` a measure of a checkpoint)."""
+        if not self.train:
+            return hashlib.sha1(json.dumps(self.params, sort_keys=True).encode()).hexdigest()[:16]
+        if self.measure == "train":
+            return self.train["run"]
+        step = self.train["step"]
+        params = {**self.params, "model": f"{self.train['run']}/step-{step}"}
+        return f"{self.train['run']}-step{step}-{hashlib.sha1(json.dumps(params, sort_keys=True).encode()).hexdigest()[:8]}"
 
 
 @dataclass
@@ -106,9 +119,11 @@ class Spec:
     interventions: list[str]
     corpora: list[str]
     measures: dict[str, dict]
+    train: list = field(default_factory=list)  # the training cells (:class:`.train.TrainCell`), [train]'s grid
 
     def cells(self) -> list[Cell]:
-        """The grid, model by model (a worker then loads each model once for its run of cells)."""
+        """The models' grid, model by model (a worker then loads each model once for its run of cells); the
+        training cells' measures are :func:`.train.measure_cells`."""
         out = []
         for model in self.models:
             for measure, options in self.measures.items():
@@ -118,6 +133,25 @@ class Spec:
                         for corpus in self.corpora:
                             out.append(Cell(measure, model, arch, act, corpus, options))
         return out
+
+    def run_cells(self, run, runs: str) -> list[Cell]:
+        """The measure cells of one training cell ``run`` (:class:`.train.TrainCell`) whose run is in the folder
+        ``runs``: each checkpoint (:meth:`~attnviz.lab.train.Setup.checkpoints`, known before it is trained) ×
+        measure (× intervention where the measure takes one) × corpus, under the run's own mask."""
+        out = []
+        for step in run.setup.checkpoints():
+            for measure, options in self.measures.items():
+                for act in dict.fromkeys(self.interventions if measure in INTERVENES else [""]):
+                    for corpus in self.corpora:
+                        out.append(Cell(measure, f"{runs}/{run.id}/step-{step}", run.setup.arch, act, corpus, options,
+                                        train=run.info(step)))
+        return out
+
+
+def run_marker(run, runs: str) -> Cell:
+    """The cell that records a trained run itself (``train/<run id>.parquet``: its last step, loss and hash; a failed
+    run's error), written once the run is trained."""
+    return Cell("train", f"{runs}/{run.id}", run.setup.arch, "", "", {}, train=run.info())
 
 
 def _strings(raw: dict, key: str, default: list[str] | None) -> list[str]:
@@ -212,11 +246,21 @@ def parse(text: str) -> Spec:
     unknown = sorted(set(raw) - TOP_KEYS)
     if unknown:
         raise InputError(f"spec: unknown key '{unknown[0]}' (expected {', '.join(sorted(TOP_KEYS))})")
-    models = checkpoint_models(_strings(raw, "models", None))
+    trained = []
+    if "train" in raw:
+        from attnviz.sweep import train
+
+        trained = train.parse(raw["train"])
+        if "archs" in raw and "models" not in raw:
+            raise InputError("spec: 'archs' are the models' architectures: a trained run is measured under its own "
+                             "mask (train.arch)")
+    models = checkpoint_models(_strings(raw, "models", [] if trained else None))
     archs = _strings(raw, "archs", ["fwd"])
     acts = _strings(raw, "interventions", [""])
     corpora = _strings(raw, "corpora", ["stdlib"])
     for key, values in (("models", models), ("archs", archs), ("corpora", corpora)):
+        if key == "models" and trained and "models" not in raw:
+            continue
         if not values or any(not v for v in values):
             raise InputError(f"spec: '{key}' is empty: the grid has no cell")
     for a in archs:
@@ -232,7 +276,7 @@ def parse(text: str) -> Spec:
                 raise InputError(f"spec: interventions: '{act}': {err}") from None
     for c in corpora:
         _check_corpus(c)
-    measures_raw = raw.get("measures")
+    measures_raw = raw.get("measures", {"emergence": {}} if trained else None)
     if not isinstance(measures_raw, dict) or not measures_raw:
         raise InputError("spec: 'measures' is empty: name at least one, e.g. [measures.sinks]")
     measures = {}
@@ -251,7 +295,7 @@ def parse(text: str) -> Spec:
         raise InputError("spec: 'measures.sinks.unit' must be 'doc' or 'line'")
     if "sinks" in measures and isinstance(measures["sinks"]["key"], str) and measures["sinks"]["key"] != "auto":
         raise InputError("spec: 'measures.sinks.key' must be a token position or 'auto'")
-    return Spec(models, archs, acts, corpora, measures)
+    return Spec(models, archs, acts, corpora, measures, trained)
 
 
 def load(path: str | Path) -> Spec:

@@ -7,6 +7,11 @@ parameters (``measure``, ``model``, ``arch``, ``intervention``, ``corpus``, ``op
 ``versions``, the ``elapsed_s`` of the cell, the ``worker`` that ran it and when it ``finished``.
 Paths go through ``pyarrow.fs``, so OUT may be a local folder or an object-store URI
 (``s3://bucket/sweep``, ``gs://...``) that every worker of a cluster writes to.
+
+A trained run's rows (docs/sweeps.md#training-cells) carry its ``run`` id, its ``setup`` (JSON), the keys its
+``[train]`` table named (``axes``, JSON) and, as a column each, those keys' values: a column the schema has already
+(``kind``, ``arch``, ``seed``, ``heads``) keeps the measure's own value and takes the run's where the measure left
+it empty. :func:`read` unites the files' columns.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import socket
 import uuid
 
@@ -62,7 +68,19 @@ def write_cell(out: str, cell: Cell, rows: list[dict], elapsed: float, error: st
     unexpected = {k for row in rows for k in row} - set(COLUMNS[cell.measure])
     if unexpected:
         raise ValueError(f"{cell.measure} rows carry columns outside its schema: {sorted(unexpected)}")
-    table = pa.Table.from_pylist([{**common, **row} for row in (rows or [{}])], schema=schema())
+    full = schema()
+    if cell.train:
+        common.update({"run": cell.train["run"], "setup": json.dumps(cell.train["setup"], sort_keys=True),
+                       "axes": json.dumps(cell.train["axes"])})
+        for key, value in cell.train["values"].items():
+            if full.get_field_index(key) < 0:
+                full = full.append(pa.field(key, pa.scalar(value).type))
+    rows = [{**common, **row} for row in (rows or [{}])]
+    for row in rows:  # the run's values beside the measure's own, where it has none
+        for key, value in (cell.train or {}).get("values", {}).items():
+            if row.get(key) is None:
+                row[key] = value
+    table = pa.Table.from_pylist(rows, schema=full)
     name = f"{folder}/{cell.id}{'.failed' if error else ''}.parquet"
     partial = f"{folder}/.{cell.id}.{uuid.uuid4().hex}.part"
     with filesystem.open_output_stream(partial) as stream:
@@ -96,7 +114,9 @@ def done(out: str) -> set[str]:
 def read(out: str, measure: str | None = None) -> pd.DataFrame:
     """Every row of a results folder (or of one measure), failed cells included (``status``): one
     ``pyarrow.dataset`` over the cells' files, all in the one schema (:func:`.measures.schema`)."""
+    import pyarrow as pa
     import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
 
     from attnviz.sweep.measures import schema
 
@@ -104,6 +124,11 @@ def read(out: str, measure: str | None = None) -> pd.DataFrame:
     paths = [i.path for i in files if not measure or i.path.rsplit("/", 2)[-2] == measure]
     if not paths:
         return pd.DataFrame()
-    table = ds.dataset(paths, schema=schema(), format="parquet", filesystem=filesystem).to_table()
+    united = schema()
+    trained = [p for p in paths if not re.fullmatch(r"[0-9a-f]{16}(\.failed)?\.parquet", p.rsplit("/", 1)[-1])]
+    if trained:  # a trained run's files carry its keys' columns too
+        united = pa.unify_schemas([united] + [pq.read_schema(p, filesystem=filesystem) for p in trained],
+                                  promote_options="permissive")
+    table = ds.dataset(paths, schema=united, format="parquet", filesystem=filesystem).to_table()
     frame = table.to_pandas()
     return frame.sort_values(["measure", "cell"], kind="stable").reset_index(drop=True) if len(frame) else frame
