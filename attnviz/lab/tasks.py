@@ -97,9 +97,9 @@ class RepeatedRandom:
     starts, the tail. The tail's tokens are never the segment's, so a copy is only ever right in the second copy.
     Tokens: BOS (0) and the ordinary tokens 1..vocab-1."""
 
-    vocab: int = 64
-    length: int = 64
-    shortest: int = 8
+    vocab: int = 32
+    length: int = 32
+    shortest: int = 4
     seed: int = 0
     name: ClassVar[str] = "repeated-random"
     option: ClassVar[str] = "repeat"
