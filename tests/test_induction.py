@@ -114,3 +114,20 @@ def test_scores_equal_transformer_lens_head_detector(family):
         reference = _reference(torch.from_numpy(probs), ids, L)
         for name in induction.SCORES:
             np.testing.assert_allclose(ours[name][layer], reference[name], atol=1e-6, err_msg=f"{name}@{layer}")
+
+
+def test_the_figure_letters_each_head_with_its_classes():
+    from attnviz.figures.heads import repeated_scores
+
+    values = {"induction": np.array([[0.9, 0.1]]), "prev_token": np.array([[0.5, 0.2]]),
+              "duplicate": np.array([[0.0, 0.45]]), "quiet_key0": np.array([[0.8, 0.1]]),
+              "dormant_ratio": np.array([[0.1, 0.1]]),
+              **{f"{s}_baseline": np.full((1, 2), 0.05) for s in induction.SCORES}}
+    scores = induction.HeadScores("m", "fwd", L, 2, 0, values)
+    fig = repeated_scores(scores)
+    heat = fig.data[0]
+    assert np.asarray(heat.z).tolist() == [[0.9, 0.1]] and np.asarray(heat.text).tolist() == [["IPz", "D"]]
+    assert "induction 1, prev_token 1, duplicate 1, dormant 1" in fig.layout.title.text
+    assert np.asarray(repeated_scores(scores.with_thresholds(tau=0.95), "duplicate").data[0].text).tolist() == [["z", ""]]
+    with pytest.raises(InputError, match="unknown score"):
+        repeated_scores(scores, "copying")
