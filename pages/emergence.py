@@ -1,12 +1,14 @@
 """Emergence: watch a sink form during training. Runs of the lab's trainer (docs/lab.md), one checkpoint at a time
 (its attention map on the run's probe) and over all of them (the measures of Guo et al. 2024, several runs side by
-side); a small run trained here as a job in the server's queue."""
+side), and the order in which head classes form (docs/methods.md#order-of-formation); a small run trained here as a
+job in the server's queue."""
 
 import streamlit as st
 
 from attnviz.errors import AttnvizError
 from attnviz.figures.emergence import LABELS, SINKS, curves_figure, layers_figure, runs_figure
 from attnviz.figures.heatmaps import head_label, heatmap
+from attnviz.lab import formation
 from ui import emergence as em
 from ui import jobs
 from ui.docs import definitions
@@ -15,7 +17,7 @@ from ui.sidebar import page_context
 
 page_context()
 st.title("Emergence: watch a sink form during training")
-definitions("alpha", "sink-rate", "entropy", "value-weighted-attention")
+definitions("alpha", "sink-rate", "entropy", "value-weighted-attention", "order-of-formation")
 st.markdown("A small decoder trained from scratch on Bigram-Backcopy (docs/lab.md) saves a checkpoint at steps 0, 1, "
             "2, 4, … and every 500 after. Move through them: the attention map of one checkpoint on a sequence of "
             "the run's task, and the first token's share, the value drain, the residual peak and the loss over "
@@ -135,3 +137,11 @@ else:
     st.caption("Pick two or more runs (other kinds, masks or seeds) to draw them side by side.")
 st.download_button("The table (.csv)", frames[run.name].to_csv(index=False).encode(), key="em_csv", mime="text/csv",
                    file_name=f"attnviz_emergence_{run.name}.csv")
+
+if set(formation.CLASSES.values()) <= set(frames[run.name].columns):  # a table measured with the head classes
+    st.subheader("Order of formation")
+    st.caption("Per layer, the first checkpoint at which any of its heads holds each class, and that head "
+               "([definition](definitions#order-of-formation)): sink (alpha0 > eps), induction, previous-token and "
+               "duplicate-token heads on repeated random tokens (score ≥ 0.4), dormant (quiet queries on key 0, "
+               "writing under half of what the active ones write).")
+    st.dataframe(formation.order(frames[run.name]), hide_index=True)

@@ -1,13 +1,15 @@
-"""Heads: which heads are sinks, streaming heads or inactive (docs/methods.md#head-classes), and the two claims as one-click tests."""
+"""Heads: which heads are sinks, streaming heads or inactive (docs/methods.md#head-classes), and the two claims as one-click
+tests; which are induction, previous-token, duplicate or dormant heads on repeated random tokens
+(docs/methods.md#induction-previous-token-and-duplicate-heads)."""
 
 import streamlit as st
 
 from attnviz import corpus, defaults
 from attnviz.figures import export
-from attnviz.effects import heads
+from attnviz.effects import heads, induction
 from attnviz.errors import AttnvizError
 from attnviz.figures import heatmap
-from attnviz.figures.heads import head_classes
+from attnviz.figures.heads import head_classes, repeated_scores
 from ui import jobs
 from ui.export import figure_downloads
 from ui.cache import get_capture
@@ -107,3 +109,39 @@ elif not own_kind_only(settings, "Head classes"):
                              delta_color="inverse")
                 right.metric("next-token accuracy", f"{ablated.accuracy:.1%}",
                              f"{(ablated.accuracy - base.accuracy) * 100:+.1f} points vs {base.accuracy:.1%}")
+
+    st.subheader("Induction, previous-token, duplicate and dormant heads")
+    definitions("induction-previous-token-and-duplicate-heads", "dormant-heads")
+    st.markdown("Each head scored on random tokens repeated once, BOS r_1..r_L r_1..r_L "
+                "([definition](definitions#induction-previous-token-and-duplicate-heads)): the **induction** score is "
+                "the second copy's attention to the token after its first occurrence, **previous-token** every "
+                "query's to the token before it, **duplicate** the second copy's to its first occurrence; each beside "
+                "its random-target baseline. A **dormant** head parks the first copy's queries (nothing to find) on "
+                "key 0 and writes little there ([definition](definitions#dormant-heads)).")
+    rep_defaults = defaults.of(induction.repeated)
+    c1, c2, c3, c4, c5 = st.columns(5)
+    longest = max(2, (loaded.max_tokens - 1) // 2)
+    length = int(c1.number_input("L: repeated tokens", 2, longest, min(rep_defaults["length"], longest), key="hd_rep_L"))
+    samples = int(c2.number_input("Sequences", 1, 64, rep_defaults["samples"], key="hd_rep_n"))
+    score = c3.selectbox("Score shown", induction.SCORES, key="hd_rep_score")
+    tau = c4.slider("tau (scores)", 0.0, 1.0, rep_defaults["tau"], 0.05, key="hd_rep_tau")
+    share = c5.slider("dormant: output share", 0.0, 1.0, rep_defaults["share"], 0.05, key="hd_rep_share")
+    rep_key = ("heads-repeated", loaded.model_id, settings.arch, length, samples)
+    try:
+        scored = jobs.run(rep_key, "Scoring every head on repeated random tokens", lambda progress: induction.repeated(
+            loaded, settings.arch, length, samples), units=1)
+    except AttnvizError as err:
+        st.error(str(err))
+        scored = None
+    if scored is not None:
+        scored = scored.with_thresholds(tau=tau, share=share)
+        for column, name in zip(st.columns(4), (*induction.SCORES, "dormant")):
+            column.metric(f"{name.replace('_', '-')} heads", int(scored.holds(name).sum()))
+        fig_rep = repeated_scores(scored, score)
+        st.plotly_chart(fig_rep, width="stretch", key="hd_rep_grid")
+        found_heads = scored.heads_of(score)
+        st.caption(f"{score.replace('_', '-')} heads: " + (", ".join(f"{l}.{h} ({s:.2f})" for l, h, s in found_heads)
+                                                           or "none at this tau"))
+        figure_downloads(fig_rep, {"tool": "attnviz", "model": loaded.model_id, "arch": scored.arch,
+                                   "figure": "heads-repeated", "score": score, "L": length, "sequences": samples,
+                                   "tau": tau, "share": share}, key="hd_rep_x")

@@ -37,7 +37,9 @@ def table_of(run_folder, on_step=None, kind="softmax", arch="fwd", seed=0) -> pd
                 share = min(1.0, 0.06 + 0.1 * np.log2(step + 1) * (1 + 0.2 * head + 0.1 * layer))
                 rows.append(dict(step=step, layer=layer, head=head, loss=loss, alpha0=share * 0.9, sink_rate=share,
                                  first_token=share, value_drain=1 - share / 2, residual_peak=1 + 3 * share,
-                                 entropy=2 - share, kind=kind, arch=arch, hash=run.meta(step)["hash"], seed=seed))
+                                 entropy=2 - share, kind=kind, arch=arch, hash=run.meta(step)["hash"], seed=seed,
+                                 sink_head=share > 0.3, induction_head=head == 1 and step >= 2,
+                                 prev_token_head=layer == 0 and step >= 4, duplicate_head=False, dormant=False))
     return pd.DataFrame(rows)
 
 
@@ -104,6 +106,9 @@ def test_the_page_draws_a_run_and_the_slider_moves_the_heatmap(page):
     assert moved.shape == before.shape == (24, 24)
     assert not np.allclose(np.nan_to_num(moved), np.nan_to_num(before))
     assert any("each layer at step 0" in title(c) for c in charts(page))
+    order = page.dataframe[0].value  # the order of formation, from the table's class columns
+    assert order.values.tolist() == [[0, "induction", 2, 1], [0, "prev_token", 4, 0], [0, "sink", 4, 1],
+                                     [1, "induction", 2, 1], [1, "sink", 4, 0]]
 
 
 def test_a_bad_folder_or_step_is_one_line(page, runs_folder, tmp_path):

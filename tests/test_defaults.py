@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from attnviz.effects import dataset, embedding, evaluate, finetune, generate, heads, linformer, streaming
+from attnviz.effects import dataset, embedding, evaluate, finetune, generate, heads, induction, linformer, streaming
 from attnviz import defaults, doctor, options
 from attnviz.stats import metrics
 from attnviz.cli import ALL, COMMANDS, build_parser
@@ -38,6 +38,9 @@ LIBRARY = {
     ("heads", "samples"): TEXTS["samples"], ("heads", "max_len"): TEXTS["max_len"], ("heads", "eps"): TAX["eps"],
     ("heads", "tau_stream"): TAX["tau_stream"], ("heads", "tau_inactive"): TAX["tau_inactive"],
     ("heads", "sink"): TAX["s"], ("heads", "window"): TAX["w"],
+    **{("heads", cli): D(induction.repeated)[lib] for cli, lib in (
+        ("repeat", "length"), ("repeat_samples", "samples"), ("seed", "seed"), ("tau", "tau"),
+        ("dormant_share", "share"))},
     ("linformer", "ks"): ",".join(map(str, linformer.KS)), ("linformer", "projection"): D(linformer.whatif)["kind"],
     ("generate", "policy"): D(generate.generate)["policy"],
     ("generate", "max_new_tokens"): D(generate.generate)["max_new_tokens"],

@@ -200,7 +200,10 @@ def test_the_sweep_takes_a_run_folder_as_its_checkpoints(run, tmp_path):
     assert sweep_run.run_cell(str(tmp_path / "out"), cell)["status"] == "ok"
     rows = store.read(str(tmp_path / "out"), "emergence")
     assert len(rows) == SETUP.layers * SETUP.heads and set(rows["step"]) == {4}
-    assert set(measures.COLUMNS["emergence"]) | {"arch"} == set(emergence.COLUMNS)
+    from attnviz.lab import formation
+
+    # the sweep's measure carries the table's columns but the head classes (a second forward the table runs)
+    assert set(measures.COLUMNS["emergence"]) | {"arch"} == set(emergence.COLUMNS) - set(formation.COLUMNS)
     copied = _copy_run(run, tmp_path, {2: 2, 4: 4})
     shutil.copytree(run / "step-4", copied / "step-6")
     with pytest.raises(InputError, match="same weights"):
@@ -242,3 +245,67 @@ def test_the_probe_is_the_runs_own_task_and_the_same_for_every_checkpoint():
     assert torch.equal(probe.quiet, ~BigramBackcopy(**task).needs_attention(probe.ids))
     with pytest.raises(InputError, match="give a probe"):
         emergence.task_probe({"task": {"name": "copying", **task}})
+
+
+def test_head_classes_equal_the_repeated_scores_and_dormancy_from_stock_eager_maps(run, frame):
+    """The class columns: the scores are :func:`attnviz.effects.induction.repeated`'s on the checkpoint (drawn from
+    the task's ordinary tokens, L capped by the model's 12 positions); the dormancy is computed here from stock
+    eager maps, values and W_O on the probe's quiet (non-trigger) and active (trigger) queries."""
+    from attnviz import load
+    from attnviz.effects import induction
+    from attnviz.lab import formation
+
+    folder = run / "step-4"
+    lm = load(str(folder))
+    scores = induction.repeated(lm, length=5, samples=induction.SAMPLES, vocabulary=SETUP.task.ordinary.numpy())
+    rows = frame[frame.step == 4].sort_values(["layer", "head"])
+    for name in (*induction.SCORES, *(f"{s}_baseline" for s in induction.SCORES)):
+        np.testing.assert_allclose(rows[name], scores[name].ravel(), atol=1e-6, err_msg=name)
+        assert rows[f"{name}_head" if "baseline" not in name else "step"].notna().all()
+    assert (rows["induction_head"] == (rows["induction"] >= induction.TAU)).all()
+    assert (rows["sink_head"] == (rows["alpha0"] > metrics.SINK_EPS)).all()
+    model = _stock(folder)
+    probe = emergence.task_probe(json.loads((folder / "attnviz_run.json").read_text())["setup"], SIZE)
+    quiet = probe.quiet.numpy().copy()
+    active = ~quiet
+    quiet[:, 0] = active[:, 0] = False
+    with torch.no_grad():
+        out = model(probe.ids, output_attentions=True, output_hidden_states=True)
+        for layer, block in enumerate(model.model.layers):
+            attn = block.self_attn
+            v = attn.v_proj(block.input_layernorm(out.hidden_states[layer]))
+            v = v.view(*v.shape[:2], -1, attn.head_dim).transpose(1, 2)  # (B, H, n, d): as many KV heads as heads
+            o = out.attentions[layer] @ v  # (B, H, n, d)
+            w = attn.o_proj.weight.view(-1, v.shape[1], attn.head_dim)  # (hidden, H, d)
+            norms = torch.linalg.vector_norm(torch.einsum("bhnd,ohd->bhno", o, w), dim=-1).numpy()
+            mine = rows[rows.layer == layer]
+            key0 = out.attentions[layer][..., 0].numpy()
+            np.testing.assert_allclose(mine["quiet_key0"], [key0[:, h][quiet].mean() for h in range(v.shape[1])],
+                                       atol=1e-6)
+            ratio = [norms[:, h][quiet].mean() / np.median(norms[:, h][active]) for h in range(v.shape[1])]
+            np.testing.assert_allclose(mine["dormant_ratio"], ratio, rtol=1e-5)
+    assert formation.repeat_length(lm) == 5
+
+
+def test_the_first_step_each_class_holds_and_the_order_by_hand():
+    from attnviz.lab import formation
+
+    base = {name: False for name in formation.CLASSES.values()}
+    frame = pd.DataFrame([
+        {"step": 0, "layer": 0, "head": 0, **base},
+        {"step": 0, "layer": 1, "head": 1, **base, "sink_head": True},  # the sink first, in layer 1
+        {"step": 8, "layer": 1, "head": 0, **base, "induction_head": True},
+        {"step": 16, "layer": 1, "head": 0, **base, "induction_head": True, "dormant": True},
+        {"step": 16, "layer": 0, "head": 0, **base, "prev_token_head": True},
+        {"step": 32, "layer": 1, "head": 1, **base, "induction_head": True}])
+    first = formation.first_steps(frame)
+    assert first.values.tolist() == [[1, 1, "sink", 0], [1, 0, "induction", 8], [0, 0, "prev_token", 16],
+                                     [1, 0, "dormant", 16], [1, 1, "induction", 32]]
+    assert formation.order(frame).values.tolist() == [[0, "prev_token", 16, 0], [1, "sink", 0, 1],
+                                                      [1, "induction", 8, 0], [1, "dormant", 16, 0]]
+    scores = frame.assign(alpha0=0.5, quiet_key0=0.0, dormant_ratio=1.0,
+                          **{s: [0.0, 0.0, 0.5, 0.5, 0.9, 0.1] for s in formation.SCORES})
+    again = formation.first_steps(scores, tau=0.45, eps=0.4)  # other thresholds: the classes from the scores
+    assert set(map(tuple, again[again["class"] == "sink"][["layer", "head", "step"]].values.tolist())) == {
+        (0, 0, 0), (1, 1, 0), (1, 0, 8)}
+    assert again[again["class"] == "induction"][["layer", "head", "step"]].values.tolist() == [[1, 0, 8], [0, 0, 16]]

@@ -83,6 +83,10 @@ def test_cli_heads(default_model):
     assert len(doc["layers"]) == 30 and len(doc["layers"][0]["heads"]) == 9
     assert set(doc["layers"][0]["heads"][0]) == {"head", "alpha0", "sink", "streaming_score", "streaming", "ahon",
                                                   "inactive"}
+    repeated = doc["repeated"]  # the induction, previous-token, duplicate and dormant heads beside them
+    assert repeated["length"] == 32 and len(repeated["layers"]) == 30
+    found = {(layer["layer"], h["head"]) for layer in repeated["layers"] for h in layer["heads"] if h["induction_head"]}
+    assert (18, 6) in found and all(17 <= layer <= 23 for layer, _ in found)
     assert sum(h["sink"] for layer in doc["layers"] for h in layer["heads"]) > 100  # SmolLM2's sinks
     bad = run("heads", "--corpus", "stdlib:specialnames", "--samples", "5", "--max-len", "64")
     assert bad.returncode == 2 and "too small" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
@@ -99,7 +103,15 @@ def test_heads_page_grid_and_both_claims(model_cache, default_model, tmp_path):
     assert not at.exception and not at.error, texts(at.error)
     grid = charts(at)[0]
     assert "head taxonomy" in str(grid["layout"]["title"]) and len(grid["data"][0]["text"]) == 30
-    assert [m.label for m in at.metric] == ["sink heads", "streaming heads", "inactive heads"]
+    assert [m.label for m in at.metric] == ["sink heads", "streaming heads", "inactive heads", "induction heads",
+                                            "prev-token heads", "duplicate heads", "dormant heads"]
+    # the repeated random tokens' section: SmolLM2's seven induction heads (docs/methods.md), then another score
+    assert at.metric[3].value == "7" and "induction score on repeated random tokens" in str(charts(at)[1]["layout"])
+    assert any("18.6 (0.81)" in c.value for c in at.caption)
+    at.selectbox(key="hd_rep_score").set_value("prev_token").run()
+    assert not at.exception and "prev_token score" in str(charts(at)[1]["layout"]["title"])
+    at.slider(key="hd_rep_tau").set_value(0.9).run()  # a threshold re-classifies without a new forward
+    assert not at.exception and at.metric[3].value == "0"
     at.button(key="hd_claim_stream").click().run()
     assert not at.exception and not at.error, texts(at.error)
     assert any("streaming heads on sink" in m.label for m in at.metric)

@@ -90,7 +90,10 @@ def test_a_saved_setup_reads_back_as_the_setup(tmp_path):
     from attnviz.errors import InputError
     from attnviz.lab.text import Text
 
-    for setup in (small(kind="softpick", arch="stablemask"), small(task=Text(tokenizer="bytes", length=16))):
+    from attnviz.lab.tasks import RepeatedRandom
+
+    for setup in (small(kind="softpick", arch="stablemask"), small(task=Text(tokenizer="bytes", length=16)),
+                  small(layers=2, task=RepeatedRandom(vocab=24, length=20, shortest=3, seed=2))):
         assert Setup.from_dict(json.loads(json.dumps(setup.as_dict()))) == setup
     older = {k: v for k, v in small().as_dict().items() if k not in ("kind", "arch")}
     assert Setup.from_dict({**older, "gone": 1}) == small()

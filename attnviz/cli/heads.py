@@ -1,5 +1,6 @@
 """``attnviz heads``: head classes (sink, streaming, inactive) of one text or averaged over a dataset
-(docs/methods.md#head-classes)."""
+(docs/methods.md#head-classes), and beside them the induction, previous-token, duplicate-token and dormant heads on
+repeated random tokens (docs/methods.md#induction-previous-token-and-duplicate-heads, ``repeated`` in the JSON)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ def options(p):
     from attnviz import defaults
     from attnviz.effects import heads
 
-    run_, texts = defaults.of(heads.taxonomy), defaults.of(heads.dataset_texts)
+    from attnviz.effects import induction
+
+    run_, texts, rep = defaults.of(heads.taxonomy), defaults.of(heads.dataset_texts), defaults.of(induction.repeated)
     common.model_args(p, text=False).add_argument("--text", help="one text (default: the stdlib corpus as a dataset)")
     p.set_defaults(corpus=None)
     p.add_argument("--samples", type=int, default=texts["samples"], help="dataset mode: at most N samples "
@@ -26,12 +29,21 @@ def options(p):
     p.add_argument("--sink", type=int, default=run_["s"], help="s: sink keys of the streaming pattern (%(default)s)")
     p.add_argument("--window", type=int, default=run_["w"],
                    help="w: recent keys of the streaming pattern (%(default)s)")
+    p.add_argument("--repeat", type=int, default=rep["length"],
+                   help="L: the repeated random tokens' segment, BOS r_1..r_L r_1..r_L (%(default)s)")
+    p.add_argument("--repeat-samples", type=int, default=rep["samples"],
+                   help="sequences of repeated random tokens to average over (%(default)s)")
+    p.add_argument("--seed", type=int, default=rep["seed"], help="seed of the random tokens (%(default)s)")
+    p.add_argument("--tau", type=float, default=rep["tau"],
+                   help="induction, previous-token and duplicate score threshold (%(default)s)")
+    p.add_argument("--dormant-share", type=float, default=rep["share"],
+                   help="a dormant head's quiet output under this share of its active median (%(default)s)")
 
 
 def run(args) -> dict:
-    from attnviz.effects import heads
+    from attnviz.effects import heads, induction
 
-    for name in ("eps", "tau_stream", "tau_inactive"):
+    for name in ("eps", "tau_stream", "tau_inactive", "tau", "dormant_share"):
         if getattr(args, name) < 0:
             raise AttnvizError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.samples is not None and args.samples < 2:
@@ -46,4 +58,6 @@ def run(args) -> dict:
         common.kindless(args, "head classes")
         result = heads.taxonomy(loaded, texts, args.arch, args.sink, args.window, args.eps, args.tau_stream,
                                 args.tau_inactive, on_progress=update)
-    return result.as_json()
+        repeated = induction.repeated(loaded, args.arch, args.repeat, args.repeat_samples, args.seed, args.tau,
+                                      args.eps, args.dormant_share)
+    return {**result.as_json(), "repeated": repeated.as_json()}

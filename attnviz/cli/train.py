@@ -8,7 +8,7 @@ from attnviz.errors import AttnvizError
 
 
 def options(p):
-    from attnviz.lab.tasks import BigramBackcopy
+    from attnviz.lab.tasks import TASKS, BigramBackcopy
     from attnviz.lab.train import Setup
 
     setup, task = Setup.__dataclass_fields__, BigramBackcopy.__dataclass_fields__
@@ -33,8 +33,9 @@ def options(p):
     p.add_argument("--lr", type=float, default=default(setup, "lr"), help="peak learning rate (default %(default)s)")
     p.add_argument("--weight-decay", type=float, default=default(setup, "weight_decay"),
                    help="AdamW's weight decay (default %(default)s)")
-    p.add_argument("--task", choices=("bigram", "text"), default="bigram",
-                   help="bigram: Bigram-Backcopy; text: next-token prediction on text (default %(default)s)")
+    p.add_argument("--task", choices=tuple(t.option for t in TASKS.values()), default=BigramBackcopy.option,
+                   help="bigram: Bigram-Backcopy; repeat: repeated random tokens (train it with --layers 2); text: "
+                        "next-token prediction on text (docs/lab.md#tasks-and-tokenizers; default %(default)s)")
     p.add_argument("--text-file", default=None, help="--task text: a UTF-8 file (default: the stdlib corpus)")
     p.add_argument("--tokenizer", choices=("default", "bytes"), default="bytes",
                    help="--task text: bytes, or the default model's tokenizer (default %(default)s)")
@@ -48,16 +49,18 @@ def options(p):
 
 
 def setup_of(args):
-    from attnviz.lab.tasks import BigramBackcopy
-    from attnviz.lab.text import Text
+    import dataclasses
+
+    from attnviz.lab.tasks import TASKS
     from attnviz.lab.train import Setup
 
-    if args.task == "text":
-        task = Text(source=args.text_file or "stdlib", tokenizer=args.tokenizer, length=args.length, seed=args.seed)
-    else:
-        if args.text_file:
-            raise AttnvizError("--text-file is for --task text")
-        task = BigramBackcopy(vocab=args.vocab, triggers=args.triggers, length=args.length, seed=args.seed)
+    made = next(t for t in TASKS.values() if t.option == args.task)  # the registry's task of that option
+    given = {"source": args.text_file or "stdlib", "tokenizer": args.tokenizer, "vocab": args.vocab,
+             "triggers": args.triggers, "length": args.length, "seed": args.seed}
+    known = {f.name for f in dataclasses.fields(made)}
+    if args.text_file and "source" not in known:
+        raise AttnvizError("--text-file is for --task text")
+    task = made(**{k: v for k, v in given.items() if k in known})
     return Setup(layers=args.layers, width=args.width, heads=args.heads, mlp=args.mlp, kind=args.kind,
                  arch=args.arch, positions=args.positions, steps=args.steps, batch=args.batch, lr=args.lr,
                  weight_decay=args.weight_decay, warmup=args.warmup, seed=args.seed, every=args.every, task=task,

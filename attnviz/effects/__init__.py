@@ -1,6 +1,7 @@
 """What a mask does to the model, one module per analysis: evaluation (``evaluate``), streaming with a KV cache
 (``streaming``), generation (``generate``), embeddings (``embedding``), the Linformer what-if (``linformer``), head
-classes (``heads``), sinks over a dataset (``dataset``), A-vs-B measures (``compare``), the causal check and scan
+classes (``heads``), induction, previous-token, duplicate and dormant heads on repeated random tokens
+(``induction``), sinks over a dataset (``dataset``), A-vs-B measures (``compare``), the causal check and scan
 (``causal``), path patching (``paths``, with heads as receivers in ``receivers``), activation patching
 (``patching``), score attribution and the sink's
 diagnosis (``explain`` over ``attribution`` and ``schemes``), fine-tuning (``finetune``), the walkthrough

@@ -1,4 +1,6 @@
-"""The head taxonomy as a layer × head grid (docs/methods.md#head-classes): one colour per class, every score on hover."""
+"""The head taxonomy as a layer × head grid (docs/methods.md#head-classes): one colour per class, every score on hover;
+and the scores on repeated random tokens as a grid lettered with the induction, previous-token, duplicate and dormant
+classes (docs/methods.md#induction-previous-token-and-duplicate-heads)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,8 @@ import numpy as np
 import plotly.graph_objects as go
 
 from attnviz.effects.heads import Taxonomy
+from attnviz.effects.induction import SCORES, HeadScores
+from attnviz.errors import InputError
 from attnviz.figures.style import layout
 
 CLASSES = {"retrieval": "#d9d9d9", "sink": "#1f4e9c", "streaming": "#59a14f", "inactive": "#e15759"}
@@ -38,6 +42,39 @@ def head_classes(tax: Taxonomy) -> go.Figure:
                                  marker=dict(color=colour, size=10, symbol="square")))
     layout(fig, f"head taxonomy · {tax.arch} · {tax.samples} sample(s) · eps {tax.eps:g}, streaming ≥ "
                 f"{tax.tau_stream:g} (s={tax.s}, w={tax.w}), inactive < {tax.tau_inactive:g}",
+           height=max(360, 18 * n_layers + 120))
+    fig.update_xaxes(title="head", range=[-0.5, n_heads - 0.5], dtick=1)
+    fig.update_yaxes(title="layer", range=[n_layers - 0.5, -0.5], dtick=max(1, n_layers // 10))
+    return fig
+
+
+LETTERS = {"induction": "I", "prev_token": "P", "duplicate": "D", "dormant": "z"}
+
+
+def repeated_scores(scores: HeadScores, score: str = "induction") -> go.Figure:
+    """Layer (rows, bottom layer on top) × head grid of one score on repeated random tokens
+    (docs/methods.md#induction-previous-token-and-duplicate-heads), 0 to 1; each tile lettered with the classes its
+    head holds (I induction, P previous-token, D duplicate, z dormant); hover gives every score with its baseline."""
+    if score not in SCORES:
+        raise InputError(f"unknown score {score!r}: expected one of {', '.join(SCORES)}")
+    values = scores[score]
+    n_layers, n_heads = values.shape
+    held = {name: scores.holds(name) for name in LETTERS}
+    letters = np.array([["".join(c for name, c in LETTERS.items() if held[name][l, h]) for h in range(n_heads)]
+                        for l in range(n_layers)], dtype=object)
+    names = [*SCORES, "quiet_key0", "dormant_ratio"]
+    custom = np.stack([np.nan_to_num(scores[n], nan=-1) for n in names]
+                      + [np.nan_to_num(scores[f"{s}_baseline"], nan=-1) for s in SCORES], axis=-1)
+    hover = ("layer %{y}, head %{x} %{text}<br>induction %{customdata[0]:.3f} (baseline %{customdata[5]:.3f})"
+             "<br>previous-token %{customdata[1]:.3f} (baseline %{customdata[6]:.3f})<br>duplicate "
+             "%{customdata[2]:.3f} (baseline %{customdata[7]:.3f})<br>quiet queries on key 0 %{customdata[3]:.3f}, "
+             "quiet/active output %{customdata[4]:.3f}<extra></extra>")
+    fig = go.Figure(go.Heatmap(z=values, zmin=0.0, zmax=1.0, colorscale="Viridis", text=letters,
+                               texttemplate="%{text}", customdata=custom, hovertemplate=hover, xgap=1, ygap=1,
+                               colorbar=dict(title=score)))
+    counts = ", ".join(f"{name} {int(held[name].sum())}" for name in LETTERS)
+    layout(fig, f"{score} score on repeated random tokens · L={scores.length}, {scores.samples} sequence(s) · "
+                f"tau {scores.tau:g}, dormant: key 0 > {scores.eps:g}, output < {scores.share:g} · {counts}",
            height=max(360, 18 * n_layers + 120))
     fig.update_xaxes(title="head", range=[-0.5, n_heads - 0.5], dtick=1)
     fig.update_yaxes(title="layer", range=[n_layers - 0.5, -0.5], dtick=max(1, n_layers // 10))

@@ -23,6 +23,7 @@ import torch
 
 from attnviz.core.loading import models, runs
 from attnviz.errors import InputError
+from attnviz.lab import formation
 from attnviz.stats import metrics, spectrum
 
 PROBE_SIZE = 32  # sequences in the task's probe
@@ -32,7 +33,7 @@ PROBE_STEP = 10**9  # the task's batch index the probe is drawn at: a step no tr
 FORMED = 0.5
 #: the table's columns, in order (docs/methods.md#emergence-measures)
 COLUMNS = ("step", "layer", "head", "loss", "train_loss", "alpha0", "sink_rate", "first_token", "row_mass", "value_drain",
-           "residual_peak", "entropy", "kind", "arch", "hash", "seed", "checkpoint")
+           "residual_peak", "entropy", *formation.COLUMNS, "kind", "arch", "hash", "seed", "checkpoint")
 
 
 @dataclass(frozen=True)
@@ -141,17 +142,17 @@ def task_probe(setup: dict, size: int = PROBE_SIZE) -> Probe:
     """A run's own probe: ``size`` sequences of its task (rebuilt from the saved setup,
     :meth:`attnviz.lab.train.Setup.from_dict`), seeded and the same for every checkpoint; the queries that need no
     attention are Bigram-Backcopy's non-trigger ones (a text task's: every query, as for a text)."""
-    from attnviz.lab.tasks import BigramBackcopy
+    from attnviz.lab.tasks import TASKS
     from attnviz.lab.train import Setup
 
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise InputError(f"the probe's size is a whole number of at least 1, not {size!r}")
     name = (setup.get("task") or {}).get("name", "bigram-backcopy")
-    if name not in ("bigram-backcopy", "text"):
+    if name not in TASKS:
         raise InputError(f"the run's task '{name}' has no probe here (the lab's tasks have): give a probe")
     task = Setup.from_dict(setup).task
     ids = task.batch(size, PROBE_STEP)
-    if isinstance(task, BigramBackcopy):
+    if hasattr(task, "needs_attention"):  # Bigram-Backcopy's, the repeated task's
         return Probe(ids, ~task.needs_attention(ids), "task")
     return Probe.of(ids, "task")
 
@@ -272,9 +273,12 @@ def table(run_or_checkpoints, probe=None, recipe: str | None = None, eps: float 
     for i, checkpoint in enumerate(found):
         loaded = models.load(str(checkpoint.folder), dtype="float32")
         arch = recipe or checkpoint.get("arch") or "fwd"
-        measured = measure(loaded, text_probe(loaded, chosen) if isinstance(chosen, str) else chosen, arch, eps)
+        probe_here = text_probe(loaded, chosen) if isinstance(chosen, str) else chosen
+        measured = measure(loaded, probe_here, arch, eps)
+        classes = formation.columns(loaded, probe_here, arch, eps, checkpoint.setup)  # the head classes' columns
         digest = weights_hash(checkpoint, loaded)  # its metadata's, else from the model loaded here (one load)
-        rows += [row_of(checkpoint, digest, arch, loaded, r) for r in measured]
+        rows += [row_of(checkpoint, digest, arch, loaded, {**r, **classes[r["layer"], r["head"]],
+                                                          "sink_head": r["alpha0"] > eps}) for r in measured]
         del loaded
         if on_step:
             on_step(i + 1, len(found))

@@ -1,19 +1,27 @@
-"""The lab's tasks: Bigram-Backcopy (Guo et al. 2024, arXiv 2410.13835), seeded.
+"""The lab's tasks, seeded, one class each in :data:`TASKS` (docs/lab.md#tasks-and-tokenizers): Bigram-Backcopy (Guo
+et al. 2024, arXiv 2410.13835), repeated random tokens (Olsson et al. 2022) and the text task (:mod:`attnviz.lab.text`).
 
-A vocabulary of ``vocab`` tokens: token 0 is BOS, tokens 1..``triggers`` are triggers, the rest ordinary. Each
-sequence starts with BOS; after an ordinary token the next is drawn from a fixed random bigram table over the
-ordinary tokens, or is a trigger with probability ``p_trigger``; after a trigger the next token copies the token just
-before the trigger. The copy needs attention (to the previous token); the bigram needs none, so the queries after
-ordinary tokens are the ones that have nothing to attend to: where a sink forms.
+Bigram-Backcopy: a vocabulary of ``vocab`` tokens: token 0 is BOS, tokens 1..``triggers`` are triggers, the rest
+ordinary. Each sequence starts with BOS; after an ordinary token the next is drawn from a fixed random bigram table
+over the ordinary tokens, or is a trigger with probability ``p_trigger``; after a trigger the next token copies the
+token just before the trigger. The copy needs attention (to the previous token); the bigram needs none, so the
+queries after ordinary tokens are the ones that have nothing to attend to: where a sink forms.
+
+A task is one frozen dataclass with a ``name`` (what a checkpoint's setup saves), an ``option`` (``attnviz train
+--task``), ``vocab``, ``length``, ``seed``, ``batch(size, step)`` and ``tokenizer_object()``; a task whose copies need
+attention also marks them (``needs_attention``) and names the tokens it draws from (``ordinary``).
+``Setup.from_dict`` and ``attnviz train --task`` read :data:`TASKS` alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from attnviz.errors import InputError
+from attnviz.lab.text import Text, bigram_tokenizer
 
 BOS = 0
 
@@ -25,6 +33,8 @@ class BigramBackcopy:
     length: int = 64
     p_trigger: float = 0.1
     seed: int = 0
+    name: ClassVar[str] = "bigram-backcopy"
+    option: ClassVar[str] = "bigram"
 
     def __post_init__(self):
         if not (isinstance(self.vocab, int) and isinstance(self.triggers, int) and isinstance(self.length, int)):
@@ -40,6 +50,9 @@ class BigramBackcopy:
     @property
     def ordinary(self) -> torch.Tensor:
         return torch.arange(1 + self.triggers, self.vocab)
+
+    def tokenizer_object(self):
+        return bigram_tokenizer(self)
 
     def table(self) -> torch.Tensor:
         """(vocab, vocab) the bigram's next-token probabilities of each ordinary token (rows of others are 0): each
@@ -72,3 +85,77 @@ class BigramBackcopy:
     def needs_attention(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, n) bool: the positions whose next token is a copy (a trigger's), the others need no attention."""
         return (tokens >= 1) & (tokens <= self.triggers)
+
+
+@dataclass(frozen=True)
+class RepeatedRandom:
+    """BOS, a segment r_1..r_L of distinct random tokens, the same segment again, then fresh random tokens up to
+    ``length`` (docs/lab.md#tasks-and-tokenizers). L is drawn per sequence from ``shortest``..(length - 1) // 2, so
+    no fixed offset finds the copy: the second copy is predicted by an induction head (a previous-token head below
+    it, then attention from r_k to the token after r_k's first occurrence), which needs two layers. Every other
+    query needs no attention, its next token being a fresh draw: the first copy, the query before the second copy
+    starts, the tail. The tail's tokens are never the segment's, so a copy is only ever right in the second copy.
+    Tokens: BOS (0) and the ordinary tokens 1..vocab-1."""
+
+    vocab: int = 32
+    length: int = 32
+    shortest: int = 4
+    seed: int = 0
+    name: ClassVar[str] = "repeated-random"
+    option: ClassVar[str] = "repeat"
+
+    def __post_init__(self):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (self.vocab, self.length, self.shortest)):
+            raise InputError("the repeated task's vocab, length and shortest are whole numbers")
+        if not 2 <= self.shortest <= self.longest:
+            raise InputError(f"the repeated segment is 2 to (length - 1) // 2 = {self.longest} tokens long: shortest "
+                             f"{self.shortest} does not fit a length of {self.length}")
+        if self.vocab - 1 < self.longest + 2:
+            raise InputError(f"the repeated task needs more ordinary tokens than its longest segment ({self.longest}) "
+                             f"plus two for the tail: vocab {self.vocab} is too small")
+
+    @property
+    def longest(self) -> int:
+        return (self.length - 1) // 2
+
+    @property
+    def ordinary(self) -> torch.Tensor:
+        return torch.arange(1, self.vocab)
+
+    def tokenizer_object(self):
+        return bigram_tokenizer(self)
+
+    def batch(self, size: int, step: int = 0) -> torch.Tensor:
+        """(size, length) sequences, the same for the same seed and step."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        spans = torch.randint(self.shortest, self.longest + 1, (size,), generator=g)
+        order = 1 + torch.rand(size, self.vocab - 1, generator=g).argsort(-1)  # each row's tokens, shuffled
+        tail = torch.randint(self.longest, self.vocab - 1, (size, self.length), generator=g)  # past any segment
+        out = torch.gather(order, 1, tail)
+        out[:, 0] = BOS
+        for row, span in enumerate(spans.tolist()):
+            out[row, 1:span + 1] = out[row, span + 1:2 * span + 1] = order[row, :span]
+        return out
+
+    def spans(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B,) each sequence's L: where r_1 comes again, less one (the segment's tokens are distinct, the tail's
+        are none of them)."""
+        again = (tokens[:, 2:] == tokens[:, 1:2]).int().argmax(-1)
+        return again + 1
+
+    def needs_attention(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, n) bool: the second copy's queries L+1..2L-1, whose next token is a copy; the others need none."""
+        i = torch.arange(tokens.shape[1])[None]
+        span = self.spans(tokens)[:, None]
+        return (i > span) & (i < 2 * span)
+
+
+#: every task the lab trains, by the name a checkpoint's setup saves
+TASKS = {task.name: task for task in (BigramBackcopy, RepeatedRandom, Text)}
+
+
+def named(name: str):
+    """The task class saved as ``name``, refused in one line where the lab has none."""
+    if name not in TASKS:
+        raise InputError(f"the saved task {name!r} is not one the lab trains ({', '.join(TASKS)})")
+    return TASKS[name]

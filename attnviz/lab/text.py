@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -36,12 +37,14 @@ def _fast(model, pre, decoder=None):
 
 
 def bigram_tokenizer(task):
-    """A WordLevel tokenizer over a Bigram-Backcopy vocabulary: ``<bos>``, triggers ``T1``.., ordinary ``tN``."""
+    """A WordLevel tokenizer over a Bigram-Backcopy vocabulary: ``<bos>``, triggers ``T1``.., ordinary ``tN``; a task
+    without triggers (the repeated random tokens) has ``<bos>`` and ordinary ``t1``.. alone."""
     from tokenizers import models, pre_tokenizers
 
+    triggers = getattr(task, "triggers", 0)
     vocab = {BOS_TOKEN: 0}
-    vocab.update({f"T{i}": i for i in range(1, task.triggers + 1)})
-    vocab.update({f"t{i}": i for i in range(task.triggers + 1, task.vocab)})
+    vocab.update({f"T{i}": i for i in range(1, triggers + 1)})
+    vocab.update({f"t{i}": i for i in range(triggers + 1, task.vocab)})
     return _fast(models.WordLevel(vocab, unk_token=None), pre_tokenizers.WhitespaceSplit())
 
 
@@ -95,6 +98,7 @@ class Text:
     length: int = 64
     seed: int = 0
     name: str = "text"
+    option: ClassVar[str] = "text"
 
     def __post_init__(self):
         if self.tokenizer not in TOKENIZERS:

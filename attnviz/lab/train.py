@@ -28,8 +28,8 @@ from attnviz.errors import InputError
 from attnviz.lab import models
 from attnviz.core.loading import runs
 from attnviz.core.loading.runs import last  # noqa: F401 - a run's last checkpoint, read by its callers
+from attnviz.lab import tasks
 from attnviz.lab.tasks import BigramBackcopy
-from attnviz.lab.text import Text, bigram_tokenizer
 
 RESUMABLE = ("steps", "device")  # what a resumed run may change
 
@@ -50,7 +50,7 @@ class Setup:
     warmup: int = 100
     seed: int = 0
     every: int = 500  # a checkpoint every this many steps, and log-spaced before (1, 2, 4, ...)
-    task: BigramBackcopy | Text = field(default_factory=BigramBackcopy)
+    task: object = field(default_factory=BigramBackcopy)  # one of tasks.TASKS
     device: str | None = None  # "cpu", "cuda", None: a GPU when there is one
 
     def __post_init__(self):
@@ -62,8 +62,8 @@ class Setup:
             raise InputError(f"the width {self.width} is not a multiple of the {self.heads} heads")
         if not (self.lr > 0 and self.weight_decay >= 0 and self.warmup >= 0):
             raise InputError("the learning rate is above 0, the weight decay and the warm-up at least 0")
-        if not isinstance(self.task, (BigramBackcopy, Text)):
-            raise InputError(f"the task is Bigram-Backcopy or text, not {type(self.task).__name__}")
+        if type(self.task) not in tasks.TASKS.values():
+            raise InputError(f"the task is one of {', '.join(tasks.TASKS)}, not {type(self.task).__name__}")
         if self.device not in (None, "cpu", "cuda"):
             raise InputError(f"the device is cpu, cuda or None (a GPU when there is one), not {self.device!r}")
         object.__setattr__(self, "kind", models.check(self.kind, self.arch, self.layers, self.positions))
@@ -75,7 +75,7 @@ class Setup:
 
     def as_dict(self) -> dict:
         data = asdict(self)
-        data["task"] = {"name": "text" if isinstance(self.task, Text) else "bigram-backcopy", **asdict(self.task)}
+        data["task"] = {"name": self.task.name, **asdict(self.task)}
         return data
 
     @classmethod
@@ -85,10 +85,7 @@ class Setup:
         defaults (an older checkpoint's). The one way a saved setup is read back: resuming, the page, the probe."""
         fields = {k: v for k, v in saved.items() if k in _known(cls)}
         task = dict(fields.get("task") or {})
-        made = {"bigram-backcopy": BigramBackcopy, "text": Text}.get(task.pop("name", "bigram-backcopy"))
-        if made is None:
-            raise InputError(f"the saved task {saved['task'].get('name')!r} is not one the lab trains "
-                             "(bigram-backcopy, text)")
+        made = tasks.named(task.pop("name", BigramBackcopy.name))
         fields["task"] = made(**{k: v for k, v in task.items() if k in _known(made)})
         return cls(**fields)
 
@@ -97,7 +94,7 @@ class Setup:
         return self.task.vocab
 
     def tokenizer(self):
-        return self.task.tokenizer_object() if isinstance(self.task, Text) else bigram_tokenizer(self.task)
+        return self.task.tokenizer_object()
 
 
 def _known(cls) -> set[str]:
