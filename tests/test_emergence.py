@@ -200,10 +200,8 @@ def test_the_sweep_takes_a_run_folder_as_its_checkpoints(run, tmp_path):
     assert sweep_run.run_cell(str(tmp_path / "out"), cell)["status"] == "ok"
     rows = store.read(str(tmp_path / "out"), "emergence")
     assert len(rows) == SETUP.layers * SETUP.heads and set(rows["step"]) == {4}
-    from attnviz.lab import formation
-
-    # the sweep's measure carries the table's columns but the head classes (a second forward the table runs)
-    assert set(measures.COLUMNS["emergence"]) | {"arch"} == set(emergence.COLUMNS) - set(formation.COLUMNS)
+    assert set(measures.COLUMNS["emergence"]) | {"arch"} == set(emergence.COLUMNS)  # the head classes included
+    assert rows["induction"].notna().all() and rows["dormant"].notna().all()
     copied = _copy_run(run, tmp_path, {2: 2, 4: 4})
     shutil.copytree(run / "step-4", copied / "step-6")
     with pytest.raises(InputError, match="same weights"):

@@ -274,16 +274,25 @@ def table(run_or_checkpoints, probe=None, recipe: str | None = None, eps: float 
         loaded = models.load(str(checkpoint.folder), dtype="float32")
         arch = recipe or checkpoint.get("arch") or "fwd"
         probe_here = text_probe(loaded, chosen) if isinstance(chosen, str) else chosen
-        measured = measure(loaded, probe_here, arch, eps)
-        classes = formation.columns(loaded, probe_here, arch, eps, checkpoint.setup)  # the head classes' columns
-        digest = weights_hash(checkpoint, loaded)  # its metadata's, else from the model loaded here (one load)
-        rows += [row_of(checkpoint, digest, arch, loaded, {**r, **classes[r["layer"], r["head"]],
-                                                          "sink_head": r["alpha0"] > eps}) for r in measured]
+        rows += checkpoint_rows(checkpoint, loaded, probe_here, arch, eps)
         del loaded
         if on_step:
             on_step(i + 1, len(found))
     frame = pd.DataFrame(rows, columns=list(COLUMNS))
     return frame.astype({"step": "int64", "layer": "int64", "head": "int64", "seed": "Int64"})
+
+
+def checkpoint_rows(checkpoint: Checkpoint, loaded, probe: Probe, recipe="fwd", eps: float = metrics.SINK_EPS,
+                    arch: str | None = None) -> list[dict]:
+    """One checkpoint's rows of the table (:data:`COLUMNS`), one per (layer, head): the measures on ``probe`` under
+    ``recipe`` and the head classes (:func:`attnviz.lab.formation.columns`); ``arch`` the architecture column (the
+    recipe's string by default). The table's and the sweep's ``emergence`` measure's one way to a row."""
+    measured = measure(loaded, probe, recipe, eps)
+    classes = formation.columns(loaded, probe, recipe, eps, checkpoint.setup)  # the head classes' columns
+    digest = weights_hash(checkpoint, loaded)  # its metadata's, else from the model loaded here (one load)
+    label = arch if arch is not None else recipe
+    return [row_of(checkpoint, digest, label, loaded, {**r, **classes[r["layer"], r["head"]],
+                                                       "sink_head": r["alpha0"] > eps}) for r in measured]
 
 
 def row_of(checkpoint: Checkpoint, digest: str, arch: str, loaded, row: dict) -> dict:

@@ -194,11 +194,9 @@ def emergence(lm: LoadedModel, cell: Cell) -> list[dict]:
         probe = lab.task_probe(checkpoint.setup, o["samples"])
     else:
         probe = lab.Probe.of(token_ids(lm, documents(cell.corpus).text, o["max_tokens"]), "text")
-    digest = lab.weights_hash(checkpoint, lm)
-    rows = lab.measure(lm, probe, recipe(lm, cell), o["eps"])
+    rows = lab.checkpoint_rows(checkpoint, lm, probe, recipe(lm, cell), o["eps"], arch=cell.arch)
     # the cell's own arch column is the architecture measured under
-    return [{k: v for k, v in lab.row_of(checkpoint, digest, cell.arch, lm, r).items() if k != "arch"}
-            for r in rows]
+    return [{k: v for k, v in r.items() if k != "arch"} for r in rows]
 
 
 RUN = {"sinks": sinks, "eval": evaluate, "embed": embed, "compress": compress, "heads": heads, "explain": explain,
@@ -226,6 +224,11 @@ def schema():
     return pa.schema(cell + [(name, getattr(pa, kind)()) for name, kind in columns.items()])
 
 
+#: the emergence table's head-class columns (attnviz.lab.formation.COLUMNS): scores and ratios, and the classes
+_CLASSES = {**{f"{s}{b}": "float64" for s in ("induction", "prev_token", "duplicate") for b in ("", "_baseline")},
+            "quiet_key0": "float64", "dormant_ratio": "float64",
+            **{c: "bool_" for c in ("sink_head", "induction_head", "prev_token_head", "duplicate_head", "dormant")}}
+
 #: measure -> its result columns and their Arrow types (pyarrow type names); the rows of RUN's functions
 #: carry exactly these (tests check it), and :func:`schema` unites them.
 COLUMNS = {
@@ -252,7 +255,7 @@ COLUMNS = {
                "sink_rate_key0": "float64"},
     "emergence": {"step": "int64", "layer": "int64", "head": "int64", "loss": "float64", "train_loss": "float64",
                   "alpha0": "float64", "sink_rate": "float64", "first_token": "float64", "row_mass": "float64", "value_drain": "float64",
-                  "residual_peak": "float64", "entropy": "float64", "kind": "string", "hash": "string",
+                  "residual_peak": "float64", "entropy": "float64", **_CLASSES, "kind": "string", "hash": "string",
                   "seed": "int64", "checkpoint": "string"},
     # a trained run itself (docs/sweeps.md#training-cells): its last step, training loss and weights hash, its folder
     "train": {"step": "int64", "train_loss": "float64", "hash": "string", "checkpoint": "string"},
