@@ -8,8 +8,9 @@ from attnviz.errors import AttnvizError
 
 
 def options(p):
+    from attnviz.core.spec import kinds
     from attnviz.lab.tasks import BigramBackcopy
-    from attnviz.lab.train import Setup
+    from attnviz.lab.train import MOMENTUM, OPTIMIZERS, WEIGHT_DECAY, Setup
 
     setup, task = Setup.__dataclass_fields__, BigramBackcopy.__dataclass_fields__
 
@@ -19,8 +20,8 @@ def options(p):
 
     p.add_argument("--out", required=True, help="the run's folder: step-N checkpoints; the same command again "
                                                 "resumes from the last one")
-    p.add_argument("--kind", default=default(setup, "kind"), help="attention kind: softmax, sink, sink(logit=0), "
-                   "softpick, sigmoid, sigmoid(bias=b), gate (docs/methods.md#attention-kinds; default %(default)s)")
+    p.add_argument("--kind", default=default(setup, "kind"), help=f"attention kind: {kinds.help()} "
+                   "(docs/methods.md#attention-kinds; default %(default)s)")
     p.add_argument("--arch", default=default(setup, "arch"), help="the mask, as an architecture string "
                    "(docs/methods.md#the-call-syntax; default %(default)s)")
     p.add_argument("--positions", default=default(setup, "positions"), help="positions: rope (the only one)")
@@ -31,8 +32,14 @@ def options(p):
         p.add_argument(f"--{name}", type=int, default=default(setup, name), help=f"{what} (default %(default)s)")
     p.add_argument("--mlp", action="store_true", help="with MLPs (default: attention only, the MLP zero and frozen)")
     p.add_argument("--lr", type=float, default=default(setup, "lr"), help="peak learning rate (default %(default)s)")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=default(setup, "optimizer"),
+                   help="adamw (decoupled weight decay), adam (no weight decay) or sgd (with momentum), each at --lr "
+                        "with the same warm-up (docs/lab.md#optimizers; default %(default)s)")
     p.add_argument("--weight-decay", type=float, default=default(setup, "weight_decay"),
-                   help="AdamW's weight decay (default %(default)s)")
+                   help="adamw's decoupled weight decay or sgd's L2 term; refused with adam (default: the "
+                        f"optimizer's, {', '.join(f'{k} {v:g}' for k, v in WEIGHT_DECAY.items())})")
+    p.add_argument("--momentum", type=float, default=default(setup, "momentum"),
+                   help=f"sgd's momentum, refused with the others (default {MOMENTUM:g} with sgd)")
     p.add_argument("--task", choices=("bigram", "text"), default="bigram",
                    help="bigram: Bigram-Backcopy; text: next-token prediction on text (default %(default)s)")
     p.add_argument("--text-file", default=None, help="--task text: a UTF-8 file (default: the stdlib corpus)")
@@ -42,6 +49,8 @@ def options(p):
                    "triggers included (default %(default)s)")
     p.add_argument("--triggers", type=int, default=task["triggers"].default, help="Bigram-Backcopy's triggers "
                    "(default %(default)s)")
+    p.add_argument("--p-trigger", type=float, default=task["p_trigger"].default, help="Bigram-Backcopy's "
+                   "probability of a trigger after an ordinary token, at least 0 and below 1 (default %(default)s)")
     p.add_argument("--length", type=int, default=task["length"].default, help="tokens a sequence (default "
                                                                                "%(default)s)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: a GPU when there is one")
@@ -57,11 +66,12 @@ def setup_of(args):
     else:
         if args.text_file:
             raise AttnvizError("--text-file is for --task text")
-        task = BigramBackcopy(vocab=args.vocab, triggers=args.triggers, length=args.length, seed=args.seed)
+        task = BigramBackcopy(vocab=args.vocab, triggers=args.triggers, length=args.length,
+                              p_trigger=args.p_trigger, seed=args.seed)
     return Setup(layers=args.layers, width=args.width, heads=args.heads, mlp=args.mlp, kind=args.kind,
                  arch=args.arch, positions=args.positions, steps=args.steps, batch=args.batch, lr=args.lr,
-                 weight_decay=args.weight_decay, warmup=args.warmup, seed=args.seed, every=args.every, task=task,
-                 device=args.device)
+                 weight_decay=args.weight_decay, optimizer=args.optimizer, momentum=args.momentum, warmup=args.warmup,
+                 seed=args.seed, every=args.every, task=task, device=args.device)
 
 
 def shown(bar, update, step: int, total: int, loss: float) -> None:
