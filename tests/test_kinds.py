@@ -113,7 +113,7 @@ def test_a_kind_registered_in_kinds_alone_is_parsed_listed_and_trained():
     try:
         made = kinds.parse("square(scale=2)")
         assert made == Square(2.0) and made.spec == "square(scale=2)" and "square" in kinds.names()
-        assert kinds.help().endswith("relu, square, square(scale=s)") and kinds.what_ifs()[-1] == "square"
+        assert kinds.help(trained=True).endswith("relu, square, square(scale=s)") and kinds.what_ifs()[-1] == "square"
         assert "`square`, `square(scale=s)`: (s·ReLU(z))² / n" in kinds.lines()
         assert models.family("square") == "llama" and kinds.weigher(made) == made.weights
         assert models.check("square", "stablemask", 1, "rope") == "square(scale=1)"  # every field, as the registry writes
@@ -129,14 +129,15 @@ def test_every_kind_is_in_the_help_of_the_commands_and_the_apps_lists(capsys):
     from attnviz.cli import build_parser
 
     assert kinds.names() == ("softmax", "sink", "softpick", "sigmoid", "gate", "relu")
-    for command in ("train", "capture"):
+    for command, listed in (("train", kinds.help(trained=True)), ("capture", kinds.help())):
         with pytest.raises(SystemExit):
             build_parser(command).parse_args([command, "--help"])
         text = " ".join(capsys.readouterr().out.split())
-        assert f"attention kind: {kinds.help()}" in text and "relu" in text
+        assert f"attention kind: {listed}" in text and "relu" in text
+    assert kinds.help(trained=True) == kinds.help().replace(" gate(headwise),", "")  # the one the lab refuses
     assert ui.sidebar.KINDS == [ui.sidebar.OWN, "softmax", "sink(logit=0)", "softpick", "sigmoid", "sigmoid(bias=0)",
                                 "relu"]
-    assert ui.emergence.KINDS == kinds.help() and "relu" in kinds.help()
+    assert ui.emergence.KINDS == kinds.help(trained=True) and "relu" in ui.emergence.KINDS
 
 
 def test_bigram_backcopy_follows_its_definition():

@@ -19,7 +19,7 @@ from attnviz.lab.runs import LabRun
 from ui import jobs, shared
 
 #: the attention kinds the trainer takes, as the call syntax writes them (docs/methods.md#attention-kinds)
-KINDS = kinds.help()
+KINDS = kinds.help(trained=True)
 DEFAULT_KIND = "softmax"
 DEFAULT_MASK = "fwd"  # the causal mask, as the call syntax writes it
 

@@ -20,7 +20,7 @@ def options(p):
 
     p.add_argument("--out", required=True, help="the run's folder: step-N checkpoints; the same command again "
                                                 "resumes from the last one")
-    p.add_argument("--kind", default=default(setup, "kind"), help=f"attention kind: {kinds.help()} "
+    p.add_argument("--kind", default=default(setup, "kind"), help=f"attention kind: {kinds.help(trained=True)} "
                    "(docs/methods.md#attention-kinds; default %(default)s)")
     p.add_argument("--arch", default=default(setup, "arch"), help="the mask, as an architecture string "
                    "(docs/methods.md#the-call-syntax; default %(default)s)")

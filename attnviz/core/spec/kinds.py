@@ -1,22 +1,14 @@
 """Attention kinds (docs/methods.md#attention-kinds): what turns a row of scaled scores into the weights a query puts
 on the keys its mask allows, one more axis of a recipe beside the mask.
 
-Each kind is one small frozen class registered in :data:`KINDS`, the call syntax's registry that reads masks and
-interventions (``softmax``, ``sink(logit=0)``, ``softpick``, ``sigmoid(bias=0)``, ``gate(headwise)``, ``relu``): its
-name, its arguments (its fields), how the help writes it (``forms``), its help line, and what the rest of attnviz
-needs of it (the stock family that trains it, whether its rows are its own weights rather than a softmax's, whether it
-combines with StableMask, the what-ifs the app offers on any model). Adding a kind is one class here: the parser, the
-lab, the recipe, the app's lists and the command line's help all read the registry (:func:`names`, :func:`help`).
-
-Each has one method, :meth:`Kind.weights`: scores ``z`` (..., n_kv) with the mask's −inf on forbidden keys (and
-StableMask's pseudo-logits where the recipe has them) to weights of the same shape. A row may sum to less than 1 (a
-learned sink, softpick, relu) or more (sigmoid, relu): the maps show it as it is, the remainder being the row's
-discarded mass.
-
-Each class's docstring or ``line`` gives its definition: softmax, sink (gpt-oss's learned logit, or a fixed one:
-``sink(logit=0)`` is softmax-off-by-one, Miller 2023), softpick (Zuhri et al. 2025), sigmoid (Ramapuram et al.
-2024), gate (Qiu et al. 2025, position G1: a gate changes what the head writes, not its map), relu (Wortsman et al.
-2023; Shen et al. 2023).
+Each kind is one frozen class registered in :data:`KINDS`, the call syntax's registry: its name, its arguments (its
+fields), how the help writes it (``forms``), its help line (``line``: the definition and its paper), and what the
+rest of attnviz reads of it (the family that trains it, whether its rows are its own weights, whether it combines
+with StableMask, the app's what-ifs). Adding a kind is one class here: the parser, the lab, the recipe, the app's lists
+and the command line's help read the registry (:func:`names`, :func:`help`). :meth:`Kind.weights` takes scores ``z``
+(..., n_kv) with the mask's −inf on forbidden keys (and StableMask's pseudo-logits where the recipe has them) to
+weights of the same shape; a row may sum to less than 1 (a learned sink, softpick, relu) or more (sigmoid, relu): the
+maps show it as it is, the remainder being the row's discarded mass.
 """
 
 from __future__ import annotations
@@ -265,9 +257,19 @@ def names() -> tuple[str, ...]:
     return KINDS.names()
 
 
-def help() -> str:  # noqa: A001 - the registry's help, as the command line and the app show it
-    """Every kind as the help writes it: ``softmax, sink, sink(logit=c), ...``."""
-    return ", ".join(form for name in KINDS.names() for form in KINDS.entries[name].forms)
+def help(trained: bool = False) -> str:  # noqa: A001 - the registry's help, as the command line and the app show it
+    """Every kind as the help writes it: ``softmax, sink, sink(logit=c), ...``; ``trained``: those the lab trains
+    (a form with a placeholder, ``sink(logit=c)``, stands for its kind)."""
+    return ", ".join(form for name in KINDS.names() for form in KINDS.entries[name].forms
+                     if not trained or _trains(form.split("(")[0] if "=" in form else form))
+
+
+def _trains(spec: str) -> bool:
+    try:
+        parse(spec).trained_as()
+    except InputError:
+        return False
+    return True
 
 
 def lines() -> str:
