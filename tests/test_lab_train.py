@@ -232,7 +232,7 @@ def test_the_optimizer_reads_back_and_an_older_checkpoint_is_adamw():
 
 
 @pytest.mark.parametrize("changes, words", [
-    (dict(optimizer="lion"), "the optimizer is adamw, adam, sgd, not 'lion'"),
+    (dict(optimizer="lion"), "the optimizer is one of adamw, adam, sgd, not .lion."),
     (dict(optimizer="adam", weight_decay=0.1), "adam takes no weight decay"),
     (dict(momentum=0.5), "the momentum is SGD's: adamw takes none"),
     (dict(optimizer="sgd", momentum=1.0), "SGD's momentum is at least 0 and below 1"),

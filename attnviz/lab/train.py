@@ -86,7 +86,7 @@ class Setup:
         """The optimizer's weight decay and momentum made explicit (so a saved setup says them), or refused in one
         line: an unknown optimizer, a weight decay with adam, a momentum with another optimizer than sgd."""
         if self.optimizer not in OPTIMIZERS:
-            raise InputError(f"the optimizer is {', '.join(OPTIMIZERS)}, not {self.optimizer!r}")
+            raise InputError(f"the optimizer is one of {', '.join(OPTIMIZERS)}, not {self.optimizer!r}")
         if self.weight_decay is None:
             object.__setattr__(self, "weight_decay", WEIGHT_DECAY[self.optimizer])
         if self.optimizer == "adam" and self.weight_decay:
