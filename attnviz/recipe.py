@@ -126,11 +126,10 @@ class Built:
 
     def softmax_only(self, purpose: str) -> "Built":
         """Refuse, for ``purpose``, which is defined on the softmax's weights (with a model's own learned sink), any
-        other kind: the recipe's, or the model's own (docs/methods.md#attention-kinds)."""
-        from attnviz.core.spec import kinds
-
+        other kind: the recipe's, or the model's own (docs/methods.md#attention-kinds); each kind declares whether its
+        map is a softmax's (``softmax_map``)."""
         kind = self.kind or self.own_kind
-        if not isinstance(kind, (kinds.Softmax, kinds.Gate)) and kind != kinds.Sink():
+        if not kind.softmax_map:
             raise InputError(f"{purpose} is defined on the softmax's weights (and a model's own learned sink), "
                              f"not on {kind.spec}'s (docs/methods.md#attention-kinds)")
         return self

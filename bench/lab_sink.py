@@ -31,16 +31,15 @@ from attnviz.lab.emergence import FORMED as THRESHOLD  # noqa: E402 - the lab's 
 
 
 def baseline(setup, steps: int) -> float:
-    """Seconds a step of a plain stock training loop of the same model (SDPA, the loss transformers computes)."""
-    import torch
-
-    from attnviz.lab.train import build, device_of
+    """Seconds a step of a plain stock training loop of the same model (SDPA, the loss transformers computes), with
+    the setup's optimizer."""
+    from attnviz.lab.train import OPTIMIZERS, build, device_of
 
     device = device_of(setup)
     model = build(setup).to(device)
     model.set_attn_implementation("sdpa")
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=setup.lr, weight_decay=setup.weight_decay)
+    optimizer = OPTIMIZERS[setup.optimizer](setup, params)
     model.train()
     times = []
     for step in range(1, steps + 1):

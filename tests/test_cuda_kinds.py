@@ -9,7 +9,7 @@ import tiny
 from attnviz import recipe
 from attnviz.core import engine
 
-KINDS = ["softmax", "softpick", "sigmoid", "sink(logit=0)"]
+KINDS = ["softmax", "softpick", "sigmoid", "sink(logit=0)", "relu"]
 IDS = torch.randint(3, 90, (1, 24), generator=torch.Generator().manual_seed(2))
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
@@ -39,7 +39,7 @@ def test_each_kind_on_cuda_gives_the_cpu_maps(kind, arch, dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kind", ["softmax", "softpick", "sink", "gate"])
+@pytest.mark.parametrize("kind", ["softmax", "softpick", "sink", "gate", "relu"])
 def test_the_lab_trains_on_cuda_and_its_checkpoint_loads_on_the_cpu(kind, tmp_path):
     import attnviz
     from attnviz.lab.tasks import BigramBackcopy

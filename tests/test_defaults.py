@@ -49,8 +49,8 @@ LIBRARY = {
     ("routes", "token"): D(flow.routes)["token"], ("routes", "threshold"): D(flow.routes)["threshold"],
     ("emergence", "eps"): D(emergence.table)["eps"], ("emergence", "samples"): D(emergence.table)["size"],
     **{("train", name): D(Setup)[name] for name in ("width", "heads", "steps", "batch", "warmup", "seed", "every",
-                                                     "lr", "weight_decay")},
-    **{("train", name): D(BigramBackcopy)[name] for name in ("vocab", "triggers", "length")},
+                                                     "lr", "weight_decay", "optimizer", "momentum")},
+    **{("train", name): D(BigramBackcopy)[name] for name in ("vocab", "triggers", "length", "p_trigger")},
 }
 #: (measure, option) -> (command, option dest) where the CLI has the same option
 SWEEP_TO_CLI = {

@@ -60,11 +60,84 @@ def test_the_gate_keeps_the_softmax_map_and_gates_the_output():
     assert gate.spec == "gate(headwise)" and kinds.parse("gate").spec == "gate"
 
 
+def test_relu_by_hand_divides_by_the_keys_the_row_allows():
+    z, allow = scores(4)
+    n = torch.arange(1, 6).float().view(5, 1)  # the causal row i allows i + 1 keys
+    by_hand = torch.where(allow, torch.clamp(z, min=0), torch.zeros_like(z)) / n
+    relu = kinds.parse("relu")
+    torch.testing.assert_close(relu.weights(z), by_hand, rtol=0, atol=0)
+    hand = torch.tensor([[2.0, -1.0, 0.5, -math.inf]])  # three keys allowed: [2, 0, 0.5] / 3, a row past 0.5 and not 1
+    torch.testing.assert_close(relu.weights(hand), torch.tensor([[2 / 3, 0.0, 0.5 / 3, 0.0]]))
+    assert relu.weights(torch.full((1, 4), -2.0)).abs().sum() == 0  # every score below 0: an empty row
+    assert relu.spec == "relu" and relu.weighs and not relu.with_stablemask and relu.trained_as() == "llama"
+
+
 @pytest.mark.parametrize("bad", ["softmx", "sink(logit=x)", "sink(temp=1)", "softpick(eps=0)", "sigmoid(bias=inf)",
-                                 "gate(rowwise)", 3, None])
+                                 "gate(rowwise)", 3, None, "relu(x=1)", "softmax@3", "sink(logit=nan)"])
 def test_a_bad_kind_is_one_line(bad):
-    with pytest.raises(InputError):
+    with pytest.raises(InputError) as err:
         kinds.parse(bad)
+    assert "\n" not in str(err.value)
+
+
+def test_the_specs_read_back_and_bare_words_stand_for_their_arguments():
+    for spec in ("softmax", "sink", "sink(logit=0)", "sink(logit=1.5)", "softpick", "softpick(eps=1e-05)", "sigmoid",
+                 "sigmoid(bias=0)", "gate", "gate(headwise)", "relu"):
+        assert kinds.parse(spec).spec == spec and kinds.parse(kinds.parse(spec).spec) == kinds.parse(spec)
+    assert kinds.parse("softpick(eps=1e-6)") == kinds.parse("softpick") == kinds.Softpick()  # the default: one spec
+    assert kinds.parse("gate(elementwise)") == kinds.parse("gate(headwise=false)") == kinds.Gate()
+    assert kinds.parse(" Sink( logit = 0 ) ") == kinds.Sink(logit=0.0)
+
+
+def test_a_kind_registered_in_kinds_alone_is_parsed_listed_and_trained():
+    """Adding a kind is one class in kinds.py: the parser, the help every front end shows, the app's what-ifs, the
+    lab's family and the recipe's checks read the registry."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from attnviz.lab import models
+
+    @kinds.KINDS.register()
+    @dataclass(frozen=True)
+    class Square(kinds.Kind):
+        name: ClassVar[str] = "square"
+        forms: ClassVar[tuple[str, ...]] = ("square", "square(scale=s)")
+        line: ClassVar[str] = "(s·ReLU(z))² / n"
+        what_ifs: ClassVar[tuple[str, ...]] = ("square",)
+        weighs: ClassVar[bool] = True
+        scale: float = 1.0
+
+        def weights(self, z, sink=None):
+            return kinds.Relu().weights(z) ** 2 * self.scale
+
+    try:
+        made = kinds.parse("square(scale=2)")
+        assert made == Square(2.0) and made.spec == "square(scale=2)" and "square" in kinds.names()
+        assert kinds.help(trained=True).endswith("relu, square, square(scale=s)") and kinds.what_ifs()[-1] == "square"
+        assert "`square`, `square(scale=s)`: (s·ReLU(z))² / n" in kinds.lines()
+        assert models.family("square") == "llama" and kinds.weigher(made) == made.weights
+        assert models.check("square", "stablemask", 1, "rope") == "square(scale=1)"  # every field, as the registry writes
+        with pytest.raises(InputError, match="unknown parameter 'eps': square takes scale"):
+            kinds.parse("square(eps=1)")
+    finally:
+        del kinds.KINDS.entries["square"]
+
+
+def test_every_kind_is_in_the_help_of_the_commands_and_the_apps_lists(capsys):
+    import ui.emergence
+    import ui.sidebar
+    from attnviz.cli import build_parser
+
+    assert kinds.names() == ("softmax", "sink", "softpick", "sigmoid", "gate", "relu")
+    for command, listed in (("train", kinds.help(trained=True)), ("capture", kinds.help())):
+        with pytest.raises(SystemExit):
+            build_parser(command).parse_args([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert f"attention kind: {listed}" in text and "relu" in text
+    assert kinds.help(trained=True) == kinds.help().replace(" gate(headwise),", "")  # the one the lab refuses
+    assert ui.sidebar.KINDS == [ui.sidebar.OWN, "softmax", "sink(logit=0)", "softpick", "sigmoid", "sigmoid(bias=0)",
+                                "relu"]
+    assert ui.emergence.KINDS == kinds.help(trained=True) and "relu" in ui.emergence.KINDS
 
 
 def test_bigram_backcopy_follows_its_definition():

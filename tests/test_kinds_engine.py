@@ -16,7 +16,7 @@ from attnviz.core.spec import kinds
 from attnviz.errors import InputError
 
 IDS = torch.tensor([[1, 5, 9, 3, 7, 2, 11, 4, 8, 6]])
-KINDS = ["softmax", "softpick", "sigmoid", "sigmoid(bias=0.5)", "sink(logit=0)", "sink(logit=1.5)"]
+KINDS = ["softmax", "softpick", "sigmoid", "sigmoid(bias=0.5)", "sink(logit=0)", "sink(logit=1.5)", "relu"]
 
 
 def _run(lm, arch, kind, grad=False):
@@ -45,6 +45,8 @@ def _formula(spec: str, z: np.ndarray) -> np.ndarray:
         b = float(spec.split("=")[1].rstrip(")")) if "=" in spec else None
         bias = -np.log(allowed.sum(-1, keepdims=True)) if b is None else b
         return np.where(allowed, 1.0 / (1.0 + np.exp(-(z + bias))), 0.0)
+    if name == "relu":
+        return np.where(allowed, np.maximum(z, 0.0), 0.0) / allowed.sum(-1, keepdims=True)
     raise AssertionError(spec)
 
 
@@ -93,7 +95,7 @@ def test_gradients_flow_through_every_kind(kind):
     lm.model.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("kind", ["softpick", "sigmoid", "sink(logit=0)"])
+@pytest.mark.parametrize("kind", ["softpick", "sigmoid", "sink(logit=0)", "relu"])
 def test_a_models_own_kind_runs_by_default_and_its_plain_forward_agrees(kind):
     """A lab config's ``attnviz_kind``: a capture without a kind runs it, and the model's own forward outside any
     run (the kind written out, :func:`attnviz.core.spec.kinds.eager`) gives the same logits and maps."""
@@ -168,6 +170,7 @@ def test_qwen3_next_gate_runs_through_the_engine_as_its_own_kind():
     ("gate", "fwd", "needs the gate's trained weights"),
     ("sink", "fwd", "needs learned sink logits"),
     ("sigmoid", "stablemask", "cannot combine with StableMask"),
+    ("relu", "stablemask", "relu cannot combine with StableMask"),
     ("tanh", "fwd", "unknown attention kind"),
     ("sink(logit=x)", "fwd", "is a number"),
 ])

@@ -19,7 +19,8 @@ from attnviz.plan import Keep
 
 TEXT = "t5 T1 t5 t7 t9 T2 t9 t4 t6"
 FAMILY = {"softmax": "LlamaForCausalLM", "sink(logit=0)": "LlamaForCausalLM", "sink": "GptOssForCausalLM",
-          "softpick": "LlamaForCausalLM", "sigmoid": "LlamaForCausalLM", "gate": "Qwen3NextForCausalLM"}
+          "softpick": "LlamaForCausalLM", "sigmoid": "LlamaForCausalLM", "gate": "Qwen3NextForCausalLM",
+          "relu": "LlamaForCausalLM"}
 
 
 def tiny(**changes):
@@ -50,6 +51,31 @@ def test_each_kind_trains_saves_and_loads_as_its_own_forward(kind, tmp_path):
         out = lm.model(torch.tensor([cap.token_ids]), output_attentions=True)
     np.testing.assert_allclose(cap.layer_probs(0), out.attentions[0][0].numpy(), atol=1e-5)
     np.testing.assert_allclose(cap.next_logprobs, torch.log_softmax(out.logits[0, -1], -1).numpy(), atol=1e-5)
+
+
+def test_a_relu_models_maps_are_its_forward_written_by_hand(tmp_path):
+    """A lab model trained with relu: the capture's map is ReLU(q·k/√d)/n from the layer's own projections and
+    rotary, n the keys the causal row allows (docs/methods.md#attention-kinds)."""
+    import math
+
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    setup = tiny(kind="relu")
+    lm = attnviz.load(str(train(setup, tmp_path)), device="cpu")
+    assert lm.model.config.attnviz_kind == "relu"
+    cap = capture(lm, TEXT, keep=Keep(storage_dtype=torch.float32))
+    ids, inner, d = torch.tensor([cap.token_ids]), lm.model.model, setup.width // setup.heads
+    n = ids.shape[1]
+    with torch.no_grad():
+        x = inner.layers[0].input_layernorm(inner.embed_tokens(ids))
+        attn = inner.layers[0].self_attn
+        q, k = (proj(x).view(1, n, setup.heads, d).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj))
+        q, k = apply_rotary_pos_emb(q, k, *inner.rotary_emb(x, torch.arange(n)[None]))
+        z = q @ k.transpose(-1, -2) / math.sqrt(d)
+    causal = torch.ones(n, n).tril().bool()
+    by_hand = torch.where(causal, z.clamp(min=0), 0.0) / causal.sum(-1, keepdim=True)
+    assert float(by_hand.sum()) > 0 and not np.allclose(by_hand[0].sum(-1).numpy(), 1.0)  # rows need not sum to 1
+    np.testing.assert_allclose(cap.layer_probs(0), by_hand[0].numpy(), atol=1e-6)
 
 
 def test_the_mask_is_applied_in_training(tmp_path):
@@ -86,6 +112,7 @@ def test_a_sink_forms_under_softmax(tmp_path):
     (dict(kind="nosuch"), "unknown attention kind"),
     (dict(kind="gate(headwise)"), "headwise"),
     (dict(kind="sigmoid", arch="stablemask"), "StableMask"),
+    (dict(kind="relu", arch="stablemask"), "StableMask"),
     (dict(positions="nope"), "rotary"),
 ])
 def test_a_setup_the_lab_cannot_train_is_one_line(changes, words):

@@ -3,6 +3,7 @@ resumed from its last checkpoint ends where an unbroken one does."""
 
 import json
 
+import pytest
 import torch
 
 from attnviz.lab.tasks import BigramBackcopy
@@ -168,3 +169,111 @@ def test_ctrl_c_on_the_command_line_says_what_was_kept_and_how_to_resume(tmp_pat
     assert "interrupted" in err and "step-2" in err and "same command again to resume" in err
     monkeypatch.setattr(train_mod, "train", real)
     assert main(argv) == 0 and json.loads(capsys.readouterr().out)["checkpoints"] == [0, 1, 2, 4, 6]
+
+
+def _by_hand(setup, make, steps: int):
+    """The same model trained by a plain torch loop: the lab's loss (its forward through the recipe), torch's
+    optimizer built here by ``make``, and the linear warm-up applied to the learning rate by hand."""
+    from attnviz import recipe
+    from attnviz.core.engine import prepare
+    from attnviz.core.loading.models import LoadedModel
+    from attnviz.lab.train import build, loss_of
+
+    model = build(setup)
+    prepare(model)
+    loaded = LoadedModel(model, setup.tokenizer(), "by-hand", None, 0.0)
+    built = recipe.build(loaded, setup.arch)
+    optimizer = make([p for p in model.parameters() if p.requires_grad])
+    model.train()
+    for step in range(1, steps + 1):
+        for group in optimizer.param_groups:
+            group["lr"] = setup.lr * min(1.0, step / setup.warmup)
+        loss = loss_of(built, loaded, setup.task.batch(setup.batch, step))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def test_each_optimizers_first_steps_are_a_torch_loop_by_hand(tmp_path):
+    """adamw (decoupled decay), adam (no decay), sgd (momentum, decay as L2): the trainer's weights after three steps
+    are, bit for bit, torch's optimizer run by hand on the same model and batches; the three differ."""
+    from attnviz.lab import models
+
+    hand = {"adamw": lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.01),
+            "adam": lambda p: torch.optim.Adam(p, lr=3e-3, weight_decay=0.0),
+            "sgd": lambda p: torch.optim.SGD(p, lr=3e-3, momentum=0.9, weight_decay=0.01)}
+    ends = {}
+    for name, make in hand.items():
+        setup = small(steps=3, every=3, warmup=2, optimizer=name)
+        assert (setup.weight_decay, setup.momentum) == {"adamw": (0.01, None), "adam": (0.0, None),
+                                                        "sgd": (0.01, 0.9)}[name]
+        ends[name] = models.load(setup, train(setup, tmp_path / name)).state_dict()
+        expected = _by_hand(setup, make, 3)
+        for key, value in expected.items():
+            assert torch.equal(ends[name][key], value), f"{name} {key}"  # bit-identical
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(ends["adamw"][q], ends["adam"][q]) and not torch.equal(ends["adam"][q], ends["sgd"][q])
+
+
+def test_a_resumed_sgd_run_ends_where_an_unbroken_one_does(tmp_path):
+    """SGD's momentum buffers are saved with the checkpoint and restored: bit-identical weights at the end."""
+    run = dict(optimizer="sgd", lr=0.05, momentum=0.8, every=3, warmup=2)
+    whole = train(small(steps=6, **run), tmp_path / "whole")
+    train(small(steps=3, **run), tmp_path / "broken")
+    resumed = train(small(steps=6, **run), tmp_path / "broken")
+    a = json.loads((whole / "attnviz_run.json").read_text())
+    b = json.loads((resumed / "attnviz_run.json").read_text())
+    assert a["hash"] == b["hash"] and b["setup"]["optimizer"] == "sgd" and b["setup"]["momentum"] == 0.8
+
+
+def test_the_optimizer_reads_back_and_an_older_checkpoint_is_adamw():
+    sgd = small(optimizer="sgd")
+    assert Setup.from_dict(json.loads(json.dumps(sgd.as_dict()))) == sgd
+    older = {k: v for k, v in small().as_dict().items() if k not in ("optimizer", "momentum")}
+    assert Setup.from_dict(older) == small() and Setup.from_dict(older).optimizer == "adamw"
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(optimizer="lion"), "the optimizer is one of adamw, adam, sgd, not .lion."),
+    (dict(optimizer="adam", weight_decay=0.1), "adam takes no weight decay"),
+    (dict(momentum=0.5), "the momentum is SGD's: adamw takes none"),
+    (dict(optimizer="sgd", momentum=1.0), "SGD's momentum is at least 0 and below 1"),
+])
+def test_an_optimizer_the_lab_cannot_take_is_one_line(changes, words):
+    from attnviz.errors import InputError
+
+    with pytest.raises(InputError, match=words) as err:
+        small(**changes)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.05, 0.3])
+def test_the_share_of_triggers_is_p_trigger(p):
+    """After an ordinary token at positions 2..length-2, the next is a trigger with probability p_trigger: the share
+    in a large batch is within five standard errors of p (exactly 0 for p = 0)."""
+    task = BigramBackcopy(vocab=32, triggers=3, length=64, p_trigger=p, seed=4)
+    trig = task.needs_attention(task.batch(512))
+    drawn = trig[:, 2:-1][~trig[:, 1:-2]]  # each position after an ordinary token, but the last
+    share, n = float(drawn.float().mean()), drawn.numel()
+    assert abs(share - p) <= 5 * (p * (1 - p) / n) ** 0.5 and n > 20_000
+    assert not trig[:, -1].any() and not (trig[:, 1:] & trig[:, :-1]).any()  # never last, never twice in a row
+
+
+def test_the_command_hands_the_task_and_the_optimizer_on_and_refuses_in_one_line(tmp_path, capsys):
+    from attnviz.cli import build_parser, main
+    from attnviz.cli.train import setup_of
+
+    argv = ["train", "--out", str(tmp_path / "run"), "--vocab", "20", "--triggers", "4", "--p-trigger", "0.3",
+            "--optimizer", "sgd", "--momentum", "0.5", "--weight-decay", "0"]
+    setup = setup_of(build_parser("train").parse_args(argv))
+    assert (setup.task.vocab, setup.task.triggers, setup.task.p_trigger) == (20, 4, 0.3)
+    assert (setup.optimizer, setup.momentum, setup.weight_decay) == ("sgd", 0.5, 0.0)
+    assert setup_of(build_parser("train").parse_args(argv[:3])).task.p_trigger == BigramBackcopy().p_trigger
+    for bad, words in ((["--p-trigger", "1"], "p_trigger is a probability below 1"),
+                       (["--p-trigger", "-0.1"], "p_trigger is a probability below 1"),
+                       (["--optimizer", "adam", "--weight-decay", "0.1"], "adam takes no weight decay"),
+                       (["--momentum", "0.5"], "momentum is SGD's")):
+        assert main(argv[:3] + bad) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1 and words in err

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import streamlit as st
 
+from attnviz.core.spec import kinds
 from attnviz.errors import AttnvizError
 from attnviz.lab import emergence
 from attnviz.lab import runs as runs_mod
@@ -18,7 +19,7 @@ from attnviz.lab.runs import LabRun
 from ui import jobs, shared
 
 #: the attention kinds the trainer takes, as the call syntax writes them (docs/methods.md#attention-kinds)
-KINDS = "softmax, sink, sink(logit=0), softpick, sigmoid, sigmoid(bias=b), gate"
+KINDS = kinds.help(trained=True)
 DEFAULT_KIND = "softmax"
 DEFAULT_MASK = "fwd"  # the causal mask, as the call syntax writes it
 

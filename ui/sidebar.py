@@ -10,7 +10,7 @@ import streamlit as st
 from attnviz.capture import Capture
 from attnviz.core.spec import arch as arch_mod
 from attnviz.core.model import devices
-from attnviz.core.spec import interventions, masks
+from attnviz.core.spec import interventions, kinds, masks
 from attnviz.errors import AttnvizError
 from attnviz.recipe import Recipe
 from attnviz.core.loading.models import DEFAULT, SHIPPED, LoadedModel, shipped_installed
@@ -37,7 +37,7 @@ PICKS = ["FWD", "BACK", "BIDIR", "NoSink-FWD", "NoSink-BIDIR", "INPLACE-BIDIR", 
 
 OWN = "the model's own"
 #: the sidebar's attention kinds: the model's own, or one of the kinds without trained parameters (a what-if)
-KINDS = [OWN, "softmax", "sink(logit=0)", "softpick", "sigmoid", "sigmoid(bias=0)"]
+KINDS = [OWN, *kinds.what_ifs()]
 
 
 @dataclass
@@ -201,7 +201,7 @@ def sidebar(needs_model: bool = True) -> tuple[Settings, LoadedModel | None]:
         intervene = _intervention_controls(n_layers, loaded.n_heads if loaded else 9)
         kind = st.selectbox("Attention kind", KINDS, key="kind",
                             help="What turns a row of scores into weights (docs/methods.md#attention-kinds): the "
-                                 "model's own, or a what-if on its weights")
+                                 "model's own, or a what-if on its weights\n\n" + kinds.lines())
         bos = st.toggle("Prepend the BOS token", False, key="bos",
                         help="The first token becomes the tokenizer's BOS token (Barbero et al. 2025): the sink "
                              "pages show what that changes")

@@ -41,9 +41,10 @@ def model_args(p, text: bool = True, corpus: bool = False, source: bool = True):
     (with ``source``) where the text comes from; returns the text options' group."""
     model_option(p)
     p.add_argument("--arch", default="fwd", help="architecture string (docs/methods.md#the-call-syntax)")
-    p.add_argument("--kind", default=None,
-                   help="attention kind: softmax | sink(logit=0) | softpick | sigmoid | gate "
-                        "(default: the model's own; docs/methods.md#attention-kinds)")
+    from attnviz.core.spec import kinds
+
+    p.add_argument("--kind", default=None, help=f"attention kind: {kinds.help()} (default: the model's own; "
+                                                "docs/methods.md#attention-kinds)")
     load_args(p)
     p.add_argument("--json", action="store_true", help="JSON output (the default)")
     if not source:

@@ -8,8 +8,9 @@ from attnviz.errors import AttnvizError
 
 
 def options(p):
+    from attnviz.core.spec import kinds
     from attnviz.lab.tasks import TASKS, BigramBackcopy
-    from attnviz.lab.train import Setup
+    from attnviz.lab.train import MOMENTUM, OPTIMIZERS, WEIGHT_DECAY, Setup
 
     setup, task = Setup.__dataclass_fields__, BigramBackcopy.__dataclass_fields__
 
@@ -19,8 +20,8 @@ def options(p):
 
     p.add_argument("--out", required=True, help="the run's folder: step-N checkpoints; the same command again "
                                                 "resumes from the last one")
-    p.add_argument("--kind", default=default(setup, "kind"), help="attention kind: softmax, sink, sink(logit=0), "
-                   "softpick, sigmoid, sigmoid(bias=b), gate (docs/methods.md#attention-kinds; default %(default)s)")
+    p.add_argument("--kind", default=default(setup, "kind"), help=f"attention kind: {kinds.help(trained=True)} "
+                   "(docs/methods.md#attention-kinds; default %(default)s)")
     p.add_argument("--arch", default=default(setup, "arch"), help="the mask, as an architecture string "
                    "(docs/methods.md#the-call-syntax; default %(default)s)")
     p.add_argument("--positions", default=default(setup, "positions"), help="positions: rope (the only one)")
@@ -31,8 +32,14 @@ def options(p):
         p.add_argument(f"--{name}", type=int, default=default(setup, name), help=f"{what} (default %(default)s)")
     p.add_argument("--mlp", action="store_true", help="with MLPs (default: attention only, the MLP zero and frozen)")
     p.add_argument("--lr", type=float, default=default(setup, "lr"), help="peak learning rate (default %(default)s)")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=default(setup, "optimizer"),
+                   help="adamw (decoupled weight decay), adam (no weight decay) or sgd (with momentum), each at --lr "
+                        "with the same warm-up (docs/lab.md#optimizers; default %(default)s)")
     p.add_argument("--weight-decay", type=float, default=default(setup, "weight_decay"),
-                   help="AdamW's weight decay (default %(default)s)")
+                   help="adamw's decoupled weight decay or sgd's L2 term; refused with adam (default: the "
+                        f"optimizer's, {', '.join(f'{k} {v:g}' for k, v in WEIGHT_DECAY.items())})")
+    p.add_argument("--momentum", type=float, default=default(setup, "momentum"),
+                   help=f"sgd's momentum, refused with the others (default {MOMENTUM:g} with sgd)")
     p.add_argument("--task", choices=tuple(t.option for t in TASKS.values()), default=BigramBackcopy.option,
                    help="bigram: Bigram-Backcopy; repeat: repeated random tokens (train it with --layers 2); text: "
                         "next-token prediction on text (docs/lab.md#tasks-and-tokenizers; default %(default)s)")
@@ -43,6 +50,8 @@ def options(p):
                    "triggers included (default %(default)s)")
     p.add_argument("--triggers", type=int, default=task["triggers"].default, help="Bigram-Backcopy's triggers "
                    "(default %(default)s)")
+    p.add_argument("--p-trigger", type=float, default=task["p_trigger"].default, help="Bigram-Backcopy's "
+                   "probability of a trigger after an ordinary token, at least 0 and below 1 (default %(default)s)")
     p.add_argument("--length", type=int, default=task["length"].default, help="tokens a sequence (default "
                                                                                "%(default)s)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: a GPU when there is one")
@@ -56,15 +65,15 @@ def setup_of(args):
 
     made = next(t for t in TASKS.values() if t.option == args.task)  # the registry's task of that option
     given = {"source": args.text_file or "stdlib", "tokenizer": args.tokenizer, "vocab": args.vocab,
-             "triggers": args.triggers, "length": args.length, "seed": args.seed}
+             "triggers": args.triggers, "length": args.length, "p_trigger": args.p_trigger, "seed": args.seed}
     known = {f.name for f in dataclasses.fields(made)}
     if args.text_file and "source" not in known:
         raise AttnvizError("--text-file is for --task text")
     task = made(**{k: v for k, v in given.items() if k in known})
     return Setup(layers=args.layers, width=args.width, heads=args.heads, mlp=args.mlp, kind=args.kind,
                  arch=args.arch, positions=args.positions, steps=args.steps, batch=args.batch, lr=args.lr,
-                 weight_decay=args.weight_decay, warmup=args.warmup, seed=args.seed, every=args.every, task=task,
-                 device=args.device)
+                 weight_decay=args.weight_decay, optimizer=args.optimizer, momentum=args.momentum, warmup=args.warmup,
+                 seed=args.seed, every=args.every, task=task, device=args.device)
 
 
 def shown(bar, update, step: int, total: int, loss: float) -> None:

@@ -1,8 +1,9 @@
 """The lab's model family per attention kind (docs/lab.md#the-family-per-kind): stock transformers classes only,
 built from a config, so a checkpoint loads anywhere transformers does.
 
-- ``softmax``, ``softpick``, ``sigmoid``, ``sigmoid(bias=b)``, ``sink(logit=c)``: ``LlamaForCausalLM``, the kind in
-  ``config.attnviz_kind`` (left out for the softmax), read back by the engine and by the model's own forward.
+- ``softmax``, ``softpick``, ``sigmoid``, ``sigmoid(bias=b)``, ``sink(logit=c)``, ``relu`` (every kind without a
+  stock family of its own): ``LlamaForCausalLM``, the kind in ``config.attnviz_kind`` (left out for the softmax),
+  read back by the engine and by the model's own forward.
 - ``sink`` (a learned logit per head): ``GptOssForCausalLM``, every layer full attention.
 - ``gate`` (elementwise): ``Qwen3NextForCausalLM``, every layer full attention, every MLP dense
   (``mlp_only_layers``), rotary on the whole head (``partial_rotary_factor`` 1.0).
@@ -26,21 +27,14 @@ ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
 
 def family(kind) -> str:
-    """``"llama"``, ``"gpt_oss"`` or ``"qwen3_next"``: the stock family a lab model of ``kind`` is built as."""
-    kind = kinds.parse(kind)
-    if isinstance(kind, kinds.Gate):
-        if kind.headwise:
-            raise InputError("gate(headwise) cannot be trained: no transformers family has a headwise gate "
-                             "(Qwen3-Next's is elementwise: gate)")
-        return "qwen3_next"
-    if isinstance(kind, kinds.Sink) and kind.logit is None:
-        return "gpt_oss"
-    return "llama"
+    """``"llama"``, ``"gpt_oss"`` or ``"qwen3_next"``: the stock family a lab model of ``kind`` is built as, as the
+    kind declares it (:meth:`attnviz.core.spec.kinds.Kind.trained_as`; gate(headwise) refused there)."""
+    return kinds.parse(kind).trained_as()
 
 
 def check(kind, arch: str, layers: int, positions: str) -> str:
     """Refuse in one line what the lab cannot train: an unknown kind or mask, gate(headwise), a kind the mask
-    cannot carry (sigmoid under StableMask), positions other than rotary. Returns the kind's canonical spec."""
+    cannot carry (sigmoid, relu under StableMask), positions other than rotary. Returns the kind's canonical spec."""
     from attnviz.core.spec import arch as arch_mod
 
     parsed = kinds.parse(kind)

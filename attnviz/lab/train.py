@@ -1,9 +1,10 @@
 """Training a small decoder from scratch under any mask and attention kind (docs/lab.md): a stock transformers model
 of the kind's family (:mod:`attnviz.lab.models`) built from a config, every training forward through the recipe
 (:func:`attnviz.recipe.build`, the mask and the kind applied, the autograd graph kept), next-token cross entropy,
-AdamW with warm-up, fixed seeds, and checkpoints as Hugging Face folders (safetensors, config, tokenizer, optimizer
-state and ``attnviz_run.json``: the run's recipe, step, loss, a hash of the weights and the setup) every K steps,
-log-spaced early. A run resumes from its last checkpoint and ends bit-identical to an unbroken one.
+AdamW, Adam or SGD with momentum (:data:`OPTIMIZERS`, docs/lab.md#optimizers) with warm-up, fixed seeds, and
+checkpoints as Hugging Face folders (safetensors, config, tokenizer, optimizer state and ``attnviz_run.json``: the
+run's recipe, step, loss, a hash of the weights and the setup) every K steps, log-spaced early. A run resumes from
+its last checkpoint and ends bit-identical to an unbroken one.
 
 The defaults are the configuration that made a sink within four minutes of one CPU core: one layer, attention only
 (the MLP's weights zero and frozen), four heads of 16, Bigram-Backcopy with 64 tokens, 3 triggers and 64 positions,
@@ -32,6 +33,16 @@ from attnviz.lab import tasks
 from attnviz.lab.tasks import BigramBackcopy
 
 RESUMABLE = ("steps", "device")  # what a resumed run may change
+#: the optimizers a run takes (docs/lab.md#optimizers), each from the setup and the trained parameters: AdamW's weight
+#: decay decoupled (Loshchilov & Hutter 2019), Adam without one (Kingma & Ba 2015), SGD's as an L2 term in its gradient
+OPTIMIZERS = {
+    "adamw": lambda setup, params: torch.optim.AdamW(params, lr=setup.lr, weight_decay=setup.weight_decay),
+    "adam": lambda setup, params: torch.optim.Adam(params, lr=setup.lr),
+    "sgd": lambda setup, params: torch.optim.SGD(params, lr=setup.lr, momentum=setup.momentum,
+                                                 weight_decay=setup.weight_decay),
+}
+WEIGHT_DECAY = {"adamw": 0.01, "adam": 0.0, "sgd": 0.01}  # each optimizer's weight decay when none is given
+MOMENTUM = 0.9  # SGD's when none is given
 
 
 @dataclass(frozen=True)
@@ -46,7 +57,9 @@ class Setup:
     steps: int = 4000
     batch: int = 32
     lr: float = 3e-3
-    weight_decay: float = 0.01
+    weight_decay: float | None = None  # None: the optimizer's (WEIGHT_DECAY); adam takes none
+    optimizer: str = "adamw"  # OPTIMIZERS
+    momentum: float | None = None  # SGD's (None: MOMENTUM); the others take none
     warmup: int = 100
     seed: int = 0
     every: int = 500  # a checkpoint every this many steps, and log-spaced before (1, 2, 4, ...)
@@ -60,6 +73,7 @@ class Setup:
                 raise InputError(f"{name} is a whole number of at least 1, not {value!r}")
         if self.width % self.heads:
             raise InputError(f"the width {self.width} is not a multiple of the {self.heads} heads")
+        self._optimizer_fields()
         if not (self.lr > 0 and self.weight_decay >= 0 and self.warmup >= 0):
             raise InputError("the learning rate is above 0, the weight decay and the warm-up at least 0")
         if type(self.task) not in tasks.TASKS.values():
@@ -67,6 +81,24 @@ class Setup:
         if self.device not in (None, "cpu", "cuda"):
             raise InputError(f"the device is cpu, cuda or None (a GPU when there is one), not {self.device!r}")
         object.__setattr__(self, "kind", models.check(self.kind, self.arch, self.layers, self.positions))
+
+    def _optimizer_fields(self) -> None:
+        """The optimizer's weight decay and momentum made explicit (so a saved setup says them), or refused in one
+        line: an unknown optimizer, a weight decay with adam, a momentum with another optimizer than sgd."""
+        if self.optimizer not in OPTIMIZERS:
+            raise InputError(f"the optimizer is one of {', '.join(OPTIMIZERS)}, not {self.optimizer!r}")
+        if self.weight_decay is None:
+            object.__setattr__(self, "weight_decay", WEIGHT_DECAY[self.optimizer])
+        if self.optimizer == "adam" and self.weight_decay:
+            raise InputError(f"adam takes no weight decay (given {self.weight_decay:g}): use adamw for a decoupled "
+                             "one, or leave it out")
+        if self.optimizer != "sgd" and self.momentum is not None:
+            raise InputError(f"the momentum is SGD's: {self.optimizer} takes none (given {self.momentum:g})")
+        if self.optimizer == "sgd":
+            momentum = MOMENTUM if self.momentum is None else self.momentum
+            if not 0 <= momentum < 1:
+                raise InputError(f"SGD's momentum is at least 0 and below 1, not {momentum:g}")
+            object.__setattr__(self, "momentum", momentum)
 
     def checkpoints(self) -> list[int]:
         """The steps a checkpoint is saved at: 0, powers of two below ``every``, then every ``every``, the last."""
@@ -188,7 +220,7 @@ def train(setup: Setup, out, on_step: Callable[[int, int, float], None] | None =
     loaded = LoadedModel(model, tokenizer, str(out), None, 0.0)
     built = recipe.build(loaded, setup.arch)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=setup.lr, weight_decay=setup.weight_decay)
+    optimizer = OPTIMIZERS[setup.optimizer](setup, params)
     if found:
         optimizer.load_state_dict(torch.load(found / "optimizer.pt", map_location=device)["optimizer"])
     schedule = torch.optim.lr_scheduler.LambdaLR(

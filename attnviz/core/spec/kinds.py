@@ -1,21 +1,14 @@
 """Attention kinds (docs/methods.md#attention-kinds): what turns a row of scaled scores into the weights a query puts
 on the keys its mask allows, one more axis of a recipe beside the mask.
 
-Each kind is a small frozen object named in the call syntax (``softmax``, ``sink(logit=0)``, ``softpick``,
-``sigmoid(bias=0)``, ``gate(headwise)``) with one method, :meth:`Kind.weights`: scores ``z`` (..., n_kv) with the
-mask's −inf on forbidden keys (and StableMask's pseudo-logits where the recipe has them) to weights of the same
-shape. A row may sum to less than 1 (a learned sink, softpick, sigmoid) or more (sigmoid): the maps show it as it is,
-the remainder being the row's discarded mass.
-
-- ``softmax``: p = exp(z) / Σ exp(z).
-- ``sink(logit=s)``: a logit per head outside the keys, p = exp(z) / (exp(s) + Σ exp(z)) (gpt-oss's learned sink;
-  ``sink(logit=0)`` is softmax-off-by-one, Miller 2023). ``logit`` None: the model's own learned one per head.
-- ``softpick`` (Zuhri et al. 2025): p_k = ReLU(exp(z_k) − 1) / (Σ_j |exp(z_j) − 1| + ε), computed with the row's
-  maximum m as ReLU(exp(z_k − m) − exp(−m)) / (Σ_j |exp(z_j − m) − exp(−m)| + ε); forbidden keys take no part.
-- ``sigmoid(bias=b)`` (Ramapuram et al. 2024): p_k = σ(z_k + b); b None: −log of the keys the row allows.
-- ``gate`` (Qiu et al. 2025, position G1): the weights are the softmax's; the head's output is multiplied by
-  σ(x W_g) before the output projection (one gate a head dimension, or one a head with ``headwise``), x the layer's
-  normalised input: a gate changes what the head writes, not its map.
+Each kind is one frozen class registered in :data:`KINDS`, the call syntax's registry: its name, its arguments (its
+fields), how the help writes it (``forms``), its help line (``line``: the definition and its paper), and what the
+rest of attnviz reads of it (the family that trains it, whether its rows are its own weights, whether it combines
+with StableMask, the app's what-ifs). Adding a kind is one class here: the parser, the lab, the recipe, the app's lists
+and the command line's help read the registry (:func:`names`, :func:`help`). :meth:`Kind.weights` takes scores ``z``
+(..., n_kv) with the mask's −inf on forbidden keys (and StableMask's pseudo-logits where the recipe has them) to
+weights of the same shape; a row may sum to less than 1 (a learned sink, softpick, relu) or more (sigmoid, relu): the
+maps show it as it is, the remainder being the row's discarded mass.
 """
 
 from __future__ import annotations
@@ -23,55 +16,116 @@ from __future__ import annotations
 import functools
 import math
 import re
+import typing
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from attnviz.core.spec import syntax
 from attnviz.errors import InputError
 
 EPS = 1e-6  # softpick's ε
 
 
+class Kinds(syntax.Registry):
+    """The call syntax's registry of attention kinds: its usage is each kind as the help writes it, and an argument
+    that is not a number is refused as "is a number" (the kinds' own words) before the registry converts it."""
+
+    def usage(self) -> str:
+        return help()
+
+    def build(self, parsed: syntax.Call, **extra):
+        if parsed.name in self:
+            for p in self.parameters(parsed.name):
+                raw = parsed.args.get(p.name)
+                if raw is not None and float in (p.type, *typing.get_args(p.type)):
+                    try:
+                        float(raw)
+                    except ValueError:
+                        raise InputError(f"{parsed.name}({p.name}=...) is a number, not {raw!r}") from None
+        return super().build(parsed, **extra)
+
+
+#: Every attention kind by name, in the order the help and the app list them.
+KINDS = Kinds("attention kind")
+
+
+def _finite(kind: str, key: str, value, above: float | None = None) -> None:
+    if value is not None and (not math.isfinite(value) or (above is not None and value <= above)):
+        raise InputError(f"{kind}({key}=...) is a finite number{f' above {above:g}' if above is not None else ''}, "
+                         f"not {value:g}")
+
+
 @dataclass(frozen=True)
 class Kind:
+    """One attention kind. Its class declares what the rest of attnviz reads (docs/methods.md#attention-kinds)."""
+
     name: ClassVar[str] = ""
+    forms: ClassVar[tuple[str, ...]] = ()  # how the help writes it: ("sigmoid", "sigmoid(bias=b)")
+    line: ClassVar[str] = ""  # its help line: the definition in a few words, with its paper
+    what_ifs: ClassVar[tuple[str, ...]] = ()  # what the app offers on any model (no trained parameters needed)
+    weighs: ClassVar[bool] = False  # its rows are its own weights, not a softmax's (the engine calls ``weights``)
+    softmax_map: ClassVar[bool] = False  # its map is a softmax's (what score attribution and Linformer explain)
+    with_stablemask: ClassVar[bool] = True  # False: StableMask's pseudo-logits have no normalisation to take from
+    stock: ClassVar[str] = ""  # the transformers family whose own kind this is, in its default form
+    in_code: ClassVar[bool] = False  # applied in the model's own attention code (trained weights): not a what-if
 
     @property
     def spec(self) -> str:
-        return self.name
+        return KINDS.spec(self)
 
     def weights(self, z: torch.Tensor, sink: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    @property
-    def sums_to_one(self) -> bool:
-        return False
+    def trained_as(self) -> str:
+        """The stock family a lab model of this kind is built as: its ``stock`` family in its default form, else
+        ``"llama"`` with the kind in ``config.attnviz_kind`` (docs/lab.md#the-family-per-kind)."""
+        return self.stock if self.stock and self == type(self)() else "llama"
+
+    def needs(self, mine: "Kind", family: str) -> str:
+        """Why a model of ``family`` whose own kind is ``mine`` cannot run this kind ("" when it can)."""
+        return ""
 
 
+@KINDS.register()
 @dataclass(frozen=True)
 class Softmax(Kind):
     name: ClassVar[str] = "softmax"
+    forms: ClassVar[tuple[str, ...]] = ("softmax",)
+    line: ClassVar[str] = "exp(z) / Σ exp(z)"
+    what_ifs: ClassVar[tuple[str, ...]] = ("softmax",)
+    softmax_map: ClassVar[bool] = True
 
     def weights(self, z, sink=None):
         return torch.softmax(z.float(), dim=-1)
 
-    @property
-    def sums_to_one(self) -> bool:
-        return True
 
-
+@KINDS.register()
 @dataclass(frozen=True)
 class Sink(Kind):
     """A logit outside the keys: ``logit`` a number (the same in every head), or None for the model's own learned
     one per head (given to :meth:`weights` as ``sink``, shape (heads,))."""
 
     name: ClassVar[str] = "sink"
+    forms: ClassVar[tuple[str, ...]] = ("sink", "sink(logit=c)")
+    line: ClassVar[str] = ("exp(z) / (exp(c) + Σ exp(z)): a logit outside the keys, learned per head (gpt-oss) or c "
+                           "(c = 0: softmax-off-by-one, Miller 2023)")
+    what_ifs: ClassVar[tuple[str, ...]] = ("sink(logit=0)",)
+    stock: ClassVar[str] = "gpt_oss"
     logit: float | None = None
 
+    def __post_init__(self):
+        _finite("sink", "logit", self.logit)
+
     @property
-    def spec(self) -> str:
-        return "sink" if self.logit is None else f"sink(logit={self.logit:g})"
+    def softmax_map(self) -> bool:  # a model's own learned sink is the softmax it was trained with
+        return self.logit is None
+
+    def needs(self, mine, family):
+        if self.logit is None and mine != Sink():
+            return f"sink needs learned sink logits, which {family} does not have: give one, sink(logit=0)"
+        return ""
 
     def weights(self, z, sink=None):
         z = z.float()
@@ -85,10 +139,20 @@ class Sink(Kind):
         return torch.softmax(both, dim=-1)[..., :-1]
 
 
+@KINDS.register()
 @dataclass(frozen=True)
 class Softpick(Kind):
     name: ClassVar[str] = "softpick"
-    eps: float = EPS
+    forms: ClassVar[tuple[str, ...]] = ("softpick",)
+    line: ClassVar[str] = "ReLU(exp(z) − 1) / (Σ |exp(z) − 1| + ε) (Zuhri et al. 2025)"
+    what_ifs: ClassVar[tuple[str, ...]] = ("softpick",)
+    weighs: ClassVar[bool] = True
+    eps: float | None = None  # None: EPS
+
+    def __post_init__(self):
+        _finite("softpick", "eps", self.eps, above=0)
+        if self.eps == EPS:
+            object.__setattr__(self, "eps", None)  # one object, and one spec, for the default
 
     def weights(self, z, sink=None):
         z = z.float()
@@ -101,17 +165,23 @@ class Softpick(Kind):
         below = torch.exp(-m) * torch.expm1(zs.clamp(max=0))
         above = -torch.exp(zs - m) * torch.expm1(-zs.clamp(min=0))
         shifted = torch.where(allowed, torch.where(zs > 0, above, below), torch.zeros_like(z))
-        return torch.relu(shifted) / (shifted.abs().sum(dim=-1, keepdim=True) + self.eps)
+        eps = EPS if self.eps is None else self.eps
+        return torch.relu(shifted) / (shifted.abs().sum(dim=-1, keepdim=True) + eps)
 
 
+@KINDS.register()
 @dataclass(frozen=True)
 class Sigmoid(Kind):
     name: ClassVar[str] = "sigmoid"
+    forms: ClassVar[tuple[str, ...]] = ("sigmoid", "sigmoid(bias=b)")
+    line: ClassVar[str] = "σ(z + b), b = −log n by default (Ramapuram et al. 2024)"
+    what_ifs: ClassVar[tuple[str, ...]] = ("sigmoid", "sigmoid(bias=0)")
+    weighs: ClassVar[bool] = True
+    with_stablemask: ClassVar[bool] = False
     bias: float | None = None
 
-    @property
-    def spec(self) -> str:
-        return "sigmoid" if self.bias is None else f"sigmoid(bias={self.bias:g})"
+    def __post_init__(self):
+        _finite("sigmoid", "bias", self.bias)
 
     def weights(self, z, sink=None):
         z = z.float()
@@ -123,23 +193,38 @@ class Sigmoid(Kind):
         return torch.where(allowed, torch.sigmoid(z + b), torch.zeros_like(z))
 
 
+@KINDS.register()
 @dataclass(frozen=True)
 class Gate(Kind):
     """The softmax's weights; the head's output gated by σ(x W_g) (elementwise, or one scalar a head)."""
 
     name: ClassVar[str] = "gate"
+    forms: ClassVar[tuple[str, ...]] = ("gate", "gate(headwise)")
+    line: ClassVar[str] = "the softmax's map, the head's output times σ(x W_g) (Qiu et al. 2025); needs trained gates"
+    words: ClassVar[dict[str, str]] = {"headwise": "headwise=true", "elementwise": "headwise=false"}
+    softmax_map: ClassVar[bool] = True
+    stock: ClassVar[str] = "qwen3_next"
+    in_code: ClassVar[bool] = True
     headwise: bool = False
 
     @property
     def spec(self) -> str:
         return "gate(headwise)" if self.headwise else "gate"
 
+    def trained_as(self) -> str:
+        if self.headwise:
+            raise InputError("gate(headwise) cannot be trained: no transformers family has a headwise gate "
+                             "(Qwen3-Next's is elementwise: gate)")
+        return super().trained_as()
+
+    def needs(self, mine, family):
+        if mine != self:
+            return (f"{self.spec} needs the gate's trained weights, which {family} does not have "
+                    "(a model trained with it: Qwen3-Next, or a lab model trained with gate)")
+        return ""
+
     def weights(self, z, sink=None):
         return torch.softmax(z.float(), dim=-1)
-
-    @property
-    def sums_to_one(self) -> bool:
-        return True
 
     @staticmethod
     def gated(out: torch.Tensor, gate_logits: torch.Tensor) -> torch.Tensor:
@@ -148,40 +233,82 @@ class Gate(Kind):
         return out * torch.sigmoid(gate_logits.to(out.dtype))
 
 
-KINDS = {k.name: k for k in (Softmax, Sink, Softpick, Sigmoid, Gate)}
-_CALL = re.compile(r"^([a-z]+)(?:\((.*)\))?$")
+@KINDS.register()
+@dataclass(frozen=True)
+class Relu(Kind):
+    """ReLU attention divided by the row's length, not by its sum (docs/methods.md#attention-kinds says why)."""
+
+    name: ClassVar[str] = "relu"
+    forms: ClassVar[tuple[str, ...]] = ("relu",)
+    line: ClassVar[str] = "ReLU(z) / n, n the keys the row allows (Wortsman et al. 2023)"
+    what_ifs: ClassVar[tuple[str, ...]] = ("relu",)
+    weighs: ClassVar[bool] = True
+    with_stablemask: ClassVar[bool] = False
+
+    def weights(self, z, sink=None):
+        z = z.float()
+        allowed = torch.isfinite(z)
+        n = allowed.sum(dim=-1, keepdim=True).clamp(min=1).float()
+        return torch.relu(torch.where(allowed, z, torch.zeros_like(z))) / n
+
+
+def names() -> tuple[str, ...]:
+    """Every kind's name, in the registry's order."""
+    return KINDS.names()
+
+
+def help(trained: bool = False) -> str:  # noqa: A001 - the registry's help, as the command line and the app show it
+    """Every kind as the help writes it: ``softmax, sink, sink(logit=c), ...``; ``trained``: those the lab trains
+    (a form with a placeholder, ``sink(logit=c)``, stands for its kind)."""
+    return ", ".join(form for name in KINDS.names() for form in KINDS.entries[name].forms
+                     if not trained or _trains(form.split("(")[0] if "=" in form else form))
+
+
+def _trains(spec: str) -> bool:
+    try:
+        parse(spec).trained_as()
+    except InputError:
+        return False
+    return True
+
+
+def lines() -> str:
+    """One line a kind, ``form: definition``, for the app's help (Markdown)."""
+    return "\n".join(f"- `{'`, `'.join(KINDS.entries[n].forms)}`: {KINDS.entries[n].line}" for n in KINDS.names())
+
+
+def what_ifs() -> list[str]:
+    """The kinds the app offers on any model, written in the call syntax: those without trained parameters."""
+    return [form for name in KINDS.names() for form in KINDS.entries[name].what_ifs]
+
+
+_ARGS = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\((.*)\)\s*$", re.S)
 
 
 def parse(text) -> Kind:
-    """A kind from its call syntax: ``softmax``, ``sink``, ``sink(logit=0)``, ``softpick``, ``softpick(eps=1e-6)``,
-    ``sigmoid``, ``sigmoid(bias=0)``, ``gate``, ``gate(headwise)``; refused in one line otherwise."""
+    """A kind from its call syntax through :data:`KINDS`: ``softmax``, ``sink``, ``sink(logit=0)``, ``softpick``,
+    ``softpick(eps=1e-6)``, ``sigmoid``, ``sigmoid(bias=0)``, ``gate``, ``gate(headwise)``, ``relu``; a kind's bare
+    words (``headwise``) stand for their arguments; refused in one line otherwise."""
     if isinstance(text, Kind):
         return text
     if not isinstance(text, str):
         raise InputError(f"an attention kind is a name such as softmax or sink(logit=0), not {text!r}")
-    match = _CALL.match(re.sub(r"\s+", "", text.lower()))
-    if match is None or match.group(1) not in KINDS:
-        raise InputError(f"unknown attention kind {text!r}: expected one of {', '.join(KINDS)}")
-    name, args = match.group(1), [a for a in (match.group(2) or "").split(",") if a]
-    if name == "gate":
-        if args not in ([], ["headwise"], ["elementwise"]):
-            raise InputError(f"gate takes headwise or elementwise, not {','.join(args)!r}")
-        return Gate(headwise=args == ["headwise"])
-    allowed = {"sink": "logit", "softpick": "eps", "sigmoid": "bias"}.get(name)
-    values = {}
-    for arg in args:
-        key, _, value = arg.partition("=")
-        if key != allowed or not value:
-            raise InputError(f"{name} takes {allowed + '=' if allowed else 'no arguments'}"
-                             f"{'a number' if allowed else ''}, not {arg!r}")
-        try:
-            number = float(value)
-        except ValueError:
-            raise InputError(f"{name}({key}=...) is a number, not {value!r}") from None
-        if not math.isfinite(number) or (key == "eps" and number <= 0):
-            raise InputError(f"{name}({key}=...) is a finite number{' above 0' if key == 'eps' else ''}, not {value}")
-        values[key] = number
-    return KINDS[name](**values)
+    match = _ARGS.match(text)
+    if match and match[1].lower() in KINDS:
+        name = match[1].lower()
+        words = getattr(KINDS.entries[name], "words", {})
+        pieces = [p.strip() for p in match[2].split(",") if p.strip()]
+        bare = [p for p in pieces if "=" not in p]
+        if bare and words:
+            unknown = [p for p in bare if p.lower() not in words]
+            if unknown:
+                raise InputError(f"{name} takes {' or '.join(words)}, not {unknown[0]!r}")
+            text = f"{name}({', '.join(words.get(p.lower(), p) for p in pieces)})"
+    parsed = syntax.call(text, "the attention kind", help())
+    if parsed.layers is not None:
+        raise InputError(f"an attention kind applies to every layer: write {parsed.text.split('@')[0].strip()}, "
+                         "not @layers")
+    return KINDS.build(parsed)
 
 
 @functools.lru_cache(maxsize=64)
@@ -191,13 +318,14 @@ def _parsed(spec: str) -> Kind:
 
 def own(config) -> Kind:
     """A model's own kind, from its config: what a lab model was trained with (``attnviz_kind`` in its config.json),
-    gpt-oss's learned sink, Qwen3-Next's gate, else the softmax. A recipe without a kind runs this one."""
+    the kind whose ``stock`` family it is (gpt-oss's learned sink, Qwen3-Next's gate), else the softmax. A recipe
+    without a kind runs this one."""
     config = getattr(config, "config", config)
     spec = getattr(config, "attnviz_kind", None)
     if spec:
         return _parsed(str(spec))
     family = getattr(config, "model_type", "")
-    return Sink() if family == "gpt_oss" else Gate() if family == "qwen3_next" else Softmax()
+    return next((made() for made in KINDS.entries.values() if made.stock and made.stock == family), Softmax())
 
 
 def sink_logits(kind: Kind, learned, n_heads: int, device) -> "torch.Tensor | None":
@@ -214,28 +342,27 @@ def sink_logits(kind: Kind, learned, n_heads: int, device) -> "torch.Tensor | No
 
 
 def weigher(kind: Kind):
-    """The kind's own ``weights`` where a row is not a softmax (softpick, sigmoid), else None: the softmax (with its
-    sink column for ``sink``; the gate's map is the softmax's)."""
-    return kind.weights if isinstance(kind, (Softpick, Sigmoid)) else None
+    """The kind's own ``weights`` where a row is not a softmax (``weighs``: softpick, sigmoid, relu), else None: the
+    softmax (with its sink column for ``sink``; the gate's map is the softmax's)."""
+    return kind.weights if kind.weighs else None
 
 
 def check(kind: Kind, config, stable: bool) -> Kind:
-    """Refuse, in one line, a kind this model or mask cannot run: a gate without the gate's trained weights (or
-    another kind on a gated model, whose gate is in its own attention code), a learned sink without learned logits,
-    and sigmoid under StableMask (sigmoid has no normalisation for its pseudo-logits to take mass from)."""
+    """Refuse, in one line, a kind this model or mask cannot run: another kind on a model whose own kind is in its
+    attention code (a gated model), what the kind ``needs`` that the model has not (the gate's trained weights, learned
+    sink logits), and a kind without ``with_stablemask`` under StableMask (sigmoid, relu: no normalisation for the
+    pseudo-logits to take mass from)."""
     mine = own(config)
     family = getattr(getattr(config, "config", config), "model_type", "this model")
-    if isinstance(kind, Gate) != isinstance(mine, Gate) or (isinstance(kind, Gate) and kind != mine):
-        if isinstance(mine, Gate):
-            raise InputError(f"{family} is trained with {mine.spec}, applied in its own attention code: "
-                             f"{kind.spec} cannot replace it")
-        raise InputError(f"{kind.spec} needs the gate's trained weights, which {family} does not have "
-                         "(a model trained with it: Qwen3-Next, or a lab model trained with gate)")
-    if isinstance(kind, Sink) and kind.logit is None and not (isinstance(mine, Sink) and mine.logit is None):
-        raise InputError(f"sink needs learned sink logits, which {family} does not have: give one, sink(logit=0)")
-    if isinstance(kind, Sigmoid) and stable:
-        raise InputError("sigmoid cannot combine with StableMask: a sigmoid row has no normalisation for the "
-                         "pseudo-logits to take mass from (docs/methods.md#attention-kinds)")
+    if mine.in_code and kind != mine:
+        raise InputError(f"{family} is trained with {mine.spec}, applied in its own attention code: "
+                         f"{kind.spec} cannot replace it")
+    why = kind.needs(mine, family)
+    if why:
+        raise InputError(why)
+    if stable and not kind.with_stablemask:
+        raise InputError(f"{kind.name} cannot combine with StableMask: a {kind.name} row has no normalisation for "
+                         "the pseudo-logits to take mass from (docs/methods.md#attention-kinds)")
     return kind
 
 
