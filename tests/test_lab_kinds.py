@@ -114,11 +114,26 @@ def test_a_sink_forms_under_softmax(tmp_path):
     (dict(kind="sigmoid", arch="stablemask"), "StableMask"),
     (dict(kind="relu", arch="stablemask"), "StableMask"),
     (dict(positions="nope"), "rotary"),
+    (dict(kind="sink(logit=0, init=-4)"), "not both"),
+    (dict(kind="sink(init=inf)"), "finite"),
 ])
 def test_a_setup_the_lab_cannot_train_is_one_line(changes, words):
     with pytest.raises(InputError) as err:
         tiny(**changes)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_learned_sink_starts_where_init_says_and_learns_from_there(tmp_path):
+    """sink(init=c): gpt-oss's learned logits, every head's at c at step 0 (gpt-oss's N(0, 0.02²) otherwise), then
+    trained; the checkpoint is an ordinary gpt-oss whose own kind is the learned sink, its setup keeps the init."""
+    setup = tiny(kind="sink(init=-6)")
+    assert setup.kind == "sink(init=-6)" and models.family(setup.kind) == "gpt_oss"
+    end = train(setup, tmp_path)
+    start, after = (models.load(setup, f).model.layers[0].self_attn.sinks.detach() for f in (tmp_path / "step-0", end))
+    assert torch.equal(start, torch.full((2,), -6.0)) and not torch.equal(after, start)
+    assert json.loads((end / "attnviz_run.json").read_text())["setup"]["kind"] == "sink(init=-6)"
+    default = models.build(tiny(kind="sink"), 16).model.layers[0].self_attn.sinks.detach()
+    assert default.abs().max() < 0.2 and not torch.equal(default, start)
 
 
 def test_loading_a_run_a_step_past_it_and_a_folder_that_is_no_checkpoint(tmp_path):

@@ -90,6 +90,10 @@ def build(setup, vocab: int):
     made = config(setup, vocab)
     torch.manual_seed(setup.seed)
     model = model_class(family(setup.kind))(made).float()
+    start = getattr(kinds.parse(setup.kind), "init", None)  # sink(init=c): every head's learned logit starts at c
+    if start is not None:
+        for layer in model.model.layers:
+            layer.self_attn.sinks.data.fill_(float(start))
     return attention_only(model, setup)
 
 

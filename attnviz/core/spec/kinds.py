@@ -104,26 +104,33 @@ class Softmax(Kind):
 @KINDS.register()
 @dataclass(frozen=True)
 class Sink(Kind):
-    """A logit outside the keys: ``logit`` a number (the same in every head), or None for the model's own learned
-    one per head (given to :meth:`weights` as ``sink``, shape (heads,))."""
+    """A logit outside the keys: ``logit`` a number (the same in every head), or None for the model's own learned one
+    per head (given to :meth:`weights` as ``sink``, (heads,)); ``init`` where the lab starts a learned one (gpt-oss's
+    N(0, 0.02²) when None)."""
 
     name: ClassVar[str] = "sink"
-    forms: ClassVar[tuple[str, ...]] = ("sink", "sink(logit=c)")
+    forms: ClassVar[tuple[str, ...]] = ("sink", "sink(logit=c)", "sink(init=c)")
     line: ClassVar[str] = ("exp(z) / (exp(c) + Σ exp(z)): a logit outside the keys, learned per head (gpt-oss) or c "
                            "(c = 0: softmax-off-by-one, Miller 2023)")
     what_ifs: ClassVar[tuple[str, ...]] = ("sink(logit=0)",)
     stock: ClassVar[str] = "gpt_oss"
     logit: float | None = None
+    init: float | None = None
 
     def __post_init__(self):
-        _finite("sink", "logit", self.logit)
+        _finite("sink", "logit", self.logit), _finite("sink", "init", self.init)
+        if self.logit is not None and self.init is not None:
+            raise InputError("sink takes logit= (a fixed logit) or init= (where a learned one starts), not both")
+
+    def trained_as(self) -> str:  # a learned sink, wherever it starts, is gpt-oss's
+        return self.stock if self.logit is None else "llama"
 
     @property
     def softmax_map(self) -> bool:  # a model's own learned sink is the softmax it was trained with
         return self.logit is None
 
     def needs(self, mine, family):
-        if self.logit is None and mine != Sink():
+        if self.logit is None and not (isinstance(mine, Sink) and mine.logit is None):
             return f"sink needs learned sink logits, which {family} does not have: give one, sink(logit=0)"
         return ""
 
