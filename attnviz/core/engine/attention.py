@@ -19,6 +19,7 @@ from transformers.masking_utils import sdpa_mask
 
 from attnviz.core.model import devices
 from attnviz.core.kernel import kernels
+from attnviz.core.kernel.lse import sink_attention
 from attnviz.core.engine import routes
 from attnviz.core.record import recorders as recorders_mod
 from attnviz.core.engine.run import current
@@ -125,6 +126,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     # the fused route under a plain causal mask makes no allow-set: its counts, key ranges and pooled cells
     # are arithmetic (reduce.Layout.causal), and SDPA runs is_causal; the rowwise route makes each block's rows
     # of a large allow-set as it goes: nothing n_q x n_kv on the device
+    if route is routes.Route.SDPA_SINK:  # training under a sink logit: SDPA's output times σ(lse − s)
+        allow = None if plain_causal else run.allow_set(layer, n_q, n_kv, sliding_window, query.device).whole()
+        return run.finish(layer, sink_attention(query, key, value, s_aux, allow, scaling, plain_causal))
     kind = ("causal" if route is routes.Route.FUSED and plain_causal
             else "rows" if route is routes.Route.ROWWISE else "whole")
     allow = run.allow_set(layer, n_q, n_kv, sliding_window, query.device, kind, n_heads)

@@ -26,6 +26,9 @@ class Route(str, enum.Enum):
     SDPA_MASKED = "sdpa-masked"  # nothing to record or change: SDPA with the layer's allow-set
     FUSED = "fused"  # statistics only, on a GPU: the fused Triton kernel (attnviz.core.kernel.kernels), SDPA for the output
     BLOCKS = "blocks"  # the explicit fp32 softmax, block of query rows by block (every other case)
+    # training under a sink logit (a learned one, or sink(logit=s)) with nothing else to record or change: SDPA's
+    # output times σ(lse − s), lse every row's log-sum-exp (attnviz.core.kernel.lse.sink_attention)
+    SDPA_SINK = "sdpa-sink"
     # the block route whose allow-set is made a block of rows at a time (RowwiseAllow): nothing n_q × n_kv on the
     # device, for a large allow-set whose recorders all take the layer block by block with the keys its rows see
     ROWWISE = "blocks-rowwise"
@@ -63,6 +66,9 @@ def choose_route(f: Facts) -> Route:
             and not f.sink_logits and not f.position_bias and not f.keep_graph and not f.grad and not f.reshapes
             and not f.head_mask and f.kernel):
         return Route.FUSED
+    if (f.sink_logits and f.grad and not (f.recorded or f.keep_graph or f.stablemask or f.softcap or f.reshapes
+                                          or f.head_mask or f.position_bias)):
+        return Route.SDPA_SINK
     if (f.recorded and f.large_allow and f.streamed and not f.stablemask and not f.keep_graph and not f.head_mask
             and not f.grad):
         return Route.ROWWISE
