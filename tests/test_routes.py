@@ -229,3 +229,31 @@ def test_training_under_a_sink_takes_the_sink_route_with_the_block_route_s_gradi
     with torch.no_grad():
         built.forward(loaded, x, record=engine.Record.every_layer(storage_dtype=torch.float32))
     assert taken[-1] is routes.Route.BLOCKS
+
+
+def test_an_unrecorded_block_layer_under_the_causal_mask_reads_arithmetic_ranges_and_computes_the_same(monkeypatch):
+    """A layer nobody records under a plain causal mask (training under softpick) takes the block route with an
+    arithmetic allow-set: its key ranges are those read from the whole allow-set, and its output is bit for bit the
+    one the whole allow-set gives (a recorded forward of the same tokens), with a query block split in three."""
+    from attnviz.core import engine
+    from attnviz.core.spec.allowsets import AllowSet, AllowSets
+    from attnviz.core.spec.arch import parse
+    from attnviz.core.spec.kinds import parse as kind
+    from tiny import build
+
+    made = lambda q0, q1: torch.ones(2, 1, 7, 9, dtype=torch.bool).tril(2)[:, :, q0:q1]  # noqa: E731
+    causal, whole = AllowSet("causal", (2, 1, 7, 9), "cpu", made), AllowSet("whole", (2, 1, 7, 9), "cpu", made)
+    for rows in (1, 3, 7):
+        assert causal.ranges(rows) == whole.ranges(rows)
+        for q0 in range(0, 7, rows):
+            assert torch.equal(causal.rows(q0, min(q0 + rows, 7)).expand(2, -1, -1, -1), whole.rows(q0, q0 + rows))
+    model = build("llama")
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    computes = engine.Computes(tuple(parse("fwd", 3).layers), kind=kind("softpick"))
+    small = dict(block_bytes=4 * 2 * 4 * 12 * 5)  # blocks of 5 query rows
+    kinds, real = [], AllowSets.allow_set
+    monkeypatch.setattr(AllowSets, "allow_set", lambda self, *a, **k: kinds.append(a[5]) or real(self, *a, **k))
+    plain, _ = engine.forward(model, ids, computes, engine.Record.nothing(**small))
+    assert kinds == ["causal"] * 3
+    kept, _ = engine.forward(model, ids, computes, engine.Record.every_layer(storage_dtype=torch.float32, **small))
+    assert kinds[3:] == ["whole"] * 3 and torch.equal(plain.logits, kept.logits)

@@ -123,13 +123,14 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         # plain causal: let SDPA pick its fused causal kernel instead of reading an n x n mask
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
         return run.finish(layer, out)
-    # the fused route under a plain causal mask makes no allow-set: its counts, key ranges and pooled cells
-    # are arithmetic (reduce.Layout.causal), and SDPA runs is_causal; the rowwise route makes each block's rows
-    # of a large allow-set as it goes: nothing n_q x n_kv on the device
     if route is routes.Route.SDPA_SINK:  # training under a sink logit: SDPA's output times σ(lse − s)
         allow = None if plain_causal else run.allow_set(layer, n_q, n_kv, sliding_window, query.device).whole()
         return run.finish(layer, sink_attention(query, key, value, s_aux, allow, scaling, plain_causal))
-    kind = ("causal" if route is routes.Route.FUSED and plain_causal
+    # the fused route under a plain causal mask makes no allow-set: its counts, key ranges and pooled cells
+    # are arithmetic (reduce.Layout.causal), and SDPA runs is_causal; the rowwise route makes each block's rows
+    # of a large allow-set as it goes: nothing n_q x n_kv on the device. Nor does the block route of a layer nobody
+    # records under a plain causal mask (training under softpick or sigmoid): its rows and key ranges are arithmetic
+    kind = ("causal" if plain_causal and (route is routes.Route.FUSED or not (recs or recorded or head_mask))
             else "rows" if route is routes.Route.ROWWISE else "whole")
     allow = run.allow_set(layer, n_q, n_kv, sliding_window, query.device, kind, n_heads)
     if route is routes.Route.SDPA_MASKED:
