@@ -1,7 +1,7 @@
 """A lab training step against a plain stock loop, for every attention kind, in one run (docs/benchmarks.md#a-lab-step).
 
     python bench/lab_step.py [--steps 60] [--warmup 5] [--kinds softmax,sink(logit=0),...] [--device cpu]
-                             [--threads N] [--width 64] [--heads 4] [--batch 32] [--length 64]
+                             [--threads N] [--cpu-time] [--width 64] [--heads 4] [--batch 32] [--length 64]
 
 For each kind, the lab's step (:func:`attnviz.lab.train.one_step`: the forward through the recipe, its mask and kind,
 the loss, the backward, AdamW and the schedule) of the lab's default setup, and the step of a plain stock loop of the
@@ -101,6 +101,8 @@ def main() -> None:
     parser.add_argument("--kinds", default=None, help="comma-separated (default: every kind the lab trains)")
     parser.add_argument("--device", default=None, choices=("cpu", "cuda"))
     parser.add_argument("--threads", type=int, default=None, help="torch's CPU threads (default: torch's own)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time each step by the process's CPU time (steadier on a busy machine; with --threads 1)")
     parser.add_argument("--width", type=int, default=Setup.width)
     parser.add_argument("--heads", type=int, default=Setup.heads)
     parser.add_argument("--batch", type=int, default=Setup.batch)
@@ -123,19 +125,20 @@ def main() -> None:
         loops[f"stock {setup.kind}"] = stock
         names[setup.kind] = f"{models.family(setup.kind)}/{attention}"
     device = device_of(setup_of("softmax"))
+    clock = time.process_time if args.cpu_time else time.perf_counter
     times: dict[str, list[float]] = {name: [] for name in loops}
     batch_times = []
     for step in range(1, args.warmup + args.steps + 1):
-        started = time.perf_counter()
+        started = clock()
         x = task.batch(args.batch, step).to(device)
-        batch_times.append(time.perf_counter() - started)
+        batch_times.append(clock() - started)
         for name, loop in loops.items():  # one step of every loop a round: a busy machine slows each alike
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            started = time.perf_counter()
+            started = clock()
             loop(x)  # reads the loss on the host: the step's work is done when it returns
             if step > args.warmup:
-                times[name].append(time.perf_counter() - started)
+                times[name].append(clock() - started)
     median = {name: statistics.median(spent) for name, spent in times.items()}
     batch = statistics.median(batch_times)
     softmax = median["stock softmax"]
