@@ -2,8 +2,8 @@
 filled in place, and softpick's and sigmoid's weights (docs/methods.md#attention-kinds) written for the keys an
 allow-set names, in elementwise passes without ``where`` or ``isfinite`` (which the CPU runs about ten times slower
 than a multiply, forward and backward: docs/benchmarks.md#a-lab-step). Each gives the very numbers its kind's own
-``weights`` gives from the same scores, and autograd the same gradients (tests/test_kinds_engine.py); the block route
-takes them only where autograd is on and nobody records the layer, so a capture's path is unchanged.
+``weights`` gives from the same scores, and autograd the same gradients (tests/test_kinds_engine.py). The mask is
+added wherever autograd is on, the weights taken only where nobody records the layer: a capture's path is unchanged.
 """
 
 from __future__ import annotations
