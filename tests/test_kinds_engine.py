@@ -225,9 +225,10 @@ def test_the_analyses_over_the_engine_run_the_recipes_kind():
 @pytest.mark.parametrize("spec", ["softpick", "softpick(eps=1e-3)", "sigmoid", "sigmoid(bias=0.5)"])
 def test_the_lean_training_weights_are_the_kind_s_own_numbers_and_gradients(spec):
     """The block route's training passes (attnviz.core.engine.lean): the mask added rather than filled, softpick and
-    sigmoid without where: the kind's own weights bit for bit, and the same gradients, under a causal mask and under
-    per-head windows, with scores far from 0 (softpick's exp overflows unless shifted), exactly 0, and a row that sees
-    one key; a row with no key is all zero."""
+    sigmoid without where: the kind's own weights bit for bit, and the same gradients (softpick's written out: to
+    float rounding, and against finite differences), under a causal mask and under per-head windows, with scores far
+    from 0 (softpick's exp overflows unless shifted), exactly 0, and a row that sees one key; a row with no key is all
+    zero."""
     from attnviz.core.engine import lean
 
     kind = kinds.parse(spec)
@@ -251,6 +252,9 @@ def test_the_lean_training_weights_are_the_kind_s_own_numbers_and_gradients(spec
         (want * weight).sum().backward()
         torch.testing.assert_close(scores.grad, plain.grad, rtol=1e-6, atol=1e-7)
     assert lean.weigher(kinds.parse("softmax")) is None and lean.weigher(kinds.parse("sink(logit=0)")) is None
+    if spec.startswith("softpick"):  # its backward is written out: against finite differences, in float64
+        z = (torch.randn(2, 3, n, n, generator=gen, dtype=torch.float64) * 2).requires_grad_()
+        assert torch.autograd.gradcheck(lambda z: lean.softpick(lean.masked(z, causal), causal.double(), 0.05), (z,))
 
 
 @pytest.mark.parametrize("spec", ["softpick", "sigmoid"])
