@@ -11,12 +11,17 @@ forward written out, the model's plain forward). The baseline: the same model tr
 a plain stock loop (``model(input_ids, labels=...)``, transformers' SDPA, no recipe), in the same process. Ends with
 ``lab_sink steps=<S> sink_step=<step or none> sink_s=<s> step_s=<lab s/step> baseline_step_s=<s/step>
 ratio=<lab/baseline>``: the time to the sink (checkpoints included), and the lab's cost a step over a plain loop's
-(medians of a step's time: masks and kinds through the recipe, no checkpoint). Run it on a quiet machine.
+(medians of a step's time: masks and kinds through the recipe, no checkpoint; the baseline's steps counted the same
+way, the batch included, which both loops make in every step), then ``baseline=<family>/<sdpa|eager>`` (gpt-oss has
+no SDPA: its baseline runs eager attention) and ``softmax_step_s=<s> ratio_softmax=<lab/that>``: the stock softmax
+loop (Llama, SDPA) of the same size, the common denominator of every kind. Run it on a quiet machine;
+bench/lab_step.py compares every kind's step in one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -25,33 +30,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402,F401 - the settings, read once as the CLI does
+import common  # noqa: E402 - the settings, read once as the CLI does
+import lab_step  # noqa: E402 - the stock loop, shared with bench/lab_step.py
 
 from attnviz.lab.emergence import FORMED as THRESHOLD  # noqa: E402 - the lab's one threshold
 
 
 def baseline(setup, steps: int) -> float:
-    """Seconds a step of a plain stock training loop of the same model (SDPA, the loss transformers computes), with
-    the setup's optimizer."""
-    from attnviz.lab.train import OPTIMIZERS, build, device_of
-
-    device = device_of(setup)
-    model = build(setup).to(device)
-    model.set_attn_implementation("sdpa")
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = OPTIMIZERS[setup.optimizer](setup, params)
-    model.train()
-    times = []
-    for step in range(1, steps + 1):
-        x = setup.task.batch(setup.batch, step).to(device)
-        started = time.perf_counter()
-        loss = model(input_ids=x, labels=x).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+    """Seconds a step of a plain stock training loop of the same model takes (:func:`lab_step.stock_loop`: SDPA, or
+    eager attention for gpt-oss, which has no SDPA; the loss transformers computes), counted as the lab's steps are
+    (the time between one step's end and the next's): the batch made in the step, as :func:`train` makes it."""
+    step, model, _ = lab_step.stock_loop(setup)
+    device = next(model.parameters()).device
+    ends = []
+    for i in range(1, max(steps, 2) + 1):
+        step(setup.task.batch(setup.batch, i).to(device))  # reads the loss on the host, as train() does
         common.sync(model)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        ends.append(time.perf_counter())
+    return statistics.median(b - a for a, b in zip(ends, ends[1:]))
 
 
 def first_token(setup, folder) -> float:
@@ -88,6 +84,11 @@ def main() -> None:
     setup = Setup(steps=args.steps, every=args.probe, kind=args.kind, arch=args.arch, seed=args.seed,
                   task=BigramBackcopy(seed=args.seed), device=args.device)
     base = baseline(setup, args.baseline_steps)
+    from attnviz.lab import models
+
+    own = models.family(setup.kind)
+    softmax = base if own == "llama" and setup.kind == "softmax" else baseline(
+        dataclasses.replace(setup, kind="softmax"), args.baseline_steps)
     with tempfile.TemporaryDirectory(prefix="attnviz-lab-") as tmp:
         out = Path(args.out or tmp)
         clock: dict[int, float] = {}
@@ -104,7 +105,8 @@ def main() -> None:
     step_s = statistics.median(gaps) if gaps else spent / setup.steps  # a step's time: the checkpoints' left out
     print(f"lab_sink steps={setup.steps} sink_step={sink_step if sink_step is not None else 'none'} "
           f"sink_s={f'{sink_s:.1f}' if sink_s is not None else 'none'} step_s={step_s:.4f} "
-          f"baseline_step_s={base:.4f} ratio={step_s / base:.2f}")
+          f"baseline_step_s={base:.4f} baseline={own}/{'eager' if own == 'gpt_oss' else 'sdpa'} "
+          f"ratio={step_s / base:.2f} softmax_step_s={softmax:.4f} ratio_softmax={step_s / softmax:.2f}")
 
 
 if __name__ == "__main__":

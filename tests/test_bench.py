@@ -176,3 +176,22 @@ def test_what_a_statistics_capture_writes_beyond_sdpa_grows_with_the_tokens_not_
             extra[n] = (cap["written"] - base["written"]) / lm.model.config.num_hidden_layers
     repeated = 2 * 4 * 128 * 16 * 2  # keys and values, 4 heads, 128 tokens, head dim 16, bfloat16
     assert repeated < extra[128] and extra[256] <= 2.1 * extra[128], extra
+
+
+def test_the_lab_benches_time_every_kind_against_the_stock_loops():
+    """bench/lab_step.py times every kind the lab trains against its family's stock loop and the stock softmax loop
+    (gpt-oss's eager: it has no SDPA), in one run; bench/lab_sink.py runs the learned sink too, with both baselines."""
+    out = subprocess.run([sys.executable, str(BENCH / "lab_step.py"), "--steps", "2", "--warmup", "1", "--width", "16",
+                          "--heads", "2", "--batch", "2", "--length", "12"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    kinds = {line.split()[1] for line in lines if line.startswith("lab_step kind=")}
+    assert kinds >= {f"kind={k}" for k in ("softmax", "sink(logit=0)", "sink", "softpick", "sigmoid", "gate")}
+    assert "stock=gpt_oss/eager" in next(line for line in lines if "kind=sink " in line)
+    assert lines[-1].startswith(f"lab_step kinds={len(kinds)} ") and "worst_ratio_softmax=" in lines[-1]
+    out = subprocess.run([sys.executable, str(BENCH / "lab_sink.py"), "--kind", "sink", "--steps", "2", "--probe", "2",
+                          "--baseline-steps", "2"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("lab_sink steps=2 ") and "baseline=gpt_oss/eager" in last and "ratio_softmax=" in last

@@ -52,3 +52,46 @@ def test_the_lab_trains_on_cuda_and_its_checkpoint_loads_on_the_cpu(kind, tmp_pa
     assert next(lm.model.parameters()).device.type == "cpu"
     out = lm.model(torch.tensor([[0, 5, 6, 7]]))
     assert torch.isfinite(out.logits).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", [True, False])
+def test_training_s_sink_route_and_lean_weights_on_a_gpu(causal):
+    """On a GPU the sink route takes SDPA's output and lse from the scores, and the lean training weights run as
+    on the CPU: the output and the gradients for q, k, v and a learned s are the explicit softmax's on the CPU
+    (float32); softpick's and sigmoid's lean weights and gradients are the kinds' own on the GPU."""
+    import math
+
+    from attnviz.core.engine import lean
+    from attnviz.core.kernel.lse import sink_attention
+    from attnviz.core.spec import kinds
+
+    gen = torch.Generator().manual_seed(0)
+    n = 40
+    cpu = [torch.randn(2, 4, n, 16, generator=gen) for _ in range(3)] + [torch.randn(4, generator=gen)]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    allow = ((j <= i) if causal else ((i - j).abs() < 5) | (j == 0))[None, None].expand(2, 1, n, n)
+    weight = torch.randn(2, 4, n, 16, generator=gen)
+
+    def grads(device, explicit):
+        q, k, v, s = (t.to(device).requires_grad_() for t in cpu)
+        if explicit:
+            z = torch.matmul(q * 0.25, k.transpose(-1, -2)).masked_fill(~allow.to(device), -math.inf)
+            z = torch.cat([z, s.reshape(1, -1, 1, 1).expand(2, 4, n, 1)], -1)
+            out = torch.matmul(torch.softmax(z, -1)[..., :-1], v)
+        else:
+            out = sink_attention(q, k, v, s, None if causal else allow.to(device), 0.25, causal)
+        return [out.cpu()] + [g.cpu() for g in torch.autograd.grad((out * weight.to(device)).sum(), (q, k, v, s))]
+
+    for got, want in zip(grads("cuda", False), grads("cpu", True)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for spec in ("softpick", "sigmoid"):
+        kind = kinds.parse(spec)
+        raw = (torch.randn(2, 4, n, n, generator=gen) * 3).cuda()
+        a, b = raw.clone().requires_grad_(), raw.clone().requires_grad_()
+        got = lean.weigher(kind)(allow.cuda())(lean.masked(a, allow.cuda()))
+        want = kind.weights(b.masked_fill(~allow.cuda(), -math.inf))
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        got.sum().backward()
+        want.sum().backward()
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)

@@ -223,3 +223,72 @@ def test_the_analyses_over_the_engine_run_the_recipes_kind():
     assert h[0][0] == pytest.approx(h[1][0]) and h[0][-1] != pytest.approx(h[1][-1])  # the input of layer 0 is the same
     opened = Opening(lm, text, pick, "a test")
     assert opened.computes.kind == kinds.Softpick()
+
+
+@pytest.mark.parametrize("spec", ["softpick", "softpick(eps=1e-3)", "sigmoid", "sigmoid(bias=0.5)"])
+def test_the_lean_training_weights_are_the_kind_s_own_numbers_and_gradients(spec):
+    """The block route's training passes (attnviz.core.engine.lean): the mask added rather than filled, softpick and
+    sigmoid without where: the kind's own weights bit for bit, and the same gradients (softpick's written out: to
+    float rounding, and against finite differences), under a causal mask and under per-head windows, with scores far
+    from 0 (softpick's exp overflows unless shifted), exactly 0, and a row that sees one key; a row with no key is all
+    zero."""
+    from attnviz.core.engine import lean
+
+    kind = kinds.parse(spec)
+    gen = torch.Generator().manual_seed(0)
+    n = 12
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    causal = (j <= i)[None, None]
+    windows = torch.stack([(j <= i) & (i - j < w) for w in (1, 3, 12)])[None]  # (1, H, n, n): head 0 sees itself
+    windows[..., 5, :] = False  # a row with no key at all
+    for allow in (causal, windows):
+        raw = torch.randn(2, 3, n, n, generator=gen) * 4
+        raw[0, 0, 7] += 120.0  # e^z overflows float32 unless shifted by the row's maximum
+        raw[1, 2, 9, :4] = 0.0
+        scores = raw.clone().requires_grad_()
+        fast = lean.weigher(kind)(allow)(lean.masked(scores, allow))
+        plain = raw.clone().requires_grad_()
+        want = kind.weights(plain.masked_fill(~allow, float("-inf")))
+        assert torch.equal(fast, want)
+        weight = torch.randn(fast.shape, generator=gen)
+        (fast * weight).sum().backward()
+        (want * weight).sum().backward()
+        torch.testing.assert_close(scores.grad, plain.grad, rtol=1e-6, atol=1e-7)
+    assert lean.weigher(kinds.parse("softmax")) is None and lean.weigher(kinds.parse("sink(logit=0)")) is None
+    if spec.startswith("softpick"):  # its backward is written out: against finite differences, in float64
+        z = (torch.randn(2, 3, n, n, generator=gen, dtype=torch.float64) * 2).requires_grad_()
+        assert torch.autograd.gradcheck(lambda z: lean.softpick(lean.masked(z, causal), causal.double(), 0.05), (z,))
+
+
+@pytest.mark.parametrize("spec", ["softpick", "sigmoid"])
+def test_a_lab_training_step_takes_the_lean_weights_and_learns_what_the_kind_s_own_weights_teach(spec, monkeypatch):
+    """A lab model's training forward under softpick or sigmoid (no recorder, autograd on) takes the lean weights;
+    its loss and every gradient are those of the kind's own weights."""
+    from attnviz.core.engine import lean
+    from attnviz.core.loading.models import LoadedModel
+    from attnviz.lab import train as lab
+    from attnviz.lab.tasks import BigramBackcopy
+
+    setup = lab.Setup(kind=spec, width=32, heads=2, batch=4, device="cpu",
+                      task=BigramBackcopy(vocab=16, triggers=2, length=16))
+    model = lab.build(setup)
+    engine.prepare(model)
+    loaded = LoadedModel(model, setup.tokenizer(), "lab", None, 0.0)
+    built = recipe.build(loaded, "fwd")
+    x = setup.task.batch(setup.batch, 1)
+    taken, real = [], lean.weigher
+    monkeypatch.setattr(lean, "weigher", lambda kind: taken.append(kind) or real(kind))
+
+    def gradients():
+        model.zero_grad(set_to_none=True)
+        loss = lab.loss_of(built, loaded, x)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    loss, grads = gradients()
+    assert taken == [kinds.parse(spec)]
+    monkeypatch.setattr(lean, "weigher", lambda kind: None)  # the kind's own weights
+    plain_loss, plain_grads = gradients()
+    assert torch.equal(loss, plain_loss) and len(grads) == len(plain_grads)
+    for got, want in zip(grads, plain_grads):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

@@ -198,6 +198,17 @@ def loss_of(built, loaded, x: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
 
 
+def one_step(built, loaded, optimizer, schedule, x: torch.Tensor) -> torch.Tensor:
+    """One training step on the batch ``x``: the loss through the recipe (:func:`loss_of`), its gradients, the
+    optimizer's and the schedule's step. Returns the loss, detached, on the device (bench/lab_step.py times it)."""
+    loss = loss_of(built, loaded, x)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    schedule.step()
+    return loss.detach()
+
+
 def train(setup: Setup, out, on_step: Callable[[int, int, float], None] | None = None) -> Path:
     """Train ``setup`` into ``out`` (resuming from its last checkpoint); returns the last checkpoint's folder.
     Ctrl-C (KeyboardInterrupt) propagates with every checkpoint saved so far kept whole."""
@@ -231,12 +242,7 @@ def train(setup: Setup, out, on_step: Callable[[int, int, float], None] | None =
         found = save(model, optimizer, setup, 0, float("nan"), out, tokenizer)
     for step in range(start + 1, setup.steps + 1):
         x = setup.task.batch(setup.batch, step).to(device)
-        loss_t = loss_of(built, loaded, x)
-        optimizer.zero_grad(set_to_none=True)
-        loss_t.backward()
-        optimizer.step()
-        schedule.step()
-        loss = float(loss_t.detach())
+        loss = float(one_step(built, loaded, optimizer, schedule, x))
         if step in saved:
             found = save(model, optimizer, setup, step, loss, out, tokenizer)
         if on_step:

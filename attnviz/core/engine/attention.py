@@ -19,7 +19,8 @@ from transformers.masking_utils import sdpa_mask
 
 from attnviz.core.model import devices
 from attnviz.core.kernel import kernels
-from attnviz.core.engine import routes
+from attnviz.core.kernel.lse import sink_attention
+from attnviz.core.engine import lean, routes
 from attnviz.core.record import recorders as recorders_mod
 from attnviz.core.engine.run import current
 from attnviz.core.spec import kinds
@@ -122,12 +123,16 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         # plain causal: let SDPA pick its fused causal kernel instead of reading an n x n mask
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=group > 1)
         return run.finish(layer, out)
+    if route is routes.Route.SDPA_SINK:  # training under a sink logit: SDPA's output times σ(lse − s)
+        allow = None if plain_causal else run.allow_set(layer, n_q, n_kv, sliding_window, query.device).whole()
+        return run.finish(layer, sink_attention(query, key, value, s_aux, allow, scaling, plain_causal))
     # the fused route under a plain causal mask makes no allow-set: its counts, key ranges and pooled cells
     # are arithmetic (reduce.Layout.causal), and SDPA runs is_causal; the rowwise route makes each block's rows
-    # of a large allow-set as it goes: nothing n_q x n_kv on the device
-    kind = ("causal" if route is routes.Route.FUSED and plain_causal
+    # of a large allow-set as it goes: nothing n_q x n_kv on the device. Nor does the block route of a layer nobody
+    # records under a plain causal mask (training under softpick or sigmoid): its rows and key ranges are arithmetic
+    made = ("causal" if plain_causal and (route is routes.Route.FUSED or not (recs or recorded or head_mask))
             else "rows" if route is routes.Route.ROWWISE else "whole")
-    allow = run.allow_set(layer, n_q, n_kv, sliding_window, query.device, kind, n_heads)
+    allow = run.allow_set(layer, n_q, n_kv, sliding_window, query.device, made, n_heads)
     if route is routes.Route.SDPA_MASKED:
         whole = allow.whole()
         attn_mask = whole if bias is None else bias.to(query.dtype).masked_fill(~whole, float("-inf"))
@@ -155,6 +160,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     # Not under StableMask (its pseudo-slots sit on forbidden keys) nor for a recorder that keeps every key.
     narrow = mask.stable is None and not any(r.all_keys for r in recs)
     ranges = allow.ranges(rows, narrow)  # every block's key range, one host sync per mask
+    # training, nobody recording: softpick's and sigmoid's weights in lean passes, the same numbers (engine.lean)
+    fast = lean.weigher(kind) if (weigh is not None and torch.is_grad_enabled() and not recs and mask.stable is None
+                                  and not run.interventions.at(layer)) else None
     # Recorders may need only some rows of a layer whose output nobody reads (a region: the forward
     # stops after its layer): the other blocks are skipped, their output left zero.
     wanted = {r.only_rows for r in recs}
@@ -168,7 +176,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         block_allow = allow.rows(q0, q1)[..., k0:k1]
         probs = routes.block_probs(run, layer, mask, query[:, :, q0:q1], key[:, :, k0:k1], scaling, block_allow,
                              None if bias is None else bias[:, :, q0:q1, k0:k1], softcap, s_aux, q_pos[:, q0:q1],
-                             kv_pos[:, k0:k1], q0, k0, recs, plain_causal and not head_mask, weigh)
+                             kv_pos[:, k0:k1], q0, k0, recs, plain_causal and not head_mask,
+                             weigh if fast is None else fast(block_allow))
         for recorder in recs:
             recorder.block(run, layer, q0, k0, probs, block_allow)
         b = q1 - q0

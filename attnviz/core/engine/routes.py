@@ -14,6 +14,7 @@ import torch
 
 from attnviz.core.kernel import kernels
 from attnviz.core.kernel.lse import attention_with_lse
+from attnviz.core.engine import lean
 from attnviz.core.spec.masks import Mask
 from attnviz.core.record.reduce import Summaries, pool_factor
 from attnviz.stats.metrics import RowSum
@@ -26,6 +27,9 @@ class Route(str, enum.Enum):
     SDPA_MASKED = "sdpa-masked"  # nothing to record or change: SDPA with the layer's allow-set
     FUSED = "fused"  # statistics only, on a GPU: the fused Triton kernel (attnviz.core.kernel.kernels), SDPA for the output
     BLOCKS = "blocks"  # the explicit fp32 softmax, block of query rows by block (every other case)
+    # training under a sink logit (a learned one, or sink(logit=s)) with nothing else to record or change: SDPA's
+    # output times σ(lse − s), lse every row's log-sum-exp (attnviz.core.kernel.lse.sink_attention)
+    SDPA_SINK = "sdpa-sink"
     # the block route whose allow-set is made a block of rows at a time (RowwiseAllow): nothing n_q × n_kv on the
     # device, for a large allow-set whose recorders all take the layer block by block with the keys its rows see
     ROWWISE = "blocks-rowwise"
@@ -63,6 +67,9 @@ def choose_route(f: Facts) -> Route:
             and not f.sink_logits and not f.position_bias and not f.keep_graph and not f.grad and not f.reshapes
             and not f.head_mask and f.kernel):
         return Route.FUSED
+    if (f.sink_logits and f.grad and not (f.recorded or f.keep_graph or f.stablemask or f.softcap or f.reshapes
+                                          or f.head_mask or f.position_bias)):
+        return Route.SDPA_SINK
     if (f.recorded and f.large_allow and f.streamed and not f.stablemask and not f.keep_graph and not f.head_mask
             and not f.grad):
         return Route.ROWWISE
@@ -164,7 +171,7 @@ def block_probs(run, layer: int, mask: Mask, query, key, scaling, allow, bias, s
         pseudo = pseudo.permute(1, 0, 2)[:, :, None, :]  # (B, H, 1, n_kv)
         scores = torch.where(allow, scores, torch.where(future, pseudo, float("-inf")))
     else:
-        _forbid(scores, allow, q0, k0, causal)
+        scores = _forbid(scores, allow, q0, k0, causal)
         if mask.stable is not None:  # SM-I: the future slots up to T folded into one logit per row
             extra.append(mask.inference_logits(q_pos, n_heads).to(query.device))
     sink_at = None  # the learned sink's column among the dropped ones
@@ -197,13 +204,18 @@ def block_probs(run, layer: int, mask: Mask, query, key, scaling, allow, bias, s
     return probs
 
 
-def _forbid(scores: torch.Tensor, allow: torch.Tensor, q0: int, k0: int, causal: bool) -> None:
+def _forbid(scores: torch.Tensor, allow: torch.Tensor, q0: int, k0: int, causal: bool) -> torch.Tensor:
     """-inf in ``scores`` wherever ``allow`` is False. Under a plain causal mask (no window, no padding, no head's
     own mask: ``causal``) the block's rows q0.. see every key up to q0, so only the columns past it can hold a
-    forbidden cell: the same cells, a fraction of the pass (bench/long.py), with no read of the allow-set."""
+    forbidden cell: the same cells, a fraction of the pass (bench/long.py), with no read of the allow-set. Under
+    autograd (training) the mask is added out of place (:func:`attnviz.core.engine.lean.masked`): the same numbers,
+    and a backward that passes the gradient on instead of masking a copy of it."""
+    if scores.requires_grad:
+        return lean.masked(scores, allow)
     start = max(q0 + 1 - k0, 0) if causal else 0
     if start < scores.shape[-1]:
         scores[..., start:].masked_fill_(~allow[..., start:], float("-inf"))
+    return scores
 
 
 def route_notes(statistics=None) -> tuple[str, ...]:

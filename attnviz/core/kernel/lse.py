@@ -96,3 +96,69 @@ def cudnn_agrees(device: torch.device, dtype: torch.dtype) -> bool:
         return True
     except (RuntimeError, NotImplementedError):
         return False
+
+
+def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sink: torch.Tensor,
+                   allow: torch.Tensor | None, scaling: float, causal: bool) -> torch.Tensor:
+    """Softmax attention with one more logit per head outside the keys (a learned sink, or ``sink(logit=s)``), its
+    autograd graph kept: (B, H, n_q, d). A row's weights exp(z_j) / (exp(s) + Σ_k exp(z_k)) are the softmax's times
+    Σ exp(z) / (exp(s) + Σ exp(z)) = σ(lse − s), lse the row's log-sum-exp over the keys it may see, so the output
+    is SDPA's times σ(lse − s) (docs/methods.md#learned-sinks), exact: no n_q × n_kv weights are made. ``sink``
+    (H,) the logits (a parameter: its gradient is computed), ``allow`` (B, 1, n_q, n_kv) bool, or None with
+    ``causal``. On the CPU in float32 and float64 the output and lse come from one flash kernel, the gradient from its
+    backward (:class:`_SinkAttention`); elsewhere the output from SDPA and lse from the scores (one b × n pass)."""
+    import torch.nn.functional as F
+
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads != kv_heads:  # the CPU's kernels take one key head per query head
+        key = key.repeat_interleave(heads // kv_heads, dim=1)
+        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    s = sink.reshape(1, -1, 1, 1)
+    if query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64):
+        bias = None if causal else torch.zeros(allow.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~allow, float("-inf")).expand(-1, heads, -1, -1)
+        try:
+            return _SinkAttention.apply(query, key, value, s.to(query.dtype), bias, scaling, causal)
+        except (RuntimeError, NotImplementedError):  # a build whose CPU kernel refuses it: the plain way below
+            pass
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=None if causal else allow, is_causal=causal,
+                                         scale=scaling)
+    wide = torch.promote_types(query.dtype, torch.float32)  # lse in float32 at least
+    z = torch.matmul(query.to(wide) * scaling, key.to(wide).transpose(-1, -2))
+    if causal:
+        n_q, n_kv = z.shape[-2:]
+        allow = torch.ones(n_q, n_kv, dtype=torch.bool, device=z.device).tril(n_kv - n_q)
+    lse = z.masked_fill(~allow, float("-inf")).logsumexp(-1, keepdim=True)
+    return out * torch.sigmoid(lse - s.to(wide)).to(out.dtype)
+
+
+class _SinkAttention(torch.autograd.Function):
+    """:func:`sink_attention` on the CPU: the output and lse from ``_scaled_dot_product_flash_attention_for_cpu``,
+    whose lse carries no gradient of its own; the backward adds it. With y = o·g, g = σ(lse − s) a row's scalar:
+    ∂L/∂o = ∂L/∂y·g, ∂L/∂lse = (∂L/∂y · o)·g(1 − g) = −∂L/∂s per row. The flash backward computes a score's gradient
+    as P_ij (dO_i·v_j − D_i) with D_i = dO_i·O_i read from the output it is given; lse's adds P_ij ∂L/∂lse_i, so each
+    of dO, O, Q, K and V gets one more column (∂L/∂lse_i, −1, 0, 0, 0): D_i becomes D_i − ∂L/∂lse_i and nothing else
+    changes (tests/test_routes.py checks every gradient against the explicit softmax's, in float64)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, s, bias, scaling, causal):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, attn_mask=bias, scale=scaling)[:2]
+        gate = torch.sigmoid(lse.unsqueeze(-1) - s)
+        ctx.save_for_backward(query, key, value, out, lse, gate, bias)
+        ctx.scaling, ctx.causal = scaling, causal
+        return out * gate
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, out, lse, gate, bias = ctx.saved_tensors
+        d_lse = (grad * out).sum(-1, keepdim=True) * gate * (1 - gate)
+
+        def column(t, value):  # t with one more column of ``value`` (a number or a (..., 1) tensor)
+            return torch.cat([t, t.new_full(t.shape[:-1] + (1,), value) if isinstance(value, float) else value], -1)
+
+        d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            column(grad * gate, d_lse), column(query, 0.0), column(key, 0.0), column(value, 0.0), column(out, -1.0),
+            lse, 0.0, ctx.causal, attn_mask=bias, scale=ctx.scaling)
+        d_s = -d_lse.sum((0, 2), keepdim=True) if ctx.needs_input_grad[3] else None
+        return d_q[..., :-1], d_k[..., :-1], d_v[..., :-1], d_s, None, None, None

@@ -163,6 +163,8 @@ class AllowSet:
         Computed on the device and read back in one transfer, once per set: the block loop never waits."""
         if not narrow:
             return [(0, self.n_kv)] * -(-self.n_q // rows)
+        if self.kind == "causal":  # rows q0 .. q1 - 1 see keys 0 .. q1 - 1 (+ the cached keys before the queries)
+            return [(0, min(q0 + rows, self.n_q) + self.n_kv - self.n_q) for q0 in range(0, self.n_q, rows)]
         if ("ranges", rows) not in self._cache:
             self._cache["ranges", rows] = [tuple(r) for r in self.range_tensor(rows).tolist()]
         return self._cache["ranges", rows]

@@ -1,0 +1,82 @@
+"""The block route's passes under autograd (training), lean: a layer's scores with the mask added (0 or −∞) instead of
+filled in place, and softpick's and sigmoid's weights (docs/methods.md#attention-kinds) written for the keys an
+allow-set names, in elementwise passes without ``where`` or ``isfinite`` (which the CPU runs about ten times slower
+than a multiply, forward and backward: docs/benchmarks.md#a-lab-step). Each gives the very numbers its kind's own
+``weights`` gives from the same scores, and the same gradients: autograd's, bit for bit, except softpick's, written
+out and equal to float rounding (tests/test_kinds_engine.py). The mask is added wherever autograd is on, the weights
+taken only where nobody records the layer: a capture's path is unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from attnviz.core.spec import kinds
+
+
+def masked(scores: torch.Tensor, allow: torch.Tensor) -> torch.Tensor:
+    """``scores`` with −∞ added on the cells ``allow`` forbids and 0 elsewhere, out of place: the same numbers as
+    ``masked_fill`` (a score of −0.0 comes back +0.0), and a gradient autograd passes through unchanged instead of
+    masking it (a forbidden cell's is 0 either way: its weight is 0)."""
+    bias = torch.zeros(allow.shape, dtype=scores.dtype, device=scores.device).masked_fill_(~allow, -math.inf)
+    return scores + bias
+
+
+def softpick(z: torch.Tensor, allowed: torch.Tensor, eps: float) -> torch.Tensor:
+    """:class:`~attnviz.core.spec.kinds.Softpick`'s weights of scores ``z`` (−∞ on forbidden cells, finite elsewhere)
+    with ``allowed`` the allow-set as 0 and 1, its gradient written out (:class:`_Softpick`)."""
+    return _Softpick.apply(z, allowed, eps)
+
+
+class _Softpick(torch.autograd.Function):
+    """Softpick's row in lean passes. Forward: the kind picks, per cell, e^{−m}·expm1(z) (z ≤ 0) or −e^{z−m}·expm1(−z)
+    (z > 0) by ``where``; each is exactly 0 where the other is picked (expm1(0) = 0), so their sum is the pick, and a
+    forbidden cell's is multiplied by 0: the kind's numbers. Backward, with x that sum, S = Σ|x| + ε, p = ReLU(x)/S and
+    g the weights' gradient: ∂L/∂x = (g·[x > 0] − (Σ g·p)·sgn x)/S; x depends on z through e^{z−m} (either branch) and
+    on the row's maximum m through −x, whose gradient goes to the maximum's cells, shared among ties, as autograd's
+    ``amax`` shares it. Thirteen passes where autograd takes some thirty; the same gradient to float rounding
+    (tests/test_kinds_engine.py)."""
+
+    @staticmethod
+    def forward(ctx, z, allowed, eps):
+        m = z.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a row with no allowed key: all zero (one per row)
+        shifted = torch.exp(z - m)  # e^{z−m}: at most 1 on allowed cells, 0 on forbidden ones
+        below = torch.exp(-m) * torch.expm1(z.clamp(max=0))
+        x = (-shifted * torch.expm1(-torch.relu(z)) + below) * allowed
+        total = x.abs().sum(dim=-1, keepdim=True) + eps
+        p = torch.relu(x) / total
+        ctx.save_for_backward(z, m, shifted, x, total, p, allowed)
+        return p
+
+    @staticmethod
+    def backward(ctx, grad):
+        z, m, shifted, x, total, p, allowed = ctx.saved_tensors
+        c = (grad * p).sum(dim=-1, keepdim=True)
+        d_x = (torch.ops.aten.threshold_backward(grad, x, 0) - c * torch.sgn(x)) / total * allowed
+        d_m = -(d_x * x).sum(dim=-1, keepdim=True)
+        top = z == m
+        return d_x * shifted + top * (d_m / top.sum(dim=-1, keepdim=True).clamp(min=1)), None, None
+
+
+def sigmoid(z: torch.Tensor, allow: torch.Tensor, bias: float | None) -> torch.Tensor:
+    """:class:`~attnviz.core.spec.kinds.Sigmoid`'s weights of scores ``z`` (−∞ on forbidden cells): σ(−∞) is 0, so
+    no ``where``; the bias −log n counts the keys of ``allow`` (the kind counts the finite scores: the same keys)."""
+    if bias is None:
+        b = -torch.log(allow.sum(dim=-1, keepdim=True).clamp(min=1).float())
+    else:
+        b = torch.tensor(float(bias), device=z.device)
+    return torch.sigmoid(z + b)
+
+
+def weigher(kind) -> Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]] | None:
+    """For a kind written here, a function of a block's allow-set (B or 1, H or 1, b, w) to the weights of that
+    block's scores; None for any other kind (its own ``weights``)."""
+    if isinstance(kind, kinds.Softpick):
+        return lambda allow: lambda z: softpick(z, allow.to(z.dtype), kind.eps)
+    if isinstance(kind, kinds.Sigmoid):
+        return lambda allow: lambda z: sigmoid(z, allow, kind.bias)
+    return None
