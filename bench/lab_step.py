@@ -35,7 +35,7 @@ def default_kinds() -> list[str]:
     """Every kind the lab trains (a kind registered later, relu, included), gate(headwise) left out (refused)."""
     from attnviz.core.spec import kinds
 
-    extra = [name for name in kinds.KINDS if name not in {k.split("(")[0] for k in KINDS}]
+    extra = [name for name in kinds.names() if name not in {k.split("(")[0] for k in KINDS}]
     return list(KINDS) + extra
 
 

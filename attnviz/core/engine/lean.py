@@ -76,7 +76,8 @@ def weigher(kind) -> Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Ten
     """For a kind written here, a function of a block's allow-set (B or 1, H or 1, b, w) to the weights of that
     block's scores; None for any other kind (its own ``weights``)."""
     if isinstance(kind, kinds.Softpick):
-        return lambda allow: lambda z: softpick(z, allow.to(z.dtype), kind.eps)
+        eps = kinds.EPS if kind.eps is None else kind.eps
+        return lambda allow: lambda z: softpick(z, allow.to(z.dtype), eps)
     if isinstance(kind, kinds.Sigmoid):
         return lambda allow: lambda z: sigmoid(z, allow, kind.bias)
     return None
