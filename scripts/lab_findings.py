@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from attnviz.lab.train import Setup
 from attnviz.lab.emergence import FORMED  # the lab's one threshold (0.5), the Sweeps page's grid reads it too
 
 
@@ -30,6 +31,7 @@ def setting(frame: pd.DataFrame, field: str):
     if field in frame.columns:
         return frame[field].iloc[0]
     saved = json.loads((Path(frame.checkpoint.iloc[-1]) / "attnviz_run.json").read_text())["setup"]
+    saved = Setup.from_dict(saved).as_dict()  # an older run's missing settings at their defaults (adamw ...)
     for part in field.split("."):
         saved = saved.get(part) if isinstance(saved, dict) else None
     return saved
