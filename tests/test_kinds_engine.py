@@ -225,7 +225,7 @@ def test_the_analyses_over_the_engine_run_the_recipes_kind():
     assert opened.computes.kind == kinds.Softpick()
 
 
-@pytest.mark.parametrize("spec", ["softpick", "softpick(eps=1e-3)", "sigmoid", "sigmoid(bias=0.5)"])
+@pytest.mark.parametrize("spec", ["softpick", "softpick(eps=1e-3)", "sigmoid", "sigmoid(bias=0.5)", "relu"])
 def test_the_lean_training_weights_are_the_kind_s_own_numbers_and_gradients(spec):
     """The block route's training passes (attnviz.core.engine.lean): the mask added rather than filled, softpick and
     sigmoid without where: the kind's own weights bit for bit, and the same gradients (softpick's written out: to
@@ -260,7 +260,7 @@ def test_the_lean_training_weights_are_the_kind_s_own_numbers_and_gradients(spec
         assert torch.autograd.gradcheck(lambda z: lean.softpick(lean.masked(z, causal), causal.double(), 0.05), (z,))
 
 
-@pytest.mark.parametrize("spec", ["softpick", "sigmoid"])
+@pytest.mark.parametrize("spec", ["softpick", "sigmoid", "relu"])
 def test_a_lab_training_step_takes_the_lean_weights_and_learns_what_the_kind_s_own_weights_teach(spec, monkeypatch):
     """A lab model's training forward under softpick or sigmoid (no recorder, autograd on) takes the lean weights;
     its loss and every gradient are those of the kind's own weights."""

@@ -72,6 +72,12 @@ def sigmoid(z: torch.Tensor, allow: torch.Tensor, bias: float | None) -> torch.T
     return torch.sigmoid(z + b)
 
 
+def relu(z: torch.Tensor, allow: torch.Tensor) -> torch.Tensor:
+    """:class:`~attnviz.core.spec.kinds.Relu`'s weights of scores ``z`` (−∞ on forbidden cells): ReLU(−∞) is 0, so
+    no ``where``; n counts the keys of ``allow`` (the kind counts the finite scores: the same keys)."""
+    return torch.relu(z) / allow.sum(dim=-1, keepdim=True).clamp(min=1).float()
+
+
 def weigher(kind) -> Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]] | None:
     """For a kind written here, a function of a block's allow-set (B or 1, H or 1, b, w) to the weights of that
     block's scores; None for any other kind (its own ``weights``)."""
@@ -80,4 +86,6 @@ def weigher(kind) -> Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Ten
         return lambda allow: lambda z: softpick(z, allow.to(z.dtype), eps)
     if isinstance(kind, kinds.Sigmoid):
         return lambda allow: lambda z: sigmoid(z, allow, kind.bias)
+    if isinstance(kind, kinds.Relu):
+        return lambda allow: lambda z: relu(z, allow)
     return None
