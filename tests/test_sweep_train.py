@@ -81,6 +81,11 @@ def test_the_train_table_is_read_off_the_lab_dataclasses():
     assert len(both.cells()) == 1 and len(both.train) == 1
     text = spec_mod.parse('[train]\ntask = "text"\nlength = 8\ntokenizer = "bytes"\n').train[0].setup.task
     assert type(text).__name__ == "Text" and text.length == 8
+    # every task of the lab's registry by its option, the new ones included; an optimizer is a key like any setting
+    repeat = spec_mod.parse('[train]\ntask = "repeat"\nlayers = 2\nvocab = 32\nlength = 32\noptimizer = "sgd"\n'
+                            'lr = 0.1\n').train[0].setup
+    assert type(repeat.task).__name__ == "RepeatedRandom" and repeat.task.vocab == 32 and repeat.optimizer == "sgd"
+    assert set(known) == {"setup", "bigram", "repeat", "text"}
 
 
 def test_the_runs_folder_is_beside_the_results_or_local_for_an_object_store(tmp_path, monkeypatch):

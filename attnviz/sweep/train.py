@@ -4,8 +4,8 @@ one run (:func:`attnviz.lab.train.train`, resumed from its last checkpoint) and 
 checkpoint of it.
 
 The keys are read off the dataclasses, never listed here: every field of :class:`attnviz.lab.train.Setup` but its
-task, ``task`` (``"bigram"`` or ``"text"``) and the fields of the chosen task's dataclass
-(:class:`attnviz.lab.tasks.BigramBackcopy`, :class:`attnviz.lab.text.Text`); ``seed`` seeds both the weights and
+task, ``task`` (a task's option in the lab's registry, :data:`attnviz.lab.tasks.TASKS`: ``"bigram"``, ``"repeat"``,
+``"text"``) and the fields of the chosen task's dataclass; ``seed`` seeds both the weights and
 the task, as ``attnviz train --seed`` does. Each value is checked against its field's type and every cell's
 :class:`~attnviz.lab.train.Setup` is built before anything runs, so a bad key or value is refused naming it.
 """
@@ -28,14 +28,14 @@ SHORT = {"weight_decay": "wd", "seed": "s", "steps": "n", "layers": "L", "width"
 
 
 def _task_classes() -> dict:
-    from attnviz.lab.tasks import BigramBackcopy
-    from attnviz.lab.text import Text
+    """Each task of the lab's registry (:data:`attnviz.lab.tasks.TASKS`) by its command-line option."""
+    from attnviz.lab.tasks import TASKS
 
-    return {"bigram": BigramBackcopy, "text": Text}
+    return {task.option: task for task in TASKS.values()}
 
 
 def keys() -> dict[str, dict[str, object]]:
-    """``{"setup": {key: type}, "bigram": {...}, "text": {...}}``: the table's keys and their types, read from the
+    """``{"setup": {key: type}, "bigram": {...}, "repeat": {...}, "text": {...}}``: the table's keys and their types, read from the
     dataclasses' fields (``task`` and the task's own ``name`` left out; ``seed`` is the setup's)."""
     from attnviz.lab.train import Setup
 
