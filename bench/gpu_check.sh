@@ -1,7 +1,7 @@
 #!/bin/sh
 # attnviz's GPU checks and benchmarks in one run, on a GPU machine without network (docs/gpu.md):
 #   sh bench/gpu_check.sh [OUT_DIR]            every step
-#   STEPS="tests stats" sh bench/gpu_check.sh  some of: tests sweep stats profile routes scan lab doctor
+#   STEPS="tests stats" sh bench/gpu_check.sh  some of: tests sweep stats profile routes scan lab labstep doctor
 # Needs the default model's config and tokenizer in .gpu/smol (a loaded model's config.save_pretrained and
 # tokenizer.save_pretrained), from which bench/random_model.py makes a random-weight model of its shape. Writes
 # gpu.log (the card, the CUDA tests, every bench line), sweep.log (bench/kernel_sweep.py) and profile.log.
@@ -10,7 +10,7 @@
 # picks seeds), then STEPS="sweep profile".
 set -u
 out=${1:-${OUT:-/tmp/attnviz-gpu}}
-steps=" ${STEPS:-tests sweep stats profile routes scan lab doctor} "
+steps=" ${STEPS:-tests sweep stats profile routes scan lab labstep doctor} "
 mkdir -p "$out"
 log=$out/gpu.log
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -69,5 +69,10 @@ if wanted lab; then
     step "lab seed $seed"; timeout "${LAB_S:-150}" python3 bench/lab_sink.py --device cuda --seed "$seed" 2>&1 \
       | grep -E '^lab_sink|Error' | tail -2 >>"$log"
   done
+fi
+if wanted labstep; then
+  # every kind's lab step against its family's stock loop and the stock softmax loop, on the GPU (docs/benchmarks.md)
+  step labstep; timeout "${LABSTEP_S:-120}" python3 bench/lab_step.py --device cuda --steps 100 2>&1 \
+    | grep -E '^lab_step|^#|Error' >>"$log"
 fi
 step done
