@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from attnviz.lab.tasks import BigramBackcopy
+from attnviz.lab.tasks import BigramBackcopy, RepeatedRandom
 from attnviz.lab.train import Setup, last, train, weights_hash
 
 
@@ -273,7 +273,16 @@ def test_the_command_hands_the_task_and_the_optimizer_on_and_refuses_in_one_line
     for bad, words in ((["--p-trigger", "1"], "p_trigger is a probability below 1"),
                        (["--p-trigger", "-0.1"], "p_trigger is a probability below 1"),
                        (["--optimizer", "adam", "--weight-decay", "0.1"], "adam takes no weight decay"),
-                       (["--momentum", "0.5"], "momentum is SGD's")):
+                       (["--momentum", "0.5"], "momentum is SGD's"),
+                       (["--task", "text", "--vocab", "10"], "--vocab is not an option of --task text"),
+                       (["--task", "text", "--p-trigger", "0.2"], "--p-trigger is not an option of --task text"),
+                       (["--task", "repeat", "--triggers", "2"], "--triggers is not an option of --task repeat"),
+                       (["--tokenizer", "bytes"], "--tokenizer is not an option of --task bigram"),
+                       (["--text-file", "notes.txt"], "--text-file is not an option of --task bigram")):
         assert main(argv[:3] + bad) == 2
         out, err = capsys.readouterr()
         assert out == "" and len(err.strip().splitlines()) == 1 and words in err
+        assert not (tmp_path / "run").exists()  # refused before anything is written
+    # each task's own defaults where its options are not given: the repeated tokens' 32, not Bigram-Backcopy's 64
+    repeat = setup_of(build_parser("train").parse_args(argv[:3] + ["--task", "repeat", "--layers", "2"])).task
+    assert (repeat.vocab, repeat.length) == (RepeatedRandom().vocab, RepeatedRandom().length) == (32, 32)

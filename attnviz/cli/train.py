@@ -43,17 +43,18 @@ def options(p):
     p.add_argument("--task", choices=tuple(t.option for t in TASKS.values()), default=BigramBackcopy.option,
                    help="bigram: Bigram-Backcopy; repeat: repeated random tokens (train it with --layers 2); text: "
                         "next-token prediction on text (docs/lab.md#tasks-and-tokenizers; default %(default)s)")
+    # the task's options default to the chosen task's own (None here): an option the task does not take is refused
     p.add_argument("--text-file", default=None, help="--task text: a UTF-8 file (default: the stdlib corpus)")
-    p.add_argument("--tokenizer", choices=("default", "bytes"), default="bytes",
-                   help="--task text: bytes, or the default model's tokenizer (default %(default)s)")
-    p.add_argument("--vocab", type=int, default=task["vocab"].default, help="Bigram-Backcopy's tokens, BOS and "
-                   "triggers included (default %(default)s)")
-    p.add_argument("--triggers", type=int, default=task["triggers"].default, help="Bigram-Backcopy's triggers "
-                   "(default %(default)s)")
-    p.add_argument("--p-trigger", type=float, default=task["p_trigger"].default, help="Bigram-Backcopy's "
-                   "probability of a trigger after an ordinary token, at least 0 and below 1 (default %(default)s)")
-    p.add_argument("--length", type=int, default=task["length"].default, help="tokens a sequence (default "
-                                                                               "%(default)s)")
+    p.add_argument("--tokenizer", choices=("default", "bytes"), default=None,
+                   help="--task text: bytes, or the default model's tokenizer (default bytes)")
+    p.add_argument("--vocab", type=int, default=None, help="tokens, BOS (and Bigram-Backcopy's triggers) included "
+                   f"(default: the task's, bigram {task['vocab'].default}, repeat 32)")
+    p.add_argument("--triggers", type=int, default=None, help="Bigram-Backcopy's triggers "
+                   f"(default {task['triggers'].default})")
+    p.add_argument("--p-trigger", type=float, default=None, help="Bigram-Backcopy's probability of a trigger after an "
+                   f"ordinary token, at least 0 and below 1 (default {task['p_trigger'].default})")
+    p.add_argument("--length", type=int, default=None, help="tokens a sequence (default: the task's, bigram "
+                   f"{task['length'].default}, repeat 32, text 64)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: a GPU when there is one")
 
 
@@ -64,12 +65,16 @@ def setup_of(args):
     from attnviz.lab.train import Setup
 
     made = next(t for t in TASKS.values() if t.option == args.task)  # the registry's task of that option
-    given = {"source": args.text_file or "stdlib", "tokenizer": args.tokenizer, "vocab": args.vocab,
-             "triggers": args.triggers, "length": args.length, "p_trigger": args.p_trigger, "seed": args.seed}
+    options = {"source": "--text-file", "tokenizer": "--tokenizer", "vocab": "--vocab", "triggers": "--triggers",
+               "length": "--length", "p_trigger": "--p-trigger"}
+    given = {k: getattr(args, "text_file" if k == "source" else k) for k in options}
+    given = {k: v for k, v in given.items() if v is not None}  # the others: the task's own defaults
     known = {f.name for f in dataclasses.fields(made)}
-    if args.text_file and "source" not in known:
-        raise AttnvizError("--text-file is for --task text")
-    task = made(**{k: v for k, v in given.items() if k in known})
+    foreign = [options[k] for k in given if k not in known]
+    if foreign:
+        takes = ", ".join(options[k] for k in options if k in known) or "none of them"
+        raise AttnvizError(f"{foreign[0]} is not an option of --task {args.task} (it takes {takes})")
+    task = made(**given, seed=args.seed)
     return Setup(layers=args.layers, width=args.width, heads=args.heads, mlp=args.mlp, kind=args.kind,
                  arch=args.arch, positions=args.positions, steps=args.steps, batch=args.batch, lr=args.lr,
                  weight_decay=args.weight_decay, optimizer=args.optimizer, momentum=args.momentum, warmup=args.warmup,
