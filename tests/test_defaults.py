@@ -15,7 +15,6 @@ from attnviz.kv import compress, presses
 from attnviz.reports import html
 from attnviz import flow
 from attnviz.lab import emergence
-from attnviz.lab.tasks import BigramBackcopy
 from attnviz.lab.train import Setup
 from attnviz.sweep.spec import measure_options
 
@@ -50,7 +49,9 @@ LIBRARY = {
     ("emergence", "eps"): D(emergence.table)["eps"], ("emergence", "samples"): D(emergence.table)["size"],
     **{("train", name): D(Setup)[name] for name in ("width", "heads", "steps", "batch", "warmup", "seed", "every",
                                                      "lr", "weight_decay", "optimizer", "momentum")},
-    **{("train", name): D(BigramBackcopy)[name] for name in ("vocab", "triggers", "length", "p_trigger")},
+    # the task's options (vocab, triggers, length, p_trigger) default to None: the chosen task's own dataclass
+    # defaults, tests/test_lab_train.py::test_the_command_hands_the_task_and_the_optimizer_on_and_refuses_in_one_line
+    **{("train", name): None for name in ("vocab", "triggers", "length", "p_trigger")},
 }
 #: (measure, option) -> (command, option dest) where the CLI has the same option
 SWEEP_TO_CLI = {
