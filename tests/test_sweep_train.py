@@ -105,7 +105,7 @@ def test_the_runs_folder_is_beside_the_results_or_local_for_an_object_store(tmp_
     ('[train]\nseed = []\n', "'train.seed' is empty"),
     ('[train]\nkind = ["softmax", "nope"]\n', "spec: train (kind='nope'):"),
     ('[train]\nwidth = 30\nheads = 4\n', "not a multiple of the 4 heads"),
-    ('[train]\ntask = "poems"\n', "'train.task' must be one of bigram, text"),
+    ('[train]\ntask = "poems"\n', "'train.task' must be one of bigram, repeat, text"),
     ('[train]\ntask = "text"\nvocab = 32\n', "'train.vocab' is not an option of the text task"),
     ('[train]\nsteps = 0\n', "steps is a whole number of at least 1"),
     ('archs = ["fwd"]\n[train]\n', "'archs' are the models' architectures"),
