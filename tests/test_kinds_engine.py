@@ -265,17 +265,9 @@ def test_a_lab_training_step_takes_the_lean_weights_and_learns_what_the_kind_s_o
     """A lab model's training forward under softpick or sigmoid (no recorder, autograd on) takes the lean weights;
     its loss and every gradient are those of the kind's own weights."""
     from attnviz.core.engine import lean
-    from attnviz.core.loading.models import LoadedModel
     from attnviz.lab import train as lab
-    from attnviz.lab.tasks import BigramBackcopy
 
-    setup = lab.Setup(kind=spec, width=32, heads=2, batch=4, device="cpu",
-                      task=BigramBackcopy(vocab=16, triggers=2, length=16))
-    model = lab.build(setup)
-    engine.prepare(model)
-    loaded = LoadedModel(model, setup.tokenizer(), "lab", None, 0.0)
-    built = recipe.build(loaded, "fwd")
-    x = setup.task.batch(setup.batch, 1)
+    model, loaded, built, x = tiny.lab_training(spec)
     taken, real = [], lean.weigher
     monkeypatch.setattr(lean, "weigher", lambda kind: taken.append(kind) or real(kind))
 

@@ -13,6 +13,8 @@ from attnviz.core.record import reduce
 from attnviz.stats import metrics
 from attnviz.core.engine import Facts, Route, choose_route
 
+import tiny
+
 R = Route
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -193,20 +195,11 @@ def test_training_under_a_sink_takes_the_sink_route_with_the_block_route_s_gradi
     """A lab model's training forward through the recipe (gpt-oss's learned sinks, off-by-one) takes the sink route,
     and its loss and every parameter's gradient, the learned sinks' included, are the block route's (float32, 1e-6);
     a capture of the same model still takes the block route."""
-    from attnviz import recipe
     from attnviz.core import engine
     from attnviz.core.engine import routes
-    from attnviz.core.loading.models import LoadedModel
     from attnviz.lab import train as lab
-    from attnviz.lab.tasks import BigramBackcopy
 
-    setup = lab.Setup(kind=kind, width=32, heads=2, batch=4, device="cpu",
-                      task=BigramBackcopy(vocab=16, triggers=2, length=16))
-    model = lab.build(setup)
-    engine.prepare(model)
-    loaded = LoadedModel(model, setup.tokenizer(), "lab", None, 0.0)
-    built = recipe.build(loaded, "fwd")
-    x = setup.task.batch(setup.batch, 1)
+    model, loaded, built, x = tiny.lab_training(kind)
     taken, real = [], routes.choose_route
     monkeypatch.setattr(routes, "choose_route", lambda facts: taken.append(real(facts)) or taken[-1])
 

@@ -205,3 +205,19 @@ def long_kernel_case(device: str, dtype: torch.dtype, causal: bool, one_pass: bo
                 "delim": probs @ delim.double(),
                 "pooled": padded.reshape(heads, cells, factor, cells, factor).amax(dim=(2, 4))}
     return {name: raw[name].double().cpu() for name in expected}, expected
+
+
+def lab_training(kind: str):
+    """A tiny lab model of ``kind`` ready for a training forward through the recipe (width 32, two heads,
+    Bigram-Backcopy of 16 tokens): ``(model, loaded, built, x)``, x one batch of 4 sequences."""
+    from attnviz import recipe
+    from attnviz.core import engine
+    from attnviz.lab import train as lab
+    from attnviz.lab.tasks import BigramBackcopy
+
+    setup = lab.Setup(kind=kind, width=32, heads=2, batch=4, device="cpu",
+                      task=BigramBackcopy(vocab=16, triggers=2, length=16))
+    model = lab.build(setup)
+    engine.prepare(model)
+    lm = LoadedModel(model, setup.tokenizer(), "lab", None, 0.0)
+    return model, lm, recipe.build(lm, "fwd"), setup.task.batch(setup.batch, 1)
