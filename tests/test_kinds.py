@@ -73,7 +73,8 @@ def test_relu_by_hand_divides_by_the_keys_the_row_allows():
 
 
 @pytest.mark.parametrize("bad", ["softmx", "sink(logit=x)", "sink(temp=1)", "softpick(eps=0)", "sigmoid(bias=inf)",
-                                 "gate(rowwise)", 3, None, "relu(x=1)", "softmax@3", "sink(logit=nan)"])
+                                 "gate(rowwise)", 3, None, "relu(x=1)", "softmax@3", "sink(logit=nan)",
+                                 "sink(logit=1, logit=2)", "sink(logit=0, init=-4)", ""])
 def test_a_bad_kind_is_one_line(bad):
     with pytest.raises(InputError) as err:
         kinds.parse(bad)
