@@ -39,30 +39,18 @@ def default_kinds() -> list[str]:
     return list(KINDS) + extra
 
 
-def schedule_of(setup, model):
-    """The setup's optimizer and the warm-up schedule, as :func:`attnviz.lab.train.train` makes them for a new run."""
-    import torch
-
-    from attnviz.lab.train import OPTIMIZERS
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = OPTIMIZERS[setup.optimizer](setup, params)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / setup.warmup) if setup.warmup else 1.0)
-
-
 def lab_loop(setup):
     """The lab's step of ``setup``: a function of the batch."""
     from attnviz import recipe
     from attnviz.core.engine import prepare
     from attnviz.core.loading.models import LoadedModel
-    from attnviz.lab.train import build, device_of, one_step
+    from attnviz.lab.train import build, device_of, one_step, optimizer_of
 
     model = build(setup).to(device_of(setup))
     prepare(model)
     loaded = LoadedModel(model, setup.tokenizer(), "lab", None, 0.0)
     built = recipe.build(loaded, setup.arch)
-    optimizer, schedule = schedule_of(setup, model)
+    optimizer, schedule = optimizer_of(setup, model)
     model.train()
     return lambda x: float(one_step(built, loaded, optimizer, schedule, x)), model
 
@@ -71,12 +59,12 @@ def stock_loop(setup):
     """A plain stock loop of the same model: transformers' SDPA, or its eager attention where the family has no
     SDPA (gpt-oss). Returns the step, the model and the attention it runs."""
     from attnviz.lab import models
-    from attnviz.lab.train import build, device_of
+    from attnviz.lab.train import build, device_of, optimizer_of
 
     model = build(setup).to(device_of(setup))
     attention = "eager" if models.family(setup.kind) == "gpt_oss" else "sdpa"
     model.set_attn_implementation(attention)
-    optimizer, schedule = schedule_of(setup, model)
+    optimizer, schedule = optimizer_of(setup, model)
     model.train()
 
     def step(x):

@@ -198,6 +198,18 @@ def loss_of(built, loaded, x: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
 
 
+def optimizer_of(setup: Setup, model, state: dict | None = None, start: int = 0):
+    """The setup's optimizer over the model's trained parameters (with a resumed run's ``state``) and its linear
+    warm-up, step s (from 1) at lr · min(1, s / warmup), standing at step ``start``: what :func:`train` steps and
+    bench/lab_step.py times."""
+    optimizer = OPTIMIZERS[setup.optimizer](setup, [p for p in model.parameters() if p.requires_grad])
+    if state is not None:
+        optimizer.load_state_dict(state)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / setup.warmup) if setup.warmup else 1.0, last_epoch=start - 1)
+    return optimizer, schedule
+
+
 def one_step(built, loaded, optimizer, schedule, x: torch.Tensor) -> torch.Tensor:
     """One training step on the batch ``x``: the loss through the recipe (:func:`loss_of`), its gradients, the
     optimizer's and the schedule's step. Returns the loss, detached, on the device (bench/lab_step.py times it)."""
@@ -230,12 +242,8 @@ def train(setup: Setup, out, on_step: Callable[[int, int, float], None] | None =
     prepare(model)
     loaded = LoadedModel(model, tokenizer, str(out), None, 0.0)
     built = recipe.build(loaded, setup.arch)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = OPTIMIZERS[setup.optimizer](setup, params)
-    if found:
-        optimizer.load_state_dict(torch.load(found / "optimizer.pt", map_location=device)["optimizer"])
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / setup.warmup) if setup.warmup else 1.0, last_epoch=start - 1)
+    state = torch.load(found / "optimizer.pt", map_location=device)["optimizer"] if found else None
+    optimizer, schedule = optimizer_of(setup, model, state, start)
     saved = set(setup.checkpoints())
     model.train()
     if start == 0:
