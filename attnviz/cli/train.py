@@ -12,7 +12,7 @@ def options(p):
     from attnviz.lab.tasks import TASKS, BigramBackcopy
     from attnviz.lab.train import MOMENTUM, OPTIMIZERS, WEIGHT_DECAY, Setup
 
-    setup, task = Setup.__dataclass_fields__, BigramBackcopy.__dataclass_fields__
+    setup = Setup.__dataclass_fields__
 
     def default(fields, name):
         f = fields[name]
@@ -47,14 +47,16 @@ def options(p):
     p.add_argument("--text-file", default=None, help="--task text: a UTF-8 file (default: the stdlib corpus)")
     p.add_argument("--tokenizer", choices=("default", "bytes"), default=None,
                    help="--task text: bytes, or the default model's tokenizer (default bytes)")
+    def own(name):  # each task's own default of an option, read from the registry's dataclasses
+        return ", ".join(f"{t.option} {t.__dataclass_fields__[name].default}" for t in TASKS.values()
+                         if name in t.__dataclass_fields__)
+
     p.add_argument("--vocab", type=int, default=None, help="tokens, BOS (and Bigram-Backcopy's triggers) included "
-                   f"(default: the task's, bigram {task['vocab'].default}, repeat 32)")
-    p.add_argument("--triggers", type=int, default=None, help="Bigram-Backcopy's triggers "
-                   f"(default {task['triggers'].default})")
+                   f"(default: the task's, {own('vocab')})")
+    p.add_argument("--triggers", type=int, default=None, help=f"Bigram-Backcopy's triggers (default: {own('triggers')})")
     p.add_argument("--p-trigger", type=float, default=None, help="Bigram-Backcopy's probability of a trigger after an "
-                   f"ordinary token, at least 0 and below 1 (default {task['p_trigger'].default})")
-    p.add_argument("--length", type=int, default=None, help="tokens a sequence (default: the task's, bigram "
-                   f"{task['length'].default}, repeat 32, text 64)")
+                   f"ordinary token, at least 0 and below 1 (default: {own('p_trigger')})")
+    p.add_argument("--length", type=int, default=None, help=f"tokens a sequence (default: the task's, {own('length')})")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: a GPU when there is one")
 
 
