@@ -185,6 +185,9 @@ def _canonical(loaded: "LoadedModel", arch, intervene, prepend, residual, kind=N
     from attnviz.core.spec import kinds
 
     chosen = None if kind in (None, "") else kinds.parse(kind)
+    if getattr(chosen, "init", None) is not None:  # sink(init=c) starts a lab run; a forward has nothing to start
+        raise InputError(f"{chosen.spec} is where the lab starts a learned sink's logits (attnviz train --kind); a "
+                         "model runs the logits it has: write sink")
     own = kinds.own(loaded.model)
     kinds.check(chosen or own, loaded.model, any(m.stable is not None for m in architecture.layers))
     kind_spec = "" if chosen in (None, own) else chosen.spec  # the model's own kind is written "": one key

@@ -16,6 +16,7 @@ from attnviz.lab import models
 from attnviz.lab.tasks import BigramBackcopy
 from attnviz.lab.train import Setup, train
 from attnviz.plan import Keep
+from attnviz.recipe import Recipe
 
 TEXT = "t5 T1 t5 t7 t9 T2 t9 t4 t6"
 FAMILY = {"softmax": "LlamaForCausalLM", "sink(logit=0)": "LlamaForCausalLM", "sink": "GptOssForCausalLM",
@@ -134,6 +135,10 @@ def test_a_learned_sink_starts_where_init_says_and_learns_from_there(tmp_path):
     assert json.loads((end / "attnviz_run.json").read_text())["setup"]["kind"] == "sink(init=-6)"
     default = models.build(tiny(kind="sink"), 16).model.layers[0].self_attn.sinks.detach()
     assert default.abs().max() < 0.2 and not torch.equal(default, start)
+    lm = attnviz.load(str(end), device="cpu")  # a forward has no start: init as a capture's kind is refused
+    with pytest.raises(InputError, match="where the lab starts") as err:
+        Recipe.of(lm, "fwd", kind="sink(init=-6)")
+    assert "\n" not in str(err.value)
 
 
 def test_loading_a_run_a_step_past_it_and_a_folder_that_is_no_checkpoint(tmp_path):
