@@ -115,3 +115,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda"):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray of 2 CPUs for a test module's sweeps (tests/test_sweep.py, tests/test_sweep_train.py), the model
+    cache's folder passed to its workers."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": {k: os.environ[k] for k in ("ATTNVIZ_CACHE",) if k in os.environ}})
+    yield ray
+    ray.shutdown()

@@ -68,16 +68,6 @@ def sinks_cli(arch: str, capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {k: os.environ[k] for k in ("ATTNVIZ_CACHE",) if k in os.environ}})
-    yield ray
-    ray.shutdown()
-
-
 def test_the_readme_spec_on_a_local_ray_equals_the_plain_cli(model_cache, ray_local, tmp_path, capsys):
     out = tmp_path / "results"
     assert main(["sweep", write(tmp_path, README_SPEC), "--out", str(out), "--workers", "2"]) == 0

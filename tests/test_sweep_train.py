@@ -22,6 +22,8 @@ from attnviz.sweep import spec as spec_mod
 from attnviz.sweep import store
 from attnviz.sweep import train as train_mod
 
+from test_sweep import write
+
 TINY = """width = 16
 heads = 2
 every = 10
@@ -40,12 +42,6 @@ samples = 4
 """
 NUMBERS = ["loss", "train_loss", "alpha0", "sink_rate", "first_token", "row_mass", "value_drain", "residual_peak",
            "entropy"]
-
-
-def write(folder: Path, text: str) -> str:
-    path = folder / "spec.toml"
-    path.write_text(text)
-    return str(path)
 
 
 def test_the_train_table_is_read_off_the_lab_dataclasses():
@@ -131,16 +127,6 @@ def local_grid(tmp_path_factory):
     folder = tmp_path_factory.mktemp("local-grid")
     assert main(["sweep", write(folder, GRID), "--out", str(folder / "results"), "--local"]) == 0
     return folder / "results"
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {k: os.environ[k] for k in ("ATTNVIZ_CACHE",) if k in os.environ}})
-    yield ray
-    ray.shutdown()
 
 
 def _emergence(out: Path) -> pd.DataFrame:
