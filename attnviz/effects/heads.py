@@ -55,14 +55,11 @@ def streaming_score(probs: np.ndarray, s: int = SINK, w: int = WINDOW) -> np.nda
 
 
 def output_norms(probs: np.ndarray, values: np.ndarray, w_o: np.ndarray) -> np.ndarray:
-    """(H,) the mean over queries of ||W_O^h sum_j A[i,j] v_j^h|| (values (H_kv, n, d), W_O (hidden, H·d))."""
-    heads = probs.shape[0]
-    group = heads // values.shape[0]
-    d = values.shape[-1]
-    v = np.repeat(np.asarray(values, dtype=np.float64), group, axis=0)  # (H, n, d)
-    out = np.einsum("hij,hjd->hid", np.asarray(probs, dtype=np.float64), v)
-    per_head = np.asarray(w_o, dtype=np.float64).reshape(w_o.shape[0], heads, d)  # (hidden, H, d)
-    return np.linalg.norm(np.einsum("hid,ohd->hio", out, per_head), axis=-1).mean(-1)
+    """(H,) the mean over queries of ||W_O^h sum_j A[i,j] v_j^h|| (values (H_kv, n, d), W_O (hidden, H·d)): each
+    query's norm as :func:`attnviz.effects.induction.query_outputs` computes it, averaged."""
+    from attnviz.effects.induction import query_outputs
+
+    return query_outputs(np.asarray(probs)[None], np.asarray(values)[None], w_o)[0].mean(-1)
 
 
 def ahon(norms: np.ndarray) -> np.ndarray:
