@@ -19,3 +19,12 @@ class ModelLoadError(AttnvizError):
 
 class InputError(AttnvizError):
     """Text that cannot be captured (empty, too long)."""
+
+
+class Diverged(InputError):
+    """A training run whose loss or weights stopped being finite: ``step`` the step it was seen at, ``kept`` the last
+    checkpoint written (every one written is finite; docs/lab.md#what-a-run-folder-holds-and-how-it-is-checked)."""
+
+    def __init__(self, message: str, step: int, kept):
+        super().__init__(message)
+        self.step, self.kept = step, kept

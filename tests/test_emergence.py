@@ -217,6 +217,11 @@ def test_maps_are_read_as_they_are_under_a_kind_whose_rows_do_not_sum_to_one(run
     folder = _copy_run(run, tmp_path, {4: 4}) / "step-4"
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "attnviz_kind": "sigmoid"}))
+    from attnviz.core.loading import runs
+
+    record = json.loads((folder / runs.RUN_FILE).read_text())  # its record says so, and hashes the config it has
+    record["setup"]["kind"] = record["recipe"]["kind"] = "sigmoid"
+    (folder / runs.RUN_FILE).write_text(json.dumps({**record, "sha256": runs.digests(folder)}))
     found = emergence.table([folder], size=SIZE)
     assert set(found["kind"]) == {"sigmoid"}
     from attnviz.core.loading.models import load

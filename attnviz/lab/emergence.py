@@ -47,11 +47,12 @@ class Checkpoint:
     @classmethod
     def of(cls, folder, index: int = 0) -> "Checkpoint":
         """The folder as a checkpoint: its step from its name (``step-N``, as a run lists it), else from its
-        metadata, else ``index``."""
+        metadata, else ``index``. A lab checkpoint is checked whole first (:func:`attnviz.core.loading.runs.check`):
+        a damaged one is refused in one line before any is measured."""
         folder = Path(folder).expanduser()
+        meta = runs.check(folder, "measure") if runs.is_checkpoint(folder) else {}
         if not (folder / "config.json").is_file():
             raise InputError(f"'{folder}' is not a model folder (no config.json in it)")
-        meta = runs.meta(folder)
         named = re.fullmatch(r"step-(\d+)", folder.name)
         step = int(named.group(1)) if named else meta.get("step", index)
         return cls(folder, int(step), meta)

@@ -29,11 +29,14 @@ class LabRun:
         return self.folder.name
 
     def checkpoint(self, step: int) -> Path:
-        """The folder of the checkpoint at ``step``; a step the run has none at is refused in one line."""
-        return runs.step_folder(self.folder, step)
+        """The folder of the checkpoint at ``step``, checked whole (:func:`attnviz.core.loading.runs.check`); a step
+        the run has none at, or a damaged checkpoint, is refused in one line."""
+        folder = runs.step_folder(self.folder, step)
+        runs.check(folder)
+        return folder
 
     def meta(self, step: int) -> dict:
-        return runs.meta(self.checkpoint(step))
+        return runs.check(runs.step_folder(self.folder, step))
 
     def trained(self) -> Setup:
         """The setup as a :class:`~attnviz.lab.train.Setup` (:meth:`~attnviz.lab.train.Setup.from_dict`)."""
@@ -41,13 +44,14 @@ class LabRun:
 
 
 def open_run(folder: str | Path) -> LabRun:
-    """The run in ``folder``; a folder that holds no checkpoint is refused in one line."""
+    """The run in ``folder``, its setup its last checkpoint's (checked whole); a folder that holds no checkpoint, or
+    whose last checkpoint is damaged, is refused in one line."""
     folder = Path(folder)
     steps = runs.steps_of(folder)
     if not steps:
         what = "does not exist" if not folder.exists() else f"holds no step-N checkpoint with {runs.RUN_FILE}"
         raise InputError(f"'{folder}' is no training run: it {what}")
-    return LabRun(folder, tuple(steps), runs.meta(folder / f"step-{steps[-1]}").get("setup") or {})
+    return LabRun(folder, tuple(steps), runs.check(folder / f"step-{steps[-1]}")["setup"])
 
 
 def find_runs(folder: str | Path) -> list[LabRun]:

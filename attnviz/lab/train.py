@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import pickle
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from attnviz.errors import InputError
+from attnviz.errors import Diverged, InputError
 from attnviz.lab import models
 from attnviz.core.loading import runs
 from attnviz.core.loading.runs import last  # noqa: F401 - a run's last checkpoint, read by its callers
@@ -43,6 +44,7 @@ OPTIMIZERS = {
 }
 WEIGHT_DECAY = {"adamw": 0.01, "adam": 0.0, "sgd": 0.01}  # each optimizer's weight decay when none is given
 MOMENTUM = 0.9  # SGD's when none is given
+PARTIAL = ".attnviz-partial"  # the mark of a partial checkpoint folder the trainer made (and may remove)
 
 
 @dataclass(frozen=True)
@@ -147,32 +149,52 @@ def weights_hash(model) -> str:
 
 
 def save(model, optimizer, setup: Setup, step: int, loss: float, out: Path, tokenizer=None) -> Path:
-    """Write a checkpoint into a partial folder and rename it into place: a checkpoint is whole or absent. Any
-    OSError (a full disk) removes the partial folder and is refused in one line; earlier checkpoints stay."""
+    """Write a checkpoint into a partial folder, marked as the trainer's (:data:`PARTIAL`) before anything else is
+    written in it, and rename it into place: a checkpoint is whole or absent. Its record holds the SHA-256 of its
+    weights and config (``sha256``, checked whenever it is read back). Any OSError (a full disk) removes the partial
+    folder and is refused in one line; earlier checkpoints stay. A partial folder of that name the trainer did not
+    make is refused, never removed."""
     folder = out / f"step-{step}"
     tmp = out / f".step-{step}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
+    _clear(tmp)
     try:
+        tmp.mkdir()
+        (tmp / PARTIAL).touch()
         model.save_pretrained(tmp, safe_serialization=True)
         (tokenizer or setup.tokenizer()).save_pretrained(tmp)
         torch.save({"optimizer": optimizer.state_dict()}, tmp / "optimizer.pt")
         meta = {"recipe": {"kind": setup.kind, "arch": setup.arch}, "step": step,
-                "loss": loss if math.isfinite(loss) else None, "hash": weights_hash(model), "setup": setup.as_dict()}
+                "loss": loss if math.isfinite(loss) else None, "hash": weights_hash(model),
+                "sha256": runs.digests(tmp), "setup": setup.as_dict()}
         (tmp / runs.RUN_FILE).write_text(json.dumps(meta, indent=1))
+        (tmp / PARTIAL).unlink()
         tmp.rename(folder)
     except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _clear(tmp, refuse=False)
         raise InputError(f"cannot save the checkpoint {folder}: {err.strerror or err}; the earlier checkpoints in "
                          f"{out} are kept") from None
     except BaseException:  # Ctrl-C while saving: no half checkpoint
-        shutil.rmtree(tmp, ignore_errors=True)
+        _clear(tmp, refuse=False)
         raise
     return folder
 
 
+def _clear(tmp: Path, refuse: bool = True) -> None:
+    """Remove the partial folder ``tmp`` where it is the trainer's (marked :data:`PARTIAL`, or empty); one it did not
+    make is refused in one line (``refuse``) or left as it is."""
+    if (tmp / PARTIAL).is_file():
+        shutil.rmtree(tmp, ignore_errors=True)
+    elif tmp.is_dir() and not any(tmp.iterdir()):
+        tmp.rmdir()
+    elif tmp.exists() and refuse:
+        raise InputError(f"{tmp} is not the trainer's (it lacks its {PARTIAL} mark) and the run writes a checkpoint "
+                         "through it: move it out of the run's folder")
+
+
 def _check_same(setup: Setup, found: Path) -> int:
-    """The step of checkpoint ``found``; refused in one line when its saved setup differs from ``setup``."""
-    meta = runs.meta(found)
+    """The step of checkpoint ``found``, checked whole (:func:`attnviz.core.loading.runs.check`); refused in one
+    line when its saved setup differs from ``setup``."""
+    meta = runs.check(found, "resume")
     saved, given = Setup.from_dict(meta["setup"]).as_dict(), setup.as_dict()
     differ = [k for k in sorted(set(saved) | set(given)) if k not in RESUMABLE and saved.get(k) != given.get(k)]
     if differ:
@@ -182,6 +204,47 @@ def _check_same(setup: Setup, found: Path) -> int:
     if meta["step"] > setup.steps:
         raise InputError(f"{found.parent} is already at step {meta['step']}, past the {setup.steps} steps asked")
     return int(meta["step"])
+
+
+def _finite(setup: Setup) -> None:
+    """A learning rate, weight decay or momentum that is not finite is refused: such a run has no finite step."""
+    for name, what in (("lr", "learning rate"), ("weight_decay", "weight decay"), ("momentum", "momentum")):
+        value = getattr(setup, name)
+        if value is not None and not math.isfinite(value):
+            raise InputError(f"the {what} is {value}: a run at it has no finite step; give a finite one")
+
+
+def _in_the_way(setup: Setup, out: Path, found: Path | None, start: int) -> None:
+    """Before anything is written: a ``step-N`` the run will write that is there without its record (a checkpoint
+    cut short, or not the trainer's), or a partial folder the run writes through that the trainer did not make, is
+    refused in one line; the trainer's own partial folders (left by a killed process) are removed, others left."""
+    if not out.is_dir():
+        return
+    ahead = {s for s in setup.checkpoints() if s > start or found is None}
+    then = f"resume from {found.name}" if found else "train the run from step 0"
+    for step in sorted(ahead):
+        if (out / f"step-{step}").exists():
+            raise InputError(f"{out / f'step-{step}'} holds no {runs.RUN_FILE} (a checkpoint cut short, or not the "
+                             f"trainer's) and the run writes its step {step} there: move it aside to {then}")
+    for tmp in out.glob(".step-*.partial"):
+        number = tmp.name[len(".step-"):-len(".partial")]
+        _clear(tmp, refuse=number.isdigit() and int(number) in ahead)
+
+
+def _optimizer_state(found: Path, device) -> dict:
+    """The optimizer's state a checkpoint saved; a file missing or cut short is refused in one line."""
+    path = found / "optimizer.pt"
+    try:
+        return torch.load(path, map_location=device)["optimizer"]
+    except (OSError, RuntimeError, EOFError, KeyError, TypeError, ValueError, pickle.UnpicklingError):
+        what = "is missing" if not path.is_file() else "cannot be read (cut short, or changed since it was saved)"
+        raise runs.damaged(found, f"its optimizer.pt {what}", "resume") from None
+
+
+def _diverged(step: int, loss: float, kept: Path) -> Diverged:
+    what = f"its loss is {loss}" if not math.isfinite(loss) else "its weights are no longer finite"
+    return Diverged(f"the run diverged at step {step} ({what}): the checkpoints up to {kept.name}, each finite, are "
+                    f"kept in {kept.parent}; train it again with a lower learning rate in another folder", step, kept)
 
 
 def device_of(setup: Setup) -> torch.device:
@@ -223,26 +286,29 @@ def one_step(built, loaded, optimizer, schedule, x: torch.Tensor) -> torch.Tenso
 
 def train(setup: Setup, out, on_step: Callable[[int, int, float], None] | None = None) -> Path:
     """Train ``setup`` into ``out`` (resuming from its last checkpoint); returns the last checkpoint's folder.
-    Ctrl-C (KeyboardInterrupt) propagates with every checkpoint saved so far kept whole."""
+    Refused in one line before anything is written: a learning rate, weight decay or momentum that is not finite, a
+    damaged last checkpoint, a folder in the way of a checkpoint the run writes (:func:`_in_the_way`). A loss or
+    weights that stop being finite stop the run (:class:`~attnviz.errors.Diverged`): no checkpoint after the last
+    finite one is written. Ctrl-C (KeyboardInterrupt) propagates with every checkpoint saved so far kept whole."""
     from attnviz import recipe
     from attnviz.core.engine import prepare
     from attnviz.core.loading.models import LoadedModel
 
     out = Path(out)
+    _finite(setup)
     device = device_of(setup)
     found = last(out) if out.is_dir() else None
     start = _check_same(setup, found) if found else 0
     if found and start == setup.steps:
         return found
+    state = _optimizer_state(found, device) if found else None
+    _in_the_way(setup, out, found, start)
     tokenizer = setup.tokenizer()
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob(".step-*.partial"):  # left by a killed process
-        shutil.rmtree(stale, ignore_errors=True)
     model = (models.load(setup, found) if found else build(setup)).to(device)
     prepare(model)
     loaded = LoadedModel(model, tokenizer, str(out), None, 0.0)
     built = recipe.build(loaded, setup.arch)
-    state = torch.load(found / "optimizer.pt", map_location=device)["optimizer"] if found else None
     optimizer, schedule = optimizer_of(setup, model, state, start)
     saved = set(setup.checkpoints())
     model.train()
@@ -251,9 +317,10 @@ def train(setup: Setup, out, on_step: Callable[[int, int, float], None] | None =
     for step in range(start + 1, setup.steps + 1):
         x = setup.task.batch(setup.batch, step).to(device)
         loss = float(one_step(built, loaded, optimizer, schedule, x))
+        if not math.isfinite(loss) or (step in saved and not all(p.isfinite().all() for p in model.parameters())):
+            raise _diverged(step, loss, found)
         if step in saved:
             found = save(model, optimizer, setup, step, loss, out, tokenizer)
         if on_step:
             on_step(step, setup.steps, loss)
     return found
-
