@@ -150,7 +150,7 @@ def weights_hash(model) -> str:
 
 def save(model, optimizer, setup: Setup, step: int, loss: float, out: Path, tokenizer=None) -> Path:
     """Write a checkpoint into a partial folder, marked as the trainer's (:data:`PARTIAL`) before anything else is
-    written in it, and rename it into place: a checkpoint is whole or absent. Its record holds the SHA-256 of its
+    written in it, and rename it into place (the mark then removed): a checkpoint is whole or absent. Its record holds the SHA-256 of its
     weights and config (``sha256``, checked whenever it is read back). Any OSError (a full disk) removes the partial
     folder and is refused in one line; earlier checkpoints stay. A partial folder of that name the trainer did not
     make is refused, never removed."""
@@ -167,8 +167,8 @@ def save(model, optimizer, setup: Setup, step: int, loss: float, out: Path, toke
                 "loss": loss if math.isfinite(loss) else None, "hash": weights_hash(model),
                 "sha256": runs.digests(tmp), "setup": setup.as_dict()}
         (tmp / runs.RUN_FILE).write_text(json.dumps(meta, indent=1))
-        (tmp / PARTIAL).unlink()
         tmp.rename(folder)
+        (folder / PARTIAL).unlink()  # after the rename: a partial folder is never without its mark
     except OSError as err:
         _clear(tmp, refuse=False)
         raise InputError(f"cannot save the checkpoint {folder}: {err.strerror or err}; the earlier checkpoints in "
