@@ -116,7 +116,10 @@ def _not_an_object(folder):
 
 
 def _kind_edited(folder):  # softmax weights with a record that says softpick
-    edit_record(folder, lambda record: (record["setup"].update(kind="softpick"), record["recipe"].update(kind="softpick")))
+    def softpick(record):
+        record["setup"]["kind"] = record["recipe"]["kind"] = "softpick"
+
+    edit_record(folder, softpick)
 
 
 def _config_edited(folder):  # the record's kind and the config's both edited: the config's SHA-256 is another

@@ -150,10 +150,11 @@ def weights_hash(model) -> str:
 
 def save(model, optimizer, setup: Setup, step: int, loss: float, out: Path, tokenizer=None) -> Path:
     """Write a checkpoint into a partial folder, marked as the trainer's (:data:`PARTIAL`) before anything else is
-    written in it, and rename it into place (the mark then removed): a checkpoint is whole or absent. Its record holds the SHA-256 of its
-    weights and config (``sha256``, checked whenever it is read back). Any OSError (a full disk) removes the partial
-    folder and is refused in one line; earlier checkpoints stay. A partial folder of that name the trainer did not
-    make is refused, never removed."""
+    written in it, and rename it into place (the mark then removed): a checkpoint is whole or absent. Its record
+    holds the SHA-256 of its weights and config (``sha256``, checked whenever it is read back). Any OSError (a full
+    disk) removes the partial folder and is refused in one line; earlier checkpoints stay. A partial folder of that
+    name the trainer did not make is refused, never removed
+    (docs/lab.md#what-a-run-folder-holds-and-how-it-is-checked)."""
     folder = out / f"step-{step}"
     tmp = out / f".step-{step}.partial"
     _clear(tmp)
