@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TEXT = "t5 T1 t5 t7 t9 T2 t9 t4 t6"
 KINDS = {"softpick": "attnviz_softpick", "sink(logit=0)": "attnviz_sink", "softmax": None}
 
-# a plain load of each folder (argv[1]: JSON of folders, argv[2]: the ids): its maps and log-probabilities, or the refusal
+# a plain load of each folder (argv[1]: JSON of folders, argv[2]: the ids): its maps and log-probabilities, or the
+# refusal
 PLAIN = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM
@@ -41,7 +42,8 @@ for kind, folder in folders.items():
         continue
     with torch.no_grad():
         out = model(torch.tensor([ids]), output_attentions=True)
-    found[kind] = {"implementation": model.config._attn_implementation, "map": out.attentions[0][0].tolist() if out.attentions else None,
+    found[kind] = {"implementation": model.config._attn_implementation,
+                   "map": out.attentions[0][0].tolist() if out.attentions else None,
                    "logprobs": torch.log_softmax(out.logits[0, -1], -1).tolist()}
 print("FOUND", json.dumps({"found": found, "attnviz": sorted(m for m in sys.modules if m.startswith("attnviz"))}))
 """
@@ -105,7 +107,8 @@ def test_in_this_process_a_plain_load_equals_the_capture(runs, kind):
     assert model.config._attn_implementation == (KINDS[kind] or "sdpa")
     with torch.no_grad():
         out = model(torch.tensor([cap.token_ids]), output_attentions=True)
-    _equal({"map": out.attentions[0][0].numpy() if out.attentions else None, "logprobs": torch.log_softmax(out.logits[0, -1], -1).numpy()}, cap)
+    _equal({"map": out.attentions[0][0].numpy() if out.attentions else None,
+            "logprobs": torch.log_softmax(out.logits[0, -1], -1).numpy()}, cap)
     if kind == "softpick":  # not the softmax: a row of softpick sums below 1
         assert float(out.attentions[0][0, :, 1:].sum(-1).max()) < 1 - 1e-3
 
@@ -169,3 +172,13 @@ def test_a_config_whose_name_and_kind_disagree_is_refused(runs, tmp_path):
     with pytest.raises(ModelLoadError, match="names the attention implementation attnviz_softpick, but its own kind "
                                              "is relu"):
         model(torch.tensor([[0, 5, 1]]))
+
+
+def test_a_lab_model_finetuned_keeps_its_name(runs, tmp_path):
+    """``attnviz finetune`` of a softpick checkpoint saves a folder that names attnviz_softpick too."""
+    from attnviz.effects.finetune import finetune
+
+    lm = attnviz.load(str(runs["softpick"][0]), device="cpu")
+    ids = BigramBackcopy(vocab=16, triggers=2, length=16).batch(8, 1).flatten().tolist()
+    finetune(lm, ids, tmp_path / "ft", steps=1, seq_len=8, batch=2, save_every=1)
+    assert json.loads((tmp_path / "ft" / "config.json").read_text())["attn_implementation"] == "attnviz_softpick"
