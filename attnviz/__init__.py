@@ -5,7 +5,9 @@ a :class:`Keep`: what to keep) →
 :class:`Capture` → metrics → figures → pages. The library never imports Streamlit.
 
 Every name below is imported when first used, so ``import attnviz`` and ``attnviz --help`` stay fast
-(no torch compiler stack, no transformers modelling code until a model is asked for).
+(no torch compiler stack, no transformers modelling code until a model is asked for). Importing it registers, once
+transformers' modeling code is imported, the attention implementations a lab checkpoint of a kind transformers does
+not compute names in its config, so a plain ``from_pretrained`` computes that kind (docs/lab.md#plain-transformers).
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ from __future__ import annotations
 import importlib
 import sys
 import types
+
+from attnviz.core.loading import plain as _plain
+
+_plain.watch()
 
 __version__ = "0.1.0"
 

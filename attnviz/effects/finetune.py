@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from attnviz import recipe
 from attnviz.core import engine
 from attnviz.core.engine import residual
+from attnviz.core.loading import plain
 from attnviz.core.loading.models import LoadedModel
 from attnviz.errors import InputError
 
@@ -112,6 +113,7 @@ def save_checkpoint(loaded: LoadedModel, variant, out: Path, metrics: dict) -> N
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         loaded.model.save_pretrained(tmp, safe_serialization=True)
+        plain.mark(tmp, loaded.model.config)  # a lab model's kind stays loud under plain transformers
         loaded.tokenizer.save_pretrained(tmp)
         if variant is not None:
             variant.save(tmp)

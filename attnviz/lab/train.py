@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from attnviz.errors import Diverged, InputError
-from attnviz.lab import models
+from attnviz.lab import card, models
 from attnviz.core.loading import runs
 from attnviz.core.loading.runs import last  # noqa: F401 - a run's last checkpoint, read by its callers
 from attnviz.lab import tasks
@@ -162,6 +162,7 @@ def save(model, optimizer, setup: Setup, step: int, loss: float, out: Path, toke
         tmp.mkdir()
         (tmp / PARTIAL).touch()
         model.save_pretrained(tmp, safe_serialization=True)
+        card.write(tmp, model, setup, step, loss)  # the kind's attention implementation, README.md
         (tokenizer or setup.tokenizer()).save_pretrained(tmp)
         torch.save({"optimizer": optimizer.state_dict()}, tmp / "optimizer.pt")
         meta = {"recipe": {"kind": setup.kind, "arch": setup.arch}, "step": step,
