@@ -371,3 +371,12 @@ def test_the_sidebar_says_its_settings_do_not_apply_here(page):
     assert "do not apply here" in texts(page.sidebar.info)
     folded = page.sidebar.expander[0]
     assert folded.label == "Model, text and recipe of the other pages" and folded.text_input(key="model")
+
+
+def test_the_folded_sidebar_keeps_its_settings_for_the_other_pages(page):
+    page.text_area(key="text").input("Typed on the Emergence page.").run()
+    page.selectbox(key="arch_pick").set_value("BIDIR").run()
+    page.switch_page(str(ROOT / "pages" / "walkthrough.py")).run()
+    assert not page.exception and not page.sidebar.info  # drawn as on every other page
+    assert page.text_area(key="text").value == "Typed on the Emergence page."
+    assert page.selectbox(key="arch_pick").value == "BIDIR"
