@@ -31,11 +31,15 @@ PAGES = [
 ]
 
 NO_MODEL = {"designer", "walkthrough", "sweeps", "emergence", "definitions"}  # url paths of pages that work without a model: they never wait for one
+#: pages that read none of the sidebar's settings, and what they read instead (the sidebar says so first)
+OWN_INPUTS = {"emergence": "This page shows the lab's training runs (its runs folder, its own models and their probe "
+                           "text): the sidebar's model, text and recipe do not apply here."}
 
 if not apply_settings():  # the environment and secrets.toml, read once a run and handed to the library
     st.stop()
 page = st.navigation(PAGES, expanded=True)  # every page in view (14: above twelve Streamlit would fold them)
 gate()  # sign-in where the server configures it, before any page (docs/sharing.md)
 # Drawn on every page, the walkthrough too: widgets Streamlit does not draw in a run lose their state.
-st.session_state["settings"], st.session_state["loaded"] = sidebar(needs_model=page.url_path not in NO_MODEL)
+st.session_state["settings"], st.session_state["loaded"] = sidebar(needs_model=page.url_path not in NO_MODEL,
+                                                                    elsewhere=OWN_INPUTS.get(page.url_path))
 page.run()

@@ -6,8 +6,8 @@ job in the server's queue."""
 import streamlit as st
 
 from attnviz.errors import AttnvizError
-from attnviz.figures.emergence import LABELS, SINKS, curves_figure, layers_figure, runs_figure
-from attnviz.figures.heatmaps import head_label, heatmap
+from attnviz.figures.emergence import LABELS, SINKS, checkpoint_map, curves_figure, layers_figure, runs_figure
+from attnviz.figures.heatmaps import head_label
 from attnviz.lab import formation
 from ui import emergence as em
 from ui import jobs
@@ -30,21 +30,23 @@ folder = st.text_input("Runs folder", str(em.default_folder()), key="em_folder",
                        help="a run (a folder of step-N checkpoints) or a folder of runs")
 
 with st.expander("Train a small run", expanded=False):
-    with st.form("em_train_form"):
-        t1, t2, t3, t4 = st.columns(4)
-        kind = t1.text_input("Attention kind", em.DEFAULT_KIND, key="em_kind",
-                             help=f"the call syntax's attention kind: {em.KINDS}")
-        mask = t2.text_input("Mask", em.DEFAULT_MASK, key="em_mask",
-                             help="the call syntax's mask (docs/methods.md#the-call-syntax): fwd is causal")
-        n_steps = t3.number_input("Steps", 1, 20_000, 400, key="em_steps")
-        seed = t4.number_input("Seed", 0, 10_000, 0, key="em_seed")
-        train_go = st.form_submit_button("Train", type="primary", key="em_train")
+    t1, t2, t3, t4 = st.columns(4)  # no form: the estimate below follows what is typed at once
+    kind = t1.text_input("Attention kind", em.DEFAULT_KIND, key="em_kind",
+                         help=f"the call syntax's attention kind: {em.KINDS}")
+    mask = t2.text_input("Mask", em.DEFAULT_MASK, key="em_mask",
+                         help="the call syntax's mask (docs/methods.md#the-call-syntax): fwd is causal")
+    n_steps = t3.number_input("Steps", 1, 20_000, 400, key="em_steps")
+    seed = t4.number_input("Seed", 0, 10_000, 0, key="em_seed")
+    train_go = st.button("Train", type="primary", key="em_train")
     st.caption("One layer of attention, four heads (the lab's default); the run lands in the runs folder above, as "
                "<kind>-<mask>-seed<seed>-<steps>steps. " + jobs.eta("lab-train", n_steps, "a step"))
     if train_go:
         last = em.train_run(folder, kind, mask, n_steps, seed)
         if last is not None:
             st.success(f"Trained: {last.parent.name}, last checkpoint {last.name}.")
+            kept = [n for n in st.session_state.get("em_runs", []) if n != last.parent.name]
+            st.session_state.update(em_runs=[last.parent.name, *kept][:4])  # the new run, shown step by step
+            st.session_state.pop("em_step", None)  # at its last checkpoint
 
 runs = em.found(folder)
 if runs is None:
@@ -74,7 +76,7 @@ if asked is not None and st.session_state.get("em_asked") != asked:  # ?step=N: 
 if st.session_state.get("em_step") not in steps:  # a first visit, or another run picked
     st.session_state["em_step"] = steps[-1]
 step = st.select_slider("Step", steps, key="em_step", help="the run's checkpoints (log-spaced early)")
-meta = {"tool": "attnviz", "model": run.name, "step": step, "run": str(run.folder)}
+meta = em.export_meta(run, step)
 
 st.subheader(f"{run.name} at step {step}")
 setup = run.trained()
@@ -95,8 +97,8 @@ c3.metric("Training loss at this step", "—" if loss is None or loss != loss el
 cap = em.capture_at(run, step)
 if cap is not None:
     shown = None if head == "mean" else int(head)
-    fig_h = heatmap(cap, layer, shown,
-                    title=f"{run.name} · step {step} · layer {layer} · {head_label(cap, shown)}")
+    fig_h = checkpoint_map(cap, layer, shown,
+                           title=f"{run.name} · step {step} · layer {layer} · {head_label(cap, shown)}")
     st.plotly_chart(fig_h, width="stretch", key="em_heatmap")
     figure_downloads(fig_h, {**meta, "layer": layer, "head": head, "figure": "emergence-heatmap"}, key="em_heatmap_x")
     st.caption(f"A fresh sequence of the run's task ({cap.n_tokens} tokens, written by "
@@ -122,7 +124,8 @@ log_steps = o3.toggle("Log step axis", True, key="em_log")
 try:
     fig_c = curves_figure(frames[run.name], sink, per_head, at=step, log_steps=log_steps)
     fig_l = layers_figure(frames[run.name], step)
-    fig_r = runs_figure([frames[n] for n in chosen], sink, log_steps=log_steps) if len(chosen) > 1 else None
+    fig_r = runs_figure([frames[n] for n in chosen], sink, log_steps=log_steps, names=chosen,
+                        setups=[runs[names.index(n)].setup for n in chosen]) if len(chosen) > 1 else None
 except AttnvizError as err:
     st.error(f"Drawing the table: {err}")
     st.stop()
@@ -132,7 +135,8 @@ st.plotly_chart(fig_l, width="stretch", key="em_layers")
 figure_downloads(fig_l, {**meta, "figure": "emergence-layers"}, key="em_layers_x")
 if fig_r is not None:
     st.plotly_chart(fig_r, width="stretch", key="em_runs_fig")
-    figure_downloads(fig_r, {**meta, "model": " vs ".join(chosen), "figure": "emergence-runs"}, key="em_runs_x")
+    figure_downloads(fig_r, {**meta, "model": " vs ".join(chosen), "figure": "emergence-runs", "description": (
+        f"lab runs {', '.join(t.name for t in fig_r.data)}: {LABELS[sink]} over training")}, key="em_runs_x")
 else:
     st.caption("Pick two or more runs (other kinds, masks or seeds) to draw them side by side.")
 st.download_button("The table (.csv)", frames[run.name].to_csv(index=False).encode(), key="em_csv", mime="text/csv",

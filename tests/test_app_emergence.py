@@ -197,7 +197,7 @@ def test_the_curves_share_one_log_step_axis():
     axes = [k for k in fig.layout.to_plotly_json() if k.startswith("xaxis")]
     assert len(axes) == 4 and all(fig.layout[a].type == "log" for a in axes)
     assert all(fig.layout[a].matches == "x4" for a in axes[:-1])  # shared with the bottom one
-    lines = [t for t in fig.data if t.mode == "lines+markers"]
+    lines = [t for t in fig.data if t.mode == "lines+markers" and list(t.x) != [None]]  # not the legend's keys
     assert len([t for t in lines if t.yaxis == "y"]) == 4  # the sink: a line per (layer, head)
     assert len([t for t in lines if t.yaxis == "y4"]) == 1  # the loss: one line
     assert all(0 not in t.x for t in lines)  # no step 0 on a log axis
@@ -205,7 +205,8 @@ def test_the_curves_share_one_log_step_axis():
     assert len(marked) == len(lines)
     linear = E.curves_figure(synthetic(), per_head=False, log_steps=False)
     assert linear.layout.xaxis.type == "linear"
-    assert len([t for t in linear.data if t.yaxis == "y"]) == 2 and 0 in linear.data[0].x  # a layer's mean
+    drawn = [t for t in linear.data if t.yaxis == "y" and list(t.x) != [None]]
+    assert len(drawn) == 2 and 0 in drawn[0].x  # a layer's mean
 
 
 def test_one_line_per_run_named_by_kind_and_arch():
@@ -247,3 +248,135 @@ def test_the_training_job_reports_each_step_and_its_loss(tmp_path, monkeypatch):
     assert said[0] == "Training softmax-fwd-seed0-3steps"
     assert [s[:2] for s in said[1:]] == [(1, 3), (2, 3), (3, 3)]
     assert all(s[2].startswith("loss ") and float(s[2][5:]) > 0 for s in said[1:])
+
+
+# what a reader of a paper figure would notice: each test fails on the page as it was
+
+
+def test_a_layer_and_a_head_never_share_a_colour_and_the_legend_says_which_is_which():
+    fig = E.curves_figure(synthetic(layers=2, heads=2))
+    lines = [t for t in fig.data if t.mode == "lines+markers" and list(t.x) != [None]]
+    heads = {t.name: t for t in lines if " head " in t.name}
+    peaks = [t for t in lines if t.yaxis == "y3"]  # the residual peak: a layer's own line
+    assert [t.name for t in peaks] == ["layer 0", "layer 1"]
+    head_colours = {t.line.color for t in heads.values()}
+    assert not {t.line.color for t in peaks} & head_colours  # "layer 0" is not head 0's colour
+    assert heads["layer 0 head 0"].line.color == heads["layer 1 head 0"].line.color  # a head is a colour ...
+    assert heads["layer 0 head 0"].line.color != heads["layer 0 head 1"].line.color
+    for layer, peak in enumerate(peaks):  # ... a layer a line style and marker, in every panel
+        same = {(t.line.dash, t.marker.symbol) for n, t in heads.items() if n.startswith(f"layer {layer} ")}
+        assert same == {(peak.line.dash, peak.marker.symbol)}
+    assert (peaks[0].line.dash, peaks[0].marker.symbol) != (peaks[1].line.dash, peaks[1].marker.symbol)
+    assert fig.layout.legend.title.text == "colour: head,<br>line and marker: layer"
+    keys = [t.name for t in fig.data if t.showlegend is not False]  # each encoding once
+    assert keys == ["loss", "head 0", "head 1", "layer 0", "layer 1"]
+
+
+def test_a_log_step_axis_writes_its_ticks_as_whole_numbers():
+    frame = synthetic(steps=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 500, 1000, 1500, 2000))
+    for fig in (E.curves_figure(frame), E.runs_figure([frame, synthetic(kind="softpick")])):
+        axis = fig.layout.xaxis
+        assert axis.type == "log" and axis.tickmode == "array"
+        assert list(axis.tickvals) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000][:len(axis.tickvals)]
+    axis = E.curves_figure(frame).layout.xaxis
+    assert list(axis.ticktext) == ["1", "2", "5", "10", "20", "50", "100", "200", "500", "1000", "2000"]
+    from attnviz.figures.style import log_ticks
+
+    assert log_ticks(1, 80_000)["ticktext"] == ["1", "10", "100", "1000", "10000"]  # five decades: powers alone
+
+
+def test_runs_of_one_kind_are_named_by_the_setting_that_differs():
+    setups = [dict(kind="softmax", arch="fwd", seed=0, weight_decay=wd, steps=400, task={"vocab": 64})
+              for wd in (0.1, 0.0)] + [dict(kind="softmax", arch="fwd", seed=0, weight_decay=0.0, steps=400,
+                                            task={"vocab": 64}), dict(kind="sigmoid", arch="fwd", seed=0)]
+    fig = E.runs_figure([synthetic()] * 4, setups=setups, names=["wd-a", "wd-b", "wd-b-again", "sig"])
+    assert [t.name for t in fig.data] == ["softmax · fwd · wd 0.1", "softmax · fwd · wd 0 · wd-b",
+                                          "softmax · fwd · wd 0 · wd-b-again", "sigmoid · fwd"]
+    three = E.runs_figure([synthetic(), synthetic(), synthetic()])  # the tables alone: the same kind, arch, seed
+    assert not any("(" in t.name for t in three.data) and len({t.name for t in three.data}) == 3
+
+
+def test_the_checkpoint_map_labels_at_most_24_of_its_64_tokens():
+    from attnviz.figures.routes import token_ticks
+    from attnviz.viewer.tensors import from_attention
+
+    maps = np.tril(np.ones((1, 2, 64, 64), np.float32))
+    tokens = ["<bos>"] + [f"t{i % 17}" for i in range(1, 64)]
+    fig = E.checkpoint_map(from_attention(maps / maps.sum(-1, keepdims=True), tokens=tokens), 0, None, title="m")
+    ticks, labels, stride = token_ticks(tokens)  # the Routes page's token axis
+    assert stride == 3 and len(ticks) <= 24
+    for axis in (fig.layout.xaxis, fig.layout.yaxis):
+        assert list(axis.tickvals) == ticks and list(axis.ticktext) == labels
+    assert fig.layout.xaxis.tickangle == -45 and fig.layout.xaxis.title.text == "key (every 3)"
+
+
+def test_an_export_says_what_the_run_is(runs_folder):
+    import io
+
+    from PIL import Image
+
+    import ui.emergence
+    from attnviz.figures import export
+
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4), "white").save(png, format="PNG")
+    meta = ui.emergence.export_meta(open_run(runs_folder / "tiny"), 4)
+    said = Image.open(io.BytesIO(export.embed_metadata(png.getvalue(), "png", meta))).text["Description"]
+    assert said == "lab run tiny: softmax · fwd · seed 0, bigram-backcopy, 8 steps; at step 4"
+    bare = Image.open(io.BytesIO(export.embed_metadata(png.getvalue(), "png", {"model": "softmax-s0"})))
+    assert bare.text["Description"] == "softmax-s0"  # never "softmax-s0 · None"
+
+
+@pytest.mark.skipif(not shutil.which("chromium") and not __import__("os").environ.get("ATTNVIZ_REQUIRE_BROWSER"),
+                    reason="needs chromium (bash scripts/setup.sh dev)")
+def test_the_exported_curves_axis_titles_do_not_run_into_each_other():
+    """The paper column's PNG: each stacked panel's axis title, rendered, fits beside its own panel."""
+    import re
+
+    from attnviz.figures import export
+
+    svg = export.figure_bytes(E.curves_figure(synthetic()), "svg", {}, preset="paper-single").decode()
+    spans = []
+    for inner in re.findall(r'<g class="g-y\d*title">(.*?)</g>', svg):
+        centre = float(re.search(r' y="([-\d.]+)"', inner).group(1))
+        size = float(re.search(r"font-size: ([\d.]+)px", inner).group(1))
+        lines = re.findall(r"<tspan[^>]*>([^<]*)</tspan>", inner) or [re.sub(r"<[^>]+>", "", inner)]
+        half = max(len(line) for line in lines) * 0.6 * size / 2  # the rotated title's half length
+        spans.append((centre - half, centre + half))
+    assert len(spans) == 4
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+
+
+def test_after_train_the_new_run_is_the_one_shown(runs_folder, tmp_path, monkeypatch):
+    import ui.emergence
+
+    monkeypatch.setattr(ui.emergence, "table", table_of)
+    folder = tmp_path / "runs"
+    shutil.copytree(runs_folder, folder)
+    at = app_test(tmp_path)
+    at.switch_page(str(ROOT / "pages" / "emergence.py"))
+    at.run()
+    at.text_input(key="em_folder").input(str(folder)).run()
+    at.multiselect(key="em_runs").set_value(["tiny-seed1", "tiny"]).run()
+    assert any(title(c).startswith("tiny-seed1 · step 8") for c in charts(at))
+    monkeypatch.setattr(ui.emergence, "setup_for", lambda kind, mask, steps, seed: Setup(**{**TINY, "steps": steps}))
+    at.number_input(key="em_steps").set_value(2)
+    at.button(key="em_train").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.multiselect(key="em_runs").value == ["softmax-fwd-seed0-2steps", "tiny-seed1", "tiny"]
+    assert any(title(c).startswith("softmax-fwd-seed0-2steps · step 2") for c in charts(at))
+
+
+def test_the_sidebar_says_its_settings_do_not_apply_here(page):
+    assert "do not apply here" in texts(page.sidebar.info)
+    folded = page.sidebar.expander[0]
+    assert folded.label == "Model, text and recipe of the other pages" and folded.text_input(key="model")
+
+
+def test_the_folded_sidebar_keeps_its_settings_for_the_other_pages(page):
+    page.text_area(key="text").input("Typed on the Emergence page.").run()
+    page.selectbox(key="arch_pick").set_value("BIDIR").run()
+    page.switch_page(str(ROOT / "pages" / "walkthrough.py")).run()
+    assert not page.exception and not page.sidebar.info  # drawn as on every other page
+    assert page.text_area(key="text").value == "Typed on the Emergence page."
+    assert page.selectbox(key="arch_pick").value == "BIDIR"

@@ -1,7 +1,9 @@
 """The Emergence page end to end: `streamlit run app.py` on localhost, driven in Debian's headless Chromium, as
-tests/test_e2e_browser.py drives the other pages: a tiny run trained here, its map moved along the step slider."""
+tests/test_e2e_browser.py drives the other pages: a tiny run trained here, its map moved along the step slider, its
+token labels thinned, a run trained on the page and the time estimate following the typed steps."""
 
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -23,7 +25,7 @@ def test_the_emergence_page_moves_a_runs_map_along_its_checkpoints(model_cache, 
 
     runs = tmp_path / "runs"
     train(Setup(layers=1, width=32, heads=2, steps=8, every=4, batch=4, warmup=2,
-                task=BigramBackcopy(vocab=16, triggers=2, length=24)), runs / "tiny")
+                task=BigramBackcopy(vocab=24, triggers=2, length=40)), runs / "tiny")
     with running_app() as url, browser_page() as page:
         page.goto(f"{url}/emergence")
         page.locator('[data-testid="stMain"] h1').filter(has_text="Emergence").first.wait_for(timeout=180_000)
@@ -41,11 +43,34 @@ def test_the_emergence_page_moves_a_runs_map_along_its_checkpoints(model_cache, 
         wait_title(page, "tiny · step 0 · layer 0")
         wait_for_app(page)
         no_exception(page)
+        # the map's 40 tokens: at most 24 labelled under it, every second one (the Routes page's token axis)
+        labels = page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"]').first.locator(".xtick text")
+        assert 10 <= labels.count() <= 24, labels.all_text_contents()
         # the curves over training, from the run's own table
         page.wait_for_function("() => [...document.querySelectorAll('[data-testid=\"stMain\"] .gtitle')]"
                                ".some(e => e.textContent.includes('the sink forming'))", timeout=120_000)
         titles = page.locator('[data-testid="stMain"] .gtitle').all_text_contents()
         assert any("the sink forming" in t for t in titles), titles
+        # a run trained here, then the time estimate follows the steps as they are typed (no Train pressed)
+        page.get_by_text("Train a small run").click()
+        steps = page.locator('[data-testid="stMain"] input[aria-label="Steps"]')
+        steps.fill("2")
+        steps.press("Tab")
+        wait_for_app(page)
+        page.get_by_role("button", name="Train", exact=True).click()
+        page.get_by_text("Trained: softmax-fwd-seed0-2steps", exact=False).first.wait_for(timeout=180_000)
+        wait_title(page, "softmax-fwd-seed0-2steps · step 2 · layer 0")
+        steps.fill("20")
+        steps.press("Tab")
+        estimate = page.get_by_text("ms a step, measured on this server", exact=False).first
+        page.wait_for_function("() => /about [0-9,]+ s here/.test(document.querySelector('[data-testid=\"stMain\"]')"
+                               ".innerText) && [...document.querySelectorAll('input[aria-label=\"Steps\"]')]"
+                               ".every(e => e.value === '20')", timeout=60_000)
+        wait_for_app(page)
+        said = re.search(r"about ([\d,]+) s here \(([\d.,]+) ms a step", estimate.inner_text())
+        total, per = float(said.group(1).replace(",", "")), float(said.group(2).replace(",", ""))
+        assert abs(total - 20 * per / 1000) <= 0.5 + 0.05 * total, said.group(0)  # 20 steps, not the default 400
+        no_exception(page)
         # a folder that is no run: one line, no traceback
         folder.fill(str(tmp_path / "nowhere"))
         folder.press("Enter")

@@ -122,3 +122,15 @@ def train_run(folder: str, kind: str, mask: str, steps: int, seed: int) -> Path 
     key = ("lab-train", str(out), dataclasses.astuple(setup))
     done = jobs.run(key, f"Training {out.name}", compute, units=setup.steps)
     return None if done is None else Path(done)
+
+
+def export_meta(run: LabRun, step: int) -> dict:
+    """What an exported figure of ``run`` at ``step`` carries (docs/app.md#exports): the run's folder name as its model,
+    its mask as its architecture, its kind and seed, and one line saying what the run is (the file's description)."""
+    setup = run.setup
+    kind, mask, seed = setup.get("kind", DEFAULT_KIND), setup.get("arch", DEFAULT_MASK), setup.get("seed", 0)
+    task = (setup.get("task") or {}).get("name", "bigram-backcopy")
+    trained = setup.get("steps", run.steps[-1])
+    return {"tool": "attnviz", "model": run.name, "arch": mask, "kind": kind, "seed": seed, "step": step,
+            "run": str(run.folder), "description": f"lab run {run.name}: {kind} · {mask} · seed {seed}, {task}, "
+                                                  f"{trained} steps; at step {step}"}

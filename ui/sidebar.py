@@ -3,6 +3,7 @@ kept in session state across pages, and what a page reads of it."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import streamlit as st
@@ -160,12 +161,27 @@ def _pick_offline() -> None:
     st.session_state["model"] = st.session_state["offline_model"]
 
 
-def sidebar(needs_model: bool = True) -> tuple[Settings, LoadedModel | None]:
-    """Model, text and architecture controls shared by every page; ``needs_model=False`` (walkthrough,
-    mask designer) uses the model only if it is already loaded."""
-    st.session_state.update(st.session_state.pop("_carried", {}))  # settings kept across a switch (switch_page)
+@contextmanager
+def _placed(elsewhere: str | None):
+    """The sidebar; on a page that reads none of its settings (``elsewhere``: what that page reads instead), that
+    said first, and the settings folded away below it. They are still drawn, so that they keep their values for the
+    other pages (a widget that is not drawn in a run loses its state)."""
     with st.sidebar:
         st.markdown("### attnviz")
+        if not elsewhere:
+            yield
+            return
+        st.info(elsewhere)
+        with st.expander("Model, text and recipe of the other pages", expanded=False):
+            yield
+
+
+def sidebar(needs_model: bool = True, elsewhere: str | None = None) -> tuple[Settings, LoadedModel | None]:
+    """Model, text and architecture controls shared by every page; ``needs_model=False`` (walkthrough,
+    mask designer) uses the model only if it is already loaded; ``elsewhere``: the page reads none of them, and this
+    line says what it reads instead (:func:`_placed`)."""
+    st.session_state.update(st.session_state.pop("_carried", {}))  # settings kept across a switch (switch_page)
+    with _placed(elsewhere):
         rules = shared.access()
         offline = shipped_installed()
         if len(offline) > 1:  # the real models installed here, one click each; the box below takes any other

@@ -165,6 +165,14 @@ def figure_bytes(fig: go.Figure, fmt: str, meta: dict, preset: str = "paper-sing
     return embed_metadata(data, fmt, meta)
 
 
+def summary(meta: dict) -> str:
+    """The file's one line (a PNG's Description, a PDF's title): ``meta["description"]`` where the page wrote one
+    (what a lab run is), else its model · architecture, leaving out what it does not have (never "None")."""
+    if meta.get("description"):
+        return str(meta["description"])
+    return " · ".join(str(meta[k]) for k in ("model", "arch") if meta.get(k) not in (None, "")) or "attnviz figure"
+
+
 def embed_metadata(data: bytes, fmt: str, meta: dict) -> bytes:
     text = json.dumps(meta, ensure_ascii=False)
     if fmt == "png":
@@ -172,7 +180,7 @@ def embed_metadata(data: bytes, fmt: str, meta: dict) -> bytes:
 
         info = PngImagePlugin.PngInfo()
         info.add_itxt("attnviz", text)
-        info.add_itxt("Description", f"{meta.get('model')} · {meta.get('arch')}")
+        info.add_itxt("Description", summary(meta))
         out = io.BytesIO()
         Image.open(io.BytesIO(data)).save(out, format="PNG", pnginfo=info)
         return out.getvalue()
@@ -185,7 +193,7 @@ def embed_metadata(data: bytes, fmt: str, meta: dict) -> bytes:
     from pypdf import PdfReader, PdfWriter
 
     writer = PdfWriter(clone_from=PdfReader(io.BytesIO(data)))
-    writer.add_metadata({"/Title": f"attnviz: {meta.get('arch')}", "/Subject": str(meta.get("text", ""))[:200],
+    writer.add_metadata({"/Title": f"attnviz: {summary(meta)}", "/Subject": str(meta.get("text", ""))[:200],
                          "/Creator": "attnviz", "/Keywords": text})
     out = io.BytesIO()
     writer.write(out)

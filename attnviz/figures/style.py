@@ -192,3 +192,14 @@ def token_axis(tokens: list[str], limit: int = 64, start: int = 0) -> dict:
     labels = [token_text(t) for t in tokens]
     return dict(tickmode="array", tickvals=list(range(start, start + len(tokens))), ticktext=labels,
                 tickfont=dict(size=9))
+
+
+def log_ticks(low: float, high: float) -> dict:
+    """A log axis's ticks from ``low`` to ``high`` (> 0) written as whole numbers: 1, 2, 5, 10, 20, 50, 100, 200, 500,
+    1000 … (Plotly writes the 2 and the 5 after 10 as a bare small "2" and "5"); over more than four decades, the
+    powers of ten alone. ``fig.update_xaxes(**log_ticks(...))``."""
+    first, last = int(np.floor(np.log10(low))), int(np.ceil(np.log10(high)))
+    mantissas = (1,) if last - first > 4 else (1, 2, 5)
+    values = [m * 10.0 ** e for e in range(first, last + 1) for m in mantissas]
+    values = [v for v in values if low / 1.001 <= v <= high * 1.001] or [low]
+    return dict(tickmode="array", tickvals=values, ticktext=[f"{v:g}" if v < 1 else f"{v:.0f}" for v in values])
