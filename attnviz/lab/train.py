@@ -41,6 +41,9 @@ OPTIMIZERS = {
     "sgd": lambda setup, params: torch.optim.SGD(params, lr=setup.lr, momentum=setup.momentum,
                                                  weight_decay=setup.weight_decay),
 }
+#: seeds are 0 to SEEDS - 1: a batch is drawn at seed x 1,000,003 + step (the probe's at step 10**9), inside the 64
+#: bits torch's generators take
+SEEDS = 2**32
 WEIGHT_DECAY = {"adamw": 0.01, "adam": 0.0, "sgd": 0.01}  # each optimizer's weight decay when none is given
 MOMENTUM = 0.9  # SGD's when none is given
 
@@ -184,6 +187,20 @@ def _check_same(setup: Setup, found: Path) -> int:
     return int(meta["step"])
 
 
+def run_folder(out) -> Path:
+    """``out`` as a run's folder, refused in one line before anything is written where it cannot be one: empty, an
+    existing file, or under a file (docs/lab.md#checkpoints)."""
+    if out is None or not str(out).strip():
+        raise InputError("the run's folder is empty: name a folder for its checkpoints")
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise InputError(f"'{out}' is a file, not a folder: name a folder for the run's checkpoints")
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise InputError(f"'{out}' is under '{above}', which is a file, not a folder")
+    return out
+
+
 def device_of(setup: Setup) -> torch.device:
     if setup.device == "cuda" and not torch.cuda.is_available():
         raise InputError("the device cuda was asked for, but this machine has no CUDA GPU")
@@ -228,14 +245,18 @@ def train(setup: Setup, out, on_step: Callable[[int, int, float], None] | None =
     from attnviz.core.engine import prepare
     from attnviz.core.loading.models import LoadedModel
 
-    out = Path(out)
+    out = run_folder(out)
     device = device_of(setup)
     found = last(out) if out.is_dir() else None
     start = _check_same(setup, found) if found else 0
     if found and start == setup.steps:
         return found
     tokenizer = setup.tokenizer()
-    out.mkdir(parents=True, exist_ok=True)
+    setup.task.batch(1, start + 1)  # the task can make its batches (a text file read, long enough) before any write
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InputError(f"cannot make the run folder '{out}': {err.strerror or err}") from None
     for stale in out.glob(".step-*.partial"):  # left by a killed process
         shutil.rmtree(stale, ignore_errors=True)
     model = (models.load(setup, found) if found else build(setup)).to(device)
