@@ -69,7 +69,7 @@ def test_a_text_exactly_one_chunk_long_is_taken(tmp_path):
         Text(source=str(path), length=13).batch(1)
 
 
-def test_a_folder_that_cannot_be_made_is_refused_in_one_line_by_the_command_and_the_library(tmp_path, capsys):
+def test_a_folder_that_cannot_be_made_is_refused_in_one_line_by_the_command_and_the_library(run, tmp_path, capsys):
     a_file = tmp_path / "file"
     a_file.write_text("x")
     for out, words in ((a_file / "run", "which is a file"), (a_file, "is a file, not a folder")):
@@ -77,6 +77,10 @@ def test_a_folder_that_cannot_be_made_is_refused_in_one_line_by_the_command_and_
         with pytest.raises(InputError, match=words):
             train(SETUP, out)
     assert a_file.read_text() == "x"
+    checkpoint = run / "step-2"  # a run's checkpoint is no run folder: nothing nested in it
+    before = sorted(p.name for p in checkpoint.iterdir())
+    refused(capsys, ["train", "--out", str(checkpoint), *TINY], "is a model folder (a checkpoint)", f"'{run}'")
+    assert sorted(p.name for p in checkpoint.iterdir()) == before
     if Path("/proc/self").is_dir():  # a place no folder can be made
         refused(capsys, ["train", "--out", "/proc/attnviz-run", *TINY], "cannot make the run folder")
         with pytest.raises(InputError, match="cannot make the run folder"):
@@ -100,7 +104,8 @@ def test_a_seed_outside_the_generators_range_is_refused(tmp_path, capsys):
     for seed in (str(2**64), "-1", str(SEEDS), "1.5"):
         refused(capsys, ["train", "--out", str(tmp_path / "run"), "--seed", seed, *TINY], "--seed")
         assert not (tmp_path / "run").exists()
-    assert setup_of(build_parser("train").parse_args(["train", "--out", "r", "--seed", str(SEEDS - 1)])).seed == SEEDS - 1
+    largest = build_parser("train").parse_args(["train", "--out", "r", "--seed", str(SEEDS - 1)])
+    assert setup_of(largest).seed == SEEDS - 1
 
 
 def test_options_a_task_does_not_take_are_refused(tmp_path, capsys):

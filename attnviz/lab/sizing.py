@@ -56,7 +56,8 @@ def row_seconds(shape: Shape, n: int) -> float:
     at the measured rate, and :data:`SPECTRUM_SECONDS` a layer."""
     L, m = shape.n_layers, min(n, shape.hidden)
     flops = 2 * (L * budgets.layer_flops(shape, n) + budgets.head_flops(shape, n))
-    flops += 2 * L * shape.n_heads * n * shape.head_dim * (n + shape.hidden) + L * (2 * n * shape.hidden * m + 10 * m**3)
+    flops += 2 * L * shape.n_heads * n * shape.head_dim * (n + shape.hidden)  # the head outputs
+    flops += L * (2 * n * shape.hidden * m + 10 * m**3)  # the spectra
     return WORK * flops / budgets.rate(shape.device, shape.dtype) + L * SPECTRUM_SECONDS
 
 

@@ -189,12 +189,16 @@ def _check_same(setup: Setup, found: Path) -> int:
 
 def run_folder(out) -> Path:
     """``out`` as a run's folder, refused in one line before anything is written where it cannot be one: empty, an
-    existing file, or under a file (docs/lab.md#checkpoints)."""
+    existing file, a model folder (a checkpoint), or under a file
+    (docs/lab.md#inputs-checked-before-anything-is-written)."""
     if out is None or not str(out).strip():
         raise InputError("the run's folder is empty: name a folder for its checkpoints")
     out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
         raise InputError(f"'{out}' is a file, not a folder: name a folder for the run's checkpoints")
+    if (out / "config.json").is_file():
+        raise InputError(f"'{out}' is a model folder (a checkpoint), not a run's folder: give its run ('{out.parent}') "
+                         "to resume it, or a new folder")
     above = next((p for p in out.parents if p.exists()), None)
     if above is not None and not above.is_dir():
         raise InputError(f"'{out}' is under '{above}', which is a file, not a folder")
