@@ -31,10 +31,41 @@ def prefix_ids(loaded: LoadedModel, prepend: str | None) -> list[int]:
         if bos is None:
             raise InputError(f"{loaded.model_id}'s tokenizer has no BOS token: prepend a token of your own (--prepend)")
         return [int(bos)]
-    ids = loaded.tokenizer(prepend, add_special_tokens=False)["input_ids"]
+    ids = encode(loaded, prepend, special=False)
     if not ids:
         raise InputError(f"'{prepend}' gives no token to prepend")
     return list(ids)
+
+
+def encode(loaded: LoadedModel, text: str, special: bool = True) -> list[int]:
+    """The tokenizer's ids of ``text`` (``special``: with its special tokens, a BOS); a text the tokenizer cannot
+    read is refused in one line naming the words it lacks and the tokens it has (:func:`unreadable`): a word-level
+    vocabulary without an unknown token, as a lab run's (docs/lab.md#tasks-and-tokenizers)."""
+    try:
+        return list(loaded.tokenizer(text, add_special_tokens=special)["input_ids"])
+    except Exception as err:  # noqa: BLE001 - the tokenizers library fails with a plain Exception, and only that
+        if type(err) is not Exception:
+            raise
+        raise InputError(unreadable(loaded, text, err)) from None
+
+
+def unreadable(loaded: LoadedModel, text: str, err: Exception) -> str:
+    """Why ``loaded``'s tokenizer cannot read ``text``: the words its vocabulary lacks and the tokens it has."""
+    tok = loaded.tokenizer
+    vocab = tok.get_vocab() if hasattr(tok, "get_vocab") else {}
+    try:
+        words = [w for w, _ in tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+    except AttributeError:
+        words = text.split()
+    missing = list(dict.fromkeys(w for w in words if w not in vocab))
+    if not (vocab and missing):
+        return f"{loaded.model_id}'s tokenizer cannot read the text: {(str(err).splitlines() or ['no reason'])[0]}"
+    ordered = sorted(vocab, key=vocab.get)
+    shown = ", ".join(f"{t} ({vocab[t]})" for t in ordered[:6]) + (
+        f", ..., {ordered[-1]} ({vocab[ordered[-1]]})" if len(ordered) > 6 else "")
+    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+    return (f"{loaded.model_id}'s tokenizer has no token {missing[0]!r}{more}: it reads only the {len(vocab)} "
+            f"tokens of its vocabulary, split at spaces: {shown}")
 
 
 def tokenize(loaded: LoadedModel, text: str, max_tokens: int | None = None,
@@ -83,7 +114,7 @@ def _tokenize(loaded: LoadedModel, text: str, max_tokens: int | None,
     the BOS control (:func:`prefix_ids`), added once (a text that already starts with it is left so)."""
     if not isinstance(text, str) or not text.strip():
         raise InputError("the text is empty: type or pick a text to capture")
-    ids = loaded.tokenizer(text, add_special_tokens=True)["input_ids"]
+    ids = encode(loaded, text)
     prefix = prefix_ids(loaded, prepend)
     if prefix and list(ids[:len(prefix)]) != prefix:
         ids = prefix + list(ids)

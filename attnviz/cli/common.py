@@ -32,6 +32,14 @@ class Parser(argparse.ArgumentParser):
 
 # --- options ----------------------------------------------------------------------------------
 
+class Given(argparse.Action):
+    """Stores an option's value and notes that it was given (``args.given``: the flags as typed)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = {*getattr(namespace, "given", ()), option_string}
+
+
 def model_option(p) -> None:
     p.add_argument("--model", default="default", help=MODEL_HELP)
 

@@ -17,8 +17,9 @@ def options(p):
     p.add_argument("--arch", default=None, help="the architecture to measure under (default: each checkpoint's "
                                                 "own, else fwd)")
     p.add_argument("--eps", type=float, default=given["eps"], help="sink threshold on alpha_0 (%(default)s)")
-    p.add_argument("--samples", type=int, default=given["size"],
-                   help="sequences of the run's own task in the probe (%(default)s)")
+    p.add_argument("--samples", type=int, default=given["size"], action=common.Given,
+                   help="sequences of the run's own task in the probe (%(default)s); planned before the first "
+                        "forward, refused past the memory budget (docs/lab.md#sizing-the-emergence-table)")
     p.add_argument("--text", default=None, help="measure on this text instead of the task (checkpoints with a "
                                                 "tokenizer; every query counts)")
     p.add_argument("--json", action="store_true", help="print every row as JSON (default: one summary line)")
@@ -32,10 +33,13 @@ def run(args):
         raise AttnvizError(f"--samples must be at least 1, got {args.samples}")
     if args.text is not None and not args.text.strip():
         raise AttnvizError("--text is empty: give some words, or leave it out to measure on the task")
+    if args.text is not None and "--samples" in getattr(args, "given", ()):
+        raise AttnvizError("--samples sizes the task's probe, and --text measures on the text instead: give one")
     folders = args.run[0] if len(args.run) == 1 else args.run
     bar, update = common.progress("emergence: checkpoints")
     with bar:
-        frame = emergence.table(folders, args.text, args.arch, args.eps, args.samples, on_step=update)
+        frame = emergence.table(folders, args.text, args.arch, args.eps, args.samples, on_step=update,
+                                on_plan=bar.plan)
     emergence.write(frame, out)
     summary = {"out": str(out), "checkpoints": int(frame["step"].nunique()), "rows": len(frame),
                "steps": sorted(int(s) for s in frame["step"].unique())}

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 
 from attnviz.cli import common
@@ -11,14 +10,6 @@ from attnviz.errors import AttnvizError
 
 N_ALPHA_KEYS = 8
 SINKS_REPORT = ("alpha", "column_mean", "discarded")  # what the sinks JSON reads: no entropy or allocation pass
-
-
-class Given(argparse.Action):
-    """Stores an option's value and notes that it was given (``args.given``: the flags as typed)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        namespace.given = {*getattr(namespace, "given", ()), option_string}
 
 
 def options(p):
@@ -34,9 +25,9 @@ def options(p):
     unit.add_argument("--per-doc", action="store_true", help="dataset mode: one sample per document (default)")
     unit.add_argument("--per-line", action="store_true", help="dataset mode: one sample per non-empty line")
     # noted when given: a corpus-only option beside --text is refused, never ignored
-    p.add_argument("--max-len", type=int, default=run_["max_len"], action=Given,
+    p.add_argument("--max-len", type=int, default=run_["max_len"], action=common.Given,
                    help="dataset mode: first N tokens of each sample (%(default)s)")
-    p.add_argument("--samples", type=int, default=run_["n_samples"], action=Given,
+    p.add_argument("--samples", type=int, default=run_["n_samples"], action=common.Given,
                    help="dataset mode: at most N samples (%(default)s)")
     p.add_argument("--key", type=common.position_or("auto"), default=report["key"],
                    help="the key position whose sink rate is read, or 'auto': in dataset mode the first key each "

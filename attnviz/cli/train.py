@@ -10,7 +10,7 @@ from attnviz.errors import AttnvizError
 def options(p):
     from attnviz.core.spec import kinds
     from attnviz.lab.tasks import TASKS, BigramBackcopy
-    from attnviz.lab.train import MOMENTUM, OPTIMIZERS, WEIGHT_DECAY, Setup
+    from attnviz.lab.train import MOMENTUM, OPTIMIZERS, SEEDS, WEIGHT_DECAY, Setup
 
     setup = Setup.__dataclass_fields__
 
@@ -27,9 +27,10 @@ def options(p):
     p.add_argument("--positions", default=default(setup, "positions"), help="positions: rope (the only one)")
     for name, what in (("layers", "decoder layers"), ("width", "hidden size"), ("heads", "attention heads"),
                        ("steps", "optimizer steps"), ("batch", "sequences per step"), ("warmup", "warm-up steps"),
-                       ("seed", "seed of the weights and the batches"), ("every", "a checkpoint every this many "
-                                                                                 "steps (log-spaced before)")):
+                       ("every", "a checkpoint every this many steps (log-spaced before)")):
         p.add_argument(f"--{name}", type=int, default=default(setup, name), help=f"{what} (default %(default)s)")
+    p.add_argument("--seed", type=seed, default=default(setup, "seed"),
+                   help=f"seed of the weights and the batches, 0 to {SEEDS - 1} (default %(default)s)")
     p.add_argument("--mlp", action="store_true", help="with MLPs (default: attention only, the MLP zero and frozen)")
     p.add_argument("--lr", type=float, default=default(setup, "lr"), help="peak learning rate (default %(default)s)")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=default(setup, "optimizer"),
@@ -58,6 +59,21 @@ def options(p):
                    f"ordinary token, at least 0 and below 1 (default: {own('p_trigger')})")
     p.add_argument("--length", type=int, default=None, help=f"tokens a sequence (default: the task's, {own('length')})")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: a GPU when there is one")
+
+
+def seed(text: str) -> int:
+    """An argparse type: a seed, a whole number from 0 below :data:`attnviz.lab.train.SEEDS`."""
+    import argparse
+
+    from attnviz.lab.train import SEEDS
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if not 0 <= value < SEEDS:
+        raise argparse.ArgumentTypeError(f"a seed is a whole number from 0 to {SEEDS - 1}, not {value}")
+    return value
 
 
 def setup_of(args):
@@ -92,14 +108,13 @@ def shown(bar, update, step: int, total: int, loss: float) -> None:
 
 def run(args) -> dict:
     import time
-    from pathlib import Path
 
     from attnviz.core.loading import runs
-    from attnviz.lab.train import train
+    from attnviz.lab.train import run_folder, train
 
-    out = Path(args.out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise AttnvizError(f"--out '{out}' exists and is not a folder")
+    if not args.out.strip():
+        raise AttnvizError("--out is empty: name the run's folder")
+    out = run_folder(args.out)
     setup = setup_of(args)
     started = time.perf_counter()
     bar, update = common.progress(f"train {setup.kind} {setup.arch}")

@@ -243,40 +243,68 @@ def _layer_rows(run, hidden, layer: int, loss: float, quiet: np.ndarray, groups:
     return rows
 
 
+def _task_of(found: list[Checkpoint]) -> dict:
+    """The setup whose task every checkpoint shares (their probe's), refused in one line where they share none."""
+    tasks = {json.dumps(c.setup.get("task"), sort_keys=True) for c in found}
+    if any(not c.setup.get("task") for c in found):
+        raise InputError("a checkpoint without the lab's task in its metadata needs a probe (a text or token ids)")
+    if len(tasks) > 1:
+        raise InputError("the checkpoints come from runs of different tasks: give one probe to measure them on")
+    return found[0].setup
+
+
+def plan(found: list[Checkpoint], loaded, probe=None, size: int = PROBE_SIZE, budget: int | None = None):
+    """The table's plan (:class:`attnviz.lab.sizing.TablePlan`) for ``found`` shaped as ``loaded`` (the first of
+    them) on ``probe`` (as :func:`table` takes it), checked against the memory budget before any probe is drawn."""
+    from attnviz.lab import sizing
+    from attnviz.lab.train import Setup
+
+    if isinstance(probe, str):
+        rows, n = text_probe(loaded, probe).ids.shape
+    elif probe is not None:
+        rows, n = (probe if isinstance(probe, Probe) else Probe.of(probe)).ids.shape
+    else:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise InputError(f"the probe's size is a whole number of at least 1, not {size!r}")
+        rows, n = size, Setup.from_dict(_task_of(found)).task.length
+    return sizing.TablePlan.of(loaded, len(found), rows, n, budget).check()
+
+
 def _probe_for(probe, found: list[Checkpoint], size: int):
     """The probe every checkpoint is measured on, or a text each checkpoint tokenizes (a str)."""
     if isinstance(probe, (Probe, str)):
         return probe
     if probe is not None:
         return Probe.of(probe)
-    tasks = {json.dumps(c.setup.get("task"), sort_keys=True) for c in found}
-    if any(not c.setup.get("task") for c in found):
-        raise InputError("a checkpoint without the lab's task in its metadata needs a probe (a text or token ids)")
-    if len(tasks) > 1:
-        raise InputError("the checkpoints come from runs of different tasks: give one probe to measure them on")
-    return task_probe(found[0].setup, size)
+    return task_probe(_task_of(found), size)
 
 
 def table(run_or_checkpoints, probe=None, recipe: str | None = None, eps: float = metrics.SINK_EPS,
-          size: int = PROBE_SIZE, on_step: Callable[[int, int], None] | None = None):
+          size: int = PROBE_SIZE, on_step: Callable[[int, int], None] | None = None, on_plan: Callable | None = None,
+          budget: int | None = None):
     """The emergence table (a pandas DataFrame, :data:`COLUMNS`): one row per (step, layer, head) of a run folder's
     checkpoints or a list of model folders, in step order, each measured on the same probe (None: ``size``
     sequences of the run's own task; a :class:`Probe`, token ids, or a text). ``recipe``: an architecture string,
     None for each checkpoint's own (its metadata's ``arch``, else fwd). Equal weights are refused before any forward
-    (:func:`guard`). ``on_step(i, total)`` after each checkpoint."""
+    (:func:`guard`), and so is a probe past the memory budget (:func:`plan`; ``budget``: a caller's own, in bytes),
+    whose plan goes to ``on_plan`` first. ``on_step(i, total)`` after each checkpoint."""
     import pandas as pd
 
     eps = metrics.check_eps(eps)
     found = checkpoints(run_or_checkpoints)
     guard(found)
+    loaded = models.load(str(found[0].folder), dtype="float32")
+    planned = plan(found, loaded, probe, size, budget)
+    if on_plan:
+        on_plan(planned)
     chosen = _probe_for(probe, found, size)
     rows = []
     for i, checkpoint in enumerate(found):
-        loaded = models.load(str(checkpoint.folder), dtype="float32")
+        loaded = loaded if i == 0 else models.load(str(checkpoint.folder), dtype="float32")
         arch = recipe or checkpoint.get("arch") or "fwd"
         probe_here = text_probe(loaded, chosen) if isinstance(chosen, str) else chosen
         rows += checkpoint_rows(checkpoint, loaded, probe_here, arch, eps)
-        del loaded
+        loaded = None
         if on_step:
             on_step(i + 1, len(found))
     frame = pd.DataFrame(rows, columns=list(COLUMNS))

@@ -13,6 +13,7 @@ A tokenizer of the lab puts ``<bos>`` before every text it encodes; the text tas
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -78,8 +79,17 @@ def tokenizer_of(name: str):
     raise InputError(f"unknown tokenizer {name!r}: expected one of {', '.join(TOKENIZERS)}")
 
 
+def _stamp(source: str):
+    """What says a source changed (a file's modification time and size), so an edited file is read again."""
+    try:
+        found = os.stat(source) if source != "stdlib" else None
+    except OSError:  # read, and refused, by corpus.from_file
+        return None
+    return None if found is None else (found.st_mtime_ns, found.st_size)
+
+
 @functools.lru_cache(maxsize=4)
-def _ids(source: str, tokenizer: str) -> torch.Tensor:
+def _ids(source: str, tokenizer: str, stamp=None) -> torch.Tensor:
     from attnviz import corpus
 
     text = corpus.stdlib().text if source == "stdlib" else corpus.from_file(source).text
@@ -119,9 +129,10 @@ class Text:
         return tok.bos_token_id if tok.bos_token_id is not None else 0
 
     def ids(self) -> torch.Tensor:
-        ids = _ids(self.source, self.tokenizer)
-        if len(ids) < self.length:
-            raise InputError(f"the text {self.source!r} has {len(ids)} tokens: a chunk needs {self.length - 1}")
+        ids = _ids(self.source, self.tokenizer, _stamp(self.source))
+        if len(ids) < self.length - 1:  # a chunk: BOS and length - 1 tokens of the text
+            raise InputError(f"the text {self.source!r} has {len(ids)} tokens: a chunk of {self.length} tokens "
+                             f"needs {self.length - 1} besides BOS; give a longer text or a shorter length")
         return ids
 
     def batch(self, size: int, step: int = 0) -> torch.Tensor:

@@ -42,6 +42,9 @@ OPTIMIZERS = {
     "sgd": lambda setup, params: torch.optim.SGD(params, lr=setup.lr, momentum=setup.momentum,
                                                  weight_decay=setup.weight_decay),
 }
+#: seeds are 0 to SEEDS - 1: a batch is drawn at seed x 1,000,003 + step (the probe's at step 10**9), inside the 64
+#: bits torch's generators take
+SEEDS = 2**32
 WEIGHT_DECAY = {"adamw": 0.01, "adam": 0.0, "sgd": 0.01}  # each optimizer's weight decay when none is given
 MOMENTUM = 0.9  # SGD's when none is given
 PARTIAL = ".attnviz-partial"  # the mark of a partial checkpoint folder the trainer made (and may remove)
@@ -249,6 +252,24 @@ def _diverged(step: int, loss: float, kept: Path) -> Diverged:
                     f"kept in {kept.parent}; train it again with a lower learning rate in another folder", step, kept)
 
 
+def run_folder(out) -> Path:
+    """``out`` as a run's folder, refused in one line before anything is written where it cannot be one: empty, an
+    existing file, a model folder (a checkpoint), or under a file
+    (docs/lab.md#inputs-checked-before-anything-is-written)."""
+    if out is None or not str(out).strip():
+        raise InputError("the run's folder is empty: name a folder for its checkpoints")
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise InputError(f"'{out}' is a file, not a folder: name a folder for the run's checkpoints")
+    if (out / "config.json").is_file():
+        raise InputError(f"'{out}' is a model folder (a checkpoint), not a run's folder: give its run ('{out.parent}') "
+                         "to resume it, or a new folder")
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise InputError(f"'{out}' is under '{above}', which is a file, not a folder")
+    return out
+
+
 def device_of(setup: Setup) -> torch.device:
     if setup.device == "cuda" and not torch.cuda.is_available():
         raise InputError("the device cuda was asked for, but this machine has no CUDA GPU")
@@ -296,7 +317,7 @@ def train(setup: Setup, out, on_step: Callable[[int, int, float], None] | None =
     from attnviz.core.engine import prepare
     from attnviz.core.loading.models import LoadedModel
 
-    out = Path(out)
+    out = run_folder(out)
     _finite(setup)
     device = device_of(setup)
     found = last(out) if out.is_dir() else None
@@ -306,7 +327,11 @@ def train(setup: Setup, out, on_step: Callable[[int, int, float], None] | None =
     state = _optimizer_state(found, device) if found else None
     _in_the_way(setup, out, found, start)
     tokenizer = setup.tokenizer()
-    out.mkdir(parents=True, exist_ok=True)
+    setup.task.batch(1, start + 1)  # the task can make its batches (a text file read, long enough) before any write
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InputError(f"cannot make the run folder '{out}': {err.strerror or err}") from None
     model = (models.load(setup, found) if found else build(setup)).to(device)
     prepare(model)
     loaded = LoadedModel(model, tokenizer, str(out), None, 0.0)

@@ -172,6 +172,17 @@ def local_directory(name: str) -> str | None:
     return str(path.resolve())
 
 
+def _no_tokenizer(name: str, source: str, err: Exception) -> str:
+    """One line for a model whose tokenizer does not load: a local folder says what it lacks (its weights too)."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return f"cannot load the tokenizer of '{name}': {(str(err).splitlines() or [type(err).__name__])[0]}"
+    weights = any(folder.glob("*.safetensors")) or any(folder.glob("*.gguf"))
+    return (f"'{name}' holds a config.json but no tokenizer transformers can read"
+            f"{'' if weights else ' and no weights (no .safetensors file)'}: a model folder holds its config, its "
+            "safetensors weights and its tokenizer's files (tokenizer.json or tokenizer_config.json)")
+
+
 def _resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -268,6 +279,9 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, revision=revision)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(_no_tokenizer(name, source, err)) from err
+    try:
         kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=True,
                       attn_implementation=KEY, revision=revision)
         if device_map:
