@@ -40,7 +40,9 @@ class BigramBackcopy:
     def __post_init__(self):
         for name in ("vocab", "triggers", "length"):
             fields.whole(f"Bigram-Backcopy's {name}", getattr(self, name))
-        fields.number("Bigram-Backcopy's p_trigger", self.p_trigger, least=0, below=1)
+        p = self.p_trigger
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:  # NaN is not at least 0
+            raise InputError(f"Bigram-Backcopy's p_trigger is a probability below 1 (at least 0), not {p!r}")
         fields.seed("Bigram-Backcopy's seed", self.seed)
         if self.triggers < 1 or self.vocab - 1 - self.triggers < 2:
             raise InputError(f"Bigram-Backcopy needs at least one trigger and two ordinary tokens: vocab {self.vocab}, "
