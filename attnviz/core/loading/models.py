@@ -126,7 +126,7 @@ def check_folder(folder: Path, name: str) -> None:
         lacks.append("weights (a .safetensors or .gguf file; attnviz loads only safetensors or GGUF"
                      + (f", never pickles such as {pickles[0]})" if pickles else ")"))
     if not gguf and not files & set(TOKENIZER_FILES):
-        lacks.append(f"a tokenizer (one of {', '.join(TOKENIZER_FILES)})")
+        lacks.append(f"tokenizer (one of {', '.join(TOKENIZER_FILES)})")
     if lacks:
         raise IncompleteFolder(f"'{name}' has a config.json but no {' and no '.join(lacks)}: save the model's "
                                "weights and its tokenizer into it (model.save_pretrained, tokenizer.save_pretrained)")
