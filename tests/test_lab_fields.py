@@ -72,7 +72,7 @@ def test_a_saved_setup_goes_through_the_same_checks():
     (lambda: BigramBackcopy(vocab="64"), "Bigram-Backcopy's vocab is a whole number of at least 1, not '64'"),
     (lambda: BigramBackcopy(triggers=2.0), "Bigram-Backcopy's triggers is a whole number"),
     (lambda: BigramBackcopy(p_trigger="0.1"), "Bigram-Backcopy's p_trigger is a probability below 1 .at least 0."),
-    (lambda: BigramBackcopy(p_trigger=float("nan")), "Bigram-Backcopy's p_trigger is a probability below 1 .at least 0."),
+    (lambda: BigramBackcopy(p_trigger=float("nan")), "Bigram-Backcopy's p_trigger is a probability below 1"),
     (lambda: BigramBackcopy(p_trigger=True), "Bigram-Backcopy's p_trigger is a probability below 1 .at least 0."),
     (lambda: RepeatedRandom(seed="s"), "the repeated task's seed is a whole number"),
     (lambda: RepeatedRandom(seed=2**64), "the repeated task's seed is a whole number"),
@@ -104,8 +104,8 @@ def test_every_seed_a_task_takes_draws_and_the_usual_ones_draw_as_before():
 
 def test_a_batch_past_the_memory_budget_is_refused_with_its_estimate_before_it_is_drawn():
     """Bigram-Backcopy of 10 million tokens drew for minutes; sized first, it is refused at once. Under a 1 MB budget
-    (1,048,576 bytes) a batch of 2 of vocab 16 needs 8·2·L + 12·16² + 16·2·16 = 16 L + 3,584 bytes to draw and 4 L²
-    for one head's scores: L = 509 fits (1,048,052 bytes), 510 does not (1,052,144)."""
+    (1,048,576 bytes) a batch of 2 of vocab 16 needs 8·2·L + 12·16² + 16·2·16 = 16 L + 3,584 bytes to draw and
+    4 L² for one head's scores: L = 509 fits (1,048,052 bytes), 510 does not (1,052,144)."""
     started = time.perf_counter()
     message = _one_line(lambda: BigramBackcopy(length=10**7).batch(2, 1), "a batch of 2 bigram-backcopy sequences of "
                         "10,000,000 tokens .vocab 64. needs ~153 MB to draw .~33 min. and ~381,469,727 MB for one "
@@ -115,7 +115,8 @@ def test_a_batch_past_the_memory_budget_is_refused_with_its_estimate_before_it_i
         assert BigramBackcopy(vocab=16, triggers=2, length=509).batch(2).shape == (2, 509)
         _one_line(lambda: BigramBackcopy(vocab=16, triggers=2, length=510).batch(2), "budget's 1 MB .ATTNVIZ_MEMORY_MB."
                   ": give a length of at most 509$")
-        # the repeated task: 20·2·V + 16·2·L + 4 L² with V = 600: 24,000 + 32 L + 4 L² fits up to L = 502 (1,048,080 bytes; 503: 1,052,132)
+        # the repeated task: 20·2·V + 16·2·L + 4 L² with V = 600: 24,000 + 32 L + 4 L² fits up to L = 502
+        # (1,048,080 bytes; 503: 1,052,132)
         _one_line(lambda: RepeatedRandom(vocab=600, length=1000).batch(2), "give a length of at most 502$")
         assert RepeatedRandom(vocab=600, length=502).batch(2).shape == (2, 502)
         _one_line(lambda: BigramBackcopy(vocab=400, length=8).batch(2), "a smaller vocabulary or batch$")

@@ -109,8 +109,9 @@ def test_a_folder_that_lacks_its_weights_or_its_tokenizer_says_what_it_lacks(tmp
     model = tiny.build("llama")
     folder = tmp_path / "m"
     model.config.save_pretrained(folder)
-    with pytest.raises(InputError, match=r"has a config.json but no weights \(a .safetensors or .gguf file; attnviz "
-                                         r"loads only safetensors or GGUF\) and no tokenizer \(one of tokenizer.json") as err:
+    with pytest.raises(InputError, match=r"has a config.json but no weights \(a .safetensors or .gguf file; "
+                                         r"attnviz loads only safetensors or GGUF\) and no tokenizer \(one of "
+                                         r"tokenizer.json") as err:
         load(str(folder))
     assert isinstance(err.value, ModelLoadError) and "\n" not in str(err.value)
     model.save_pretrained(folder)

@@ -167,8 +167,8 @@ class Paths:
         of ``sender`` that do."""
         if not self.reaches(sender, receiver):
             some = [r for s, r in self.after if s == sender and self.reaches(s, r)]
-            read = " and ".join(self.cut[sender, receiver])
-            raise InputError(f"{sender} → {receiver}: {read} {'is' if len(self.cut[sender, receiver]) == 1 else 'are'} "
+            cut = self.cut[sender, receiver]
+            raise InputError(f"{sender} → {receiver}: {' and '.join(cut)} {'is' if len(cut) == 1 else 'are'} "
                              "read after the top layer's attention, so the cut moves no layer's sink (only the "
                              "perplexity: its drop and reached drop are undefined); "
                              + (f"the receivers of {sender} with a reached drop: {', '.join(some)}" if some else

@@ -69,8 +69,8 @@ def generator_seed(seed: int, step) -> int:
 
 def sized(task, size: int) -> int:
     """Size a batch of ``size`` sequences of ``task`` before it is drawn (docs/lab.md#a-batch-sized-first): what
-    drawing it makes (``task.drawn_bytes``; ``task.drawn_seconds`` the time it takes) and one head's fp32 scores over one of its sequences (length², the least
-    a forward of it makes) against the memory budget (``ATTNVIZ_MEMORY_MB``, 0: a quarter of the machine's memory);
+    drawing it makes (``task.drawn_bytes``; ``task.drawn_seconds`` the time it takes) and one head's fp32 scores over
+    one of its sequences (length², the least a forward of it makes) against the memory budget (``ATTNVIZ_MEMORY_MB``, 0: a quarter of the machine's memory);
     past it, refused in one line with the estimate, the time to draw it and the longest length that fits. Returns
     the bytes."""
     from attnviz.core.model.devices import mb
@@ -91,6 +91,7 @@ def sized(task, size: int) -> int:
         lo, hi = (mid, hi) if need(mid) <= room else (lo, mid - 1)
     fit = f"a length of at most {lo:,}" if lo >= 3 else "a smaller vocabulary or batch"
     raise InputError(f"a batch of {size} {task.name} sequences of {task.length:,} tokens (vocab {task.vocab:,}) needs "
-                     f"~{mb(task.drawn_bytes(size, task.length))} to draw (~{duration(task.drawn_seconds(size, task.length))})"
+                     f"~{mb(task.drawn_bytes(size, task.length))} to draw "
+                     f"(~{duration(task.drawn_seconds(size, task.length))})"
                      f" and ~{mb(4 * task.length**2)} for one head's scores over one sequence: past the memory "
                      f"budget's {mb(room)} (ATTNVIZ_MEMORY_MB): give {fit}")
