@@ -170,6 +170,11 @@ def _canonical(loaded: "LoadedModel", arch, intervene, prepend, residual, kind=N
     from attnviz.core.spec import interventions as interventions_mod
     from attnviz.core.engine import residual as residual_mod
 
+    if isinstance(kind, str) and not kind.strip():  # a recipe's own "" is its model's kind; a caller's "" names none
+        from attnviz.core.spec import kinds
+
+        raise InputError(f"kind={kind!r} names no attention kind: leave it out (None) for the model's own, or name "
+                         f"one of {', '.join(kinds.names())} (docs/methods.md#attention-kinds)")
     if isinstance(arch, Recipe):
         given = [name for name, value in (("intervene", intervene), ("prepend", prepend), ("residual", residual),
                                           ("kind", kind)) if value not in (None, "")]

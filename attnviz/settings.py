@@ -13,6 +13,8 @@ environment is made here too (:func:`environment_without`, :func:`passed`).
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
@@ -21,6 +23,59 @@ from typing import Mapping
 from attnviz.errors import InputError
 
 TRUE, FALSE = ("1", "true", "yes"), ("0", "false", "no")
+#: the dtypes a model loads in (``ATTNVIZ_DTYPE``; auto: by device)
+DTYPES = ("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
+#: a shared server's caps in secrets.toml's [attnviz] table
+CAPS = ("jobs", "max_tokens", "max_cells")
+
+
+def _whole(least: int):
+    return lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= least
+
+
+def _above_zero(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _text(v) -> bool:
+    return isinstance(v, str) and bool(v.strip())
+
+
+def _texts(v) -> bool:
+    return isinstance(v, tuple) and all(_text(x) for x in v)
+
+
+def _switch(v) -> bool:
+    return isinstance(v, bool)
+
+
+MB = "a number of MB above 0"
+WHOLE_MB = "a whole number of MB, at least 0"
+#: what each field takes, in words, and its check (a field whose default is None takes None too): one place, so a
+#: value of the wrong type or range is refused in one line however it came (the environment, replace, a caller)
+TAKES = {
+    "device": ("a device's name (cpu, cuda, cuda:1, ...)", _text), "dtype": (f"one of {', '.join(DTYPES)}",
+                                                                           lambda v: v in DTYPES),
+    "cache": ("a folder's path", _text), "device_mb": (MB, _above_zero), "block_mb": (MB, _above_zero),
+    "whole_allow_mb": (WHOLE_MB, _whole(0)), "fused": ("True or False", _switch),
+    "fused_lse": ("True or False", _switch),
+    "cudnn": ("True or False", _switch),
+    "kernel_tile": ("two whole numbers above 0 (BM, BN)",
+                    lambda v: isinstance(v, tuple) and len(v) == 2 and all(_whole(1)(x) for x in v)),
+    "kernel_warps": ("4 or 8", lambda v: _whole(1)(v) and v in (4, 8)),
+    "kernel_stages": ("a whole number, at least 1", _whole(1)), "kernel_groups": ("a whole number, at least 1",
+                                                                                  _whole(1)),
+    "kernel_registers": ("a whole number, at least 0 (0: no cap)", _whole(0)), "viewer_mb": (MB, _above_zero),
+    "debug": ("True or False", _switch), "max_tokens": ("a whole number of tokens, at least 1", _whole(1)),
+    "results_mb": ("a whole number of MB, at least 1", _whole(1)), "full_maps_mb": (WHOLE_MB, _whole(0)),
+    "memory_mb": (WHOLE_MB + " (0: a quarter of the machine's memory)", _whole(0)),
+    "checkpoint_mb": (WHOLE_MB, _whole(0)), "shared": ("True or False", _switch),
+    "roots": ("folders' paths", _texts), "write_root": ("a folder's path", _text),
+    "models": ("model names", lambda v: _texts(v) and bool(v)), "trust_remote_code": ("True or False", _switch),
+    "caps": (f"(name, whole number of at least 1) pairs, the names among {', '.join(CAPS)}",
+             lambda v: isinstance(v, tuple) and all(isinstance(c, tuple) and len(c) == 2 and c[0] in CAPS
+                                                    and _whole(1)(c[1]) for c in v)),
+}
 
 
 @dataclass(frozen=True)
@@ -59,6 +114,20 @@ class Settings:
     trust_remote_code: bool = False  # ATTNVIZ_TRUST_REMOTE_CODE
     caps: tuple[tuple[str, int], ...] = ()  # secrets.toml's [attnviz] jobs, max_tokens, max_cells
 
+    def __post_init__(self):
+        """Every field checked against :data:`TAKES`, refused in one line naming the field and its variable (a list
+        where a tuple is kept is taken as one)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list) and f.name in ("kernel_tile", "roots", "models", "caps"):
+                value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
+                object.__setattr__(self, f.name, value)
+            takes, ok = TAKES[f.name]
+            if not (value is None and f.default is None) and not ok(value):
+                where = f" (ATTNVIZ_{f.name.upper()})" if f.name != "caps" else " (secrets.toml's [attnviz] table)"
+                raise InputError(f"the setting {f.name}{where} is {takes}{' or None' if f.default is None else ''}, "
+                                 f"not {value!r} (docs/cli.md#settings)")
+
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None,
                          secrets: Mapping | None = None) -> "Settings":
@@ -83,7 +152,16 @@ class Settings:
 
         def switch(name: str) -> bool | None:
             value = get(name).lower()
+            if value and value not in TRUE + FALSE:
+                raise InputError(f"ATTNVIZ_{name}={get(name)!r}: not a switch ({'/'.join(TRUE)} or "
+                                 f"{'/'.join(FALSE)})")
             return True if value in TRUE else False if value in FALSE else None
+
+        def cap(name: str) -> int:
+            try:
+                return int(str(secrets[name]).strip())
+            except ValueError:
+                raise InputError(f"secrets.toml's [attnviz] {name} = {secrets[name]!r}: not a whole number") from None
 
         tile = get("KERNEL_TILE").lower()
         if tile:
@@ -96,20 +174,20 @@ class Settings:
         given = dict(
             device=get("DEVICE") or None, dtype=get("DTYPE") or None, cache=cache,
             device_mb=number("DEVICE_MB", float), block_mb=number("BLOCK_MB", float),
-            whole_allow_mb=number("WHOLE_ALLOW_MB"), fused={"0": False, "1": True}.get(get("FUSED")),
-            fused_lse=get("FUSED_LSE") != "0", cudnn=get("CUDNN") != "0",
+            whole_allow_mb=number("WHOLE_ALLOW_MB"), fused=switch("FUSED"), fused_lse=switch("FUSED_LSE"),
+            cudnn=switch("CUDNN"),
             kernel_tile=(bm, bn) if tile else None, kernel_warps=number("KERNEL_WARPS"),
             kernel_stages=number("KERNEL_STAGES"), kernel_groups=number("KERNEL_GROUPS"),
             kernel_registers=number("KERNEL_REGISTERS"), viewer_mb=number("VIEWER_MB", float),
-            debug=bool(get("DEBUG")), max_tokens=number("MAX_TOKENS") or None, results_mb=number("RESULTS_MB"),
+            debug=switch("DEBUG"), max_tokens=number("MAX_TOKENS") or None, results_mb=number("RESULTS_MB"),
             full_maps_mb=number("FULL_MAPS_MB", fallback="full_maps_mb"),
             memory_mb=number("MEMORY_MB", fallback="memory_mb"),
             checkpoint_mb=number("CHECKPOINT_MB", fallback="checkpoint_mb"),
             shared=switch("SHARED"), roots=tuple(p for p in get("ROOTS").split(":") if p.strip()),
             write_root=get("WRITE_ROOT") or None,
             models=tuple(m.strip() for m in get("MODELS").split(",") if m.strip()) or None,
-            trust_remote_code=get("TRUST_REMOTE_CODE").lower() in TRUE,
-            caps=tuple((k, int(secrets[k])) for k in ("jobs", "max_tokens", "max_cells") if k in secrets))
+            trust_remote_code=switch("TRUST_REMOTE_CODE"),
+            caps=tuple((k, cap(k)) for k in CAPS if k in secrets))
         # a variable left unset keeps the library's default
         return cls(**{f.name: getattr(defaults, f.name) if given[f.name] is None else given[f.name]
                       for f in fields(cls)})
@@ -119,6 +197,10 @@ class Settings:
         return dict(self.caps).get(name, default)
 
     def replace(self, **changes) -> "Settings":
+        """These settings with ``changes``, each checked as the settings are (a name they lack refused too)."""
+        unknown = [name for name in changes if name not in TAKES]
+        if unknown:
+            raise InputError(f"the settings have no {unknown[0]!r} (they are {', '.join(TAKES)}: docs/cli.md#settings)")
         return replace(self, **changes)
 
 

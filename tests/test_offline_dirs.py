@@ -2,6 +2,7 @@
 types it; only names that are not directories go to the Hub. The Hub is made unreachable here."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -87,3 +88,36 @@ def test_finetune_round_trip_with_an_absolute_directory_and_no_hub(default_model
     assert json.loads(again.stdout)["perplexity"] > 1
     gone = run("eval", "--model", "someone/some-model", "--max-tokens", "200", env=no_hub)
     assert gone.returncode == 2 and "Hub cannot be reached" in gone.stderr
+
+
+@pytest.mark.parametrize("name", ["", "   ", 123, None, ["default"]])
+def test_a_name_that_is_no_model_is_refused_in_one_line(name):
+    """'' loaded the default model, and 123 failed with a foreign AttributeError."""
+    from attnviz.errors import InputError
+
+    with pytest.raises(InputError, match="a model is named by a string: 'default', a Hugging Face id or a local "
+                                         f"directory, not {re.escape(repr(name))}$"):
+        load(name)
+
+
+def test_a_folder_that_lacks_its_weights_or_its_tokenizer_says_what_it_lacks(tmp_path):
+    """A config.json alone failed deep in transformers' tokenizer code (a ValueError of six lines)."""
+    import tiny
+    from attnviz.errors import InputError
+    from attnviz.lab.text import bytes_tokenizer
+
+    model = tiny.build("llama")
+    folder = tmp_path / "m"
+    model.config.save_pretrained(folder)
+    with pytest.raises(InputError, match=r"has a config.json but no weights \(a .safetensors or .gguf file; "
+                                         r"attnviz loads only safetensors or GGUF\) and no tokenizer \(one of "
+                                         r"tokenizer.json") as err:
+        load(str(folder))
+    assert isinstance(err.value, ModelLoadError) and "\n" not in str(err.value)
+    model.save_pretrained(folder)
+    with pytest.raises(InputError, match=r"has a config.json but no tokenizer \(one of tokenizer.json, "):
+        load(str(folder))
+    (folder / "model.safetensors").unlink()
+    bytes_tokenizer().save_pretrained(folder)
+    with pytest.raises(InputError, match=r"but no weights \(a .safetensors or .gguf file"):
+        load(str(folder))

@@ -148,3 +148,17 @@ def test_dataset_sinks_and_the_streaming_heads_perplexity_take_a_recipe():
                                                            heads.streaming_only_perplexity(lm, TEXT * 4, tax, "fwd"))
     with pytest.raises(InputError, match="does not apply the intervention"):
         heads.streaming_only_perplexity(lm, TEXT * 4, tax, acted)
+
+
+@pytest.mark.parametrize("kind", ["", "  "])
+def test_an_empty_kind_names_none_and_is_refused(kind):
+    """kind='' silently meant the model's own; None says that. A recipe's own "" (the model's kind, saved so) is
+    read as before."""
+    lm = loaded("llama")
+    for make in (lambda: build(lm, "fwd", kind=kind), lambda: Recipe.of(lm, "fwd", kind=kind),
+                 lambda: build(lm, Recipe.of(lm, "fwd"), kind=kind)):
+        with pytest.raises(InputError, match=f"kind={kind!r} names no attention kind: leave it out .None. for the "
+                                             "model's own, or name one of softmax, sink, "):
+            make()
+    own = Recipe.of(lm, "fwd")
+    assert own.kind == "" and build(lm, own).recipe == own and build(lm, "fwd", kind=None).recipe == own

@@ -219,3 +219,60 @@ def test_the_docs_say_a_bidirectional_layer_is_refused():
     section = text[text.index("## Path patching"):text.index("### Heads as receivers")]
     assert "is refused by path patching and the causal scan" in section
     assert "a bidirectional layer) or a learned sink" not in section
+
+
+# --- the reached drop: a number over the layers a cut can move, or a refusal -------------------------------------
+
+def _three_layers():
+    """Paths of mlp.0 on three layers, by hand: before, the sink's attention 0.5, 0.4, 0.6 in layers 0-2."""
+    from attnviz.effects.opening import SinkProfile
+    from attnviz.effects.paths import Paths
+
+    keys = [0, 0, 0]
+    after = {("mlp.0", "keys.2"): [0.5, 0.4, 0.3], ("mlp.0", "mlp.1"): [0.5, 0.4, 0.15],
+             ("mlp.0", "head"): [0.5, 0.4, 0.6], ("mlp.0", "mlp.2"): [0.5, 0.4, 0.6]}
+    return Paths({}, 5, "zero", SinkProfile(keys, [0.5, 0.4, 0.6], 10.0), ["mlp.0"],
+                 {k: SinkProfile(keys, v, 11.0) for k, v in after.items()}, {k: [k[1]] for k in after})
+
+
+def test_the_reached_drop_is_the_fall_over_the_layers_the_cut_can_move():
+    """keys.2 is read in layer 2: (0.6 - 0.3) / 0.6 = 0.5 there, against the drop over layers 1-2, (0.5 - 0.35) / 0.5
+    = 0.3; mlp.1's output enters layer 2: (0.6 - 0.15) / 0.6 = 0.75."""
+    found = _three_layers()
+    assert found.reach_from("mlp.0", "keys.2") == 2 and found.reached("mlp.0", "keys.2") == pytest.approx(0.5)
+    assert found.drop("mlp.0", "keys.2") == pytest.approx(0.3)
+    assert found.reach_from("mlp.0", "mlp.1") == 2 and found.reached("mlp.0", "mlp.1") == pytest.approx(0.75)
+    assert found.reaches("mlp.0", "keys.2") and not found.reaches("mlp.0", "head")
+    assert found.strongest("mlp.0") == [("mlp.1", pytest.approx(0.75)), ("keys.2", pytest.approx(0.5))]
+
+
+@pytest.mark.parametrize("receiver, read", [("head", "head is read"), ("mlp.2", "mlp.2 is read")])
+def test_a_cut_read_after_the_top_layer_has_no_reached_drop_and_says_which_do(receiver, read):
+    """The head and the top MLP are read after the top layer's attention: reached() was NaN and reach_from() said
+    layer 2n - 1 for the head (59 on a 30-layer model); both are refused naming the receivers that have one."""
+    found = _three_layers()
+    for call in (found.reached, found.reach_from):
+        with pytest.raises(InputError, match=f"mlp.0 → {receiver}: {read} after the top layer's attention.*"
+                                             "the receivers of mlp.0 with a reached drop: keys.2, mlp.1 ") as err:
+            call("mlp.0", receiver)
+        assert "\n" not in str(err.value)
+    assert found.drop("mlp.0", receiver) == pytest.approx(0.0)  # the scan's scale stays defined: unchanged
+
+
+@pytest.mark.parametrize("sender, receiver, said", [
+    ("mlp.0", "attn.9", "no path mlp.0 → 'attn.9' was measured: mlp.0's receivers are keys.2, mlp.1, head, mlp.2"),
+    ("attn.1", "head", "no path from 'attn.1' was measured: the senders are mlp.0"),
+])
+def test_a_path_not_measured_is_refused_naming_those_that_were(sender, receiver, said):
+    found = _three_layers()
+    for call in (found.drop, found.reached, found.reach_from, found.reaches):
+        with pytest.raises(InputError, match=re.escape(said)):
+            call(sender, receiver)
+
+
+def test_a_real_reached_drop_is_its_definition_and_the_head_is_refused(llama):
+    found = paths(llama, TEXT, "fwd", "mlp.0", "head,keys.2")
+    before, after = found.before.attention[2], found.after["mlp.0", "keys.2"].attention[2]
+    assert found.reached("mlp.0", "keys.2") == pytest.approx((before - after) / before)
+    with pytest.raises(InputError, match="mlp.0 → head: head is read after the top layer's attention"):
+        found.reached("mlp.0", "head")

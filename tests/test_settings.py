@@ -180,3 +180,82 @@ def test_statistics_match_between_the_probe_and_this_process(probes):
     for layer in cap.layers:
         np.testing.assert_allclose(np.asarray(probed[str(layer)], dtype=float), cap.stats[layer]["alpha"],
                                    rtol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("variable,value,words", [
+    ("ATTNVIZ_MEMORY_MB", "-5", r"memory_mb \(ATTNVIZ_MEMORY_MB\) is a whole number of MB, at least 0 .*, not -5"),
+    ("ATTNVIZ_FULL_MAPS_MB", "-1", r"full_maps_mb \(ATTNVIZ_FULL_MAPS_MB\) is a whole number of MB, at least 0"),
+    ("ATTNVIZ_CHECKPOINT_MB", "-2", r"checkpoint_mb \(ATTNVIZ_CHECKPOINT_MB\)"),
+    ("ATTNVIZ_RESULTS_MB", "0", r"results_mb \(ATTNVIZ_RESULTS_MB\) is a whole number of MB, at least 1, not 0"),
+    ("ATTNVIZ_WHOLE_ALLOW_MB", "-1", r"whole_allow_mb \(ATTNVIZ_WHOLE_ALLOW_MB\)"),
+    ("ATTNVIZ_DEVICE_MB", "-1", r"device_mb \(ATTNVIZ_DEVICE_MB\) is a number of MB above 0 or None, not -1.0"),
+    ("ATTNVIZ_DEVICE_MB", "nan", r"device_mb \(ATTNVIZ_DEVICE_MB\) is a number of MB above 0 or None, not nan"),
+    ("ATTNVIZ_BLOCK_MB", "inf", r"block_mb \(ATTNVIZ_BLOCK_MB\) is a number of MB above 0"),
+    ("ATTNVIZ_VIEWER_MB", "0", r"viewer_mb \(ATTNVIZ_VIEWER_MB\) is a number of MB above 0"),
+    ("ATTNVIZ_MAX_TOKENS", "-3", r"max_tokens \(ATTNVIZ_MAX_TOKENS\) is a whole number of tokens, at least 1"),
+    ("ATTNVIZ_KERNEL_TILE", "0x64", r"kernel_tile \(ATTNVIZ_KERNEL_TILE\) is two whole numbers above 0"),
+    ("ATTNVIZ_KERNEL_WARPS", "5", r"kernel_warps \(ATTNVIZ_KERNEL_WARPS\) is 4 or 8 or None, not 5"),
+    ("ATTNVIZ_KERNEL_STAGES", "0", r"kernel_stages \(ATTNVIZ_KERNEL_STAGES\) is a whole number, at least 1"),
+    ("ATTNVIZ_KERNEL_GROUPS", "-2", r"kernel_groups \(ATTNVIZ_KERNEL_GROUPS\)"),
+    ("ATTNVIZ_KERNEL_REGISTERS", "-8", r"kernel_registers \(ATTNVIZ_KERNEL_REGISTERS\)"),
+    ("ATTNVIZ_DTYPE", "float64", r"dtype \(ATTNVIZ_DTYPE\) is one of auto, float32, .*, not 'float64'"),
+    ("ATTNVIZ_FUSED", "2", r"ATTNVIZ_FUSED='2': not a switch"),
+    ("ATTNVIZ_FUSED_LSE", "off", r"ATTNVIZ_FUSED_LSE='off': not a switch"),
+    ("ATTNVIZ_CUDNN", "maybe", r"ATTNVIZ_CUDNN='maybe': not a switch"),
+    ("ATTNVIZ_DEBUG", "x", r"ATTNVIZ_DEBUG='x': not a switch"),
+    ("ATTNVIZ_SHARED", "perhaps", r"ATTNVIZ_SHARED='perhaps': not a switch"),
+    ("ATTNVIZ_TRUST_REMOTE_CODE", "sure", r"ATTNVIZ_TRUST_REMOTE_CODE='sure': not a switch"),
+])
+def test_a_value_out_of_its_range_is_refused_when_the_settings_are_read(variable, value, words):
+    """Each was taken before: a negative memory budget as the default, a NaN or negative device cap, warps the kernel
+    then ignored, a switch word read as its opposite or as unset."""
+    with pytest.raises(InputError, match=words) as err:
+        Settings.from_environment({variable: value})
+    assert "\n" not in str(err.value)
+
+
+def test_a_switch_reads_its_words_both_ways():
+    """``ATTNVIZ_DEBUG=0`` turned the traceback on and ``ATTNVIZ_FUSED_LSE=false`` left it on: each switch takes
+    1/true/yes and 0/false/no alike."""
+    for on, off in (("1", "0"), ("true", "false"), ("YES", "No")):
+        assert Settings.from_environment({f"ATTNVIZ_{v}": on for v in ("DEBUG", "FUSED", "FUSED_LSE", "CUDNN",
+                                                                        "SHARED", "TRUST_REMOTE_CODE")}) == \
+            DEFAULTS.replace(debug=True, fused=True, fused_lse=True, cudnn=True, shared=True, trust_remote_code=True)
+        assert Settings.from_environment({f"ATTNVIZ_{v}": off for v in ("DEBUG", "FUSED", "FUSED_LSE", "CUDNN",
+                                                                         "SHARED", "TRUST_REMOTE_CODE")}) == \
+            DEFAULTS.replace(debug=False, fused=False, fused_lse=False, cudnn=False, shared=False,
+                             trust_remote_code=False)
+
+
+@pytest.mark.parametrize("changes,words", [
+    (dict(memory_mb=-5), r"memory_mb \(ATTNVIZ_MEMORY_MB\) is a whole number of MB, at least 0 .*, not -5"),
+    (dict(memory_mb="abc"), r"memory_mb \(ATTNVIZ_MEMORY_MB\) is a whole number .*, not 'abc'"),
+    (dict(memory_mb=1.5), r"memory_mb \(ATTNVIZ_MEMORY_MB\)"),
+    (dict(memory_mb=True), r"memory_mb \(ATTNVIZ_MEMORY_MB\)"),
+    (dict(bogus=1), r"the settings have no 'bogus' \(they are device, dtype, "),
+    (dict(fused="yes"), r"fused \(ATTNVIZ_FUSED\) is True or False or None, not 'yes'"),
+    (dict(debug=None), r"debug \(ATTNVIZ_DEBUG\) is True or False, not None"),
+    (dict(device_mb=float("nan")), r"device_mb \(ATTNVIZ_DEVICE_MB\)"),
+    (dict(roots="/data"), r"roots \(ATTNVIZ_ROOTS\) is folders' paths, not '/data'"),
+    (dict(caps=(("jobs", 0),)), r"caps \(secrets.toml's \[attnviz\] table\)"),
+])
+def test_settings_replaced_are_checked_as_read(changes, words):
+    with pytest.raises(InputError, match=words) as err:
+        DEFAULTS.replace(**changes)
+    assert "\n" not in str(err.value)
+    assert DEFAULTS.replace(memory_mb=512, kernel_tile=[32, 32]).kernel_tile == (32, 32)  # a list kept as a tuple
+
+
+def test_every_setting_has_its_check():
+    from dataclasses import fields
+
+    assert set(settings.TAKES) == {f.name for f in fields(Settings)}
+
+
+def test_the_cli_refuses_a_negative_memory_budget_in_one_line():
+    from test_cli import run
+
+    done = run("masks", "--arch", "fwd", "--layers", "2", "--n", "3", "--json", env={"ATTNVIZ_MEMORY_MB": "-5"})
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "attnviz: error: the setting memory_mb (ATTNVIZ_MEMORY_MB) is a whole number of MB, at least 0 (0: a quarter "
+        "of the machine's memory), not -5 (docs/cli.md#settings)"]

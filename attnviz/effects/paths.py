@@ -146,20 +146,53 @@ class Paths:
         """The mean fall of the sink's attention over the layers above the sender, as a share of before (the scan's
         scale: 1 means gone, 0 unchanged)."""
         n = len(self.before.attention)
+        self._cut(sender, receiver)
         return self._fall(sender, receiver, range(layer_of(sender, n) + (0 if sender == "embed" else 1), n))
 
     def reached(self, sender: str, receiver: str) -> float:
-        """The same fall over the layers the cut can move: from the lowest receiver's own layer (the next one for an
-        MLP) up; NaN for the head alone. A path into layer 28's keys is judged on layers 28 and up, not diluted over
-        every layer above its sender."""
-        n = len(self.before.attention)
-        return self._fall(sender, receiver, range(self.reach_from(sender, receiver), n))
+        """The same fall over the layers the cut can move: from :meth:`reach_from` up. A path into layer 28's keys is
+        judged on layers 28 and up, not diluted over every layer above its sender. A cut read after the top layer's
+        attention (the head, the top MLP) moves no layer's sink: refused in one line (:meth:`reaches` says which
+        paths have a reached drop)."""
+        return self._fall(sender, receiver, range(self.reach_from(sender, receiver), len(self.before.attention)))
+
+    def reaches(self, sender: str, receiver: str) -> bool:
+        """Whether the path's cut can move some layer's sink: a receiver it cuts is read before the top layer's
+        attention (the head and the top MLP are read after it)."""
+        return self._lowest(sender, receiver) < len(self.before.attention)
 
     def reach_from(self, sender: str, receiver: str) -> int:
+        """The lowest layer whose sink the cut can move: its lowest receiver's own layer (the next one for an MLP),
+        and above the sender; refused in one line for a cut that moves none (:meth:`reaches`), naming the receivers
+        of ``sender`` that do."""
+        if not self.reaches(sender, receiver):
+            some = [r for s, r in self.after if s == sender and self.reaches(s, r)]
+            cut = self.cut[sender, receiver]
+            raise InputError(f"{sender} → {receiver}: {' and '.join(cut)} {'is' if len(cut) == 1 else 'are'} "
+                             "read after the top layer's attention, so the cut moves no layer's sink (only the "
+                             "perplexity: its drop and reached drop are undefined); "
+                             + (f"the receivers of {sender} with a reached drop: {', '.join(some)}" if some else
+                                f"no receiver of {sender} measured here has one")
+                             + " (docs/methods.md#path-patching)")
         n = len(self.before.attention)
-        lowest = min(layer_of(r, n) + (1 if r.startswith("mlp.") else n if r == "head" else 0)
-                     for r in self.cut[sender, receiver])
-        return max(lowest, layer_of(sender, n) + (0 if sender == "embed" else 1))
+        return max(self._lowest(sender, receiver), layer_of(sender, n) + (0 if sender == "embed" else 1))
+
+    def _lowest(self, sender: str, receiver: str) -> int:
+        """The lowest layer a receiver the path cuts is read in before that layer's attention; the number of layers
+        for the head and the top MLP, read after the top layer's attention."""
+        n = len(self.before.attention)
+        return min(n if r == "head" else layer_of(r, n) + (1 if r.startswith("mlp.") else 0)
+                   for r in self._cut(sender, receiver))
+
+    def _cut(self, sender: str, receiver: str) -> list[str]:
+        """The single receivers the path cuts; a path not measured refused in one line naming those that were."""
+        if (sender, receiver) not in self.cut:
+            if sender not in self.senders:
+                raise InputError(f"no path from {sender!r} was measured: the senders are "
+                                 f"{', '.join(self.senders) or 'none'}")
+            raise InputError(f"no path {sender} → {receiver!r} was measured: {sender}'s receivers are "
+                             f"{', '.join(r for s, r in self.after if s == sender)}")
+        return self.cut[sender, receiver]
 
     def _fall(self, sender: str, receiver: str, layers) -> float:
         layers = list(layers)
@@ -181,7 +214,7 @@ class Paths:
     def strongest(self, sender: str, k: int = 3, single: bool | None = True) -> list[tuple[str, float]]:
         """The ``k`` receivers through which removing ``sender`` takes the most of the sink away in the layers the
         cut can move (:meth:`reached`), with that fall."""
-        falls = [(r, self.reached(sender, r)) for r in self.receivers(sender, single)]
+        falls = [(r, self.reached(sender, r)) for r in self.receivers(sender, single) if self.reaches(sender, r)]
         return sorted((f for f in falls if np.isfinite(f[1])), key=lambda f: -f[1])[:k]
 
     def as_json(self) -> dict:
@@ -198,13 +231,13 @@ class Paths:
 
     def _path(self, s: str, rc: str, p: SinkProfile) -> dict:
         """One path's document: every null (a drop, the layer the reach starts from) with its reason beside it."""
-        n = len(self.before.attention)
-        start = self.reach_from(s, rc)
-        drop, reached = self.drop(s, rc), self.reached(s, rc)
+        reaches = self.reaches(s, rc)
+        start = self.reach_from(s, rc) if reaches else None
+        drop, reached = self.drop(s, rc), self.reached(s, rc) if reaches else float("nan")
         out = {"sender": s, "receiver": rc, "sink_drop": rounded(drop),
                **({} if np.isfinite(drop) else {"sink_drop_undefined": _NOTHING}),
-               "sink_drop_reached": rounded(reached), "reached_from": start if start < n else None}
-        if start >= n:
+               "sink_drop_reached": rounded(reached), "reached_from": start}
+        if not reaches:
             read = " and ".join(self.cut[s, rc])
             out["sink_drop_reached_undefined"] = (f"{read} {'is' if len(self.cut[s, rc]) == 1 else 'are'} read after "
                                                   "the top layer's attention: the cut moves no layer's sink, only "

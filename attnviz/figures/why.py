@@ -281,7 +281,7 @@ def paths_figure(found) -> go.Figure:
         z = np.full((len(PATH_KINDS), n), np.nan)
         text = np.full(z.shape, "", dtype=object)
         for receiver in found.receivers(sender, single=True):
-            if receiver == "head":  # no layer above it: its path changes the perplexity only (in the JSON)
+            if not found.reaches(sender, receiver):  # the head, the top MLP: the perplexity only (in the JSON)
                 continue
             row, col = kinds.index(receiver.split(".")[0]), int(receiver.split(".")[1])
             z[row, col] = found.reached(sender, receiver)

@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 
 from attnviz.errors import InputError
+from attnviz.lab import fields
 
 TOKENIZERS = ("bytes", "default")
 BOS_TOKEN = "<bos>"
@@ -111,10 +112,12 @@ class Text:
     option: ClassVar[str] = "text"
 
     def __post_init__(self):
-        if self.tokenizer not in TOKENIZERS:
+        fields.name("the text task's source", self.source)
+        if not isinstance(self.tokenizer, str) or self.tokenizer not in TOKENIZERS:
             raise InputError(f"unknown tokenizer {self.tokenizer!r}: expected one of {', '.join(TOKENIZERS)}")
-        if not isinstance(self.length, int) or self.length < 3:
+        if not isinstance(self.length, int) or isinstance(self.length, bool) or self.length < 3:
             raise InputError(f"a text chunk is at least 3 tokens long, not {self.length!r}")
+        fields.seed("the text task's seed", self.seed)
 
     def tokenizer_object(self):
         return tokenizer_of(self.tokenizer)
@@ -135,9 +138,18 @@ class Text:
                              f"needs {self.length - 1} besides BOS; give a longer text or a shorter length")
         return ids
 
+    def drawn_bytes(self, size: int, length: int) -> int:
+        """What drawing a batch makes beside the text's tokens: its chunks, then the batch they are joined into."""
+        return 16 * size * length
+
+    def drawn_seconds(self, size: int, length: int) -> float:
+        """The time drawing a batch takes beside the text's tokenization (once a process): its chunks copied."""
+        return 1e-8 * size * length
+
     def batch(self, size: int, step: int = 0) -> torch.Tensor:
+        fields.sized(self, size)
         ids = self.ids()
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        g = torch.Generator().manual_seed(fields.generator_seed(self.seed, step))
         starts = torch.randint(len(ids) - self.length + 2, (size,), generator=g)
         rows = torch.stack([ids[s:s + self.length - 1] for s in starts.tolist()])
         return torch.cat([torch.full((size, 1), self.bos, dtype=torch.long), rows], dim=1)

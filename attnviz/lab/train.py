@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from attnviz.errors import Diverged, InputError
-from attnviz.lab import card, models
+from attnviz.lab import card, fields, models
 from attnviz.core.loading import runs
 from attnviz.core.loading.runs import last  # noqa: F401 - a run's last checkpoint, read by its callers
 from attnviz.lab import tasks
@@ -42,9 +42,7 @@ OPTIMIZERS = {
     "sgd": lambda setup, params: torch.optim.SGD(params, lr=setup.lr, momentum=setup.momentum,
                                                  weight_decay=setup.weight_decay),
 }
-#: seeds are 0 to SEEDS - 1: a batch is drawn at seed x 1,000,003 + step (the probe's at step 10**9), inside the 64
-#: bits torch's generators take
-SEEDS = 2**32
+SEEDS = fields.SEED_MAX + 1  # seeds are 0 to SEEDS - 1, the ones torch's generators take (lab/fields.py)
 WEIGHT_DECAY = {"adamw": 0.01, "adam": 0.0, "sgd": 0.01}  # each optimizer's weight decay when none is given
 MOMENTUM = 0.9  # SGD's when none is given
 PARTIAL = ".attnviz-partial"  # the mark of a partial checkpoint folder the trainer made (and may remove)
@@ -72,15 +70,20 @@ class Setup:
     device: str | None = None  # "cpu", "cuda", None: a GPU when there is one
 
     def __post_init__(self):
+        """Every field checked in one place (:mod:`attnviz.lab.fields`, docs/lab.md#fields-checked), each refused in
+        one line: whole numbers (never a bool), finite numbers in range, a seed a generator takes, switches that are
+        bools, names from their registries."""
         for name in ("layers", "width", "heads", "steps", "batch", "every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InputError(f"{name} is a whole number of at least 1, not {value!r}")
+            fields.whole(name, getattr(self, name))
+        fields.whole("the warm-up", self.warmup, 0)
+        fields.seed("the seed", self.seed)
+        fields.switch("mlp", self.mlp)
+        fields.number("the learning rate", self.lr, above=0)
+        for name, what in (("kind", "the kind"), ("arch", "the mask (arch)"), ("positions", "positions")):
+            fields.name(what, getattr(self, name))
         if self.width % self.heads:
             raise InputError(f"the width {self.width} is not a multiple of the {self.heads} heads")
         self._optimizer_fields()
-        if not (self.lr > 0 and self.weight_decay >= 0 and self.warmup >= 0):
-            raise InputError("the learning rate is above 0, the weight decay and the warm-up at least 0")
         if type(self.task) not in tasks.TASKS.values():
             raise InputError(f"the task is one of {', '.join(tasks.TASKS)}, not {type(self.task).__name__}")
         if self.device not in (None, "cpu", "cuda"):
@@ -90,20 +93,18 @@ class Setup:
     def _optimizer_fields(self) -> None:
         """The optimizer's weight decay and momentum made explicit (so a saved setup says them), or refused in one
         line: an unknown optimizer, a weight decay with adam, a momentum with another optimizer than sgd."""
-        if self.optimizer not in OPTIMIZERS:
-            raise InputError(f"the optimizer is one of {', '.join(OPTIMIZERS)}, not {self.optimizer!r}")
+        fields.name("the optimizer", self.optimizer, tuple(OPTIMIZERS))
         if self.weight_decay is None:
             object.__setattr__(self, "weight_decay", WEIGHT_DECAY[self.optimizer])
+        fields.number("the weight decay", self.weight_decay, least=0)
         if self.optimizer == "adam" and self.weight_decay:
             raise InputError(f"adam takes no weight decay (given {self.weight_decay:g}): use adamw for a decoupled "
                              "one, or leave it out")
         if self.optimizer != "sgd" and self.momentum is not None:
-            raise InputError(f"the momentum is SGD's: {self.optimizer} takes none (given {self.momentum:g})")
+            raise InputError(f"the momentum is SGD's: {self.optimizer} takes none (given {self.momentum!r})")
         if self.optimizer == "sgd":
             momentum = MOMENTUM if self.momentum is None else self.momentum
-            if not 0 <= momentum < 1:
-                raise InputError(f"SGD's momentum is at least 0 and below 1, not {momentum:g}")
-            object.__setattr__(self, "momentum", momentum)
+            object.__setattr__(self, "momentum", fields.number("SGD's momentum", momentum, least=0, below=1))
 
     def checkpoints(self) -> list[int]:
         """The steps a checkpoint is saved at: 0, powers of two below ``every``, then every ``every``, the last."""
@@ -120,11 +121,16 @@ class Setup:
         """The setup a checkpoint saved (:meth:`as_dict`, ``attnviz_run.json``'s ``setup``), its task rebuilt by its
         name (Bigram-Backcopy where it has none); fields it does not know are left out, those it lacks take their
         defaults (an older checkpoint's). The one way a saved setup is read back: resuming, the page, the probe."""
-        fields = {k: v for k, v in saved.items() if k in _known(cls)}
-        task = dict(fields.get("task") or {})
+        if not isinstance(saved, dict):
+            raise InputError(f"a saved setup is a dict of its fields, not a {type(saved).__name__}")
+        given = {k: v for k, v in saved.items() if k in _known(cls)}
+        task = given.get("task") or {}
+        if not isinstance(task, dict):
+            raise InputError(f"a saved setup's task is a dict with its name and fields, not {task!r}")
+        task = dict(task)
         made = tasks.named(task.pop("name", BigramBackcopy.name))
-        fields["task"] = made(**{k: v for k, v in task.items() if k in _known(made)})
-        return cls(**fields)
+        given["task"] = made(**{k: v for k, v in task.items() if k in _known(made)})
+        return cls(**given)
 
     @property
     def vocab(self) -> int:
@@ -319,6 +325,7 @@ def train(setup: Setup, out, on_step: Callable[[int, int, float], None] | None =
 
     out = run_folder(out)
     _finite(setup)
+    fields.sized(setup.task, setup.batch)  # a batch past the memory budget refused before anything is made
     device = device_of(setup)
     found = last(out) if out.is_dir() else None
     start = _check_same(setup, found) if found else 0

@@ -173,7 +173,8 @@ def paths(lm: LoadedModel, cell: Cell) -> list[dict]:
                             o["receivers"] or None, o["value"])
     return [{"sender": s, "receiver": r, "layer": layer, "key": found.before.keys[layer],
              "sink_before": found.before.attention[layer], "sink_after": after.attention[layer],
-             "sink_drop": found.drop(s, r), "sink_drop_reached": found.reached(s, r),
+             "sink_drop": found.drop(s, r),
+             "sink_drop_reached": found.reached(s, r) if found.reaches(s, r) else float("nan"),
              "perplexity_before": found.before.perplexity, "perplexity_after": after.perplexity}
             for (s, r), after in found.after.items() for layer in range(len(found.before.keys))]
 

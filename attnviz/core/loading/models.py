@@ -106,6 +106,30 @@ def hub_revision(name: str) -> tuple[str, str | None]:
 
 #: the weight files attnviz loads, and the ones a revision's or a folder's hash covers
 WEIGHT_FILES = (".safetensors", ".gguf")
+#: the files a model folder's tokenizer is read from, one of them at least (a GGUF file carries its own)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
+
+
+class IncompleteFolder(ModelLoadError, InputError):
+    """A model directory with a config.json that lacks its weights or its tokenizer: the message says which."""
+
+
+def check_folder(folder: Path, name: str) -> None:
+    """Refuse in one line a model directory that lacks what a load reads beside its config.json: weights
+    (safetensors or GGUF) and a tokenizer (:data:`TOKENIZER_FILES`, or a GGUF file); both named where both lack."""
+    files = {p.name for p in folder.iterdir() if p.is_file()}
+    gguf = any(f.endswith(".gguf") for f in files)
+    lacks = []
+    if not any(f.endswith(WEIGHT_FILES) or f.endswith(".safetensors.index.json") for f in files):
+        pickles = sorted(f for f in files if f.endswith((".bin", ".pt", ".pth", ".ckpt")))
+        lacks.append("weights (a .safetensors or .gguf file; attnviz loads only safetensors or GGUF"
+                     + (f", never pickles such as {pickles[0]})" if pickles else ")"))
+    if not gguf and not files & set(TOKENIZER_FILES):
+        lacks.append(f"tokenizer (one of {', '.join(TOKENIZER_FILES)})")
+    if lacks:
+        raise IncompleteFolder(f"'{name}' has a config.json but no {' and no '.join(lacks)}: save the model's "
+                               "weights and its tokenizer into it (model.save_pretrained, tokenizer.save_pretrained)")
 
 
 def _listing_hash(files: list[tuple[str, str]]) -> str:
@@ -232,7 +256,10 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
     device = devices.available(device or devices.default_device())
     # a mapped model's dtype follows where the map puts it: float32 on the CPU and disk, even on a GPU machine
     torch_dtype = _resolve_dtype(dtype, devices.mapped_device(device_map) if device_map else device)
-    name = (model or "").strip() or DEFAULT
+    if not isinstance(model, str) or not model.strip():
+        raise InputError(f"a model is named by a string: 'default', a Hugging Face id or a local directory, not "
+                         f"{model!r}")
+    name = model.strip()
     model_file, revision = None, None
     if name in SHIPPED:
         shipped = SHIPPED[name]
@@ -277,6 +304,8 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
             f"{model_class.__name__} ({config.model_type}) computes attention in its own code, not through "
             "transformers' AttentionInterface, so attnviz cannot change or record its masks"
         )
+    if local and name not in SHIPPED:
+        check_folder(Path(source), name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, revision=revision)
     except (OSError, ValueError) as err:
