@@ -36,14 +36,16 @@ def architecture_masks(arch: Architecture, n: int = 12, cols: int = 6) -> go.Fig
     fig.update_yaxes(autorange="reversed", **ticks)
     fig.update_xaxes(**ticks)
     for col in range(1, min(cols, count) + 1):  # the axes named once: keys under the bottom row, queries left
-        fig.update_xaxes(title_text="key", title_font_size=9, title_standoff=2,
+        fig.update_xaxes(title_text="key", title_font_size=9, title_standoff=2, automargin=True,
                          row=(count - col) // cols + 1, col=col)
     for row in range(1, rows + 1):
-        fig.update_yaxes(title_text="query", title_font_size=9, title_standoff=2, row=row, col=1)
+        fig.update_yaxes(title_text="query", title_font_size=9, title_standoff=8, automargin=True, row=row, col=1)
     fig.update_annotations(font_size=9)
     layout(fig, f"{arch.spec}: mask of every layer (rows = queries)", height=170 * rows + 90)
-    return fig.update_layout(showlegend=True, legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right",
-                                                          x=1, font=dict(size=11)), margin=dict(t=70))
+    # the colour key on the title's line, at the top right: above the plot it would cover the top row's tile titles
+    return fig.update_layout(showlegend=True, margin=dict(t=70, l=72),
+                             legend=dict(orientation="h", yref="container", y=1, yanchor="top", xanchor="right", x=1,
+                                         font=dict(size=11)))
 
 
 def stablemask_pseudo(n: int = 12, gamma: float | str = 0.5, head: int = 0, n_heads: int = 8) -> go.Figure:
