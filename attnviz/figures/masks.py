@@ -48,6 +48,10 @@ def architecture_masks(arch: Architecture, n: int = 12, cols: int = 6) -> go.Fig
                                          font=dict(size=11)))
 
 
+#: The StableMask colour bar's title: what its cells hold, a logit added before the softmax (docs/methods.md#stablemask).
+PSEUDO_TITLE = "pseudo-score<br>−γ·j (logit)"
+
+
 def stablemask_pseudo(n: int = 12, gamma: float | str = 0.5, head: int = 0, n_heads: int = 8) -> go.Figure:
     """The pseudo-attention scores P[i, j] = -gamma * j above the diagonal (docs/methods.md#stablemask): logits the
     softmax adds to the future slots, not probabilities, so the colour bar names them by their formula; the causal
@@ -64,10 +68,6 @@ def stablemask_pseudo(n: int = 12, gamma: float | str = 0.5, head: int = 0, n_he
     layout(fig, f"StableMask pseudo-attention, gamma = {g:.4g} (lower triangle: real scores A)", height=420)
     fig.update_yaxes(autorange="reversed", title="query i")
     return fig.update_xaxes(title="key j")
-
-
-#: The StableMask colour bar's title: what its cells hold, a logit added before the softmax (docs/methods.md#stablemask).
-PSEUDO_TITLE = "pseudo-score<br>−γ·j (logit)"
 
 
 def labelled_matrix(values, title: str, row_labels=None, col_labels=None, masked=None, fmt: str = ".2f",
