@@ -9,7 +9,7 @@ from attnviz.figures import export
 from attnviz.effects import heads, induction
 from attnviz.errors import AttnvizError
 from attnviz.figures import heatmap
-from attnviz.figures.heads import head_classes, repeated_scores
+from attnviz.figures.heads import class_counts, head_classes, repeated_scores
 from ui import jobs
 from ui.export import figure_downloads
 from ui.cache import get_capture
@@ -22,8 +22,9 @@ definitions("head-classes", "ablate")
 st.markdown("Every head of every layer, classified on one text ([definition](definitions#head-classes)): a **sink** head puts more than eps of "
             "its attention on the first token; a **streaming** head keeps at least tau of its attention on the "
             "first s keys plus the last w (DuoAttention's pattern, measured here instead of trained); an "
-            "**inactive** head's output norm is under tau of its layer's mean (AHON). Click a tile to open its "
-            "heatmap below.")
+            "**inactive** head's output norm is under tau of its layer's mean (AHON). A head can hold several: its tile "
+            "shows the first of inactive > streaming > sink, and its hover every class it holds. Click a tile to open "
+            "its heatmap below.")
 SOURCES = ["Python docs: special method names", "The sidebar text"]
 
 
@@ -56,10 +57,12 @@ elif not own_kind_only(settings, "Head classes"):
         loaded, [text], settings.arch, s, w, on_progress=progress), units=1)
     if found is not None:
         tax = found.with_thresholds(eps, tau_stream, tau_inactive)
-        m1, m2, m3 = st.columns(3)
-        m1.metric("sink heads", f"{tax.sink.mean():.0%}")
-        m2.metric("streaming heads", f"{tax.streaming.mean():.0%}")
-        m3.metric("inactive heads", f"{tax.inactive.mean():.0%}")
+        counts, total = class_counts(tax), tax.sink.size
+        for column, name in zip(st.columns(3), ("sink", "streaming", "inactive")):
+            holds, drawn = counts[name]
+            column.metric(f"{name} heads", f"{holds} ({holds / total:.0%})",
+                          help=f"{holds} of the {total} heads hold the test; {drawn} are drawn {name} in the grid "
+                               "(a head in several classes is drawn in the first of " + " > ".join(heads.PRECEDENCE) + ")")
         fig = head_classes(tax)
         event = st.plotly_chart(fig, width="stretch", key="hd_grid", on_select="rerun", selection_mode="points")
         points = (event or {}).get("selection", {}).get("points", []) if event else []

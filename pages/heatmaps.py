@@ -144,7 +144,7 @@ def show_overview(cap) -> None:
     the browser would parse again). A click on a tile moves the sliders."""
     st.subheader("Every layer × head")
     over = overview(cap, log=st.session_state.get("hm_log", False))
-    event = st.plotly_chart(over, width="stretch", key="hm_overview", on_select="rerun", selection_mode="points")
+    event = st.plotly_chart(over, width="content", key="hm_overview", on_select="rerun", selection_mode="points")
     points = (event or {}).get("selection", {}).get("points", []) if event else []
     clicked = (points[0]["x"], points[0]["y"]) if points else None
     # the selection stays on the chart: act on a new click only, or a later rerun would undo slider moves

@@ -325,3 +325,48 @@ def test_a_click_on_a_routes_attention_edge_opens_that_heads_heatmap(model_cache
         page.locator('[data-testid="stMain"] h1').filter(has_text="Attention heatmaps").first.wait_for(timeout=120_000)
         wait_viewer(page, f"layer {layer} · fwd · head {head} (KV group {head // 3})", timeout=120_000)
         no_exception(page)
+
+
+def boxes_overlap(a: dict, b: dict) -> bool:
+    return a["x"] < b["x"] + b["width"] and b["x"] < a["x"] + a["width"] and \
+        a["y"] < b["y"] + b["height"] and b["y"] < a["y"] + a["height"]
+
+
+def test_five_pages_figures_read_as_a_paper_figure(model_cache, tmp_path):
+    """What a reader of a paper figure would notice, as Chromium draws it (each chart's screenshot in tmp_path): the
+    overview's maps are square; the sink map's legend covers none of the key axis's tokens; the Heads page's sink
+    number is its legend's; the Mask designer's tiles are numbered and keyed, StableMask's bar names its pseudo-scores;
+    Sink shifting's top maps have query and key axis titles."""
+    with running_app() as url, browser_page() as page:
+        chart = chart_on_page(page, url, "every layer × head")
+        chart.screenshot(path=str(tmp_path / "overview.png"))
+        area = chart.locator(".nsewdrag").first.bounding_box()  # the plot: 9 heads across, 30 layers down
+        assert abs(area["width"] / 9 - area["height"] / 30) < 0.03 * area["height"] / 30, area
+
+        chart = chart_on_page(page, f"{url}/sinks", "where the sinks are")
+        chart.screenshot(path=str(tmp_path / "sink-map.png"))
+        legend = chart.locator(".legend").first.bounding_box()
+        ticks = [t.bounding_box() for t in chart.locator(".xtick").all()]
+        assert len(ticks) > 3 and not [t for t in ticks if boxes_overlap(legend, t)]
+
+        chart = chart_on_page(page, f"{url}/heads", "head taxonomy")
+        chart.screenshot(path=str(tmp_path / "heads.png"))
+        sinks = page.locator('[data-testid="stMetricValue"]').first.inner_text()  # "157 (58%)"
+        assert f"sink: {sinks}" in chart.locator(".legend").first.text_content()
+
+        chart = chart_on_page(page, f"{url}/designer", "mask of every layer")
+        chart.screenshot(path=str(tmp_path / "masks.png"))
+        for axis in "xy":  # every tile's numbers: .xtick, .x2tick, ... (6 a side at the page's 12 tokens)
+            assert chart.locator(f'g[class^="{axis}"][class$="tick"]').count() >= 30 * 6, axis
+        assert "may attend" in chart.locator(".legend").first.text_content()
+        stable = page.locator('[data-testid="stMain"] [data-testid="stPlotlyChart"]').filter(
+            has_text="StableMask pseudo-attention").first
+        stable.scroll_into_view_if_needed()
+        stable.screenshot(path=str(tmp_path / "stablemask.png"))
+        assert "pseudo-score" in stable.locator(".colorbar").first.text_content()
+
+        chart = chart_on_page(page, f"{url}/shifting", "mass per key")
+        chart.screenshot(path=str(tmp_path / "shift.png"))
+        titles = chart.locator(".g-xtitle, .g-x2title, .g-x3title, .g-x4title, .g-ytitle").all_text_contents()
+        assert titles.count("key") >= 4 and "query" in titles, titles
+        no_exception(page)

@@ -10,7 +10,9 @@ from attnviz.core.spec.arch import parse
 from attnviz.capture import capture
 from attnviz.plan import Keep
 from attnviz.figures import (allocation_bars, architecture_masks, difference, heatmap, key_profile, overview, panels,
-                             shift_panels, sink_grid, stablemask_pseudo, tile_at)
+                             shift_panels, sink_grid, sink_map, stablemask_pseudo, tile_at)
+from attnviz.effects.heads import Taxonomy
+from attnviz.figures.heads import head_classes
 from attnviz.figures.style import LOG_FLOOR, MASKED, max_pool
 
 from tiny import loaded
@@ -175,11 +177,90 @@ def test_compare_metrics(lm):
 
 def test_mask_pictures():
     fig = architecture_masks(parse("mask0&bidir(k=2, k0=1)", 4), n=5)
-    assert len(fig.data) == 4
-    np.testing.assert_array_equal(np.asarray(fig.data[3].z)[:, 0], [1, 0, 0, 0, 0])
+    tiles = [t for t in fig.data if isinstance(t, go.Heatmap)]
+    assert len(tiles) == 4
+    np.testing.assert_array_equal(np.asarray(tiles[3].z)[:, 0], [1, 0, 0, 0, 0])
     pseudo = stablemask_pseudo(4, 0.5)
     z = np.asarray(pseudo.data[0].z, dtype=float)
     assert z[0, 3] == pytest.approx(-1.5) and np.isnan(z[3, 0])
+
+
+def test_the_mask_tiles_are_numbered_square_and_keyed():
+    """Every tile shows its query and key positions, is square, and a legend keys its two colours; the axes are named
+    once: keys under each column's bottom tile, queries left of each row."""
+    fig = architecture_masks(parse("mask0&bidir(k=2, k0=1)", 8), n=12, cols=6)  # rows of 6 and 2 tiles
+    for i in range(8):
+        sub = fig.get_subplot(i // 6 + 1, i % 6 + 1)
+        assert sub.xaxis.showticklabels and sub.yaxis.showticklabels, i
+        assert (sub.xaxis.tick0, sub.xaxis.dtick) == (sub.yaxis.tick0, sub.yaxis.dtick) == (0, 2)  # 0, 2, .. 10
+        assert sub.yaxis.scaleanchor == sub.yaxis.anchor and sub.yaxis.constrain == "domain"  # square tiles
+    bottom = {fig.get_subplot(2, 1).xaxis.title.text, fig.get_subplot(2, 2).xaxis.title.text,
+              *(fig.get_subplot(1, c).xaxis.title.text for c in range(3, 7))}
+    assert bottom == {"key"} and fig.get_subplot(1, 1).xaxis.title.text is None
+    assert fig.get_subplot(1, 1).yaxis.title.text == fig.get_subplot(2, 1).yaxis.title.text == "query"
+    key = {t.name: t.marker.color for t in fig.data if isinstance(t, go.Scatter)}
+    scale = fig.data[0].colorscale
+    assert fig.layout.showlegend and key == {"may attend": scale[-1][1], "masked": scale[0][1]}
+
+
+def test_the_stablemask_colour_bar_names_the_pseudo_scores_it_shows():
+    """The cells above the diagonal are −γ·j, negative logits (docs/methods.md#stablemask), not probabilities P."""
+    bar = stablemask_pseudo(6, 0.5).data[0]
+    assert np.nanmax(np.asarray(bar.z, dtype=float)) < 0
+    title = bar.colorbar.title.text
+    assert "pseudo-score" in title and "−γ·j" in title and "P[" not in title
+
+
+def test_the_sink_maps_legend_is_clear_of_the_key_axis(lm):
+    """The legend stands above the plot (its bottom edge at the plot's top or higher): the key axis's tick labels are
+    below the plot, where a legend at y < 0 covered three of them."""
+    fig = sink_map(capture(lm, "sinks, everywhere.", "fwd"))
+    legend = fig.layout.legend
+    assert legend.yanchor == "bottom" and legend.y >= 1 and fig.layout.xaxis.side in (None, "bottom")
+    assert fig.layout.margin.t >= 100  # room above the plot for the title's two lines and the legend
+
+
+def test_the_overview_tiles_render_square(lm):
+    """Every layer × head map is square as plotly.js draws the figure (an SVG through kaleido): the plot's clip
+    rectangle over the heads is as wide as it is tall over the layers, at the figure's own size and on a page
+    narrower than it."""
+    import re
+
+    cap = capture(lm, "square overview tiles", "fwd")
+    fig = overview(cap, tile=12)
+    for width in (fig.layout.width, 300):
+        svg = go.Figure(fig).update_layout(width=width).to_image(format="svg").decode()
+        wide, tall = map(float, re.search(r'class="plotclip"><rect width="([\d.]+)" height="([\d.]+)"', svg).groups())
+        assert wide / cap.n_heads == pytest.approx(tall / len(cap.layers), rel=0.02), width
+        assert tall / len(cap.layers) >= 8
+
+
+def test_shift_panels_name_the_top_maps_axes(lm):
+    a, b = capture(lm, "shift the sink", "fwd"), capture(lm, "shift the sink", "nosink-fwd")
+    fig = shift_panels([a, b], ["fwd", "nosink-fwd"], 2)
+    assert [fig.get_subplot(1, c).xaxis.title.text for c in (1, 2)] == ["key", "key"]
+    assert fig.get_subplot(1, 1).yaxis.title.text == "query"
+    assert [fig.get_subplot(2, c).xaxis.title.text for c in (1, 2)] == ["key", "key"]
+
+
+def test_head_classes_count_each_class_as_a_hand_count():
+    """Two layers of three heads, by hand (eps 0.5, streaming tau 0.9, inactive tau 0.2): sink heads (0,0), (0,1),
+    (1,0); streaming (0,0), (1,1); inactive (0,1); none: (0,2), (1,2). Drawn by precedence inactive > streaming > sink:
+    (0,0) streaming, (0,1) inactive, so one tile of three sink heads is drawn sink. The legend counts every head that
+    holds a class (as the page's numbers do) and how many are drawn, and states the precedence."""
+    tax = Taxonomy("m", "fwd", 1, alpha0=np.array([[0.9, 0.9, 0.1], [0.9, 0.2, 0.1]]),
+                   streaming_score=np.array([[0.95, 0.1, np.nan], [0.1, 0.95, 0.1]]),
+                   ahon=np.array([[1.0, 0.1, 1.0], [1.0, 1.0, 1.0]]), eps=0.5, tau_stream=0.9, tau_inactive=0.2)
+    fig = head_classes(tax)
+    names = [t.name for t in fig.data if t.name]
+    assert names == ["retrieval: 2 (33%)", "sink: 3 (50%), 1 drawn", "streaming: 2 (33%)", "inactive: 1 (17%)"]
+    assert "inactive > streaming > sink" in fig.layout.legend.title.text
+    hover = np.asarray(fig.data[1].text).reshape(2, 3)
+    assert hover[0].tolist() == ["streaming + sink (drawn as streaming)", "inactive + sink (drawn as inactive)",
+                                 "retrieval"]
+    assert hover[1].tolist() == ["sink", "streaming", "retrieval"]
+    assert np.asarray(fig.data[0].text).tolist() == [["streaming", "inactive", "retrieval"],
+                                                     ["sink", "streaming", "retrieval"]]
 
 
 def test_metrics_table_and_filenames(lm):

@@ -105,6 +105,8 @@ def test_heads_page_grid_and_both_claims(model_cache, default_model, tmp_path):
     assert "head taxonomy" in str(grid["layout"]["title"]) and len(grid["data"][0]["text"]) == 30
     assert [m.label for m in at.metric] == ["sink heads", "streaming heads", "inactive heads", "induction heads",
                                             "prev-token heads", "duplicate heads", "dormant heads"]
+    for metric, name in zip(at.metric[:3], ("sink", "streaming", "inactive")):  # each number is its legend entry's
+        assert [t for t in grid["data"] if t.get("name", "").startswith(f"{name}: {metric.value}")], metric.value
     # the repeated random tokens' section: SmolLM2's seven induction heads (docs/methods.md), then another score
     assert at.metric[3].value == "7" and "induction score on repeated random tokens" in str(charts(at)[1]["layout"])
     assert any("18.6 (0.81)" in c.value for c in at.caption)

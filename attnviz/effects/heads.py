@@ -69,6 +69,10 @@ def ahon(norms: np.ndarray) -> np.ndarray:
     return norms / mean if mean > 0 else np.zeros_like(norms)
 
 
+#: A head that holds several classes is shown in the first it holds (docs/methods.md#head-classes).
+PRECEDENCE = ("inactive", "streaming", "sink")
+
+
 @dataclass
 class Taxonomy:
     model: str
@@ -103,11 +107,10 @@ class Taxonomy:
                        tau_inactive=self.tau_inactive if tau_inactive is None else tau_inactive)
 
     def classes(self) -> np.ndarray:
-        """(L, H) one class per head for a grid: inactive > streaming > sink > retrieval."""
+        """(L, H) one class per head for a grid: the first of :data:`PRECEDENCE` the head holds, else retrieval."""
         out = np.full(self.alpha0.shape, "retrieval", dtype=object)
-        out[self.sink] = "sink"
-        out[self.streaming] = "streaming"
-        out[self.inactive] = "inactive"
+        for name in reversed(PRECEDENCE):
+            out[getattr(self, name)] = name
         return out
 
     def as_json(self) -> dict:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import plotly.graph_objects as go
 
-from attnviz.effects.heads import Taxonomy
+from attnviz.effects.heads import PRECEDENCE, Taxonomy
 from attnviz.effects.induction import SCORES, HeadScores
 from attnviz.errors import InputError
 from attnviz.figures.style import layout
@@ -15,10 +15,28 @@ from attnviz.figures.style import layout
 CLASSES = {"retrieval": "#d9d9d9", "sink": "#1f4e9c", "streaming": "#59a14f", "inactive": "#e15759"}
 
 
+def class_counts(tax: Taxonomy) -> dict[str, tuple[int, int]]:
+    """Class -> (heads that hold it, heads whose tile is drawn in it): a head that holds several classes is drawn in
+    the first of :data:`PRECEDENCE`; retrieval is a head that holds none."""
+    classes = tax.classes()
+    held = {"retrieval": classes == "retrieval", "sink": tax.sink, "streaming": tax.streaming,
+            "inactive": tax.inactive}
+    return {name: (int(held[name].sum()), int((classes == name).sum())) for name in CLASSES}
+
+
+def held_classes(tax: Taxonomy) -> np.ndarray:
+    """(L, H) every class a head holds, joined with " + " in the order of :data:`PRECEDENCE` ("retrieval" for none)."""
+    held = [(name, getattr(tax, name)) for name in PRECEDENCE]
+    return np.array([[" + ".join(n for n, mask in held if mask[l, h]) or "retrieval" for h in range(tax.sink.shape[1])]
+                     for l in range(tax.sink.shape[0])], dtype=object)
+
+
 def head_classes(tax: Taxonomy) -> go.Figure:
-    """Layer (rows, bottom layer on top) × head grid coloured by class: inactive > streaming > sink >
-    retrieval. Hover gives alpha_0, the streaming score and the output-norm score; one invisible
-    marker per tile carries clicks (Streamlit ignores selections on heatmap cells)."""
+    """Layer (rows, bottom layer on top) × head grid coloured by class; a head that holds several is drawn in the first
+    of inactive > streaming > sink (the legend says so, and counts each class's heads as the page's numbers do: every
+    head that holds it, and how many are drawn in it). Hover gives every class the head holds, alpha_0, the streaming
+    score and the output-norm score; one invisible marker per tile carries clicks (Streamlit ignores selections on
+    heatmap cells)."""
     classes = tax.classes()
     names = list(CLASSES)
     code = np.vectorize(names.index)(classes).astype(float)
@@ -32,17 +50,22 @@ def head_classes(tax: Taxonomy) -> go.Figure:
     fig = go.Figure(go.Heatmap(z=code, zmin=-0.5, zmax=k - 0.5, colorscale=scale, text=classes, hoverinfo="skip",
                                xgap=1, ygap=1, showscale=False))
     layer_idx, head_idx = np.indices(code.shape)  # the markers carry hover and clicks (a skipped hover would not click)
+    held = held_classes(tax)
+    text = np.where(held == classes, held, held + " (drawn as " + classes + ")")
     fig.add_trace(go.Scatter(x=head_idx.ravel(), y=layer_idx.ravel(), mode="markers", showlegend=False,
-                             text=classes.ravel(), customdata=custom.reshape(-1, 3), hovertemplate=hover,
+                             text=text.ravel(), customdata=custom.reshape(-1, 3), hovertemplate=hover,
                              marker=dict(size=14, opacity=0), selected=dict(marker=dict(opacity=0)),
                              unselected=dict(marker=dict(opacity=0))))
-    for name, colour in CLASSES.items():  # a legend of the classes, with their counts
-        count = int((classes == name).sum())
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=f"{name} ({count})",
-                                 marker=dict(color=colour, size=10, symbol="square")))
+    total = n_layers * n_heads
+    for name, (holds, drawn) in class_counts(tax).items():  # a legend of the classes, counted as the page counts
+        shown = f"{name}: {holds} ({holds / total:.0%})" + ("" if drawn == holds else f", {drawn} drawn")
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=shown,
+                                 marker=dict(color=CLASSES[name], size=10, symbol="square")))
     layout(fig, f"head taxonomy · {tax.arch} · {tax.samples} sample(s) · eps {tax.eps:g}, streaming ≥ "
                 f"{tax.tau_stream:g} (s={tax.s}, w={tax.w}), inactive < {tax.tau_inactive:g}",
            height=max(360, 18 * n_layers + 120))
+    fig.update_layout(legend=dict(title_text="heads of " + str(total) + "; a head in several<br>classes is drawn "
+                                             "in the first of<br>" + " > ".join(PRECEDENCE)))
     fig.update_xaxes(title="head", range=[-0.5, n_heads - 0.5], dtick=1)
     fig.update_yaxes(title="layer", range=[n_layers - 0.5, -0.5], dtick=max(1, n_layers // 10))
     return fig

@@ -219,14 +219,29 @@ def _overview(cap: Capture, tile: int, log: bool) -> go.Figure:
                     line=dict(color="white", width=2)) for k in range(1, cap.n_heads)]
     borders += [dict(type="line", y0=k * tile - 0.5, y1=k * tile - 0.5, x0=-0.5, x1=cols - 0.5,
                      line=dict(color="white", width=1)) for k in range(1, len(cap.layers))]
-    layout(fig, "every layer × head (click a tile)", height=max(400, 22 * len(cap.layers)), masked_bg=True)
-    fig.update_layout(shapes=list(fig.layout.shapes) + borders)
+    side = tile_px(cap.n_heads)  # each map square: the figure's size from its rows and columns
+    layout(fig, "every layer × head (click a tile)", masked_bg=True)
+    fig.update_layout(shapes=list(fig.layout.shapes) + borders, margin=OVERVIEW_MARGIN,
+                      width=max(OVERVIEW_MIN_WIDTH, OVERVIEW_MARGIN["l"] + OVERVIEW_MARGIN["r"] + cap.n_heads * side),
+                      height=OVERVIEW_MARGIN["t"] + OVERVIEW_MARGIN["b"] + len(cap.layers) * side)
     # fixed ranges: autorange would pad for the markers and show grey outside the mosaic
     fig.update_xaxes(tickmode="array", tickvals=[h * tile + centre for h in range(cap.n_heads)], range=[-0.5, cols - 0.5],
                      ticktext=[f"h{h}·g{cap.kv_groups[h]}" for h in range(cap.n_heads)], title="head · KV group")
     fig.update_yaxes(tickmode="array", tickvals=[i * tile + centre for i in range(len(cap.layers))],
-                     ticktext=[str(l) for l in cap.layers], range=[rows - 0.5, -0.5], title="layer")
+                     ticktext=[str(l) for l in cap.layers], range=[rows - 0.5, -0.5], title="layer",
+                     scaleanchor="x", scaleratio=1, constrain="domain")  # square where the page is narrower too
+    fig.update_xaxes(constrain="domain")
     return fig
+
+
+OVERVIEW_MARGIN = {"l": 70, "r": 110, "t": 50, "b": 64}  # r: the colour bar; l, b: the ticks and titles, unpushed
+OVERVIEW_MIN_WIDTH = 420  # the title's width: a model of few heads gets a narrower plot, its tiles still square
+
+
+def tile_px(n_heads: int, page: int = 960, largest: int = 24, smallest: int = 8) -> int:
+    """The side in pixels of one map of the overview: as many heads as fit ``page`` pixels, no larger than
+    ``largest`` (a model of few heads would get tiles a page tall) and no smaller than ``smallest``."""
+    return max(smallest, min(largest, page // max(n_heads, 1)))
 
 
 def tile_at(cap: Capture, x: float, y: float, tile: int = 12) -> tuple[int, int]:

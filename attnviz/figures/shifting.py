@@ -15,11 +15,12 @@ from attnviz.stats import metrics
 
 def shift_panels(caps: list[Capture], titles: list[str], layer: int, log: bool = False,
                  max_keys: int = 16) -> go.Figure:
-    """Per architecture: the head-mean map (shared scale) above the attention mass per key."""
+    """Per architecture: the head-mean map (shared scale; queries down, keys across, each axis titled) above the
+    attention mass per key."""
     values = [layer_matrix(c, layer) for c in caps]
     zmin, zmax = colour_range(values, log)
     fig = make_subplots(rows=2, cols=len(caps), subplot_titles=titles, row_heights=[0.68, 0.32],
-                        vertical_spacing=0.08, horizontal_spacing=0.05)
+                        vertical_spacing=0.13, horizontal_spacing=0.05)
     top = 0.0
     for col, (cap, v) in enumerate(zip(caps, values), start=1):
         traces, _ = matrix_traces(v, None, None, zmin, zmax, log, show_scale=col == len(caps),
@@ -28,6 +29,7 @@ def shift_panels(caps: list[Capture], titles: list[str], layer: int, log: bool =
             fig.add_trace(t, row=1, col=col)
         grey_under(fig, 1, col)
         fig.update_yaxes(autorange="reversed", constrain="domain", row=1, col=col)
+        fig.update_xaxes(title_text="key", title_standoff=4, row=1, col=col)
         mass = cap.stat(layer, "column_mean").mean(0)[:max_keys]
         top = max(top, float(mass.max()))
         sink = int(np.argmax(mass))
@@ -38,8 +40,9 @@ def shift_panels(caps: list[Capture], titles: list[str], layer: int, log: bool =
                       row=2, col=col)
         fig.update_xaxes(title_text="key", row=2, col=col)
     fig.update_yaxes(range=[0, max(top * 1.1, 1e-3)], row=2)
+    fig.update_yaxes(title_text="query", row=1, col=1)
     fig.update_yaxes(title_text="attention mass", row=2, col=1)
-    return layout(fig, f"layer {layer}: attention (top) and mass per key (bottom; red = sink key)", height=620)
+    return layout(fig, f"layer {layer}: attention (top) and mass per key (bottom; red = sink key)", height=660)
 
 
 def sink_key_grids(caps: list[Capture], titles: list[str], max_key: int = 4) -> go.Figure:

@@ -180,9 +180,9 @@ def sink_map(cap: Capture, eps: float = metrics.SINK_EPS) -> go.Figure:
     half = "" if n == cap.n_tokens else ", the first half: a later key is seen by too few queries to be a sink"
     layout(fig, f"where the sinks are: each key's attention share per layer (rings: alpha > {eps:g} in some head)"
                 f"<br><sup>{shown}{half}</sup>", height=max(380, 16 * len(cap.layers)))
-    fig.update_layout(margin=dict(t=80))  # the title's two lines
+    # the title's two lines, then the legend just above the plot: below it, it would cover the key axis's tokens
+    fig.update_layout(margin=dict(t=110), legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1))
     fig.update_yaxes(autorange="reversed", title="layer")
     fig.update_xaxes(title=f"key ({shown})", type="category", categoryorder="array", categoryarray=labels,
                      **(dict(tickmode="array", tickvals=labels, ticktext=ticks) if n <= 48 else {}))
-    fig.update_layout(legend=dict(orientation="h", y=-0.12))
     return fig

@@ -217,14 +217,6 @@ def _check_same(setup: Setup, found: Path) -> int:
     return int(meta["step"])
 
 
-def _finite(setup: Setup) -> None:
-    """A learning rate, weight decay or momentum that is not finite is refused: such a run has no finite step."""
-    for name, what in (("lr", "learning rate"), ("weight_decay", "weight decay"), ("momentum", "momentum")):
-        value = getattr(setup, name)
-        if value is not None and not math.isfinite(value):
-            raise InputError(f"the {what} is {value}: a run at it has no finite step; give a finite one")
-
-
 def _in_the_way(setup: Setup, out: Path, found: Path | None, start: int) -> None:
     """Before anything is written: a ``step-N`` the run will write that is there without its record (a checkpoint
     cut short, or not the trainer's), or a partial folder the run writes through that the trainer did not make, is
@@ -315,7 +307,7 @@ def one_step(built, loaded, optimizer, schedule, x: torch.Tensor) -> torch.Tenso
 
 def train(setup: Setup, out, on_step: Callable[[int, int, float], None] | None = None) -> Path:
     """Train ``setup`` into ``out`` (resuming from its last checkpoint); returns the last checkpoint's folder.
-    Refused in one line before anything is written: a learning rate, weight decay or momentum that is not finite, a
+    Refused in one line before anything is written (a setup refuses its own fields when it is made, lab/fields.py): a
     damaged last checkpoint, a folder in the way of a checkpoint the run writes (:func:`_in_the_way`). A loss or
     weights that stop being finite stop the run (:class:`~attnviz.errors.Diverged`): no checkpoint after the last
     finite one is written. Ctrl-C (KeyboardInterrupt) propagates with every checkpoint saved so far kept whole."""
@@ -324,7 +316,6 @@ def train(setup: Setup, out, on_step: Callable[[int, int, float], None] | None =
     from attnviz.core.loading.models import LoadedModel
 
     out = run_folder(out)
-    _finite(setup)
     fields.sized(setup.task, setup.batch)  # a batch past the memory budget refused before anything is made
     device = device_of(setup)
     found = last(out) if out.is_dir() else None
