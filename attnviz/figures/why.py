@@ -1,5 +1,16 @@
-"""Why a sink is a sink: its share of attention against its share of the output norm (Kobayashi et
-al. 2020), and massive activations in the residual stream (Sun et al. 2024) beside the sink keys."""
+"""The Why page's figures, why a sink is a sink (each function's docstring cites its definition):
+
+- :func:`sink_shares`: a key's share of attention against its share of the output norm (Kobayashi et al. 2020);
+- :func:`massive_activations` and its table :func:`top_activation_rows`: massive activations in the residual stream
+  (Sun et al. 2024) beside the sink keys;
+- :func:`attribution_figure`: a score's attribution by rotary pair or dimension, and by source;
+- :func:`diagnosis_figure`: the sink's diagnosis, each source's key-side contribution per head;
+- :func:`query_key_figure`: one head's queries and keys in one picture (AttentionViz), and
+  :func:`attention_row_figure`: one query's attention row;
+- :func:`causal_figure`: the causal check of one source; :func:`scan_figure`: the causal scan of every block;
+- :func:`patching_figure`: activation patching's grid;
+- :func:`paths_figure` and :func:`paths_bars_figure`: path patching, each single receiver and each group.
+"""
 
 from __future__ import annotations
 
