@@ -206,10 +206,10 @@ class Run(Recorded, Cached, AllowSets, Asked):
     def _every_recorder(self) -> tuple:
         return self.recorders + ((self._live,) if self.keep_graph else ())
 
-    def results(self, kind: str) -> dict:
-        """What the recorders of ``kind`` hold, by layer (the recorders own it; the run keeps no store of its own).
-        One recorder's own dict where it alone is of that kind, so the residual variants may take from ``live``."""
-        owners = [r for r in self._every_recorder() if r.kind == kind]
+    def results(self, holds: str) -> dict:
+        """What the recorders that hold ``holds`` hold, by layer (the recorders own it; the run keeps no store of its
+        own). One recorder's own dict where it alone holds that, so the residual variants may take from ``live``."""
+        owners = [r for r in self._every_recorder() if r.holds == holds]
         if len(owners) == 1:
             return owners[0].results
         merged: dict = {}
