@@ -39,7 +39,8 @@ def shared(name: str) -> str:
 
 def counts(model, layer: int, vectors: str) -> tuple[int, int]:
     """(heads, head dimension) of ``layer``'s projection of ``vectors`` (keys, queries or values): query heads for
-    the queries, key-value heads for the keys and values; a fused projection is refused in one line (it is not a head's own)."""
+    the queries, key-value heads for the keys and values; a fused projection is refused in one line (it is not a
+    head's own)."""
     from attnviz.core.model import anatomy
 
     attn = anatomy.of(model)[layer].attn
