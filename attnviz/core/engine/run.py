@@ -246,20 +246,20 @@ class Run(Recorded, Cached, AllowSets, Asked):
 
 @dataclass
 class Stacks:
-    """The runs of an encoder-decoder forward: one per attention kind ("encoder", "decoder",
+    """The runs of an encoder-decoder forward: one per attention stack ("encoder", "decoder",
     "cross"), each attention module routed to its run and layer by identity, since T5 and BART
     number the layers of every stack from 0."""
 
     runs: dict[str, Run]
-    routes: dict[int, tuple[str, int]]  # id(module) -> (kind, layer)
+    routes: dict[int, tuple[str, int]]  # id(module) -> (stack, layer)
 
     def route(self, module) -> tuple[Run, int]:
         try:
-            kind, layer = self.routes[id(module)]
+            stack, layer = self.routes[id(module)]
         except KeyError:
             raise ModelLoadError(f"{type(module).__name__} is an attention module attnviz did not find when it "
                                  "mapped this model's encoder and decoder") from None
-        return self.runs[kind], layer
+        return self.runs[stack], layer
 
 
 def n_layers(model) -> int:
