@@ -82,7 +82,7 @@ def test_the_sidebar_starts_at_the_librarys_defaults(at):
     pick("arch_pick", "Global + sliding")
     assert side("number_input", "arch_g").value == arch.MASKS.defaults("global")["g"]
     pick("arch_pick", "FWD")
-    kinds = interventions.KINDS
+    kinds = interventions.INTERVENTIONS
     pick("iv_pick", "sinkscale (ACT)")
     assert side("number_input", "iv_key").value == kinds.defaults("sinkscale")["key"]
     pick("iv_pick", "sinklogit")
