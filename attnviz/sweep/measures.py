@@ -218,10 +218,10 @@ def schema():
             ("versions", pa.string()), ("worker", pa.string()), ("finished", pa.string())]
     columns = {}
     for measure in COLUMNS.values():
-        for name, kind in measure.items():
-            if columns.setdefault(name, kind) != kind:
-                raise TypeError(f"results column '{name}' is typed twice: {columns[name]} and {kind}")
-    return pa.schema(cell + [(name, getattr(pa, kind)()) for name, kind in columns.items()])
+        for name, arrow in measure.items():
+            if columns.setdefault(name, arrow) != arrow:
+                raise TypeError(f"results column '{name}' is typed twice: {columns[name]} and {arrow}")
+    return pa.schema(cell + [(name, getattr(pa, arrow)()) for name, arrow in columns.items()])
 
 
 #: the emergence table's head-class columns (attnviz.lab.formation.COLUMNS): scores and ratios, and the classes
