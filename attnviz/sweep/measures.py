@@ -84,7 +84,7 @@ def compress(lm: LoadedModel, cell: Cell) -> list[dict]:
 
 def heads(lm: LoadedModel, cell: Cell) -> list[dict]:
     """Head classes over a dataset, docs/methods.md#head-classes (``attnviz heads --samples S --max-len T``): per layer, how many heads of
-    each kind."""
+    each class."""
     from attnviz.effects import heads as heads_mod
 
     o = cell.options
