@@ -2,9 +2,9 @@
 
 Architectures (``mask0-bidir(k=8)``), interventions (``sinkscale(beta=0.3)@20-29; ablate(heads=0,3)@5``),
 KV-cache presses (``snapkv(window=64, kernel=5)``), cache policies (``sink(s=4, w=124)``) and attention kinds
-(``softpick(eps=1e-6)``) are all written this way and read by the functions here. Each keeps a :class:`Registry` of its classes
-(or builder functions); the registry reads every parameter's name, type and default from the
-class's fields (the function's signature), so nothing is listed twice, and it writes the canonical
+(``softpick(eps=1e-6)``) are all written this way and read by the functions here. Each keeps a
+:class:`Registry` of its classes (or builder functions); the registry reads every parameter's name, type and
+default from the class's fields (the function's signature), so nothing is listed twice, and it writes the canonical
 string back (:meth:`Registry.spec`): every field in declaration order, ``name`` alone when there are
 none. Definitions: ``docs/methods.md#the-call-syntax``.
 
