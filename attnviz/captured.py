@@ -208,7 +208,7 @@ class Capture:
     def sinks(self, layer: int, eps: float = metrics.SINK_EPS, residual_norms=None) -> list[dict]:
         """Every key of ``layer`` that acts as a sink (:func:`attnviz.stats.metrics.sinks`), with the residual norm
         entering the layer (``residual_norms`` (n,), else where activations were kept) and the value norm where
-        value norms were; the model's learned sink among them (key -1, kind "learned") where it is one. A layer not
+        value norms were; the model's learned sink among them (key -1, category "learned") where it is one. A layer not
         recorded, or an ``eps`` outside 0..1, is refused."""
         layer, eps = self.check_layer(layer), metrics.check_eps(eps)
         norms = residual_norms if residual_norms is not None else (

@@ -12,9 +12,9 @@ from attnviz.errors import InputError
 def numbers(text: str, name: str, whole: bool = False) -> list:
     """The comma-separated numbers of ``text``, in the order given: "0.25, 0.5" → [0.25, 0.5]. Spaces around a
     number are allowed, a space between two numbers is not; ``name`` (the option, or the box) names the refusal."""
-    kind = int if whole else float
+    cast = int if whole else float
     try:
-        return [kind(item) for item in text.split(",") if item.strip()]
+        return [cast(item) for item in text.split(",") if item.strip()]
     except ValueError:
         raise InputError(f"{name} must be {'whole numbers' if whole else 'numbers'} separated by commas, "
                          f"got '{text}'") from None

@@ -3,7 +3,7 @@ decoder → encoder cross-attention from one teacher-forced forward (docs/method
 
 The architecture applies to the encoder's self-attention, which is how seed 004's "encoder with a
 causal mask" is built; the stock encoder is ``bidir``. The decoder's self-attention stays causal
-and cross-attention sees every real source token (only source padding is masked). Each kind comes
+and cross-attention sees every real source token (only source padding is masked). Each stack comes
 back as an ordinary :class:`~attnviz.capture.Capture`, so heatmaps, exports and data downloads
 work unchanged; cross-attention's rows are target tokens (``query_tokens``) and its columns
 source tokens.
@@ -24,7 +24,8 @@ from attnviz.core.record import recorders
 from attnviz.core.loading.models import LoadedModel
 from attnviz.errors import InputError, ModelLoadError
 
-KINDS = {"encoder": "encoder self-attention", "decoder": "decoder self-attention",
+#: The attention stacks of an encoder-decoder, by name.
+STACKS = {"encoder": "encoder self-attention", "decoder": "decoder self-attention",
          "cross": "cross-attention (target → source)"}
 STOCK_ENCODER = "bidir"
 MAX_NEW_TOKENS = 32
@@ -45,10 +46,11 @@ class Seq2SeqCapture:
                 "generated": self.generated, "n_source_tokens": self.encoder.n_tokens,
                 "n_target_tokens": self.decoder.n_tokens, "forward_s": round(self.encoder.timing["forward_s"], 4)}
 
-    def view(self, kind: str) -> Capture:
-        if kind not in KINDS:
-            raise InputError(f"unknown attention type '{kind}'; choose one of {', '.join(KINDS)}")
-        return getattr(self, kind)
+    def view(self, stack: str) -> Capture:
+        """The capture of one stack of :data:`STACKS`."""
+        if stack not in STACKS:
+            raise InputError(f"unknown attention type '{stack}'; choose one of {', '.join(STACKS)}")
+        return getattr(self, stack)
 
 
 def require(loaded: LoadedModel) -> None:
@@ -58,7 +60,7 @@ def require(loaded: LoadedModel) -> None:
 
 
 def attention_stacks(model) -> dict[str, list]:
-    """Each kind's attention modules, bottom layer first, or a refusal naming what is missing.
+    """Each stack's attention modules, bottom layer first, or a refusal naming what is missing.
 
     Attention modules are the ``*Attention`` modules with a ``layer_idx``; in the decoder the causal
     ones are self-attention and the others cross-attention (``is_causal``, as T5 and BART set it).
@@ -78,7 +80,7 @@ def attention_stacks(model) -> dict[str, list]:
 
 
 def _runs(model, src_ids: torch.Tensor, tgt_len: int, encoder_masks: list, storage_dtype, on_layer,
-          kinds=tuple(KINDS), record: bool = True) -> engine.Stacks:
+          which=tuple(STACKS), record: bool = True) -> engine.Stacks:
     stacks = attention_stacks(model)
     if len(encoder_masks) != len(stacks["encoder"]):
         raise ValueError(f"{len(encoder_masks)} masks for an encoder with {len(stacks['encoder'])} layers")
@@ -88,7 +90,7 @@ def _runs(model, src_ids: torch.Tensor, tgt_len: int, encoder_masks: list, stora
     masks = {"encoder": list(encoder_masks), "decoder": list(arch_mod.parse("fwd", n_dec).layers),
              "cross": list(arch_mod.parse("bidir", n_dec).layers)}
     done = [0]
-    total = sum(len(stacks[k]) for k in kinds)
+    total = sum(len(stacks[s]) for s in which)
 
     def step(_layer):
         done[0] += 1
@@ -96,28 +98,28 @@ def _runs(model, src_ids: torch.Tensor, tgt_len: int, encoder_masks: list, stora
             on_layer(done[0], total)
 
     runs = {}
-    for kind in kinds:
-        q_pos = tgt_pos if kind != "encoder" else None
-        positions, valid = (tgt_pos, torch.ones_like(tgt_pos, dtype=torch.bool)) if kind == "decoder" \
+    for stack in which:
+        q_pos = tgt_pos if stack != "encoder" else None
+        positions, valid = (tgt_pos, torch.ones_like(tgt_pos, dtype=torch.bool)) if stack == "decoder" \
             else (src_pos, src_valid)
-        runs[kind] = engine.Run(masks[kind], frozenset(range(len(masks[kind])) if record else ()), positions, valid,
-                                recorders=recorders.for_record(engine.Record(storage_dtype=storage_dtype)),
-                                on_layer=step, q_positions=q_pos)
-    routes = {id(m): (kind, i) for kind in kinds for i, m in enumerate(stacks[kind])}
+        runs[stack] = engine.Run(masks[stack], frozenset(range(len(masks[stack])) if record else ()), positions, valid,
+                                 recorders=recorders.for_record(engine.Record(storage_dtype=storage_dtype)),
+                                 on_layer=step, q_positions=q_pos)
+    routes = {id(m): (stack, i) for stack in which for i, m in enumerate(stacks[stack])}
     return engine.Stacks(runs, routes)
 
 
 def _check_routed(stacks: engine.Stacks, model) -> None:
-    for kind, run in stacks.runs.items():
+    for stack, run in stacks.runs.items():
         if len(run.probs) != len(run.masks):
-            raise ModelLoadError(f"{type(model).__name__} computed {kind} attention outside transformers' attention "
+            raise ModelLoadError(f"{type(model).__name__} computed {stack} attention outside transformers' attention "
                                  "interface, so attnviz cannot record it")
 
 
 @torch.inference_mode()
 def forward(model, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor, encoder_masks: list,
             storage_dtype=torch.float16, on_layer=None):
-    """One teacher-forced forward recording every kind; returns ``(model_output, Stacks)``."""
+    """One teacher-forced forward recording every stack; returns ``(model_output, Stacks)``."""
     engine.prepare(model)
     stacks = _runs(model, input_ids, decoder_input_ids.shape[1], encoder_masks, storage_dtype, on_layer)
     with engine.active(stacks):
@@ -132,7 +134,7 @@ def generate(model, input_ids: torch.Tensor, encoder_masks: list, max_new_tokens
     """Greedy output with the encoder under ``encoder_masks`` (the decoder is stock): what the
     masked model itself says, decoder start token first."""
     engine.prepare(model)
-    stacks = _runs(model, input_ids, 1, encoder_masks, torch.float16, None, kinds=("encoder",),
+    stacks = _runs(model, input_ids, 1, encoder_masks, torch.float16, None, which=("encoder",),
                    record=False)  # nothing to keep: SDPA under the masks
     with engine.active(stacks):
         encoded = model.get_encoder()(input_ids=input_ids.to(model.device))
@@ -148,7 +150,7 @@ def _heads(probs: dict) -> list[int]:
 def capture_seq2seq(loaded: LoadedModel, source: str, target: str | None = None, arch="bidir",
                     max_tokens: int | None = None, max_new_tokens: int = MAX_NEW_TOKENS,
                     storage_dtype: torch.dtype = torch.float16, on_layer=None) -> Seq2SeqCapture:
-    """Capture the three kinds for ``source`` → ``target``; an empty target is generated greedily
+    """Capture the three stacks for ``source`` → ``target``; an empty target is generated greedily
     (``max_new_tokens``) under the same encoder architecture. ``on_layer(done, total)`` reports progress."""
     require(loaded)
     started = time.perf_counter()
@@ -180,15 +182,15 @@ def capture_seq2seq(loaded: LoadedModel, source: str, target: str | None = None,
             "source": source, "target": target_text, "generated": generated, "versions": versions()}
     timing = {"forward_s": forward_s, "total_s": time.perf_counter() - started}
 
-    def build(kind, text, tokens, ids, spec, layer_names, query_tokens=None, next_logprobs=None):
-        run = stacks.runs[kind]
+    def build(stack, text, tokens, ids, spec, layer_names, query_tokens=None, next_logprobs=None):
+        run = stacks.runs[stack]
         layers = sorted(run.probs)
         return Capture(text=text, tokens=tokens, token_ids=list(ids), arch=spec, layer_masks=layer_names,
                        layers=layers, kv_groups=_heads(run.probs),
                        allowed=run.host_allowed(layers),
                        probs={l: run.probs[l][0].numpy() for l in layers}, next_logprobs=next_logprobs,
                        query_tokens=query_tokens, timing=dict(timing),
-                       meta={**meta, "attention": kind, "n_layers": len(layers)})
+                       meta={**meta, "attention": stack, "n_layers": len(layers)})
 
     n_dec = len(stacks.runs["decoder"].masks)
     logprobs = torch.log_softmax(output.logits[0, -1].float(), -1).cpu().numpy()

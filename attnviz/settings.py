@@ -139,16 +139,16 @@ class Settings:
         def get(name: str) -> str:
             return str(env.get(f"ATTNVIZ_{name}", "")).strip()
 
-        def number(name: str, kind=int, fallback=None):
+        def number(name: str, cast=int, fallback=None):
             value = get(name)
             if not value and fallback is not None:
                 value = str(secrets.get(fallback, "")).strip()
             if not value:
                 return None
             try:
-                return kind(value) if kind is int else float(value)
+                return cast(value) if cast is int else float(value)
             except ValueError:
-                raise InputError(f"ATTNVIZ_{name}={value!r}: not a {'whole ' if kind is int else ''}number") from None
+                raise InputError(f"ATTNVIZ_{name}={value!r}: not a {'whole ' if cast is int else ''}number") from None
 
         def switch(name: str) -> bool | None:
             value = get(name).lower()

@@ -311,19 +311,19 @@ def linformer_section() -> None:
     c1, c2, c3 = st.columns([2, 2, 1])
     layer = c1.slider("Layer", 0, loaded.n_layers - 1, loaded.n_layers - 1, key="fx_lin_layer")
     ks_text = c2.text_input("k values", ", ".join(map(str, linformer.KS)), key="fx_lin_ks")
-    kind = c3.radio("Projection", linformer.PROJECTIONS, key="fx_lin_kind",
-                    index=linformer.PROJECTIONS.index(defaults.one(linformer.whatif, "kind")))
+    method = c3.radio("Projection", linformer.PROJECTIONS, key="fx_lin_projection",
+                      index=linformer.PROJECTIONS.index(defaults.one(linformer.whatif, "method")))
     if not settings.text.strip():
         st.warning("The text is empty: type something in the sidebar.")
         return
     try:  # the CLI's --ks reader and its what-if (attnviz linformer), every refusal before anything runs
         prepared = linformer.prepare(loaded, settings.text, settings.arch, layer,
-                                     sorted(set(options.ks(ks_text, "k values"))), kind)
+                                     sorted(set(options.ks(ks_text, "k values"))), method)
     except AttnvizError as err:
         st.error(str(err))
         return
     ks = list(prepared.ks)
-    job = ("linformer", loaded.model_id, settings.text, settings.arch, layer, tuple(ks), kind)
+    job = ("linformer", loaded.model_id, settings.text, settings.arch, layer, tuple(ks), method)
     curve = jobs.run(job, f"Linformer on layer {layer}", lambda progress: prepared.run())
     if curve is None:
         return
@@ -334,7 +334,7 @@ def linformer_section() -> None:
     left, right = st.columns(2)
     left.plotly_chart(fig_map, width="stretch", key="fx_lin_map")
     right.plotly_chart(fig_err, width="stretch", key="fx_lin_err")
-    meta_lin = meta(arch=settings.arch, layer=layer, projection=kind, text=settings.text)
+    meta_lin = meta(arch=settings.arch, layer=layer, projection=method, text=settings.text)
     figure_downloads(fig_err, {**meta_lin, "figure": "linformer-error"}, key="fx_lin_x")
 
 

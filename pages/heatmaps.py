@@ -31,9 +31,9 @@ definitions("masks", "per-layer-architectures", "value-weighted-attention", "att
 SHOW = {"weight": "attention weight A", "value": "value-weighted norm ‖A·W_O v‖", "logits": "pre-softmax QKᵀ/√d",
         "rollout": "attention rollout"}
 EXTRAS = {"value": ("value_norms",), "logits": ("scores",)}  # recorded only when this view asks
-KINDS = {"decoder": "decoder self-attention", "encoder": "encoder self-attention",
+STACKS = {"decoder": "decoder self-attention", "encoder": "encoder self-attention",
          "cross": "cross-attention (target → source)"}
-kind = st.radio("Attention", list(KINDS), format_func=KINDS.get, horizontal=True, key="hm_kind",
+stack = st.radio("Attention", list(STACKS), format_func=STACKS.get, horizontal=True, key="hm_stack",
                 help="A decoder-only LM has decoder self-attention only; encoder-decoder models (T5, BART, Marian) "
                      "also have an encoder and cross-attention, with target tokens as rows and source tokens as columns")
 seq2seq = loaded is not None and loaded.is_encoder_decoder
@@ -216,7 +216,7 @@ if seq2seq:
         st.stop()
     pair = get_seq2seq_capture(loaded, settings.text, target, "bidir" if encoder == "stock" else settings.arch)
     if pair is not None:
-        cap = pair.view(kind)
+        cap = pair.view(stack)
         st.caption(f"{cap.meta['model']} · encoder `{pair.encoder.arch}` · {pair.encoder.n_tokens} source → "
                    f"{pair.decoder.n_tokens} target tokens" + (" (generated)" if pair.generated else "")
                    + f" · forward {cap.timing['forward_s']:.2f} s")
@@ -224,7 +224,7 @@ if seq2seq:
             st.markdown(f"**Model output:** {pair.target}")
         show(cap, "weight")
         show_overview(cap)
-elif kind != "decoder" and loaded is not None:
+elif stack != "decoder" and loaded is not None:
     st.error(f"{loaded.model_id} is a decoder-only model: it has no encoder and no cross-attention. Load an "
              "encoder-decoder (T5, BART, Marian: a Hugging Face id or a local directory) to see them.")
 else:

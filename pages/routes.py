@@ -90,7 +90,7 @@ st.subheader("Where the attention flow comes from")
 st.plotly_chart(sink_share_figure(graphs, titles, [flow.sink_share_all(f, threshold) for f in flows]),
                 width="stretch", key="rt_share")
 
-attn_edges = sorted((e for e in graphs[0].edges if e.kind == "attn" and e.head is not None), key=lambda e: -e.weight)
+attn_edges = sorted((e for e in graphs[0].edges if e.via == "attn" and e.head is not None), key=lambda e: -e.weight)
 if attn_edges:
     c1, c2 = st.columns([4, 1])
     edge = c1.selectbox("Attention edge", attn_edges[:50], key="rt_edge",

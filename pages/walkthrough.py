@@ -67,11 +67,11 @@ st.markdown("Linformer (seed 004) multiplies K and V by k × n matrices E and F,
 l1, l2 = st.columns(2)
 slots = l1.slider("k slots", 1, k.shape[0], max(1, k.shape[0] - 1), key="wt_lin_k")
 projections = ["segment", "gaussian"]
-kind = l2.radio("Projection", projections, projections.index(defaults.one(W.linformer_steps, "kind")),
-                horizontal=True, key="wt_lin_kind",
-                help="segment: slot s averages positions s·n/k .. (s+1)·n/k − 1; gaussian: seeded N(0, 1/k)")
+method = l2.radio("Projection", projections, projections.index(defaults.one(W.linformer_steps, "method")),
+                  horizontal=True, key="wt_lin_projection",
+                  help="segment: slot s averages positions s·n/k .. (s+1)·n/k − 1; gaussian: seeded N(0, 1/k)")
 try:
-    lin = W.linformer_steps(q, k, v, slots, kind)
+    lin = W.linformer_steps(q, k, v, slots, method)
 except InputError as err:
     st.error(str(err))
     st.stop()

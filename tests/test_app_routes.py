@@ -69,14 +69,14 @@ def test_the_page_draws_the_librarys_graph(app, default_model):  # noqa: F811
     on_page(app, "pages/routes.py")
     drawn = sorted((e[0], e[1], e[2], e[3], e[4], e[5]) for e in _edge_points(_graph(app)) if e[6] == 0)
     g = flow.graph(flow.trace(default_model, TEXT), -1, 0.04)
-    want = sorted((e.layer, -1 if e.head is None else e.head, e.kind, e.source, e.target, round(e.weight, 4))
+    want = sorted((e.layer, -1 if e.head is None else e.head, e.via, e.source, e.target, round(e.weight, 4))
                   for e in g.edges)
     assert [d[:5] for d in drawn] == [w[:5] for w in want]
     np.testing.assert_allclose([d[5] for d in drawn], [w[5] for w in want], atol=2e-4)
     app.checkbox(key="rt_renormalise").check().run()  # each node's kept edges divided by their sum
     drawn = sorted((e[0], e[1], e[2], e[3], e[4], e[5]) for e in _edge_points(_graph(app)) if e[6] == 0)
     g = flow.graph(g.flow, -1, 0.04, renormalise=True)
-    want = sorted((e.layer, -1 if e.head is None else e.head, e.kind, e.source, e.target, round(e.weight, 4))
+    want = sorted((e.layer, -1 if e.head is None else e.head, e.via, e.source, e.target, round(e.weight, 4))
                   for e in g.edges)
     assert [d[:5] for d in drawn] == [w[:5] for w in want]
     np.testing.assert_allclose([d[5] for d in drawn], [w[5] for w in want], atol=2e-4)

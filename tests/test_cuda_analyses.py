@@ -90,5 +90,5 @@ def test_the_learned_sink_and_sinks_at_any_key(dtype):
         for layer in ref.layers:
             np.testing.assert_allclose(got.learned_sink[layer], ref.learned_sink[layer], atol=ATTENTION[dtype])
             if dtype == torch.float32:  # in bfloat16 a head whose share sits near the threshold may fall either side
-                assert [(s["key"], s["kind"], s["heads"]) for s in got.sinks(layer, 0.3)] == [
-                    (s["key"], s["kind"], s["heads"]) for s in ref.sinks(layer, 0.3)], layer
+                assert [(s["key"], s["category"], s["heads"]) for s in got.sinks(layer, 0.3)] == [
+                    (s["key"], s["category"], s["heads"]) for s in ref.sinks(layer, 0.3)], layer

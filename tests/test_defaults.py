@@ -40,7 +40,7 @@ LIBRARY = {
     **{("heads", cli): D(induction.repeated)[lib] for cli, lib in (
         ("repeat", "length"), ("repeat_samples", "samples"), ("seed", "seed"), ("tau", "tau"),
         ("dormant_share", "share"))},
-    ("linformer", "ks"): ",".join(map(str, linformer.KS)), ("linformer", "projection"): D(linformer.whatif)["kind"],
+    ("linformer", "ks"): ",".join(map(str, linformer.KS)), ("linformer", "projection"): D(linformer.whatif)["method"],
     ("generate", "policy"): D(generate.generate)["policy"],
     ("generate", "max_new_tokens"): D(generate.generate)["max_new_tokens"],
     ("report", "size"): D(html.report_html)["size"], ("report", "images"): D(html.report_html)["image_format"],
@@ -135,7 +135,7 @@ PAGE_WIDGETS = {
     "fx_kv_context": ("compress", "context"), "fx_kv_tokens": ("compress", "max_tokens"),
     "fx_sw_m": ("embed", "m"), "fx_sw_docs": ("embed", "max_docs"),
     "fx_gen_policy": ("generate", "policy"), "fx_gen_new": ("generate", "max_new_tokens"),
-    "fx_lin_kind": ("linformer", "projection"),
+    "fx_lin_projection": ("linformer", "projection"),
 }
 #: widget key -> the library's default, where the CLI's option shows it another way (or has none)
 PAGE_LIBRARY = {

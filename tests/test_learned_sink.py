@@ -1,6 +1,6 @@
 """The learned sink as a key (docs/methods.md#the-learned-sink-as-a-key): on a tiny gpt-oss whose layer-0 head 0 sends
 about half of every row to its learned sink, the share a capture keeps equals stock eager's own softmax column before
-it is dropped, it is a sink of kind "learned", `attnviz sinks --json` carries it, a model without one gives the same
+it is dropped, it is a sink of category "learned", `attnviz sinks --json` carries it, a model without one gives the same
 document as before, and the Heatmaps and Attention sinks pages draw its column."""
 
 import contextlib
@@ -89,20 +89,20 @@ def test_the_share_equals_stock_eager_s_sink_column(captures, tmp_path):
         np.testing.assert_array_equal(loaded_back.learned_sink[layer], captures["statistics"].learned_sink[layer])
 
 
-def test_the_learned_sink_is_a_sink_of_kind_learned(captures):
+def test_the_learned_sink_is_a_sink_of_category_learned(captures):
     expected = stock_columns(captures["statistics"].token_ids)[0].mean(-1)  # alpha: the mean over the queries
     for name, cap in captures.items():
         np.testing.assert_allclose(cap.learned_alpha(0), expected, atol=1e-6)
-        learned = [s for s in cap.sinks(0, 0.3) if s["kind"] == "learned"]
-        assert learned == [{"key": metrics.LEARNED_KEY, "token": metrics.LEARNED_TOKEN, "kind": "learned",
+        learned = [s for s in cap.sinks(0, 0.3) if s["category"] == "learned"]
+        assert learned == [{"key": metrics.LEARNED_KEY, "token": metrics.LEARNED_TOKEN, "category": "learned",
                             "heads": [0], "share": round(float(expected[0]), 6), "residual_norm": None,
                             "value_norm": None}], name
-        assert not [s for s in cap.sinks(0, 0.9) if s["kind"] == "learned"]
+        assert not [s for s in cap.sinks(0, 0.9) if s["category"] == "learned"]
     # by hand: the learned sink among the keys, strongest first, value norm 0 where value norms are given
     alphas = np.full((2, 4), 0.1)
     alphas[1, 0] = 0.4
     found = metrics.sinks(alphas, ["a", "b", "c", "d"], 0.3, value_norms=np.ones((2, 4)), learned=[0.7, 0.2])
-    assert [(s["key"], s["kind"], s["heads"], s["value_norm"]) for s in found] == [(-1, "learned", [0], 0.0),
+    assert [(s["key"], s["category"], s["heads"], s["value_norm"]) for s in found] == [(-1, "learned", [0], 0.0),
                                                                                    (0, "first", [1], 1.0)]
     assert metrics.sinks(alphas, ["a", "b", "c", "d"], 0.3) == metrics.sinks(alphas, ["a", "b", "c", "d"], 0.3,
                                                                              learned=None)

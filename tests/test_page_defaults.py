@@ -82,7 +82,7 @@ def test_the_sidebar_starts_at_the_librarys_defaults(at):
     pick("arch_pick", "Global + sliding")
     assert side("number_input", "arch_g").value == arch.MASKS.defaults("global")["g"]
     pick("arch_pick", "FWD")
-    kinds = interventions.KINDS
+    kinds = interventions.INTERVENTIONS
     pick("iv_pick", "sinkscale (ACT)")
     assert side("number_input", "iv_key").value == kinds.defaults("sinkscale")["key"]
     pick("iv_pick", "sinklogit")
@@ -149,7 +149,7 @@ def test_heads_routes_why_and_patching(at):
 def test_pages_without_a_model(at):
     visit(at, "walkthrough")
     assert value(at, "selectbox", "wt_mask") == D(W.steps)["mask_name"]
-    assert value(at, "radio", "wt_lin_kind") == D(W.linformer_steps)["kind"]
+    assert value(at, "radio", "wt_lin_projection") == D(W.linformer_steps)["method"]
     assert value(at, "text_area", "wt_q") == "\n".join(", ".join(f"{x:g}" for x in row) for row in W.Q)
 
     visit(at, "designer")
@@ -200,4 +200,4 @@ def test_effects(at):
     section("Linformer what-if")
     ks = value(at, "text_input", "fx_lin_ks")
     assert tuple(int(k) for k in ks.replace(",", " ").split()) == tuple(linformer.KS)
-    assert value(at, "radio", "fx_lin_kind") == D(linformer.whatif)["kind"]
+    assert value(at, "radio", "fx_lin_projection") == D(linformer.whatif)["method"]

@@ -137,14 +137,3 @@ def test_paths_with_the_scan_s_senders_make_one_unpatched_forward(monkeypatch):
     assert len(calls) == 1 and found.senders == causal.scan(lm, TEXT, "fwd", leaders=False).necessary
     assert len(calls) == 2  # the scan alone: its own one
 
-
-def test_the_heads_figure_has_a_cell_per_head_and_layer():
-    from attnviz.figures.receivers import heads_figure
-
-    lm = tiny.loaded("gemma3_text")
-    found = paths(lm, TEXT, "fwd", "mlp.0", "keys.1.h*,keys.2.h*,values.1.h*")
-    fig = heads_figure(found)
-    assert len(fig.data) == 1
-    z = np.array(fig.data[0].z, dtype=float)
-    assert list(fig.data[0].y) == ["keys h0", "keys h1", "values h0", "values h1"] and z.shape == (4, lm.n_layers)
-    assert z[0, 1] == pytest.approx(found.reached("mlp.0", "keys.1.h0")) and np.isnan(z[2, 2])

@@ -40,7 +40,7 @@ def hand_made() -> Flow:
 
 def test_the_graph_of_a_hand_made_flow():
     g = flow.graph(hand_made(), -1, 0.04)
-    got = {(e.layer, e.kind, e.block, e.head, e.source, e.target, round(e.weight, 4)) for e in g.edges}
+    got = {(e.layer, e.via, e.block, e.head, e.source, e.target, round(e.weight, 4)) for e in g.edges}
     assert got == {
         (1, "mlp", "mlp", None, 2, 2, 0.6), (1, "residual", "mlp", None, 2, 2, 0.4),
         (1, "attn", "attn", 0, 0, 2, 0.5), (1, "residual", "attn", None, 2, 2, 0.47),  # head 1's 0.03 is below τ
@@ -54,17 +54,17 @@ def test_the_graph_of_a_hand_made_flow():
     # every query, not only the graph's: layer 1 keeps 0.5 and 0.2 (both from key 0); layer 0 0.4 + 0.3 of 0.9
     assert flow.sink_share_all(g.flow, 0.04) == pytest.approx([0.7 / 0.9, 1.0])
     summed = flow.graph(hand_made(), 2, 0.04, heads="sum")
-    assert {(e.layer, e.head, e.source, round(e.weight, 4)) for e in summed.edges if e.kind == "attn"} == {
+    assert {(e.layer, e.head, e.source, round(e.weight, 4)) for e in summed.edges if e.via == "attn"} == {
         (1, None, 0, 0.5), (0, None, 0, 0.3), (0, None, 2, 0.2)}
     high = flow.graph(hand_made(), -1, 0.55)
-    assert [(e.layer, e.kind) for e in high.edges] == [(1, "mlp")] and high.sink_share() == [None, None]
+    assert [(e.layer, e.via) for e in high.edges] == [(1, "mlp")] and high.sink_share() == [None, None]
 
 
 def test_a_parallel_blocks_mlp_edge_starts_below_its_attention():
     f = hand_made()
     f.layers[1].parallel = True
     g = flow.graph(f, -1, 0.04)
-    mlp = next(e for e in g.edges if e.layer == 1 and e.kind == "mlp")
+    mlp = next(e for e in g.edges if e.layer == 1 and e.via == "mlp")
     assert mlp.levels == ((0, "mlp"), (1, "mlp"))
     assert (0, "mlp", 2) in g.nodes()
 
@@ -80,7 +80,7 @@ def test_renormalising_matches_the_llm_transparency_tools_own_test():
 
     def attention(token, renormalise):
         g = flow.graph(made, token, 0.1, renormalise=renormalise)
-        return {(e.kind, e.head): e.weight for e in g.edges if e.block == "attn"}
+        return {(e.via, e.head): e.weight for e in g.edges if e.block == "attn"}
 
     assert attention(0, True) == {("attn", 1): pytest.approx(0.157894, abs=1e-6),
                                   ("residual", None): pytest.approx(0.842105, abs=1e-6)}
@@ -96,17 +96,17 @@ def test_renormalising_keeps_the_same_edges_and_each_nodes_sum_to_one():
     totals: dict = {}
     for e in plain.edges:
         totals[node(e)] = totals.get(node(e), 0.0) + e.weight
-    assert [(e.layer, e.kind, e.head, e.source, e.target) for e in renormalised.edges] == \
-        [(e.layer, e.kind, e.head, e.source, e.target) for e in plain.edges]
+    assert [(e.layer, e.via, e.head, e.source, e.target) for e in renormalised.edges] == \
+        [(e.layer, e.via, e.head, e.source, e.target) for e in plain.edges]
     for p, r in zip(plain.edges, renormalised.edges):
         assert r.weight == pytest.approx(p.weight / totals[node(p)])
     # layer 1's attention into token 2: head 0 from token 0 (0.5) and the residual (0.47); head 1's 0.03 is cut
-    top = {(e.kind, e.head): e.weight for e in renormalised.edges if (e.layer, e.block) == (1, "attn")}
+    top = {(e.via, e.head): e.weight for e in renormalised.edges if (e.layer, e.block) == (1, "attn")}
     assert top == pytest.approx({("attn", 0): 0.5 / 0.97, ("residual", None): 0.47 / 0.97})
     # the heads summed, then cut at τ = 0.25, then divided: layer 0 into token 2 keeps 0.3 from token 0 (0.2 from
     # token 2 is cut) and its residual 0.5
     summed = flow.graph(hand_made(), -1, 0.25, heads="sum", renormalise=True)
-    bottom = {(e.kind, e.source): e.weight for e in summed.edges if (e.layer, e.block, e.target) == (0, "attn", 2)}
+    bottom = {(e.via, e.source): e.weight for e in summed.edges if (e.layer, e.block, e.target) == (0, "attn", 2)}
     assert bottom == pytest.approx({("attn", 0): 0.3 / 0.8, ("residual", 2): 0.5 / 0.8})
 
 
@@ -160,14 +160,14 @@ def test_the_cli_prints_the_contract_and_its_edges_equal_stock_hooks(default_mod
     n, L = len(doc["tokens"]), default_model.n_layers
     assert doc["token"] == n - 1 and doc["threshold"] == 0.04 and len(doc["sink_share"]) == L
     assert doc["recipe"]["arch"] == "fwd"
-    assert all(set(e) >= {"layer", "kind", "head", "from", "to", "weight"} for e in doc["edges"])
-    assert {e["kind"] for e in doc["edges"]} == {"attn", "mlp", "residual"}
+    assert all(set(e) >= {"layer", "via", "head", "from", "to", "weight"} for e in doc["edges"])
+    assert {e["via"] for e in doc["edges"]} == {"attn", "mlp", "residual"}
     model = AutoModelForCausalLM.from_config(default_model.model.config, attn_implementation="eager",
                                              dtype=torch.float32)
     model.load_state_dict(default_model.model.state_dict())
     ids = default_model.tokenizer(TEXT)["input_ids"]
     expected = stock(model.eval(), ids, "llama")
-    attn = [e for e in doc["edges"] if e["kind"] == "attn"]
+    attn = [e for e in doc["edges"] if e["via"] == "attn"]
     assert {e["layer"] for e in attn} and all(e["head"] is not None for e in attn)
     for e in attn:
         assert e["weight"] == pytest.approx(float(expected[e["layer"]][1][e["to"], e["from"], e["head"]]), abs=1e-4)

@@ -182,7 +182,7 @@ def test_heatmaps_page_shows_the_three_kinds_of_an_encoder_decoder(t5_dir, tmp_p
     at.sidebar.text_area(key="text").input(SOURCE).run()
     assert not at.exception and not at.error, texts(at.error)
     at.text_input(key="hm_target").input(TARGET).run()
-    at.radio(key="hm_kind").set_value("cross").run()
+    at.radio(key="hm_stack").set_value("cross").run()
     assert not at.exception and not at.error, texts(at.error)
     spec = charts(at)[0]
     assert arr(spec["data"][0]["customdata"]).shape == (len(TARGET) + 2, len(SOURCE) + 1)  # target rows x source cols
@@ -190,7 +190,7 @@ def test_heatmaps_page_shows_the_three_kinds_of_an_encoder_decoder(t5_dir, tmp_p
     assert spec["layout"]["xaxis"]["title"]["text"] == "source (key)"
     np.testing.assert_allclose(np.nansum(arr(spec["data"][0]["customdata"]), axis=1), 1.0, atol=2e-3)
     # the sidebar architecture goes on the encoder: FWD makes it causal
-    at.radio(key="hm_kind").set_value("encoder").run()
+    at.radio(key="hm_stack").set_value("encoder").run()
     z = arr(charts(at)[0]["data"][0]["customdata"])
     assert not np.isnan(z[np.tril_indices(len(z))]).any() and not np.isnan(z[0, 1])  # stock encoder: bidir
     at.radio(key="hm_encoder").set_value("sidebar").run()
@@ -211,6 +211,6 @@ def test_cross_attention_view_of_a_decoder_only_model_is_refused(tmp_path, model
 
     at = app_test(tmp_path)
     at.run()
-    at.radio(key="hm_kind").set_value("cross").run()
+    at.radio(key="hm_stack").set_value("cross").run()
     assert not at.exception
     assert "decoder-only model" in texts(at.error) and "no cross-attention" in texts(at.error)

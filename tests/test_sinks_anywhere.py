@@ -28,10 +28,10 @@ def test_sinks_of_a_hand_written_layer():
     alphas[2, 1] = np.nan  # undefined alpha is no sink
     found = metrics.sinks(alphas, tokens, 0.3, residual_norms=np.arange(8.0), value_norms=np.ones((3, 8)))
     assert [s["key"] for s in found] == [0, 2, 3]  # strongest first: 1.25, 0.6, 0.31 summed over heads
-    assert found[0] == {"key": 0, "token": "<s>", "kind": "first", "heads": [0, 1], "share": 0.625,
+    assert found[0] == {"key": 0, "token": "<s>", "category": "first", "heads": [0, 1], "share": 0.625,
                         "residual_norm": 0.0, "value_norm": 1.0}
-    assert found[1]["kind"] == "delimiter" and found[1]["heads"] == [2] and found[1]["residual_norm"] == 2.0
-    assert found[2]["kind"] == "other" and found[2]["share"] == 0.31
+    assert found[1]["category"] == "delimiter" and found[1]["heads"] == [2] and found[1]["residual_norm"] == 2.0
+    assert found[2]["category"] == "other" and found[2]["share"] == 0.31
     assert metrics.sinks(alphas, tokens, 0.95) == []
     assert metrics.sink_candidates(8) == 4 and metrics.sink_candidates(9) == 5 and metrics.sink_candidates(1) == 1
 
@@ -95,8 +95,8 @@ def test_the_sinks_json_lists_every_sink_key(gemma3_model, capsys):
     doc = json.loads(capsys.readouterr().out)
     by_layer = {l["layer"]: l["sinks"] for l in doc["layers"]}
     first = by_layer[14][0]
-    assert set(first) == {"key", "token", "kind", "heads", "share", "residual_norm", "value_norm"}
-    assert first["key"] == 10 and first["token"] == "." and first["kind"] == "delimiter" and len(first["heads"]) == 4
+    assert set(first) == {"key", "token", "category", "heads", "share", "residual_norm", "value_norm"}
+    assert first["key"] == 10 and first["token"] == "." and first["category"] == "delimiter" and len(first["heads"]) == 4
     assert first["residual_norm"] > 1000 and first["value_norm"] > 0
     assert by_layer[0] == [] and all(by_layer[l] for l in (1, 6, 9, 12, 13, 14, 15, 16))
 

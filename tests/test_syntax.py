@@ -49,15 +49,15 @@ def test_the_same_layer_list_in_captures_and_interventions():
 
 
 def test_registries_read_fields_types_and_defaults():
-    params = {p.name: (p.type, p.default) for p in interventions.KINDS.parameters("sinkscale")}
+    params = {p.name: (p.type, p.default) for p in interventions.INTERVENTIONS.parameters("sinkscale")}
     assert params == {"key": (int, 0), "beta": (float, 1.0)}
-    assert interventions.KINDS.required("ablate") == ["heads"]
+    assert interventions.INTERVENTIONS.required("ablate") == ["heads"]
     assert presses.PRESSES.defaults("snapkv") == {"window": 64, "kernel": 5}
     assert POLICIES.required("sink") == ["s", "w"] and POLICIES.parameters("dense") == []
     assert arch.MASKS.required("dilated") == ["w", "d"] and arch.MASKS.defaults("nosink-fwd") == {"m": 1}
     assert arch.NAMED.required("mask0&bidir") == ["k", "k0"]
     # every registered class's fields are what its registry reports: nothing is listed twice
-    for registry in (interventions.KINDS, presses.PRESSES, POLICIES, arch.MASKS, arch.NAMED):
+    for registry in (interventions.INTERVENTIONS, presses.PRESSES, POLICIES, arch.MASKS, arch.NAMED):
         for name in registry.names():
             signature = inspect.signature(registry.entries[name]).parameters
             assert [p.name for p in registry.parameters(name)] == [k for k in signature if k not in registry.skip]

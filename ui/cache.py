@@ -231,7 +231,7 @@ def get_capture(loaded: LoadedModel, text: str, recipe: Recipe, hidden: bool = T
 
 
 def get_seq2seq_capture(loaded: LoadedModel, source: str, target: str, spec: str):
-    """An encoder-decoder's three kinds of attention (attnviz.seq2seq), cached like captures."""
+    """An encoder-decoder's three attention stacks (attnviz.seq2seq), cached like captures."""
     from attnviz import seq2seq
 
     n_enc = len(seq2seq.attention_stacks(loaded.model)["encoder"])

@@ -69,7 +69,7 @@ def run(key: Hashable, label: str, compute: Callable[[Callable[..., None]], T],
     ``store`` is the LRU to keep results in (default: the pages' results cache); room for ``reserve`` bytes is
     made there just before computing (older results leave first), so the server's resident size stays near the
     store's budget. ``units`` (tokens, steps) lets :func:`eta` quote this machine's own time per unit for the
-    key's kind (``key[0]``). A run the user abandons (new input, another page) stops at its next progress
+    key's name (``key[0]``). A run the user abandons (new input, another page) stops at its next progress
     report, i.e. after the current layer: once a rerun is requested, Streamlit interrupts the script at its
     next ``st`` call, here ``bar.progress``; nothing half-done is stored. The server's log says where it stopped
     (``abandoned <label> at 3/30``; tests/test_e2e_browser.py checks it in Chromium).
@@ -120,18 +120,18 @@ def run(key: Hashable, label: str, compute: Callable[[Callable[..., None]], T],
         return result
 
 
-_rates: dict = {}  # the kind of computation (a key's first item) -> seconds per unit of its last run here
+_rates: dict = {}  # a job's name (its key's first item: "eval", "lab-train" ...) -> seconds a unit, its last run here
 
 
-def rate(kind: Hashable) -> float | None:
-    """Seconds per unit (token, step) that the last ``kind`` computation took on this server, None
+def rate(name: Hashable) -> float | None:
+    """Seconds per unit (token, step) that the last job called ``name`` took on this server, None
     before the first: pages quote this machine's own measurement, not a constant measured elsewhere."""
-    return _rates.get(kind)
+    return _rates.get(name)
 
 
-def eta(kind: Hashable, units: float, what: str = "a token") -> str:
+def eta(name: Hashable, units: float, what: str = "a token") -> str:
     """'about 12 s here (4 ms a token, measured on this server)', or what the first run will measure."""
-    per = rate(kind)
+    per = rate(name)
     if per is None:
         return f"the first run measures how long {what} takes on this machine"
     return f"about {per * units:,.0f} s here ({per * 1000:,.1f} ms {what}, measured on this server)"

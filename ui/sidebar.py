@@ -137,11 +137,11 @@ def _intervention_controls(n_layers: int, n_heads: int) -> str | None:
     where = f"@{layers}" if layers else ""
     if pick == "sinkscale (ACT)":
         beta = st.slider("beta: share of the sink's attention kept", 0.0, 1.0, 0.3, 0.05, key="iv_beta")
-        key = st.number_input("sink key K", 0, 1 << 20, interventions.KINDS.defaults("sinkscale")["key"], key="iv_key")
+        key = st.number_input("sink key K", 0, 1 << 20, interventions.INTERVENTIONS.defaults("sinkscale")["key"], key="iv_key")
         return f"sinkscale(key={key}, beta={beta:g}){where}"
     if pick == "sinklogit":
         b = st.number_input("b: the extra logit (0: softmax-off-by-one)", -20.0, 20.0,
-                            interventions.KINDS.defaults("sinklogit")["b"], 0.5, key="iv_b")
+                            interventions.INTERVENTIONS.defaults("sinklogit")["b"], 0.5, key="iv_b")
         return f"sinklogit(b={b:g}){where}"
     if pick == "temperature":
         t = st.number_input("t: scores divided by t", 0.05, 20.0, 2.0, 0.05, key="iv_t")

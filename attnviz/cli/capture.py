@@ -1,4 +1,4 @@
-"""``attnviz capture``: attention maps saved as a .npz capture; of an encoder-decoder, its three kinds."""
+"""``attnviz capture``: attention maps saved as a .npz capture; of an encoder-decoder, its three stacks."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def run(args) -> dict:
 
 
 def _seq2seq(args, loaded, text) -> dict:
-    """Encoder-decoders: the three kinds (or the one asked for), one .npz each."""
+    """Encoder-decoders: the three stacks (or the one asked for), one .npz each."""
     from attnviz import seq2seq
 
     seq2seq.require(loaded)
@@ -49,8 +49,8 @@ def _seq2seq(args, loaded, text) -> dict:
     with bar:
         result = seq2seq.capture_seq2seq(loaded, text, args.target, args.arch or seq2seq.STOCK_ENCODER,
                                          on_layer=update)
-    kinds = list(seq2seq.KINDS) if args.attention in (None, "all") else [args.attention]
+    stacks = list(seq2seq.STACKS) if args.attention in (None, "all") else [args.attention]
     out = Path(args.out)
     stem = out.name.removesuffix(".npz")
-    paths = {k: str(result.view(k).save(out if len(kinds) == 1 else out.with_name(f"{stem}.{k}.npz"))) for k in kinds}
+    paths = {s: str(result.view(s).save(out if len(stacks) == 1 else out.with_name(f"{stem}.{s}.npz"))) for s in stacks}
     return {"out": paths, **result.as_json()}

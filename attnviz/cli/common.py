@@ -125,12 +125,12 @@ def corpus(args):
     return corpus_mod.load(getattr(args, "corpus", None), args.text_file)
 
 
-def out_file(arg: str, suffixes: tuple[str, ...], kind: str) -> Path:
-    """``--out`` as a file of one of ``suffixes`` (``kind``: "an .html file") in a folder that exists,
+def out_file(arg: str, suffixes: tuple[str, ...], what: str) -> Path:
+    """``--out`` as a file of one of ``suffixes`` (``what``: "an .html file") in a folder that exists,
     checked before anything runs."""
     out = Path(arg)
     if out.suffix.lower() not in suffixes:
-        raise AttnvizError(f"--out must name {kind}, got '{arg}'")
+        raise AttnvizError(f"--out must name {what}, got '{arg}'")
     if not out.parent.is_dir():
         raise AttnvizError(f"--out: the folder '{out.parent}' does not exist")
     return out

@@ -15,7 +15,7 @@ def options(p):
     p.add_argument("--ks", default=",".join(map(str, linformer.KS)),
                    help="comma-separated k values, each 1 <= k < n (default %(default)s)")
     p.add_argument("--projection", choices=list(linformer.PROJECTIONS),
-                   default=defaults.one(linformer.whatif, "kind"))
+                   default=defaults.one(linformer.whatif, "method"))
 
 
 def run(args) -> dict:

@@ -70,7 +70,7 @@ def sinks_report(capture, eps: float, residual_norms: dict | None = None, key: i
     ``key``, a position whose sink rate each layer adds to those of keys 0 and 1 (the document and each layer then
     name it, as the dataset's do). A model with a learned sink (gpt-oss) adds, per layer, its sink rate
     (``learned_sink_rate``) and, per head, its alpha (``learned_sink``, beside ``alpha`` of each key); each layer's
-    ``sinks`` list it as key -1 of kind "learned" (docs/methods.md#the-learned-sink-as-a-key)."""
+    ``sinks`` list it as key -1 of category "learned" (docs/methods.md#the-learned-sink-as-a-key)."""
     from attnviz.effects.valley import VARIANT  # ``entropies`` by layer (layer_entropies): each layer's "entropy"
     from attnviz.stats import metrics
 

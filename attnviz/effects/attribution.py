@@ -77,8 +77,8 @@ class Explanation:
         """The key side summed by kind of source: embedding, attention blocks, MLP blocks, bias."""
         out = {"embed": 0.0, "attn": 0.0, "mlp": 0.0, "bias": 0.0}
         for name, value in self.key_sources.items():
-            kind = name.split(".")[0]
-            out[kind] = out.get(kind, 0.0) + value
+            source = name.split(".")[0]
+            out[source] = out.get(source, 0.0) + value
         return out
 
     def top_pairs_share(self, k: int) -> float:
@@ -114,7 +114,7 @@ class KeptForward:
         self.upto = loaded.n_layers - 1 if upto is None else upto
         # every block's write as the stream adds it (Granite's residual multiplier included), in this thread only:
         # the shared server's other sessions run the same model
-        names = {f"{kind}.{l}": sites.Site(f"{kind}_out", l) for l in range(self.upto) for kind in ("attn", "mlp")}
+        names = {f"{block}.{l}": sites.Site(f"{block}_out", l) for l in range(self.upto) for block in ("attn", "mlp")}
         kept: dict[str, torch.Tensor] = {}
         progress = (lambda l: on_layer(l + 1, loaded.n_layers)) if on_layer else None
         _, hidden, _ = opened.forward(engine.Record.nothing(on_layer=progress),

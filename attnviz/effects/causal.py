@@ -252,13 +252,13 @@ def _order(block: str) -> tuple[int, int]:
     """A write's place in the forward: the embedding first, then each layer's attention before its MLP."""
     if block == "embed":
         return (-1, 0)
-    kind, layer = block.split(".")
-    return (int(layer), 0 if kind == "attn" else 1)
+    name, layer = block.split(".")
+    return (int(layer), 0 if name == "attn" else 1)
 
 
 def blocks_of(n_layers: int) -> list[str]:
     """The scanned blocks in forward order: the embedding, then each layer's attention and MLP below the top."""
-    return ["embed"] + [f"{kind}.{l}" for l in range(n_layers - 1) for kind in ("attn", "mlp")]
+    return ["embed"] + [f"{block}.{l}" for l in range(n_layers - 1) for block in ("attn", "mlp")]
 
 
 def scan_batches(n_layers: int) -> list[tuple[int, int]]:

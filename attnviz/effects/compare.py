@@ -47,7 +47,7 @@ def shift_rates(before: Capture, after: Capture, m: int) -> np.ndarray:
 
 
 def where_sinks_are(cap: Capture, eps: float = metrics.SINK_EPS) -> list[dict | None]:
-    """Per layer, its strongest sink (:meth:`attnviz.capture.Capture.sinks`: key, token, kind, heads, share), or
+    """Per layer, its strongest sink (:meth:`attnviz.capture.Capture.sinks`: key, token, category, heads, share), or
     None where no key is a sink of any head: where the sink went under the capture's architecture."""
     return [next(iter(cap.sinks(layer, eps)), None) for layer in cap.layers]
 

@@ -110,9 +110,9 @@ class QueryKeyView:
         return self.sink_keys[0]
 
     def where(self, point: int) -> tuple[str, int, int]:
-        """A point's kind ("query" or "key"), its text and its position in that text."""
-        kind, index = ("query", point) if point < self.n else ("key", point - self.n)
-        return kind, self.samples[index], self.positions[index]
+        """A point's side ("query" or "key"), its text and its position in that text."""
+        side, index = ("query", point) if point < self.n else ("key", point - self.n)
+        return side, self.samples[index], self.positions[index]
 
 
 @torch.no_grad()

@@ -19,13 +19,13 @@ from attnviz.stats.metrics import softmax
 PROJECTIONS = ("segment", "gaussian")
 
 
-def projection(n: int, k: int, kind: str = "segment", seed: int = 0) -> np.ndarray:
-    """(k, n) training-free projection of the sequence axis."""
-    if kind not in PROJECTIONS:
-        raise InputError(f"unknown projection '{kind}': use 'segment' or 'gaussian'")
+def projection(n: int, k: int, method: str = "segment", seed: int = 0) -> np.ndarray:
+    """(k, n) training-free projection of the sequence axis, by ``method`` (one of :data:`PROJECTIONS`)."""
+    if method not in PROJECTIONS:
+        raise InputError(f"unknown projection '{method}': use 'segment' or 'gaussian'")
     if not 0 < k <= n:
         raise InputError(f"k must be between 1 and n = {n}, got {k}")
-    if kind == "gaussian":
+    if method == "gaussian":
         return np.random.default_rng(seed).normal(size=(k, n)) / np.sqrt(k)
     edges = np.floor(np.arange(k + 1) * n / k).astype(int)
     out = np.zeros((k, n))
@@ -72,7 +72,7 @@ def relative_error(approx: np.ndarray, reference: np.ndarray) -> float:
 class WhatIf:
     layer: int
     k: int
-    kind: str
+    projection: str  # its method, one of PROJECTIONS
     probs: np.ndarray  # (H, n, k)
     error_full: float  # against full softmax attention on the same q, k, v
     error_masked: float  # against the layer's real output under its mask
@@ -87,23 +87,23 @@ def _per_head(qkv):
 KS = (2, 4, 8, 16)  # the k values of `attnviz linformer` by default
 
 
-def whatif(qkv, allowed: np.ndarray, k: int, kind: str = "segment", seed: int = 0, layer: int = -1,
+def whatif(qkv, allowed: np.ndarray, k: int, method: str = "segment", seed: int = 0, layer: int = -1,
            references: tuple[np.ndarray, np.ndarray] | None = None) -> WhatIf:
     """Linformer on one captured layer's (q, k, v); ``qkv`` has q (H, n, d), k and v (H_kv, n, d).
     ``references``: the exact (full, masked) outputs, when a curve over several k computed them once."""
     q, keys, values = _per_head(qkv)
     n = q.shape[1]
-    e, f = projection(n, k, kind, seed), projection(n, k, kind, seed + 1)
+    e, f = projection(n, k, method, seed), projection(n, k, method, seed + 1)
     probs, out = attend(q, keys, values, e, f, qkv.scaling)
     full, masked = references or (exact(q, keys, values, None, qkv.scaling),
                                   exact(q, keys, values, allowed, qkv.scaling))
-    return WhatIf(layer, k, kind, probs, relative_error(out, full), relative_error(out, masked))
+    return WhatIf(layer, k, method, probs, relative_error(out, full), relative_error(out, masked))
 
 
-def error_curve(qkv, allowed: np.ndarray, ks, kind: str = "segment", seed: int = 0) -> list[WhatIf]:
+def error_curve(qkv, allowed: np.ndarray, ks, method: str = "segment", seed: int = 0) -> list[WhatIf]:
     q, keys, values = _per_head(qkv)
     references = exact(q, keys, values, None, qkv.scaling), exact(q, keys, values, allowed, qkv.scaling)
-    return [whatif(qkv, allowed, k, kind, seed, references=references) for k in ks]
+    return [whatif(qkv, allowed, k, method, seed, references=references) for k in ks]
 
 
 @dataclass
@@ -136,17 +136,17 @@ class PreparedWhatIf:
     capture: object  # attnviz.capture.Prepared
     layer: int
     ks: tuple[int, ...]
-    kind: str
+    projection: str  # its method, one of PROJECTIONS
     seed: int
 
     def run(self) -> Curve:
         """Capture the layer's q, k and v (no n × n map) and measure each k against the same references."""
         cap = self.capture.run()
-        rows = error_curve(cap.layer_qkv(self.layer), cap.allowed[self.layer], self.ks, self.kind, self.seed)
-        return Curve(cap.meta["model"], cap.arch, self.layer, self.kind, list(cap.tokens), rows)
+        rows = error_curve(cap.layer_qkv(self.layer), cap.allowed[self.layer], self.ks, self.projection, self.seed)
+        return Curve(cap.meta["model"], cap.arch, self.layer, self.projection, list(cap.tokens), rows)
 
 
-def prepare(loaded, text: str, recipe="fwd", layer: int | str = -1, ks=KS, kind: str = "segment",
+def prepare(loaded, text: str, recipe="fwd", layer: int | str = -1, ks=KS, method: str = "segment",
             seed: int = 0) -> PreparedWhatIf:
     """Everything the what-if on one layer of ``text`` decides before it runs, every refusal raised here: the layer
     (negative counts from the top), the capture under ``recipe`` (an architecture string or a recipe), each k checked
@@ -157,8 +157,8 @@ def prepare(loaded, text: str, recipe="fwd", layer: int | str = -1, ks=KS, kind:
     from attnviz.capture import prepare as prepare_capture
     from attnviz.plan import Keep
 
-    if kind not in PROJECTIONS:
-        raise InputError(f"unknown projection '{kind}': use 'segment' or 'gaussian'")
+    if method not in PROJECTIONS:
+        raise InputError(f"unknown projection '{method}': use 'segment' or 'gaussian'")
     recipe_mod.build(loaded, recipe).softmax_only("the Linformer what-if")
     layers = parse_layers(str(layer), loaded.n_layers)
     if len(layers) != 1:
@@ -167,4 +167,4 @@ def prepare(loaded, text: str, recipe="fwd", layer: int | str = -1, ks=KS, kind:
     checked = tuple(check_k(int(k), captured.n_tokens) for k in ks)
     if not checked:
         raise InputError("give at least one k")
-    return PreparedWhatIf(captured, layers[0], checked, kind, seed)
+    return PreparedWhatIf(captured, layers[0], checked, method, seed)

@@ -214,7 +214,7 @@ class Opening:
             return self._sink
         self.writes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # in the order the forward makes them
         blocks = [("embed", sites.Site("embed", 0))] + [
-            (f"{kind}.{l}", sites.Site(f"{kind}_out", l)) for l in range(self.L) for kind in ("attn", "mlp")]
+            (f"{block}.{l}", sites.Site(f"{block}_out", l)) for l in range(self.L) for block in ("attn", "mlp")]
         column, last = SinkColumn(), {}
         # the last position's logits only: the perplexity reads the top layer's output a few positions at a time
         logits, _, _ = self.forward(engine.Record.every_layer(recorders=(column,), checkpoints=frozenset(range(self.L))),

@@ -104,12 +104,12 @@ def members(receiver: str, sender: str, n_layers: int, parallel: bool = False) -
         if part == "all":
             out += [r for r in above if not r.startswith(PROJECTED)]
             continue
-        kind, _, which = part.partition(".")
+        name, _, which = part.partition(".")
         if which == "*":
-            out += [r for r in above if r.startswith(kind + ".")]
+            out += [r for r in above if r.startswith(name + ".")]
             continue
         first, _, last = which.partition("-")
-        group = [part] if part == "head" or not last else [f"{kind}.{m}" for m in range(int(first), int(last) + 1)]
+        group = [part] if part == "head" or not last else [f"{name}.{m}" for m in range(int(first), int(last) + 1)]
         below = [r for r in group if r not in above]
         if below:
             raise InputError(f"{below[0]} is not above {sender}: a receiver reads the stream after its sender writes "

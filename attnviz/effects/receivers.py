@@ -3,8 +3,8 @@
 A head receiver is one head's keys, queries or values at a layer: ``keys.m.hK`` and ``values.m.hK`` name key-value
 head K (where query heads share their keys and values, grouped-query attention, one key-value head serves a group of
 them: that head is the receiver, as the model computes it once), ``queries.m.hQ`` names query head Q; ``.h*`` names
-every head of that kind at the layer, each its own path. Cutting the path sender → head removes the sender's write
-from that head's slice of the projection alone: at the sink token, the slice becomes the projection of
+every head of that layer's keys, queries or values, each its own path. Cutting the path sender → head removes the
+sender's write from that head's slice of the projection alone: at the sink token, the slice becomes the projection of
 norm(stream − write) (norm the layer's attention pre-norm, the stream its input, read in the same forward), every
 other head and every other position as the model computed them. Everything after the projection (a q/k norm, the
 rotation, the attention) runs as the model runs it. Read at the named site ``resid_pre`` and at the projection's
@@ -33,17 +33,18 @@ def is_head(name: str) -> bool:
 
 def shared(name: str) -> str:
     """The layer-wide receiver a head receiver's layer is checked against (``keys.m``: the same layer's inputs)."""
-    kind, layer = HEAD.match(name).group(1, 2)
-    return f"{'queries' if kind == 'queries' else 'keys'}.{layer}"
+    vectors, layer = HEAD.match(name).group(1, 2)
+    return f"{'queries' if vectors == 'queries' else 'keys'}.{layer}"
 
 
-def counts(model, layer: int, kind: str) -> tuple[int, int]:
-    """(heads, head dimension) of ``layer``'s projection of ``kind``: query heads for the queries, key-value heads for
-    the keys and values; a fused projection is refused in one line (it is not a head's own)."""
+def counts(model, layer: int, vectors: str) -> tuple[int, int]:
+    """(heads, head dimension) of ``layer``'s projection of ``vectors`` (keys, queries or values): query heads for
+    the queries, key-value heads for the keys and values; a fused projection is refused in one line (it is not a
+    head's own)."""
     from attnviz.core.model import anatomy
 
     attn = anatomy.of(model)[layer].attn
-    proj = _values(attn) if kind == "values" else projection(attn, _PROJ[kind])
+    proj = _values(attn) if vectors == "values" else projection(attn, _PROJ[vectors])
     config = getattr(model.config, "get_text_config", lambda: model.config)()
     d = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     return proj.out_features // d, d
@@ -68,12 +69,12 @@ def expand(names: list[str], model) -> list[str]:
             if match is None:
                 parts.append([part])
                 continue
-            kind, layer, head = match.group(1), int(match.group(2)), match.group(3)
-            heads, _ = counts(model, layer, kind)
+            vectors, layer, head = match.group(1), int(match.group(2)), match.group(3)
+            heads, _ = counts(model, layer, vectors)
             if head != "*" and int(head) >= heads:
-                noun = "query" if kind == "queries" else "key-value"
-                raise InputError(f"{part}: layer {layer} has {noun} heads 0..{heads - 1} for its {kind}")
-            parts.append([f"{kind}.{layer}.h{h}" for h in range(heads)] if head == "*" else [part])
+                noun = "query" if vectors == "queries" else "key-value"
+                raise InputError(f"{part}: layer {layer} has {noun} heads 0..{heads - 1} for its {vectors}")
+            parts.append([f"{vectors}.{layer}.h{h}" for h in range(heads)] if head == "*" else [part])
         if len(parts) > 1 and any(len(p) > 1 for p in parts):
             raise InputError(f"{name}: .h* names each head as its own path; join single heads with +")
         out += ["+".join(p[0] for p in parts)] if len(parts) > 1 else parts[0]
@@ -86,13 +87,14 @@ def cut_pairs(found, model, cuts: dict[str, list[tuple[int, int, torch.Tensor]]]
     stream read at ``resid_pre`` into ``streams[("resid_pre", m)]`` by the caller's reader."""
     by_proj: dict[tuple[str, int], list] = {}
     for receiver, rows in cuts.items():
-        kind, layer, head = HEAD.match(receiver).groups()
-        by_proj.setdefault((kind, int(layer)), []).extend((row, token, delta, int(head)) for row, token, delta in rows)
+        vectors, layer, head = HEAD.match(receiver).groups()
+        by_proj.setdefault((vectors, int(layer)), []).extend((row, token, delta, int(head))
+                                                             for row, token, delta in rows)
     pairs = []
-    for (kind, layer), rows in sorted(by_proj.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    for (vectors, layer), rows in sorted(by_proj.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         attn = found[layer].attn
-        proj = _values(attn) if kind == "values" else projection(attn, _PROJ[kind])
-        _, d = counts(model, layer, kind)
+        proj = _values(attn) if vectors == "values" else projection(attn, _PROJ[vectors])
+        _, d = counts(model, layer, vectors)
         pairs.append((sites.at_module(proj), _slice(rows, streams, layer, found[layer].attn_norm, proj, d)))
     return pairs
 
@@ -131,32 +133,33 @@ class Cut:
                     heads.setdefault(receiver, []).append((row, token, delta))
                     cuts.setdefault(("stream", int(receiver.split(".")[1])), [])
                     continue
-                kind, m = ("head", top) if receiver == "head" else (receiver.split(".")[0], int(receiver.split(".")[1]))
-                cuts.setdefault((kind, m), []).append((row, token, delta))
+                reader, m = (("head", top) if receiver == "head"
+                             else (receiver.split(".")[0], int(receiver.split(".")[1])))
+                cuts.setdefault((reader, m), []).append((row, token, delta))
         pairs = []
-        for kind, m in sorted({self._stream(k, m) for k, m in cuts if k != "head"}, key=lambda s: (s[1], s[0])):
-            pairs.append((sites.Site(kind, m), self._read(kind, m)))
-        for (kind, m), rows in cuts.items():
-            if kind == "stream":
+        for site, m in sorted({self._stream(r, m) for r, m in cuts if r != "head"}, key=lambda s: (s[1], s[0])):
+            pairs.append((sites.Site(site, m), self._read(site, m)))
+        for (reader, m), rows in cuts.items():
+            if reader == "stream":
                 continue
-            if kind == "head":
+            if reader == "head":
                 pairs.append((sites.Site("resid_post", m), self._minus(rows)))
             else:
                 layer = self.found[m]
-                norm = layer.mlp_norm if kind == "mlp" else layer.attn_norm
-                pairs.append((sites.Site(_INPUT[kind], m), self._normed(rows, self._stream(kind, m), norm)))
+                norm = layer.mlp_norm if reader == "mlp" else layer.attn_norm
+                pairs.append((sites.Site(_INPUT[reader], m), self._normed(rows, self._stream(reader, m), norm)))
         return pairs + cut_pairs(self.found, self.model, heads, self.streams)
 
-    def _stream(self, kind: str, m: int) -> tuple[str, int]:
-        return ("resid_mid" if kind == "mlp" and not self.found[m].parallel else "resid_pre", m)
+    def _stream(self, reader: str, m: int) -> tuple[str, int]:
+        return ("resid_mid" if reader == "mlp" and not self.found[m].parallel else "resid_pre", m)
 
-    def _read(self, kind: str, m: int):
+    def _read(self, site: str, m: int):
         def fn(value):
             # the forward runs upwards: no receiver below layer m reads its stream again (held, every layer's
             # stream of every row would outlive its layer: the paths' plan counts two a row)
             for key in [key for key in self.streams if key[1] < m]:
                 del self.streams[key]
-            self.streams[kind, m] = value
+            self.streams[site, m] = value
         return fn
 
     def _normed(self, rows, stream: tuple[str, int], norm):

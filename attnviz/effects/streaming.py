@@ -37,23 +37,23 @@ POLICIES = syntax.Registry("cache policy")
 class Policy:
     """``dense`` (keep all), ``window(w=W)`` (the last W), ``sink(s=S, w=W)`` (the first S and the last W)."""
 
-    kind: str
+    name: str  # its name in POLICIES: "dense", "window" or "sink"
     s: int = 0
     w: int = 0
 
     def __post_init__(self):
-        if self.kind != "dense" and self.w <= 0:
+        if self.name != "dense" and self.w <= 0:
             raise InputError(f"in '{self.spec}': the window w must be positive, got {self.w}")
         if self.s < 0:
             raise InputError(f"in '{self.spec}': the sink size s must be >= 0, got {self.s}")
 
     @property
     def spec(self) -> str:
-        return {"dense": "dense", "window": f"window(w={self.w})", "sink": f"sink(s={self.s}, w={self.w})"}[self.kind]
+        return {"dense": "dense", "window": f"window(w={self.w})", "sink": f"sink(s={self.s}, w={self.w})"}[self.name]
 
     @property
     def cache_size(self) -> int | None:
-        return None if self.kind == "dense" else self.s + self.w
+        return None if self.name == "dense" else self.s + self.w
 
     def keep(self, n: int) -> list[int] | None:
         """Indices of the cache entries to keep out of ``n``, or None to keep all."""
@@ -64,7 +64,7 @@ class Policy:
 
     def check(self, loaded: LoadedModel, n_tokens: int | None = None) -> "Policy":
         """Refuse a cache larger than the model's context, or (given ``n_tokens``) than the text."""
-        if self.kind == "dense":
+        if self.name == "dense":
             return self
         if self.cache_size > loaded.max_tokens:
             raise InputError(f"{self.spec} keeps {self.cache_size} entries, more than {loaded.model_id}'s context "
@@ -225,7 +225,7 @@ def stream(loaded: LoadedModel, ids: list[int], policy: Policy | str = "dense",
     if len(ids) < 2:
         raise InputError(f"the text has {len(ids)} token(s); at least 2 are needed to predict one")
     policy = as_policy(policy).check(loaded, len(ids))
-    if policy.kind == "dense" and len(ids) > loaded.max_tokens:
+    if policy.name == "dense" and len(ids) > loaded.max_tokens:
         raise InputError(f"the text is {len(ids)} tokens, longer than {loaded.model_id}'s context "
                          f"({loaded.max_tokens}): use a window or sink policy, or --max-tokens")
     decoder = CachedDecoder(loaded, recipe, policy)

@@ -59,7 +59,7 @@ def steps(q, k, v, mask_name: str = "FWD") -> dict[str, np.ndarray]:
             "discarded": 1 - weights.sum(-1)}
 
 
-def linformer_steps(q, k, v, slots: int, kind: str = "segment", seed: int = 0) -> dict[str, np.ndarray]:
+def linformer_steps(q, k, v, slots: int, method: str = "segment", seed: int = 0) -> dict[str, np.ndarray]:
     """Linformer on the small example (docs/methods.md#linformer-what-if): E, F, K' = E K, V' = F V, P = softmax(Q K'ᵀ/√d), P V',
     and the relative error against full softmax attention (its mask-free reference)."""
     from attnviz.effects import linformer
@@ -68,7 +68,7 @@ def linformer_steps(q, k, v, slots: int, kind: str = "segment", seed: int = 0) -
     n = k.shape[0]
     if not 0 < slots <= n:
         raise InputError(f"k must be between 1 and the number of keys ({n}), got {slots}")
-    e, f = linformer.projection(n, slots, kind, seed), linformer.projection(n, slots, kind, seed + 1)
+    e, f = linformer.projection(n, slots, method, seed), linformer.projection(n, slots, method, seed + 1)
     probs, out = linformer.attend(q[None], k[None], v[None], e, f)
     full = linformer.exact(q[None], k[None], v[None])
     return {"E": e, "F": f, "K'": e @ k, "V'": f @ v, "weights": probs[0], "output": out[0],

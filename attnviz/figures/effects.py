@@ -120,7 +120,7 @@ def linformer_map(result, head: int | None = None, tokens: Sequence[str] | None 
     fig = go.Figure(go.Heatmap(z=values, colorscale=COLORSCALE, zmin=0, zmax=float(values.max()) or 1.0,
                                x=[f"slot {s}" for s in range(values.shape[1])], colorbar=dict(title="attention"),
                                hovertemplate="query %{y}, %{x}<br>p = %{z:.4f}<extra></extra>"))
-    layout(fig, f"Linformer what-if · layer {result.layer} · k = {result.k} {result.kind} slots · "
+    layout(fig, f"Linformer what-if · layer {result.layer} · k = {result.k} {result.projection} slots · "
                 f"{'mean over heads' if head is None else f'head {head}'}", height=480)
     fig.update_yaxes(title="query", autorange="reversed")
     fig.update_xaxes(title="projected key slot")
@@ -136,7 +136,7 @@ def linformer_errors(results) -> go.Figure:
     fig.add_trace(go.Scatter(x=ks, y=[r.error_masked for r in results], mode="lines+markers",
                              name="vs the layer's masked output", line=dict(color=PALETTE[1], width=2, dash="dash")))
     layer = results[0].layer if results else ""
-    layout(fig, f"Linformer relative error against k · layer {layer} · {results[0].kind if results else ''}",
+    layout(fig, f"Linformer relative error against k · layer {layer} · {results[0].projection if results else ''}",
            height=400)
     fig.update_xaxes(title="k (projected slots)")
     fig.update_yaxes(title="‖O_lin − O‖ / ‖O‖", rangemode="tozero")

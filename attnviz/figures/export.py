@@ -47,7 +47,7 @@ def describe(cap: Capture, layer: int | None = None, head: int | None = None, **
     meta = {"tool": "attnviz", **{k: v for k, v in recipe.to_dict().items() if v or k in ("model", "arch", "dtype")},
             "text": cap.text, "storage_dtype": cap.meta.get("storage_dtype"), "n_tokens": cap.n_tokens,
             "recipe": recipe.key, "provenance": recipe.describe()}
-    if cap.meta.get("attention"):  # encoder-decoder: which of the three kinds (attnviz.seq2seq)
+    if cap.meta.get("attention"):  # encoder-decoder: which of the three stacks (attnviz.seq2seq.STACKS)
         meta["attention"] = cap.meta["attention"]
         meta["encoder_arch"] = cap.meta.get("encoder_arch")
     if layer is not None:

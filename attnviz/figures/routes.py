@@ -44,15 +44,15 @@ def drawn(graph, max_edges: int = MAX_EDGES) -> list:
 
 
 def _category(graph, edge) -> str:
-    if edge.kind == "attn":
+    if edge.via == "attn":
         return "sink" if edge.source == graph.flow.sink_keys[edge.layer] else "attn"
-    return edge.kind
+    return edge.via
 
 
 def routes_figure(graphs: list, titles: list[str], max_edges: int = MAX_EDGES) -> go.Figure:
     """One panel per graph, side by side, on one width scale (a contribution of 1 is the widest line).
 
-    Clickable points: each edge's midpoint (customdata ``[layer, head or -1, kind, from, to, weight, panel]``) and each
+    Clickable points: each edge's midpoint (customdata ``[layer, head or -1, via, from, to, weight, panel]``) and each
     node (customdata ``[layer, point, token, panel]``)."""
     fig = make_subplots(rows=1, cols=len(graphs), shared_yaxes=True, subplot_titles=titles,
                         horizontal_spacing=0.04)
@@ -72,7 +72,7 @@ def routes_figure(graphs: list, titles: list[str], max_edges: int = MAX_EDGES) -
                     ys += [ya, yb, None]
                     mids["x"].append((e.source + e.target) / 2)
                     mids["y"].append((ya + yb) / 2)
-                    mids["data"].append([e.layer, -1 if e.head is None else e.head, e.kind, e.source, e.target,
+                    mids["data"].append([e.layer, -1 if e.head is None else e.head, e.via, e.source, e.target,
                                          round(e.weight, 4), col - 1])
                     head = "" if e.head is None else f" head {e.head}"
                     mids["text"].append(f"layer {e.layer} {NAMES[category]}{head}: {e.source} → {e.target}, "

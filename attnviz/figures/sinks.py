@@ -163,15 +163,15 @@ def sink_map(cap: Capture, eps: float = metrics.SINK_EPS) -> go.Figure:
                                zmax=max(float(np.nanmax(share)) if np.isfinite(share).any() else 1.0, eps),
                                colorbar=dict(title="share"), hoverongaps=False,
                                hovertemplate="layer %{y}, key %{x}<br>share %{z:.3f}<extra></extra>"))
-    kinds = (("first", FIRST, "first-token sink"), ("secondary", SECONDARY, "secondary sink"))
-    for kind, colour, name in kinds + ((("learned", LEARNED, "learned sink"),) if learned is not None else ()):
+    rings = (("first", FIRST, "first-token sink"), ("secondary", SECONDARY, "secondary sink"))
+    for drawn, colour, name in rings + ((("learned", LEARNED, "learned sink"),) if learned is not None else ()):
         xs, ys, text = [], [], []
         for layer in cap.layers:
             for sink in cap.sinks(layer, eps):
-                ring = sink["kind"] if sink["kind"] in ("first", "learned") else "secondary"
-                if ring != kind:
+                ring = sink["category"] if sink["category"] in ("first", "learned") else "secondary"
+                if ring != drawn:
                     continue
-                xs.append("sink" if kind == "learned" else labels[sink["key"] + (learned is not None)]), ys.append(layer)
+                xs.append("sink" if drawn == "learned" else labels[sink["key"] + (learned is not None)]), ys.append(layer)
                 text.append(f"{sink['token']!r}: {len(sink['heads'])} head(s), share {sink['share']:.2f}")
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", name=name, text=text,
                                  marker=dict(symbol="circle-open", size=11, color=colour, line=dict(width=2)),

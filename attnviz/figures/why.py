@@ -1,5 +1,16 @@
-"""Why a sink is a sink: its share of attention against its share of the output norm (Kobayashi et
-al. 2020), and massive activations in the residual stream (Sun et al. 2024) beside the sink keys."""
+"""The Why page's figures, why a sink is a sink (each function's docstring cites its definition):
+
+- :func:`sink_shares`: a key's share of attention against its share of the output norm (Kobayashi et al. 2020);
+- :func:`massive_activations` and its table :func:`top_activation_rows`: massive activations in the residual stream
+  (Sun et al. 2024) beside the sink keys;
+- :func:`attribution_figure`: a score's attribution by rotary pair or dimension, and by source;
+- :func:`diagnosis_figure`: the sink's diagnosis, each source's key-side contribution per head;
+- :func:`query_key_figure`: one head's queries and keys in one picture (AttentionViz), and
+  :func:`attention_row_figure`: one query's attention row;
+- :func:`causal_figure`: the causal check of one source; :func:`scan_figure`: the causal scan of every block;
+- :func:`patching_figure`: activation patching's grid;
+- :func:`paths_figure` and :func:`paths_bars_figure`: path patching, each single receiver and each group.
+"""
 
 from __future__ import annotations
 
@@ -126,14 +137,14 @@ def query_key_figure(view) -> go.Figure:
     texts = max(view.samples) + 1
     fig = go.Figure()
     where = np.array([[p, t, s] for p, t, s in zip(view.positions, view.tokens, view.samples)], dtype=object)
-    for kind, rows, symbol, name in (("query", slice(0, n), "circle", "queries"),
+    for side, rows, symbol, name in (("query", slice(0, n), "circle", "queries"),
                                      ("key", slice(n, 2 * n), "square", "keys")):
         fig.add_trace(trace(x=xy[rows, 0], y=xy[rows, 1], mode="markers", name=name,
                             marker=dict(symbol=symbol, color=view.positions, colorscale="Viridis", size=7,
-                                        showscale=kind == "query", colorbar=dict(title="position"),
+                                        showscale=side == "query", colorbar=dict(title="position"),
                                         line=dict(width=0.5, color="#333")),
                             customdata=where,
-                            hovertemplate=f"{kind} %{{customdata[0]}} %{{customdata[1]}}"
+                            hovertemplate=f"{side} %{{customdata[0]}} %{{customdata[1]}}"
                                           + (" (text %{customdata[2]})" if texts > 1 else "") + "<extra></extra>"))
     sinks = list(view.sink_keys)
     fig.add_trace(go.Scatter(x=xy[[n + j for j in sinks], 0], y=xy[[n + j for j in sinks], 1], mode="markers",
@@ -261,12 +272,13 @@ def scan_figure(scan) -> go.Figure:
     return fig
 
 
-PATH_KINDS = (("attn", "attention input"), ("keys", "keys"), ("queries", "queries"), ("mlp", "MLP input"))
+#: the rows of paths_figure: what reads a write at a layer (a path's single receivers), with its label
+PATH_READERS = (("attn", "attention input"), ("keys", "keys"), ("queries", "queries"), ("mlp", "MLP input"))
 
 
 def paths_figure(found) -> go.Figure:
     """Path patching (:class:`attnviz.effects.paths.Paths`): one panel per sender; in it, each single receiver's layer
-    (columns) and kind (rows: a block's input, the layer's keys, its queries, the MLP's input), the fall of the sink's
+    (columns) and reader (rows: a block's input, the layer's keys, its queries, the MLP's input), the fall of the sink's
     attention over the layers that cut can move (from the receiver's layer up, from the next one for an MLP) when the
     sender's write is removed from that receiver's input alone, in % as the bars (100 %: gone, 0 %: unchanged, below
     0: the sink grows; blank: not above the sender, or not a receiver of this family). The hover adds the scan's
@@ -276,18 +288,18 @@ def paths_figure(found) -> go.Figure:
     columns = [str(l) for l in range(n)]
     fig = make_subplots(rows=len(senders), cols=1, shared_xaxes=True, vertical_spacing=0.08 if len(senders) > 1 else 0,
                         subplot_titles=[f"{s} removed from one receiver" for s in senders])
-    kinds = [k for k, _ in PATH_KINDS]
+    readers = [r for r, _ in PATH_READERS]
     for i, sender in enumerate(senders, 1):
-        z = np.full((len(PATH_KINDS), n), np.nan)
+        z = np.full((len(PATH_READERS), n), np.nan)
         text = np.full(z.shape, "", dtype=object)
         for receiver in found.receivers(sender, single=True):
             if not found.reaches(sender, receiver):  # the head, the top MLP: the perplexity only (in the JSON)
                 continue
-            row, col = kinds.index(receiver.split(".")[0]), int(receiver.split(".")[1])
+            row, col = readers.index(receiver.split(".")[0]), int(receiver.split(".")[1])
             z[row, col] = found.reached(sender, receiver)
             text[row, col] = (f"{found.drop(sender, receiver):+.1%} over every layer above {sender}; perplexity "
                               f"{found.before.perplexity:.2f} → {found.after[sender, receiver].perplexity:.2f}")
-        fig.add_trace(go.Heatmap(z=z, x=columns, y=[label for _, label in PATH_KINDS], customdata=text,
+        fig.add_trace(go.Heatmap(z=z, x=columns, y=[label for _, label in PATH_READERS], customdata=text,
                                  colorscale="RdBu_r", zmin=-1, zmax=1, zmid=0, hoverongaps=False, showscale=i == 1,
                                  colorbar=dict(title="sink's fall", orientation="h", x=0.5, xanchor="center", y=-0.12,
                                                yanchor="top", len=0.6, thickness=12, tickformat=".0%"),

@@ -24,7 +24,7 @@ THRESHOLD = 0.04  # Ferrando & Voita's default
 @dataclass(frozen=True)
 class Edge:
     layer: int
-    kind: str  # "attn" | "mlp" | "residual"
+    via: str  # what carries it: "attn" (a head, or the heads summed) | "mlp" | "residual" (the stream past a block)
     block: str  # the block it crosses: "attn" | "mlp"
     head: int | None
     source: int  # token the edge comes from
@@ -37,12 +37,12 @@ class Edge:
         """((layer, point) of its source node, (layer, point) of its target node)."""
         if self.block == "attn":
             return (self.layer - 1, "mlp"), (self.layer, "attn")
-        if self.parallel and self.kind == "mlp":
+        if self.parallel and self.via == "mlp":
             return (self.layer - 1, "mlp"), (self.layer, "mlp")
         return (self.layer, "attn"), (self.layer, "mlp")
 
     def as_json(self) -> dict:
-        return {"layer": self.layer, "kind": self.kind, "block": self.block, "head": self.head, "from": self.source,
+        return {"layer": self.layer, "via": self.via, "block": self.block, "head": self.head, "from": self.source,
                 "to": self.target, "weight": round(float(self.weight), 6)}
 
 
@@ -69,7 +69,7 @@ class Graph:
         kept = np.zeros(self.flow.n_layers)
         sink = np.zeros(self.flow.n_layers)
         for edge in self.edges:
-            if edge.kind == "attn":
+            if edge.via == "attn":
                 kept[edge.layer] += edge.weight
                 sink[edge.layer] += edge.weight if edge.source == self.flow.sink_keys[edge.layer] else 0.0
         return [float(s / k) if k > 0 else None for s, k in zip(sink, kept)]
@@ -112,10 +112,10 @@ def graph(flow: Flow, token: int = -1, threshold: float = THRESHOLD, heads: str 
         layer = flow.layers[l]
         into_mid, below = set(), set()
         for t in sorted(above):  # the MLP block: (l, attn, t) -> (l, mlp, t); a parallel MLP reads (l-1, mlp, t)
-            for kind, weight in (("mlp", layer.mlp[t]), ("residual", layer.mlp_residual[t])):
+            for via, weight in (("mlp", layer.mlp[t]), ("residual", layer.mlp_residual[t])):
                 if weight >= threshold:
-                    parallel = layer.parallel and kind == "mlp"
-                    edges.append(Edge(l, kind, "mlp", None, t, t, float(weight), parallel))
+                    parallel = layer.parallel and via == "mlp"
+                    edges.append(Edge(l, via, "mlp", None, t, t, float(weight), parallel))
                     (below if parallel else into_mid).add(t)
         if into_mid:  # the attention block: (l-1, mlp, j) -> (l, attn, t)
             rows = np.isin(layer.attn_index[:, 0] if heads == "split" else layer.sum_index[:, 0], list(into_mid))

@@ -94,7 +94,7 @@ class _Probs(Recorder):
     causal mask); they are written into one layer buffer, reused from layer to layer, whose other entries are zero.
     A block's rows are zeroed first unless the layer before wrote the same block (the same rows and keys)."""
 
-    kind = "reduced"
+    holds = "reduced"
 
     def __init__(self, into: dict):
         self.into = into

@@ -1,5 +1,6 @@
 """The lab's model family per attention kind (docs/lab.md#the-family-per-kind): stock transformers classes only,
-built from a config, so a checkpoint loads anywhere transformers does.
+built from a config: a kind transformers computes itself loads in plain transformers; the others, see
+docs/lab.md#loading.
 
 - ``softmax``, ``softpick``, ``sigmoid``, ``sigmoid(bias=b)``, ``sink(logit=c)``, ``relu`` (every kind without a
   stock family of its own): ``LlamaForCausalLM``, the kind in ``config.attnviz_kind`` (left out for the softmax),

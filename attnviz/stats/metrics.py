@@ -353,7 +353,7 @@ LEARNED_KEY = -1  # the key of a model's learned sink in a layer's sinks: a slot
 LEARNED_TOKEN = "<learned sink>"  # ... and its token: it is no token of the text
 
 
-def key_kind(position: int, token: str) -> str:
+def key_category(position: int, token: str) -> str:
     """What a sink key is: "first" (the first token), "delimiter" (:func:`is_delimiter`) or "other"; a model's learned
     sink (:data:`LEARNED_KEY`) is "learned"."""
     if position == LEARNED_KEY:
@@ -367,11 +367,11 @@ def sinks(alphas, tokens: list[str], eps: float = SINK_EPS, residual_norms=None,
     over every query that may see it, :func:`alpha`) is above ``eps``, among the first :func:`sink_candidates` keys.
 
     ``alphas`` (H, n); ``residual_norms`` (n,) the residual stream's norm entering the layer (massive activations),
-    ``value_norms`` (H, n) ||W_O^h v_j^h||, each optional. Each sink: its position, token, kind, the heads it is a
+    ``value_norms`` (H, n) ||W_O^h v_j^h||, each optional. Each sink: its position, token, category, the heads it is a
     sink of, its share (the mean alpha over those heads), the residual norm at it and its value norm (the mean over
     those heads); strongest first (the largest alpha summed over its heads). ``learned`` (H,): alpha of the model's
     learned sink (:func:`learned_sink`), a sink of the heads where it is above ``eps`` too, listed as key
-    :data:`LEARNED_KEY` of kind "learned", token :data:`LEARNED_TOKEN`, no residual norm (it is no token) and value
+    :data:`LEARNED_KEY` of category "learned", token :data:`LEARNED_TOKEN`, no residual norm (it is no token) and value
     norm 0 where value norms are given (it has no value: what it takes is dropped)."""
     alphas = np.asarray(alphas, dtype=np.float64)
     n = alphas.shape[-1]
@@ -380,7 +380,7 @@ def sinks(alphas, tokens: list[str], eps: float = SINK_EPS, residual_norms=None,
         above = np.nan_to_num(alphas[:, :sink_candidates(n)], nan=-1.0) > eps  # (H, candidates)
     for key in np.flatnonzero(above.any(0)):
         heads = np.flatnonzero(above[:, key])
-        found.append({"key": int(key), "token": tokens[key], "kind": key_kind(int(key), tokens[key]),
+        found.append({"key": int(key), "token": tokens[key], "category": key_category(int(key), tokens[key]),
                       "heads": heads.tolist(), "share": round(float(alphas[heads, key].mean()), 6),
                       "residual_norm": None if residual_norms is None else round(float(residual_norms[key]), 4),
                       "value_norm": None if value_norms is None else round(float(np.mean(value_norms[heads, key])), 6),
@@ -389,7 +389,7 @@ def sinks(alphas, tokens: list[str], eps: float = SINK_EPS, residual_norms=None,
         learned = np.asarray(learned, dtype=np.float64)
         heads = np.flatnonzero(np.nan_to_num(learned, nan=-1.0) > eps)
         if heads.size:
-            found.append({"key": LEARNED_KEY, "token": LEARNED_TOKEN, "kind": "learned", "heads": heads.tolist(),
+            found.append({"key": LEARNED_KEY, "token": LEARNED_TOKEN, "category": "learned", "heads": heads.tolist(),
                           "share": round(float(learned[heads].mean()), 6), "residual_norm": None,
                           "value_norm": None if value_norms is None else 0.0, "_weight": float(learned[heads].sum())})
     found.sort(key=lambda s: -s.pop("_weight"))  # strongest first: the most attention over its heads together

@@ -84,7 +84,7 @@ def compress(lm: LoadedModel, cell: Cell) -> list[dict]:
 
 def heads(lm: LoadedModel, cell: Cell) -> list[dict]:
     """Head classes over a dataset, docs/methods.md#head-classes (``attnviz heads --samples S --max-len T``): per layer, how many heads of
-    each kind."""
+    each class."""
     from attnviz.effects import heads as heads_mod
 
     o = cell.options
@@ -219,10 +219,10 @@ def schema():
             ("versions", pa.string()), ("worker", pa.string()), ("finished", pa.string())]
     columns = {}
     for measure in COLUMNS.values():
-        for name, kind in measure.items():
-            if columns.setdefault(name, kind) != kind:
-                raise TypeError(f"results column '{name}' is typed twice: {columns[name]} and {kind}")
-    return pa.schema(cell + [(name, getattr(pa, kind)()) for name, kind in columns.items()])
+        for name, arrow in measure.items():
+            if columns.setdefault(name, arrow) != arrow:
+                raise TypeError(f"results column '{name}' is typed twice: {columns[name]} and {arrow}")
+    return pa.schema(cell + [(name, getattr(pa, arrow)()) for name, arrow in columns.items()])
 
 
 #: the emergence table's head-class columns (attnviz.lab.formation.COLUMNS): scores and ratios, and the classes

@@ -163,16 +163,16 @@ def _strings(raw: dict, key: str, default: list[str] | None) -> list[str]:
     return list(dict.fromkeys(v.strip() for v in value))
 
 
-def _option(measure: str, name: str, value, kind: type):
+def _option(measure: str, name: str, value, expected: type):
     where = f"measures.{measure}.{name}"
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if kind is list:
+    if expected is list:
         if not isinstance(value, list):
             raise InputError(f"spec: '{where}' must be a list, got {value!r}")
         return value
-    if not isinstance(value, kind) or isinstance(value, bool):
-        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+    if not isinstance(value, expected) or isinstance(value, bool):
+        names = " or ".join(k.__name__ for k in (expected if isinstance(expected, tuple) else (expected,)))
         raise InputError(f"spec: '{where}' must be {names}, got {value!r}")
     if isinstance(value, (int, float)) and value < 0:
         raise InputError(f"spec: '{where}' must be >= 0, got {value}")
@@ -289,8 +289,8 @@ def parse(text: str) -> Spec:
         for option in options:
             if option not in known:
                 raise InputError(f"spec: unknown option 'measures.{name}.{option}' (expected {', '.join(known)})")
-        measures[name] = {option: (_option(name, option, options[option], kind) if option in options else default)
-                          for option, (kind, default) in known.items()}
+        measures[name] = {option: (_option(name, option, options[option], expected) if option in options else default)
+                          for option, (expected, default) in known.items()}
     if "sinks" in measures and measures["sinks"]["unit"] not in ("doc", "line"):
         raise InputError("spec: 'measures.sinks.unit' must be 'doc' or 'line'")
     if "sinks" in measures and isinstance(measures["sinks"]["key"], str) and measures["sinks"]["key"] != "auto":

@@ -65,8 +65,8 @@ def _uri(image, image_format: str, quality: int) -> str:
         image.save(out, format="WEBP", quality=quality, method=6)
     else:
         image.save(out, format="PNG", compress_level=6)
-    kind = "webp" if image_format == "webp" else "png"
-    return f"data:image/{kind};base64," + base64.b64encode(out.getvalue()).decode()
+    subtype = "webp" if image_format == "webp" else "png"  # the MIME subtype
+    return f"data:image/{subtype};base64," + base64.b64encode(out.getvalue()).decode()
 
 
 def encode(values: np.ndarray, lo: float, hi: float = 0.0, bits: int = 8, image_format: str = "png",

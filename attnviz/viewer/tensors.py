@@ -98,7 +98,7 @@ def from_attention(attention, tokens=None, *, query_tokens=None, batch: int = 0,
         if tokens is not None or query_tokens is not None:  # e.g. show(cap, 5): the old positional layer
             raise InputError("a capture carries its own tokens: call show(cap) (layer=, head= by keyword)")
         return attention
-    maps, kind = _layers(attention, batch)
+    maps, source = _layers(attention, batch)
     heads, q, k = maps[0].shape
     for l, m in enumerate(maps):
         if m.shape != maps[0].shape:
@@ -141,4 +141,4 @@ def from_attention(attention, tokens=None, *, query_tokens=None, batch: int = 0,
                    layer_masks=["given"] * len(maps), layers=layers, kv_groups=list(range(heads)),
                    allowed={l: (m > 0).any(0) for l, m in zip(layers, maps)},
                    probs=dict(zip(layers, maps)), query_tokens=query_tokens,
-                   meta={"model": name, "source": kind, "digest": digest.hexdigest()[:16], "note": note})
+                   meta={"model": name, "source": source, "digest": digest.hexdigest()[:16], "note": note})

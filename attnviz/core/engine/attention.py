@@ -130,9 +130,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     # are arithmetic (reduce.Layout.causal), and SDPA runs is_causal; the rowwise route makes each block's rows
     # of a large allow-set as it goes: nothing n_q x n_kv on the device. Nor does the block route of a layer nobody
     # records under a plain causal mask (training under softpick or sigmoid): its rows and key ranges are arithmetic
-    made = ("causal" if plain_causal and (route is routes.Route.FUSED or not (recs or recorded or head_mask))
+    form = ("causal" if plain_causal and (route is routes.Route.FUSED or not (recs or recorded or head_mask))
             else "rows" if route is routes.Route.ROWWISE else "whole")
-    allow = run.allow_set(layer, n_q, n_kv, sliding_window, query.device, made, n_heads)
+    allow = run.allow_set(layer, n_q, n_kv, sliding_window, query.device, form, n_heads)
     if route is routes.Route.SDPA_MASKED:
         whole = allow.whole()
         attn_mask = whole if bias is None else bias.to(query.dtype).masked_fill(~whole, float("-inf"))
@@ -150,7 +150,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             if devices.is_out_of_memory(err):
                 raise
             run.fused_failed[shape] = kernels.failure(err, f"{shape[0]} {shape[1]} queries {shape[2]}")
-        if allow.kind == "causal":  # the block engine reads the allow-set
+        if allow.form == "causal":  # the block engine reads the allow-set
             allow = run.allow_set(layer, n_q, n_kv, sliding_window, query.device, "whole", n_heads)
     kv_pos = run.positions_on(query.device)[:, -n_kv:]
     q_pos = run.query_positions(n_q, query.device)

@@ -206,10 +206,10 @@ class Run(Recorded, Cached, AllowSets, Asked):
     def _every_recorder(self) -> tuple:
         return self.recorders + ((self._live,) if self.keep_graph else ())
 
-    def results(self, kind: str) -> dict:
-        """What the recorders of ``kind`` hold, by layer (the recorders own it; the run keeps no store of its own).
-        One recorder's own dict where it alone is of that kind, so the residual variants may take from ``live``."""
-        owners = [r for r in self._every_recorder() if r.kind == kind]
+    def results(self, holds: str) -> dict:
+        """What the recorders that hold ``holds`` hold, by layer (the recorders own it; the run keeps no store of its
+        own). One recorder's own dict where it alone holds that, so the residual variants may take from ``live``."""
+        owners = [r for r in self._every_recorder() if r.holds == holds]
         if len(owners) == 1:
             return owners[0].results
         merged: dict = {}
@@ -246,20 +246,20 @@ class Run(Recorded, Cached, AllowSets, Asked):
 
 @dataclass
 class Stacks:
-    """The runs of an encoder-decoder forward: one per attention kind ("encoder", "decoder",
+    """The runs of an encoder-decoder forward: one per attention stack ("encoder", "decoder",
     "cross"), each attention module routed to its run and layer by identity, since T5 and BART
     number the layers of every stack from 0."""
 
     runs: dict[str, Run]
-    routes: dict[int, tuple[str, int]]  # id(module) -> (kind, layer)
+    routes: dict[int, tuple[str, int]]  # id(module) -> (stack, layer)
 
     def route(self, module) -> tuple[Run, int]:
         try:
-            kind, layer = self.routes[id(module)]
+            stack, layer = self.routes[id(module)]
         except KeyError:
             raise ModelLoadError(f"{type(module).__name__} is an attention module attnviz did not find when it "
                                  "mapped this model's encoder and decoder") from None
-        return self.runs[kind], layer
+        return self.runs[stack], layer
 
 
 def n_layers(model) -> int:

@@ -293,8 +293,8 @@ def load(model: str = DEFAULT, dtype: str | torch.dtype | None = None, device: s
     seq2seq = bool(getattr(config, "is_encoder_decoder", False))
     known = MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES if seq2seq else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     if config.model_type not in known:
-        kind = "an encoder-decoder without a generation head" if seq2seq else "not a decoder language model (causal LM)"
-        raise ModelLoadError(f"'{name}' is a {config.model_type} model, {kind}")
+        reason = "an encoder-decoder without a generation head" if seq2seq else "not a decoder language model (causal LM)"
+        raise ModelLoadError(f"'{name}' is a {config.model_type} model, {reason}")
     auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
     model_class = auto._model_mapping.get(type(config), None) if not trust_remote_code else None
     full = config.model_type == "qwen3_next" and set(getattr(config, "layer_types", None) or ()) == {"full_attention"}

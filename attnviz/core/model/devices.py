@@ -63,13 +63,13 @@ def available(device: str) -> str:
 
 
 def mapped_device(device_map) -> str:
-    """The kind of device a model loaded with accelerate's ``device_map`` computes on, which decides its dtype:
+    """The type of device a model loaded with accelerate's ``device_map`` computes on, which decides its dtype:
     a dict that places any module on a GPU ("cuda:0", an index) or on MPS computes there; one that places
     everything on the CPU and disk computes on the CPU. A named strategy ("auto", "balanced", "sequential")
     fills the GPUs first when there are any; "cpu" is the CPU."""
     if isinstance(device_map, dict):
-        kinds = {"cuda" if isinstance(d, int) else str(d).split(":")[0] for d in device_map.values()}
-        return "cuda" if "cuda" in kinds else "mps" if "mps" in kinds else "cpu"
+        types = {"cuda" if isinstance(d, int) else str(d).split(":")[0] for d in device_map.values()}
+        return "cuda" if "cuda" in types else "mps" if "mps" in types else "cpu"
     if str(device_map) in ("cpu", "disk"):
         return "cpu"
     return "cuda" if torch.cuda.is_available() else "cpu"

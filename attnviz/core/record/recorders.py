@@ -4,7 +4,7 @@ run the same calls; it never knows which recorders it feeds (docs/layout.md#reco
 One protocol, :class:`Recorder`: a layer's inputs in (:meth:`~Recorder.start`), blocks of probabilities in
 (:meth:`~Recorder.block`, with the block's pre-softmax scores for a recorder that asks for them), its finished
 layers out (:meth:`~Recorder.finish`, :meth:`~Recorder.result`). Each recorder owns its results, by layer; the run
-keeps no store of its own and reads them by the recorder's ``kind`` (``run.probs``, ``run.scores``,
+keeps no store of its own and reads them by what the recorder ``holds`` (``run.probs``, ``run.scores``,
 ``run.reduced``, ``run.value_norms``, ``run.qkv``, ``run.live``). A recorder declares what it needs of the route, and the engine reads only
 those declarations: the whole layer as one block, every key of a block, the scores, some rows only, or
 whether it can take a whole layer from the fused kernel's sums (:meth:`~Recorder.fused`) instead of blocks.
@@ -59,7 +59,7 @@ class Recorder:
     scores: str | None = None
     only_rows: tuple[int, int] | None = None
     fusable = False
-    kind = ""  # what the run calls its results: "probs", "scores", "reduced", "value_norms", "qkv", "live"
+    holds = ""  # what the run calls its results: "probs", "scores", "reduced", "value_norms", "qkv", "live"
 
     @property
     def results(self) -> dict:
@@ -102,7 +102,7 @@ class ValueNorms(Recorder):
     the statistics' pooled value-weighted maps and the fused kernel."""
 
     fusable = True
-    kind = "value_norms"
+    holds = "value_norms"
 
     def start(self, run, layer, inputs):
         from attnviz.core.model.modules import value_norms
@@ -117,7 +117,7 @@ class QKVRecorder(Recorder):
     """The layer's queries, keys and values on the host, float32, with the scaling (``run.qkv``)."""
 
     fusable = True
-    kind = "qkv"
+    holds = "qkv"
 
     def start(self, run, layer, inputs):
         self.results[layer] = (inputs.query.float().cpu(), inputs.key.float().cpu(), inputs.value.float().cpu(),
@@ -130,7 +130,7 @@ class Maps(Recorder):
 
     def __init__(self, dtype: torch.dtype, of_scores: bool = False, packed: bool = False):
         self.dtype, self.of_scores, self.packed = dtype, of_scores, packed and not of_scores
-        self.kind = "scores" if of_scores else "probs"
+        self.holds = "scores" if of_scores else "probs"
         self.scores = "raw" if of_scores else None
         self.all_keys = of_scores  # scores are kept for every key, the masked ones included
         self.current: FullMaps | None = None
@@ -168,7 +168,7 @@ class Streamed(Recorder):
     block by block; its finished result goes to ``run.reduced``. With ``pooled_scores`` it also takes the masked
     pre-softmax scores of each block. A reducer that can take the fused kernel's sums makes the layer fusable."""
 
-    kind = "reduced"
+    holds = "reduced"
 
     def __init__(self, reducer, pooled_scores: bool = False):
         from attnviz.core.record.reduce import FusedReducer
@@ -212,7 +212,7 @@ class LearnedSink(Recorder):
     model gives each head a learned sink logit (:meth:`Recorder.block_sink`); nothing for the others. Fusable: the
     route table never takes the fused route for such a layer (its kernel has no sink logit), so it gets its blocks."""
 
-    kind = "learned_sink"
+    holds = "learned_sink"
     fusable = True
 
     def __init__(self, only_rows: tuple[int, int] | None = None):
@@ -244,7 +244,7 @@ class Whole(Recorder):
 
     whole_layer = True
     all_keys = True
-    kind = "reduced"
+    holds = "reduced"
 
     def __init__(self, fn: Callable):
         self.fn = fn
@@ -259,7 +259,7 @@ class Live(Recorder):
 
     whole_layer = True
     all_keys = True
-    kind = "live"
+    holds = "live"
 
     def block(self, run, layer, q0, k0, probs, allow):
         self.results[layer] = probs

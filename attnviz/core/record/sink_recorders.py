@@ -12,7 +12,7 @@ class SinkColumn(Recorder):
     """Per layer and batch row, alpha at the layer's sink key per head (the mean of its column over every query that
     may see it, the key's own query included; NaN where no other query does): only the sink key's column is read."""
 
-    kind = "reduced"
+    holds = "reduced"
 
     def __init__(self):
         self.sums: dict[int, torch.Tensor] = {}
@@ -39,7 +39,7 @@ class SinkColumn(Recorder):
 class SinkCell(Recorder):
     """Per layer, (B,) the last query's attention on the layer's sink key, the mean over heads."""
 
-    kind = "reduced"
+    holds = "reduced"
 
     def __init__(self):
         self.values: dict[int, list] = {}

@@ -100,7 +100,7 @@ def working(shape: Shape, keep, n: int, masks: Masks, recorded: list[int]) -> in
     after = states + max(states + half if keep.hidden_states else 0, 2 * cells * 4 if keep.activations else 0)
     norms = len(recorded) * heads * n * 4 if keep.value_norms else 0
     # an allow-set above the whole-allow size is made a block of rows at a time on the statistics route
-    # (an AllowSet of kind "rows"): only a block's rows are ever on the device, not n × n
+    # (an AllowSet of form "rows"): only a block's rows are ever on the device, not n × n
     rowwise = keep.statistics and n * n > sizes.whole_allow and not masks.per_head(recorded)
     allow = masks.device * (rows if rowwise else n) * n
     # on the fused route (CUDA with Triton), the layers' kernel sums wait to be finished together

@@ -151,9 +151,9 @@ class Masks:
         causal = all(mask.causal_compatible and mask.stable is None for mask in built.architecture.layers)
         beside = [0.0] + [2.0 if mask.horizon is None else 1.0 for mask in built.architecture.layers if mask.stable]
         for act in built.interventions.items:
-            kind = type(act)
-            logits = kind.scores is not Intervention.scores or kind.extra_logit is not Intervention.extra_logit
-            beside.append(1.0 if logits else 2.0 if kind.probabilities is not Intervention.probabilities else 0.0)
+            hooks = type(act)  # the hooks its class overrides
+            logits = hooks.scores is not Intervention.scores or hooks.extra_logit is not Intervention.extra_logit
+            beside.append(1.0 if logits else 2.0 if hooks.probabilities is not Intervention.probabilities else 0.0)
         return cls(own, len(set(keys)), causal, max(beside))
 
     def host_bytes(self, recorded: list[int], n: int, heads: int) -> int:

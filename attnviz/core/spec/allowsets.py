@@ -102,7 +102,7 @@ def row_spans(seen: "np.ndarray") -> tuple["np.ndarray", "np.ndarray"]:
 
 class AllowSet:
     """One layer's allow-set: which keys each query may see (B, 1, n_q, n_kv), or each head's own (B, H, ...) where
-    the layer's heads have masks of their own. The one type the engine asks, whatever its kind:
+    the layer's heads have masks of their own. The one type the engine asks, whatever its ``form``:
 
     - "whole": made once, on the layer's device, and shared by every layer with the same mask;
     - "rows": never made whole on the device, a block of query rows at a time (a large statistics capture);
@@ -113,14 +113,14 @@ class AllowSet:
     :meth:`whole` (SDPA and the fused kernel read it), every block's key :meth:`ranges`, the packed :meth:`bits`,
     the :meth:`layout` counts the statistics read, and the :meth:`host` copies a capture keeps."""
 
-    def __init__(self, kind: str, shape: tuple[int, int, int, int], device, make_rows=None, head_rows=None):
-        self.kind, self.shape, self.device = kind, shape, torch.device(device)
+    def __init__(self, form: str, shape: tuple[int, int, int, int], device, make_rows=None, head_rows=None):
+        self.form, self.shape, self.device = form, shape, torch.device(device)
         self._make_rows, self._head_rows = make_rows, head_rows
         self._cache: dict = {}
 
     def with_heads(self, head_rows) -> "AllowSet":
         """This set and-ed, head by head, with ``head_rows(q0, q1)`` (H, b, n_kv): the layer's own per-head set."""
-        return AllowSet(self.kind if self.kind != "causal" else "whole", self.shape, self.device, self.rows,
+        return AllowSet(self.form if self.form != "causal" else "whole", self.shape, self.device, self.rows,
                         head_rows)
 
     @property
@@ -137,9 +137,9 @@ class AllowSet:
 
     def rows(self, q0: int, q1: int) -> torch.Tensor:
         """(B, 1 or H, q1 - q0, n_kv): query rows q0 .. q1 - 1, made alone (a row's keys depend on that row only)."""
-        if self.kind == "whole" and not self.per_head:
+        if self.form == "whole" and not self.per_head:
             return self.whole()[:, :, q0:q1]
-        if self.kind == "causal":
+        if self.form == "causal":
             i = torch.arange(q0, q1, device=self.device)[:, None] + (self.n_kv - self.n_q)
             return (torch.arange(self.n_kv, device=self.device)[None, :] <= i)[None, None]
         base = self._make_rows(q0, q1)
@@ -150,10 +150,10 @@ class AllowSet:
     def whole(self) -> torch.Tensor:
         """(B, 1 or H, n_q, n_kv) on the device, made once (what SDPA and the fused kernel read)."""
         if "whole" not in self._cache:
-            if self.kind == "whole" and not self.per_head:
+            if self.form == "whole" and not self.per_head:
                 self._cache["whole"] = self._make_rows(0, self.n_q)
             else:
-                made = AllowSet("rows" if self.kind != "causal" else "causal", self.shape, self.device,
+                made = AllowSet("rows" if self.form != "causal" else "causal", self.shape, self.device,
                                 self._make_rows, self._head_rows)
                 self._cache["whole"] = made.rows(0, self.n_q)
         return self._cache["whole"]
@@ -163,7 +163,7 @@ class AllowSet:
         Computed on the device and read back in one transfer, once per set: the block loop never waits."""
         if not narrow:
             return [(0, self.n_kv)] * -(-self.n_q // rows)
-        if self.kind == "causal":  # rows q0 .. q1 - 1 see keys 0 .. q1 - 1 (+ the cached keys before the queries)
+        if self.form == "causal":  # rows q0 .. q1 - 1 see keys 0 .. q1 - 1 (+ the cached keys before the queries)
             return [(0, min(q0 + rows, self.n_q) + self.n_kv - self.n_q) for q0 in range(0, self.n_q, rows)]
         if ("ranges", rows) not in self._cache:
             self._cache["ranges", rows] = [tuple(r) for r in self.range_tensor(rows).tolist()]
@@ -190,9 +190,9 @@ class AllowSet:
         return self._cache["bits"]
 
     def layout(self) -> "Layout":
-        """The counts the statistics read (:class:`Layout`): arithmetic for the causal kind."""
+        """The counts the statistics read (:class:`Layout`): arithmetic for the causal form."""
         if "layout" not in self._cache:
-            self._cache["layout"] = (Layout.causal(self.n_q, self.device) if self.kind == "causal"
+            self._cache["layout"] = (Layout.causal(self.n_q, self.device) if self.form == "causal"
                                      else Layout.of(self.whole()[0, 0]))
         return self._cache["layout"]
 
@@ -203,7 +203,7 @@ class AllowSet:
         """(n_q, n_kv) on the host, the cells some head may see (the layer's mask, where heads have none of their
         own), made a chunk of rows at a time: what a capture keeps."""
         if "host" not in self._cache:
-            if self.kind == "causal" and self.n_q == self.n_kv:
+            if self.form == "causal" and self.n_q == self.n_kv:
                 self._cache["host"] = np.tri(self.n_q, dtype=bool)
             elif self.per_head:  # the heads' own sets, made once: the layer's cells are those some head sees
                 self._cache["host"] = self.head_host().any(0)
@@ -234,22 +234,22 @@ class AllowSet:
 
 class AllowSets:
     """The run's allow-sets (a mixin of :class:`attnviz.core.engine.run.Run`, whose fields it reads): one
-    :class:`AllowSet` per (mask, n_q, n_kv, window, device, kind), shared by the layers with that mask; a layer
+    :class:`AllowSet` per (mask, n_q, n_kv, window, device, form), shared by the layers with that mask; a layer
     whose heads have masks of their own gets its own, per head."""
 
-    def allow_set(self, layer: int, n_q: int, n_kv: int, window: int | None, device, kind: str = "whole",
+    def allow_set(self, layer: int, n_q: int, n_kv: int, window: int | None, device, form: str = "whole",
                   n_heads: int = 1) -> AllowSet:
-        """The layer's :class:`AllowSet` of ``kind`` ("whole", "rows" or "causal").
+        """The layer's :class:`AllowSet` of ``form`` ("whole", "rows" or "causal").
 
         The model's own sliding window (Mistral, Qwen2, Gemma2 ...) bounds causal-type layers only,
         as in the stock model (``i - j < w``); BIDIR/BACK-type layers see the whole sequence, as in
         seed 000's reference code (docs/methods.md#per-layer-architectures).
         """
         device = torch.device(device)
-        key = ("allow", self.masks[layer], n_q, n_kv, window, device, kind)  # a device map: several devices
+        key = ("allow", self.masks[layer], n_q, n_kv, window, device, form)  # a device map: several devices
         if key not in self._allow_cache:
             self._allow_cache[key] = AllowSet(
-                kind, (self.valid.shape[0], 1, n_q, n_kv), device,
+                form, (self.valid.shape[0], 1, n_q, n_kv), device,
                 lambda q0, q1: self.allow_rows(layer, n_q, n_kv, window, device, q0, q1))
         made = self._allow_cache[key]
         if not self.has_head_mask(layer):

@@ -35,7 +35,7 @@ from attnviz.core.spec import syntax
 from attnviz.errors import InputError
 
 #: Every intervention by name; parameters, types and defaults are read from each class's fields.
-KINDS = syntax.Registry("intervention")
+INTERVENTIONS = syntax.Registry("intervention")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,16 +88,16 @@ class Intervention:
         return None
 
     def arguments(self) -> str:
-        call = KINDS.spec(self)
+        call = INTERVENTIONS.spec(self)
         return call[len(self.name) + 1:-1] if call.endswith(")") else ""
 
     @property
     def spec(self) -> str:
         where = "" if self.layers is None else "@" + syntax.ranges(self.layers)
-        return KINDS.spec(self) + where
+        return INTERVENTIONS.spec(self) + where
 
 
-@KINDS.register()
+@INTERVENTIONS.register()
 @dataclass(frozen=True, kw_only=True)
 class SinkLogit(Intervention):
     """One extra logit ``b`` in every row's softmax, dropped after it (docs/methods.md#sinklogit)."""
@@ -109,7 +109,7 @@ class SinkLogit(Intervention):
         return self.b
 
 
-@KINDS.register()
+@INTERVENTIONS.register()
 @dataclass(frozen=True, kw_only=True)
 class SinkScale(Intervention):
     """ACT's calibration: key ``key``'s weight times ``beta``, the rest spread (docs/methods.md#sinkscale)."""
@@ -140,7 +140,7 @@ class SinkScale(Intervention):
         return torch.where(is_key, torch.where(has_rest, self.beta * col, col), spread)
 
 
-@KINDS.register()
+@INTERVENTIONS.register()
 @dataclass(frozen=True, kw_only=True)
 class Temperature(Intervention):
     """Scores divided by ``t`` before the softmax (docs/methods.md#temperature)."""
@@ -156,7 +156,7 @@ class Temperature(Intervention):
         return scores / self.t
 
 
-@KINDS.register()
+@INTERVENTIONS.register()
 @dataclass(frozen=True, kw_only=True)
 class Ablate(Intervention):
     """Those heads' outputs replaced by zero or their mean over positions (docs/methods.md#ablate)."""
@@ -186,7 +186,7 @@ class Ablate(Intervention):
         return torch.where(chosen[None, :, None, None], replacement, out)
 
 
-@KINDS.register()
+@INTERVENTIONS.register()
 @dataclass(frozen=True, kw_only=True)
 class HeadWindow(Intervention):
     """Those heads see only the first ``s`` keys and the last ``w`` (docs/methods.md#headwindow)."""
@@ -219,7 +219,7 @@ class HeadWindow(Intervention):
 BLOCKS = ("mlp", "attn", "embed")  # what patch replaces: a block's write, or the embedding's
 
 
-@KINDS.register()
+@INTERVENTIONS.register()
 @dataclass(frozen=True, kw_only=True)
 class Patch(Intervention):
     """A block's output replaced at some tokens by zero or its mean elsewhere (docs/methods.md#patch). ``block``
@@ -332,7 +332,7 @@ def parse(text: str | None, n_layers: int, n_heads: int) -> Interventions:
     for part in syntax.split(str(text)):
         parsed = syntax.call(part, "the intervention", USAGE)
         layers = None if parsed.layers is None else tuple(syntax.layers(parsed.layers, n_layers, part))
-        item = KINDS.build(parsed, layers=layers)
+        item = INTERVENTIONS.build(parsed, layers=layers)
         item.check(n_layers, n_heads)
         items.append(item)
     result = tuple(items)

@@ -1,10 +1,10 @@
 """The one call syntax of every option string: ``name(key=value, ...)@layers``, several joined with ``;``.
 
 Architectures (``mask0-bidir(k=8)``), interventions (``sinkscale(beta=0.3)@20-29; ablate(heads=0,3)@5``),
-KV-cache presses (``snapkv(window=64, kernel=5)``) and cache policies (``sink(s=4, w=124)``) are all
-written this way and read by the functions here. Each kind keeps a :class:`Registry` of its classes
-(or builder functions); the registry reads every parameter's name, type and default from the
-class's fields (the function's signature), so nothing is listed twice, and it writes the canonical
+KV-cache presses (``snapkv(window=64, kernel=5)``), cache policies (``sink(s=4, w=124)``) and attention kinds
+(``softpick(eps=1e-6)``) are all written this way and read by the functions here. Each keeps a
+:class:`Registry` of its classes (or builder functions); the registry reads every parameter's name, type and
+default from the class's fields (the function's signature), so nothing is listed twice, and it writes the canonical
 string back (:meth:`Registry.spec`): every field in declaration order, ``name`` alone when there are
 none. Definitions: ``docs/methods.md#the-call-syntax``.
 
@@ -51,13 +51,13 @@ def split(text: str, sep: str = ";") -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
-def call(text: str, kind: str, usage: str, error=InputError) -> Call:
+def call(text: str, noun: str, usage: str, error=InputError) -> Call:
     """``name(a=1, heads=0,3)@5-7`` → :class:`Call`; names are case-insensitive. A piece without ``=``
-    continues the value before it (``heads=0,3``)."""
+    continues the value before it (``heads=0,3``). ``noun`` and ``usage`` write the refusal."""
     part = text.strip()
     match = _CALL.match(part)
     if not match or (match["args"] is not None and ("(" in match["args"] or ")" in match["args"])):
-        raise error(f"cannot read {kind} '{part}': write {usage}")
+        raise error(f"cannot read {noun} '{part}': write {usage}")
     args: dict[str, str] = {}
     last = None
     for piece in (p.strip() for p in (match["args"] or "").split(",")):
@@ -87,13 +87,13 @@ class Parameter:
 
 
 class Registry:
-    """The classes (or builders) of one kind, by name. ``build(call)`` converts the arguments by the
-    annotated types of the fields (int, float, str, bool, tuple[int, ...], and ``X | None``), refuses
-    unknown and missing ones naming what is accepted, and calls the class; its own ``__post_init__``
-    checks ranges."""
+    """The classes (or builders) of one ``noun`` (a mask type, an intervention, a press ...), by name.
+    ``build(call)`` converts the arguments by the annotated types of the fields (int, float, str, bool,
+    tuple[int, ...], and ``X | None``), refuses unknown and missing ones naming what is accepted, and calls the
+    class; its own ``__post_init__`` checks ranges."""
 
-    def __init__(self, kind: str, error=InputError, skip: tuple[str, ...] = ("layers",)):
-        self.kind, self.error, self.skip = kind, error, skip
+    def __init__(self, noun: str, error=InputError, skip: tuple[str, ...] = ("layers",)):
+        self.noun, self.error, self.skip = noun, error, skip
         self.entries: dict[str, Callable] = {}
 
     def register(self, name: str | None = None):
@@ -140,7 +140,7 @@ class Registry:
     def build(self, parsed: Call, **extra):
         """The object ``parsed`` names, its arguments converted; ``extra`` go to the constructor as they are."""
         if parsed.name not in self.entries:
-            raise self.error(f"cannot read {self.kind} '{parsed.text}': unknown {self.kind} '{parsed.name}'; "
+            raise self.error(f"cannot read {self.noun} '{parsed.text}': unknown {self.noun} '{parsed.name}'; "
                              f"use {self.usage()}")
         params = {p.name: p for p in self.parameters(parsed.name)}
         unknown = [k for k in parsed.args if k not in params]
@@ -162,31 +162,31 @@ class Registry:
         return f"{name}({', '.join(values)})" if values else name
 
 
-def convert(kind, raw: str, key: str, where: str, error=InputError):
-    """``raw`` as the annotated type ``kind`` (Optional unwrapped; tuples of ints split at commas)."""
-    args = typing.get_args(kind)
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        kind = next(a for a in args if a is not type(None))
-        args = typing.get_args(kind)
+def convert(annotation, raw: str, key: str, where: str, error=InputError):
+    """``raw`` as the annotated type ``annotation`` (Optional unwrapped; tuples of ints split at commas)."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in args if a is not type(None))
+        args = typing.get_args(annotation)
     raw = raw.strip()
-    if typing.get_origin(kind) is tuple:
+    if typing.get_origin(annotation) is tuple:
         return tuple(convert(args[0] if args else int, piece, key, where, error) for piece in raw.split(",") if piece.strip())
-    if kind is bool:
+    if annotation is bool:
         if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
             raise error(f"in '{where}': {key}={raw} must be true or false")
         return raw.lower() in ("true", "1", "yes")
-    if kind in (int, float):
+    if annotation in (int, float):
         try:
             number = float(raw)
         except ValueError:
-            whole = "whole " if kind is int else ""
+            whole = "whole " if annotation is int else ""
             raise error(f"in '{where}': {key}={raw} is not a number ({key} must be a {whole}number)") from None
-        if kind is int:
+        if annotation is int:
             if number != int(number):
                 raise error(f"in '{where}': {key}={raw} must be a whole number")
             return int(number)
         return number
-    return raw.lower() if kind is str else raw
+    return raw.lower() if annotation is str else raw
 
 
 def _text(value) -> str:
