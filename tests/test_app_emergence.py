@@ -91,6 +91,27 @@ def test_the_run_folder_lists_its_checkpoints_and_its_probe(runs_folder):
         open_run(runs_folder)
 
 
+def test_a_damaged_run_is_left_out_with_its_reason_and_the_others_are_shown(runs_folder, tmp_path, monkeypatch):
+    import ui.emergence
+
+    folder = tmp_path / "runs"
+    shutil.copytree(runs_folder, folder)
+    (folder / "tiny" / "step-8" / "model.safetensors").unlink()
+    with pytest.raises(InputError, match="step-8 is damaged"):
+        find_runs(folder)  # without a list to hold the reason: refused
+    refused: list[str] = []
+    assert [r.name for r in find_runs(folder, refused)] == ["tiny-seed1"]
+    assert len(refused) == 1 and "step-8 is damaged" in refused[0] and "\n" not in refused[0]
+    monkeypatch.setattr(ui.emergence, "table", table_of)
+    at = app_test(tmp_path)
+    at.switch_page(str(ROOT / "pages" / "emergence.py"))
+    at.run()
+    at.text_input(key="em_folder").input(str(folder)).run()
+    assert not at.exception and not at.error, [e.value for e in [*at.exception, *at.error]]
+    assert any("Left out" in w.value and "step-8 is damaged" in w.value for w in at.warning)
+    assert any(title(c).startswith("tiny-seed1 · step 8") for c in charts(at))
+
+
 def test_the_page_draws_a_run_and_the_slider_moves_the_heatmap(page):
     shown = charts(page)
     heat = next(c for c in shown if title(c).startswith("tiny · step 8"))

@@ -44,11 +44,14 @@ def found(folder: str) -> list[LabRun] | None:
     path = shared.checked(shared.access().readable, folder, "runs folder")
     if path is None:
         return None
+    refused: list[str] = []
     try:
-        runs = runs_mod.find_runs(path)
+        runs = runs_mod.find_runs(path, refused)
     except (AttnvizError, OSError, ValueError) as err:
         st.error(f"Runs folder: {err}")
         return None
+    for reason in refused:  # a damaged run is left out, said, and the others shown
+        st.warning(f"Left out: {reason}")
     if not runs and Path(folder) != default_folder():
         st.error(f"'{folder}' is no training run and holds none (a run is a folder of step-N checkpoints).")
         return None

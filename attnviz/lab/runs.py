@@ -54,14 +54,25 @@ def open_run(folder: str | Path) -> LabRun:
     return LabRun(folder, tuple(steps), runs.check(folder / f"step-{steps[-1]}")["setup"])
 
 
-def find_runs(folder: str | Path) -> list[LabRun]:
-    """The runs in ``folder``: the folder itself where it is one, else its sub-folders that are (by name)."""
+def find_runs(folder: str | Path, refused: list[str] | None = None) -> list[LabRun]:
+    """The runs in ``folder``: the folder itself where it is one, else its sub-folders that are (by name). Given a
+    list ``refused``, a sub-folder run that is refused (a damaged last checkpoint) is left out with its one-line
+    reason appended there, so one damaged run does not hide the others; without it, it is refused."""
     folder = Path(folder)
     if runs.steps_of(folder):
         return [open_run(folder)]
     if not folder.is_dir():
         return []
-    return [open_run(p) for p in sorted(folder.iterdir()) if p.is_dir() and runs.steps_of(p)]
+    found = []
+    for p in sorted(folder.iterdir()):
+        if p.is_dir() and runs.steps_of(p):
+            try:
+                found.append(open_run(p))
+            except InputError as err:
+                if refused is None:
+                    raise
+                refused.append(str(err))
+    return found
 
 
 def probe_text(loaded, run: LabRun) -> str:
