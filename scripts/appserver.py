@@ -37,11 +37,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_app(timeout: float = 180.0):
-    """Yield the base URL of `streamlit run app.py` on a free localhost port; stop it afterwards."""
+def running_app(timeout: float = 180.0, log_path: Path = ROOT / ".streamlit-e2e.log"):
+    """Yield the base URL of `streamlit run app.py` on a free localhost port, its output in ``log_path``; stop it
+    afterwards."""
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    log = open(ROOT / ".streamlit-e2e.log", "w")
+    log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
                              "--server.address", "127.0.0.1", "--server.headless", "true"],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -55,7 +56,7 @@ def running_app(timeout: float = 180.0):
             except OSError:
                 time.sleep(0.5)
             if proc.poll() is not None:
-                raise RuntimeError(f"streamlit exited: {(ROOT / '.streamlit-e2e.log').read_text()[-2000:]}")
+                raise RuntimeError(f"streamlit exited: {Path(log_path).read_text()[-2000:]}")
         else:
             raise RuntimeError("streamlit did not become healthy in time")
         yield url

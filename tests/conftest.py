@@ -63,6 +63,35 @@ def _settings_restored():
     settings.use(before)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_browser_for_static_images():
+    """Every static image the suite makes (attnviz.figures.export, the reproductions' PDF, the HTML report's SVGs)
+    goes through one kaleido browser, started at the first image and closed at the end of the session, where
+    kaleido would launch a Chromium for each image (seconds each). The figure and its options reach the browser
+    unchanged (kaleido's own sync server); a lock keeps two threads' images apart (the server answers in order)."""
+    import threading
+
+    try:
+        import kaleido
+    except ImportError:
+        yield
+        return
+    plain, lock = kaleido.calc_fig_sync, threading.Lock()
+
+    def calc_fig_sync(*args, **kwargs):
+        if set(kwargs.get("kopts") or ()) - {"headers"}:  # a browser of other options: its own, as before
+            return plain(*args, **kwargs)
+        with lock:
+            kwargs.pop("kopts", None)  # plotly's request headers only: nothing is fetched offline
+            kaleido.start_sync_server(silence_warnings=True)
+            return plain(*args, **kwargs)
+
+    kaleido.calc_fig_sync = calc_fig_sync
+    yield
+    kaleido.calc_fig_sync = plain
+    kaleido.stop_sync_server(silence_warnings=True)
+
+
 @pytest.fixture
 def use_settings():
     """``use_settings(fused=True, ...)``: the library runs under the active settings with those changes for the

@@ -16,8 +16,18 @@ def run(*args, env=None):
                           env={**os.environ, **(env or {})}, timeout=600)
 
 
-def test_masks_json():
-    out = run("masks", "--arch", "mask0&bidir(k=2, k0=1)", "--layers", "4", "--n", "3", "--json")
+def run_here(capsys, *args):
+    """The command run in this process, its output read back, for the tests of what a command prints and returns
+    (a process of its own costs seconds of imports and a model load each; the tests of one-line errors keep it)."""
+    from attnviz.cli import main
+
+    code = main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["attnviz", *args], code, out.out, out.err)
+
+
+def test_masks_json(capsys):
+    out = run_here(capsys, "masks", "--arch", "mask0&bidir(k=2, k0=1)", "--layers", "4", "--n", "3", "--json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["arch"] == "mask0&bidir(k=2, k0=1)"
@@ -47,11 +57,11 @@ def test_bad_input_is_one_line_without_traceback(args, message, model_cache):
     assert out.stderr.strip().splitlines()[-1].startswith("attnviz: error:")
 
 
-def test_sinks_json(default_model, tmp_path):
+def test_sinks_json(default_model, tmp_path, capsys):
     text_file = tmp_path / "text.txt"
     text_file.write_text(ENGLISH)
-    out = run("sinks", "--model", "default", "--arch", "nosink-fwd", "--text-file", str(text_file),
-              "--eps", "0.3", "--json")
+    out = run_here(capsys, "sinks", "--model", "default", "--arch", "nosink-fwd", "--text-file", str(text_file),
+                   "--eps", "0.3", "--json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["arch"] == "nosink-fwd" and doc["model"].startswith("SmolLM2")
@@ -68,11 +78,11 @@ def test_sinks_json(default_model, tmp_path):
     assert abs(head["discarded_mass"]) < 1e-3
 
 
-def test_capture_writes_a_loadable_file(default_model, tmp_path):
+def test_capture_writes_a_loadable_file(default_model, tmp_path, capsys):
     from attnviz import Capture
 
-    out = run("capture", "--model", "default", "--arch", "stablemask(gamma=0.5)", "--text", "Hello there, world.",
-              "--out", str(tmp_path / "c.npz"), "--layers", "0,5,29")
+    out = run_here(capsys, "capture", "--model", "default", "--arch", "stablemask(gamma=0.5)", "--text",
+                   "Hello there, world.", "--out", str(tmp_path / "c.npz"), "--layers", "0,5,29")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     cap = Capture.load(doc["out"])
@@ -87,8 +97,8 @@ def test_capture_bad_layer(default_model, tmp_path):
     assert out.returncode == 2 and "layer 31 does not exist" in out.stderr
 
 
-def test_sinks_fwd_has_the_sink_at_key_0(default_model):
-    out = run("sinks", "--arch", "fwd", "--text", ENGLISH)
+def test_sinks_fwd_has_the_sink_at_key_0(default_model, capsys):
+    out = run_here(capsys, "sinks", "--arch", "fwd", "--text", ENGLISH)
     assert out.returncode == 0, out.stderr
     layer = json.loads(out.stdout)["layers"][24]
     assert layer["mask"] == "fwd" and layer["sink_rate"]["0"] > 0.5 and layer["sink_rate"]["1"] == 0.0
@@ -102,10 +112,11 @@ def text_file(tmp_path):
     return path
 
 
-def test_eval_json_matches_the_library(default_model, text_file):
+def test_eval_json_matches_the_library(default_model, text_file, capsys):
     from attnviz.effects.evaluate import evaluate, token_ids
 
-    out = run("eval", "--arch", "nosink-fwd", "--text-file", str(text_file), "--window", "64", "--stride", "32", "--json")
+    out = run_here(capsys, "eval", "--arch", "nosink-fwd", "--text-file", str(text_file), "--window", "64", "--stride",
+                   "32", "--json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert set(doc) == {"model", "arch", "perplexity", "accuracy", "nll", "tokens", "windows"}
@@ -116,28 +127,30 @@ def test_eval_json_matches_the_library(default_model, text_file):
     assert doc["nll"] == pytest.approx(np.log(doc["perplexity"]), rel=1e-5)
 
 
-def test_stream_compare_and_embed_sweep(default_model, text_file):
-    out = run("stream", "--text-file", str(text_file), "--policy", "dense", "--policy", "sink(s=2, w=16)",
-              "--max-tokens", "60", "--compare")
+def test_stream_compare_and_embed_sweep(default_model, text_file, capsys):
+    out = run_here(capsys, "stream", "--text-file", str(text_file), "--policy", "dense", "--policy", "sink(s=2, w=16)",
+                   "--max-tokens", "60", "--compare")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["tokens"] == 59 and [p["policy"] for p in doc["policies"]] == ["dense", "sink(s=2, w=16)"]
     assert [p["cache_size"] for p in doc["policies"]] == [None, 18]
     assert len(doc["policies"][1]["running_perplexity"]) == 59
     assert doc["policies"][0]["running_perplexity"][-1] == pytest.approx(doc["policies"][0]["perplexity"], rel=1e-3)
-    single = json.loads(run("stream", "--text-file", str(text_file), "--policy", "window(w=8)",
-                            "--max-tokens", "30").stdout)
+    single = json.loads(run_here(capsys, "stream", "--text-file", str(text_file), "--policy", "window(w=8)",
+                                 "--max-tokens", "30").stdout)
     assert set(single) == {"policy", "arch", "perplexity", "tokens", "cache_size"}
 
-    out = run("embed", "--arch", "inplace-back", "--sweep", "k", "--ks", "0,2", "--m", "8", "--max-docs", "5")
+    out = run_here(capsys, "embed", "--arch", "inplace-back", "--sweep", "k", "--ks", "0,2", "--m", "8", "--max-docs",
+                   "5")
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r["k"] for r in rows] == [0, 2] and rows[1]["arch"] == "inplace-back(k=2)"
     assert all(set(r) == {"k", "arch", "recall_at_1", "mrr", "n_docs"} and r["n_docs"] == 5 for r in rows)
 
 
-def test_generate_json(default_model):
-    out = run("generate", "--text", "The capital of France is", "--policy", "sink(s=1, w=4)", "--max-new-tokens", "3")
+def test_generate_json(default_model, capsys):
+    out = run_here(capsys, "generate", "--text", "The capital of France is", "--policy", "sink(s=1, w=4)",
+                   "--max-new-tokens", "3")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["policy"] == "sink(s=1, w=4)" and len(doc["new_ids"]) <= 3 and doc["prompt_tokens"] == 5
@@ -171,13 +184,13 @@ def test_effects_bad_input_is_one_line(args, message, default_model, tmp_path):
     assert out.stdout == ""
 
 
-def test_sinks_key_of_one_text(default_model):
+def test_sinks_key_of_one_text(default_model, capsys):
     """``--key`` with one text: that key's rate beside keys 0 and 1 in every layer, named as the dataset's is;
     without it the document is what it was."""
     from attnviz.stats.metrics import SINK_EPS
 
-    plain = json.loads(run("sinks", "--text", ENGLISH).stdout)
-    keyed = json.loads(run("sinks", "--text", ENGLISH, "--key", "3").stdout)
+    plain = json.loads(run_here(capsys, "sinks", "--text", ENGLISH).stdout)
+    keyed = json.loads(run_here(capsys, "sinks", "--text", ENGLISH, "--key", "3").stdout)
     assert "key" not in plain and all("key" not in layer for layer in plain["layers"])
     assert keyed["key"] == 3 and {k: v for k, v in keyed.items() if k not in ("key", "layers")} == \
         {k: v for k, v in plain.items() if k != "layers"}
@@ -199,11 +212,11 @@ def test_patching_refuses_an_answer_its_metric_does_not_read(metric):
                           "--wrong with --metric logit_diff only\n")
 
 
-def test_sinks_over_a_dataset(default_model, tmp_path):
+def test_sinks_over_a_dataset(default_model, tmp_path, capsys):
     from attnviz import corpus
     from attnviz.effects import dataset
 
-    out = run("sinks", "--corpus", "stdlib", "--per-doc", "--max-len", "16", "--samples", "4", "--json")
+    out = run_here(capsys, "sinks", "--corpus", "stdlib", "--per-doc", "--max-len", "16", "--samples", "4", "--json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["samples"] == 4 and doc["max_len"] == 16 and doc["unit"] == "doc" and len(doc["layers"]) == 30
@@ -215,7 +228,7 @@ def test_sinks_over_a_dataset(default_model, tmp_path):
     assert doc["model_rate"]["mean"] == pytest.approx(direct.model_rates().mean(), abs=1e-6)
     lines = tmp_path / "lines.txt"
     lines.write_text("The first line is a sample.\nThe second line is one too.\n\nShort.\n")
-    doc = json.loads(run("sinks", "--text-file", str(lines), "--per-line", "--max-len", "6").stdout)
+    doc = json.loads(run_here(capsys, "sinks", "--text-file", str(lines), "--per-line", "--max-len", "6").stdout)
     assert doc["samples"] == 3 and doc["short_samples"] == 1 and "shorter than 6 tokens" in doc["note"]
 
 
@@ -230,13 +243,13 @@ def test_dataset_sinks_bad_input(args, message, tmp_path, model_cache):
     assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
-def test_linformer_cli(default_model):
-    out = run("linformer", "--text", ENGLISH, "--layer", "-1", "--ks", "4,16")
+def test_linformer_cli(default_model, capsys):
+    out = run_here(capsys, "linformer", "--text", ENGLISH, "--layer", "-1", "--ks", "4,16")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["layer"] == 29 and [r["k"] for r in doc["rows"]] == [4, 16]
     assert doc["rows"][0]["error_full"] > doc["rows"][1]["error_full"] > 0
-    bad = run("linformer", "--text", "two words", "--ks", "5")
+    bad = run_here(capsys, "linformer", "--text", "two words", "--ks", "5")
     assert bad.returncode == 2 and "Linformer k must be between" in bad.stderr
 
 

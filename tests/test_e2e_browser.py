@@ -44,13 +44,22 @@ def chart_on_page(page, url: str, has_text: str):
     return chart
 
 
+@pytest.fixture(scope="module")
+def app_url(model_cache, tmp_path_factory):
+    """One server for the tests that only open pages, each test in a browser session of its own; the tests of a
+    fresh server, of the server's log and of shared mode start their own (this one logs elsewhere)."""
+    with running_app(log_path=tmp_path_factory.mktemp("app") / "streamlit.log") as url:
+        yield url
+
+
 def no_exception(page) -> None:
     assert page.locator('[data-testid="stException"]').count() == 0
     assert "Traceback" not in page.locator('[data-testid="stMain"]').inner_text()
 
 
-def test_app_in_a_real_browser(model_cache, tmp_path):
-    with running_app() as url, browser_page() as page:
+def test_app_in_a_real_browser(app_url, tmp_path):
+    url = app_url
+    with browser_page() as page:
         page.goto(url)
         wait_for_app(page)
         no_exception(page)
@@ -106,9 +115,10 @@ def test_app_in_a_real_browser(model_cache, tmp_path):
             no_exception(page)
 
 
-def test_heads_page_tile_opens_its_heatmap(model_cache):
+def test_heads_page_tile_opens_its_heatmap(app_url):
     """The Heads page's layer × head grid; a click on a tile opens that head's heatmap below it."""
-    with running_app() as url, browser_page() as page:
+    url = app_url
+    with browser_page() as page:
         grid = chart_on_page(page, f"{url}/heads", "head taxonomy")
         area = grid.locator(".nsewdrag").first.bounding_box()
         page.mouse.click(area["x"] + area["width"] * (4 + 0.5) / 9, area["y"] + area["height"] * (3 + 0.5) / 30)
@@ -135,10 +145,11 @@ def test_a_page_url_works_as_the_first_request_of_a_fresh_server(model_cache, pa
         assert page.locator('[data-testid="stSidebar"] textarea').count() >= 1  # the shared sidebar is there
 
 
-def test_nothing_is_fetched_from_outside_the_server(model_cache):
+def test_nothing_is_fetched_from_outside_the_server(app_url):
     """Offline: the page icon (the tab's favicon) and the navigation's icons are shipped with the app; Streamlit
     fetches a ":material/…:" page icon from fonts.gstatic.com, which fails without the internet."""
-    with running_app() as url, browser_page() as page:
+    url = app_url
+    with browser_page() as page:
         outside: list[str] = []
         page.on("request", lambda r: None if r.url.startswith((url, "data:", "blob:")) else outside.append(r.url))
         page.goto(f"{url}/walkthrough")
@@ -202,10 +213,11 @@ def test_an_abandoned_capture_stops_at_a_layer_boundary(model_cache):
         no_exception(page)
 
 
-def test_the_why_page_opens_from_a_heatmaps_link_and_draws_its_figures(model_cache):
+def test_the_why_page_opens_from_a_heatmaps_link_and_draws_its_figures(app_url):
     """The Heatmaps page links each head's sink column to the Why page, which opens at that cell in the same
     session (the sidebar's text kept) and draws the attribution, the layer's diagnosis and the query-key view."""
-    with running_app() as url, browser_page() as page:
+    url = app_url
+    with browser_page() as page:
         page.goto(url)
         page.locator(".avz-canvas").first.wait_for(timeout=120_000)
         wait_for_app(page)
@@ -300,10 +312,11 @@ POINT_PX = """(el, [t, i]) => {
 }"""
 
 
-def test_a_click_on_a_routes_attention_edge_opens_that_heads_heatmap(model_cache):
+def test_a_click_on_a_routes_attention_edge_opens_that_heads_heatmap(app_url):
     """The Routes page's graph: a click on an attention edge's midpoint opens that head's heatmap on the Heatmaps
     page (the viewer at that layer and head)."""
-    with running_app() as url, browser_page() as page:
+    url = app_url
+    with browser_page() as page:
         chart = chart_on_page(page, f"{url}/routes", "routes of token")
         # the heaviest attention edge of the first panel whose midpoint no other drawn point is near
         found = chart.evaluate("""(el) => {

@@ -28,6 +28,13 @@ def stock(gemma3_model):
     return AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager", dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="module")
+def long_maps(gemma3_model):
+    """The full maps of layers 0 (sliding), 5 (global) and 17 on ~600 tokens, once for the module."""
+    lm = gemma3_model
+    return capture(lm, LONG, Recipe.of(lm, "fwd"), Keep(layers=(0, 5, 17), storage_dtype=torch.float32))
+
+
 def _ids(lm, text):
     return lm.tokenizer(text)["input_ids"]
 
@@ -39,11 +46,10 @@ def test_it_loads_offline_by_name(gemma3_model):
     assert "gemma3-270m" in models.shipped_installed()
 
 
-def test_maps_past_the_window_equal_stock_eager(gemma3_model, stock):
+def test_maps_past_the_window_equal_stock_eager(long_maps, stock):
     """On ~600 tokens, a sliding layer (0: keys more than 511 back are masked) and a global one (5) equal stock
     eager's ``output_attentions`` within 1e-4, masked cells included."""
-    lm = gemma3_model
-    cap = capture(lm, LONG, Recipe.of(lm, "fwd"), Keep(layers=(0, 5, 17), storage_dtype=torch.float32))
+    cap = long_maps
     n = cap.n_tokens
     assert n > 560
     with torch.no_grad():
@@ -118,13 +124,13 @@ def test_the_why_page_and_test_it_run_on_gemma3(gemma3_model, tmp_path):
     assert any("Attention on the sink key" in str(f["layout"]["title"]["text"]) for f in charts(at))
 
 
-def test_statistics_past_the_window_equal_their_definitions_on_the_full_maps(gemma3_model):
+def test_statistics_past_the_window_equal_their_definitions_on_the_full_maps(gemma3_model, long_maps):
     """The statistics route (block by block, each block's rows of the allow-set) on ~600 tokens: alpha and the
     key-0 profile of a sliding layer and a global one equal their numpy definitions on the full maps."""
     from attnviz.stats import metrics
 
     lm = gemma3_model
-    full = capture(lm, LONG, "fwd", Keep(layers=(0, 5), storage_dtype=torch.float32))
+    full = long_maps
     stats = capture(lm, LONG, "fwd", Keep(layers=(0, 5), statistics=True))
     for layer in (0, 5):
         probs, allowed = full.layer_probs(layer), full.allowed[layer]

@@ -42,10 +42,16 @@ def _attribution(loaded, layer, head, key=0):
     return e, sum(e.key_sources.values()), sum(e.query_sources.values())
 
 
+@pytest.fixture(scope="module")
+def float32_attribution(default_model):
+    """Float32's attribution of layer 20, head 3: the reference of both half precisions."""
+    return _attribution(default_model, 20, 3)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_attribution_in_half_precision_agrees_with_float32(default_model, default_bf16, default_fp16, dtype):
+def test_attribution_in_half_precision_agrees_with_float32(float32_attribution, default_bf16, default_fp16, dtype):
     half = default_bf16 if dtype == "bf16" else default_fp16
-    ref, ref_keys, _ = _attribution(default_model, 20, 3)
+    ref, ref_keys, _ = float32_attribution
     got, keys, queries = _attribution(half, 20, 3)
     # the split adds up to its own score (computed in float32 from the half-precision run's activations) up to the
     # stream's own rounding: the run's stream is its sources' sum rounded in the dtype (measured 1e-4 relative)
@@ -102,11 +108,17 @@ def test_the_leaders_are_found_in_bfloat16(default_model, default_bf16):
 
 # --- routes ------------------------------------------------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def float32_trace(default_model):
+    """Float32's routes of the text: the reference of both half precisions."""
+    return trace(default_model, TEXT)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_routes_in_half_precision_keep_the_same_edges(default_model, default_bf16, default_fp16, dtype):
+def test_routes_in_half_precision_keep_the_same_edges(default_model, float32_trace, default_bf16, default_fp16, dtype):
     half = default_bf16 if dtype == "bf16" else default_fp16
     tau = 0.04
-    ref, got = trace(default_model, TEXT), trace(half, TEXT)
+    ref, got = float32_trace, trace(half, TEXT)
     error = 4 * precision.step(half.model.dtype) * 8  # the dtype's error on a contribution, with the drift of layers
     for l in range(default_model.n_layers):
         a = ref.layers[l].dense(ref.n_heads, ref.n_tokens)
