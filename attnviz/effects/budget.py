@@ -70,6 +70,13 @@ def weights_bytes(loaded, host_only: bool = False) -> int:
                if not host_only or p.device.type == "cpu")
 
 
+def memory_bytes() -> int:
+    """The memory budget in bytes (``ATTNVIZ_MEMORY_MB``, :attr:`attnviz.settings.Settings.memory_mb`; 0: a quarter
+    of the machine's memory)."""
+    mb = settings.active().memory_mb
+    return mb * 2**20 if mb > 0 else machine_bytes() // 4
+
+
 def budget(loaded, given: int | None = None) -> int:
     """Bytes an analysis may make beyond the model's weights: ``given`` (a caller's own: the app's, a visitor's), else
     the memory budget (``ATTNVIZ_MEMORY_MB``, :attr:`attnviz.settings.Settings.memory_mb`; 0: a quarter of the
@@ -77,8 +84,7 @@ def budget(loaded, given: int | None = None) -> int:
     (:func:`attnviz.core.model.devices.free_bytes`)."""
     if given is not None:
         return _bytes(given)
-    mb = settings.active().memory_mb
-    left = (mb * 2**20 if mb > 0 else machine_bytes() // 4) - weights_bytes(loaded, host_only=True)
+    left = memory_bytes() - weights_bytes(loaded, host_only=True)
     free = devices.free_bytes(loaded.model.device)
     return max(0, left if free is None else min(left, free))
 

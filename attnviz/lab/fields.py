@@ -74,15 +74,14 @@ def sized(task, size: int) -> int:
     past it, refused in one line with the estimate, the time to draw it and the longest length that fits. Returns
     the bytes."""
     from attnviz.core.model.devices import mb
-    from attnviz.effects.budget import duration, machine_bytes
-    from attnviz.settings import active
+    from attnviz.effects.budget import duration, memory_bytes
 
     whole("a batch's size", size)
 
     def need(length: int) -> int:
         return task.drawn_bytes(size, length) + 4 * length**2
 
-    room = active().memory_mb * 2**20 or machine_bytes() // 4
+    room = memory_bytes()
     if need(task.length) <= room:
         return need(task.length)
     lo, hi = 0, task.length
