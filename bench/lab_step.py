@@ -2,6 +2,7 @@
 
     python bench/lab_step.py [--steps 60] [--warmup 5] [--kinds softmax,sink(logit=0),...] [--device cpu]
                              [--threads N] [--cpu-time] [--width 64] [--heads 4] [--batch 32] [--length 64]
+                             [--stock-mlps run|skip]
 
 For each kind, the lab's step (:func:`attnviz.lab.train.one_step`: the forward through the recipe, its mask and kind,
 the loss, the backward, AdamW and the schedule) of the lab's default setup, and the step of a plain stock loop of the
@@ -55,13 +56,17 @@ def lab_loop(setup):
     return lambda x: float(one_step(built, loaded, optimizer, schedule, x)), model
 
 
-def stock_loop(setup):
+def stock_loop(setup, mlps: str = "run"):
     """A plain stock loop of the same model: transformers' SDPA, or its eager attention where the family has no
-    SDPA (gpt-oss). Returns the step, the model and the attention it runs."""
+    SDPA (gpt-oss). Without MLPs (the lab's default) its zero and frozen MLPs run, as plain transformers runs them
+    (``mlps="run"``), or are skipped as the lab skips them (``"skip"``: the attention's cost alone). Returns the
+    step, the model and the attention it runs."""
     from attnviz.lab import models
     from attnviz.lab.train import build, device_of, optimizer_of
 
-    model = build(setup).to(device_of(setup))
+    model = build(setup).to(device_of(setup))  # the lab's build skips its zero MLPs
+    if mlps == "run":
+        models.stock_mlps(model)
     attention = "eager" if models.family(setup.kind) == "gpt_oss" else "sdpa"
     model.set_attn_implementation(attention)
     optimizer, schedule = optimizer_of(setup, model)
@@ -97,6 +102,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=Setup.heads)
     parser.add_argument("--batch", type=int, default=Setup.batch)
     parser.add_argument("--length", type=int, default=BigramBackcopy.length)
+    parser.add_argument("--stock-mlps", default="run", choices=("run", "skip"),
+                        help="the stock loops' zero MLPs (attention only): run, as plain transformers does, or "
+                             "skipped as the lab skips them")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -106,11 +114,11 @@ def main() -> None:
     def setup_of(kind):
         return Setup(kind=kind, width=args.width, heads=args.heads, batch=args.batch, task=task, device=args.device)
 
-    loops = {"stock softmax": stock_loop(setup_of("softmax"))[0]}
+    loops = {"stock softmax": stock_loop(setup_of("softmax"), args.stock_mlps)[0]}
     names = {}
     for kind in wanted:
         setup = setup_of(kind)
-        stock, _, attention = stock_loop(setup)
+        stock, _, attention = stock_loop(setup, args.stock_mlps)
         loops[f"lab {setup.kind}"], _ = lab_loop(setup)
         loops[f"stock {setup.kind}"] = stock
         names[setup.kind] = f"{models.family(setup.kind)}/{attention}"
@@ -141,7 +149,8 @@ def main() -> None:
               f"ratio_softmax={ratio:.2f} ratio_softmax_batch={(lab + batch) / (softmax + batch):.2f}", flush=True)
     if "sink" in names:
         print("# gpt-oss (sink) has no SDPA in transformers: its stock loop runs eager attention", flush=True)
-    print(f"lab_step kinds={len(names)} softmax_s={softmax:.4f} batch_s={batch:.4f} worst={worst[1]} "
+    print(f"lab_step kinds={len(names)} stock_mlps={args.stock_mlps} softmax_s={softmax:.4f} batch_s={batch:.4f} "
+          f"worst={worst[1]} "
           f"worst_ratio_softmax={worst[0]:.2f}")
 
 

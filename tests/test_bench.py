@@ -189,9 +189,25 @@ def test_the_lab_benches_time_every_kind_against_the_stock_loops():
     kinds = {line.split()[1] for line in lines if line.startswith("lab_step kind=")}
     assert kinds >= {f"kind={k}" for k in ("softmax", "sink(logit=0)", "sink", "softpick", "sigmoid", "gate")}
     assert "stock=gpt_oss/eager" in next(line for line in lines if "kind=sink " in line)
-    assert lines[-1].startswith(f"lab_step kinds={len(kinds)} ") and "worst_ratio_softmax=" in lines[-1]
+    assert lines[-1].startswith(f"lab_step kinds={len(kinds)} stock_mlps=run ") and "worst_ratio_softmax=" in lines[-1]
     out = subprocess.run([sys.executable, str(BENCH / "lab_sink.py"), "--kind", "sink", "--steps", "2", "--probe", "2",
                           "--baseline-steps", "2"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("lab_sink steps=2 ") and "baseline=gpt_oss/eager" in last and "ratio_softmax=" in last
+
+
+def test_the_stock_loop_runs_its_zero_mlps_unless_asked_to_skip_them_as_the_lab_does(monkeypatch):
+    """The lab writes an attention-only model's zero MLP output without running the MLP; the stock loop of
+    bench/lab_step.py runs it, as plain transformers does, unless ``--stock-mlps skip``."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import lab_step
+
+    from attnviz.lab.tasks import BigramBackcopy
+    from attnviz.lab.train import Setup
+
+    for kind in ("softmax", "sink"):
+        setup = Setup(kind=kind, width=16, heads=2, batch=2, device="cpu", task=BigramBackcopy(length=12))
+        ran = lab_step.stock_loop(setup)[1].model.layers[0].mlp
+        skipped = lab_step.stock_loop(setup, "skip")[1].model.layers[0].mlp
+        assert "forward" not in vars(ran) and "forward" in vars(skipped)

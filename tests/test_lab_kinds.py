@@ -41,8 +41,9 @@ def test_each_kind_trains_saves_and_loads_as_its_own_forward(kind, tmp_path):
     meta = json.loads((end / "attnviz_run.json").read_text())
     assert meta["recipe"] == {"kind": setup.kind, "arch": "fwd"} and meta["step"] == 3
     hidden = torch.randn(1, 5, setup.width)
-    mlp = after.model.layers[0].mlp(hidden)
-    assert torch.equal(mlp[0] if isinstance(mlp, tuple) else mlp, torch.zeros(1, 5, setup.width))  # attention only
+    block = after.model.layers[0].mlp
+    for mlp in (block(hidden), type(block).forward(block, hidden)):  # attention only: the lab's and the stock forward
+        assert torch.equal(mlp[0] if isinstance(mlp, tuple) else mlp, torch.zeros(1, 5, setup.width))
 
     lm = attnviz.load(str(end), device="cpu")
     assert type(lm.model).__name__ == FAMILY[kind] and lm.tokenizer.bos_token == "<bos>"
@@ -156,3 +157,18 @@ def test_loading_a_run_a_step_past_it_and_a_folder_that_is_no_checkpoint(tmp_pat
     with pytest.raises(InputError, match="has no tokenizer .saved before checkpoints carried one.") as err:
         attnviz.load(str(tmp_path / "run" / "step-2"), device="cpu")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "sink"])
+def test_an_attention_only_run_skips_its_zero_mlps_and_trains_the_very_same_weights(kind, tmp_path, monkeypatch):
+    """Without MLPs the lab writes each MLP's zero without running it (gpt-oss: its router and expert loop); the
+    weights it trains are bit for bit those of the stock MLP forward over the zero and frozen weights."""
+    from safetensors.torch import load_file
+
+    setup = tiny(kind=kind, layers=2, steps=4, every=4)
+    assert "forward" in vars(models.build(setup, 16).model.layers[0].mlp)  # the lab's own forward: no MLP passes
+    skipped = load_file(train(setup, tmp_path / "lab") / "model.safetensors")
+    real = models.attention_only
+    monkeypatch.setattr(models, "attention_only", lambda model, s: models.stock_mlps(real(model, s)))
+    stock = load_file(train(setup, tmp_path / "stock") / "model.safetensors")
+    assert skipped.keys() == stock.keys() and all(torch.equal(skipped[k], stock[k]) for k in skipped)

@@ -106,10 +106,34 @@ def load(setup, folder):
 
 def attention_only(model, setup):
     """Without MLPs (``setup.mlp`` False): each MLP's (gpt-oss: the router's and the experts') weights zero and
-    frozen, so each block's MLP writes exactly 0 (tested)."""
+    frozen, so each block's MLP writes exactly 0 (tested), in plain transformers too; here the zero is written
+    without running the MLP (:func:`_writes_zero`): the same numbers and gradients, a step without the MLP's
+    passes (gpt-oss's router and expert loop were most of a learned sink's step beyond a softmax's:
+    docs/benchmarks.md#a-lab-step)."""
     if not setup.mlp:
+        routed = family(setup.kind) == "gpt_oss"
         for layer in model.model.layers:
             for p in layer.mlp.parameters():
                 p.data.zero_()
                 p.requires_grad_(False)
+            layer.mlp.forward = _writes_zero_routed if routed else _writes_zero
+    return model
+
+
+def _writes_zero(hidden_states):
+    """A zero and frozen MLP's output, 0, without its passes. Its input times 0, not a new tensor of zeros: the
+    gradient still reaches the norm before it as 0 (as through the zero weights), so AdamW's weight decay treats
+    that norm's weight exactly as before."""
+    return hidden_states * 0
+
+
+def _writes_zero_routed(hidden_states):
+    """gpt-oss's MLP returns its router's scores beside the output; its decoder layer drops them."""
+    return hidden_states * 0, None
+
+
+def stock_mlps(model):
+    """The MLPs' own forward again (what plain transformers runs on a checkpoint): a stock baseline's."""
+    for layer in model.model.layers:
+        vars(layer.mlp).pop("forward", None)
     return model

@@ -32,34 +32,34 @@ def softpick(z: torch.Tensor, allowed: torch.Tensor, eps: float) -> torch.Tensor
 
 
 class _Softpick(torch.autograd.Function):
-    """Softpick's row in lean passes. Forward: the kind picks, per cell, e^{−m}·expm1(z) (z ≤ 0) or −e^{z−m}·expm1(−z)
-    (z > 0) by ``where``; each is exactly 0 where the other is picked (expm1(0) = 0), so their sum is the pick, and a
-    forbidden cell's is multiplied by 0: the kind's numbers. Backward, with x that sum, S = Σ|x| + ε, p = ReLU(x)/S and
-    g the weights' gradient: ∂L/∂x = (g·[x > 0] − (Σ g·p)·sgn x)/S; x depends on z through e^{z−m} (either branch) and
-    on the row's maximum m through −x, whose gradient goes to the maximum's cells, shared among ties, as autograd's
-    ``amax`` shares it. Thirteen passes where autograd takes some thirty; the same gradient to float rounding
-    (tests/test_kinds_engine.py)."""
+    """Softpick's row in lean passes. Forward: x = e^{−m}·expm1(z) (the kind's own numerators,
+    :meth:`~attnviz.core.spec.kinds.Softpick.numerators`) times the allow-set, S = Σ|x| + ε, p = ReLU(x)/S: the
+    kind's numbers bit for bit, in seven passes where the kind's ``where``s took some seventeen. Backward, with g the
+    weights' gradient: ∂L/∂x = (g·[x > 0] − (Σ g·p)·sgn x)/S (0 on a forbidden cell, where x is exactly 0); x depends
+    on z through e^{z−m} = x + e^{−m} and on the row's maximum m through −x, whose gradient goes to the maximum's
+    cell (the first where several tie: a subgradient as valid as autograd's, which shares it among them; p depends on
+    m only through ε·e^{m}, so it is small). Eight passes where autograd takes some thirty; the same gradient to
+    float rounding (tests/test_kinds_engine.py)."""
 
     @staticmethod
     def forward(ctx, z, allowed, eps):
-        m = z.amax(dim=-1, keepdim=True)
+        m, top = z.max(dim=-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a row with no allowed key: all zero (one per row)
-        shifted = torch.exp(z - m)  # e^{z−m}: at most 1 on allowed cells, 0 on forbidden ones
-        below = torch.exp(-m) * torch.expm1(z.clamp(max=0))
-        x = (-shifted * torch.expm1(-torch.relu(z)) + below) * allowed
+        x = kinds.Softpick.numerators(z, m).mul_(allowed)
         total = x.abs().sum(dim=-1, keepdim=True) + eps
-        p = torch.relu(x) / total
-        ctx.save_for_backward(z, m, shifted, x, total, p, allowed)
+        p = torch.relu(x).div_(total)
+        ctx.save_for_backward(m, top, x, total, p)
         return p
 
     @staticmethod
     def backward(ctx, grad):
-        z, m, shifted, x, total, p, allowed = ctx.saved_tensors
+        m, top, x, total, p = ctx.saved_tensors
         c = (grad * p).sum(dim=-1, keepdim=True)
-        d_x = (torch.ops.aten.threshold_backward(grad, x, 0) - c * torch.sgn(x)) / total * allowed
-        d_m = -(d_x * x).sum(dim=-1, keepdim=True)
-        top = z == m
-        return d_x * shifted + top * (d_m / top.sum(dim=-1, keepdim=True).clamp(min=1)), None, None
+        d_x = torch.ops.aten.threshold_backward(grad, x, 0).addcmul_(torch.sgn(x), c, value=-1).div_(total)
+        d_z = d_x * x
+        d_m = -d_z.sum(dim=-1, keepdim=True)
+        d_z.addcmul_(d_x, torch.exp(-m))  # d_x·(x + e^{−m}) = d_x·e^{z−m}
+        return d_z.scatter_add_(-1, top, d_m), None, None
 
 
 def sigmoid(z: torch.Tensor, allow: torch.Tensor, bias: float | None) -> torch.Tensor:

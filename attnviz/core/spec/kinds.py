@@ -166,14 +166,17 @@ class Softpick(Kind):
         allowed = torch.isfinite(z)
         m = torch.where(allowed, z, torch.full_like(z, -math.inf)).amax(dim=-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a row with no allowed key: all zero
-        # exp(z - m) - exp(-m) = exp(-m)·(e^z - 1), with expm1 where the difference would cancel (z near 0):
-        # exp(-m)·expm1(z) for z <= 0, -exp(z - m)·expm1(-z) above; neither overflows where the other might
-        zs = torch.where(allowed, z, torch.zeros_like(z))
-        below = torch.exp(-m) * torch.expm1(zs.clamp(max=0))
-        above = -torch.exp(zs - m) * torch.expm1(-zs.clamp(min=0))
-        shifted = torch.where(allowed, torch.where(zs > 0, above, below), torch.zeros_like(z))
-        eps = EPS if self.eps is None else self.eps
-        return torch.relu(shifted) / (shifted.abs().sum(dim=-1, keepdim=True) + eps)
+        x = torch.where(allowed, self.numerators(z, m), torch.zeros_like(z))
+        return torch.relu(x) / (x.abs().sum(dim=-1, keepdim=True) + (EPS if self.eps is None else self.eps))
+
+    @staticmethod
+    def numerators(z, m, up_to: float = 80.0):
+        """e^{z−m} − e^{−m} as e^{−m}·expm1(z), exact near z = 0; in a row whose maximum m passes ``up_to`` (expm1
+        could overflow; e^{−m} < 10⁻³⁴) the difference; −e^{−m} on a forbidden cell. engine/lean.py: the same."""
+        if not bool((big := m > up_to).any()):
+            return torch.expm1(z) * torch.exp(-m)
+        near = torch.expm1(z.clamp(max=up_to)) * torch.exp(-m)  # clamped: no inf, no NaN gradient
+        return torch.where(big, torch.exp(z - m) - torch.exp(-m), near)
 
 
 @KINDS.register()
@@ -253,10 +256,8 @@ class Relu(Kind):
     with_stablemask: ClassVar[bool] = False
 
     def weights(self, z, sink=None):
-        z = z.float()
-        allowed = torch.isfinite(z)
-        n = allowed.sum(dim=-1, keepdim=True).clamp(min=1).float()
-        return torch.relu(torch.where(allowed, z, torch.zeros_like(z))) / n
+        z = z.float()  # ReLU(−∞) is 0: a forbidden key's weight
+        return torch.relu(z) / torch.isfinite(z).sum(dim=-1, keepdim=True).clamp(min=1).float()
 
 
 def names() -> tuple[str, ...]:
@@ -273,10 +274,9 @@ def help(trained: bool = False) -> str:  # noqa: A001 - the registry's help, as 
 
 def _trains(spec: str) -> bool:
     try:
-        parse(spec).trained_as()
+        return bool(parse(spec).trained_as())
     except InputError:
         return False
-    return True
 
 
 def lines() -> str:
