@@ -34,6 +34,15 @@ def env(monkeypatch):
     return monkeypatch.setenv
 
 
+@pytest.fixture
+def only_this_test_s_models():
+    """The app's loaded models count against its memory budget: start with none resident, whichever app tests ran
+    before in this process (another model, another precision), so the budget is this test's model's alone."""
+    from ui import cache
+
+    cache._models().clear()
+
+
 def test_a_long_text_gets_pooled_maps_and_full_resolution_regions(model_cache, default_model, tmp_path, env):
     from attnviz.capture import capture
     from attnviz.plan import Keep
@@ -64,7 +73,8 @@ def test_a_long_text_gets_pooled_maps_and_full_resolution_regions(model_cache, d
 
 
 @pytest.mark.parametrize("where", ["environment", "secrets"])
-def test_a_capture_that_cannot_fit_is_refused_before_it_runs(model_cache, tmp_path, env, monkeypatch, where):
+def test_a_capture_that_cannot_fit_is_refused_before_it_runs(model_cache, tmp_path, env, monkeypatch, where,
+                                                              only_this_test_s_models):
     monkeypatch.delenv("ATTNVIZ_MEMORY_MB", raising=False)
     at = app_test(tmp_path)
     if where == "environment":
@@ -79,7 +89,7 @@ def test_a_capture_that_cannot_fit_is_refused_before_it_runs(model_cache, tmp_pa
     assert "more than the" in message and "What would fit: a text of at most" in message
 
 
-def test_resident_size_stays_within_the_budget(model_cache, default_model, tmp_path, env):
+def test_resident_size_stays_within_the_budget(model_cache, default_model, tmp_path, env, only_this_test_s_models):
     """Captures under different architectures, one after another, each ~670 MB of full maps under an
     800 MB budget: the cache evicts before it computes, so the process holds the budget plus the
     capture being built and its working set (the stated margin, 1 GB), not every capture it made
