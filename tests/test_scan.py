@@ -36,6 +36,19 @@ def test_every_block_s_check_equals_patch_of_that_block_alone(kind, value):
         _same(check, alone, check.source)
 
 
+def test_a_scan_without_perplexities_finds_the_same_sink_and_writes_null():
+    """``perplexity=False``: every check's sink attention and chain as the full scan's, each removal's perplexity
+    not computed (NaN, null in JSON); the unpatched forward's is still there."""
+    lm = tiny.loaded("llama")
+    full, lean = scan(lm, TEXT, "fwd", leaders=False), scan(lm, TEXT, "fwd", leaders=False, perplexity=False)
+    assert full.necessary == lean.necessary and full.chains == lean.chains
+    for a, b in zip(full.checks, lean.checks):
+        assert a.source == b.source and a.before == b.before and a.after.attention == b.after.attention
+        assert np.isfinite(a.after.perplexity) and np.isnan(b.after.perplexity)
+        written = b.as_json()
+        assert written["perplexity_after"] is None and written["perplexity_before"] == a.as_json()["perplexity_before"]
+
+
 def test_the_scan_runs_under_the_recipe():
     lm = tiny.loaded("llama")
     found = scan(lm, TEXT, "nosink-fwd", leaders=False)
@@ -116,7 +129,7 @@ def test_gemma3_s_necessary_writers_include_one_attribution_never_names(gemma3_m
     from attnviz.effects.evaluate import token_ids
 
     text = corpus.text_of(gemma3_model.tokenizer, token_ids(gemma3_model, corpus.load("stdlib").text, 256))
-    found = scan(gemma3_model, text, "fwd")
+    found = scan(gemma3_model, text, "fwd", perplexity=False)  # the sink alone: no 262k-token logits a removal
     assert {"embed", "mlp.1", "mlp.3"} <= set(found.necessary)
     mlp1 = next(c for c in found.checks if c.source == "mlp.1")
     assert mlp1.leads == [] and mlp1.drop(list(range(2, gemma3_model.n_layers))) > 0.8

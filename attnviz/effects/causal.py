@@ -69,7 +69,7 @@ class CausalCheck:
                 "sink_drop": round(drop, 4) if defined else None,
                 **({} if defined else {"sink_drop_undefined": "no attention on the sink key before the patch in the "
                                                               "layers measured (a share of nothing)"}),
-                "perplexity_before": round(self.before.perplexity, 4), "perplexity_after": round(self.after.perplexity, 4),
+                "perplexity_before": rounded(self.before.perplexity, 4), "perplexity_after": rounded(self.after.perplexity, 4),
                 "layers": [{"layer": l, "key": self.before.keys[l], "before": rounded(self.before.attention[l]),
                             "after": rounded(self.after.attention[l])} for l in above]}
 
@@ -275,9 +275,11 @@ def attribution_bytes(loaded, n: int) -> int:
 @torch.no_grad()
 def scan(loaded, text: str, recipe="fwd", value: str = "zero", leaders: bool = True,
          on_step: Callable[[int, int], None] | None = None, opening: Opening | None = None,
-         budget: int | None = None, on_plan: Callable | None = None) -> Scan:
+         budget: int | None = None, on_plan: Callable | None = None, perplexity: bool = True) -> Scan:
     """The causal scan of every block of ``text`` under ``recipe`` (see the comment above); ``leaders`` marks the
-    blocks score attribution names (one attribution of every layer, skipped with False). ``on_step(done, total)``
+    blocks score attribution names (one attribution of every layer, skipped with False); ``perplexity=False`` leaves
+    each removal's perplexity out (NaN; JSON null): the sink alone, without reading every position's logits over the
+    vocabulary once a removal (on Gemma 3's 262k tokens about half the scan). ``on_step(done, total)``
     counts the batched forwards. ``opening``: the text already opened for it (:class:`Opening`, whose unpatched
     forward is then run once for both: path patching with the scan's senders). Sized before it runs within
     ``budget`` bytes beyond the weights (None: the memory budget's; :mod:`attnviz.effects.budget`), its plan given to
@@ -319,7 +321,7 @@ def scan(loaded, text: str, recipe="fwd", value: str = "zero", leaders: bool = T
             computes = replace(opened.computes, interventions=opened.computes.interventions.plus(
                 *(removal(source, i) for i, source in enumerate(rows))))
             norms.clear()
-            after = opened.profiles(layer, len(rows), readers, computes)
+            after = opened.profiles(layer, len(rows), readers, computes, perplexity)
             for i, source in enumerate(rows):
                 spec = (f"the embedding at the sink token replaced by {value}" if source == "embed"
                         else patch_spec(source, value))

@@ -193,12 +193,13 @@ class Opening:
         resumed.run.release()  # as in forward: a loop of batches would otherwise hold every batch's allow-sets
         return resumed
 
-    def profiles(self, layer: int, rows: int, pairs=(), computes=None) -> list[SinkProfile]:
-        """Each row's sink profile after :meth:`resume` from ``layer`` (the layers below as the unpatched forward's)."""
+    def profiles(self, layer: int, rows: int, pairs=(), computes=None, perplexity: bool = True) -> list[SinkProfile]:
+        """Each row's sink profile after :meth:`resume` from ``layer`` (the layers below as the unpatched forward's);
+        its perplexity NaN with ``perplexity=False`` (not computed)."""
         before = self.sink()
         column = SinkColumn()
         resumed = self.resume(layer, rows, pairs, (column,), computes)
-        ppl = perplexities_of(self.model, resumed.hidden, self.targets)
+        ppl = perplexities_of(self.model, resumed.hidden, self.targets) if perplexity else [float("nan")] * rows
         del resumed
         return [SinkProfile(self.sink_keys, [before.attention[l] if l < layer else float(column.attention(l)[i])
                                              for l in range(self.L)], ppl[i], self.n) for i in range(rows)]
