@@ -14,6 +14,22 @@ os.environ["ATTNVIZ_DEVICE"] = "cpu"
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+def _a_share_of_the_cores() -> None:
+    """With pytest-xdist (``-n 2``, as test.sh runs the suite), each worker takes its share of the cores for torch's
+    threads (and the subprocesses it starts, through ``OMP_NUM_THREADS``): two workers of two threads each on a
+    2-core machine would fight over them. One process (no ``-n``) keeps torch's own choice."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        share = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)
+
+
+_a_share_of_the_cores()
+
+
 def _pretend_cuda() -> None:
     """``ATTNVIZ_TEST_PRETEND_CUDA=1``: torch says CUDA is available although it is not, so that a CPU machine
     shows which tests would depend on it (docs/gpu.md#running-on-a-gpu). Run it with ``-m "not cuda"``:
@@ -109,8 +125,15 @@ ENGLISH = ("The old lighthouse keeper climbed the narrow stairs every evening to
 
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory):
-    """One fresh cache per test session, so the GGUF → safetensors conversion itself is tested."""
-    path = os.environ.get("ATTNVIZ_TEST_CACHE") or str(tmp_path_factory.mktemp("attnviz-cache"))
+    """One fresh cache per test session, so the GGUF → safetensors conversion itself is tested; with pytest-xdist
+    one for the whole run, shared by its workers (the first to load a model converts it under the cache's file lock,
+    the others wait for it and read it: a model converted once a run, not once a worker)."""
+    path = os.environ.get("ATTNVIZ_TEST_CACHE")
+    if not path:
+        root = tmp_path_factory.getbasetemp()
+        root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the run's folder, above each worker's
+        (root / "attnviz-cache").mkdir(exist_ok=True)
+        path = str(root / "attnviz-cache")
     os.environ["ATTNVIZ_CACHE"] = path
     from attnviz import settings
 
@@ -150,9 +173,15 @@ def pytest_collection_modifyitems(config, items):
 def ray_local():
     """A local Ray of 2 CPUs for a test module's sweeps (tests/test_sweep.py, tests/test_sweep_train.py), the model
     cache's folder passed to its workers."""
-    import ray
+    import tempfile
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {k: os.environ[k] for k in ("ATTNVIZ_CACHE",) if k in os.environ}})
-    yield ray
-    ray.shutdown()
+    import ray
+    from filelock import FileLock
+
+    # One local Ray at a time on this machine: with pytest-xdist another worker's module waits here (its tests
+    # count a cluster's workers and kill one).
+    with FileLock(Path(tempfile.gettempdir()) / "attnviz-tests-ray.lock"):
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 runtime_env={"env_vars": {k: os.environ[k] for k in ("ATTNVIZ_CACHE",) if k in os.environ}})
+        yield ray
+        ray.shutdown()

@@ -162,12 +162,12 @@ def test_nothing_is_fetched_from_outside_the_server(app_url):
     assert icon.startswith(url) and outside == [], (icon, outside)
 
 
-def test_an_abandoned_capture_stops_at_a_layer_boundary(model_cache):
+def test_an_abandoned_capture_stops_at_a_layer_boundary(model_cache, tmp_path):
     """New input, or another page, while a long capture runs: it stops after the current layer
     (Streamlit interrupts at the progress report) instead of running all 30 layers."""
     from conftest import ENGLISH
 
-    log = Path(__file__).resolve().parent.parent / ".streamlit-e2e.log"
+    log = tmp_path / "streamlit.log"  # this test's own server log (another worker may run a server too)
     long_text = " ".join([ENGLISH] * 30)  # ~1,300 tokens: seconds per layer here
 
     def start_long_capture(page, text):
@@ -190,7 +190,7 @@ def test_an_abandoned_capture_stops_at_a_layer_boundary(model_cache):
                 return found
             time.sleep(0.5)
 
-    with running_app() as url, browser_page() as page:
+    with running_app(log_path=log) as url, browser_page() as page:
         page.goto(url)
         wait_for_app(page)
         start_long_capture(page, long_text)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from appserver import CHROMIUM_ARGS, ROOT, chromium_path, running_app, wait_for_app  # noqa: E402
+from appserver import CHROMIUM_ARGS, chromium_path, running_app, wait_for_app  # noqa: E402
 
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not shutil.which("chromium") and not os.environ.get("ATTNVIZ_REQUIRE_BROWSER"),
@@ -29,13 +29,14 @@ def _pick_architecture(page, name: str) -> None:
     field.press("Enter")
 
 
-def test_eight_concurrent_sessions_each_get_their_own_result(model_cache, default_model):
+def test_eight_concurrent_sessions_each_get_their_own_result(model_cache, default_model, tmp_path):
     from playwright.sync_api import sync_playwright
 
     texts = [SENTENCE.format(i=i) * (i + 1) for i in range(SESSIONS)]
     archs = ["FWD" if i % 2 == 0 else "BIDIR" for i in range(SESSIONS)]
     tokens = [len(default_model.tokenizer(t, add_special_tokens=True)["input_ids"]) for t in texts]
-    with running_app() as url, sync_playwright() as p:
+    log_path = tmp_path / "streamlit.log"  # this test's own server log (another worker may run a server too)
+    with running_app(log_path=log_path) as url, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS, headless=True)
         pages = [browser.new_context(viewport={"width": 1400, "height": 900}).new_page() for _ in range(SESSIONS)]
         for page in pages:  # all eight open at once
@@ -62,6 +63,6 @@ def test_eight_concurrent_sessions_each_get_their_own_result(model_cache, defaul
             caption = page.locator('[data-testid="stCaptionContainer"]').filter(has_text="tokens").first.inner_text()
             assert f"`{arch.lower()}`" in caption or f"{arch.lower()} ·" in caption, caption
         browser.close()
-    log = (ROOT / ".streamlit-e2e.log").read_text(errors="replace")
+    log = log_path.read_text(errors="replace")
     assert len(re.findall(r"Loading weights:\s+0%", log)) == 1  # one shared model, loaded once
     assert "Traceback" not in log

@@ -156,25 +156,26 @@ def test_bad_interventions_are_refused_clearly(spec, message):
         I.parse(spec, 30, 9)
 
 
-def test_cli_intervene_and_bos(default_model):
+def test_cli_intervene_and_bos(default_model, capsys):
     import json
 
-    from test_cli import run
+    from test_cli import run, run_here
 
     from conftest import ENGLISH
 
-    plain = json.loads(run("sinks", "--text", ENGLISH, "--json").stdout)
-    calm = run("sinks", "--text", ENGLISH, "--intervene", "sinkscale(beta=0)@20-29", "--json")
+    plain = json.loads(run_here(capsys, "sinks", "--text", ENGLISH, "--json").stdout)
+    calm = run_here(capsys, "sinks", "--text", ENGLISH, "--intervene", "sinkscale(beta=0)@20-29", "--json")
     assert calm.returncode == 0, calm.stderr
     doc = json.loads(calm.stdout)
     assert doc["intervene"] == "sinkscale(key=0, beta=0)@20-29"
     top = [layer["sink_rate"]["0"] for layer in doc["layers"][20:]]
     assert max(top) == 0 and max(layer["sink_rate"]["0"] for layer in plain["layers"][20:]) > 0.5
     assert doc["layers"][5] == plain["layers"][5]  # untouched below layer 20
-    bos = json.loads(run("sinks", "--text", ENGLISH, "--bos", "--json").stdout)
+    bos = json.loads(run_here(capsys, "sinks", "--text", ENGLISH, "--bos", "--json").stdout)
     assert bos["prepend"] == "bos" and bos["n_tokens"] == plain["n_tokens"] + 1
     assert bos["tokens"][0] == default_model.tokenizer.bos_token
-    ev = run("eval", "--corpus", "stdlib:specialnames", "--max-tokens", "200", "--intervene", "sinklogit(b=0)")
+    ev = run_here(capsys, "eval", "--corpus", "stdlib:specialnames", "--max-tokens", "200", "--intervene",
+                  "sinklogit(b=0)")
     assert ev.returncode == 0, ev.stderr
     assert json.loads(ev.stdout)["intervene"] == "sinklogit(b=0)"
     for args, message in [(["--intervene", "sinkshift(beta=1)"], "unknown intervention 'sinkshift'"),
