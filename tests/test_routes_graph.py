@@ -205,6 +205,24 @@ def test_the_cli_refuses_bad_input_in_one_line(args, message, model_cache):
     assert len(out.stderr.strip().splitlines()) == 1
 
 
+def test_a_token_the_text_lacks_is_refused_before_the_model_runs(monkeypatch):
+    """``routes`` checks its token against the text's tokens before any layer runs (its progress would otherwise be
+    printed before the refusal: two lines)."""
+    import importlib
+
+    import tiny
+
+    trace_mod = importlib.import_module("attnviz.flow.trace")  # the module (attnviz.flow.trace is also its function)
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("the model ran")
+
+    monkeypatch.setattr(trace_mod, "_Tracer", no_forward)
+    with pytest.raises(InputError, match="token 999 does not exist: the text has tokens 0..") as refused:
+        flow.routes(tiny.loaded("llama"), "Hello there", token=999)
+    assert "the model ran" not in str(refused.value)
+
+
 def test_the_lens_at_the_top_is_the_models_own_prediction(default_model):
     traced = flow.trace(default_model, TEXT)
     reading = flow.lens(default_model, traced, traced.n_layers - 1, "mlp", traced.n_tokens - 1)

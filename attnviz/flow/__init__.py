@@ -20,5 +20,5 @@ def routes(loaded, text: str, recipe="fwd", token: int = -1, threshold: float = 
     ``attnviz routes`` prints; ``renormalise`` as :func:`graph`). The threshold and token are checked before the model
     runs."""
     check(threshold, heads)
-    flow = trace(loaded, text, recipe, max_tokens=max_tokens, on_layer=on_layer)
+    flow = trace(loaded, text, recipe, max_tokens=max_tokens, on_layer=on_layer, token=token)
     return graph(flow, token, threshold, heads, renormalise)

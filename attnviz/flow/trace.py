@@ -347,10 +347,11 @@ class _Tracer:
 
 
 def trace(loaded, text: str, recipe="fwd", max_tokens: int | None = None, on_layer=None,
-          floor: float = FLOOR) -> Flow:
+          floor: float = FLOOR, token: int | None = None) -> Flow:
     """Every layer's contributions of ``text`` under ``recipe`` (an architecture string or a
     :class:`~attnviz.recipe.Recipe`; masks, interventions and a BOS control apply; a residual variant is refused:
-    its layer loop has none of the blocks measured here). ``on_layer(done, total)`` reports progress."""
+    its layer loop has none of the blocks measured here). ``on_layer(done, total)`` reports progress. ``token``: the
+    token a graph will be drawn for, refused before the model runs when the text has no such token."""
     from attnviz import recipe as recipe_mod
     from attnviz.tokens import tokenize
 
@@ -363,6 +364,8 @@ def trace(loaded, text: str, recipe="fwd", max_tokens: int | None = None, on_lay
     built = recipe_mod.build(loaded, recipe).only("routes", "intervene", "prepend", "kind")
     ids, tokens = tokenize(loaded, text, max_tokens, built.recipe.prepend)
     built.check_text(len(ids))
+    if token is not None and not -len(ids) <= token < len(ids):
+        raise InputError(f"token {token} does not exist: the text has tokens 0..{len(ids) - 1}")
     tracer = _Tracer(loaded, built, floor)
     layers = [_Layer(tracer, layer, loaded.n_heads) for layer in tracer.anatomy.layers]
     started = time.perf_counter()
