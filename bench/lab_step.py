@@ -150,8 +150,7 @@ def main() -> None:
     if "sink" in names:
         print("# gpt-oss (sink) has no SDPA in transformers: its stock loop runs eager attention", flush=True)
     print(f"lab_step kinds={len(names)} stock_mlps={args.stock_mlps} softmax_s={softmax:.4f} batch_s={batch:.4f} "
-          f"worst={worst[1]} "
-          f"worst_ratio_softmax={worst[0]:.2f}")
+          f"worst={worst[1]} worst_ratio_softmax={worst[0]:.2f}")
 
 
 if __name__ == "__main__":

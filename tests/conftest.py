@@ -132,8 +132,9 @@ def model_cache(tmp_path_factory):
     if not path:
         root = tmp_path_factory.getbasetemp()
         root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the run's folder, above each worker's
-        (root / "attnviz-cache").mkdir(exist_ok=True)
-        path = str(root / "attnviz-cache")
+        cache = root / "attnviz-cache"
+        cache.mkdir(exist_ok=True)
+        path = str(cache)
     os.environ["ATTNVIZ_CACHE"] = path
     from attnviz import settings
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from attnviz.errors import InputError
-from attnviz.flow.trace import FLOOR, Flow
+from attnviz.flow.trace import FLOOR, Flow, token_index
 
 THRESHOLD = 0.04  # Ferrando & Voita's default
 
@@ -92,10 +92,9 @@ def check(threshold: float, heads: str = "split", floor: float = FLOOR) -> None:
 
 
 def _check(flow: Flow, token: int, threshold: float, heads: str) -> int:
-    if not -flow.n_tokens <= token < flow.n_tokens:
-        raise InputError(f"token {token} does not exist: the text has tokens 0..{flow.n_tokens - 1}")
+    index = token_index(token, flow.n_tokens)
     check(threshold, heads, flow.floor)
-    return token % flow.n_tokens
+    return index
 
 
 def graph(flow: Flow, token: int = -1, threshold: float = THRESHOLD, heads: str = "split",

@@ -346,6 +346,14 @@ class _Tracer:
         return layers, np.concatenate([s.result() for s in self.streams])
 
 
+def token_index(token: int, n: int) -> int:
+    """``token``'s index among a text's ``n`` tokens (negative counts from the end), refused in one line where the
+    text has no such token."""
+    if not -n <= token < n:
+        raise InputError(f"token {token} does not exist: the text has tokens 0..{n - 1}")
+    return token % n
+
+
 def trace(loaded, text: str, recipe="fwd", max_tokens: int | None = None, on_layer=None,
           floor: float = FLOOR, token: int | None = None) -> Flow:
     """Every layer's contributions of ``text`` under ``recipe`` (an architecture string or a
@@ -364,8 +372,8 @@ def trace(loaded, text: str, recipe="fwd", max_tokens: int | None = None, on_lay
     built = recipe_mod.build(loaded, recipe).only("routes", "intervene", "prepend", "kind")
     ids, tokens = tokenize(loaded, text, max_tokens, built.recipe.prepend)
     built.check_text(len(ids))
-    if token is not None and not -len(ids) <= token < len(ids):
-        raise InputError(f"token {token} does not exist: the text has tokens 0..{len(ids) - 1}")
+    if token is not None:
+        token_index(token, len(ids))
     tracer = _Tracer(loaded, built, floor)
     layers = [_Layer(tracer, layer, loaded.n_heads) for layer in tracer.anatomy.layers]
     started = time.perf_counter()
